@@ -1,0 +1,141 @@
+//! Block backends: where an export's guest-visible bytes live.
+//!
+//! A backend knows nothing of FUSE. It is shared by every queue thread of an export (`Send + Sync`),
+//! while each operation runs on the calling queue's [`Engine`], so backend I/O rides the same ring as
+//! the requests that caused it.
+
+use std::future::Future;
+use std::io;
+
+use engine::{Engine, IoBuf, IoBufMut};
+
+mod any;
+mod null;
+mod raw;
+
+pub use any::{open, AnyBackend, OpenError, OpenOptions};
+pub use null::{parse_size, NullBackend};
+pub use raw::{IoPath, RawBackend};
+
+/// Errors of backend operations, typed so the export can map them to errnos.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The operating system reported an error.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    /// The backend cannot do this at all (e.g. discard on a device without it).
+    #[error("operation not supported by this backend")]
+    Unsupported,
+}
+
+impl BackendError {
+    /// The errno to report to the FUSE client.
+    pub fn errno(&self) -> i32 {
+        match self {
+            BackendError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            BackendError::Unsupported => libc::EOPNOTSUPP,
+        }
+    }
+
+    pub(crate) fn from_res(res: i32) -> BackendError {
+        BackendError::Io(io::Error::from_raw_os_error(-res))
+    }
+}
+
+/// Result of backend operations.
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// File attributes an export presents (they follow the image).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Attrs {
+    /// Permission bits of the image (`st_mode & 0o7777`).
+    pub perm: u32,
+    /// Owner of the image.
+    pub uid: u32,
+    /// Group of the image.
+    pub gid: u32,
+    /// Allocated bytes (`st_blocks * 512` for a file).
+    pub allocated: u64,
+    /// Access time (seconds, nanoseconds).
+    pub atime: (i64, u32),
+    /// Modification time.
+    pub mtime: (i64, u32),
+    /// Change time.
+    pub ctime: (i64, u32),
+}
+
+/// What a backend can do beyond reading and writing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Capabilities {
+    /// Writes are possible (the image was opened for writing).
+    pub writable: bool,
+    /// `resize` works.
+    pub resize: bool,
+    /// The backend is a raw regular file (candidate for FUSE passthrough later).
+    pub raw_file: bool,
+}
+
+/// Whence of a block-status query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Seek {
+    /// Next offset at or after `off` that holds data.
+    Data,
+    /// Next offset at or after `off` that is a hole (EOF counts as a hole).
+    Hole,
+}
+
+/// The operations every image format provides. Offsets and lengths are in bytes of the guest view.
+///
+/// Reads and writes take engine-owned buffer windows, so a backend can hand them to the ring
+/// (`READ`/`WRITE`, or `READ_FIXED`/`WRITE_FIXED` when the engine registered its pool) with no copy.
+pub trait BlockBackend: Send + Sync + 'static {
+    /// Current length of the image.
+    fn size(&self) -> u64;
+
+    /// What this backend supports.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Attributes for GETATTR.
+    fn attrs(&self) -> Result<Attrs>;
+
+    /// Reads into `buf` at `off`; returns the bytes read (short only at the end of the image).
+    fn read_at(
+        &self,
+        eng: &Engine,
+        buf: IoBufMut<'_>,
+        off: u64,
+    ) -> impl Future<Output = Result<usize>>;
+
+    /// Writes all of `buf` at `off` (the caller grows the image first if needed); returns its length.
+    fn write_at(
+        &self,
+        eng: &Engine,
+        buf: IoBuf<'_>,
+        off: u64,
+    ) -> impl Future<Output = Result<usize>>;
+
+    /// Makes completed writes durable.
+    fn flush(&self, eng: &Engine) -> impl Future<Output = Result<()>>;
+
+    /// Deallocates a range; it reads back as zeroes afterwards.
+    fn discard(&self, eng: &Engine, off: u64, len: u64) -> impl Future<Output = Result<()>>;
+
+    /// Makes a range read back as zeroes (allocated or not).
+    fn write_zeroes(&self, eng: &Engine, off: u64, len: u64) -> impl Future<Output = Result<()>>;
+
+    /// Preallocates a range (fallocate mode 0) inside the image.
+    fn allocate(&self, eng: &Engine, off: u64, len: u64) -> impl Future<Output = Result<()>>;
+
+    /// Block status: the next data or hole offset at or after `off`, `None` if there is none
+    /// (SEEK_DATA past the last data).
+    fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>>;
+
+    /// Changes the length of the image; consistent for every queue at once.
+    fn resize(&self, new_size: u64) -> Result<()>;
+
+    /// Grows the image to at least `new_size` (never shrinks; concurrent callers race safely).
+    fn grow_to(&self, new_size: u64) -> Result<()>;
+
+    /// Sets access/modification times of the image where that means something.
+    fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()>;
+}

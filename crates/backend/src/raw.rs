@@ -1,0 +1,462 @@
+//! Raw images: a regular file or a block device, byte for byte.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use engine::io_uring::{opcode, types};
+use engine::{Engine, IoBuf, IoBufMut, Sqe};
+
+use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
+
+/// How a raw backend issues one direction of data I/O. Which is fastest depends on the file: tmpfs
+/// reads submitted to io_uring are punted to worker threads (~15 µs) while a plain `pread` costs ~2 µs;
+/// a cached ext4 read completes inline with `RWF_NOWAIT`; an uncached or O_DIRECT one wants the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoPath {
+    /// Synchronous `pread`/`pwrite` on the queue thread: memory-backed files, which never wait on a disk.
+    Inline,
+    /// `preadv2(RWF_NOWAIT)` on the queue thread, the ring when it would block.
+    NowaitThenRing,
+    /// Always an io_uring operation.
+    Ring,
+}
+
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const RAMFS_MAGIC: i64 = 0x8584_58f6;
+/// Alignment fusex assumes for O_DIRECT (a page covers every logical block size it meets).
+const DIRECT_ALIGN: u64 = 4096;
+
+/// A raw image. Shared by every queue; each queue submits on its own ring with the same fd.
+pub struct RawBackend {
+    file: File,
+    /// A second, buffered descriptor for requests that O_DIRECT cannot take (unaligned ones).
+    buffered: Option<File>,
+    size: AtomicU64,
+    resize_lock: Mutex<()>,
+    block_device: bool,
+    writable: bool,
+    direct: bool,
+    read_path: IoPath,
+    write_path: IoPath,
+}
+
+impl RawBackend {
+    /// Opens `path`; `io_path` forces a data path (measurements), `None` probes the best one.
+    pub fn open(
+        path: &Path,
+        writable: bool,
+        direct: bool,
+        io_path: Option<IoPath>,
+    ) -> std::result::Result<RawBackend, OpenError> {
+        let shown = path.display().to_string();
+        let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(&shown, e))?;
+        let ft = meta.file_type();
+        if !(ft.is_file() || ft.is_block_device()) {
+            return Err(OpenError::NotFileOrDevice(shown));
+        }
+        let open = |direct: bool| {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).write(writable);
+            let mut flags = libc::O_CLOEXEC;
+            if direct {
+                flags |= libc::O_DIRECT;
+            }
+            o.custom_flags(flags);
+            o.open(path)
+        };
+        let file = open(direct).map_err(|e| match e.raw_os_error() {
+            Some(libc::EROFS | libc::EACCES | libc::EPERM | libc::ETXTBSY) if writable => {
+                OpenError::ReadOnly(shown.clone())
+            }
+            Some(libc::EINVAL) if direct => OpenError::DirectUnsupported(shown.clone()),
+            _ => OpenError::from_io(&shown, e),
+        })?;
+        let buffered = if direct {
+            Some(open(false).map_err(|e| OpenError::from_io(&shown, e))?)
+        } else {
+            None
+        };
+        let block_device = ft.is_block_device();
+        let size = if block_device {
+            blkdev_size(file.as_raw_fd()).map_err(|e| OpenError::from_io(&shown, e))?
+        } else {
+            meta.len()
+        };
+        let memory_fs = !direct && is_memory_fs(&file);
+        let (read_path, write_path) = match io_path {
+            Some(p) => (
+                p,
+                if p == IoPath::NowaitThenRing {
+                    IoPath::Ring
+                } else {
+                    p
+                },
+            ),
+            None if memory_fs => (IoPath::Inline, IoPath::Inline),
+            None if direct => (IoPath::Ring, IoPath::Ring),
+            None if nowait_read_works(&file) => (IoPath::NowaitThenRing, IoPath::Ring),
+            None => (IoPath::Ring, IoPath::Ring),
+        };
+        tracing::debug!(path = %shown, size, ?read_path, ?write_path, direct, "opened raw image");
+        Ok(RawBackend {
+            file,
+            buffered,
+            size: AtomicU64::new(size),
+            resize_lock: Mutex::new(()),
+            block_device,
+            writable,
+            direct,
+            read_path,
+            write_path,
+        })
+    }
+
+    /// The data paths chosen for reads and writes.
+    pub fn io_paths(&self) -> (IoPath, IoPath) {
+        (self.read_path, self.write_path)
+    }
+
+    /// The image's descriptor (for passthrough registration later).
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+
+    /// Picks the descriptor for a transfer: O_DIRECT needs aligned offset, length and memory.
+    fn fd_for(&self, ptr: usize, len: usize, off: u64) -> (RawFd, bool) {
+        match &self.buffered {
+            Some(b) if (ptr as u64 | len as u64 | off) % DIRECT_ALIGN != 0 => {
+                (b.as_raw_fd(), false)
+            }
+            _ => (self.file.as_raw_fd(), self.direct),
+        }
+    }
+}
+
+fn is_memory_fs(f: &File) -> bool {
+    // SAFETY: statfs writes into a zeroed, properly sized struct; fd is valid.
+    unsafe {
+        let mut s: libc::statfs = std::mem::zeroed();
+        libc::fstatfs(f.as_raw_fd(), &mut s) == 0
+            && matches!(s.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC)
+    }
+}
+
+fn nowait_read_works(f: &File) -> bool {
+    let mut byte = [0u8; 1];
+    let iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: one iovec over a live local byte.
+    let r = unsafe { libc::preadv2(f.as_raw_fd(), &iov, 1, 0, libc::RWF_NOWAIT) };
+    r >= 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN)
+}
+
+fn blkdev_size(fd: RawFd) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
+    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+    // SAFETY: the ioctl writes one u64 into `size`.
+    if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut size) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
+fn cvt(r: isize) -> io::Result<usize> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+impl BlockBackend for RawBackend {
+    fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            writable: self.writable,
+            resize: !self.block_device,
+            raw_file: !self.block_device,
+        }
+    }
+
+    fn attrs(&self) -> Result<Attrs> {
+        let m = self.file.metadata()?;
+        Ok(Attrs {
+            perm: m.mode() & 0o7777,
+            uid: m.uid(),
+            gid: m.gid(),
+            allocated: if self.block_device {
+                self.size()
+            } else {
+                m.blocks() * 512
+            },
+            atime: (m.atime(), m.atime_nsec() as u32),
+            mtime: (m.mtime(), m.mtime_nsec() as u32),
+            ctime: (m.ctime(), m.ctime_nsec() as u32),
+        })
+    }
+
+    async fn read_at(&self, eng: &Engine, mut buf: IoBufMut<'_>, off: u64) -> Result<usize> {
+        let mut done = 0usize;
+        while !buf.is_empty() {
+            let pos = off + done as u64;
+            let (fd, direct) = self.fd_for(buf.as_mut_ptr() as usize, buf.len(), pos);
+            let path = if direct { IoPath::Ring } else { self.read_path };
+            let n = match path {
+                IoPath::Inline => {
+                    // SAFETY: reads into the engine-owned window of exactly buf.len() bytes.
+                    cvt(unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), pos as i64) })?
+                }
+                IoPath::NowaitThenRing => {
+                    let iov = libc::iovec {
+                        iov_base: buf.as_mut_ptr().cast(),
+                        iov_len: buf.len(),
+                    };
+                    // SAFETY: one iovec over the engine-owned window.
+                    let r = unsafe { libc::preadv2(fd, &iov, 1, pos as i64, libc::RWF_NOWAIT) };
+                    match cvt(r) {
+                        Ok(n) if n > 0 || buf.len() == 0 => n,
+                        // 0 may mean EOF or "nothing cached": let the ring decide.
+                        Ok(_) => ring_read(eng, fd, &mut buf, pos).await?,
+                        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                            ring_read(eng, fd, &mut buf, pos).await?
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                IoPath::Ring => ring_read(eng, fd, &mut buf, pos).await?,
+            };
+            if n == 0 {
+                break;
+            }
+            done += n;
+            buf.advance(n);
+        }
+        Ok(done)
+    }
+
+    async fn write_at(&self, eng: &Engine, buf: IoBuf<'_>, off: u64) -> Result<usize> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let rest = buf.slice(done, buf.len() - done);
+            let pos = off + done as u64;
+            let (fd, direct) = self.fd_for(rest.as_ptr() as usize, rest.len(), pos);
+            let path = if direct {
+                IoPath::Ring
+            } else {
+                self.write_path
+            };
+            let n = match path {
+                IoPath::Inline => {
+                    // SAFETY: writes from the engine-owned window of exactly rest.len() bytes.
+                    cvt(unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), pos as i64) })?
+                }
+                _ => {
+                    let sqe: Sqe = if eng.buffers_registered() {
+                        opcode::WriteFixed::new(
+                            types::Fd(fd),
+                            rest.as_ptr(),
+                            rest.len() as u32,
+                            rest.buf_index(),
+                        )
+                        .offset(pos)
+                        .build()
+                        .into()
+                    } else {
+                        opcode::Write::new(types::Fd(fd), rest.as_ptr(), rest.len() as u32)
+                            .offset(pos)
+                            .build()
+                            .into()
+                    };
+                    // SAFETY: the window is engine-owned memory, valid until the engine drains.
+                    let res = unsafe { eng.submit(sqe) }.await;
+                    if res < 0 {
+                        return Err(BackendError::from_res(res));
+                    }
+                    res as usize
+                }
+            };
+            if n == 0 {
+                return Err(io::Error::from_raw_os_error(libc::EIO).into());
+            }
+            done += n;
+        }
+        Ok(done)
+    }
+
+    async fn flush(&self, eng: &Engine) -> Result<()> {
+        let sqe: Sqe = opcode::Fsync::new(types::Fd(self.file.as_raw_fd()))
+            .flags(types::FsyncFlags::DATASYNC)
+            .build()
+            .into();
+        // SAFETY: no memory is referenced by an fsync.
+        let res = unsafe { eng.submit(sqe) }.await;
+        if res < 0 {
+            return Err(BackendError::from_res(res));
+        }
+        Ok(())
+    }
+
+    async fn discard(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        fallocate(
+            eng,
+            self.file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        )
+        .await
+    }
+
+    async fn write_zeroes(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        let fd = self.file.as_raw_fd();
+        match fallocate(
+            eng,
+            fd,
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        )
+        .await
+        {
+            Err(e) if e.errno() == libc::EOPNOTSUPP => {
+                // tmpfs and some devices lack ZERO_RANGE: punching a hole reads back zeroes too.
+                fallocate(
+                    eng,
+                    fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    off,
+                    len,
+                )
+                .await
+            }
+            r => r,
+        }
+    }
+
+    async fn allocate(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        if self.block_device {
+            return Ok(());
+        }
+        fallocate(
+            eng,
+            self.file.as_raw_fd(),
+            libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        )
+        .await
+    }
+
+    fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>> {
+        let size = self.size();
+        if self.block_device {
+            return Ok(match whence {
+                Seek::Data if off < size => Some(off),
+                Seek::Data => None,
+                Seek::Hole => Some(size.max(off)),
+            });
+        }
+        let w = match whence {
+            Seek::Data => libc::SEEK_DATA,
+            Seek::Hole => libc::SEEK_HOLE,
+        };
+        // SAFETY: lseek on our own fd; SEEK_DATA/HOLE do not move anything the queues depend on
+        // (all data I/O is positional).
+        let r = unsafe { libc::lseek(self.file.as_raw_fd(), off as i64, w) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                return Ok(None);
+            }
+            return Err(e.into());
+        }
+        Ok(Some(r as u64))
+    }
+
+    fn resize(&self, new_size: u64) -> Result<()> {
+        if self.block_device {
+            return Err(BackendError::Unsupported);
+        }
+        let _g = self.resize_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.file.set_len(new_size)?;
+        self.size.store(new_size, Ordering::Release);
+        Ok(())
+    }
+
+    fn grow_to(&self, new_size: u64) -> Result<()> {
+        if self.block_device {
+            return Err(BackendError::Unsupported);
+        }
+        let _g = self.resize_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if new_size > self.size.load(Ordering::Acquire) {
+            self.file.set_len(new_size)?;
+            self.size.store(new_size, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
+        let ts = |t: Option<(i64, u32)>| match t {
+            Some((s, ns)) => libc::timespec {
+                tv_sec: s,
+                tv_nsec: i64::from(ns),
+            },
+            None => libc::timespec {
+                tv_sec: 0,
+                tv_nsec: libc::UTIME_OMIT,
+            },
+        };
+        let times = [ts(atime), ts(mtime)];
+        // SAFETY: futimens reads two timespecs from a live array.
+        if unsafe { libc::futimens(self.file.as_raw_fd(), times.as_ptr()) } < 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        Ok(())
+    }
+}
+
+async fn ring_read(eng: &Engine, fd: RawFd, buf: &mut IoBufMut<'_>, pos: u64) -> Result<usize> {
+    let len = buf.len().min(u32::MAX as usize) as u32;
+    let sqe: Sqe = if eng.buffers_registered() {
+        opcode::ReadFixed::new(types::Fd(fd), buf.as_mut_ptr(), len, buf.buf_index())
+            .offset(pos)
+            .build()
+            .into()
+    } else {
+        opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), len)
+            .offset(pos)
+            .build()
+            .into()
+    };
+    // SAFETY: the window is engine-owned memory, valid until the engine drains.
+    let res = unsafe { eng.submit(sqe) }.await;
+    if res < 0 {
+        return Err(BackendError::from_res(res));
+    }
+    Ok(res as usize)
+}
+
+async fn fallocate(eng: &Engine, fd: RawFd, mode: i32, off: u64, len: u64) -> Result<()> {
+    let sqe: Sqe = opcode::Fallocate::new(types::Fd(fd), len)
+        .offset(off)
+        .mode(mode)
+        .build()
+        .into();
+    // SAFETY: fallocate references no memory.
+    let res = unsafe { eng.submit(sqe) }.await;
+    if res < 0 {
+        return Err(BackendError::from_res(res));
+    }
+    Ok(())
+}

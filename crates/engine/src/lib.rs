@@ -1,0 +1,45 @@
+//! The per-thread engine of fusex.
+//!
+//! One queue thread owns one [`Engine`]: an io_uring (128-byte SQEs, so FUSE `URING_CMD`s can share
+//! the ring with backend I/O), a table of in-flight operations, a pool of page-aligned buffers the
+//! engine owns (and may register as fixed buffers), and a tiny single-threaded executor whose only
+//! reactor is the ring. Requests are Rust futures: stackless, polled in place, no thread per request
+//! and no allocation per request once the queue has started.
+//!
+//! Soundness rests on one rule: memory handed to the kernel is owned by the engine (its buffer pool
+//! or its own fields) and the engine does not free it before every submitted operation has completed.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod buf;
+mod executor;
+mod op;
+pub mod remote;
+pub mod sync;
+
+pub use buf::{BufHandle, IoBuf, IoBufMut};
+pub use executor::{Engine, EngineConfig, EngineStats, TaskId};
+pub use io_uring;
+pub use op::Op;
+pub use remote::Remote;
+
+/// The submission entry type every fusex ring uses (128 bytes, so `URING_CMD` with an 80-byte
+/// command area fits next to plain reads and writes).
+pub type Sqe = io_uring::squeue::Entry128;
+
+/// Errors that setting up or driving an engine can produce.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// `io_uring_setup` failed (kernel without io_uring, or io_uring disabled by sysctl).
+    #[error("cannot create io_uring: {0} (is io_uring disabled via /proc/sys/kernel/io_uring_disabled?)")]
+    Setup(#[source] std::io::Error),
+    /// Allocating the buffer pool failed.
+    #[error("cannot allocate {count} I/O buffers of {size} bytes")]
+    Alloc { count: usize, size: usize },
+    /// Registering buffers with the ring failed.
+    #[error("cannot register I/O buffers with io_uring: {0}")]
+    Register(#[source] std::io::Error),
+    /// `io_uring_enter` failed in a way the loop cannot recover from.
+    #[error("io_uring_enter failed: {0}")]
+    Enter(#[source] std::io::Error),
+}

@@ -1,0 +1,87 @@
+//! Cross-thread wakeups: another thread (a signal handler thread, a control socket, a backend's
+//! helper) schedules a task of an engine by queueing its id and writing the engine's eventfd, whose
+//! read the engine keeps in flight on its ring. Cold path only: tasks of the same engine wake each
+//! other directly, without this.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::task::{Wake, Waker};
+
+use crate::executor::TaskId;
+
+pub(crate) struct RemoteShared {
+    efd: OwnedFd,
+    queue: Mutex<Vec<TaskId>>,
+}
+
+impl RemoteShared {
+    pub(crate) fn new() -> std::io::Result<RemoteShared> {
+        // SAFETY: plain syscall; the returned fd is checked before use.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh, owned descriptor.
+        let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(RemoteShared {
+            efd,
+            queue: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.efd.as_raw_fd()
+    }
+
+    pub(crate) fn take(&self) -> Vec<TaskId> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn wake(&self, task: TaskId) {
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(task);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
+        let _ = unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+/// A thread-safe handle that wakes tasks of one engine.
+#[derive(Clone)]
+pub struct Remote {
+    shared: Arc<RemoteShared>,
+}
+
+impl Remote {
+    pub(crate) fn new(shared: Arc<RemoteShared>) -> Remote {
+        Remote { shared }
+    }
+
+    /// Schedules `task` on the engine this handle belongs to, from any thread.
+    pub fn wake(&self, task: TaskId) {
+        self.shared.wake(task);
+    }
+
+    pub(crate) fn waker_for(&self, task: TaskId) -> Waker {
+        Waker::from(Arc::new(TaskWaker {
+            remote: self.clone(),
+            task,
+        }))
+    }
+}
+
+struct TaskWaker {
+    remote: Remote,
+    task: TaskId,
+}
+
+impl Wake for TaskWaker {
+    fn wake(self: Arc<Self>) {
+        self.remote.wake(self.task);
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.remote.wake(self.task);
+    }
+}

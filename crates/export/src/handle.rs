@@ -1,0 +1,390 @@
+//! FUSE operations on the exported file.
+
+use std::time::Duration;
+
+use backend::{BackendError, BlockBackend, Seek};
+use engine::{BufHandle, Engine};
+use fuse_abi::{
+    Attr, AttrOut, FallocateIn, InHeader, Kstatfs, LseekIn, LseekOut, OpenIn, OpenOut, ReadIn,
+    SetattrIn, StatfsOut, WriteIn, WriteOut, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE,
+    FALLOC_FL_ZERO_RANGE, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_GID, FATTR_MODE, FATTR_MTIME,
+    FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
+    FOPEN_PARALLEL_DIRECT_WRITES, ROOT_ID, SEEK_DATA, SEEK_HOLE,
+};
+use zerocopy::{Immutable, IntoBytes};
+
+use crate::{Counters, Request};
+
+/// How the export behaves; fixed for its lifetime.
+#[derive(Clone, Copy, Debug)]
+pub struct ExportConfig {
+    /// Accept writes.
+    pub writable: bool,
+    /// Writes (and fallocate, truncate) past the end grow the image.
+    pub growable: bool,
+    /// Let the kernel page-cache the export instead of `FOPEN_DIRECT_IO`.
+    pub kernel_cache: bool,
+    /// Flush the backend after every write.
+    pub writethrough: bool,
+    /// How long the kernel may cache attributes. Short enough that a growable export's new size is
+    /// seen soon; long enough that I/O does not trigger a GETATTR each time.
+    pub attr_valid: Duration,
+}
+
+impl Default for ExportConfig {
+    fn default() -> Self {
+        ExportConfig {
+            writable: false,
+            growable: false,
+            kernel_cache: false,
+            writethrough: false,
+            attr_valid: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What to send back for a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// Nothing (FORGET, INTERRUPT).
+    None,
+    /// An error reply with this positive errno.
+    Error(i32),
+    /// Success with this many body bytes at the start of the payload window.
+    Data(usize),
+}
+
+/// A single-file export of one backend, shared by every queue.
+pub struct Export<B> {
+    backend: B,
+    cfg: ExportConfig,
+}
+
+type R = Result<Reply, i32>;
+
+fn err(e: BackendError) -> i32 {
+    e.errno()
+}
+
+impl<B: BlockBackend> Export<B> {
+    /// An export of `backend`. `--writable` needs a backend opened for writing.
+    pub fn new(backend: B, cfg: ExportConfig) -> Export<B> {
+        Export { backend, cfg }
+    }
+
+    /// The backend (for the final flush, passthrough setup, ...).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ExportConfig {
+        &self.cfg
+    }
+
+    /// Serves one request. `buf[payload..]` is the payload window: WRITE data on entry, the reply
+    /// body on return.
+    pub async fn handle(
+        &self,
+        eng: &Engine,
+        hdr: &InHeader,
+        req: Request,
+        buf: &mut BufHandle,
+        payload: usize,
+        stats: &Counters,
+    ) -> Reply {
+        if hdr.nodeid != ROOT_ID
+            && !matches!(req, Request::Forget | Request::Interrupt | Request::Destroy)
+        {
+            // Only the root exists; the kernel never names another node (LOOKUP always fails).
+            return Reply::Error(libc::ENOENT);
+        }
+        let r = match req {
+            Request::Read(a) => self.read(eng, a, buf, payload, stats).await,
+            Request::Write(a) => self.write(eng, a, buf, payload, stats).await,
+            Request::Getattr => self.getattr(buf, payload),
+            Request::Setattr(a) => self.setattr(a, buf, payload),
+            Request::Open(a) => self.open(a, buf, payload),
+            Request::Release => Ok(Reply::Data(0)),
+            Request::Flush | Request::Fsync(_) => self.flush(eng, stats).await,
+            Request::Fallocate(a) => self.fallocate(eng, a).await,
+            Request::Lseek(a) => self.lseek(a, buf, payload),
+            Request::Statfs => self.statfs(buf, payload),
+            Request::Lookup => Err(libc::ENOENT),
+            Request::Forget | Request::Interrupt => Ok(Reply::None),
+            Request::Destroy => Ok(Reply::Data(0)),
+            Request::Init => Err(libc::EPROTO),
+            Request::Unsupported(_) => Err(libc::ENOSYS),
+        };
+        r.unwrap_or_else(Reply::Error)
+    }
+
+    async fn read(
+        &self,
+        eng: &Engine,
+        a: ReadIn,
+        buf: &mut BufHandle,
+        payload: usize,
+        stats: &Counters,
+    ) -> R {
+        let size = self.backend.size();
+        let cap = buf.len() - payload;
+        if a.offset >= size || a.size == 0 {
+            return Ok(Reply::Data(0));
+        }
+        let n = (u64::from(a.size).min(size - a.offset) as usize).min(cap);
+        let got = self
+            .backend
+            .read_at(eng, buf.io_mut(payload, n), a.offset)
+            .await
+            .map_err(err)?;
+        stats.read(got);
+        Ok(Reply::Data(got))
+    }
+
+    async fn write(
+        &self,
+        eng: &Engine,
+        a: WriteIn,
+        buf: &mut BufHandle,
+        payload: usize,
+        stats: &Counters,
+    ) -> R {
+        if !self.cfg.writable {
+            return Err(libc::EROFS);
+        }
+        let mut len = (a.size as usize).min(buf.len() - payload) as u64;
+        let end = a.offset.checked_add(len).ok_or(libc::EFBIG)?;
+        let size = self.backend.size();
+        if end > size {
+            if self.cfg.growable {
+                self.backend.grow_to(end).map_err(err)?;
+            } else if a.offset >= size {
+                return Err(libc::ENOSPC);
+            } else {
+                len = size - a.offset;
+            }
+        }
+        let n = self
+            .backend
+            .write_at(eng, buf.io(payload, len as usize), a.offset)
+            .await
+            .map_err(err)?;
+        stats.write(n);
+        if self.cfg.writethrough {
+            self.backend.flush(eng).await.map_err(err)?;
+            stats.flush();
+        }
+        put(
+            buf,
+            payload,
+            &WriteOut {
+                size: n as u32,
+                padding: 0,
+            },
+        )
+    }
+
+    fn attr(&self) -> Result<Attr, i32> {
+        let a = self.backend.attrs().map_err(err)?;
+        let mut perm = a.perm;
+        if !self.cfg.writable {
+            perm &= !0o222;
+        }
+        Ok(Attr {
+            ino: ROOT_ID,
+            size: self.backend.size(),
+            blocks: a.allocated.div_ceil(512),
+            atime: a.atime.0 as u64,
+            mtime: a.mtime.0 as u64,
+            ctime: a.ctime.0 as u64,
+            atimensec: a.atime.1,
+            mtimensec: a.mtime.1,
+            ctimensec: a.ctime.1,
+            mode: libc::S_IFREG | perm,
+            nlink: 1,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        })
+    }
+
+    fn attr_out(&self, buf: &mut BufHandle, payload: usize) -> R {
+        let v = self.cfg.attr_valid;
+        let out = AttrOut {
+            attr_valid: v.as_secs(),
+            attr_valid_nsec: v.subsec_nanos(),
+            dummy: 0,
+            attr: self.attr()?,
+        };
+        put(buf, payload, &out)
+    }
+
+    fn getattr(&self, buf: &mut BufHandle, payload: usize) -> R {
+        self.attr_out(buf, payload)
+    }
+
+    fn setattr(&self, a: SetattrIn, buf: &mut BufHandle, payload: usize) -> R {
+        let cur = self.backend.attrs().map_err(err)?;
+        if a.valid & FATTR_MODE != 0 && a.mode & 0o7777 != cur.perm {
+            return Err(libc::EPERM);
+        }
+        if (a.valid & FATTR_UID != 0 && a.uid != cur.uid)
+            || (a.valid & FATTR_GID != 0 && a.gid != cur.gid)
+        {
+            return Err(libc::EPERM);
+        }
+        if a.valid & FATTR_SIZE != 0 && a.size != self.backend.size() {
+            if !self.cfg.writable {
+                return Err(libc::EROFS);
+            }
+            if !self.cfg.growable || !self.backend.capabilities().resize {
+                return Err(libc::EPERM);
+            }
+            self.backend.resize(a.size).map_err(err)?;
+        }
+        let now = || {
+            let d = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            (d.as_secs() as i64, d.subsec_nanos())
+        };
+        let atime = match a.valid {
+            v if v & FATTR_ATIME_NOW != 0 => Some(now()),
+            v if v & FATTR_ATIME != 0 => Some((a.atime as i64, a.atimensec)),
+            _ => None,
+        };
+        let mtime = match a.valid {
+            v if v & FATTR_MTIME_NOW != 0 => Some(now()),
+            v if v & FATTR_MTIME != 0 => Some((a.mtime as i64, a.mtimensec)),
+            _ => None,
+        };
+        if atime.is_some() || mtime.is_some() {
+            self.backend.set_times(atime, mtime).map_err(err)?;
+        }
+        self.attr_out(buf, payload)
+    }
+
+    fn open(&self, a: OpenIn, buf: &mut BufHandle, payload: usize) -> R {
+        if a.flags as i32 & libc::O_ACCMODE != libc::O_RDONLY && !self.cfg.writable {
+            return Err(libc::EROFS);
+        }
+        let open_flags = if self.cfg.kernel_cache {
+            FOPEN_KEEP_CACHE
+        } else {
+            FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES
+        };
+        put(
+            buf,
+            payload,
+            &OpenOut {
+                fh: 0,
+                open_flags,
+                backing_id: 0,
+            },
+        )
+    }
+
+    async fn flush(&self, eng: &Engine, stats: &Counters) -> R {
+        if self.cfg.writable {
+            self.backend.flush(eng).await.map_err(err)?;
+            stats.flush();
+        }
+        Ok(Reply::Data(0))
+    }
+
+    async fn fallocate(&self, eng: &Engine, a: FallocateIn) -> R {
+        if !self.cfg.writable {
+            return Err(libc::EROFS);
+        }
+        let size = self.backend.size();
+        let end = a.offset.checked_add(a.length).ok_or(libc::EFBIG)?;
+        let keep = a.mode & FALLOC_FL_KEEP_SIZE != 0;
+        // Grows the image for a range past the end, or says how much of the range fits.
+        let fit = |end: u64| -> Result<u64, i32> {
+            if end <= size || keep {
+                return Ok(end.min(size));
+            }
+            if !self.cfg.growable {
+                return Err(libc::ENOSPC);
+            }
+            self.backend.grow_to(end).map_err(err)?;
+            Ok(end)
+        };
+        match a.mode {
+            m if m == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE => {
+                let end = end.min(size);
+                if a.offset < end {
+                    self.backend
+                        .discard(eng, a.offset, end - a.offset)
+                        .await
+                        .map_err(err)?;
+                }
+            }
+            m if m & !FALLOC_FL_KEEP_SIZE == FALLOC_FL_ZERO_RANGE => {
+                let end = fit(end)?;
+                if a.offset < end {
+                    self.backend
+                        .write_zeroes(eng, a.offset, end - a.offset)
+                        .await
+                        .map_err(err)?;
+                }
+            }
+            m if m & !FALLOC_FL_KEEP_SIZE == 0 => {
+                let end = fit(end)?;
+                if a.offset < end {
+                    self.backend
+                        .allocate(eng, a.offset, end - a.offset)
+                        .await
+                        .map_err(err)?;
+                }
+            }
+            _ => return Err(libc::EOPNOTSUPP),
+        }
+        Ok(Reply::Data(0))
+    }
+
+    fn lseek(&self, a: LseekIn, buf: &mut BufHandle, payload: usize) -> R {
+        let whence = match a.whence {
+            w if w == SEEK_DATA => Seek::Data,
+            w if w == SEEK_HOLE => Seek::Hole,
+            _ => return Err(libc::EINVAL),
+        };
+        let size = self.backend.size();
+        if a.offset >= size {
+            return Err(libc::ENXIO);
+        }
+        match self.backend.seek(a.offset, whence).map_err(err)? {
+            Some(off) => put(
+                buf,
+                payload,
+                &LseekOut {
+                    offset: off.min(size),
+                },
+            ),
+            None => Err(libc::ENXIO),
+        }
+    }
+
+    fn statfs(&self, buf: &mut BufHandle, payload: usize) -> R {
+        let bsize = 4096u64;
+        let st = Kstatfs {
+            blocks: self.backend.size().div_ceil(bsize),
+            bsize: bsize as u32,
+            frsize: bsize as u32,
+            namelen: 255,
+            files: 1,
+            ..Kstatfs::default()
+        };
+        put(buf, payload, &StatfsOut { st })
+    }
+}
+
+/// Writes a reply struct at the payload window.
+fn put<T: IntoBytes + Immutable>(buf: &mut BufHandle, payload: usize, v: &T) -> R {
+    let b = v.as_bytes();
+    buf.as_mut_slice()[payload..payload + b.len()].copy_from_slice(b);
+    Ok(Reply::Data(b.len()))
+}

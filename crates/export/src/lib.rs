@@ -1,0 +1,14 @@
+//! The single-file export: what each FUSE operation means for an image.
+//!
+//! The export is transport-neutral: a transport decodes a request, turns it into a [`Request`]
+//! (no borrowed bytes; WRITE data already sits in the slot's payload window) and calls
+//! [`Export::handle`], which leaves any reply body at the start of the payload window. Replies to
+//! READ carry the image's bytes read there directly by the backend.
+
+mod counters;
+mod handle;
+mod request;
+
+pub use counters::{Counters, Snapshot};
+pub use handle::{Export, ExportConfig, Reply};
+pub use request::Request;

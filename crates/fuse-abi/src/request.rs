@@ -1,0 +1,315 @@
+//! Decoding requests: untrusted kernel bytes to a typed [`Request`].
+//!
+//! Nothing here panics or reads out of bounds, whatever the input. Structs are
+//! copied out by value (`read_from_prefix`), so the buffer may have any
+//! alignment. Extensions (`InHeader::total_extlen`) are cut off the end of the
+//! request before the arguments are looked at, so they can never be mistaken
+//! for a name or for write data.
+
+use zerocopy::FromBytes;
+
+use crate::opcode::Opcode;
+use crate::structs::{
+    BatchForgetIn, FallocateIn, FlushIn, ForgetIn, ForgetOne, FsyncIn, GetattrIn, InHeader, InitIn,
+    InterruptIn, LseekIn, OpenIn, ReadIn, ReleaseIn, SetattrIn, WriteIn, INIT_IN_COMPAT_SIZE,
+};
+
+/// Size of [`InHeader`], the prefix of every request.
+pub const IN_HEADER_LEN: usize = 40;
+const _: () = assert!(IN_HEADER_LEN == core::mem::size_of::<InHeader>());
+
+const EIO: i32 = 5;
+const EINVAL: i32 = 22;
+
+/// A decoded request: the header plus the typed operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request<'a> {
+    /// The request header (unique, nodeid, caller credentials, ...).
+    pub header: InHeader,
+    /// The operation and its arguments.
+    pub op: Operation<'a>,
+}
+
+/// The operations fusex handles, with their decoded arguments; everything
+/// else is [`Operation::Unsupported`] or [`Operation::Unknown`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation<'a> {
+    /// Protocol handshake. A pre-7.36 16-byte argument is accepted, with
+    /// `flags2` and the reserved words zero-filled.
+    Init(InitIn),
+    /// The filesystem is going away.
+    Destroy,
+    /// Name lookup; `name` excludes the terminating NUL.
+    Lookup {
+        /// The name looked up, without its NUL.
+        name: &'a [u8],
+    },
+    /// Drop lookup references to `header.nodeid`; never answered.
+    Forget(ForgetIn),
+    /// Drop lookup references to several nodes; never answered. `count`
+    /// entries are known to be present.
+    BatchForget {
+        /// Number of [`ForgetOne`] entries in the request.
+        count: u32,
+    },
+    /// Read attributes.
+    Getattr(GetattrIn),
+    /// Change attributes.
+    Setattr(SetattrIn),
+    /// Open the file.
+    Open(OpenIn),
+    /// Last close.
+    Release(ReleaseIn),
+    /// Read data.
+    Read(ReadIn),
+    /// Write data; `data.len() == arg.size` is guaranteed.
+    Write {
+        /// The WRITE argument struct.
+        arg: WriteIn,
+        /// Exactly `arg.size` bytes of data.
+        data: &'a [u8],
+    },
+    /// `close(2)` of a descriptor.
+    Flush(FlushIn),
+    /// Make data durable.
+    Fsync(FsyncIn),
+    /// Preallocate / punch / zero.
+    Fallocate(FallocateIn),
+    /// `SEEK_DATA` / `SEEK_HOLE`.
+    Lseek(LseekIn),
+    /// Filesystem statistics.
+    Statfs,
+    /// Interrupt an earlier request.
+    Interrupt(InterruptIn),
+    /// A known opcode fusex does not implement (the server answers ENOSYS).
+    Unsupported(Opcode),
+    /// An opcode number this crate does not know.
+    Unknown(u32),
+}
+
+/// Why a request could not be decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Fewer bytes than a request header.
+    #[error("request of {len} bytes is shorter than the 40-byte header")]
+    TooShort {
+        /// Bytes received.
+        len: usize,
+    },
+    /// The header's `len` disagrees with the bytes actually received.
+    #[error("request header says {header} bytes but {actual} were received")]
+    LengthMismatch {
+        /// `InHeader::len`.
+        header: u32,
+        /// Bytes received.
+        actual: usize,
+    },
+    /// The arguments of the opcode are shorter than their struct.
+    #[error("opcode {opcode}: arguments need {need} bytes, request has {have}")]
+    Truncated {
+        /// Raw opcode.
+        opcode: u32,
+        /// Bytes required.
+        need: usize,
+        /// Bytes present.
+        have: usize,
+    },
+    /// The arguments contradict each other or the header.
+    #[error("opcode {opcode}: {what}")]
+    Inconsistent {
+        /// Raw opcode.
+        opcode: u32,
+        /// What is wrong.
+        what: &'static str,
+    },
+}
+
+impl ParseError {
+    /// errno to answer with: EIO when the header itself is bad, EINVAL when
+    /// only the arguments are.
+    pub fn errno(&self) -> i32 {
+        match self {
+            ParseError::TooShort { .. } | ParseError::LengthMismatch { .. } => EIO,
+            ParseError::Truncated { .. } | ParseError::Inconsistent { .. } => EINVAL,
+        }
+    }
+}
+
+/// The `unique` of a request whose header is present (at least 40 bytes),
+/// even if the rest is malformed, so the server can still send an error reply.
+pub fn peek_unique(buf: &[u8]) -> Option<u64> {
+    InHeader::read_from_prefix(buf)
+        .ok()
+        .map(|(header, _)| header.unique)
+}
+
+/// Decodes one request exactly as `read(2)` of `/dev/fuse` returned it.
+///
+/// Requires at least a full header and `header.len == buf.len()`.
+pub fn parse(buf: &[u8]) -> Result<Request<'_>, ParseError> {
+    parse_with_len_check(buf, true)
+}
+
+/// Like [`parse`], but with `check_len == false` the header's `len` is not
+/// compared with `buf.len()`; the arguments are then everything after the
+/// header.
+pub fn parse_with_len_check(buf: &[u8], check_len: bool) -> Result<Request<'_>, ParseError> {
+    let (header, body) =
+        InHeader::read_from_prefix(buf).map_err(|_| ParseError::TooShort { len: buf.len() })?;
+    if check_len && usize::try_from(header.len).ok() != Some(buf.len()) {
+        return Err(ParseError::LengthMismatch {
+            header: header.len,
+            actual: buf.len(),
+        });
+    }
+    let op = parse_op(&header, body)?;
+    Ok(Request { header, op })
+}
+
+/// Decodes the arguments of a request whose header was read separately;
+/// `body` is everything that followed the 40-byte header (extensions
+/// included).
+pub fn parse_op<'a>(header: &InHeader, body: &'a [u8]) -> Result<Operation<'a>, ParseError> {
+    let body = strip_extensions(header, body)?;
+    decode(header.opcode, Args::Joined(body))
+}
+
+/// Decodes the arguments of an io_uring request: the opcode's fixed struct
+/// is read from `op_in` (the ring header's 128-byte `op_in` area) and names,
+/// write data and extensions from `payload` (the first `payload_sz` bytes of
+/// the entry's payload buffer).
+pub fn parse_op_split<'a>(
+    header: &InHeader,
+    op_in: &[u8],
+    payload: &'a [u8],
+) -> Result<Operation<'a>, ParseError> {
+    let payload = strip_extensions(header, payload)?;
+    decode(header.opcode, Args::Split { op: op_in, payload })
+}
+
+/// Removes the `total_extlen * 8` extension bytes at the end of `body`.
+fn strip_extensions<'a>(header: &InHeader, body: &'a [u8]) -> Result<&'a [u8], ParseError> {
+    let ext = usize::from(header.total_extlen) * 8;
+    body.len()
+        .checked_sub(ext)
+        .and_then(|keep| body.get(..keep))
+        .ok_or(ParseError::Inconsistent {
+            opcode: header.opcode,
+            what: "extensions are longer than the request",
+        })
+}
+
+/// Where an opcode's arguments live.
+#[derive(Clone, Copy)]
+enum Args<'a, 'b> {
+    /// `/dev/fuse`: the fixed struct, then variable data, in one slice.
+    Joined(&'a [u8]),
+    /// io_uring: the fixed struct in `op`, variable data in `payload`.
+    Split { op: &'b [u8], payload: &'a [u8] },
+}
+
+impl<'a> Args<'a, '_> {
+    /// The opcode's fixed struct, by value, and the variable data after it.
+    fn fixed<T: FromBytes>(self, opcode: u32) -> Result<(T, &'a [u8]), ParseError> {
+        let truncated = |have: usize| ParseError::Truncated {
+            opcode,
+            need: core::mem::size_of::<T>(),
+            have,
+        };
+        match self {
+            Args::Joined(body) => T::read_from_prefix(body).map_err(|_| truncated(body.len())),
+            Args::Split { op, payload } => T::read_from_prefix(op)
+                .map(|(value, _)| (value, payload))
+                .map_err(|_| truncated(op.len())),
+        }
+    }
+
+    /// Variable data of an opcode that has no fixed struct.
+    fn variable(self) -> &'a [u8] {
+        match self {
+            Args::Joined(body) => body,
+            Args::Split { payload, .. } => payload,
+        }
+    }
+
+    /// The INIT argument, zero-filling what a pre-7.36 kernel does not send.
+    fn init(self, opcode: u32) -> Result<InitIn, ParseError> {
+        let src = match self {
+            Args::Joined(body) => body,
+            Args::Split { op, .. } => op,
+        };
+        if src.len() < INIT_IN_COMPAT_SIZE {
+            return Err(ParseError::Truncated {
+                opcode,
+                need: INIT_IN_COMPAT_SIZE,
+                have: src.len(),
+            });
+        }
+        let mut raw = [0u8; core::mem::size_of::<InitIn>()];
+        let n = src.len().min(raw.len());
+        raw[..n].copy_from_slice(&src[..n]);
+        InitIn::read_from_bytes(&raw).map_err(|_| ParseError::Truncated {
+            opcode,
+            need: raw.len(),
+            have: n,
+        })
+    }
+}
+
+fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseError> {
+    let Some(known) = Opcode::from_u32(opcode) else {
+        return Ok(Operation::Unknown(opcode));
+    };
+    let inconsistent = |what| ParseError::Inconsistent { opcode, what };
+    let op = match known {
+        Opcode::Init => Operation::Init(args.init(opcode)?),
+        Opcode::Destroy => Operation::Destroy,
+        Opcode::Statfs => Operation::Statfs,
+        Opcode::Lookup => {
+            let raw = args.variable();
+            let end = raw
+                .iter()
+                .position(|&b| b == 0)
+                .ok_or_else(|| inconsistent("name is not NUL-terminated"))?;
+            Operation::Lookup { name: &raw[..end] }
+        }
+        Opcode::Forget => Operation::Forget(args.fixed(opcode)?.0),
+        Opcode::BatchForget => {
+            let (arg, rest): (BatchForgetIn, _) = args.fixed(opcode)?;
+            let entries = usize::try_from(arg.count)
+                .ok()
+                .and_then(|n| n.checked_mul(core::mem::size_of::<ForgetOne>()))
+                .ok_or_else(|| inconsistent("forget count overflows"))?;
+            if rest.len() < entries {
+                return Err(ParseError::Truncated {
+                    opcode,
+                    need: core::mem::size_of::<BatchForgetIn>().saturating_add(entries),
+                    have: core::mem::size_of::<BatchForgetIn>() + rest.len(),
+                });
+            }
+            Operation::BatchForget { count: arg.count }
+        }
+        Opcode::Getattr => Operation::Getattr(args.fixed(opcode)?.0),
+        Opcode::Setattr => Operation::Setattr(args.fixed(opcode)?.0),
+        Opcode::Open => Operation::Open(args.fixed(opcode)?.0),
+        Opcode::Release => Operation::Release(args.fixed(opcode)?.0),
+        Opcode::Read => Operation::Read(args.fixed::<ReadIn>(opcode)?.0),
+        Opcode::Write => {
+            let (arg, data): (WriteIn, _) = args.fixed(opcode)?;
+            if usize::try_from(arg.size).ok() != Some(data.len()) {
+                return Err(inconsistent("write data length differs from size"));
+            }
+            Operation::Write { arg, data }
+        }
+        Opcode::Flush => Operation::Flush(args.fixed::<FlushIn>(opcode)?.0),
+        Opcode::Fsync => Operation::Fsync(args.fixed::<FsyncIn>(opcode)?.0),
+        Opcode::Fallocate => Operation::Fallocate(args.fixed::<FallocateIn>(opcode)?.0),
+        Opcode::Lseek => Operation::Lseek(args.fixed::<LseekIn>(opcode)?.0),
+        Opcode::Interrupt => Operation::Interrupt(args.fixed::<InterruptIn>(opcode)?.0),
+        other => Operation::Unsupported(other),
+    };
+    Ok(op)
+}
+
+#[cfg(test)]
+mod tests;

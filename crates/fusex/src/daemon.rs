@@ -1,0 +1,83 @@
+//! `--daemonize`: the parent returns only once the child reports that the mount is live.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use anyhow::{bail, Context, Result};
+
+/// The child's end of the readiness pipe.
+pub struct Readiness {
+    pipe: Option<File>,
+}
+
+impl Readiness {
+    /// No daemon: reporting readiness does nothing.
+    pub fn foreground() -> Readiness {
+        Readiness { pipe: None }
+    }
+
+    /// Tells the waiting parent how start-up ended; detaches from the terminal on success.
+    pub fn report(&mut self, outcome: Result<(), String>) {
+        let Some(mut p) = self.pipe.take() else {
+            return;
+        };
+        let msg = match &outcome {
+            Ok(()) => "ok\n".to_string(),
+            Err(e) => format!("{e}\n"),
+        };
+        let _ = p.write_all(msg.as_bytes());
+        if outcome.is_ok() {
+            redirect_stdio();
+        }
+    }
+}
+
+/// Forks. In the parent this never returns: it waits for the child's report and exits with it.
+/// Must run before any thread is started.
+pub fn daemonize() -> Result<Readiness> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error()).context("pipe2");
+    }
+    // SAFETY: both fds are fresh and owned here.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: no other threads exist yet (checked by the caller's ordering), so fork is safe.
+    match unsafe { libc::fork() } {
+        -1 => Err(std::io::Error::last_os_error()).context("fork"),
+        0 => {
+            drop(rd);
+            // SAFETY: setsid in the child; failure is harmless (already a leader).
+            unsafe { libc::setsid() };
+            Ok(Readiness {
+                pipe: Some(File::from(wr)),
+            })
+        }
+        _ => {
+            drop(wr);
+            let mut s = String::new();
+            let _ = File::from(rd).read_to_string(&mut s);
+            let line = s.lines().next().unwrap_or("");
+            if line == "ok" {
+                std::process::exit(0);
+            }
+            if line.is_empty() {
+                bail!("the daemon exited before the mount was live (run without --daemonize to see why)");
+            }
+            // The child already phrased the error; print it as ours.
+            eprintln!("fusex: error: {line}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn redirect_stdio() {
+    if let Ok(null) = File::options().read(true).write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors.
+            unsafe { libc::dup2(null.as_raw_fd(), fd) };
+        }
+    }
+}

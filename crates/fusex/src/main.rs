@@ -1,0 +1,57 @@
+//! fusex: export disk images as regular files through FUSE.
+
+mod cli;
+mod daemon;
+mod queue;
+mod serve;
+
+use clap::Parser;
+
+use cli::{Cli, Command};
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let mut daemonized = false;
+    let result = match cli.command {
+        Command::Mount(args) => {
+            daemonized = args.daemonize;
+            // Fork before any thread exists (logging starts no threads).
+            let ready = if args.daemonize {
+                daemon::daemonize()
+            } else {
+                Ok(daemon::Readiness::foreground())
+            };
+            init_logging(cli.verbose);
+            ready.and_then(|r| serve::mount(args, r))
+        }
+        Command::Umount { mountpoint } => {
+            init_logging(cli.verbose);
+            serve::umount(mountpoint)
+        }
+    };
+    if let Err(e) = result {
+        if daemonized {
+            // The waiting parent already printed the error the child reported.
+            std::process::exit(1);
+        }
+        // One line: the problem and what to do.
+        let msg = format!("{e:#}").replace('\n', " ");
+        eprintln!("fusex: error: {msg}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,125 @@
+//! INIT: the first request on a new connection, answered before any queue starts.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use fuse_abi::{
+    encode, encode_error, parse, InitOut, Operation, FUSE_INIT_EXT, FUSE_MAX_PAGES,
+    KERNEL_MINOR_VERSION, KERNEL_VERSION,
+};
+
+use crate::TransportError;
+
+/// What fusex asks of the kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct InitParams {
+    /// INIT flags wanted (granted only where the kernel offers them).
+    pub want: u64,
+    /// Largest WRITE payload.
+    pub max_write: u32,
+    /// Largest request in pages (with `FUSE_MAX_PAGES`).
+    pub max_pages: u16,
+    /// Background (async) requests the kernel may have outstanding; bounds async-DIO depth.
+    pub max_background: u16,
+}
+
+/// What was agreed.
+#[derive(Clone, Copy, Debug)]
+pub struct Negotiated {
+    /// Protocol minor version in use.
+    pub minor: u32,
+    /// Every flag the kernel offered.
+    pub offered: u64,
+    /// Flags in effect (offered and wanted).
+    pub flags: u64,
+    /// Largest WRITE payload the kernel will send.
+    pub max_write: u32,
+    /// The kernel's readahead limit.
+    pub max_readahead: u32,
+}
+
+impl Negotiated {
+    /// Whether `flag` is in effect.
+    pub fn has(&self, flag: u64) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// Reads the INIT request from a freshly mounted connection and answers it.
+///
+/// Runs on the starting thread with a blocking read: nothing else can arrive before INIT.
+pub fn negotiate_init(fd: &OwnedFd, p: &InitParams) -> Result<Negotiated, TransportError> {
+    // INIT is small, but the kernel insists the read buffer could hold any request.
+    let mut buf = vec![0u8; p.max_write as usize + 8192];
+    let n = loop {
+        // SAFETY: reads into a live, owned buffer of buf.len() bytes.
+        let r = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if r >= 0 {
+            break r as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(TransportError::Io(e));
+        }
+    };
+    let req = parse(&buf[..n]).map_err(|e| TransportError::Init(e.to_string()))?;
+    let unique = req.header.unique;
+    let Operation::Init(init) = req.op else {
+        return Err(TransportError::Init(format!(
+            "first request is opcode {}, not INIT",
+            req.header.opcode
+        )));
+    };
+    let mut out = vec![0u8; 256];
+    if init.major != KERNEL_VERSION || (init.major == KERNEL_VERSION && init.minor < 31) {
+        let len = encode_error(&mut out, unique, libc::EPROTO)
+            .map_err(|e| TransportError::Init(e.to_string()))?;
+        write_all(fd, &out[..len])?;
+        return Err(TransportError::Protocol {
+            major: init.major,
+            minor: init.minor,
+        });
+    }
+    let offered = init.all_flags();
+    let mut want = p.want;
+    if p.max_pages > 32 {
+        want |= FUSE_MAX_PAGES;
+    }
+    want |= FUSE_INIT_EXT;
+    let flags = offered & want;
+    let mut reply = InitOut {
+        major: KERNEL_VERSION,
+        minor: KERNEL_MINOR_VERSION.min(init.minor),
+        max_readahead: init.max_readahead,
+        max_background: p.max_background,
+        congestion_threshold: p.max_background / 4 * 3,
+        max_write: p.max_write,
+        time_gran: 1,
+        max_pages: p.max_pages,
+        ..InitOut::default()
+    };
+    reply.set_all_flags(flags);
+    let len = encode(&mut out, unique, &reply).map_err(|e| TransportError::Init(e.to_string()))?;
+    write_all(fd, &out[..len])?;
+    tracing::debug!(
+        kernel = format!("{}.{}", init.major, init.minor),
+        offered = format_args!("{offered:#x}"),
+        granted = format_args!("{flags:#x}"),
+        "INIT negotiated"
+    );
+    Ok(Negotiated {
+        minor: reply.minor,
+        offered,
+        flags,
+        max_write: p.max_write,
+        max_readahead: init.max_readahead,
+    })
+}
+
+fn write_all(fd: &OwnedFd, b: &[u8]) -> Result<(), TransportError> {
+    // SAFETY: writes from a live slice; /dev/fuse takes a reply in one write.
+    let r = unsafe { libc::write(fd.as_raw_fd(), b.as_ptr().cast(), b.len()) };
+    if r < 0 {
+        return Err(TransportError::Io(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! The FUSE transport: everything between the kernel's `/dev/fuse` and decoded requests.
+//!
+//! It mounts (and reliably unmounts), negotiates INIT, and moves request and reply bytes through
+//! the queue's ring. It knows nothing of images: the export decides what a request means.
+
+mod init;
+mod legacy;
+mod mount;
+mod mountinfo;
+
+pub use init::{negotiate_init, InitParams, Negotiated};
+pub use legacy::{Layout, LegacyQueue, ReadOutcome};
+pub use mount::{clone_fd, open_dev_fuse, unmount, Mount, MountConfig};
+pub use mountinfo::{fuse_mount_at, MountEntry};
+
+use std::io;
+
+/// Errors of the transport, each phrased for the person running fusex.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// `/dev/fuse` does not exist.
+    #[error(
+        "/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE is available"
+    )]
+    NoDevFuse,
+    /// `/dev/fuse` exists but cannot be opened.
+    #[error("cannot open /dev/fuse: {0}")]
+    DevFuse(#[source] io::Error),
+    /// The mountpoint is a directory; fusex exports a single file.
+    #[error("mountpoint {0} is a directory: give a regular file path (it is created if missing)")]
+    MountpointIsDir(String),
+    /// The mountpoint's parent directory does not exist.
+    #[error("mountpoint {0}: parent directory does not exist: create it first")]
+    MountpointParent(String),
+    /// The mountpoint is neither a regular file nor missing.
+    #[error("mountpoint {0} is not a regular file")]
+    MountpointNotFile(String),
+    /// Something is already mounted there.
+    #[error("mountpoint {0} is already a FUSE mount: unmount it first (fusex umount {0})")]
+    AlreadyMounted(String),
+    /// Not allowed to mount.
+    #[error("not permitted to mount on {0}: run fusex as root (CAP_SYS_ADMIN)")]
+    NotPermitted(String),
+    /// mount(2) failed otherwise.
+    #[error("mounting on {path} failed: {source}")]
+    Mount {
+        /// The mountpoint.
+        path: String,
+        /// What the kernel said.
+        source: io::Error,
+    },
+    /// The mountpoint could not be created.
+    #[error("cannot create mountpoint {path}: {source}")]
+    CreateMountpoint {
+        /// The mountpoint.
+        path: String,
+        /// What the OS said.
+        source: io::Error,
+    },
+    /// Unmounting failed.
+    #[error("unmounting {path} failed: {source}")]
+    Unmount {
+        /// The mountpoint.
+        path: String,
+        /// What the kernel said.
+        source: io::Error,
+    },
+    /// `fusex umount` on a path that is not a FUSE mount.
+    #[error("{0} is not a FUSE mount")]
+    NotMounted(String),
+    /// The kernel's INIT was unusable.
+    #[error("FUSE INIT failed: {0}")]
+    Init(String),
+    /// The kernel speaks a protocol we do not.
+    #[error("kernel FUSE protocol {major}.{minor} is not supported (need 7.31 or later)")]
+    Protocol {
+        /// Kernel major version.
+        major: u32,
+        /// Kernel minor version.
+        minor: u32,
+    },
+    /// I/O on `/dev/fuse` failed.
+    #[error("/dev/fuse I/O failed: {0}")]
+    Io(#[from] io::Error),
+}
