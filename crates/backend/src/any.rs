@@ -24,7 +24,7 @@ pub enum OpenError {
     #[error("image {0} cannot be opened for writing (read-only file or filesystem): drop --writable or fix its permissions")]
     ReadOnly(String),
     /// A directory, socket, ...
-    #[error("image {0} is not a regular file or block device")]
+    #[error("image {0} is not a regular file or block device: give the path of a raw image file or device, or null:SIZE")]
     NotFileOrDevice(String),
     /// `--direct` on a filesystem without O_DIRECT.
     #[error("image {0} is on a filesystem without O_DIRECT support: drop --direct")]

@@ -129,7 +129,7 @@ impl RawBackend {
     /// Picks the descriptor for a transfer: O_DIRECT needs aligned offset, length and memory.
     fn fd_for(&self, ptr: usize, len: usize, off: u64) -> (RawFd, bool) {
         match &self.buffered {
-            Some(b) if (ptr as u64 | len as u64 | off) % DIRECT_ALIGN != 0 => {
+            Some(b) if !(ptr as u64 | len as u64 | off).is_multiple_of(DIRECT_ALIGN) => {
                 (b.as_raw_fd(), false)
             }
             _ => (self.file.as_raw_fd(), self.direct),
@@ -225,7 +225,7 @@ impl BlockBackend for RawBackend {
                     // SAFETY: one iovec over the engine-owned window.
                     let r = unsafe { libc::preadv2(fd, &iov, 1, pos as i64, libc::RWF_NOWAIT) };
                     match cvt(r) {
-                        Ok(n) if n > 0 || buf.len() == 0 => n,
+                        Ok(n) if n > 0 => n,
                         // 0 may mean EOF or "nothing cached": let the ring decide.
                         Ok(_) => ring_read(eng, fd, &mut buf, pos).await?,
                         Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {

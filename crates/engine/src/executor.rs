@@ -324,7 +324,7 @@ impl Engine {
         let mut ring = self.ring.borrow_mut();
         let mut st = self.stats.get();
         if !self.spin.is_zero() && ring.completion().is_empty() {
-            if ring.submission().len() > 0 {
+            if !ring.submission().is_empty() {
                 st.enters += 1;
                 submit_retry(&ring, 0)?;
             }
@@ -334,7 +334,7 @@ impl Engine {
             }
         }
         let want = usize::from(ring.completion().is_empty());
-        if want > 0 || ring.submission().len() > 0 {
+        if want > 0 || !ring.submission().is_empty() {
             st.enters += 1;
             submit_retry(&ring, want)?;
         }
@@ -442,21 +442,19 @@ fn submit_retry(
     ring: &IoUring<squeue::Entry128, cqueue::Entry>,
     want: usize,
 ) -> Result<(), EngineError> {
-    loop {
-        match ring.submit_and_wait(want) {
-            Ok(_) => return Ok(()),
-            // Interrupted by a signal, or the completion queue is overflowing: either way the
-            // caller reaps what is there and comes back.
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
-                ) =>
-            {
-                return Ok(());
-            }
-            Err(e) => return Err(EngineError::Enter(e)),
+    match ring.submit_and_wait(want) {
+        Ok(_) => Ok(()),
+        // Interrupted by a signal, or the completion queue is overflowing: either way the caller
+        // reaps what is there and comes back.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
+            ) =>
+        {
+            Ok(())
         }
+        Err(e) => Err(EngineError::Enter(e)),
     }
 }
 

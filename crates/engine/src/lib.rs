@@ -43,3 +43,6 @@ pub enum EngineError {
     #[error("io_uring_enter failed: {0}")]
     Enter(#[source] std::io::Error),
 }
+
+#[cfg(test)]
+mod tests;

@@ -45,7 +45,10 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
     if let Some(p) = &args.pid_file {
         let _ = std::fs::remove_file(p);
     }
-    let stats = result?;
+    let mut stats = result?;
+    if let (Ok(true), Some(n)) = (&flushed, stats["backend"]["flushes"].as_u64()) {
+        stats["backend"]["flushes"] = (n + 1).into();
+    }
     if let Some(p) = &args.stats_file {
         std::fs::write(p, serde_json::to_vec_pretty(&stats)?)
             .with_context(|| format!("writing {}", p.display()))?;
@@ -257,9 +260,10 @@ fn run_queues(
     Ok(json)
 }
 
-fn final_flush(export: &Export<AnyBackend>) -> Result<()> {
+/// Flushes a writable export's image once every queue has ended; says whether it flushed.
+fn final_flush(export: &Export<AnyBackend>) -> Result<bool> {
     if !export.config().writable {
-        return Ok(());
+        return Ok(false);
     }
     let eng = Engine::new(&EngineConfig {
         sq_entries: 8,
@@ -267,7 +271,7 @@ fn final_flush(export: &Export<AnyBackend>) -> Result<()> {
     })?;
     eng.block_on(export.backend().flush(&eng))?
         .context("flushing the image")?;
-    Ok(())
+    Ok(true)
 }
 
 /// `fusex umount`.

@@ -70,7 +70,7 @@ pub fn negotiate_init(fd: &OwnedFd, p: &InitParams) -> Result<Negotiated, Transp
         )));
     };
     let mut out = vec![0u8; 256];
-    if init.major != KERNEL_VERSION || (init.major == KERNEL_VERSION && init.minor < 31) {
+    if init.major != KERNEL_VERSION || init.minor < 31 {
         let len = encode_error(&mut out, unique, libc::EPROTO)
             .map_err(|e| TransportError::Init(e.to_string()))?;
         write_all(fd, &out[..len])?;

@@ -33,7 +33,9 @@ pub enum TransportError {
     #[error("mountpoint {0}: parent directory does not exist: create it first")]
     MountpointParent(String),
     /// The mountpoint is neither a regular file nor missing.
-    #[error("mountpoint {0} is not a regular file")]
+    #[error(
+        "mountpoint {0} is not a regular file: give a regular file path (it is created if missing)"
+    )]
     MountpointNotFile(String),
     /// Something is already mounted there.
     #[error("mountpoint {0} is already a FUSE mount: unmount it first (fusex umount {0})")]
@@ -66,7 +68,7 @@ pub enum TransportError {
         source: io::Error,
     },
     /// `fusex umount` on a path that is not a FUSE mount.
-    #[error("{0} is not a FUSE mount")]
+    #[error("{0} is not a FUSE mount: give the file a fusex export is mounted on")]
     NotMounted(String),
     /// The kernel's INIT was unusable.
     #[error("FUSE INIT failed: {0}")]

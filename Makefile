@@ -1,0 +1,66 @@
+# fusex — the two commands a fresh machine needs are `make run` and `make test`.
+SHELL := /bin/bash
+CARGO ?= cargo
+DEMO_DIR := demo
+DEMO_IMG := $(DEMO_DIR)/disk.img
+DEMO_MNT := $(DEMO_DIR)/disk.raw
+
+.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps stress fmt clean
+
+all: build
+
+deps:
+	@bash scripts/deps.sh
+
+build:
+	$(CARGO) build --workspace
+
+release:
+	$(CARGO) build --release -p fusex
+
+## make run: build, create a 256 MiB demo image and export it at ./demo/disk.raw (foreground).
+run: deps release
+	@mkdir -p $(DEMO_DIR)
+	@[ -f $(DEMO_IMG) ] || truncate -s 256M $(DEMO_IMG)
+	@echo "exporting $(DEMO_IMG) at $(DEMO_MNT) (Ctrl-C to unmount). In another shell, try:"
+	@echo "  stat $(DEMO_MNT)"
+	@echo "  mkfs.ext4 -q $(DEMO_MNT) && mkdir -p /mnt/demo && mount -o loop $(DEMO_MNT) /mnt/demo"
+	@echo "  fio --name=t --filename=$(DEMO_MNT) --rw=randread --bs=4k --direct=1 --runtime=5 --time_based"
+	@echo "  umount /mnt/demo; ./target/release/fusex umount $(DEMO_MNT)"
+	./target/release/fusex mount --writable $(DEMO_IMG) $(DEMO_MNT)
+
+## make test: everything CI runs (formatting, lints, unit tests, real-mount end-to-end tests, bench smoke).
+test: deps check unit e2e bench-smoke
+
+check:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test --workspace --exclude fusex-e2e
+	python3 -m unittest discover -s bench/tests -t bench
+
+e2e:
+	$(CARGO) build -p fusex
+	$(CARGO) test -p fusex-e2e -- --test-threads=4
+
+bench-smoke: release
+	bash bench/smoke.sh
+
+## make bench: the full benchmark suite (every matrix; ~30 minutes). Results in bench/results/.
+bench: bench-deps release
+	bench/.venv/bin/python bench/run.py --matrix all
+
+bench-quick: bench-deps release
+	bash bench/quick.sh
+
+bench-deps:
+	@bash scripts/deps.sh --bench
+	@bash bench/setup.sh
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
+	rm -rf $(DEMO_DIR)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs what fusex's build, tests and demo need on a fresh Debian 12 machine, and nothing that is
+# already there. Safe to run repeatedly.
+set -euo pipefail
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have fio || need+=(fio)
+have mkfs.ext4 || need+=(e2fsprogs)
+have losetup || need+=(util-linux)
+have setpriv || need+=(util-linux)
+have qemu-img || need+=(qemu-utils)
+have python3 || need+=(python3)
+if [ "${1:-}" = "--bench" ]; then
+  have qemu-storage-daemon || need+=(qemu-system-common)
+  have qemu-nbd || need+=(qemu-utils)
+  have nbdfuse || need+=(libnbd-bin)
+  have gcc || need+=(gcc)
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing: ${need[*]}"
+  if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+if ! have cargo; then
+  echo "installing the Rust toolchain (rustup, stable)"
+  curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component clippy,rustfmt
+  # shellcheck disable=SC1091
+  . "$HOME/.cargo/env"
+fi
+for c in clippy rustfmt; do
+  rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c" >/dev/null 2>&1 || true
+done
+
+# FUSE-over-io_uring is off by default; enable it where we may (the daemon itself never does).
+p=/sys/module/fuse/parameters/enable_uring
+if [ -w "$p" ] && [ "$(cat "$p")" != "Y" ]; then
+  echo Y > "$p" && echo "enabled FUSE-over-io_uring ($p = Y)"
+fi

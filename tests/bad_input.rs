@@ -1,0 +1,314 @@
+//! Bad invocations: exit code 1, exactly one line "fusex: error: <what>: <what to do>" on
+//! stderr (at default verbosity), nothing on stdout, nothing mounted, no mountpoint file
+//! left behind.
+
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+
+use fusex_e2e::*;
+
+/// Runs `fusex mount <args> IMAGE MOUNTPOINT`, asserts the rejection contract and returns
+/// the result for further checks.
+#[track_caller]
+fn expect_rejected(w: &WorkDir, what: &str, args: &[&str], image: &OsStr, mp: &Path) -> CmdResult {
+    let existed = mp.exists();
+    let before = fuse_mounts_at(mp).len();
+    let mut argv: Vec<OsString> = vec!["mount".into()];
+    argv.extend(args.iter().map(OsString::from));
+    argv.push(image.to_os_string());
+    argv.push(mp.as_os_str().to_os_string());
+    let r = run_fusex(w, &argv, Some(mp));
+    eprintln!("{what}: fusex said: {}", r.stderr.trim_end());
+    r.assert_one_error_line(what);
+    assert_eq!(
+        fuse_mounts_at(mp).len(),
+        before,
+        "{what}: mount count on the mountpoint changed"
+    );
+    if !existed {
+        assert!(
+            !mp.exists(),
+            "{what}: fusex left a mountpoint file behind at {}",
+            mp.display()
+        );
+    }
+    r
+}
+
+fn image(w: &WorkDir) -> std::path::PathBuf {
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 1);
+    img
+}
+
+#[test]
+fn image_missing() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-missing");
+    let r = expect_rejected(
+        &w,
+        "missing image",
+        &[],
+        w.join("nope.img").as_os_str(),
+        &w.join("export"),
+    );
+    assert!(
+        r.stderr.contains("nope.img"),
+        "the error should name the image: {}",
+        r.stderr
+    );
+}
+
+#[test]
+fn image_is_a_directory() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-imgdir");
+    let dir = w.join("imgdir");
+    fs::create_dir(&dir).unwrap();
+    expect_rejected(
+        &w,
+        "directory as image",
+        &[],
+        dir.as_os_str(),
+        &w.join("export"),
+    );
+    expect_rejected(
+        &w,
+        "directory as writable image",
+        &["--writable"],
+        dir.as_os_str(),
+        &w.join("export"),
+    );
+}
+
+#[test]
+fn image_in_missing_directory() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-imgparent");
+    expect_rejected(
+        &w,
+        "image in a missing dir",
+        &[],
+        w.join("no/such/dir/disk.img").as_os_str(),
+        &w.join("export"),
+    );
+}
+
+/// --writable on an image that can only be opened read-only (immutable file). The same
+/// image mounts fine without --writable, so the failure is about write access.
+#[test]
+fn writable_on_immutable_image() {
+    if !require_fuse_and_tools(&["chattr"]) {
+        return;
+    }
+    let w = WorkDir::new("bad-immutable");
+    let img = image(&w);
+    let Some(_imm) = Immutable::set(&img) else {
+        eprintln!("chattr +i unsupported here; covered by writable_on_read_only_bind_mount");
+        return;
+    };
+    assert!(
+        fs::OpenOptions::new().write(true).open(&img).is_err(),
+        "chattr +i did not take effect"
+    );
+    expect_rejected(
+        &w,
+        "--writable on an immutable image",
+        &["--writable"],
+        img.as_os_str(),
+        &w.join("export"),
+    );
+    let m = Mount::start(&w, &img, &w.join("export"), &[]);
+    m.stop()
+        .assert_clean("read-only export of an immutable image");
+}
+
+/// --writable on an image on a read-only bind mount.
+#[test]
+fn writable_on_read_only_bind_mount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-robind");
+    let src = w.join("src");
+    let ro = w.join("ro");
+    fs::create_dir(&src).unwrap();
+    fs::create_dir(&ro).unwrap();
+    random_image(&src.join("disk.img"), MIB, 2);
+    let bind = ReadOnlyBind::new(&src, &ro);
+    let img = bind.target().join("disk.img");
+    assert!(
+        fs::OpenOptions::new().write(true).open(&img).is_err(),
+        "bind mount is not read-only"
+    );
+    expect_rejected(
+        &w,
+        "--writable on a read-only filesystem",
+        &["--writable"],
+        img.as_os_str(),
+        &w.join("export"),
+    );
+    let m = Mount::start(&w, &img, &w.join("export"), &[]);
+    m.stop()
+        .assert_clean("read-only export from a read-only filesystem");
+}
+
+#[test]
+fn mountpoint_is_a_directory() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-mpdir");
+    let img = image(&w);
+    let dir = w.join("mnt");
+    fs::create_dir(&dir).unwrap();
+    expect_rejected(&w, "directory as mountpoint", &[], img.as_os_str(), &dir);
+    assert!(dir.is_dir(), "the directory must be left alone");
+    assert!(
+        mounts_at(&dir).is_empty(),
+        "something is mounted on the directory"
+    );
+}
+
+#[test]
+fn mountpoint_parent_missing() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-mpparent");
+    let img = image(&w);
+    expect_rejected(
+        &w,
+        "mountpoint in a missing dir",
+        &[],
+        img.as_os_str(),
+        &w.join("no/such/dir/export"),
+    );
+    assert!(
+        !w.join("no").exists(),
+        "fusex must not create parent directories"
+    );
+}
+
+#[test]
+fn mountpoint_already_a_fuse_mount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-stacked");
+    let img = image(&w);
+    let model = read_all(&img);
+    let img2 = w.join("disk2.img");
+    random_image(&img2, 2 * MIB, 3);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &[]);
+    expect_rejected(
+        &w,
+        "mountpoint already a FUSE mount",
+        &[],
+        img2.as_os_str(),
+        &mp,
+    );
+    assert_eq!(
+        fuse_mounts_at(&mp).len(),
+        1,
+        "exactly the first mount must remain"
+    );
+    assert_bytes_eq(
+        &read_all(&mp),
+        &model,
+        0,
+        "first export still serves its image",
+    );
+    let st = m.stop();
+    st.assert_clean("first mount after a rejected second one");
+    assert!(!mp.exists());
+}
+
+#[test]
+fn null_bad_sizes() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-null");
+    for spec in ["null:", "null:abc", "null:0", "null:12Q", "null:-1"] {
+        expect_rejected(
+            &w,
+            &format!("image {spec:?}"),
+            &[],
+            OsStr::new(spec),
+            &w.join("export"),
+        );
+    }
+}
+
+/// Not permitted to mount: run as nobody, on a world-readable image, with a pre-existing
+/// root-owned 0644 mountpoint (so neither mount(2) nor fusermount3 may mount it).
+#[test]
+fn not_permitted_to_mount() {
+    if !require_fuse_and_tools(&["setpriv"]) {
+        return;
+    }
+    let w = WorkDir::new("bad-nobody");
+    let img = image(&w);
+    fs::set_permissions(&img, fs::Permissions::from_mode(0o644)).unwrap();
+    // A copy of the binary inside our 0755 temp dir, so nobody can surely execute it.
+    let bin = w.join("fusex");
+    fs::copy(fusex_bin(), &bin).expect("copy fusex");
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+    let mp = w.join("export");
+    fs::write(&mp, b"root's file").unwrap();
+    fs::set_permissions(&mp, fs::Permissions::from_mode(0o644)).unwrap();
+
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(&bin)
+        .arg("mount")
+        .arg(&img)
+        .arg(&mp);
+    let r = run_with_timeout(&w, cmd, Some(&mp));
+    eprintln!("as nobody: fusex said: {}", r.stderr.trim_end());
+    r.assert_one_error_line("mount as an unprivileged user on a root-owned file");
+    assert!(!is_fuse_mounted(&mp));
+    assert_eq!(
+        fs::read(&mp).unwrap(),
+        b"root's file",
+        "mountpoint file must be untouched"
+    );
+}
+
+/// /dev/fuse missing: inside a private mount namespace with an empty tmpfs over /dev.
+#[test]
+fn dev_fuse_missing() {
+    if !require_fuse_and_tools(&["unshare"]) {
+        return;
+    }
+    let w = WorkDir::new("bad-nodevfuse");
+    let img = image(&w);
+    let mp = w.join("export");
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(r#"mount -t tmpfs none /dev && exec "$0" mount "$1" "$2""#)
+        .arg(fusex_bin())
+        .arg(&img)
+        .arg(&mp);
+    let r = run_with_timeout(&w, cmd, Some(&mp));
+    eprintln!("without /dev/fuse: fusex said: {}", r.stderr.trim_end());
+    r.assert_one_error_line("/dev/fuse missing");
+    assert!(
+        r.stderr.contains("/dev/fuse"),
+        "the error should mention /dev/fuse: {}",
+        r.stderr
+    );
+    assert!(!is_fuse_mounted(&mp));
+    assert!(!mp.exists(), "fusex left a mountpoint file behind");
+}

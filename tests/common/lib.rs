@@ -1,0 +1,1484 @@
+//! Shared harness for the fusex end-to-end tests.
+//!
+//! Every test mounts the real `fusex` binary over a regular file in its own temporary
+//! directory and checks what a user of the export sees against the backing file (the
+//! oracle). The guards in here ([`Mount`], [`LoopDev`], [`FsMount`], [`Immutable`],
+//! [`ReadOnlyBind`]) undo what they set up even when the test panics, so a failing test
+//! never leaves a mount, a loop device or an immutable file behind.
+//!
+//! Environment:
+//! - `FUSEX_BIN`: the binary to test (default: `fusex` in the same `target/<profile>` dir
+//!   as the test executable).
+//! - `FUSEX_E2E_TMPDIR`: where the per-test temp dirs go (default: `target/<profile>/e2e-tmp`,
+//!   i.e. on the real disk, where punch-hole and SEEK_HOLE work).
+//! - `CI=true`: missing preconditions (root, /dev/fuse, tools) fail instead of skipping.
+
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+pub use serde_json::Value;
+
+pub const KIB: u64 = 1 << 10;
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// How long the daemon may take to mount, to exit after a signal or an unmount, or to
+/// reject bad input. Generous on purpose: it is a hang detector, not a performance bound.
+pub const TIMEOUT: Duration = Duration::from_secs(10);
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+fn unique(tag: &str) -> String {
+    format!("{tag}-{}", COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+// ---------------------------------------------------------------------------------------
+// Preconditions
+// ---------------------------------------------------------------------------------------
+
+/// True when running under CI (`CI=true`): there, a missing precondition is a failure.
+pub fn in_ci() -> bool {
+    matches!(std::env::var("CI").as_deref(), Ok("true") | Ok("1"))
+}
+
+/// `target/<profile>` of the running test executable (strips a trailing `deps`).
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("test exe has a parent").to_path_buf();
+    if dir.file_name() == Some(OsStr::new("deps")) {
+        dir.pop();
+    }
+    dir
+}
+
+/// The fusex binary under test.
+pub fn fusex_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("FUSEX_BIN") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "FUSEX_BIN={} does not exist: build it first: cargo build -p fusex",
+            p.display()
+        );
+        return p;
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test>-<hash> -> target/<profile>/fusex (a couple of levels
+    // up at most, also covering target/<triple>/<profile>).
+    for dir in exe.ancestors().skip(1).take(3) {
+        let candidate = dir.join("fusex");
+        if candidate.is_file() {
+            return candidate;
+        }
+        if dir.file_name() == Some(OsStr::new("target")) {
+            break;
+        }
+    }
+    panic!(
+        "no fusex binary next to {} (target/<profile>/fusex): build it first: cargo build -p fusex \
+         (or point FUSEX_BIN at it)",
+        exe.display()
+    );
+}
+
+fn skip_or_fail(what: &str) -> bool {
+    if in_ci() {
+        panic!("precondition failed under CI=true: {what}");
+    }
+    eprintln!("SKIP (precondition not met, would fail under CI=true): {what}");
+    false
+}
+
+/// Checks the preconditions of a test that mounts: root and /dev/fuse. Returns false
+/// (after printing a skip message) when they are missing, or panics under `CI=true`.
+/// Also panics when the binary has not been built.
+pub fn require_fuse() -> bool {
+    let mut missing = Vec::new();
+    if !Path::new("/dev/fuse").exists() {
+        missing.push("/dev/fuse is missing");
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        missing.push("not running as root");
+    }
+    if !missing.is_empty() {
+        return skip_or_fail(&missing.join(", "));
+    }
+    let _ = fusex_bin();
+    true
+}
+
+/// Path of an executable found in PATH (or the sbin dirs, which a non-login PATH may lack).
+pub fn which(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let extra = [
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+    ];
+    std::env::split_paths(&path)
+        .chain(extra.iter().map(PathBuf::from))
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}
+
+/// [`require_fuse`] plus the given external tools.
+pub fn require_fuse_and_tools(tools: &[&str]) -> bool {
+    if !require_fuse() {
+        return false;
+    }
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|t| which(t).is_none())
+        .collect();
+    if !missing.is_empty() {
+        return skip_or_fail(&format!("missing tools: {}", missing.join(", ")));
+    }
+    true
+}
+
+// ---------------------------------------------------------------------------------------
+// Temp dirs, commands
+// ---------------------------------------------------------------------------------------
+
+/// A per-test temporary directory (canonical path) on the real disk.
+pub struct WorkDir {
+    path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl WorkDir {
+    pub fn new(tag: &str) -> WorkDir {
+        let base = std::env::var_os("FUSEX_E2E_TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| profile_dir().join("e2e-tmp"));
+        fs::create_dir_all(&base).unwrap_or_else(|e| panic!("mkdir {}: {e}", base.display()));
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{tag}-"))
+            .tempdir_in(&base)
+            .unwrap_or_else(|e| panic!("tempdir in {}: {e}", base.display()));
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod tempdir");
+        let path = dir.path().canonicalize().expect("canonicalize tempdir");
+        WorkDir { path, _dir: dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
+        self.path.join(name)
+    }
+}
+
+/// Runs a command to completion, capturing its output. Panics only if it cannot be started.
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
+}
+
+/// Like [`run`], asserting a zero exit status.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn read_lossy(path: &Path) -> String {
+    fs::read(path)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------------------
+// Data helpers
+// ---------------------------------------------------------------------------------------
+
+/// xorshift64*: deterministic pseudo-random data from a seed.
+#[derive(Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform-ish in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        assert!(n > 0);
+        self.next_u64() % n
+    }
+
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        let mut chunks = buf.chunks_exact_mut(8);
+        for c in &mut chunks {
+            c.copy_from_slice(&self.next_u64().to_le_bytes());
+        }
+        let rest = chunks.into_remainder();
+        let last = self.next_u64().to_le_bytes();
+        let n = rest.len();
+        rest.copy_from_slice(&last[..n]);
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.fill(&mut v);
+        v
+    }
+}
+
+/// Creates a fully allocated raw image of `size` bytes of seeded pseudo-random data and
+/// returns its content (the test's model of the image).
+pub fn random_image(path: &Path, size: u64, seed: u64) -> Vec<u8> {
+    let data = Rng::new(seed).bytes(size as usize);
+    let f = File::create(path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+    f.write_all_at(&data, 0).expect("write image");
+    f.sync_all().expect("fsync image");
+    data
+}
+
+/// Creates a sparse (all zeroes, nothing allocated) raw image of `size` bytes.
+pub fn sparse_image(path: &Path, size: u64) {
+    let f = File::create(path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+    f.set_len(size).expect("set_len image");
+}
+
+/// Reads up to `len` bytes at `off`, looping over short reads; stops early only at EOF.
+pub fn pread_full(f: &File, off: u64, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let mut done = 0;
+    while done < len {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    buf.truncate(done);
+    Ok(buf)
+}
+
+/// Opens a file read-only.
+pub fn open_ro(path: &Path) -> File {
+    File::open(path).unwrap_or_else(|e| panic!("open {} read-only: {e}", path.display()))
+}
+
+/// Opens a file read-write.
+pub fn open_rw(path: &Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open {} read-write: {e}", path.display()))
+}
+
+/// Opens a file read-write with O_DIRECT.
+pub fn open_rw_direct(path: &Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open {} read-write O_DIRECT: {e}", path.display()))
+}
+
+/// The whole content of a file.
+pub fn read_all(path: &Path) -> Vec<u8> {
+    let mut v = Vec::new();
+    open_ro(path).read_to_end(&mut v).expect("read_to_end");
+    v
+}
+
+/// Asserts two byte strings are equal; on mismatch reports lengths and the first
+/// differing offset (relative to `base`) instead of dumping megabytes.
+#[track_caller]
+pub fn assert_bytes_eq(actual: &[u8], expected: &[u8], base: u64, what: &str) {
+    if actual == expected {
+        return;
+    }
+    let common = actual.len().min(expected.len());
+    let first = (0..common).find(|&i| actual[i] != expected[i]);
+    let differing = (0..common).filter(|&i| actual[i] != expected[i]).count();
+    let snippet = |b: &[u8], at: usize| -> String {
+        let end = (at + 16).min(b.len());
+        b[at.min(b.len())..end]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    match first {
+        Some(i) => panic!(
+            "{what}: content differs: {differing} of {common} compared bytes differ, first at offset {} \
+             (range base {base}); lengths actual {} expected {}\n  actual:   {}\n  expected: {}\n  \
+             actual all zero: {}",
+            base + i as u64,
+            actual.len(),
+            expected.len(),
+            snippet(actual, i),
+            snippet(expected, i),
+            actual[i..].iter().all(|&b| b == 0),
+        ),
+        None => panic!(
+            "{what}: lengths differ (range base {base}): actual {} expected {} (common prefix equal)",
+            actual.len(),
+            expected.len()
+        ),
+    }
+}
+
+/// Compares `len` bytes at `off` of two files (short reads at EOF compared as they come).
+#[track_caller]
+pub fn assert_same_range(mount: &File, backing: &File, off: u64, len: usize, what: &str) {
+    let a = pread_full(mount, off, len)
+        .unwrap_or_else(|e| panic!("{what}: pread mount at {off}+{len}: {e}"));
+    let b = pread_full(backing, off, len)
+        .unwrap_or_else(|e| panic!("{what}: pread backing at {off}+{len}: {e}"));
+    assert_bytes_eq(
+        &a,
+        &b,
+        off,
+        &format!("{what} (mount vs backing at {off}+{len})"),
+    );
+}
+
+/// A heap buffer with the given alignment, for O_DIRECT.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    pub fn new(len: usize, align: usize) -> AlignedBuf {
+        assert!(len > 0);
+        let layout = std::alloc::Layout::from_size_align(len, align).expect("layout");
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "allocation of {len} bytes failed");
+        AlignedBuf { ptr, len, layout }
+    }
+
+    pub fn from_slice(data: &[u8], align: usize) -> AlignedBuf {
+        let mut b = AlignedBuf::new(data.len(), align);
+        b.as_mut_slice().copy_from_slice(data);
+        b
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes for the lifetime of self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: ptr is valid for len bytes and uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new() with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// A 64-bit hash (not cryptographic; for equality checks of large files).
+pub fn hash_bytes(mut h: u64, data: &[u8]) -> u64 {
+    let mut chunks = data.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes(c.try_into().unwrap());
+        h = (h.rotate_left(23) ^ w).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    for &b in chunks.remainder() {
+        h = (h.rotate_left(23) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    h ^ data.len() as u64
+}
+
+/// Hashes of consecutive `chunk`-byte pieces of `len` bytes of `f` (read through
+/// pread), so a mismatch can be located.
+pub fn chunk_hashes(f: &File, len: u64, chunk: usize) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < len {
+        let n = chunk.min((len - off) as usize);
+        let data = pread_full(f, off, n).unwrap_or_else(|e| panic!("pread at {off}: {e}"));
+        assert_eq!(
+            data.len(),
+            n,
+            "short read at {off} (file shorter than {len}?)"
+        );
+        out.push(hash_bytes(0, &data));
+        off += n as u64;
+    }
+    out
+}
+
+/// The errno of an I/O error (0 if it has none).
+pub fn errno(e: &io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(0)
+}
+
+/// Name-ish text for an errno, e.g. "ENOSPC (No space left on device)".
+pub fn errno_str(code: i32) -> String {
+    let name = match code {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EIO => "EIO",
+        libc::EBADF => "EBADF",
+        libc::EACCES => "EACCES",
+        libc::EBUSY => "EBUSY",
+        libc::EINVAL => "EINVAL",
+        libc::EFBIG => "EFBIG",
+        libc::ENOSPC => "ENOSPC",
+        libc::EROFS => "EROFS",
+        libc::ENOSYS => "ENOSYS",
+        libc::ENXIO => "ENXIO",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        _ => "E?",
+    };
+    format!("{name} ({})", io::Error::from_raw_os_error(code))
+}
+
+/// lseek(2) returning the offset or the errno.
+pub fn lseek(f: &File, off: u64, whence: libc::c_int) -> Result<u64, i32> {
+    // SAFETY: plain syscall on a valid fd.
+    let r = unsafe { libc::lseek(f.as_raw_fd(), off as libc::off_t, whence) };
+    if r < 0 {
+        Err(io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    } else {
+        Ok(r as u64)
+    }
+}
+
+/// fallocate(2).
+pub fn fallocate(f: &File, mode: libc::c_int, off: u64, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall on a valid fd.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, off as libc::off_t, len as libc::off_t) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// stat(2) fields that matter here: (st_size, st_blocks, st_mode).
+pub fn stat(path: &Path) -> io::Result<(u64, u64, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(path)?;
+    Ok((m.size(), m.blocks(), m.mode()))
+}
+
+/// fstat(2) fields: (st_size, st_blocks).
+pub fn fstat(f: &File) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata().expect("fstat");
+    (m.size(), m.blocks())
+}
+
+/// Whether punching a hole in a file in `dir` really deallocates blocks there.
+pub fn punch_hole_works_in(dir: &Path) -> bool {
+    let p = dir.join(unique("punch-probe"));
+    let f = File::create(&p).expect("create probe");
+    f.write_all_at(&vec![0xA5u8; 4 * MIB as usize], 0)
+        .expect("write probe");
+    f.sync_all().expect("fsync probe");
+    let before = fstat(&f).1;
+    let ok = fallocate(
+        &f,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        MIB,
+        2 * MIB,
+    )
+    .is_ok();
+    f.sync_all().expect("fsync probe");
+    let after = fstat(&f).1;
+    drop(f);
+    let _ = fs::remove_file(&p);
+    ok && after < before
+}
+
+// ---------------------------------------------------------------------------------------
+// /proc/self/mountinfo
+// ---------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+pub struct MountEntry {
+    pub mount_point: PathBuf,
+    pub fstype: String,
+    pub dev: (u32, u32),
+    pub source: String,
+    pub line: String,
+}
+
+fn unescape_mountinfo(s: &str) -> OsString {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    OsStr::from_bytes(&out).to_os_string()
+}
+
+/// All entries of /proc/self/mountinfo.
+pub fn mountinfo() -> Vec<MountEntry> {
+    let text = fs::read_to_string("/proc/self/mountinfo").expect("read /proc/self/mountinfo");
+    text.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fields: Vec<&str> = left.split(' ').collect();
+            let mut right = right.split(' ');
+            let fstype = right.next()?.to_string();
+            let source = right.next().unwrap_or("").to_string();
+            let (maj, min) = fields.get(2)?.split_once(':')?;
+            Some(MountEntry {
+                mount_point: PathBuf::from(unescape_mountinfo(fields.get(4)?)),
+                fstype,
+                dev: (maj.parse().ok()?, min.parse().ok()?),
+                source,
+                line: line.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// A FUSE mount shows up with fstype `fuse` or `fuse.<subtype>`.
+pub fn is_fuse_fstype(t: &str) -> bool {
+    t == "fuse" || t.starts_with("fuse.")
+}
+
+/// The FUSE mounts stacked on `path`.
+pub fn fuse_mounts_at(path: &Path) -> Vec<MountEntry> {
+    mountinfo()
+        .into_iter()
+        .filter(|m| m.mount_point == path && is_fuse_fstype(&m.fstype))
+        .collect()
+}
+
+pub fn is_fuse_mounted(path: &Path) -> bool {
+    !fuse_mounts_at(path).is_empty()
+}
+
+/// Any mount (of any type) stacked on `path`.
+pub fn mounts_at(path: &Path) -> Vec<MountEntry> {
+    mountinfo()
+        .into_iter()
+        .filter(|m| m.mount_point == path)
+        .collect()
+}
+
+/// `umount -l` until no FUSE mount beyond `keep` remains on `path`.
+fn lazy_umount_fuse(path: &Path, keep: usize) {
+    for _ in 0..8 {
+        if fuse_mounts_at(path).len() <= keep {
+            return;
+        }
+        let out = run(Command::new("umount").arg("-l").arg(path));
+        if !out.status.success() {
+            eprintln!(
+                "harness: umount -l {} failed: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Processes
+// ---------------------------------------------------------------------------------------
+
+/// Whether a process exists and is not a zombie.
+pub fn pid_alive(pid: i32) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    match stat.rsplit_once(") ") {
+        Some((_, rest)) => !matches!(rest.chars().next(), Some('Z') | Some('X')),
+        None => false,
+    }
+}
+
+pub fn send_signal(pid: i32, sig: libc::c_int) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// Waits for a child with a timeout; None if it is still running.
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => return Some(st),
+            Ok(None) => {}
+            Err(e) => panic!("try_wait: {e}"),
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Outcome of a command run through [`run_with_timeout`].
+#[derive(Debug)]
+pub struct CmdResult {
+    /// Exit code; None if killed by a signal.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CmdResult {
+    /// stderr lines, ignoring a trailing empty line.
+    pub fn stderr_lines(&self) -> Vec<&str> {
+        self.stderr.lines().collect()
+    }
+
+    /// The contract for a rejected invocation: exit code 1, exactly one line on stderr of
+    /// the form "fusex: error: <what>: <what to do>", nothing on stdout.
+    #[track_caller]
+    pub fn assert_one_error_line(&self, what: &str) {
+        let lines = self.stderr_lines();
+        assert!(
+            self.code.is_some() && self.code != Some(0),
+            "{what}: expected a non-zero exit, got {:?}; stderr:\n{}",
+            self.code,
+            self.stderr
+        );
+        assert_eq!(
+            self.code,
+            Some(1),
+            "{what}: contract says exit code 1; stderr:\n{}",
+            self.stderr
+        );
+        assert_eq!(
+            lines.len(),
+            1,
+            "{what}: expected exactly one line on stderr, got {}:\n{}",
+            lines.len(),
+            self.stderr
+        );
+        let line = lines[0];
+        let rest = line.strip_prefix("fusex: error: ").unwrap_or_else(|| {
+            panic!("{what}: stderr line does not start with \"fusex: error: \": {line:?}")
+        });
+        assert!(
+            rest.contains(": "),
+            "{what}: error line should read \"fusex: error: <what>: <what to do>\": {line:?}"
+        );
+        assert!(
+            self.stdout.is_empty(),
+            "{what}: fusex must print nothing to stdout, got {:?}",
+            self.stdout
+        );
+    }
+}
+
+/// Runs `cmd` (stdin null, stdout/stderr to files in `work`) and waits up to [`TIMEOUT`].
+/// If it is still running then — a bad invocation that mounted and stayed in the
+/// foreground — it is terminated, any FUSE mount it added on `mountpoint` is removed,
+/// and the test panics.
+pub fn run_with_timeout(work: &WorkDir, mut cmd: Command, mountpoint: Option<&Path>) -> CmdResult {
+    let tag = unique("cmd");
+    let out_path = work.join(format!("{tag}.stdout"));
+    let err_path = work.join(format!("{tag}.stderr"));
+    let baseline = mountpoint.map(|p| fuse_mounts_at(p).len()).unwrap_or(0);
+    cmd.stdin(Stdio::null())
+        .stdout(File::create(&out_path).expect("create stdout file"))
+        .stderr(File::create(&err_path).expect("create stderr file"))
+        .env_remove("RUST_LOG");
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    let status = wait_timeout(&mut child, TIMEOUT);
+    if status.is_none() {
+        let pid = child.id() as i32;
+        send_signal(pid, libc::SIGTERM);
+        let gone = wait_timeout(&mut child, TIMEOUT).is_some();
+        if let Some(mp) = mountpoint {
+            lazy_umount_fuse(mp, baseline);
+        }
+        if !gone {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!(
+            "{cmd:?} was still running after {TIMEOUT:?} (did it accept bad input and mount?); \
+             stderr:\n{}",
+            read_lossy(&err_path)
+        );
+    }
+    CmdResult {
+        code: status.unwrap().code(),
+        stdout: read_lossy(&out_path),
+        stderr: read_lossy(&err_path),
+    }
+}
+
+/// `fusex <args>` through [`run_with_timeout`].
+pub fn run_fusex<S: AsRef<OsStr>>(
+    work: &WorkDir,
+    args: &[S],
+    mountpoint: Option<&Path>,
+) -> CmdResult {
+    let mut cmd = Command::new(fusex_bin());
+    cmd.args(args);
+    run_with_timeout(work, cmd, mountpoint)
+}
+
+// ---------------------------------------------------------------------------------------
+// The Mount guard
+// ---------------------------------------------------------------------------------------
+
+/// A fusex invocation that did not produce a mount.
+#[derive(Debug)]
+pub struct MountFailed {
+    pub code: Option<i32>,
+    pub stderr: String,
+    pub stdout: String,
+}
+
+/// A live fusex export. Dropping it stops the daemon (SIGTERM, then `umount -l` and
+/// SIGKILL if needed) and never leaves the mount behind.
+pub struct Mount {
+    /// The foreground daemon, or the `--daemonize` parent (already reaped).
+    child: Option<Child>,
+    daemonized: bool,
+    pid: i32,
+    mountpoint: PathBuf,
+    baseline: usize,
+    stdout_path: PathBuf,
+    stderr_path: PathBuf,
+    stats_path: PathBuf,
+    done: bool,
+    watchdog: Option<mpsc::Sender<()>>,
+}
+
+/// What [`Mount::stop`] observed.
+#[derive(Debug)]
+pub struct Stopped {
+    /// The daemon exited by itself within [`TIMEOUT`] (no SIGKILL needed).
+    pub exited: bool,
+    /// Exit code (None: killed by a signal, or a daemonized process we cannot reap).
+    pub code: Option<i32>,
+    /// Killed by this signal (foreground daemon only).
+    pub signal: Option<i32>,
+    pub daemonized: bool,
+    /// The FUSE mount was still there after the daemon had exited.
+    pub left_mounted: bool,
+    pub stdout: String,
+    pub stderr: String,
+    /// The parsed `--stats-file`, if it was written and parses.
+    pub stats: Option<Value>,
+    pub stats_raw: Option<String>,
+}
+
+impl Stopped {
+    /// Exit 0 within the timeout, nothing left mounted, nothing on stdout, no error or
+    /// panic in the log.
+    #[track_caller]
+    pub fn assert_clean(&self, what: &str) {
+        assert!(
+            self.exited,
+            "{what}: daemon did not exit within {TIMEOUT:?} (killed); stderr:\n{}",
+            self.stderr
+        );
+        if !self.daemonized {
+            assert_eq!(
+                self.code,
+                Some(0),
+                "{what}: daemon exit status (signal {:?}); stderr:\n{}",
+                self.signal,
+                self.stderr
+            );
+        }
+        assert!(
+            !self.left_mounted,
+            "{what}: the FUSE mount was still there after the daemon exited; stderr:\n{}",
+            self.stderr
+        );
+        assert!(
+            self.stdout.is_empty(),
+            "{what}: fusex must print nothing to stdout, got {:?}",
+            self.stdout
+        );
+        self.assert_no_errors_logged(what);
+    }
+
+    /// No line of the daemon's stderr mentions "error" or "panic" (case-insensitive).
+    #[track_caller]
+    pub fn assert_no_errors_logged(&self, what: &str) {
+        let bad: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|l| {
+                let l = l.to_ascii_lowercase();
+                l.contains("error") || l.contains("panic")
+            })
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "{what}: daemon logged errors:\n{}\n--- full stderr ---\n{}",
+            bad.join("\n"),
+            self.stderr
+        );
+    }
+
+    /// The stats JSON; panics if it is missing.
+    #[track_caller]
+    pub fn stats(&self) -> &Value {
+        self.stats.as_ref().unwrap_or_else(|| {
+            panic!(
+                "no parseable --stats-file after exit (raw: {:?}); stderr:\n{}",
+                self.stats_raw, self.stderr
+            )
+        })
+    }
+
+    /// A counter from the stats, e.g. `stat(&["backend", "flushes"])`. A missing op
+    /// counter under "ops" counts as 0; any other missing key panics.
+    #[track_caller]
+    pub fn stat(&self, path: &[&str]) -> u64 {
+        let mut v = self.stats();
+        for (i, k) in path.iter().enumerate() {
+            match v.get(k) {
+                Some(x) => v = x,
+                None if i == 1 && path[0] == "ops" && v.is_object() => return 0,
+                None => panic!("stats have no {path:?}: {}", self.stats()),
+            }
+        }
+        v.as_u64()
+            .unwrap_or_else(|| panic!("stats {path:?} is not a u64: {v} in {}", self.stats()))
+    }
+}
+
+impl Mount {
+    /// `fusex mount [args] --stats-file S IMAGE MOUNTPOINT` in the foreground; returns once
+    /// the mountpoint shows up as a FUSE mount. Panics (with the daemon's stderr) if it
+    /// exits early or does not mount within [`TIMEOUT`].
+    #[track_caller]
+    pub fn start(
+        work: &WorkDir,
+        image: impl AsRef<OsStr>,
+        mountpoint: &Path,
+        args: &[&str],
+    ) -> Mount {
+        let image = image.as_ref().to_os_string();
+        match Mount::try_start(work, &image, mountpoint, args) {
+            Ok(m) => m,
+            Err(f) => panic!(
+                "fusex mount {args:?} {image:?} {} failed (exit {:?}); stderr:\n{}",
+                mountpoint.display(),
+                f.code,
+                f.stderr
+            ),
+        }
+    }
+
+    /// Like [`Mount::start`], returning the failure instead of panicking.
+    pub fn try_start(
+        work: &WorkDir,
+        image: impl AsRef<OsStr>,
+        mountpoint: &Path,
+        args: &[&str],
+    ) -> Result<Mount, MountFailed> {
+        let mut m = Mount::spawn(work, image.as_ref(), mountpoint, args, false, None);
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            if fuse_mounts_at(&m.mountpoint).len() > m.baseline {
+                m.arm_watchdog();
+                return Ok(m);
+            }
+            let child = m.child.as_mut().unwrap();
+            if let Some(st) = child.try_wait().expect("try_wait") {
+                m.done = true;
+                return Err(MountFailed {
+                    code: st.code(),
+                    stderr: read_lossy(&m.stderr_path),
+                    stdout: read_lossy(&m.stdout_path),
+                });
+            }
+            if Instant::now() >= deadline {
+                let stderr = read_lossy(&m.stderr_path);
+                m.finish(true);
+                panic!(
+                    "fusex did not mount {} within {TIMEOUT:?} and did not exit; stderr:\n{stderr}",
+                    m.mountpoint.display()
+                );
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `fusex mount --daemonize --pid-file P [args] ...`: waits for the parent to exit.
+    /// Ok((mount, mounted_when_parent_returned)) when the parent exited 0.
+    pub fn start_daemonized(
+        work: &WorkDir,
+        image: impl AsRef<OsStr>,
+        mountpoint: &Path,
+        pid_file: &Path,
+        args: &[&str],
+    ) -> Result<(Mount, bool), MountFailed> {
+        let mut m = Mount::spawn(work, image.as_ref(), mountpoint, args, true, Some(pid_file));
+        let child = m.child.as_mut().unwrap();
+        let status = wait_timeout(child, TIMEOUT);
+        // Checked before anything else: the contract is that the mount is live when the
+        // parent returns.
+        let mounted_at_return = fuse_mounts_at(&m.mountpoint).len() > m.baseline;
+        let Some(status) = status else {
+            let stderr = read_lossy(&m.stderr_path);
+            m.finish(true);
+            panic!("fusex --daemonize parent did not return within {TIMEOUT:?}; stderr:\n{stderr}");
+        };
+        if !status.success() {
+            m.done = true;
+            if mounted_at_return {
+                // Should not happen; clean up whatever is there.
+                lazy_umount_fuse(&m.mountpoint, m.baseline);
+            }
+            return Err(MountFailed {
+                code: status.code(),
+                stderr: read_lossy(&m.stderr_path),
+                stdout: read_lossy(&m.stdout_path),
+            });
+        }
+        let pid_text = fs::read_to_string(pid_file).unwrap_or_default();
+        match pid_text.trim().parse::<i32>() {
+            Ok(pid) if pid > 0 => m.pid = pid,
+            _ => {
+                // Without a pid we can only unmount.
+                m.pid = 0;
+                lazy_umount_fuse(&m.mountpoint, m.baseline);
+                m.done = true;
+                panic!(
+                    "fusex --daemonize exited 0 but pid file {} holds {pid_text:?}; stderr:\n{}",
+                    pid_file.display(),
+                    read_lossy(&m.stderr_path)
+                );
+            }
+        }
+        if !mounted_at_return {
+            // Let the guard find the mount if it shows up late, so cleanup is complete.
+            let deadline = Instant::now() + TIMEOUT;
+            while Instant::now() < deadline
+                && pid_alive(m.pid)
+                && fuse_mounts_at(&m.mountpoint).len() <= m.baseline
+            {
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+        m.arm_watchdog();
+        Ok((m, mounted_at_return))
+    }
+
+    fn spawn(
+        work: &WorkDir,
+        image: &OsStr,
+        mountpoint: &Path,
+        args: &[&str],
+        daemonize: bool,
+        pid_file: Option<&Path>,
+    ) -> Mount {
+        let tag = unique("fusex");
+        let stdout_path = work.join(format!("{tag}.stdout"));
+        let stderr_path = work.join(format!("{tag}.stderr"));
+        let stats_path = work.join(format!("{tag}.stats.json"));
+        let baseline = fuse_mounts_at(mountpoint).len();
+        let mut cmd = Command::new(fusex_bin());
+        cmd.arg("mount");
+        if daemonize {
+            cmd.arg("--daemonize");
+        }
+        if let Some(p) = pid_file {
+            cmd.arg("--pid-file").arg(p);
+        }
+        cmd.args(args)
+            .arg("--stats-file")
+            .arg(&stats_path)
+            .arg(image)
+            .arg(mountpoint)
+            .stdin(Stdio::null())
+            .stdout(File::create(&stdout_path).expect("create stdout file"))
+            .stderr(File::create(&stderr_path).expect("create stderr file"))
+            .env_remove("RUST_LOG");
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot spawn {cmd:?}: {e}"));
+        Mount {
+            pid: child.id() as i32,
+            child: Some(child),
+            daemonized: daemonize,
+            mountpoint: mountpoint.to_path_buf(),
+            baseline,
+            stdout_path,
+            stderr_path,
+            stats_path,
+            done: false,
+            watchdog: None,
+        }
+    }
+
+    /// Kills the daemon if the test is still running after a long time, so that a hung
+    /// request fails the test (ENOTCONN) instead of hanging the whole run.
+    fn arm_watchdog(&mut self) {
+        let secs = std::env::var("FUSEX_E2E_WATCHDOG_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(150u64);
+        let (tx, rx) = mpsc::channel::<()>();
+        let pid = self.pid;
+        let mp = self.mountpoint.clone();
+        thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_secs(secs))
+            {
+                eprintln!(
+                    "harness watchdog: mount {} still up after {secs}s, killing fusex pid {pid}",
+                    mp.display()
+                );
+                if pid > 0 && pid_alive(pid) {
+                    send_signal(pid, libc::SIGKILL);
+                }
+            }
+        });
+        self.watchdog = Some(tx);
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The daemon's stderr so far.
+    pub fn stderr(&self) -> String {
+        read_lossy(&self.stderr_path)
+    }
+
+    pub fn stats_path(&self) -> &Path {
+        &self.stats_path
+    }
+
+    pub fn is_mounted(&self) -> bool {
+        fuse_mounts_at(&self.mountpoint).len() > self.baseline
+    }
+
+    /// Sends a signal to the daemon.
+    pub fn signal(&self, sig: libc::c_int) {
+        if self.pid > 0 {
+            send_signal(self.pid, sig);
+        }
+    }
+
+    pub fn open_ro(&self) -> File {
+        open_ro(&self.mountpoint)
+    }
+
+    pub fn open_rw(&self) -> File {
+        open_rw(&self.mountpoint)
+    }
+
+    /// SIGTERM, wait for the exit, collect status, stderr and stats.
+    pub fn stop(mut self) -> Stopped {
+        self.finish(true)
+    }
+
+    /// Wait (without signalling) for the daemon to exit, e.g. after an external unmount
+    /// or a signal sent with [`Mount::signal`].
+    pub fn wait_exit(mut self) -> Stopped {
+        self.finish(false)
+    }
+
+    /// Polls for the daemon's end; Some((code, signal)) once it is gone.
+    fn try_reap(&mut self) -> Option<(Option<i32>, Option<i32>)> {
+        use std::os::unix::process::ExitStatusExt;
+        if self.daemonized {
+            if self.pid <= 0 || !pid_alive(self.pid) {
+                return Some((None, None));
+            }
+            return None;
+        }
+        let child = self.child.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(st)) => Some((st.code(), st.signal())),
+            Ok(None) => None,
+            Err(e) => panic!("try_wait: {e}"),
+        }
+    }
+
+    fn finish(&mut self, sigterm: bool) -> Stopped {
+        self.done = true;
+        if sigterm {
+            self.signal(libc::SIGTERM);
+        }
+        let deadline = Instant::now() + TIMEOUT;
+        let mut reaped = None;
+        loop {
+            if let Some(r) = self.try_reap() {
+                reaped = Some(r);
+                break;
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        let exited = reaped.is_some();
+        let left_mounted = exited && self.is_mounted();
+        if !exited {
+            eprintln!(
+                "harness: fusex pid {} did not exit within {TIMEOUT:?}; umount -l + SIGKILL",
+                self.pid
+            );
+        }
+        lazy_umount_fuse(&self.mountpoint, self.baseline);
+        let (code, signal) = match reaped {
+            Some(r) => r,
+            None => {
+                if self.pid > 0 {
+                    send_signal(self.pid, libc::SIGKILL);
+                }
+                if let Some(c) = self.child.as_mut() {
+                    let _ = c.wait();
+                }
+                let deadline = Instant::now() + TIMEOUT;
+                while self.pid > 0 && pid_alive(self.pid) && Instant::now() < deadline {
+                    thread::sleep(Duration::from_millis(10));
+                }
+                lazy_umount_fuse(&self.mountpoint, self.baseline);
+                (None, Some(libc::SIGKILL))
+            }
+        };
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.send(());
+        }
+        let stats_raw = fs::read_to_string(&self.stats_path).ok();
+        let stats = stats_raw
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok());
+        Stopped {
+            exited,
+            code,
+            signal,
+            daemonized: self.daemonized,
+            left_mounted,
+            stdout: read_lossy(&self.stdout_path),
+            stderr: read_lossy(&self.stderr_path),
+            stats,
+            stats_raw,
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if thread::panicking() {
+            eprintln!(
+                "--- fusex (pid {}) stderr for {} ---\n{}--- end of fusex stderr ---",
+                self.pid,
+                self.mountpoint.display(),
+                self.stderr()
+            );
+        }
+        let st = self.finish(true);
+        if !st.exited || st.left_mounted {
+            eprintln!(
+                "harness: cleanup of {} needed force (exited: {}, left mounted: {})",
+                self.mountpoint.display(),
+                st.exited,
+                st.left_mounted
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Other guards
+// ---------------------------------------------------------------------------------------
+
+/// A loop device attached to a file; detached on drop.
+pub struct LoopDev {
+    pub dev: PathBuf,
+    attached: bool,
+}
+
+impl LoopDev {
+    pub fn attach(file: &Path, read_only: bool) -> LoopDev {
+        let mut cmd = Command::new("losetup");
+        cmd.arg("--find").arg("--show");
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        cmd.arg(file);
+        let out = run_ok(&mut cmd);
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        assert!(dev.starts_with("/dev/loop"), "losetup printed {dev:?}");
+        LoopDev {
+            dev: PathBuf::from(dev),
+            attached: true,
+        }
+    }
+
+    /// Detaches now, asserting success.
+    pub fn detach(mut self) {
+        self.attached = false;
+        run_ok(Command::new("losetup").arg("-d").arg(&self.dev));
+    }
+}
+
+impl Drop for LoopDev {
+    fn drop(&mut self) {
+        if !self.attached {
+            return;
+        }
+        for _ in 0..20 {
+            if run(Command::new("losetup").arg("-d").arg(&self.dev))
+                .status
+                .success()
+            {
+                return;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("harness: could not detach {}", self.dev.display());
+    }
+}
+
+/// A mounted filesystem (`mount [-o opts] SRC TARGET`); unmounted on drop.
+pub struct FsMount {
+    pub target: PathBuf,
+    active: bool,
+}
+
+impl FsMount {
+    pub fn mount(src: &Path, target: &Path, opts: &[&str]) -> FsMount {
+        let mut cmd = Command::new("mount");
+        if !opts.is_empty() {
+            cmd.arg("-o").arg(opts.join(","));
+        }
+        cmd.arg(src).arg(target);
+        run_ok(&mut cmd);
+        FsMount {
+            target: target.to_path_buf(),
+            active: true,
+        }
+    }
+
+    /// Unmounts now, asserting success.
+    pub fn unmount(mut self) {
+        self.active = false;
+        run_ok(Command::new("umount").arg(&self.target));
+    }
+}
+
+impl Drop for FsMount {
+    fn drop(&mut self) {
+        if !self.active {
+            return;
+        }
+        if !run(Command::new("umount").arg(&self.target))
+            .status
+            .success()
+        {
+            let _ = run(Command::new("umount").arg("-l").arg(&self.target));
+        }
+    }
+}
+
+/// `chattr +i` on a file; `chattr -i` on drop.
+pub struct Immutable(PathBuf);
+
+impl Immutable {
+    /// None if the filesystem does not support the flag.
+    pub fn set(path: &Path) -> Option<Immutable> {
+        let out = run(Command::new("chattr").arg("+i").arg(path));
+        if out.status.success() {
+            Some(Immutable(path.to_path_buf()))
+        } else {
+            eprintln!(
+                "chattr +i {} unsupported: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            None
+        }
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = run(Command::new("chattr").arg("-i").arg(&self.0));
+    }
+}
+
+/// A read-only bind mount of `src` on `target`; unmounted on drop.
+pub struct ReadOnlyBind(FsMount);
+
+impl ReadOnlyBind {
+    pub fn new(src: &Path, target: &Path) -> ReadOnlyBind {
+        let m = FsMount::mount(src, target, &["bind"]);
+        run_ok(
+            Command::new("mount")
+                .arg("-o")
+                .arg("remount,ro,bind")
+                .arg(target),
+        );
+        ReadOnlyBind(m)
+    }
+
+    pub fn target(&self) -> &Path {
+        &self.0.target
+    }
+}
+
+/// A child process killed (SIGKILL) and reaped on drop, e.g. a load generator.
+pub struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    pub fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+
+    /// Kills (if still running) and reaps; returns the exit status.
+    pub fn kill_and_wait(&mut self) -> ExitStatus {
+        let _ = self.0.kill();
+        self.0.wait().expect("wait")
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The parent pid of a process (from /proc/PID/stat), if it exists.
+pub fn ppid_of(pid: i32) -> Option<i32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    rest.split(' ').nth(1)?.parse().ok()
+}
+
+/// Pids of the processes (other than this one) that have `path` open.
+pub fn pids_with_open(path: &Path) -> Vec<i32> {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    let mut out = Vec::new();
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return out;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        if fds
+            .flatten()
+            .any(|fd| fs::read_link(fd.path()).map(|t| t == path).unwrap_or(false))
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_unescape() {
+        assert_eq!(
+            unescape_mountinfo(r"/a\040b\011c\134d"),
+            OsString::from("/a b\tc\\d")
+        );
+        assert_eq!(unescape_mountinfo(r"/plain"), OsString::from("/plain"));
+        assert_eq!(unescape_mountinfo(r"/end\04"), OsString::from(r"/end\04"));
+    }
+
+    #[test]
+    fn fuse_fstypes() {
+        assert!(is_fuse_fstype("fuse"));
+        assert!(is_fuse_fstype("fuse.fusex"));
+        assert!(!is_fuse_fstype("fuseblk"));
+        assert!(!is_fuse_fstype("fusectl"));
+    }
+
+    #[test]
+    fn rng_is_deterministic_and_fills_tails() {
+        let a = Rng::new(5).bytes(13);
+        let b = Rng::new(5).bytes(13);
+        assert_eq!(a, b);
+        assert_ne!(a, Rng::new(6).bytes(13));
+        assert!(a[8..].iter().any(|&x| x != 0));
+    }
+
+    #[test]
+    fn hash_differs_on_change() {
+        let mut d = Rng::new(1).bytes(1000);
+        let h = hash_bytes(0, &d);
+        d[999] ^= 1;
+        assert_ne!(h, hash_bytes(0, &d));
+    }
+}

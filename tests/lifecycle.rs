@@ -1,0 +1,403 @@
+//! Starting and stopping: signals, external unmounts, `fusex umount`, `--daemonize`,
+//! what happens to the mountpoint file.
+
+use std::fs::{self, File};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::Duration;
+
+use fusex_e2e::*;
+
+#[test]
+fn export_is_a_regular_file_with_the_image_attributes() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-attrs");
+    let img = w.join("disk.img");
+    let size = 3 * MIB + 512;
+    random_image(&img, size, 1);
+    fs::set_permissions(&img, fs::Permissions::from_mode(0o640)).unwrap();
+    let mp = w.join("export");
+    assert!(!mp.exists());
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let entries = fuse_mounts_at(&mp);
+    assert_eq!(
+        entries.len(),
+        1,
+        "one FUSE mount on the mountpoint: {entries:?}"
+    );
+    let md = fs::metadata(&mp).expect("stat export");
+    let imd = fs::metadata(&img).unwrap();
+    assert!(
+        md.file_type().is_file(),
+        "export must be a regular file: mode {:o}",
+        md.mode()
+    );
+    assert_eq!(md.size(), size, "st_size = image length");
+    assert_eq!(
+        md.mode() & 0o7777,
+        imd.mode() & 0o7777,
+        "permission bits follow the image (DESIGN §1)"
+    );
+    assert_eq!(
+        (md.uid(), md.gid()),
+        (imd.uid(), imd.gid()),
+        "owner follows the image (DESIGN §1)"
+    );
+    let st = m.stop();
+    st.assert_clean("attrs");
+    assert!(
+        !mp.exists(),
+        "mountpoint created by fusex must be removed on exit"
+    );
+}
+
+#[test]
+fn sigterm_unmounts_and_removes_created_mountpoint() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-sigterm");
+    let img = w.join("disk.img");
+    let model = random_image(&img, 2 * MIB, 2);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &[]);
+    assert!(mp.exists());
+    assert_bytes_eq(&read_all(&mp), &model, 0, "content before stopping");
+    let st = m.stop();
+    st.assert_clean("SIGTERM");
+    assert!(!is_fuse_mounted(&mp), "still mounted after exit");
+    assert!(
+        !mp.exists(),
+        "mountpoint created by fusex must be removed on exit"
+    );
+    assert!(st.stat(&["requests"]) >= 1, "stats: {}", st.stats());
+    assert!(st.stat(&["ops", "READ"]) >= 1, "stats: {}", st.stats());
+}
+
+#[test]
+fn sigint_unmounts_and_keeps_preexisting_mountpoint() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-sigint");
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 3);
+    let mp = w.join("export");
+    fs::write(&mp, b"keep me").unwrap();
+    let m = Mount::start(&w, &img, &mp, &[]);
+    assert_eq!(
+        fs::metadata(&mp).unwrap().len(),
+        MIB,
+        "the export hides the file underneath"
+    );
+    m.signal(libc::SIGINT);
+    let st = m.wait_exit();
+    st.assert_clean("SIGINT");
+    assert_eq!(
+        fs::read(&mp).expect("pre-existing mountpoint must be kept"),
+        b"keep me"
+    );
+}
+
+#[test]
+fn external_umount_stops_the_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-umount");
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 4);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    run_ok(Command::new("umount").arg(&mp));
+    let st = m.wait_exit();
+    st.assert_clean("external umount");
+    assert!(
+        !mp.exists(),
+        "mountpoint created by fusex must be removed after an external umount"
+    );
+}
+
+#[test]
+fn fusex_umount_stops_the_daemon_and_keeps_preexisting_mountpoint() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-fusex-umount");
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 5);
+    let mp = w.join("export");
+    fs::write(&mp, b"pre-existing").unwrap();
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let r = run_fusex(&w, &[std::ffi::OsStr::new("umount"), mp.as_os_str()], None);
+    assert_eq!(
+        r.code,
+        Some(0),
+        "fusex umount failed; stderr:\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stdout.is_empty(),
+        "fusex umount printed to stdout: {:?}",
+        r.stdout
+    );
+    let st = m.wait_exit();
+    st.assert_clean("fusex umount");
+    assert_eq!(
+        fs::read(&mp).expect("pre-existing mountpoint must be kept"),
+        b"pre-existing"
+    );
+}
+
+#[test]
+fn fusex_umount_of_something_not_mounted_fails_cleanly() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-umount-none");
+    let mp = w.join("not-mounted");
+    fs::write(&mp, b"x").unwrap();
+    let r = run_fusex(&w, &[std::ffi::OsStr::new("umount"), mp.as_os_str()], None);
+    r.assert_one_error_line("fusex umount of a file that is not a FUSE mount");
+    assert_eq!(fs::read(&mp).unwrap(), b"x");
+}
+
+/// SIGTERM while fio hammers the export: the daemon finishes, unmounts and exits 0
+/// within the timeout although fio still holds the file open.
+#[test]
+fn sigterm_under_fio_load() {
+    if !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let w = WorkDir::new("lc-fio");
+    let img = w.join("disk.img");
+    random_image(&img, 16 * MIB, 6);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let fio_log = w.join("fio.log");
+    let mut filename = std::ffi::OsString::from("--filename=");
+    filename.push(&mp);
+    let mut fio = ChildGuard(
+        Command::new("fio")
+            .args([
+                "--name=t",
+                "--rw=randrw",
+                "--bs=4k",
+                "--iodepth=16",
+                "--ioengine=libaio",
+                "--direct=1",
+                "--time_based",
+                "--runtime=30",
+                "--size=16M",
+                "--fallocate=none",
+            ])
+            .arg(&filename)
+            .stdin(Stdio::null())
+            .stdout(File::create(&fio_log).unwrap())
+            .stderr(File::create(w.join("fio.stderr")).unwrap())
+            .spawn()
+            .expect("spawn fio"),
+    );
+    // Wait until fio has the export open (it may take a while to start on a loaded
+    // machine), then let it run for a second.
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while pids_with_open(&mp).is_empty()
+        && fio.0.try_wait().unwrap().is_none()
+        && std::time::Instant::now() < deadline
+    {
+        thread::sleep(Duration::from_millis(20));
+    }
+    thread::sleep(Duration::from_secs(1));
+    if let Some(st) = fio.0.try_wait().unwrap() {
+        panic!(
+            "fio ended before the signal ({st}):\n{}\n{}\n--- fusex stderr ---\n{}",
+            String::from_utf8_lossy(&fs::read(&fio_log).unwrap_or_default()),
+            String::from_utf8_lossy(&fs::read(w.join("fio.stderr")).unwrap_or_default()),
+            m.stderr()
+        );
+    }
+    m.signal(libc::SIGTERM);
+    let st = m.wait_exit();
+    let fio_status = fio.kill_and_wait();
+    eprintln!("fio ended with {fio_status} (errors from fio are expected here)");
+    st.assert_clean("SIGTERM under fio load");
+    assert!(!is_fuse_mounted(&mp), "mountpoint is still a FUSE mount");
+    assert!(
+        !mp.exists(),
+        "mountpoint created by fusex must be removed on exit"
+    );
+    let io = st.stat(&["ops", "READ"]) + st.stat(&["ops", "WRITE"]);
+    assert!(
+        io >= 1,
+        "fio did no I/O before the signal? stats: {}",
+        st.stats()
+    );
+    assert!(
+        st.stat(&["backend", "flushes"]) >= 1,
+        "writable export: flush at exit: {}",
+        st.stats()
+    );
+}
+
+#[test]
+fn daemonize_returns_once_mounted() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-daemonize");
+    let img = w.join("disk.img");
+    let model = random_image(&img, 2 * MIB, 7);
+    let mp = w.join("export");
+    let pid_file = w.join("fusex.pid");
+    let (m, mounted_at_return) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| {
+            panic!(
+                "fusex --daemonize failed (exit {:?}); stderr:\n{}",
+                f.code, f.stderr
+            )
+        });
+    assert!(
+        mounted_at_return,
+        "fusex --daemonize exited 0 before the mount was live; stderr:\n{}",
+        m.stderr()
+    );
+    let pid = m.pid();
+    assert!(pid_alive(pid), "pid file names {pid}, which is not running");
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    assert!(comm.contains("fusex"), "pid {pid} is {comm:?}, not fusex");
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    assert_ne!(
+        ppid_of(pid),
+        Some(me),
+        "the daemon must not be our direct child (it should have forked)"
+    );
+
+    assert_bytes_eq(
+        &read_all(&mp),
+        &model,
+        0,
+        "read through the daemonized export",
+    );
+    let f = open_rw(&mp);
+    f.write_all_at(b"daemon", 100)
+        .expect("write through the daemonized export");
+    f.sync_all().unwrap();
+    drop(f);
+
+    let st = m.stop();
+    st.assert_clean("daemonized");
+    assert!(!pid_alive(pid));
+    assert!(
+        !mp.exists(),
+        "mountpoint created by fusex must be removed on exit"
+    );
+    assert!(st.stat(&["ops", "WRITE"]) >= 1, "stats: {}", st.stats());
+    assert_eq!(&read_all(&img)[100..106], b"daemon");
+}
+
+/// --daemonize with an image that cannot be opened: the parent prints the error and
+/// exits 1; nothing stays mounted or running.
+#[test]
+fn daemonize_reports_errors() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-daemonize-err");
+    let mp = w.join("export");
+    let pid_file = w.join("fusex.pid");
+    match Mount::start_daemonized(&w, w.join("missing.img"), &mp, &pid_file, &[]) {
+        Ok((m, _)) => {
+            drop(m);
+            panic!("fusex --daemonize with a missing image exited 0");
+        }
+        Err(f) => {
+            let r = CmdResult {
+                code: f.code,
+                stdout: f.stdout,
+                stderr: f.stderr,
+            };
+            r.assert_one_error_line("--daemonize with a missing image");
+        }
+    }
+    assert!(!is_fuse_mounted(&mp));
+    assert!(
+        !mp.exists(),
+        "mountpoint created by fusex must be removed after a failure"
+    );
+    if let Ok(p) = fs::read_to_string(&pid_file) {
+        if let Ok(pid) = p.trim().parse::<i32>() {
+            assert!(
+                !pid_alive(pid),
+                "daemon {pid} still running after a failed start"
+            );
+        }
+    }
+}
+
+/// With -v the daemon logs "mounted IMAGE at MOUNTPOINT" (contract: info level).
+#[test]
+fn verbose_logs_the_mount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-verbose");
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 8);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["-v"]);
+    let st = m.stop();
+    assert!(
+        st.exited && st.code == Some(0),
+        "exit {:?}; stderr:\n{}",
+        st.code,
+        st.stderr
+    );
+    assert!(!st.left_mounted);
+    assert!(st.stdout.is_empty(), "stdout: {:?}", st.stdout);
+    let line = st.stderr.lines().find(|l| l.contains("mounted"));
+    let line =
+        line.unwrap_or_else(|| panic!("no \"mounted\" line with -v; stderr:\n{}", st.stderr));
+    assert!(
+        line.contains(img.to_str().unwrap()) && line.contains(mp.to_str().unwrap()),
+        "the mounted line should name image and mountpoint: {line:?}"
+    );
+    assert!(
+        !st.stderr.to_ascii_lowercase().contains("panic"),
+        "stderr:\n{}",
+        st.stderr
+    );
+}
+
+/// Contract: on SIGTERM a writable export flushes the backend before exiting. The fd stays
+/// open across the signal so no FLUSH/FSYNC from the application accounts for it.
+#[test]
+fn sigterm_flushes_a_writable_export() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-exit-flush");
+    let img = w.join("disk.img");
+    sparse_image(&img, MIB);
+    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let f = m.open_rw();
+    f.write_all_at(b"unflushed", 4096).expect("write");
+    let st = m.stop();
+    drop(f); // ENOTCONN on close is expected: the daemon is gone.
+    st.assert_clean("SIGTERM with an open fd");
+    assert_eq!(
+        st.stat(&["ops", "FLUSH"]) + st.stat(&["ops", "FSYNC"]),
+        0,
+        "stats: {}",
+        st.stats()
+    );
+    assert!(
+        st.stat(&["backend", "flushes"]) >= 1,
+        "contract: SIGTERM on a writable export flushes the backend; stats: {}",
+        st.stats()
+    );
+    assert_eq!(&read_all(&img)[4096..4105], b"unflushed");
+}
