@@ -40,6 +40,17 @@ pub enum IoPathArg {
     Nowait,
 }
 
+/// Whether queue threads are pinned to CPUs.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Affinity {
+    /// Pin when queues == CPUs.
+    Auto,
+    /// Always pin.
+    On,
+    /// Never pin.
+    Off,
+}
+
 /// `fusex mount`.
 #[derive(clap::Args, Debug)]
 pub struct MountArgs {
@@ -68,12 +79,19 @@ pub struct MountArgs {
     /// Requests in flight per queue.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub queue_depth: u16,
-    /// Number of queues (each a thread with its own /dev/fuse fd and io_uring).
+    /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
+    /// /dev/fuse fd (a clone) and its own io_uring, sharing nothing with the others.
     ///
-    /// More queues help when several processes or threads submit I/O at once, or when the backend
-    /// is CPU-bound; a single synchronous submitter gains nothing and may lose a little.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
-    pub queues: u16,
+    /// More queues help when several processes or threads submit I/O at once (fio numjobs > 1,
+    /// a VM with several vCPUs, parallel backups) or when the backend costs CPU per request. They
+    /// do not help a single synchronous submitter (psync QD1: one request at a time can only
+    /// ever keep one queue busy) and a second queue may then cost a few percent in wakeups.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256), verbatim_doc_comment)]
+    pub queues: Option<u16>,
+    /// Pin queue i to CPU i (mod the CPUs fusex may run on). auto: on when there are exactly as
+    /// many queues as CPUs.
+    #[arg(long, value_enum, default_value_t = Affinity::Auto)]
+    pub cpu_affinity: Affinity,
     /// How raw-image I/O is issued.
     #[arg(long, value_enum, default_value_t = IoPathArg::Auto)]
     pub io_path: IoPathArg,

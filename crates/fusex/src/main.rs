@@ -1,5 +1,6 @@
 //! fusex: export disk images as regular files through FUSE.
 
+mod affinity;
 mod cli;
 mod daemon;
 mod queue;

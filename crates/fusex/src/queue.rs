@@ -30,6 +30,8 @@ pub struct QueueSpec {
     pub max_write: usize,
     /// Busy-poll before sleeping.
     pub spin: Duration,
+    /// CPU to pin the queue thread to.
+    pub cpu: Option<usize>,
 }
 
 /// Messages from queue threads to the main thread.
@@ -62,6 +64,9 @@ pub fn run(
     events: Sender<Event>,
 ) {
     let id = spec.id;
+    if let Some(cpu) = spec.cpu {
+        crate::affinity::pin_current_thread(cpu);
+    }
     match serve(spec, export, stop, &events) {
         Ok(report) => {
             let _ = events.send(Event::Ended {

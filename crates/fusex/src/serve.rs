@@ -13,7 +13,7 @@ use export::{Export, ExportConfig, Snapshot};
 use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES};
 use transport::{clone_fd, negotiate_init, open_dev_fuse, InitParams, Mount, MountConfig};
 
-use crate::cli::{IoPathArg, MountArgs};
+use crate::cli::{Affinity, IoPathArg, MountArgs};
 use crate::daemon::Readiness;
 use crate::queue::{self, Event, QueueSpec};
 
@@ -136,7 +136,14 @@ fn run_queues(
     max_write: u32,
     ready: &mut Readiness,
 ) -> Result<serde_json::Value> {
-    let nq = usize::from(args.queues);
+    let cpus = crate::affinity::allowed_cpus();
+    let nq = args.queues.map_or(cpus.len(), usize::from);
+    let pin = match args.cpu_affinity {
+        Affinity::On => true,
+        Affinity::Off => false,
+        Affinity::Auto => nq == cpus.len(),
+    };
+    tracing::debug!(queues = nq, pinned = pin, "starting queues");
     let mut fds = Vec::with_capacity(nq);
     for _ in 1..nq {
         fds.push(clone_fd(mnt.fd())?);
@@ -170,6 +177,7 @@ fn run_queues(
             depth: usize::from(args.queue_depth),
             max_write: max_write as usize,
             spin: Duration::from_micros(args.spin_us),
+            cpu: pin.then(|| cpus[id % cpus.len()]),
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
         threads.push(

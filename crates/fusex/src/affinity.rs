@@ -1,0 +1,65 @@
+//! Which CPUs queue threads may run on, and pinning a thread to one.
+
+/// The CPUs this process may run on, in ascending order (at least one).
+pub fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it for this process.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: passes the size of the set we own.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    let cpus: Vec<usize> = if r == 0 {
+        // SAFETY: CPU_ISSET reads the set we own, for indices below CPU_SETSIZE.
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if cpus.is_empty() {
+        vec![0]
+    } else {
+        cpus
+    }
+}
+
+/// Pins the calling thread to `cpu`; failure is logged and otherwise harmless.
+pub fn pin_current_thread(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: cpu < CPU_SETSIZE (it came from allowed_cpus).
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: passes the size of the set we own; 0 = the calling thread.
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
+        tracing::warn!(
+            "cannot pin queue thread to CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allowed_cpus_includes_the_current_one() {
+        let cpus = allowed_cpus();
+        assert!(!cpus.is_empty());
+        assert!(cpus.windows(2).all(|w| w[0] < w[1]));
+        // SAFETY: sched_getcpu has no preconditions.
+        let cur = unsafe { libc::sched_getcpu() };
+        assert!(cur < 0 || cpus.contains(&(cur as usize)));
+    }
+
+    #[test]
+    fn pinning_moves_the_thread() {
+        let cpus = allowed_cpus();
+        let target = *cpus.last().unwrap();
+        std::thread::spawn(move || {
+            pin_current_thread(target);
+            // SAFETY: no preconditions.
+            assert_eq!(unsafe { libc::sched_getcpu() }, target as i32);
+        })
+        .join()
+        .unwrap();
+    }
+}
