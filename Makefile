@@ -40,9 +40,12 @@ unit:
 	$(CARGO) test --workspace --exclude fusex-e2e
 	python3 -m unittest discover -s bench/tests -t bench
 
+# The end-to-end suite runs once per transport (FUSE-over-io_uring needs enable_uring=Y, which
+# `make deps` sets where it may).
 e2e:
 	$(CARGO) build -p fusex
-	$(CARGO) test -p fusex-e2e -- --test-threads=4
+	FUSEX_E2E_TRANSPORT=legacy $(CARGO) test -p fusex-e2e -- --test-threads=4
+	FUSEX_E2E_TRANSPORT=uring $(CARGO) test -p fusex-e2e -- --test-threads=4
 
 bench-smoke: release
 	bash bench/smoke.sh

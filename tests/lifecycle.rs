@@ -63,7 +63,8 @@ fn sigterm_unmounts_and_removes_created_mountpoint() {
     let img = w.join("disk.img");
     let model = random_image(&img, 2 * MIB, 2);
     let mp = w.join("export");
-    let m = Mount::start(&w, &img, &mp, &[]);
+    // Passthrough off: the READ counter below must see the reads (passthrough keeps them from fusex).
+    let m = Mount::start(&w, &img, &mp, &["--passthrough", "off"]);
     assert!(mp.exists());
     assert_bytes_eq(&read_all(&mp), &model, 0, "content before stopping");
     let st = m.stop();

@@ -30,8 +30,10 @@ fn fio_verify(w: &WorkDir, mp: &std::path::Path) -> String {
             "--verify_fatal=1",
             "--fallocate=none",
             "--randrepeat=0",
+            "--verify_state_save=0",
         ])
         .arg(&filename)
+        .current_dir(w.path())
         .stdin(Stdio::null())
         .output()
         .expect("run fio");
@@ -61,7 +63,13 @@ fn integrity_with_queues(queues: &str) {
     let img = w.join("disk.img");
     random_image(&img, 16 * MIB, 40);
     let mp = w.join("export");
-    let m = Mount::start(&w, &img, &mp, &["--writable", "--queues", queues]);
+    // Cloned /dev/fuse fds are the legacy transport's queues (io_uring has one per CPU).
+    let m = Mount::start(
+        &w,
+        &img,
+        &mp,
+        &["--writable", "--transport", "legacy", "--queues", queues],
+    );
     fio_verify(&w, &mp);
     // The oracle: what the export serves now equals the backing file, chunk by chunk.
     let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
@@ -126,7 +134,12 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
     let img = w.join("disk.img");
     random_image(&img, 16 * MIB, 41);
     let mp = w.join("export");
-    let m = Mount::start(&w, &img, &mp, &["--writable", "--queues", "4"]);
+    let m = Mount::start(
+        &w,
+        &img,
+        &mp,
+        &["--writable", "--transport", "legacy", "--queues", "4"],
+    );
     let mut filename = OsString::from("--filename=");
     filename.push(&mp);
     let mut fio = ChildGuard(

@@ -1042,8 +1042,15 @@ impl Mount {
         if let Some(p) = pid_file {
             cmd.arg("--pid-file").arg(p);
         }
-        cmd.args(args)
-            .arg("--stats-file")
+        cmd.args(args);
+        // The whole suite runs once per transport: FUSEX_E2E_TRANSPORT=legacy|uring picks it
+        // for every mount that does not choose one itself.
+        if let Ok(t) = std::env::var("FUSEX_E2E_TRANSPORT") {
+            if !t.is_empty() && !args.contains(&"--transport") {
+                cmd.arg("--transport").arg(t);
+            }
+        }
+        cmd.arg("--stats-file")
             .arg(&stats_path)
             .arg(image)
             .arg(mountpoint)

@@ -105,6 +105,9 @@ impl BlockBackend for AnyBackend {
     fn size(&self) -> u64 {
         each!(self, b => b.size())
     }
+    fn refresh_size(&self) -> Result<u64> {
+        each!(self, b => b.refresh_size())
+    }
     fn capabilities(&self) -> Capabilities {
         each!(self, b => b.capabilities())
     }

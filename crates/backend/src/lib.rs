@@ -92,6 +92,13 @@ pub trait BlockBackend: Send + Sync + 'static {
     /// Current length of the image.
     fn size(&self) -> u64;
 
+    /// Re-reads the length from the image itself and returns it, for when something other than
+    /// this backend may have changed it: with FUSE passthrough the kernel writes (and extends) the
+    /// image file directly. The default keeps the backend's own idea of the size.
+    fn refresh_size(&self) -> Result<u64> {
+        Ok(self.size())
+    }
+
     /// What this backend supports.
     fn capabilities(&self) -> Capabilities;
 

@@ -181,6 +181,16 @@ impl BlockBackend for RawBackend {
         self.size.load(Ordering::Acquire)
     }
 
+    fn refresh_size(&self) -> Result<u64> {
+        if self.block_device {
+            return Ok(self.size());
+        }
+        let _g = self.resize_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let len = self.file.metadata()?.len();
+        self.size.store(len, Ordering::Release);
+        Ok(len)
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             writable: self.writable,
@@ -400,8 +410,13 @@ impl BlockBackend for RawBackend {
         }
         let _g = self.resize_lock.lock().unwrap_or_else(|e| e.into_inner());
         if new_size > self.size.load(Ordering::Acquire) {
-            self.file.set_len(new_size)?;
-            self.size.store(new_size, Ordering::Release);
+            // The file may be longer than we know (passthrough writes extend it behind our back):
+            // growing must never cut it.
+            let len = self.file.metadata()?.len();
+            if new_size > len {
+                self.file.set_len(new_size)?;
+            }
+            self.size.store(new_size.max(len), Ordering::Release);
         }
         Ok(())
     }

@@ -46,3 +46,19 @@ pub enum EngineError {
 
 #[cfg(test)]
 mod tests;
+
+/// Returns `sqe` with its `len` field (the u32 at byte offset 24 of `io_uring_sqe`) set.
+///
+/// The io-uring crate's `UringCmd80` builder has no setter for `len`, but FUSE's REGISTER command
+/// passes its iovec count there. This is the one place fusex edits an SQE's bytes directly.
+pub fn sqe_with_len(sqe: Sqe, len: u32) -> Sqe {
+    const _: () = assert!(std::mem::size_of::<Sqe>() == 128);
+    const LEN_OFFSET: usize = 24;
+    // SAFETY: `Entry128` is `#[repr(C)]`, exactly 128 bytes of plain integers (an `io_uring_sqe`
+    // followed by 64 command bytes), with no padding, pointers or drop glue; any bit pattern is a
+    // valid value, so a round trip through a byte array is sound.
+    let mut raw: [u8; 128] = unsafe { std::mem::transmute::<Sqe, [u8; 128]>(sqe) };
+    raw[LEN_OFFSET..LEN_OFFSET + 4].copy_from_slice(&len.to_ne_bytes());
+    // SAFETY: as above, in the other direction.
+    unsafe { std::mem::transmute::<[u8; 128], Sqe>(raw) }
+}

@@ -156,3 +156,17 @@ fn dropping_a_pending_op_cancels_it() {
     drop(eng);
     assert_eq!(*byte, 0);
 }
+
+#[test]
+fn sqe_len_is_set_without_touching_other_fields() {
+    let sqe: Sqe = opcode::UringCmd80::new(types::Fd(7), 1)
+        .addr(Some(0xdead_beef))
+        .cmd([0xab; 80])
+        .build();
+    let before: [u8; 128] = unsafe { std::mem::transmute(sqe.clone()) };
+    let after: [u8; 128] = unsafe { std::mem::transmute(crate::sqe_with_len(sqe, 2)) };
+    assert_eq!(&after[24..28], &2u32.to_ne_bytes());
+    assert_eq!(&before[..24], &after[..24]);
+    assert_eq!(&before[28..], &after[28..]);
+    assert_eq!(after[0], io_uring::opcode::UringCmd80::CODE);
+}

@@ -20,6 +20,9 @@ pub struct Counters {
     pub bytes_read: Cell<u64>,
     /// Bytes written to the backend.
     pub bytes_written: Cell<u64>,
+    /// Data bytes copied in userspace (a WRITE whose data the transport could not place where the
+    /// backend reads it). Stays 0 on the zero-copy data path.
+    pub bytes_copied: Cell<u64>,
 }
 
 impl Default for Counters {
@@ -32,6 +35,7 @@ impl Default for Counters {
             backend_flushes: Cell::new(0),
             bytes_read: Cell::new(0),
             bytes_written: Cell::new(0),
+            bytes_copied: Cell::new(0),
         }
     }
 }
@@ -59,6 +63,10 @@ impl Counters {
         bump(&self.backend_writes, 1);
         bump(&self.bytes_written, bytes as u64);
     }
+    /// Counts data bytes copied in userspace.
+    pub fn copied(&self, bytes: usize) {
+        bump(&self.bytes_copied, bytes as u64);
+    }
     pub(crate) fn flush(&self) {
         bump(&self.backend_flushes, 1);
     }
@@ -73,6 +81,7 @@ impl Counters {
             backend_flushes: self.backend_flushes.get(),
             bytes_read: self.bytes_read.get(),
             bytes_written: self.bytes_written.get(),
+            bytes_copied: self.bytes_copied.get(),
         }
     }
 }
@@ -94,6 +103,8 @@ pub struct Snapshot {
     pub bytes_read: u64,
     /// Bytes written to the backend.
     pub bytes_written: u64,
+    /// Data bytes copied in userspace.
+    pub bytes_copied: u64,
 }
 
 impl Default for Snapshot {
@@ -119,6 +130,7 @@ impl Snapshot {
         self.backend_flushes += o.backend_flushes;
         self.bytes_read += o.bytes_read;
         self.bytes_written += o.bytes_written;
+        self.bytes_copied += o.bytes_copied;
     }
 
     /// JSON form: `{"requests": n, "ops": {"READ": n, ...}, "backend": {...}}` (zero ops omitted).
@@ -141,6 +153,7 @@ impl Snapshot {
                 "bytes_read": self.bytes_read,
                 "bytes_written": self.bytes_written,
             },
+            "copied_bytes": self.bytes_copied,
         })
     }
 }

@@ -1,5 +1,6 @@
 //! FUSE operations on the exported file.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use backend::{BackendError, BlockBackend, Seek};
@@ -8,8 +9,8 @@ use fuse_abi::{
     Attr, AttrOut, FallocateIn, InHeader, Kstatfs, LseekIn, LseekOut, OpenIn, OpenOut, ReadIn,
     SetattrIn, StatfsOut, WriteIn, WriteOut, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE,
     FALLOC_FL_ZERO_RANGE, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_GID, FATTR_MODE, FATTR_MTIME,
-    FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
-    FOPEN_PARALLEL_DIRECT_WRITES, ROOT_ID, SEEK_DATA, SEEK_HOLE,
+    FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE, FOPEN_NOFLUSH,
+    FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, ROOT_ID, SEEK_DATA, SEEK_HOLE,
 };
 use zerocopy::{Immutable, IntoBytes};
 
@@ -29,6 +30,19 @@ pub struct ExportConfig {
     /// How long the kernel may cache attributes. Short enough that a growable export's new size is
     /// seen soon; long enough that I/O does not trigger a GETATTR each time.
     pub attr_valid: Duration,
+}
+
+/// How opens are passed through to the image file (kernel 6.9+; see docs/passthrough.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Passthrough {
+    /// Backing id of the image file (`FUSE_DEV_IOC_BACKING_OPEN`).
+    pub backing_id: i32,
+    /// Opens for writing are passed through too. Only where the kernel may extend the file: a
+    /// growable export (its size then follows the image file, re-read on GETATTR and the other
+    /// size-dependent requests). A fixed-size writable export passes only mmap of such opens through
+    /// (`FOPEN_DIRECT_IO | FOPEN_PASSTHROUGH`): their reads and writes come to fusex, which stops
+    /// them at the end; opens for reading are passed through entirely.
+    pub write_opens: bool,
 }
 
 impl Default for ExportConfig {
@@ -58,6 +72,8 @@ pub enum Reply {
 pub struct Export<B> {
     backend: B,
     cfg: ExportConfig,
+    /// Set once INIT negotiated passthrough and the image is registered, before any OPEN.
+    passthrough: OnceLock<Passthrough>,
 }
 
 type R = Result<Reply, i32>;
@@ -69,7 +85,21 @@ fn err(e: BackendError) -> i32 {
 impl<B: BlockBackend> Export<B> {
     /// An export of `backend`. `--writable` needs a backend opened for writing.
     pub fn new(backend: B, cfg: ExportConfig) -> Export<B> {
-        Export { backend, cfg }
+        Export {
+            backend,
+            cfg,
+            passthrough: OnceLock::new(),
+        }
+    }
+
+    /// Turns passthrough on (once; before the queues start). False if it was already set.
+    pub fn set_passthrough(&self, p: Passthrough) -> bool {
+        self.passthrough.set(p).is_ok()
+    }
+
+    /// Passthrough in effect, if any.
+    pub fn passthrough(&self) -> Option<Passthrough> {
+        self.passthrough.get().copied()
     }
 
     /// The backend (for the final flush, passthrough setup, ...).
@@ -185,7 +215,19 @@ impl<B: BlockBackend> Export<B> {
         )
     }
 
+    /// The image length for requests that depend on it. With writes passed through, the kernel
+    /// extends the image file without telling fusex: re-read it from the file.
+    fn size(&self) -> Result<u64, i32> {
+        match self.passthrough.get() {
+            Some(p) if p.write_opens && self.cfg.writable => {
+                self.backend.refresh_size().map_err(err)
+            }
+            _ => Ok(self.backend.size()),
+        }
+    }
+
     fn attr(&self) -> Result<Attr, i32> {
+        let size = self.size()?;
         let a = self.backend.attrs().map_err(err)?;
         let mut perm = a.perm;
         if !self.cfg.writable {
@@ -193,7 +235,7 @@ impl<B: BlockBackend> Export<B> {
         }
         Ok(Attr {
             ino: ROOT_ID,
-            size: self.backend.size(),
+            size,
             blocks: a.allocated.div_ceil(512),
             atime: a.atime.0 as u64,
             mtime: a.mtime.0 as u64,
@@ -236,7 +278,7 @@ impl<B: BlockBackend> Export<B> {
         {
             return Err(libc::EPERM);
         }
-        if a.valid & FATTR_SIZE != 0 && a.size != self.backend.size() {
+        if a.valid & FATTR_SIZE != 0 && a.size != self.size()? {
             if !self.cfg.writable {
                 return Err(libc::EROFS);
             }
@@ -268,13 +310,24 @@ impl<B: BlockBackend> Export<B> {
     }
 
     fn open(&self, a: OpenIn, buf: &mut BufHandle, payload: usize) -> R {
-        if a.flags as i32 & libc::O_ACCMODE != libc::O_RDONLY && !self.cfg.writable {
+        let for_writing = a.flags as i32 & libc::O_ACCMODE != libc::O_RDONLY;
+        if for_writing && !self.cfg.writable {
             return Err(libc::EROFS);
         }
-        let open_flags = if self.cfg.kernel_cache {
-            FOPEN_KEEP_CACHE
-        } else {
-            FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES
+        let (open_flags, backing_id) = match self.passthrough.get() {
+            // Passthrough allows only DIRECT_IO, PARALLEL_DIRECT_WRITES and NOFLUSH beside it (any
+            // other flag, KEEP_CACHE say, fails the application's open with EIO). A read-only open
+            // has nothing to flush: NOFLUSH saves a round trip (and a backend flush) per close.
+            Some(p) if !for_writing => (FOPEN_PASSTHROUGH | FOPEN_NOFLUSH, p.backing_id),
+            Some(p) if p.write_opens => (FOPEN_PASSTHROUGH, p.backing_id),
+            // Fixed size: read and write come here (DIRECT_IO wins over PASSTHROUGH for them, so
+            // the end of the image holds); mmap, which cannot extend a file, still passes through.
+            Some(p) => (
+                FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES,
+                p.backing_id,
+            ),
+            None if self.cfg.kernel_cache => (FOPEN_KEEP_CACHE, 0),
+            None => (FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES, 0),
         };
         put(
             buf,
@@ -282,7 +335,7 @@ impl<B: BlockBackend> Export<B> {
             &OpenOut {
                 fh: 0,
                 open_flags,
-                backing_id: 0,
+                backing_id,
             },
         )
     }
@@ -299,7 +352,7 @@ impl<B: BlockBackend> Export<B> {
         if !self.cfg.writable {
             return Err(libc::EROFS);
         }
-        let size = self.backend.size();
+        let size = self.size()?;
         let end = a.offset.checked_add(a.length).ok_or(libc::EFBIG)?;
         let keep = a.mode & FALLOC_FL_KEEP_SIZE != 0;
         // Grows the image for a range past the end, or says how much of the range fits.
@@ -352,7 +405,7 @@ impl<B: BlockBackend> Export<B> {
             w if w == SEEK_HOLE => Seek::Hole,
             _ => return Err(libc::EINVAL),
         };
-        let size = self.backend.size();
+        let size = self.size()?;
         if a.offset >= size {
             return Err(libc::ENXIO);
         }
@@ -371,7 +424,7 @@ impl<B: BlockBackend> Export<B> {
     fn statfs(&self, buf: &mut BufHandle, payload: usize) -> R {
         let bsize = 4096u64;
         let st = Kstatfs {
-            blocks: self.backend.size().div_ceil(bsize),
+            blocks: self.size()?.div_ceil(bsize),
             bsize: bsize as u32,
             frsize: bsize as u32,
             namelen: 255,

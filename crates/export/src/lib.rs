@@ -10,5 +10,5 @@ mod handle;
 mod request;
 
 pub use counters::{Counters, Snapshot};
-pub use handle::{Export, ExportConfig, Reply};
+pub use handle::{Export, ExportConfig, Passthrough, Reply};
 pub use request::Request;

@@ -21,6 +21,25 @@ pub fn allowed_cpus() -> Vec<usize> {
     }
 }
 
+/// Number of possible CPUs (`/sys/devices/system/cpu/possible`): the kernel makes one
+/// FUSE-over-io_uring queue per possible CPU, and each must be served.
+pub fn possible_cpus() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|s| parse_cpu_list(s.trim()))
+        .unwrap_or_else(|| allowed_cpus().last().map_or(1, |c| c + 1))
+}
+
+/// Highest CPU index + 1 in a list such as `0-3,6,8-9`.
+fn parse_cpu_list(s: &str) -> Option<usize> {
+    let mut max = None;
+    for part in s.split(',') {
+        let hi = part.rsplit('-').next()?.trim().parse::<usize>().ok()?;
+        max = Some(max.map_or(hi, |m: usize| m.max(hi)));
+    }
+    max.map(|m| m + 1)
+}
+
 /// Pins the calling thread to `cpu`; failure is logged and otherwise harmless.
 pub fn pin_current_thread(cpu: usize) {
     // SAFETY: cpu_set_t is plain data.
@@ -48,6 +67,15 @@ mod tests {
         // SAFETY: sched_getcpu has no preconditions.
         let cur = unsafe { libc::sched_getcpu() };
         assert!(cur < 0 || cpus.contains(&(cur as usize)));
+    }
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0-1"), Some(2));
+        assert_eq!(parse_cpu_list("0"), Some(1));
+        assert_eq!(parse_cpu_list("0-3,6,8-9"), Some(10));
+        assert_eq!(parse_cpu_list("x"), None);
+        assert!(possible_cpus() >= allowed_cpus().len());
     }
 
     #[test]

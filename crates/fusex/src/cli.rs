@@ -40,6 +40,29 @@ pub enum IoPathArg {
     Nowait,
 }
 
+/// How requests travel between the kernel and fusex.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum TransportArg {
+    /// io_uring when the kernel offers it in INIT, else legacy (one log line says which and why).
+    Auto,
+    /// FUSE-over-io_uring (Linux 6.14+, enable_uring=Y); fails if unavailable.
+    Uring,
+    /// read/write on /dev/fuse (through each queue's ring).
+    Legacy,
+}
+
+/// Whether opens are handed to the kernel's FUSE passthrough.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum PassthroughArg {
+    /// When the image is a raw regular file and the kernel and privileges allow (one log line says
+    /// which and why not).
+    Auto,
+    /// Always; fails with the reason when it cannot.
+    On,
+    /// Never: every read and write goes through fusex.
+    Off,
+}
+
 /// Whether queue threads are pinned to CPUs.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum Affinity {
@@ -73,10 +96,15 @@ pub struct MountArgs {
     /// Let the kernel page-cache the export (default: direct I/O on the FUSE file).
     #[arg(long)]
     pub kernel_cache: bool,
+    /// FUSE passthrough (Linux 6.9+, CAP_SYS_ADMIN): the kernel reads, writes and mmaps the image
+    /// file itself; fusex sees only open, getattr, fallocate, lseek and fsync. A fixed-size
+    /// writable export passes only opens for reading (and mmap) through. See docs/passthrough.md.
+    #[arg(long, value_enum, default_value_t = PassthroughArg::Auto)]
+    pub passthrough: PassthroughArg,
     /// Flush the image after every write.
     #[arg(long)]
     pub writethrough: bool,
-    /// Requests in flight per queue.
+    /// Requests in flight per queue (io_uring: ring entries per kernel queue).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub queue_depth: u16,
     /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
@@ -92,6 +120,9 @@ pub struct MountArgs {
     /// many queues as CPUs.
     #[arg(long, value_enum, default_value_t = Affinity::Auto)]
     pub cpu_affinity: Affinity,
+    /// Request transport.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
     /// How raw-image I/O is issued.
     #[arg(long, value_enum, default_value_t = IoPathArg::Auto)]
     pub io_path: IoPathArg,

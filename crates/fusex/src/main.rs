@@ -3,6 +3,7 @@
 mod affinity;
 mod cli;
 mod daemon;
+mod passthrough;
 mod queue;
 mod serve;
 

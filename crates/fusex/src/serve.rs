@@ -1,5 +1,6 @@
 //! `fusex mount`: open the image, mount, negotiate, run the queues, and take it all down cleanly.
 
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -10,20 +11,26 @@ use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, IoPath, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Export, ExportConfig, Snapshot};
-use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES};
-use transport::{clone_fd, negotiate_init, open_dev_fuse, InitParams, Mount, MountConfig};
+use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
+use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
 
-use crate::cli::{Affinity, IoPathArg, MountArgs};
+use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
 use crate::daemon::Readiness;
-use crate::queue::{self, Event, QueueSpec};
+use crate::queue::{self, Event, QueueSpec, Source};
 
 /// Largest WRITE (and READ) fusex negotiates: 1 MiB, the kernel's default `max_pages_limit`.
 const MAX_WRITE: u32 = 1 << 20;
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
 pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
-    let setup = setup(&args);
-    let (export, mut mnt, neg_max_write) = match setup {
+    // Catch SIGINT/SIGTERM from the start: a signal that lands while mounting must still end in
+    // a clean unmount, not in the default action killing the process with the mount in place.
+    let signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+    ])
+    .context("installing signal handlers")?;
+    let (export, mut mnt, neg) = match setup(&args) {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -37,32 +44,39 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
             return Err(e);
         }
     }
-    let result = run_queues(&args, &export, &mut mnt, neg_max_write, &mut ready);
-    // Flush before the mount goes away, then unmount (Drop also does it on every early return).
-    let flushed = final_flush(&export);
+    let result = run_queues(&args, &export, &mut mnt, &neg, &mut ready, signals);
+    // Normally done at the end of run_queues; again here for the early-return paths.
     let unmounted = mnt.unmount();
     drop(mnt);
     if let Some(p) = &args.pid_file {
         let _ = std::fs::remove_file(p);
     }
-    let mut stats = result?;
-    if let (Ok(true), Some(n)) = (&flushed, stats["backend"]["flushes"].as_u64()) {
-        stats["backend"]["flushes"] = (n + 1).into();
-    }
+    let stats = result?;
     if let Some(p) = &args.stats_file {
         std::fs::write(p, serde_json::to_vec_pretty(&stats)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
-    flushed?;
     unmounted?;
     Ok(())
 }
 
-type Setup = (Arc<Export<AnyBackend>>, Mount, u32);
+/// What INIT settled that the queues need.
+struct Settled {
+    max_write: u32,
+    uring: bool,
+    /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
+    _passthrough: Option<transport::passthrough::Backing>,
+}
+
+type Setup = (Arc<Export<AnyBackend>>, Mount, Settled);
 
 fn setup(args: &MountArgs) -> Result<Setup> {
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");
+    }
+    let uring_blocked = transport::uring_unavailable_reason();
+    if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
+        bail!("--transport uring is unavailable: {why}; or use --transport auto");
     }
     let io_path = match args.io_path {
         IoPathArg::Auto => None,
@@ -81,6 +95,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
     }
+    let pt = crate::passthrough::Plan::new(args, &backend)?;
     let export = Arc::new(Export::new(
         backend,
         ExportConfig {
@@ -103,59 +118,98 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         fd,
     )?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
-    let neg = {
-        // SAFETY-free borrow of the fd the mount holds.
-        let fd = mnt.fd();
-        let owned = borrow_owned(fd);
-        negotiate_init(
-            &owned,
-            &InitParams {
-                want: FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES,
-                max_write: MAX_WRITE,
-                max_pages: (MAX_WRITE / 4096) as u16,
-                max_background: 1024,
-            },
-        )?
+    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES;
+    if args.transport != TransportArg::Legacy && uring_blocked.is_none() {
+        want |= FUSE_OVER_IO_URING;
+    }
+    let neg = pt.negotiate_init(
+        mnt.fd().context("mount fd")?,
+        &InitParams {
+            want,
+            max_write: MAX_WRITE,
+            max_pages: (MAX_WRITE / 4096) as u16,
+            max_background: 1024,
+        },
+    )?;
+    let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
+    let uring = neg.has(FUSE_OVER_IO_URING);
+    let why = match (&args.transport, &uring_blocked) {
+        _ if uring => "FUSE_OVER_IO_URING negotiated".to_string(),
+        (TransportArg::Legacy, _) => "--transport legacy".to_string(),
+        (_, Some(why)) => why.clone(),
+        (TransportArg::Uring, None) => {
+            bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto")
+        }
+        (TransportArg::Auto, None) => {
+            "the kernel did not offer FUSE_OVER_IO_URING in INIT".to_string()
+        }
     };
+    tracing::info!(
+        "transport: {} ({why})",
+        if uring {
+            "io_uring"
+        } else {
+            "legacy /dev/fuse"
+        }
+    );
     tracing::info!("mounted {} at {}", args.image, mnt.mountpoint().display());
-    Ok((export, mnt, neg.max_write))
+    Ok((
+        export,
+        mnt,
+        Settled {
+            max_write: neg.max_write,
+            uring,
+            _passthrough: backing,
+        },
+    ))
 }
 
-/// A non-owning view of a raw fd as `OwnedFd` for APIs that take `&OwnedFd`.
-fn borrow_owned(fd: std::os::fd::RawFd) -> std::mem::ManuallyDrop<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: the fd stays open (owned by the Mount) for as long as the view is used, and
-    // ManuallyDrop keeps the view from closing it.
-    std::mem::ManuallyDrop::new(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+/// Request sources for each queue thread.
+fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> {
+    let fd = mnt.take_fd().context("mount fd")?;
+    if !uring {
+        let mut v = Vec::with_capacity(threads);
+        for _ in 1..threads {
+            v.push(Source::Legacy(clone_fd(fd.as_raw_fd())?));
+        }
+        v.insert(0, Source::Legacy(fd));
+        return Ok(v);
+    }
+    // One kernel queue per possible CPU; thread t serves qids t, t+threads, ...
+    let legacy = clone_fd(fd.as_raw_fd())?;
+    let qids = crate::affinity::possible_cpus();
+    let fd = Arc::new(fd);
+    let mut legacy = Some(legacy);
+    Ok((0..threads)
+        .map(|t| Source::Uring {
+            fd: fd.clone(),
+            qids: (t..qids).step_by(threads).map(|q| q as u16).collect(),
+            legacy: legacy.take(),
+        })
+        .collect())
 }
 
 fn run_queues(
     args: &MountArgs,
     export: &Arc<Export<AnyBackend>>,
     mnt: &mut Mount,
-    max_write: u32,
+    neg: &Settled,
     ready: &mut Readiness,
+    mut signals: signal_hook::iterator::Signals,
 ) -> Result<serde_json::Value> {
     let cpus = crate::affinity::allowed_cpus();
-    let nq = args.queues.map_or(cpus.len(), usize::from);
+    let mut nq = args.queues.map_or(cpus.len(), usize::from);
+    if neg.uring {
+        nq = nq.min(crate::affinity::possible_cpus());
+    }
     let pin = match args.cpu_affinity {
         Affinity::On => true,
         Affinity::Off => false,
         Affinity::Auto => nq == cpus.len(),
     };
     tracing::debug!(queues = nq, pinned = pin, "starting queues");
-    let mut fds = Vec::with_capacity(nq);
-    for _ in 1..nq {
-        fds.push(clone_fd(mnt.fd())?);
-    }
-    fds.insert(0, mnt.take_fd().context("mount fd")?);
     let (tx, rx) = mpsc::channel::<Event>();
     let stop = Arc::new(AtomicBool::new(false));
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-    ])
-    .context("installing signal handlers")?;
     let sig_handle = signals.handle();
     {
         let tx = tx.clone();
@@ -170,12 +224,12 @@ fn run_queues(
             })?;
     }
     let mut threads = Vec::with_capacity(nq);
-    for (id, fd) in fds.into_iter().enumerate() {
+    for (id, source) in sources(mnt, nq, neg.uring)?.into_iter().enumerate() {
         let spec = QueueSpec {
             id,
-            fd,
+            source,
             depth: usize::from(args.queue_depth),
-            max_write: max_write as usize,
+            max_write: neg.max_write as usize,
             spin: Duration::from_micros(args.spin_us),
             cpu: pin.then(|| cpus[id % cpus.len()]),
         };
@@ -188,13 +242,11 @@ fn run_queues(
     }
     drop(tx);
     let mut remotes = Vec::new();
-    let mut running = nq;
-    let mut started = 0;
+    let (mut running, mut started, mut quiet) = (nq, 0, 0);
     let mut total = Snapshot::default();
     let mut failure: Option<String> = None;
-    let mut polls = 0u64;
-    let mut enters = 0u64;
     let mut per_queue = Vec::new();
+    let mut flushed: Option<Result<bool>> = None;
     let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
         stop.store(true, Ordering::Release);
         for (r, t) in remotes {
@@ -202,9 +254,24 @@ fn run_queues(
         }
     };
     while running > 0 {
-        let Ok(ev) = rx.recv() else { break };
+        let ev = if flushed.is_some() {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(ev) => ev,
+                Err(_) => {
+                    failure.get_or_insert(
+                        "queues did not end after the connection was aborted".into(),
+                    );
+                    break;
+                }
+            }
+        } else {
+            match rx.recv() {
+                Ok(ev) => ev,
+                Err(_) => break,
+            }
+        };
         match ev {
-            Event::Started { remote, task, .. } => {
+            Event::Started { remote, task } => {
                 remotes.push((remote, task));
                 if stop.load(Ordering::Acquire) {
                     stop_all(&remotes);
@@ -216,6 +283,7 @@ fn run_queues(
             }
             Event::Failed { id, error } => {
                 running -= 1;
+                quiet += 1;
                 let msg = format!("queue {id} failed to start: {error}");
                 if started < nq {
                     ready.report(Err(msg.clone()));
@@ -223,11 +291,10 @@ fn run_queues(
                 failure.get_or_insert(msg);
                 stop_all(&remotes);
             }
+            Event::Quiesced => quiet += 1,
             Event::Ended { id, report } => {
                 running -= 1;
                 total.merge(&report.counters);
-                polls += report.engine.polls;
-                enters += report.engine.enters;
                 per_queue.push(serde_json::json!({
                     "queue": id,
                     "requests": report.counters.requests(),
@@ -246,26 +313,42 @@ fn run_queues(
                 stop_all(&remotes);
             }
         }
+        if stop.load(Ordering::Acquire) && quiet >= nq {
+            finish(&mut flushed, export, mnt);
+        }
     }
+    finish(&mut flushed, export, mnt);
     sig_handle.close();
-    for t in threads {
-        let _ = t.join();
+    if failure.is_none() {
+        for t in threads {
+            let _ = t.join();
+        }
     }
     per_queue.sort_by_key(|q| q["queue"].as_u64());
-    tracing::info!(
-        requests = total.requests(),
-        polls,
-        enters,
-        "served {} requests",
-        total.requests()
-    );
-    let _ = mnt;
+    tracing::info!("served {} requests", total.requests());
+    let flushed = flushed.unwrap_or(Ok(false));
     if let Some(f) = failure {
         bail!(f);
     }
     let mut json = total.to_json();
+    if *flushed.as_ref().unwrap_or(&false) {
+        json["backend"]["flushes"] = (total.backend_flushes + 1).into();
+    }
+    flushed?;
     json["queues"] = serde_json::Value::Array(per_queue);
+    json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
     Ok(json)
+}
+
+/// Ends the export once every queue answered what it had taken: flush, then abort the
+/// connection and unmount (which also ends io_uring queues, whose entries then complete).
+fn finish(flushed: &mut Option<Result<bool>>, export: &Export<AnyBackend>, mnt: &mut Mount) {
+    if flushed.is_none() {
+        *flushed = Some(final_flush(export));
+        if let Err(e) = mnt.abort() {
+            tracing::error!("{e}");
+        }
+    }
 }
 
 /// Flushes a writable export's image once every queue has ended; says whether it flushed.

@@ -1,10 +1,10 @@
 //! INIT: the first request on a new connection, answered before any queue starts.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use fuse_abi::{
     encode, encode_error, parse, InitOut, Operation, FUSE_INIT_EXT, FUSE_MAX_PAGES,
-    KERNEL_MINOR_VERSION, KERNEL_VERSION,
+    FUSE_PASSTHROUGH, KERNEL_MINOR_VERSION, KERNEL_VERSION,
 };
 
 use crate::TransportError;
@@ -47,7 +47,25 @@ impl Negotiated {
 /// Reads the INIT request from a freshly mounted connection and answers it.
 ///
 /// Runs on the starting thread with a blocking read: nothing else can arrive before INIT.
-pub fn negotiate_init(fd: &OwnedFd, p: &InitParams) -> Result<Negotiated, TransportError> {
+pub fn negotiate_init(fd: BorrowedFd<'_>, p: &InitParams) -> Result<Negotiated, TransportError> {
+    negotiate(fd, p, None)
+}
+
+/// [`negotiate_init`] that also asks for `FUSE_PASSTHROUGH`, announcing `max_stack_depth` (see
+/// [`crate::passthrough::stack_depth_for`]). Whether the kernel granted it: `Negotiated::has`.
+pub fn negotiate_init_passthrough(
+    fd: BorrowedFd<'_>,
+    p: &InitParams,
+    max_stack_depth: u32,
+) -> Result<Negotiated, TransportError> {
+    negotiate(fd, p, Some(max_stack_depth))
+}
+
+fn negotiate(
+    fd: BorrowedFd<'_>,
+    p: &InitParams,
+    passthrough_depth: Option<u32>,
+) -> Result<Negotiated, TransportError> {
     // INIT is small, but the kernel insists the read buffer could hold any request.
     let mut buf = vec![0u8; p.max_write as usize + 8192];
     let n = loop {
@@ -85,6 +103,9 @@ pub fn negotiate_init(fd: &OwnedFd, p: &InitParams) -> Result<Negotiated, Transp
         want |= FUSE_MAX_PAGES;
     }
     want |= FUSE_INIT_EXT;
+    if passthrough_depth.is_some() {
+        want |= FUSE_PASSTHROUGH;
+    }
     let flags = offered & want;
     let mut reply = InitOut {
         major: KERNEL_VERSION,
@@ -95,6 +116,8 @@ pub fn negotiate_init(fd: &OwnedFd, p: &InitParams) -> Result<Negotiated, Transp
         max_write: p.max_write,
         time_gran: 1,
         max_pages: p.max_pages,
+        // Ignored by the kernel unless FUSE_PASSTHROUGH is granted.
+        max_stack_depth: passthrough_depth.unwrap_or(0),
         ..InitOut::default()
     };
     reply.set_all_flags(flags);
@@ -115,7 +138,7 @@ pub fn negotiate_init(fd: &OwnedFd, p: &InitParams) -> Result<Negotiated, Transp
     })
 }
 
-fn write_all(fd: &OwnedFd, b: &[u8]) -> Result<(), TransportError> {
+fn write_all(fd: BorrowedFd<'_>, b: &[u8]) -> Result<(), TransportError> {
     // SAFETY: writes from a live slice; /dev/fuse takes a reply in one write.
     let r = unsafe { libc::write(fd.as_raw_fd(), b.as_ptr().cast(), b.len()) };
     if r < 0 {

@@ -7,11 +7,16 @@ mod init;
 mod legacy;
 mod mount;
 mod mountinfo;
+pub mod passthrough;
+mod uring;
 
-pub use init::{negotiate_init, InitParams, Negotiated};
+pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, Mount, MountConfig};
 pub use mountinfo::{fuse_mount_at, MountEntry};
+pub use uring::{
+    uring_unavailable_reason, Delivered, Fetched, UringLayout, UringQueue, ENABLE_URING_PARAM,
+};
 
 use std::io;
 

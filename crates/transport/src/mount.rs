@@ -3,7 +3,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -166,9 +166,9 @@ impl Mount {
         Ok(())
     }
 
-    /// The mount's `/dev/fuse` fd (queue 0 reads from it; other queues clone it).
-    pub fn fd(&self) -> RawFd {
-        self.fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1)
+    /// The mount's `/dev/fuse` fd (queue 0 reads from it; other queues clone it), until taken.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
     }
 
     /// Takes the fd out (a queue owns it from now on); the mount stays.
@@ -192,6 +192,28 @@ impl Mount {
             return Ok(());
         }
         unmount_path(&self.mountpoint, libc::MNT_DETACH)
+    }
+}
+
+impl Mount {
+    /// Aborts the connection (a forced unmount: every request the kernel still holds fails, every
+    /// io_uring entry completes) and then unmounts, lazily if files are still open. The way to end
+    /// io_uring queues, whose pending commands keep `/dev/fuse` open.
+    pub fn abort(&mut self) -> Result<(), TransportError> {
+        if !self.mounted {
+            return Ok(());
+        }
+        if fuse_mount_at(&self.mountpoint).is_none() {
+            self.mounted = false;
+            return Ok(());
+        }
+        match unmount_path(&self.mountpoint, libc::MNT_FORCE) {
+            Ok(()) => {
+                self.mounted = false;
+                Ok(())
+            }
+            Err(_) => self.unmount(),
+        }
     }
 }
 

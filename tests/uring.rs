@@ -1,0 +1,374 @@
+//! FUSE-over-io_uring specifics: fallback when the kernel switch is off, every CPU's queue served,
+//! extreme queue depths, the copy-free data path, and unmounting under load.
+//!
+//! The data-integrity suites run on both transports via `FUSEX_E2E_TRANSPORT` (see the Makefile);
+//! this file covers what only the io_uring transport has.
+
+use std::ffi::OsString;
+use std::fs::{self, File};
+use std::process::{Command, Stdio};
+use std::sync::RwLock;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fusex_e2e::*;
+
+const PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Tests that need io_uring hold this shared; the one that switches it off holds it exclusively.
+static URING_SWITCH: RwLock<()> = RwLock::new(());
+
+/// Whether this machine can run FUSE-over-io_uring at all; under CI it must.
+fn require_uring() -> bool {
+    if !require_fuse() {
+        return false;
+    }
+    let on = fs::read_to_string(PARAM)
+        .map(|v| v.trim() == "Y")
+        .unwrap_or(false);
+    if !on {
+        if in_ci() {
+            panic!("{PARAM} is not Y: `make test` enables it (scripts/deps.sh)");
+        }
+        eprintln!("skipping: {PARAM} is not Y");
+    }
+    on
+}
+
+/// Restores the kernel switch when dropped, even if the test panics.
+struct ParamGuard(String);
+
+impl ParamGuard {
+    fn set(v: &str) -> ParamGuard {
+        let old = fs::read_to_string(PARAM)
+            .expect("read enable_uring")
+            .trim()
+            .to_string();
+        fs::write(PARAM, v).expect("write enable_uring");
+        ParamGuard(old)
+    }
+}
+
+impl Drop for ParamGuard {
+    fn drop(&mut self) {
+        let _ = fs::write(PARAM, &self.0);
+    }
+}
+
+fn fio(w: &WorkDir, mp: &std::path::Path, args: &[&str]) -> String {
+    let mut filename = OsString::from("--filename=");
+    filename.push(mp);
+    let out = Command::new("fio")
+        .args([
+            "--name=t",
+            "--direct=1",
+            "--fallocate=none",
+            "--randrepeat=0",
+            "--verify_state_save=0",
+        ])
+        .args(args)
+        .arg(&filename)
+        .current_dir(w.path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("run fio");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "fio {args:?} failed ({}):\n{text}",
+        out.status
+    );
+    text
+}
+
+#[test]
+fn falls_back_to_legacy_when_enable_uring_is_off() {
+    if !require_uring() {
+        return;
+    }
+    let _excl = URING_SWITCH.write().unwrap_or_else(|e| e.into_inner());
+    let _param = ParamGuard::set("N");
+    let w = WorkDir::new("uring-fallback");
+    let img = w.join("disk.img");
+    let model = random_image(&img, 4 * MIB, 50);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--transport", "auto"]);
+    assert_bytes_eq(
+        &read_all(&mp),
+        &model,
+        0,
+        "legacy fallback serves the image",
+    );
+    let st = m.stop();
+    st.assert_clean("auto transport with enable_uring=N");
+    assert_eq!(st.stats()["transport"], "legacy", "{}", st.stats());
+    assert!(
+        st.stderr.contains("transport: legacy") && st.stderr.contains("enable_uring is N"),
+        "one log line says legacy and why:\n{}",
+        st.stderr
+    );
+    // Asking for io_uring explicitly fails, with one line, and mounts nothing.
+    let r = run_fusex(
+        &w,
+        &[
+            OsString::from("mount"),
+            "--transport".into(),
+            "uring".into(),
+            img.clone().into(),
+            w.join("export2").into(),
+        ],
+        Some(&w.join("export2")),
+    );
+    r.assert_one_error_line("--transport uring with enable_uring=N");
+    assert!(
+        r.stderr.contains("enable_uring"),
+        "the error names the switch: {}",
+        r.stderr
+    );
+    assert!(!is_fuse_mounted(&w.join("export2")));
+}
+
+#[test]
+fn every_cpu_queue_is_served() {
+    if !require_uring() || !require_fuse_and_tools(&["taskset", "dd"]) {
+        return;
+    }
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    let w = WorkDir::new("uring-cpus");
+    let img = w.join("disk.img");
+    random_image(&img, 4 * MIB, 51);
+    let mp = w.join("export");
+    let cpus: Vec<usize> = (0..256)
+        .filter(|c| {
+            Command::new("taskset")
+                .args(["-c", &c.to_string(), "true"])
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .collect();
+    assert!(!cpus.is_empty());
+    // One queue thread per CPU, so thread i serves kernel queue i exactly.
+    let queues = cpus.len().to_string();
+    let m = Mount::start(
+        &w,
+        &img,
+        &mp,
+        &[
+            "--transport",
+            "uring",
+            "--passthrough",
+            "off",
+            "--queues",
+            &queues,
+        ],
+    );
+    for c in &cpus {
+        let mut inf = OsString::from("if=");
+        inf.push(&mp);
+        let out = Command::new("taskset")
+            .args([
+                "-c",
+                &c.to_string(),
+                "dd",
+                "of=/dev/null",
+                "bs=4k",
+                "count=256",
+                "iflag=direct",
+                "status=none",
+            ])
+            .arg(&inf)
+            .output()
+            .expect("dd");
+        assert!(
+            out.status.success(),
+            "dd pinned to CPU {c}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let st = m.stop();
+    st.assert_clean("reader pinned to each CPU");
+    assert_eq!(st.stats()["transport"], "io_uring", "{}", st.stats());
+    let per_queue = st.stats()["queues"].as_array().unwrap().clone();
+    assert_eq!(per_queue.len(), cpus.len(), "{}", st.stats());
+    for (i, q) in per_queue.iter().enumerate() {
+        assert!(
+            q["requests"].as_u64().unwrap_or(0) >= 256,
+            "queue {i} (CPU {}) served the reader pinned to it: {}",
+            cpus[i],
+            st.stats()
+        );
+    }
+}
+
+fn verify_at_depth(depth: &str) {
+    if !require_uring() || !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    let w = WorkDir::new(&format!("uring-qd{depth}"));
+    let img = w.join("disk.img");
+    random_image(&img, 16 * MIB, 52);
+    let mp = w.join("export");
+    let m = Mount::start(
+        &w,
+        &img,
+        &mp,
+        &["--writable", "--transport", "uring", "--queue-depth", depth],
+    );
+    fio(
+        &w,
+        &mp,
+        &[
+            "--rw=randwrite",
+            "--bs=4k",
+            "--ioengine=libaio",
+            "--iodepth=32",
+            "--numjobs=4",
+            "--size=4M",
+            "--offset_increment=4M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ],
+    );
+    let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
+    let st = m.stop();
+    st.assert_clean(&format!("io_uring queue depth {depth}"));
+    assert_eq!(st.stats()["transport"], "io_uring");
+    assert_eq!(
+        mount_hashes,
+        chunk_hashes(&File::open(&img).unwrap(), 16 * MIB, 1 << 20)
+    );
+}
+
+#[test]
+fn queue_depth_1_keeps_data_intact() {
+    verify_at_depth("1");
+}
+
+#[test]
+fn queue_depth_128_keeps_data_intact() {
+    verify_at_depth("128");
+}
+
+/// READ data is read from the image straight into the ring entry's payload and WRITE data goes
+/// from the payload straight to the image: the userspace copy counter stays 0, on both
+/// transports, with and without O_DIRECT on the image.
+#[test]
+fn data_path_copies_nothing_in_userspace() {
+    if !require_uring() || !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    for (transport, extra) in [
+        ("uring", None),
+        ("uring", Some("--direct")),
+        ("legacy", None),
+        ("legacy", Some("--direct")),
+    ] {
+        let w = WorkDir::new(&format!("uring-zc-{transport}"));
+        let img = w.join("disk.img");
+        random_image(&img, 16 * MIB, 53);
+        let mp = w.join("export");
+        let mut args = vec!["--writable", "--transport", transport];
+        args.extend(extra);
+        let m = Mount::start(&w, &img, &mp, &args);
+        for bs in ["4k", "128k", "1m"] {
+            fio(
+                &w,
+                &mp,
+                &[
+                    "--rw=randrw",
+                    &format!("--bs={bs}"),
+                    "--ioengine=libaio",
+                    "--iodepth=8",
+                    "--size=16M",
+                    "--io_size=8M",
+                ],
+            );
+        }
+        let st = m.stop();
+        st.assert_clean("zero-copy run");
+        assert_eq!(
+            st.stats()["transport"],
+            if transport == "uring" {
+                "io_uring"
+            } else {
+                "legacy"
+            }
+        );
+        assert!(
+            st.stat(&["backend", "bytes_read"]) > 0 && st.stat(&["backend", "bytes_written"]) > 0,
+            "{}",
+            st.stats()
+        );
+        assert_eq!(
+            st.stat(&["copied_bytes"]),
+            0,
+            "{transport} {extra:?}: no userspace data copy: {}",
+            st.stats()
+        );
+    }
+}
+
+/// `fusex umount` while fio has the export open: the mount leaves the namespace at once, the
+/// daemon keeps serving the open file, and exits cleanly once fio is gone.
+#[test]
+fn unmount_while_fio_runs() {
+    if !require_uring() || !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    let w = WorkDir::new("uring-umount");
+    let img = w.join("disk.img");
+    random_image(&img, 16 * MIB, 54);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--writable", "--transport", "uring"]);
+    let mut filename = OsString::from("--filename=");
+    filename.push(&mp);
+    let mut fio = ChildGuard(
+        Command::new("fio")
+            .args([
+                "--name=load",
+                "--rw=randrw",
+                "--bs=4k",
+                "--ioengine=libaio",
+                "--iodepth=16",
+                "--direct=1",
+            ])
+            .args([
+                "--time_based",
+                "--runtime=30",
+                "--size=16M",
+                "--fallocate=none",
+            ])
+            .arg(&filename)
+            .current_dir(w.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn fio"),
+    );
+    let deadline = Instant::now() + TIMEOUT;
+    while pids_with_open(&mp).is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    thread::sleep(Duration::from_millis(500));
+    let r = run_fusex(&w, &[OsString::from("umount"), mp.clone().into()], None);
+    assert_eq!(r.code, Some(0), "fusex umount under load: {}", r.stderr);
+    assert!(!is_fuse_mounted(&mp), "the mount left the namespace");
+    thread::sleep(Duration::from_millis(300));
+    fio.kill_and_wait();
+    let st = m.wait_exit();
+    st.assert_clean("unmount while fio runs");
+    assert!(
+        st.stat(&["ops", "READ"]) + st.stat(&["ops", "WRITE"]) > 0,
+        "{}",
+        st.stats()
+    );
+}
