@@ -24,6 +24,9 @@ pub enum IoPath {
     NowaitThenRing,
     /// Always an io_uring operation.
     Ring,
+    /// Memory-backed files: inline while the queue serves a single request (lowest latency), the
+    /// ring once several are in flight (io_uring's workers then copy in parallel with the queue).
+    Adaptive,
 }
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -43,6 +46,8 @@ pub struct RawBackend {
     direct: bool,
     read_path: IoPath,
     write_path: IoPath,
+    /// tmpfs/ramfs: never waits on a device, with or without O_DIRECT.
+    memory_fs: bool,
 }
 
 impl RawBackend {
@@ -87,7 +92,7 @@ impl RawBackend {
         } else {
             meta.len()
         };
-        let memory_fs = !direct && is_memory_fs(&file);
+        let memory_fs = is_memory_fs(&file);
         let (read_path, write_path) = match io_path {
             Some(p) => (
                 p,
@@ -97,7 +102,7 @@ impl RawBackend {
                     p
                 },
             ),
-            None if memory_fs => (IoPath::Inline, IoPath::Inline),
+            None if memory_fs => (IoPath::Adaptive, IoPath::Adaptive),
             None if direct => (IoPath::Ring, IoPath::Ring),
             None if nowait_read_works(&file) => (IoPath::NowaitThenRing, IoPath::Ring),
             None => (IoPath::Ring, IoPath::Ring),
@@ -113,6 +118,7 @@ impl RawBackend {
             direct,
             read_path,
             write_path,
+            memory_fs,
         })
     }
 
@@ -124,6 +130,21 @@ impl RawBackend {
     /// The image's descriptor (for passthrough registration later).
     pub fn fd(&self) -> RawFd {
         self.file.as_raw_fd()
+    }
+
+    /// The data path for one transfer: O_DIRECT on a device always goes through the ring (it
+    /// waits for the device); `Adaptive` resolves by how busy the calling queue is.
+    fn pick(&self, eng: &Engine, configured: IoPath, direct_fd: bool) -> IoPath {
+        let p = if direct_fd && !self.memory_fs {
+            IoPath::Ring
+        } else {
+            configured
+        };
+        match p {
+            IoPath::Adaptive if eng.load() > 1 => IoPath::Ring,
+            IoPath::Adaptive => IoPath::Inline,
+            p => p,
+        }
     }
 
     /// Picks the descriptor for a transfer: O_DIRECT needs aligned offset, length and memory.
@@ -221,8 +242,7 @@ impl BlockBackend for RawBackend {
         while !buf.is_empty() {
             let pos = off + done as u64;
             let (fd, direct) = self.fd_for(buf.as_mut_ptr() as usize, buf.len(), pos);
-            let path = if direct { IoPath::Ring } else { self.read_path };
-            let n = match path {
+            let n = match self.pick(eng, self.read_path, direct) {
                 IoPath::Inline => {
                     // SAFETY: reads into the engine-owned window of exactly buf.len() bytes.
                     cvt(unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), pos as i64) })?
@@ -244,7 +264,7 @@ impl BlockBackend for RawBackend {
                         Err(e) => return Err(e.into()),
                     }
                 }
-                IoPath::Ring => ring_read(eng, fd, &mut buf, pos).await?,
+                IoPath::Ring | IoPath::Adaptive => ring_read(eng, fd, &mut buf, pos).await?,
             };
             if n == 0 {
                 break;
@@ -261,12 +281,7 @@ impl BlockBackend for RawBackend {
             let rest = buf.slice(done, buf.len() - done);
             let pos = off + done as u64;
             let (fd, direct) = self.fd_for(rest.as_ptr() as usize, rest.len(), pos);
-            let path = if direct {
-                IoPath::Ring
-            } else {
-                self.write_path
-            };
-            let n = match path {
+            let n = match self.pick(eng, self.write_path, direct) {
                 IoPath::Inline => {
                     // SAFETY: writes from the engine-owned window of exactly rest.len() bytes.
                     cvt(unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), pos as i64) })?
@@ -474,4 +489,96 @@ async fn fallocate(eng: &Engine, fd: RawFd, mode: i32, off: u64, len: u64) -> Re
         return Err(BackendError::from_res(res));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::EngineConfig;
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+
+    fn image(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();
+        f.write_all(&data).unwrap();
+        (f, data)
+    }
+
+    #[test]
+    fn every_io_path_reads_and_writes_the_same_bytes() {
+        for path in [
+            IoPath::Inline,
+            IoPath::Ring,
+            IoPath::NowaitThenRing,
+            IoPath::Adaptive,
+        ] {
+            for register in [false, true] {
+                let (f, mut data) = image(3 * 4096 + 100);
+                let b = RawBackend::open(f.path(), true, false, Some(path)).unwrap();
+                let eng = Engine::new(&EngineConfig {
+                    buffers: 1,
+                    buffer_size: 16384,
+                    register_buffers: register,
+                    ..Default::default()
+                })
+                .unwrap();
+                let mut buf = eng.take_buffer(0).unwrap();
+                // A read crossing EOF is short.
+                let n = eng
+                    .block_on(b.read_at(&eng, buf.io_mut(0, 8192), 2 * 4096))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(n, 4096 + 100, "{path:?}");
+                assert_eq!(&buf.as_slice()[..n], &data[2 * 4096..], "{path:?}");
+                // A write at an odd offset lands byte-exact.
+                buf.as_mut_slice()[..777].fill(0xee);
+                let n = eng
+                    .block_on(b.write_at(&eng, buf.io(0, 777), 5))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(n, 777);
+                data[5..782].fill(0xee);
+                let mut back = vec![0u8; data.len()];
+                f.as_file().read_exact_at(&mut back, 0).unwrap();
+                assert_eq!(back, data, "{path:?}");
+                eng.block_on(b.flush(&eng)).unwrap().unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn grow_resize_and_block_status() {
+        let (f, _) = image(8192);
+        let b = RawBackend::open(f.path(), true, false, None).unwrap();
+        assert_eq!(b.size(), 8192);
+        b.grow_to(4096).unwrap();
+        assert_eq!(b.size(), 8192, "grow_to never shrinks");
+        b.grow_to(1 << 20).unwrap();
+        assert_eq!(b.size(), 1 << 20);
+        assert_eq!(f.as_file().metadata().unwrap().len(), 1 << 20);
+        // The grown tail is a hole (on filesystems with holes), and the data is data.
+        assert_eq!(b.seek(0, Seek::Data).unwrap(), Some(0));
+        let hole = b.seek(0, Seek::Hole).unwrap().unwrap();
+        assert!((8192..=1 << 20).contains(&hole));
+        b.resize(4096).unwrap();
+        assert_eq!(b.size(), 4096);
+        assert_eq!(b.seek(4096, Seek::Data).unwrap(), None, "no data at EOF");
+    }
+
+    #[test]
+    fn open_errors_name_the_problem() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("img");
+        std::fs::write(&p, [0u8; 4096]).unwrap();
+        assert!(RawBackend::open(&p, false, false, None).is_ok());
+        assert!(matches!(
+            RawBackend::open(&dir.path().join("missing"), false, false, None),
+            Err(OpenError::NotFound(_))
+        ));
+        assert!(matches!(
+            RawBackend::open(dir.path(), false, false, None),
+            Err(OpenError::NotFileOrDevice(_))
+        ));
+    }
 }

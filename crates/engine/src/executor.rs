@@ -82,6 +82,7 @@ pub struct Engine {
     registered: bool,
     spin: Duration,
     stats: Cell<EngineStats>,
+    load: Cell<u32>,
 }
 
 impl Engine {
@@ -141,6 +142,7 @@ impl Engine {
             registered,
             spin: cfg.spin,
             stats: Cell::new(EngineStats::default()),
+            load: Cell::new(0),
         })
     }
 
@@ -170,6 +172,17 @@ impl Engine {
     /// Loop counters so far.
     pub fn stats(&self) -> EngineStats {
         self.stats.get()
+    }
+
+    /// Records how many requests the thread is serving right now. Backends read it to choose
+    /// between finishing a transfer inline and handing it to the ring.
+    pub fn set_load(&self, requests: u32) {
+        self.load.set(requests);
+    }
+
+    /// Requests in service on this thread (see [`Engine::set_load`]).
+    pub fn load(&self) -> u32 {
+        self.load.get()
     }
 
     /// The task being polled right now, if any.

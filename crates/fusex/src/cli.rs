@@ -30,8 +30,10 @@ pub enum Command {
 /// How a raw image's data I/O is issued (measurements; `auto` probes the file).
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum IoPathArg {
-    /// Probe: inline for tmpfs, RWF_NOWAIT then ring for cached reads, ring otherwise.
+    /// Probe: adaptive for tmpfs, RWF_NOWAIT then ring for cached reads, ring otherwise.
     Auto,
+    /// Inline while one request is in service, the ring when several are.
+    Adaptive,
     /// Always io_uring.
     Ring,
     /// Always synchronous pread/pwrite on the queue thread.

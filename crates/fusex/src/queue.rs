@@ -270,10 +270,12 @@ impl Shared {
 
     fn enter(&self) {
         self.busy.set(self.busy.get() + 1);
+        self.eng.set_load(self.busy.get() as u32);
     }
 
     fn leave(&self) {
         self.busy.set(self.busy.get() - 1);
+        self.eng.set_load(self.busy.get() as u32);
         if self.stopping.get() && self.busy.get() == 0 {
             self.wake_watcher();
         }

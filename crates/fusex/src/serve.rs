@@ -83,6 +83,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         IoPathArg::Ring => Some(IoPath::Ring),
         IoPathArg::Inline => Some(IoPath::Inline),
         IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
+        IoPathArg::Adaptive => Some(IoPath::Adaptive),
     };
     let backend = backend::open(
         &args.image,
@@ -133,6 +134,13 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     )?;
     let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
     let uring = neg.has(FUSE_OVER_IO_URING);
+    if uring && neg.kernel_has_uring_zero_copy() {
+        tracing::info!(
+            "kernel FUSE protocol 7.{} offers io_uring zero copy; fusex 7.{} does not use it yet (docs/uring.md)",
+            neg.kernel_minor,
+            neg.minor
+        );
+    }
     let why = match (&args.transport, &uring_blocked) {
         _ if uring => "FUSE_OVER_IO_URING negotiated".to_string(),
         (TransportArg::Legacy, _) => "--transport legacy".to_string(),

@@ -27,6 +27,9 @@ pub struct InitParams {
 pub struct Negotiated {
     /// Protocol minor version in use.
     pub minor: u32,
+    /// The kernel's own minor version (newer than `minor` when the kernel knows more than fusex,
+    /// e.g. 7.46 brings io_uring zero copy).
+    pub kernel_minor: u32,
     /// Every flag the kernel offered.
     pub offered: u64,
     /// Flags in effect (offered and wanted).
@@ -37,7 +40,17 @@ pub struct Negotiated {
     pub max_readahead: u32,
 }
 
+/// First protocol minor with the kernel's FUSE-over-io_uring zero copy (buffer pools,
+/// `FOPEN_IO_URING_ZERO_COPY`); queued for Linux 7.3.
+pub const URING_ZERO_COPY_MINOR: u32 = 46;
+
 impl Negotiated {
+    /// Whether the kernel speaks a protocol with io_uring zero copy. fusex does not use it yet
+    /// (docs/uring.md says how it will); it only reports it.
+    pub fn kernel_has_uring_zero_copy(&self) -> bool {
+        self.kernel_minor >= URING_ZERO_COPY_MINOR
+    }
+
     /// Whether `flag` is in effect.
     pub fn has(&self, flag: u64) -> bool {
         self.flags & flag != 0
@@ -131,6 +144,7 @@ fn negotiate(
     );
     Ok(Negotiated {
         minor: reply.minor,
+        kernel_minor: init.minor,
         offered,
         flags,
         max_write: p.max_write,
