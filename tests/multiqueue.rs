@@ -1,59 +1,27 @@
 //! Several queues (cloned /dev/fuse fds, one thread and ring each): data integrity under parallel
 //! verified writers, every queue serving requests, and a clean stop with every queue busy.
 
-use std::ffi::OsString;
-use std::fs::{self, File};
-use std::process::{Command, Stdio};
+use std::fs::File;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fusex_e2e::*;
 
-/// Runs 4 fio jobs, each writing its own 4 MiB region with crc32c verification headers and reading
-/// it back, against an export with `queues` queues. Returns fio's combined output.
-fn fio_verify(w: &WorkDir, mp: &std::path::Path) -> String {
-    let mut filename = OsString::from("--filename=");
-    filename.push(mp);
-    let out = Command::new("fio")
-        .args([
-            "--name=verify",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--ioengine=libaio",
-            "--iodepth=16",
-            "--direct=1",
-            "--numjobs=4",
-            "--size=4M",
-            "--offset_increment=4M",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-            "--fallocate=none",
-            "--randrepeat=0",
-            "--verify_state_save=0",
-        ])
-        .arg(&filename)
-        .current_dir(w.path())
-        .stdin(Stdio::null())
-        .output()
-        .expect("run fio");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    fs::write(w.join("fio.log"), &text).unwrap();
-    assert!(
-        out.status.success(),
-        "fio verify failed ({}):\n{text}",
-        out.status
-    );
-    assert!(
-        !text.contains("verify: bad"),
-        "fio reported corruption:\n{text}"
-    );
-    text
-}
+/// 4 fio jobs, each writing its own 4 MiB region with crc32c verification headers and reading it
+/// back.
+const VERIFY_4_JOBS: &[&str] = &[
+    "--name=verify",
+    "--rw=randwrite",
+    "--bs=4k",
+    "--ioengine=libaio",
+    "--iodepth=16",
+    "--numjobs=4",
+    "--size=4M",
+    "--offset_increment=4M",
+    "--verify=crc32c",
+    "--do_verify=1",
+    "--verify_fatal=1",
+];
 
 fn integrity_with_queues(queues: &str) {
     if !require_fuse_and_tools(&["fio"]) {
@@ -70,7 +38,7 @@ fn integrity_with_queues(queues: &str) {
         &mp,
         &["--writable", "--transport", "legacy", "--queues", queues],
     );
-    fio_verify(&w, &mp);
+    run_fio(&w, &mp, VERIFY_4_JOBS);
     // The oracle: what the export serves now equals the backing file, chunk by chunk.
     let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
     let st = m.stop();
@@ -140,34 +108,22 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         &mp,
         &["--writable", "--transport", "legacy", "--queues", "4"],
     );
-    let mut filename = OsString::from("--filename=");
-    filename.push(&mp);
-    let mut fio = ChildGuard(
-        Command::new("fio")
-            .args([
-                "--name=load",
-                "--rw=randrw",
-                "--bs=4k",
-                "--ioengine=libaio",
-                "--iodepth=32",
-                "--direct=1",
-                "--numjobs=4",
-                "--time_based",
-                "--runtime=30",
-                "--size=16M",
-                "--fallocate=none",
-            ])
-            .arg(&filename)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn fio"),
+    let mut fio = spawn_fio(
+        &w,
+        &mp,
+        &[
+            "--name=load",
+            "--rw=randrw",
+            "--bs=4k",
+            "--ioengine=libaio",
+            "--iodepth=32",
+            "--numjobs=4",
+            "--time_based",
+            "--runtime=30",
+            "--size=16M",
+        ],
+        2,
     );
-    let deadline = Instant::now() + TIMEOUT;
-    while pids_with_open(&mp).len() < 2 && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(20));
-    }
     thread::sleep(Duration::from_secs(1));
     m.signal(libc::SIGTERM);
     let st = m.wait_exit();

@@ -6,10 +6,10 @@
 
 use std::ffi::OsString;
 use std::fs::{self, File};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::RwLock;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fusex_e2e::*;
 
@@ -53,36 +53,6 @@ impl Drop for ParamGuard {
     fn drop(&mut self) {
         let _ = fs::write(PARAM, &self.0);
     }
-}
-
-fn fio(w: &WorkDir, mp: &std::path::Path, args: &[&str]) -> String {
-    let mut filename = OsString::from("--filename=");
-    filename.push(mp);
-    let out = Command::new("fio")
-        .args([
-            "--name=t",
-            "--direct=1",
-            "--fallocate=none",
-            "--randrepeat=0",
-            "--verify_state_save=0",
-        ])
-        .args(args)
-        .arg(&filename)
-        .current_dir(w.path())
-        .stdin(Stdio::null())
-        .output()
-        .expect("run fio");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "fio {args:?} failed ({}):\n{text}",
-        out.status
-    );
-    text
 }
 
 #[test]
@@ -219,10 +189,11 @@ fn verify_at_depth(depth: &str) {
         &mp,
         &["--writable", "--transport", "uring", "--queue-depth", depth],
     );
-    fio(
+    run_fio(
         &w,
         &mp,
         &[
+            "--name=verify",
             "--rw=randwrite",
             "--bs=4k",
             "--ioengine=libaio",
@@ -278,10 +249,11 @@ fn data_path_copies_nothing_in_userspace() {
         args.extend(extra);
         let m = Mount::start(&w, &img, &mp, &args);
         for bs in ["4k", "128k", "1m"] {
-            fio(
+            run_fio(
                 &w,
                 &mp,
                 &[
+                    "--name=zc",
                     "--rw=randrw",
                     &format!("--bs={bs}"),
                     "--ioengine=libaio",
@@ -328,36 +300,21 @@ fn unmount_while_fio_runs() {
     random_image(&img, 16 * MIB, 54);
     let mp = w.join("export");
     let m = Mount::start(&w, &img, &mp, &["--writable", "--transport", "uring"]);
-    let mut filename = OsString::from("--filename=");
-    filename.push(&mp);
-    let mut fio = ChildGuard(
-        Command::new("fio")
-            .args([
-                "--name=load",
-                "--rw=randrw",
-                "--bs=4k",
-                "--ioengine=libaio",
-                "--iodepth=16",
-                "--direct=1",
-            ])
-            .args([
-                "--time_based",
-                "--runtime=30",
-                "--size=16M",
-                "--fallocate=none",
-            ])
-            .arg(&filename)
-            .current_dir(w.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn fio"),
+    let mut fio = spawn_fio(
+        &w,
+        &mp,
+        &[
+            "--name=load",
+            "--rw=randrw",
+            "--bs=4k",
+            "--ioengine=libaio",
+            "--iodepth=16",
+            "--time_based",
+            "--runtime=30",
+            "--size=16M",
+        ],
+        1,
     );
-    let deadline = Instant::now() + TIMEOUT;
-    while pids_with_open(&mp).is_empty() && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(20));
-    }
     thread::sleep(Duration::from_millis(500));
     let r = run_fusex(&w, &[OsString::from("umount"), mp.clone().into()], None);
     assert_eq!(r.code, Some(0), "fusex umount under load: {}", r.stderr);

@@ -1450,6 +1450,66 @@ pub fn pids_with_open(path: &Path) -> Vec<i32> {
     out
 }
 
+// ---------------------------------------------------------------------------------------
+// fio
+// ---------------------------------------------------------------------------------------
+
+fn fio_command(work: &WorkDir, target: &Path, args: &[&str]) -> Command {
+    let mut filename = OsString::from("--filename=");
+    filename.push(target);
+    let mut cmd = Command::new("fio");
+    cmd.args([
+        "--direct=1",
+        "--fallocate=none",
+        "--randrepeat=0",
+        "--verify_state_save=0",
+    ])
+    .args(args)
+    .arg(&filename)
+    .current_dir(work.path())
+    .stdin(Stdio::null());
+    cmd
+}
+
+/// Runs fio against `target` (direct I/O, no state files left behind) and returns its output;
+/// panics with the output if fio fails (a failed verify included).
+#[track_caller]
+pub fn run_fio(work: &WorkDir, target: &Path, args: &[&str]) -> String {
+    let out = fio_command(work, target, args).output().expect("run fio");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "fio {args:?} failed ({}):\n{text}",
+        out.status
+    );
+    assert!(
+        !text.contains("verify: bad"),
+        "fio reported corruption:\n{text}"
+    );
+    text
+}
+
+/// Starts fio against `target` in the background and returns once `jobs` processes have the file
+/// open (so a test can act while I/O is in flight). The guard kills fio when dropped.
+pub fn spawn_fio(work: &WorkDir, target: &Path, args: &[&str], jobs: usize) -> ChildGuard {
+    let fio = ChildGuard(
+        fio_command(work, target, args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn fio"),
+    );
+    let deadline = Instant::now() + TIMEOUT;
+    while pids_with_open(target).len() < jobs && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+    }
+    fio
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

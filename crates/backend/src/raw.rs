@@ -286,30 +286,7 @@ impl BlockBackend for RawBackend {
                     // SAFETY: writes from the engine-owned window of exactly rest.len() bytes.
                     cvt(unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), pos as i64) })?
                 }
-                _ => {
-                    let sqe: Sqe = if eng.buffers_registered() {
-                        opcode::WriteFixed::new(
-                            types::Fd(fd),
-                            rest.as_ptr(),
-                            rest.len() as u32,
-                            rest.buf_index(),
-                        )
-                        .offset(pos)
-                        .build()
-                        .into()
-                    } else {
-                        opcode::Write::new(types::Fd(fd), rest.as_ptr(), rest.len() as u32)
-                            .offset(pos)
-                            .build()
-                            .into()
-                    };
-                    // SAFETY: the window is engine-owned memory, valid until the engine drains.
-                    let res = unsafe { eng.submit(sqe) }.await;
-                    if res < 0 {
-                        return Err(BackendError::from_res(res));
-                    }
-                    res as usize
-                }
+                _ => ring_write(eng, fd, rest, pos).await?,
             };
             if n == 0 {
                 return Err(io::Error::from_raw_os_error(libc::EIO).into());
@@ -325,11 +302,7 @@ impl BlockBackend for RawBackend {
             .build()
             .into();
         // SAFETY: no memory is referenced by an fsync.
-        let res = unsafe { eng.submit(sqe) }.await;
-        if res < 0 {
-            return Err(BackendError::from_res(res));
-        }
-        Ok(())
+        unsafe { ring(eng, sqe) }.await.map(drop)
     }
 
     async fn discard(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
@@ -470,6 +443,32 @@ async fn ring_read(eng: &Engine, fd: RawFd, buf: &mut IoBufMut<'_>, pos: u64) ->
             .into()
     };
     // SAFETY: the window is engine-owned memory, valid until the engine drains.
+    unsafe { ring(eng, sqe) }.await
+}
+
+async fn ring_write(eng: &Engine, fd: RawFd, buf: IoBuf<'_>, pos: u64) -> Result<usize> {
+    let len = buf.len().min(u32::MAX as usize) as u32;
+    let sqe: Sqe = if eng.buffers_registered() {
+        opcode::WriteFixed::new(types::Fd(fd), buf.as_ptr(), len, buf.buf_index())
+            .offset(pos)
+            .build()
+            .into()
+    } else {
+        opcode::Write::new(types::Fd(fd), buf.as_ptr(), len)
+            .offset(pos)
+            .build()
+            .into()
+    };
+    // SAFETY: the window is engine-owned memory, valid until the engine drains.
+    unsafe { ring(eng, sqe) }.await
+}
+
+/// Submits one entry and turns its result into bytes transferred or an error.
+///
+/// # Safety
+/// As for [`Engine::submit`]: memory the entry references outlives the operation.
+async unsafe fn ring(eng: &Engine, sqe: Sqe) -> Result<usize> {
+    // SAFETY: forwarded to the caller.
     let res = unsafe { eng.submit(sqe) }.await;
     if res < 0 {
         return Err(BackendError::from_res(res));
@@ -484,11 +483,7 @@ async fn fallocate(eng: &Engine, fd: RawFd, mode: i32, off: u64, len: u64) -> Re
         .build()
         .into();
     // SAFETY: fallocate references no memory.
-    let res = unsafe { eng.submit(sqe) }.await;
-    if res < 0 {
-        return Err(BackendError::from_res(res));
-    }
-    Ok(())
+    unsafe { ring(eng, sqe) }.await.map(drop)
 }
 
 #[cfg(test)]
