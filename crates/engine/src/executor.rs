@@ -93,6 +93,7 @@ impl Engine {
             .setup_cqsize(entries * 4)
             .setup_single_issuer()
             .setup_coop_taskrun()
+            .setup_taskrun_flag()
             .setup_submit_all()
             .build(entries)
             .or_else(|_| {
@@ -341,9 +342,17 @@ impl Engine {
                 st.enters += 1;
                 submit_retry(&ring, 0)?;
             }
+            // Completions of polls and FUSE commands are delivered as task work, which (with
+            // COOP_TASKRUN) runs only when this thread enters the kernel: the TASKRUN flag says
+            // some is waiting, and a zero-wait enter runs it.
             let until = Instant::now() + self.spin;
             while ring.completion().is_empty() && Instant::now() < until {
-                std::hint::spin_loop();
+                if ring.submission().taskrun() {
+                    st.enters += 1;
+                    submit_retry(&ring, 0)?;
+                } else {
+                    std::hint::spin_loop();
+                }
             }
         }
         let want = usize::from(ring.completion().is_empty());
