@@ -50,9 +50,10 @@ e2e:
 bench-smoke: release
 	bash bench/smoke.sh
 
-## make bench: the full benchmark suite (every matrix; ~30 minutes). Results in bench/results/.
+## make bench: the full benchmark suite (every matrix, 2 s jobs after 1 s ramp, 3 rounds: ~40
+## minutes here; drop --runtime/--ramp for the 5 s default, ~80 minutes). Results in bench/results/.
 bench: bench-deps release
-	bench/.venv/bin/python bench/run.py --matrix all
+	bench/.venv/bin/python bench/run.py --matrix all --runtime 2 --ramp 1
 
 bench-quick: bench-deps release
 	bash bench/quick.sh

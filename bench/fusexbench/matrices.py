@@ -1,0 +1,303 @@
+"""Benchmark matrices, named after the published measurement they reproduce.
+
+The originals are in ``/work/shared/seeds`` (see its README):
+
+* ``quick``       - the everyday check (~2 min per round with 3 targets).
+* ``coroutines``  - seeds/000: QEMU FUSE export in coroutines, randrw 4k io_uring QD1/QD64.
+* ``multiqueue``  - seeds/001: QEMU FUSE multi-threading, {seq,rand}x{read,write}x{aio,sync}
+                    x numjobs {1,4} on file and null, 1 vs N queues.
+* ``zerocopy``    - seeds/002: FUSE zero copy RFC, 4k/128k read/randread at (QD, jobs).
+* ``uring``       - seeds/003: QEMU FUSE-over-io_uring, 1 GiB 70/30 randrw, {1,4}x{1,64}.
+* ``passthrough`` - seeds/004: passthrough file-access test, 1M/500M/1000M files.
+
+A matrix says which fusex configurations it compares (``fusex_variants``):
+when the user asks for ``fusex`` the runner substitutes these; a tuple means
+"the first of these that this fusex binary supports".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Union
+
+from .fileaccess import FileAccessWorkload
+from .fio import FioWorkload, parse_size
+from .targets import TargetSpec
+
+Workload = Union[FioWorkload, FileAccessWorkload]
+Variant = Union[str, tuple[str, ...]]
+
+
+@dataclass
+class Matrix:
+    """A named set of workloads, images and fusex configurations."""
+
+    name: str
+    title: str
+    seed: str
+    reproduces: str
+    workloads: list[Workload]
+    images: tuple[str, ...] = ("shm",)
+    fusex_variants: tuple[Variant, ...] = ("fusex",)
+    default_targets: tuple[str, ...] = ("native", "fusex", "qsd", "nbdfuse")
+    backend_direct: bool = True
+    kind: str = "fio"
+    fuse_uring: bool = False
+    fusex_extra: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    def image_sizes(self, default_size: int, workloads: Optional[list[Workload]] = None) -> list[int]:
+        """Image sizes needed: one for fio matrices, one per file size for fileaccess."""
+        if self.kind == "fileaccess":
+            wl = self.workloads if workloads is None else workloads
+            return sorted({w.size for w in wl if isinstance(w, FileAccessWorkload)})
+        return [default_size]
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "title": self.title, "seed": self.seed,
+                "reproduces": self.reproduces, "kind": self.kind, "images": list(self.images),
+                "fusex_variants": [list(v) if isinstance(v, tuple) else v for v in self.fusex_variants],
+                "backend_direct": self.backend_direct, "fuse_uring": self.fuse_uring,
+                "fusex_extra": list(self.fusex_extra), "notes": list(self.notes)}
+
+
+TRANSPORT_NOTE = ("fusex runs with `--passthrough off` here: this matrix measures the request transport, "
+                  "which passthrough would bypass for reads.")
+PT_OFF = ("--passthrough", "off")
+
+
+def _fio(name: str, rw: str, bs: str, qd: int, jobs: int = 1, engine: str = "io_uring",
+         mix: Optional[int] = None) -> FioWorkload:
+    return FioWorkload(name=name, rw=rw, bs=bs, iodepth=qd, numjobs=jobs, ioengine=engine, rwmixread=mix)
+
+
+def quick() -> Matrix:
+    return Matrix(
+        name="quick",
+        title="Quick check",
+        seed="-",
+        reproduces="DESIGN.md section 5 transport-ceiling table (4k QD1/QD64, 4 jobs, 128k)",
+        workloads=[
+            _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
+            _fio("randread-4k-qd64", "randread", "4k", 64),
+            _fio("randwrite-4k-qd64", "randwrite", "4k", 64),
+            _fio("randrw70-4k-qd64-4j", "randrw", "4k", 64, jobs=4, mix=70),
+            _fio("read-128k-qd16", "read", "128k", 16),
+        ],
+        fusex_variants=("fusex", "fusex-pt-off"),
+        default_targets=("native", "fusex", "qsd", "nbdfuse"),
+        notes=["`fusex` is fusex as installed (passthrough auto: reads may bypass fusex); "
+               "`fusex-pt-off` sends every request through fusex's transport."],
+    )
+
+
+def coroutines() -> Matrix:
+    return Matrix(
+        name="coroutines",
+        title="QEMU FUSE export in coroutines",
+        seed="000_3f055b950e059908.txt",
+        reproduces="fio randrw 4k, io_uring, iodepth 1 and 64, one job (QEMU coroutine FUSE export, Mar 2025)",
+        workloads=[
+            _fio("randrw-4k-qd1", "randrw", "4k", 1, mix=50),
+            _fio("randrw-4k-qd64", "randrw", "4k", 64, mix=50),
+        ],
+        fusex_extra=PT_OFF,
+        notes=[TRANSPORT_NOTE],
+    )
+
+
+def multiqueue() -> Matrix:
+    wl: list[Workload] = []
+    for jobs in (1, 4):
+        for sync in (False, True):
+            for direction in ("read", "write"):
+                for pattern in ("seq", "rand"):
+                    rw = direction if pattern == "seq" else f"rand{direction}"
+                    engine, qd = ("psync", 1) if sync else ("libaio", 16)
+                    name = f"{pattern}{direction}-{'sync' if sync else 'aio'}-{jobs}j"
+                    wl.append(_fio(name, rw, "4k", qd, jobs=jobs, engine=engine))
+    return Matrix(
+        name="multiqueue",
+        title="Multi-queue (cloned /dev/fuse fds)",
+        seed="001_8eeecc7af9341bed.txt",
+        reproduces=("{seq,rand} x {read,write} x {aio: libaio QD16, sync: psync QD1} x numjobs {1,4}, "
+                    "file and null backends, 1 vs N queues (QEMU FUSE multi-threading, Jul 2025)"),
+        workloads=wl,
+        images=("shm", "null"),
+        fusex_variants=(("fusex-q1", "fusex"), "fusex-qN"),
+        default_targets=("native", "fusex", "qsd"),
+        fusex_extra=PT_OFF,
+        notes=[TRANSPORT_NOTE],
+    )
+
+
+def zerocopy() -> Matrix:
+    wl: list[Workload] = []
+    for bs in ("4k", "128k"):
+        for rw in ("read", "randread"):
+            for qd, jobs in ((1, 1), (64, 1), (16, 4), (64, 16)):
+                wl.append(_fio(f"{rw}-{bs}-qd{qd}-{jobs}j", rw, bs, qd, jobs=jobs))
+    return Matrix(
+        name="zerocopy",
+        title="Zero copy (io_uring fixed buffers)",
+        seed="002_50d4f9716c6972ed.txt",
+        reproduces="4k and 128k read/randread IOPS at (QD, jobs) in {(1,1),(64,1),(16,4),(64,16)} (FUSE zero-copy RFC, Oct 2025)",
+        workloads=wl,
+        default_targets=("native", "fusex", "qsd"),
+        fusex_extra=PT_OFF,
+        notes=[TRANSPORT_NOTE],
+    )
+
+
+def uring() -> Matrix:
+    wl: list[Workload] = []
+    for jobs in (1, 4):
+        for qd in (1, 64):
+            wl.append(_fio(f"randrw70-4k-qd{qd}-{jobs}j", "randrw", "4k", qd, jobs=jobs, mix=70))
+    return Matrix(
+        name="uring",
+        title="FUSE-over-io_uring transport",
+        seed="003_8fa16c596afe041b.txt",
+        reproduces="1 GiB file, 70/30 randrw 4k, (jobs, QD) in {1,4}x{1,64}; bandwidth and mean latency, legacy vs io_uring (QEMU FUSE-over-io_uring v4, 2026)",
+        workloads=wl,
+        fusex_variants=(("fusex-legacy", "fusex"), "fusex-uring"),
+        default_targets=("native", "fusex", "qsd"),
+        fuse_uring=True,
+        fusex_extra=PT_OFF,
+        notes=[TRANSPORT_NOTE, "FUSE-over-io_uring needs /sys/module/fuse/parameters/enable_uring = Y: with --fuse-uring auto "
+               "(the default) the runner sets it for this matrix only (root) and restores it afterwards."],
+    )
+
+
+def passthrough() -> Matrix:
+    wl: list[Workload] = []
+    for size in ("1M", "500M", "1000M"):
+        for cache in ("cold", "warm"):
+            for mode in ("seq", "rand"):
+                for buf in ("4k", "128k", "256k"):
+                    wl.append(FileAccessWorkload(
+                        name=f"{size}-{mode}-{buf}-{cache}", size=parse_size(size), mode=mode,
+                        bufsize=parse_size(buf), cache=cache))
+    return Matrix(
+        name="passthrough",
+        title="Passthrough file-access test",
+        seed="004_7b719478e50ca2e8.txt",
+        reproduces=("files of 1 MiB, 500 MiB, 1000 MiB read sequentially and randomly with 4 KiB, 128 KiB, "
+                    "256 KiB buffers, time and read calls, cold and warm cache (FUSE passthrough question, Nov 2024)"),
+        workloads=wl,
+        images=("disk",),
+        fusex_variants=(("fusex-pt-off", "fusex"), "fusex-pt-on", "fusex-kcache"),
+        default_targets=("native", "fusex"),
+        backend_direct=False,
+        kind="fileaccess",
+        notes=["Servers use buffered I/O on the files here: passthrough means the backing file's page cache.",
+               "Cold = `sync; echo 3 > /proc/sys/vm/drop_caches` before the pass (root only); "
+               "warm = the file was read once through the same path just before.",
+               "On /dev/shm (tmpfs) dropping caches does not evict the file itself: only the FUSE side is cold."],
+    )
+
+
+MATRICES: dict[str, Callable[[], Matrix]] = {
+    "quick": quick,
+    "coroutines": coroutines,
+    "multiqueue": multiqueue,
+    "uring": uring,
+    "zerocopy": zerocopy,
+    "passthrough": passthrough,
+}
+
+
+def get(name: str) -> Matrix:
+    """The matrix called ``name``."""
+    try:
+        return MATRICES[name]()
+    except KeyError:
+        raise KeyError(f"unknown matrix {name!r} (one of: {', '.join(MATRICES)}, all)") from None
+
+
+def resolve(names: str) -> list[Matrix]:
+    """``quick``, ``quick,uring`` or ``all``."""
+    if names.strip() == "all":
+        return [f() for f in MATRICES.values()]
+    return [get(n.strip()) for n in names.split(",") if n.strip()]
+
+
+def with_extra(spec: TargetSpec, extra: tuple[str, ...], flags: set[str]) -> tuple[TargetSpec, Optional[str]]:
+    """``spec`` with the matrix's extra fusex arguments appended (if fusex supports them).
+
+    An option the configuration already sets (``fusex-pt-on`` has ``--passthrough``) is not
+    added again. Returns (spec, note or None).
+    """
+    if spec.kind != "fusex" or not extra:
+        return spec, None
+    if extra[0] in spec.args:
+        return spec, None
+    if extra[0] not in flags:
+        return spec, f"{spec.name}: `fusex mount --help` has no {extra[0]}; ran without {' '.join(extra)}."
+    return replace(spec, args=tuple(spec.args) + tuple(extra),
+                   requires=tuple(spec.requires) + (extra[0],),
+                   description=f"{spec.description}, {' '.join(extra)}"), None
+
+
+def select_workloads(m: Matrix, patterns: Optional[str]) -> list[Workload]:
+    """Workloads whose name equals or contains one of the comma patterns."""
+    if not patterns:
+        return list(m.workloads)
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    exact = [w for w in m.workloads if w.name in pats]
+    if exact and len(exact) == len(pats):
+        return exact
+    return [w for w in m.workloads if any(p in w.name for p in pats)]
+
+
+def expand_targets(requested: list[str], m: Matrix, catalogue: dict[str, TargetSpec],
+                   why_not: Callable[[TargetSpec], Optional[str]]) -> tuple[list[TargetSpec], list[str]]:
+    """Turn the requested target names into configurations for ``m``.
+
+    ``fusex`` expands to the matrix's fusex variants; an unavailable variant
+    is skipped with a note (or replaced by the next alternative in a tuple).
+    Returns (specs, notes).
+    """
+    specs: list[TargetSpec] = []
+    skipped: dict[str, list[str]] = {}  # reason -> names
+    notes: list[str] = []
+
+    def add(spec: TargetSpec) -> None:
+        if spec.name not in {s.name for s in specs}:
+            specs.append(spec)
+
+    for name in requested:
+        if name == "fusex":
+            for variant in m.fusex_variants:
+                alts = variant if isinstance(variant, tuple) else (variant,)
+                for i, alt in enumerate(alts):
+                    reason = why_not(catalogue[alt])
+                    if reason is None:
+                        if i > 0:
+                            notes.append(f"Measured {alt} in place of {', '.join(alts[:i])} (unavailable).")
+                        add(catalogue[alt])
+                        break
+                    skipped.setdefault(reason, []).append(alt)
+            continue
+        if name not in catalogue:
+            raise KeyError(f"unknown target {name!r} (known: {', '.join(catalogue)})")
+        reason = why_not(catalogue[name])
+        if reason is None:
+            add(catalogue[name])
+        else:
+            skipped.setdefault(reason, []).append(name)
+    for reason, names in skipped.items():
+        notes.append(f"Skipped {', '.join(names)}: {reason}.")
+    return specs, notes
+
+
+def estimate_seconds(m: Matrix, n_jobs: int, runtime: float, ramp: float,
+                     cap: Optional[float] = None) -> float:
+    """Rough wall time of ``n_jobs`` runs of matrix ``m``.
+
+    File-access passes are mostly short; the few big cold random ones hit the cap.
+    """
+    if m.kind == "fileaccess":
+        c = cap if cap is not None else max(2.0 * runtime, 2.0)
+        return n_jobs * (0.15 * c + 0.3)
+    return n_jobs * (runtime + ramp + 0.6)

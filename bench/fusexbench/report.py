@@ -1,0 +1,319 @@
+"""report.md from a results.json: tables of medians, spreads and ratios.
+
+Everything here is a pure function of the stored results (and the list of
+plot files), so a report can be re-rendered later with
+``run.py --report DIR``.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from typing import Any, Optional
+
+from .machine import machine_label
+from .stats import summarize_matrix
+
+MU = "\u00b5"
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def fmt_sig(v: Optional[float], sig: int = 3) -> str:
+    """``v`` with ``sig`` significant digits, no exponent ('-' if missing)."""
+    if v is None or not math.isfinite(v):
+        return "-"
+    if v == 0:
+        return "0"
+    digits = max(sig - 1 - int(math.floor(math.log10(abs(v)))), 0)
+    return f"{v:,.{digits}f}".replace(",", "\u2009") if abs(v) >= 10000 else f"{v:.{digits}f}"
+
+
+def fmt_count(v: Optional[float]) -> str:
+    """IOPS-style: 950, 12.3k, 612k, 1.23M."""
+    if v is None or not math.isfinite(v):
+        return "-"
+    a = abs(v)
+    if a >= 1e6:
+        return f"{fmt_sig(v / 1e6)}M"
+    if a >= 1e3:
+        return f"{fmt_sig(v / 1e3)}k"
+    if float(v).is_integer():
+        return str(int(v))
+    return fmt_sig(v)
+
+
+def fmt_spread(p: Optional[float]) -> str:
+    if p is None or not math.isfinite(p):
+        return ""
+    return f" \u00b1{p:.0f}%"
+
+
+def fmt_ratio(r: Optional[dict[str, Any]]) -> str:
+    """Median per-round ratio, e.g. ``0.83`` (``-`` if none)."""
+    if not r or r.get("median") is None:
+        return "-"
+    return f"{r['median']:.2f}"
+
+
+def cell(s: Optional[dict[str, Any]], fmt=fmt_count, spread: bool = True) -> str:
+    """A summarized metric as ``median ±spread``."""
+    if not s or s.get("median") is None:
+        return "-"
+    show = spread and (s.get("n") or 0) >= 2
+    return fmt(s["median"]) + (fmt_spread(s.get("spread_pct")) if show else "")
+
+
+def table(header: list[str], rows: list[list[str]], align: Optional[list[str]] = None) -> str:
+    """A GitHub markdown table."""
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    sep = ["---:" if a == "r" else ":---" for a in align]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def ratio_pairs(targets: list[str]) -> list[tuple[str, str]]:
+    """(a, b) pairs shown as a/b: every peer vs native, then every peer pair."""
+    peers = [t for t in targets if t != "native"]
+    pairs = [(p, "native") for p in peers] if "native" in targets else []
+    for i, a in enumerate(peers):
+        for b in peers[i + 1:]:
+            pairs.append((a, b))
+    return pairs
+
+
+def cmdline(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def header_section(results: dict[str, Any]) -> str:
+    m = results.get("machine", {})
+    t = results.get("tools", {})
+    p = results.get("params", {})
+    lines = [
+        f"# fusex benchmarks: {results.get('started', '')[:10]} on {m.get('host', '?')}",
+        "",
+        f"**Machine**: {machine_label(m)}; {m.get('os', '?')}.",
+        "",
+    ]
+    if results.get("interrupted"):
+        lines += [f"**Interrupted by {results['interrupted']}: partial results.**", ""]
+    bg = m.get("background") or {}
+    if (bg.get("busy_cpus") or 0) > 0.25:
+        procs = ", ".join(f"{p['comm']} ({p['cpus']:.2f})" for p in bg.get("top", [])[:4])
+        lines += [f"**Warning: the machine was busy before the run** ({bg['busy_cpus']:.2f} CPUs in use"
+                  + (f": {procs}" if procs else "") + "); figures are less comparable than usual.", ""]
+    fuse = m.get("fuse_module") or {}
+    tool_rows = [[k, f"`{v}`"] for k, v in t.items() if v]
+    lines += [
+        f"Runs: {p.get('runtime_s')} s per fio job after {p.get('ramp_s')} s ramp, "
+        f"{p.get('rounds')} rounds; all compared targets mounted at once and run interleaved "
+        f"(round after round, target order rotated each round). "
+        f"Started {results.get('started')}, finished {results.get('finished')}.",
+        "",
+        "How to read: each figure is the **median over rounds**; `\u00b1n%` is half the range of the "
+        "rounds relative to the median; a ratio a/b is the **median of the per-round ratios** of "
+        "total IOPS (MiB/s for the file-access test), so >1 means a is faster. "
+        f"Latencies are fio total latency (submission + completion) in {MU}s; server CPU is the "
+        f"daemons' utime+stime during the measured window divided by the I/Os fio completed.",
+        "",
+        "<details><summary>Machine and tool versions</summary>",
+        "",
+        table(["item", "value"], [
+            ["kernel", f"`{m.get('kernel')}` `{m.get('kernel_version')}`"],
+            ["CPUs", f"{m.get('cpus')} x {m.get('cpu_model')}"],
+            ["memory", f"{(m.get('memory_bytes') or 0) / (1 << 30):.1f} GiB"],
+            ["virtualization", str(m.get("virtualization"))],
+            ["fuse module", ", ".join(f"{k}={v}" for k, v in fuse.items()) or "-"],
+            ["fuse max_pages_limit", str(m.get("fuse_max_pages_limit"))],
+            ["busy before the run", f"{bg.get('busy_cpus', '?')} CPUs, loadavg {' '.join(bg.get('loadavg', []))}"],
+        ] + tool_rows, ["l", "l"]),
+        "",
+        "</details>",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def targets_section(res: dict[str, Any]) -> str:
+    rows = []
+    for t in res.get("targets", []):
+        mounts = [mt for mt in res.get("mounts", []) if mt["target"] == t["name"]]
+        cmds = "<br>".join(f"`{cmdline(c)}`" for mt in mounts[:1] for c in mt.get("commands", []))
+        cfg = next((mt.get("config") for mt in mounts if mt.get("config")), {}) or {}
+        cfg_s = ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "args")
+        rows.append([f"**{t['name']}**", t.get("description", ""), cfg_s or "-",
+                     cmds or ("(not started)" if not t.get("started") else "-")])
+    out = ["#### Targets", "", table(["target", "what", "configuration", "command (first image)"], rows,
+                                      ["l", "l", "l", "l"])]
+    images = res.get("images", [])
+    if images:
+        out += ["", "Images: " + "; ".join(
+            f"`{i['label']}` ({i.get('fs', '-')}{', ' + i['note'] if i.get('note') else ''})" for i in images) + "."]
+    return "\n".join(out)
+
+
+def _workload_desc(res: dict[str, Any]) -> dict[str, str]:
+    return {w["name"]: w.get("description", "") for w in res.get("workloads", [])}
+
+
+def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
+    """IOPS table, ratio table and per-target detail table of one image."""
+    targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
+    rows = [r for r in rows if r["image"] == image]
+    present = [t for t in targets if any(t in r["targets"] for r in rows)]
+    desc = _workload_desc(res)
+    main = []
+    for r in rows:
+        main.append([f"`{r['workload']}`"] + [cell(r["targets"].get(t, {}).get("metrics", {}).get("iops"))
+                                              for t in present])
+    out = [f"**IOPS** (read + write; median \u00b1 spread)", "",
+           table(["workload"] + present, main)]
+    pairs = ratio_pairs(present)
+    if pairs:
+        rr = []
+        for r in rows:
+            rr.append([f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
+                                                for a, b in pairs])
+        out += ["", "**Ratios** (median of per-round IOPS ratios)", "",
+                table(["workload"] + [f"{a}/{b}" for a, b in pairs], rr)]
+    det = []
+    for r in rows:
+        for t in present:
+            s = r["targets"].get(t)
+            if not s:
+                continue
+            mt = s["metrics"]
+            vs_native = fmt_ratio(s["ratios"].get("native")) if t != "native" else ""
+            vs_peers = ", ".join(f"{o} {fmt_ratio(v)}" for o, v in s["ratios"].items() if o != "native")
+            err = f" ({'; '.join(s['errors'])[:120]})" if s.get("errors") else ""
+            det.append([f"`{r['workload']}`", t + err,
+                        cell(mt.get("iops")), cell(mt.get("bw_mib"), fmt_sig, False),
+                        cell(mt.get("read.lat_mean_us"), fmt_sig, False), cell(mt.get("read.lat_p99_us"), fmt_sig, False),
+                        cell(mt.get("write.lat_mean_us"), fmt_sig, False), cell(mt.get("write.lat_p99_us"), fmt_sig, False),
+                        cell(mt.get("server_cpu_us_per_io"), fmt_sig, False), vs_native, vs_peers or "-"])
+    out += ["", "<details><summary>Details: bandwidth, latency, server CPU, ratios per row</summary>", "",
+            table(["workload", "target", "IOPS", "MiB/s", f"read mean {MU}s", f"read p99 {MU}s",
+                   f"write mean {MU}s", f"write p99 {MU}s", f"server CPU {MU}s/IO", "vs native", "vs peers"],
+                  det, ["l", "l"] + ["r"] * 8 + ["l"]),
+            "", "Workloads: " + "; ".join(f"`{r['workload']}` = {desc.get(r['workload'], '')}" for r in rows) + ".",
+            "", "</details>"]
+    return "\n".join(out)
+
+
+def fileaccess_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
+    """Time/read-call table and ratios for the passthrough matrix."""
+    targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
+    rows = [r for r in rows if r["image"] == image]
+    present = [t for t in targets if any(t in r["targets"] for r in rows)]
+    main = []
+    for r in rows:
+        cells = []
+        for t in present:
+            mt = r["targets"].get(t, {}).get("metrics", {})
+            calls = mt.get("read_calls", {}).get("median")
+            cells.append(cell(mt.get("time_ms"), fmt_sig) + (f" ({fmt_count(calls)})" if calls else ""))
+        main.append([f"`{r['workload']}`"] + cells)
+    out = [f"**Time in ms** (read calls), median \u00b1 spread", "", table(["file-size-mode-buffer-cache"] + present, main)]
+    pairs = ratio_pairs(present)
+    if pairs:
+        rr = [[f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
+                                        for a, b in pairs] for r in rows]
+        out += ["", "**Speed ratios** (median of per-round MiB/s ratios; >1 = faster)", "",
+                table(["workload"] + [f"{a}/{b}" for a, b in pairs], rr)]
+    det = []
+    for r in rows:
+        for t in present:
+            s = r["targets"].get(t)
+            if not s:
+                continue
+            mt = s["metrics"]
+            err = f" ({'; '.join(s['errors'])[:120]})" if s.get("errors") else ""
+            det.append([f"`{r['workload']}`", t + err, cell(mt.get("mib_s"), fmt_sig),
+                        cell(mt.get("us_per_call"), fmt_sig, False),
+                        cell(mt.get("server_cpu_us_per_io"), fmt_sig, False)])
+    out += ["", "<details><summary>Details: MiB/s, time per read call, server CPU per call</summary>", "",
+            table(["workload", "target", "MiB/s", f"{MU}s per read call", f"server CPU {MU}s/call"], det,
+                  ["l", "l", "r", "r", "r"]),
+            "", "</details>"]
+    return "\n".join(out)
+
+
+def commands_section(res: dict[str, Any]) -> str:
+    """One example command line per workload (first target's run)."""
+    seen: dict[str, list[str]] = {}
+    for run in res.get("runs", []):
+        seen.setdefault(run["workload"], run.get("command", []))
+    if not seen:
+        return ""
+    lines = ["<details><summary>Exact command lines (one per workload; every run's is in results.json)</summary>",
+             "", "```"]
+    lines += [cmdline(c) for c in seen.values()]
+    lines += ["```", "", "</details>"]
+    return "\n".join(lines)
+
+
+def matrix_section(res: dict[str, Any], plots: Optional[list[tuple[str, str]]] = None,
+                   plot_note: Optional[str] = None) -> str:
+    rows = summarize_matrix(res)
+    out = [f"## {res['name']}: {res.get('title', '')}", ""]
+    seed = res.get("seed")
+    out += [f"Reproduces: {res.get('reproduces', '')}" + (f" (seeds/{seed})" if seed and seed != "-" else "") + ".", ""]
+    if res.get("interrupted"):
+        out += [f"**Interrupted ({res['interrupted']}); rows may have fewer rounds.**", ""]
+    for n in res.get("notes", []):
+        out.append(f"- {n}")
+    for n in res.get("skipped", []):
+        out.append(f"- {n}" if not n.startswith("WARNING") else f"- **{n}**")
+    if res.get("notes") or res.get("skipped"):
+        out.append("")
+    if res.get("fuse_enable_uring"):
+        out += [f"FUSE module `enable_uring` during this matrix: {res['fuse_enable_uring']}.", ""]
+    out += [targets_section(res), ""]
+    images: list[str] = []
+    for r in rows:
+        if r["image"] not in images:
+            images.append(r["image"])
+    for image in images:
+        info = next((i for i in res.get("images", []) if i["label"] == image), {})
+        out += [f"### {res['name']} on `{image}`" + (f" ({info.get('fs')})" if info.get("fs") else ""), ""]
+        if res.get("kind") == "fileaccess":
+            out += [fileaccess_tables(res, rows, image), ""]
+        else:
+            out += [fio_tables(res, rows, image), ""]
+        for path, caption in (plots or []):
+            if f"-{image}-" in path or path.endswith(f"-{image}.png"):
+                out += [f"![{caption}]({path})", ""]
+    if not rows:
+        out += ["No runs completed.", ""]
+    if plot_note:
+        out += [f"_{plot_note}_", ""]
+    out += [commands_section(res), ""]
+    return "\n".join(out)
+
+
+def render_report(results: dict[str, Any], plots: Optional[dict[str, list[tuple[str, str]]]] = None,
+                  plot_note: Optional[str] = None) -> str:
+    """The whole report.md for one results.json."""
+    parts = [header_section(results)]
+    for res in results.get("matrices", []):
+        parts.append(matrix_section(res, (plots or {}).get(res["name"]), plot_note))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def summary_tables(results: dict[str, Any]) -> str:
+    """Just the main tables (IOPS and ratios) of every matrix, for the terminal."""
+    out = []
+    for res in results.get("matrices", []):
+        rows = summarize_matrix(res)
+        images = sorted({r["image"] for r in rows}, key=[r["image"] for r in rows].index)
+        for image in images:
+            out.append(f"### {res['name']} on `{image}`\n")
+            body = (fileaccess_tables if res.get("kind") == "fileaccess" else fio_tables)(res, rows, image)
+            out.append(body.split("\n<details>")[0].rstrip() + "\n")
+    return "\n".join(out)

@@ -1,0 +1,327 @@
+"""Run one matrix: prepare images, mount every target, run interleaved rounds.
+
+All compared targets are mounted at once; each round runs every workload
+on every target before the next round starts, and the target order rotates
+from round to round so no target always runs first.  Each run records the
+exact command line, the parsed figures and the server's CPU time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import fileaccess as fa
+from . import images as imgs
+from . import machine
+from .fio import FioWorkload, fio_command, parse_fio_json
+from .matrices import Matrix, Workload, estimate_seconds, expand_targets, select_workloads, with_extra
+from .progress import Progress
+from .targets import (Interrupted, RunningTarget, TargetError, TargetGroup, TargetSpec, Tools, mounts_under,
+                      start_target, unavailable_reason)
+
+FIO_GRACE_S = 90.0
+
+
+@dataclass
+class Options:
+    """Run parameters shared by all matrices of one invocation."""
+
+    runtime: float = 5.0
+    ramp: float = 1.0
+    rounds: int = 3
+    images: Optional[list[str]] = None   # None: each matrix's own default
+    size: int = 1 << 30
+    disk_dir: str = "/var/tmp"
+    workloads: Optional[str] = None
+    targets: Optional[list[str]] = None  # None: each matrix's default
+    fio: str = "fio"
+    fileaccess_cap: Optional[float] = None
+    rotate: bool = True
+    fuse_uring: str = "auto"             # auto: enable for matrices that need it; on; off
+    catalogue: dict[str, TargetSpec] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"runtime_s": self.runtime, "ramp_s": self.ramp, "rounds": self.rounds,
+                "images": self.images, "image_size": self.size, "disk_dir": self.disk_dir,
+                "workloads": self.workloads, "targets": self.targets,
+                "fileaccess_cap_s": self.cap(), "rotate_order": self.rotate, "fuse_uring": self.fuse_uring}
+
+    def cap(self) -> float:
+        """Time cap of one file-access pass (seconds)."""
+        return self.fileaccess_cap if self.fileaccess_cap is not None else max(2.0 * self.runtime, 2.0)
+
+
+def _now() -> str:
+    return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def plan(m: Matrix, opts: Options, tools: Tools) -> tuple[list[TargetSpec], list[str], list[Workload]]:
+    """Target configurations, notes and workloads this run will use for ``m``."""
+    probe = imgs.Image(kind="shm", size=opts.size)
+    requested = opts.targets or list(m.default_targets)
+    specs, notes = expand_targets(requested, m, opts.catalogue,
+                                  lambda s: unavailable_reason(s, probe, tools))
+    flags = tools.fusex_flags()
+    out = []
+    for s in specs:
+        s2, note = with_extra(s, m.fusex_extra, flags)
+        out.append(s2)
+        if note:
+            notes.append(note)
+    return out, notes, select_workloads(m, opts.workloads)
+
+
+def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """Run matrix ``m``; returns its result dict (see results.json schema in docs).
+
+    Raises :class:`~fusexbench.targets.Interrupted` on a signal; the partial
+    result is then in the exception's ``result`` attribute.
+    """
+    specs, notes, workloads = plan(m, opts, tools)
+    result: dict[str, Any] = {**m.to_json(), "started": _now(), "finished": None, "notes": list(m.notes),
+                              "skipped": notes, "images": [], "targets": [], "mounts": [],
+                              "workloads": [_workload_json(w) for w in workloads], "runs": [],
+                              "interrupted": None}
+    kinds = opts.images or list(m.images)
+    uring_prev: Optional[str] = None
+    if m.fuse_uring and opts.fuse_uring == "auto" and machine.fuse_uring_enabled() == "N":
+        uring_prev = machine.set_fuse_uring("Y")
+        if uring_prev is None:
+            result["notes"].append("Could not set enable_uring=Y (needs root): io_uring configurations may fail.")
+    result["fuse_enable_uring"] = machine.fuse_uring_enabled()
+    created: list[imgs.Image] = []
+    dirs: set[str] = set()
+    group = TargetGroup(workdir, tools.fusermount)
+    try:
+        with group:
+            # Images.
+            images: list[imgs.Image] = []
+            for kind in kinds:
+                d = imgs.image_dir(kind, opts.disk_dir, tag)
+                if d:
+                    dirs.add(d)
+                for size in m.image_sizes(opts.size, workloads):
+                    log(f"{m.name}: preparing {kind} image of {size >> 20} MiB")
+                    img = imgs.prepare_image(kind, size, d, want_direct=m.backend_direct)
+                    created.append(img)
+                    images.append(img)
+                    result["images"].append(img.to_json())
+            # Mounts.
+            running: dict[tuple[str, str], RunningTarget] = {}
+            started: set[str] = set()
+            for img in images:
+                for spec in specs:
+                    reason = unavailable_reason(spec, img, tools)
+                    if reason:
+                        result["skipped"].append(f"Skipped {spec.name} on {img.label}: {reason}.")
+                        continue
+                    wd = os.path.join(workdir, m.name, img.label, spec.name)
+                    try:
+                        t = start_target(spec, img, wd, tools)
+                    except TargetError as e:
+                        result["skipped"].append(f"Skipped {spec.name} on {img.label}: did not start: {e}")
+                        result["mounts"].append({"target": spec.name, "image": img.label, "error": str(e)})
+                        continue
+                    group.add(t)
+                    running[(img.label, spec.name)] = t
+                    started.add(spec.name)
+                    result["mounts"].append({"target": spec.name, "image": img.label,
+                                             "commands": t.commands, "config": t.config})
+            result["targets"] = [{**s.to_json(), "started": s.name in started} for s in specs]
+            # Jobs: round -> workload -> image -> target (rotated per round).
+            names = [s.name for s in specs]
+            jobs: list[tuple[int, Workload, imgs.Image, RunningTarget]] = []
+            for rnd in range(1, opts.rounds + 1):
+                order = names[(rnd - 1) % len(names):] + names[:(rnd - 1) % len(names)] if (
+                    opts.rotate and names) else names
+                for w in workloads:
+                    for img in images:
+                        if not _applies(w, img):
+                            continue
+                        for name in order:
+                            t = running.get((img.label, name))
+                            if t:
+                                jobs.append((rnd, w, img, t))
+            est = estimate_seconds(m, 1, opts.runtime, opts.ramp, opts.cap())
+            log(f"{m.name}: {len(jobs)} runs ({len(running)} mounts x {len(workloads)} workloads x "
+                f"{opts.rounds} rounds), about {len(jobs) * est / 60:.1f} min")
+            progress = Progress(len(jobs), est)
+            fa_bin = fa.build() if m.kind == "fileaccess" else None
+            tmp = os.path.join(workdir, m.name, "out")
+            os.makedirs(tmp, exist_ok=True)
+            try:
+                for i, (rnd, w, img, t) in enumerate(jobs):
+                    progress.show(f"{m.name} r{rnd} {w.name} @ {t.name}" +
+                                  (f" [{img.label}]" if len(images) > 1 else ""))
+                    if isinstance(w, FioWorkload):
+                        run = run_fio(w, img, t, opts, os.path.join(tmp, f"fio-{i}.json"))
+                    else:
+                        assert fa_bin
+                        run = run_fileaccess(w, img, t, opts, fa_bin)
+                    run.update({"round": rnd, "workload": w.name, "image": img.label, "target": t.name,
+                                "seq": i, "loadavg1": _loadavg1()})
+                    result["runs"].append(run)
+                    if not run["ok"]:
+                        progress.note(f"  {t.name} {w.name} round {rnd}: {run['error']}")
+                    progress.step()
+            finally:
+                progress.finish()
+    except Interrupted as e:
+        result["interrupted"] = signal.Signals(e.signum).name
+        e.result = result  # type: ignore[attr-defined]
+        raise
+    finally:
+        if uring_prev is not None:
+            machine.set_fuse_uring(uring_prev)
+        for img in created:
+            imgs.remove_image(img)
+        for d in dirs:
+            imgs.cleanup_dir(d)
+        result["finished"] = _now()
+        left = mounts_under(workdir)
+        if left:
+            result["skipped"].append(f"WARNING: still mounted after cleanup: {left}")
+    return result
+
+
+def _applies(w: Workload, img: imgs.Image) -> bool:
+    if isinstance(w, fa.FileAccessWorkload):
+        return img.size == w.size
+    return True
+
+
+def _workload_json(w: Workload) -> dict[str, Any]:
+    if isinstance(w, FioWorkload):
+        return {"name": w.name, "kind": "fio", "rw": w.rw, "bs": w.bs, "iodepth": w.iodepth,
+                "numjobs": w.numjobs, "ioengine": w.ioengine, "rwmixread": w.rwmixread,
+                "options": w.options(), "description": w.describe()}
+    return {"name": w.name, "kind": "fileaccess", "size": w.size, "mode": w.mode,
+            "bufsize": w.bufsize, "cache": w.cache, "description": w.describe()}
+
+
+def _server_cpu(t: RunningTarget, a: Optional[float], b: Optional[float], ios: int) -> dict[str, Any]:
+    if a is None or b is None:
+        return {"server_cpu_s": None, "server_cpu_us_per_io": None}
+    cpu = max(b - a, 0.0)
+    return {"server_cpu_s": cpu, "server_cpu_us_per_io": cpu * 1e6 / ios if ios else None}
+
+
+def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, out: str) -> dict[str, Any]:
+    """One fio run; server CPU is sampled after the ramp and at the end."""
+    cmd = fio_command(w, t.path, img.size, opts.runtime, opts.ramp, opts.fio, output=out)
+    rec: dict[str, Any] = {"command": cmd, "ok": False, "error": None, "metrics": None,
+                           "started": _now()}
+    dead = t.check_alive()
+    if dead:
+        rec["error"] = f"target unusable: {dead}"
+        return rec
+    _unlink(out)
+    t0 = time.monotonic()
+    errlog = out + ".stderr"
+    with open(errlog, "wb") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        try:
+            proc.wait(timeout=opts.ramp if opts.ramp > 0 else 0.01)
+        except subprocess.TimeoutExpired:
+            pass
+        cpu_a = t.cpu_seconds()
+        try:
+            proc.wait(timeout=opts.runtime + opts.ramp + FIO_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rec["error"] = f"fio did not finish within {opts.runtime + opts.ramp + FIO_GRACE_S:.0f} s (killed)"
+            t.check_alive()
+            return rec
+        cpu_b = t.cpu_seconds()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rec["elapsed_s"] = round(time.monotonic() - t0, 3)
+    stderr = _read(errlog).strip()
+    try:
+        metrics = parse_fio_json(_read(out))
+    except (ValueError, KeyError) as e:
+        rec["error"] = f"fio exit {proc.returncode}: {stderr[-300:] or e}"
+        t.check_alive()
+        return rec
+    rec["metrics"] = metrics
+    rec.update(_server_cpu(t, cpu_a, cpu_b, metrics["ios"]))
+    if proc.returncode != 0 or metrics.get("error"):
+        rec["error"] = f"fio exit {proc.returncode}, error {metrics.get('error')}: {stderr[-300:]}"
+        return rec
+    rec["ok"] = True
+    return rec
+
+
+def run_fileaccess(w: fa.FileAccessWorkload, img: imgs.Image, t: RunningTarget, opts: Options,
+                   binary: str) -> dict[str, Any]:
+    """One timed pass of the file-access program (after dropping or warming caches)."""
+    cap = opts.cap()
+    cmd = fa.command(binary, t.path, w, cap)
+    rec: dict[str, Any] = {"command": cmd, "ok": False, "error": None, "metrics": None, "started": _now()}
+    dead = t.check_alive()
+    if dead:
+        rec["error"] = f"target unusable: {dead}"
+        return rec
+    if w.cache == "cold":
+        if not imgs.drop_caches():
+            rec["error"] = "cold cache needs root (cannot write /proc/sys/vm/drop_caches)"
+            return rec
+        rec["prepare"] = "sync; echo 3 > /proc/sys/vm/drop_caches"
+    else:
+        warm = fa.command(binary, t.path, fa.FileAccessWorkload("warm", w.size, "seq", 1 << 20, "warm"),
+                          max(4 * cap, 30))
+        rec["prepare"] = " ".join(warm)
+        subprocess.run(warm, capture_output=True, timeout=max(4 * cap, 30) + FIO_GRACE_S)
+    t0 = time.monotonic()
+    cpu_a = t.cpu_seconds()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=cap + FIO_GRACE_S)
+    except subprocess.TimeoutExpired:
+        rec["error"] = "fileaccess timed out"
+        return rec
+    cpu_b = t.cpu_seconds()
+    rec["elapsed_s"] = round(time.monotonic() - t0, 3)
+    if p.returncode != 0:
+        rec["error"] = f"fileaccess exit {p.returncode}: {p.stderr.strip()[-300:]}"
+        t.check_alive()
+        return rec
+    metrics = fa.parse_output(p.stdout)
+    rec["metrics"] = metrics
+    rec.update(_server_cpu(t, cpu_a, cpu_b, metrics["ios"]))
+    rec["ok"] = True
+    return rec
+
+
+def _loadavg1() -> Optional[float]:
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _unlink(path: str) -> None:
+    """Remove a stale output file before a run."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

@@ -1,0 +1,562 @@
+"""Targets: what fio runs against, started and stopped by the runner.
+
+A target *configuration* is data (:class:`TargetSpec`: a name, a kind, extra
+command-line arguments, the ``fusex mount`` flags it needs).  A *running*
+target (:class:`RunningTarget`) is one spec mounted over one image.
+
+Nothing may stay mounted on any exit path:
+
+* every daemon runs in its own session (a terminal Ctrl-C reaches only the
+  runner, which then unmounts in order) and with ``PR_SET_PDEATHSIG`` =
+  SIGTERM, so even a SIGKILLed runner makes them unmount themselves;
+* :class:`TargetGroup` stops everything in ``__exit__`` and from ``atexit``;
+* :func:`signal_guard` turns SIGINT/SIGTERM/SIGHUP into :class:`Interrupted`
+  so ``with`` blocks unwind; further signals during cleanup are ignored;
+* stopping verifies ``/proc/self/mountinfo`` and falls back to
+  ``fusermount3 -u -z`` / ``umount -l``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from .fio import format_size
+from .images import Image
+
+KINDS = ("native", "fusex", "qsd", "nbdfuse")
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+MOUNT_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 15.0
+
+
+class TargetError(RuntimeError):
+    """A target could not be started (the message says why)."""
+
+
+class Interrupted(Exception):
+    """Raised in the main thread when SIGINT/SIGTERM/SIGHUP arrives."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@dataclass
+class TargetSpec:
+    """A target configuration: name, kind, extra arguments, requirements.
+
+    ``args`` are appended to the kind's base command (for fusex: options of
+    ``fusex mount``).  ``requires`` lists flags that must appear in
+    ``fusex mount --help``; configurations needing a missing feature are
+    skipped with a note instead of failing.  ``options`` are the knobs as
+    data (queues, transport, passthrough, aio) for plots and the report.
+    """
+
+    name: str
+    kind: str
+    args: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "args": list(self.args),
+                "requires": list(self.requires), "options": dict(self.options),
+                "description": self.description}
+
+
+def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
+    """All known target configurations, by name."""
+    n = ncpu or os.cpu_count() or 1
+    specs = [
+        TargetSpec("native", "native", description="the image file itself (the limit)"),
+        TargetSpec("fusex", "fusex", description="fusex, default options"),
+        TargetSpec("fusex-q1", "fusex", ("--queues", "1"), ("--queues",), {"queues": 1},
+                   "fusex, 1 queue"),
+        TargetSpec("fusex-qN", "fusex", ("--queues", str(n)), ("--queues",), {"queues": n},
+                   f"fusex, {n} queues (one per CPU)"),
+        TargetSpec("fusex-legacy", "fusex", ("--transport", "legacy"), ("--transport",),
+                   {"transport": "legacy"}, "fusex, legacy /dev/fuse transport"),
+        TargetSpec("fusex-uring", "fusex", ("--transport", "uring"), ("--transport",),
+                   {"transport": "uring"}, "fusex, FUSE-over-io_uring transport"),
+        TargetSpec("fusex-pt-off", "fusex", ("--passthrough", "off"), ("--passthrough",),
+                   {"passthrough": "off"}, "fusex, passthrough off"),
+        TargetSpec("fusex-pt-on", "fusex", ("--passthrough", "on"), ("--passthrough",),
+                   {"passthrough": "on"}, "fusex, passthrough on"),
+        TargetSpec("fusex-kcache", "fusex", ("--kernel-cache",), ("--kernel-cache",),
+                   {"kernel_cache": True}, "fusex, kernel page cache on the export"),
+        TargetSpec("fusex-spin", "fusex", ("--spin-us", "20"), ("--spin-us",), {"spin_us": 20},
+                   "fusex, 20 us busy-poll before sleeping"),
+        TargetSpec("fusex-io-ring", "fusex", ("--io-path", "ring"), ("--io-path",), {"io_path": "ring"},
+                   "fusex, image I/O always through io_uring"),
+        TargetSpec("fusex-io-inline", "fusex", ("--io-path", "inline"), ("--io-path",), {"io_path": "inline"},
+                   "fusex, image I/O as synchronous pread/pwrite on the queue thread"),
+        TargetSpec("fusex-io-nowait", "fusex", ("--io-path", "nowait"), ("--io-path",), {"io_path": "nowait"},
+                   "fusex, preadv2(RWF_NOWAIT) first, io_uring when it would block"),
+        TargetSpec("qsd", "qsd", options={"aio": "io_uring"},
+                   description="qemu-storage-daemon FUSE export, aio=io_uring"),
+        TargetSpec("qsd-threads", "qsd", options={"aio": "threads"},
+                   description="qemu-storage-daemon FUSE export, aio=threads"),
+        TargetSpec("nbdfuse", "nbdfuse", options={"aio": "io_uring"},
+                   description="nbdfuse (multi-conn) over qemu-nbd, aio=io_uring"),
+    ]
+    return {s.name: s for s in specs}
+
+
+def parse_define(text: str) -> TargetSpec:
+    """Parse ``--define NAME=KIND:ARG ARG...`` into an ad-hoc TargetSpec.
+
+    Example: ``fusex-qd8=fusex:--queue-depth 8``.  For fusex every ``--flag``
+    in the arguments becomes a requirement.
+    """
+    if "=" not in text or ":" not in text.split("=", 1)[1]:
+        raise ValueError(f"bad target definition {text!r} (want NAME=KIND:ARGS)")
+    name, rest = text.split("=", 1)
+    kind, argstr = rest.split(":", 1)
+    if kind not in KINDS:
+        raise ValueError(f"unknown target kind {kind!r}")
+    args = tuple(argstr.split())
+    requires = tuple(a.split("=")[0] for a in args if a.startswith("--")) if kind == "fusex" else ()
+    return TargetSpec(name.strip(), kind, args, requires, {}, f"{kind} {argstr}".strip())
+
+
+# --------------------------------------------------------------------------- tools
+
+
+@dataclass
+class Tools:
+    """Paths of the external programs and what the fusex binary supports."""
+
+    fusex: Optional[str] = None
+    fusex_help: str = ""
+    qsd: Optional[str] = None
+    qemu_nbd: Optional[str] = None
+    nbdfuse: Optional[str] = None
+    fusermount: Optional[str] = None
+
+    @classmethod
+    def discover(cls, fusex: Optional[str]) -> "Tools":
+        t = cls(
+            fusex=fusex if fusex and os.access(fusex, os.X_OK) else None,
+            qsd=shutil.which("qemu-storage-daemon"),
+            qemu_nbd=shutil.which("qemu-nbd"),
+            nbdfuse=shutil.which("nbdfuse"),
+            fusermount=shutil.which("fusermount3") or shutil.which("fusermount"),
+        )
+        if t.fusex:
+            t.fusex_help = fusex_help(t.fusex)
+        return t
+
+    def fusex_flags(self) -> set[str]:
+        """Long flags listed by ``fusex mount --help``."""
+        return set(re.findall(r"(--[a-z][a-z0-9-]*)", self.fusex_help))
+
+
+def fusex_help(binary: str) -> str:
+    """Output of ``fusex mount --help`` (empty if it cannot run)."""
+    try:
+        p = subprocess.run([binary, "mount", "--help"], capture_output=True, text=True, timeout=10)
+        return p.stdout + p.stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
+    """Why ``spec`` cannot run on ``image`` here, or None if it can."""
+    if spec.kind == "native":
+        return "native has no null image (nothing to compare against)" if image.kind == "null" else None
+    if spec.kind == "fusex":
+        if not tools.fusex:
+            return "fusex binary not found (cargo build --release -p fusex, or --fusex PATH)"
+        flags = tools.fusex_flags()
+        missing = [r for r in spec.requires if r not in flags]
+        if missing:
+            return f"`fusex mount --help` has no {', '.join(missing)} (feature not implemented yet)"
+        return None
+    if spec.kind == "qsd":
+        return None if tools.qsd else "qemu-storage-daemon not installed (Debian: qemu-system-common)"
+    if spec.kind == "nbdfuse":
+        if not tools.nbdfuse:
+            return "nbdfuse not installed (Debian: libnbd-bin)"
+        if not tools.qemu_nbd:
+            return "qemu-nbd not installed (Debian: qemu-utils)"
+        return None
+    return f"unknown kind {spec.kind}"
+
+
+# --------------------------------------------------------------------------- mounts
+
+
+def _unescape(s: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def mount_points() -> list[str]:
+    """Mount points listed in /proc/self/mountinfo."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4:
+                    out.append(_unescape(parts[4]))
+    except OSError:
+        pass
+    return out
+
+
+def is_mounted(path: str) -> bool:
+    """True if ``path`` is a mount point."""
+    return os.path.abspath(path) in mount_points()
+
+
+def mounts_under(prefix: str) -> list[str]:
+    """Mount points at or below ``prefix``."""
+    prefix = os.path.abspath(prefix).rstrip("/")
+    return [m for m in mount_points() if m == prefix or m.startswith(prefix + "/")]
+
+
+def force_unmount(path: str, fusermount: Optional[str] = None) -> None:
+    """Last resort: lazily unmount ``path`` (fusermount3 -u -z, then umount -l)."""
+    cmds = []
+    if fusermount:
+        cmds.append([fusermount, "-u", "-z", path])
+    cmds.append(["umount", "-l", path])
+    for cmd in cmds:
+        if not is_mounted(path):
+            return
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(cmd, capture_output=True, timeout=10)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _child_setup() -> None:  # pragma: no cover - runs in the forked child
+    """In the child: ask the kernel for SIGTERM when the runner dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def spawn(cmd: list[str], log_path: str) -> subprocess.Popen:
+    """Start a daemon in its own session, output to ``log_path``."""
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_child_setup, close_fds=True)
+    finally:
+        log.close()
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """utime + stime of ``pid`` (all threads) in seconds, None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rindex(")") + 2:].split()
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK
+
+
+def _tail(path: str, n: int = 8) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [l.rstrip() for l in f.readlines() if l.strip()]
+        return " | ".join(lines[-n:])
+    except OSError:
+        return ""
+
+
+def _terminate(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+# --------------------------------------------------------------------------- running targets
+
+
+@dataclass
+class RunningTarget:
+    """One target configuration mounted over one image."""
+
+    spec: TargetSpec
+    image: Image
+    path: str                      # the file fio opens
+    workdir: str
+    commands: list[list[str]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    logs: list[str] = field(default_factory=list)
+    mountpoint: Optional[str] = None
+    fusermount: Optional[str] = None
+    stopped: bool = False
+    dead_reason: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def cpu_seconds(self) -> Optional[float]:
+        """Server CPU time (utime+stime, summed over its processes)."""
+        if not self.procs:
+            return None
+        vals = [cpu_seconds(pid) for pid in self.pids()]
+        if any(v is None for v in vals):
+            return None
+        return sum(v for v in vals if v is not None)
+
+    def check_alive(self) -> Optional[str]:
+        """None if the target is usable, else why not (and remember it)."""
+        if self.dead_reason:
+            return self.dead_reason
+        for p, log in zip(self.procs, self.logs):
+            if p.poll() is not None:
+                self.dead_reason = f"{os.path.basename(p.args[0])} exited with {p.returncode}: {_tail(log)}"
+                return self.dead_reason
+        if self.mountpoint and not is_mounted(self.mountpoint):
+            self.dead_reason = "export no longer mounted"
+            return self.dead_reason
+        return None
+
+    def stop(self) -> None:
+        """Unmount and stop the daemons (idempotent, never raises)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        # Stop in order: the FUSE server first (it unmounts), then backends.
+        for proc in self.procs:
+            try:
+                _terminate(proc)
+            except Exception:  # noqa: BLE001 - cleanup must go on
+                pass
+            if proc is self.procs[0] and self.mountpoint and is_mounted(self.mountpoint):
+                force_unmount(self.mountpoint, self.fusermount)
+        if self.mountpoint:
+            force_unmount(self.mountpoint, self.fusermount)
+            if not is_mounted(self.mountpoint):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.mountpoint)
+
+
+def _wait_mounted(target: RunningTarget, timeout: float = MOUNT_TIMEOUT_S) -> None:
+    assert target.mountpoint
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_mounted(target.mountpoint) and os.path.getsize(target.mountpoint) > 0:
+            return
+        for p, log in zip(target.procs, target.logs):
+            if p.poll() is not None:
+                raise TargetError(f"{os.path.basename(p.args[0])} exited with {p.returncode}: {_tail(log)}")
+        time.sleep(0.02)
+    raise TargetError(f"not mounted after {timeout:.0f} s: {_tail(target.logs[0]) if target.logs else ''}")
+
+
+def _wait_path(path: str, proc: subprocess.Popen, log: str, timeout: float = MOUNT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return
+        if proc.poll() is not None:
+            raise TargetError(f"{os.path.basename(proc.args[0])} exited with {proc.returncode}: {_tail(log)}")
+        time.sleep(0.02)
+    raise TargetError(f"{path} did not appear after {timeout:.0f} s")
+
+
+def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
+    """``fusex mount --writable [--direct] ARGS IMAGE MNT``."""
+    assert tools.fusex
+    cmd = [tools.fusex, "mount", "--writable"]
+    if image.direct:
+        cmd.append("--direct")
+    cmd += list(spec.args)
+    cmd += [f"null:{format_size(image.size)}" if image.kind == "null" else str(image.path), mnt]
+    return cmd
+
+
+def qsd_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
+    """qemu-storage-daemon with a FUSE export of a raw file (or null-co)."""
+    assert tools.qsd
+    aio = spec.options.get("aio", "io_uring")
+    if image.kind == "null":
+        blockdevs = ["--blockdev", f"driver=null-co,node-name=disk,size={image.size},read-zeroes=on"]
+    else:
+        direct = "on" if image.direct else "off"
+        blockdevs = [
+            "--blockdev",
+            f"driver=file,node-name=file,filename={image.path},cache.direct={direct},aio={aio},locking=off",
+            "--blockdev", "driver=raw,node-name=disk,file=file",
+        ]
+    return [tools.qsd, *blockdevs, "--export",
+            f"type=fuse,id=exp,node-name=disk,mountpoint={mnt},writable=on", *spec.args]
+
+
+def qemu_nbd_command(tools: Tools, spec: TargetSpec, image: Image, sock: str) -> list[str]:
+    """qemu-nbd serving the image on a unix socket (multi-conn capable)."""
+    assert tools.qemu_nbd
+    aio = spec.options.get("aio", "io_uring")
+    base = [tools.qemu_nbd, "--persistent", "--shared=8", f"--socket={sock}"]
+    if image.kind == "null":
+        return base + ["--image-opts", f"driver=null-co,size={image.size},read-zeroes=on"]
+    cache = "none" if image.direct else "writeback"
+    return base + [f"--cache={cache}", f"--aio={aio}", "--image-opts",
+                   f"driver=raw,file.driver=file,file.filename={image.path},file.locking=off"]
+
+
+def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> RunningTarget:
+    """Mount ``spec`` over ``image`` (files go to ``workdir``).
+
+    Raises :class:`TargetError` if it does not come up; nothing is left
+    mounted or running in that case.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    if spec.kind == "native":
+        assert image.path
+        return RunningTarget(spec, image, image.path, workdir,
+                             config={"what": "fio opens the image file directly"})
+    mnt = os.path.join(workdir, "export")
+    with open(mnt, "a", encoding="ascii"):
+        pass  # qemu-storage-daemon and nbdfuse mount over an existing regular file
+    t = RunningTarget(spec, image, mnt, workdir, mountpoint=mnt, fusermount=tools.fusermount)
+    try:
+        if spec.kind == "fusex":
+            cmd = fusex_command(tools, spec, image, mnt)
+            t.config = {"image_o_direct": image.direct, "writable": True, "args": list(spec.args)}
+            _launch(t, cmd, "fusex.log")
+        elif spec.kind == "qsd":
+            cmd = qsd_command(tools, spec, image, mnt)
+            t.config = {"image_o_direct": image.direct, "writable": True,
+                        "aio": spec.options.get("aio", "io_uring"), "locking": "off",
+                        "backend": "null-co read-zeroes=on" if image.kind == "null" else "file+raw"}
+            _launch(t, cmd, "qsd.log")
+        elif spec.kind == "nbdfuse":
+            sock = os.path.join(workdir, "nbd.sock")
+            server = qemu_nbd_command(tools, spec, image, sock)
+            t.config = {"image_o_direct": image.direct, "writable": True,
+                        "qemu_nbd_cache": "none" if image.direct else "writeback",
+                        "aio": spec.options.get("aio", "io_uring"), "nbdfuse_connections": 4,
+                        "backend": "null-co read-zeroes=on" if image.kind == "null" else "file+raw"}
+            log = os.path.join(workdir, "qemu-nbd.log")
+            srv = spawn(server, log)
+            t.procs.append(srv)
+            t.logs.append(log)
+            t.commands.append(server)
+            _wait_path(sock, srv, log)
+            assert tools.nbdfuse
+            client = [tools.nbdfuse, mnt, "--unix", sock, *spec.args]
+            # _launch puts nbdfuse first, so stop() unmounts before it kills the server.
+            _launch(t, client, "nbdfuse.log")
+        else:
+            raise TargetError(f"unknown kind {spec.kind}")
+    except BaseException:
+        t.stop()
+        raise
+    return t
+
+
+def _launch(t: RunningTarget, cmd: list[str], logname: str, wait: bool = True) -> None:
+    log = os.path.join(t.workdir, logname)
+    t.procs.insert(0, spawn(cmd, log))
+    t.logs.insert(0, log)
+    t.commands.insert(0, cmd)
+    if wait:
+        _wait_mounted(t)
+
+
+# --------------------------------------------------------------------------- group + signals
+
+
+class TargetGroup:
+    """All targets mounted for one matrix; stops them all on exit."""
+
+    def __init__(self, workdir: str, fusermount: Optional[str] = None) -> None:
+        self.workdir = workdir
+        self.fusermount = fusermount
+        self.targets: list[RunningTarget] = []
+        atexit.register(self.stop_all)
+
+    def add(self, target: RunningTarget) -> None:
+        self.targets.append(target)
+
+    def stop_all(self) -> None:
+        """Stop every target (reverse start order), then sweep the workdir."""
+        with ignoring_signals():
+            for t in reversed(self.targets):
+                t.stop()
+            for m in mounts_under(self.workdir):
+                force_unmount(m, self.fusermount)
+
+    def __enter__(self) -> "TargetGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+        atexit.unregister(self.stop_all)
+
+
+_interrupted: list[int] = []
+_cleaning = [0]
+
+
+def _handler(signum: int, _frame: object) -> None:
+    if _interrupted or _cleaning[0]:
+        sys.stderr.write(f"\nfusexbench: {signal.Signals(signum).name} again: still unmounting, please wait\n")
+        return
+    _interrupted.append(signum)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signal_guard() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` in the main thread."""
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    old = {s: signal.getsignal(s) for s in sigs}
+    _interrupted.clear()
+    for s in sigs:
+        signal.signal(s, _handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def ignoring_signals() -> Iterator[None]:
+    """While cleaning up, a further Ctrl-C only prints a note."""
+    _cleaning[0] += 1
+    try:
+        yield
+    finally:
+        _cleaning[0] -= 1
+
+
+def interrupted_signal() -> Optional[int]:
+    """The signal that interrupted the run, if any."""
+    return _interrupted[0] if _interrupted else None

@@ -1,0 +1,113 @@
+"""Target configurations as data: command lines, requirements, mount table parsing."""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "data")
+sys.path.insert(0, os.path.dirname(HERE))  # bench/, for fusexbench
+
+import tempfile
+import unittest
+from unittest import mock
+
+from fusexbench import targets
+from fusexbench.images import Image
+from fusexbench.targets import (Tools, catalogue, fusex_command, parse_define, qemu_nbd_command,
+                                qsd_command, unavailable_reason)
+
+TOOLS = Tools(fusex="/bin/fusex", fusex_help="  --writable\n  --direct\n  --queues <QUEUES>\n  --kernel-cache",
+              qsd="/usr/bin/qemu-storage-daemon", qemu_nbd="/usr/bin/qemu-nbd", nbdfuse="/usr/bin/nbdfuse",
+              fusermount="/bin/fusermount3")
+SHM = Image("shm", 1 << 30, "/dev/shm/x/image.raw", direct=True, fs="tmpfs")
+BUF = Image("disk", 1 << 30, "/var/tmp/x/image.raw", direct=False, fs="ext4")
+NULL = Image("null", 1 << 30)
+
+
+class CommandTest(unittest.TestCase):
+    def setUp(self):
+        self.cat = catalogue(ncpu=4)
+
+    def test_fusex(self):
+        self.assertEqual(fusex_command(TOOLS, self.cat["fusex-qN"], SHM, "/m"),
+                         ["/bin/fusex", "mount", "--writable", "--direct", "--queues", "4", SHM.path, "/m"])
+        self.assertEqual(fusex_command(TOOLS, self.cat["fusex"], BUF, "/m"),
+                         ["/bin/fusex", "mount", "--writable", BUF.path, "/m"])
+        self.assertEqual(fusex_command(TOOLS, self.cat["fusex"], NULL, "/m")[-2:], ["null:1G", "/m"])
+
+    def test_qsd(self):
+        cmd = qsd_command(TOOLS, self.cat["qsd"], SHM, "/m")
+        self.assertIn(f"driver=file,node-name=file,filename={SHM.path},cache.direct=on,aio=io_uring,locking=off", cmd)
+        self.assertIn("type=fuse,id=exp,node-name=disk,mountpoint=/m,writable=on", cmd)
+        self.assertIn("cache.direct=off,aio=threads", " ".join(qsd_command(TOOLS, self.cat["qsd-threads"], BUF, "/m")))
+        null = " ".join(qsd_command(TOOLS, self.cat["qsd"], NULL, "/m"))
+        self.assertIn("driver=null-co,node-name=disk,size=1073741824,read-zeroes=on", null)
+
+    def test_qemu_nbd(self):
+        cmd = qemu_nbd_command(TOOLS, self.cat["nbdfuse"], SHM, "/s")
+        self.assertIn("--cache=none", cmd)
+        self.assertIn("--aio=io_uring", cmd)
+        self.assertIn("--socket=/s", cmd)
+        self.assertIn("--cache=writeback", qemu_nbd_command(TOOLS, self.cat["nbdfuse"], BUF, "/s"))
+        self.assertIn("driver=null-co,size=1073741824,read-zeroes=on", qemu_nbd_command(TOOLS, self.cat["nbdfuse"], NULL, "/s"))
+
+
+class AvailabilityTest(unittest.TestCase):
+    def setUp(self):
+        self.cat = catalogue(ncpu=2)
+
+    def test_feature_detection(self):
+        self.assertIsNone(unavailable_reason(self.cat["fusex-q1"], SHM, TOOLS))
+        reason = unavailable_reason(self.cat["fusex-uring"], SHM, TOOLS)
+        self.assertIn("--transport", reason)
+        self.assertIn("--queues", TOOLS.fusex_flags())
+
+    def test_missing_tools(self):
+        none = Tools()
+        self.assertIn("fusex binary not found", unavailable_reason(self.cat["fusex"], SHM, none))
+        self.assertIn("qemu-system-common", unavailable_reason(self.cat["qsd"], SHM, none))
+        self.assertIn("libnbd-bin", unavailable_reason(self.cat["nbdfuse"], SHM, none))
+
+    def test_native_has_no_null(self):
+        self.assertIsNone(unavailable_reason(self.cat["native"], SHM, TOOLS))
+        self.assertIsNotNone(unavailable_reason(self.cat["native"], NULL, TOOLS))
+
+    def test_define(self):
+        s = parse_define("fusex-qd8=fusex:--queue-depth 8 --spin-us=20")
+        self.assertEqual((s.name, s.kind, s.args), ("fusex-qd8", "fusex", ("--queue-depth", "8", "--spin-us=20")))
+        self.assertEqual(s.requires, ("--queue-depth", "--spin-us"))
+        self.assertIsNotNone(unavailable_reason(s, SHM, TOOLS))
+        with self.assertRaises(ValueError):
+            parse_define("nonsense")
+        with self.assertRaises(ValueError):
+            parse_define("x=weird:--a")
+
+
+class MountTableTest(unittest.TestCase):
+    def test_parse_mountinfo_with_escapes(self):
+        info = ("22 1 0:21 / / rw - ext4 /dev/vda rw\n"
+                "90 22 0:50 / /tmp/fusexbench-1-a/with\\040space/export rw - fuse /dev/fuse rw\n")
+        with mock.patch("builtins.open", mock.mock_open(read_data=info)):
+            self.assertEqual(targets.mount_points(), ["/", "/tmp/fusexbench-1-a/with space/export"])
+            self.assertEqual(targets.mounts_under("/tmp/fusexbench-1-a"),
+                             ["/tmp/fusexbench-1-a/with space/export"])
+            self.assertEqual(targets.mounts_under("/tmp/fusexbench-1"), [])
+
+    def test_cpu_seconds_of_self(self):
+        v = targets.cpu_seconds(os.getpid())
+        self.assertIsNotNone(v)
+        self.assertGreaterEqual(v, 0)
+        self.assertIsNone(targets.cpu_seconds(2 ** 22 + 12345))
+
+    def test_native_target_needs_no_process(self):
+        with tempfile.TemporaryDirectory() as d:
+            img = Image("shm", 4096, os.path.join(d, "i.raw"))
+            t = targets.start_target(catalogue()["native"], img, os.path.join(d, "w"), TOOLS)
+            self.assertEqual(t.path, img.path)
+            self.assertIsNone(t.cpu_seconds())
+            self.assertIsNone(t.check_alive())
+            t.stop()
+
+
+if __name__ == "__main__":
+    unittest.main()
