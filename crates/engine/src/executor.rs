@@ -181,9 +181,10 @@ impl Engine {
         self.load.set(requests);
     }
 
-    /// Requests in service on this thread (see [`Engine::set_load`]).
+    /// Requests in service on this thread (see [`Engine::set_load`]) plus tasks already woken
+    /// and waiting for their turn: the work this thread has right now.
     pub fn load(&self) -> u32 {
-        self.load.get()
+        self.load.get() + self.ready.borrow().len() as u32
     }
 
     /// The task being polled right now, if any.

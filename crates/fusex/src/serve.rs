@@ -238,7 +238,7 @@ fn run_queues(
             source,
             depth: usize::from(args.queue_depth),
             max_write: neg.max_write as usize,
-            spin: Duration::from_micros(args.spin_us),
+            spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
             cpu: pin.then(|| cpus[id % cpus.len()]),
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
