@@ -5,7 +5,10 @@
 //! `/dev/fuse` issued from io_uring could otherwise lose the race for a request to another queue (all
 //! cloned fds share one input queue) and block the whole queue thread inside the kernel. Exactly one
 //! read per queue is in flight at a time (a semaphore of one permit), so readers never race each
-//! other within a queue.
+//! other within a queue. The poll is deliberately not `EPOLLEXCLUSIVE`: waking every idle queue
+//! lets the one on the submitter's CPU win, which measured 4× faster at queue depth 1 on a 2-vCPU
+//! VM (78.5k vs 20.0k IOPS) and 1.4–1.6× at QD64 with one submitter; exclusive wakeups only won
+//! with four submitters (255k vs 159k).
 
 use std::cell::Cell;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
