@@ -1,52 +1,20 @@
 //! Several queues (cloned /dev/fuse fds, one thread and ring each): data integrity under parallel
 //! verified writers, every queue serving requests, and a clean stop with every queue busy.
 
-use std::fs::File;
 use std::thread;
 use std::time::Duration;
 
 use fusex_e2e::*;
 
-/// 4 fio jobs, each writing its own 4 MiB region with crc32c verification headers and reading it
-/// back.
-const VERIFY_4_JOBS: &[&str] = &[
-    "--name=verify",
-    "--rw=randwrite",
-    "--bs=4k",
-    "--ioengine=libaio",
-    "--iodepth=16",
-    "--numjobs=4",
-    "--size=4M",
-    "--offset_increment=4M",
-    "--verify=crc32c",
-    "--do_verify=1",
-    "--verify_fatal=1",
-];
-
 fn integrity_with_queues(queues: &str) {
     if !require_fuse_and_tools(&["fio"]) {
         return;
     }
-    let w = WorkDir::new(&format!("mq-{queues}"));
-    let img = w.join("disk.img");
-    random_image(&img, 16 * MIB, 40);
-    let mp = w.join("export");
     // Cloned /dev/fuse fds are the legacy transport's queues (io_uring has one per CPU).
-    let m = Mount::start(
-        &w,
-        &img,
-        &mp,
-        &["--writable", "--transport", "legacy", "--queues", queues],
-    );
-    run_fio(&w, &mp, VERIFY_4_JOBS);
-    // The oracle: what the export serves now equals the backing file, chunk by chunk.
-    let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
-    let st = m.stop();
-    st.assert_clean("multi-queue verify");
-    let backing_hashes = chunk_hashes(&File::open(&img).unwrap(), 16 * MIB, 1 << 20);
-    assert_eq!(
-        mount_hashes, backing_hashes,
-        "export and backing file differ after verify"
+    let st = verified_fio_run(
+        &format!("mq-{queues}"),
+        40,
+        &["--transport", "legacy", "--queues", queues],
     );
     let n: usize = queues.parse().unwrap();
     let per_queue = st.stats()["queues"]

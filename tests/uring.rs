@@ -5,7 +5,7 @@
 //! this file covers what only the io_uring transport has.
 
 use std::ffi::OsString;
-use std::fs::{self, File};
+use std::fs;
 use std::process::Command;
 use std::sync::RwLock;
 use std::thread;
@@ -179,41 +179,12 @@ fn verify_at_depth(depth: &str) {
         return;
     }
     let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
-    let w = WorkDir::new(&format!("uring-qd{depth}"));
-    let img = w.join("disk.img");
-    random_image(&img, 16 * MIB, 52);
-    let mp = w.join("export");
-    let m = Mount::start(
-        &w,
-        &img,
-        &mp,
-        &["--writable", "--transport", "uring", "--queue-depth", depth],
+    let st = verified_fio_run(
+        &format!("uring-qd{depth}"),
+        52,
+        &["--transport", "uring", "--queue-depth", depth],
     );
-    run_fio(
-        &w,
-        &mp,
-        &[
-            "--name=verify",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--ioengine=libaio",
-            "--iodepth=32",
-            "--numjobs=4",
-            "--size=4M",
-            "--offset_increment=4M",
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--verify_fatal=1",
-        ],
-    );
-    let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
-    let st = m.stop();
-    st.assert_clean(&format!("io_uring queue depth {depth}"));
     assert_eq!(st.stats()["transport"], "io_uring");
-    assert_eq!(
-        mount_hashes,
-        chunk_hashes(&File::open(&img).unwrap(), 16 * MIB, 1 << 20)
-    );
 }
 
 #[test]

@@ -1510,6 +1510,46 @@ pub fn spawn_fio(work: &WorkDir, target: &Path, args: &[&str], jobs: usize) -> C
     fio
 }
 
+/// 4 fio jobs, each writing its own 4 MiB region of a 16 MiB export with crc32c verification
+/// headers and reading it back.
+pub const FIO_VERIFY_4_JOBS: &[&str] = &[
+    "--name=verify",
+    "--rw=randwrite",
+    "--bs=4k",
+    "--ioengine=libaio",
+    "--iodepth=16",
+    "--numjobs=4",
+    "--size=4M",
+    "--offset_increment=4M",
+    "--verify=crc32c",
+    "--do_verify=1",
+    "--verify_fatal=1",
+];
+
+/// Exports a 16 MiB random image writable with `args`, runs [`FIO_VERIFY_4_JOBS`] on it, checks
+/// the export against the backing file chunk by chunk (the oracle), stops the daemon cleanly and
+/// returns how it ended, for the caller's own assertions on the stats.
+#[track_caller]
+pub fn verified_fio_run(tag: &str, seed: u64, args: &[&str]) -> Stopped {
+    let w = WorkDir::new(tag);
+    let img = w.join("disk.img");
+    random_image(&img, 16 * MIB, seed);
+    let mp = w.join("export");
+    let mut all = vec!["--writable"];
+    all.extend_from_slice(args);
+    let m = Mount::start(&w, &img, &mp, &all);
+    run_fio(&w, &mp, FIO_VERIFY_4_JOBS);
+    let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
+    let st = m.stop();
+    st.assert_clean(tag);
+    let backing_hashes = chunk_hashes(&File::open(&img).unwrap(), 16 * MIB, 1 << 20);
+    assert_eq!(
+        mount_hashes, backing_hashes,
+        "{tag}: export and backing file differ after verify"
+    );
+    st
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
