@@ -1538,7 +1538,13 @@ pub fn verified_fio_run(tag: &str, seed: u64, args: &[&str]) -> Stopped {
     let mut all = vec!["--writable"];
     all.extend_from_slice(args);
     let m = Mount::start(&w, &img, &mp, &all);
-    run_fio(&w, &mp, FIO_VERIFY_4_JOBS);
+    // Spread the jobs over every CPU, so that every queue has submitters near it: a legacy queue
+    // only wins requests when it is the first to read them.
+    let ncpu = thread::available_parallelism().map_or(1, |n| n.get());
+    let cpus = format!("--cpus_allowed=0-{}", ncpu - 1);
+    let mut fio_args = FIO_VERIFY_4_JOBS.to_vec();
+    fio_args.extend_from_slice(&[&cpus, "--cpus_allowed_policy=split"]);
+    run_fio(&w, &mp, &fio_args);
     let mount_hashes = chunk_hashes(&File::open(&mp).unwrap(), 16 * MIB, 1 << 20);
     let st = m.stop();
     st.assert_clean(tag);
