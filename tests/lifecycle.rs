@@ -184,6 +184,7 @@ fn sigterm_under_fio_load() {
     let mut fio = ChildGuard(
         Command::new("fio")
             .args([
+                "--thread",
                 "--name=t",
                 "--rw=randrw",
                 "--bs=4k",

@@ -90,7 +90,7 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
             "--runtime=30",
             "--size=16M",
         ],
-        2,
+        1,
     );
     thread::sleep(Duration::from_secs(1));
     m.signal(libc::SIGTERM);

@@ -57,10 +57,11 @@ impl Drop for ParamGuard {
 
 #[test]
 fn falls_back_to_legacy_when_enable_uring_is_off() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _excl = URING_SWITCH.write().unwrap_or_else(|e| e.into_inner());
     if !require_uring() {
         return;
     }
-    let _excl = URING_SWITCH.write().unwrap_or_else(|e| e.into_inner());
     let _param = ParamGuard::set("N");
     let w = WorkDir::new("uring-fallback");
     let img = w.join("disk.img");
@@ -104,10 +105,11 @@ fn falls_back_to_legacy_when_enable_uring_is_off() {
 
 #[test]
 fn every_cpu_queue_is_served() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     if !require_uring() || !require_fuse_and_tools(&["taskset", "dd"]) {
         return;
     }
-    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     let w = WorkDir::new("uring-cpus");
     let img = w.join("disk.img");
     random_image(&img, 4 * MIB, 51);
@@ -175,10 +177,11 @@ fn every_cpu_queue_is_served() {
 }
 
 fn verify_at_depth(depth: &str) {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     if !require_uring() || !require_fuse_and_tools(&["fio"]) {
         return;
     }
-    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     let st = verified_fio_run(
         &format!("uring-qd{depth}"),
         52,
@@ -202,10 +205,11 @@ fn queue_depth_128_keeps_data_intact() {
 /// transports, with and without O_DIRECT on the image.
 #[test]
 fn data_path_copies_nothing_in_userspace() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     if !require_uring() || !require_fuse_and_tools(&["fio"]) {
         return;
     }
-    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     for (transport, extra) in [
         ("uring", None),
         ("uring", Some("--direct")),
@@ -262,10 +266,11 @@ fn data_path_copies_nothing_in_userspace() {
 /// daemon keeps serving the open file, and exits cleanly once fio is gone.
 #[test]
 fn unmount_while_fio_runs() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     if !require_uring() || !require_fuse_and_tools(&["fio"]) {
         return;
     }
-    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     let w = WorkDir::new("uring-umount");
     let img = w.join("disk.img");
     random_image(&img, 16 * MIB, 54);

@@ -1458,7 +1458,10 @@ fn fio_command(work: &WorkDir, target: &Path, args: &[&str]) -> Command {
     let mut filename = OsString::from("--filename=");
     filename.push(target);
     let mut cmd = Command::new("fio");
+    // --thread: jobs are threads of one process, so killing fio really stops its I/O (forked job
+    // processes outlive a killed parent and keep the export busy).
     cmd.args([
+        "--thread",
         "--direct=1",
         "--fallocate=none",
         "--randrepeat=0",
@@ -1494,7 +1497,7 @@ pub fn run_fio(work: &WorkDir, target: &Path, args: &[&str]) -> String {
 }
 
 /// Starts fio against `target` in the background and returns once `jobs` processes have the file
-/// open (so a test can act while I/O is in flight). The guard kills fio when dropped.
+/// open (fio runs its jobs as threads: one process) (so a test can act while I/O is in flight). The guard kills fio when dropped.
 pub fn spawn_fio(work: &WorkDir, target: &Path, args: &[&str], jobs: usize) -> ChildGuard {
     let fio = ChildGuard(
         fio_command(work, target, args)
