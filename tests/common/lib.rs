@@ -935,7 +935,11 @@ impl Mount {
         let mut m = Mount::spawn(work, image.as_ref(), mountpoint, args, false, None);
         let deadline = Instant::now() + TIMEOUT;
         loop {
-            if fuse_mounts_at(&m.mountpoint).len() > m.baseline {
+            // The mount exists from mount(2) on; the export is ready once INIT is answered,
+            // which the daemon logs as "mounted ... at ...".
+            if fuse_mounts_at(&m.mountpoint).len() > m.baseline
+                && read_lossy(&m.stderr_path).contains("INFO mounted ")
+            {
                 m.arm_watchdog();
                 return Ok(m);
             }
