@@ -375,7 +375,10 @@ fn verbose_logs_the_mount() {
 }
 
 /// Contract: on SIGTERM a writable export flushes the backend before exiting. The fd stays
-/// open across the signal so no FLUSH/FSYNC from the application accounts for it.
+/// open across the signal, so the application asks for no flush. A FLUSH can still arrive: a
+/// process another test thread spawns inherits this fd for a moment and closes it at exec
+/// (close-on-exec sends FLUSH). So the contract is "more backend flushes than FLUSH/FSYNC
+/// requests", which only the shutdown flush can make true.
 #[test]
 fn sigterm_flushes_a_writable_export() {
     if !require_fuse() {
@@ -390,14 +393,9 @@ fn sigterm_flushes_a_writable_export() {
     let st = m.stop();
     drop(f); // ENOTCONN on close is expected: the daemon is gone.
     st.assert_clean("SIGTERM with an open fd");
-    assert_eq!(
-        st.stat(&["ops", "FLUSH"]) + st.stat(&["ops", "FSYNC"]),
-        0,
-        "stats: {}",
-        st.stats()
-    );
+    let asked = st.stat(&["ops", "FLUSH"]) + st.stat(&["ops", "FSYNC"]);
     assert!(
-        st.stat(&["backend", "flushes"]) >= 1,
+        st.stat(&["backend", "flushes"]) > asked,
         "contract: SIGTERM on a writable export flushes the backend; stats: {}",
         st.stats()
     );
