@@ -197,6 +197,32 @@ def passthrough() -> Matrix:
     )
 
 
+def passthrough_fio() -> Matrix:
+    return Matrix(
+        name="passthrough-fio",
+        title="Passthrough vs native (fio)",
+        seed="-",
+        reproduces=("4k randread QD1 and QD64, 4k randwrite QD64, 128k sequential read and write QD16 on a "
+                    "growable writable export, passthrough on and off, /dev/shm and local disk"),
+        workloads=[
+            _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
+            _fio("randread-4k-qd64", "randread", "4k", 64),
+            _fio("randwrite-4k-qd64", "randwrite", "4k", 64),
+            _fio("read-128k-qd16", "read", "128k", 16),
+            _fio("write-128k-qd16", "write", "128k", 16),
+        ],
+        images=("shm", "disk"),
+        fusex_variants=("fusex-pt-on", "fusex-pt-off"),
+        default_targets=("native", "fusex"),
+        fusex_extra=("--growable",),
+        notes=["The export is `--writable --growable`: only then may the kernel pass writes straight to the "
+               "image (a fixed-size export takes writes itself so nothing can grow the image).",
+               "fio opens with O_DIRECT: natively and passed through that is O_DIRECT on the image; "
+               "without passthrough it is FUSE direct I/O to fusex (image opened `--direct` where the "
+               "filesystem allows it)."],
+    )
+
+
 MATRICES: dict[str, Callable[[], Matrix]] = {
     "quick": quick,
     "coroutines": coroutines,
@@ -204,6 +230,7 @@ MATRICES: dict[str, Callable[[], Matrix]] = {
     "uring": uring,
     "zerocopy": zerocopy,
     "passthrough": passthrough,
+    "passthrough-fio": passthrough_fio,
 }
 
 

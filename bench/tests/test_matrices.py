@@ -17,8 +17,9 @@ from fusexbench.targets import catalogue
 class MatrixShapeTest(unittest.TestCase):
     def test_all_named(self):
         self.assertEqual(set(matrices.MATRICES),
-                         {"quick", "coroutines", "multiqueue", "uring", "zerocopy", "passthrough"})
-        self.assertEqual(len(matrices.resolve("all")), 6)
+                         {"quick", "coroutines", "multiqueue", "uring", "zerocopy", "passthrough",
+                          "passthrough-fio"})
+        self.assertEqual(len(matrices.resolve("all")), 7)
         with self.assertRaises(KeyError):
             matrices.get("nope")
 
@@ -63,6 +64,16 @@ class MatrixShapeTest(unittest.TestCase):
         self.assertTrue(all(isinstance(w, FileAccessWorkload) for w in m.workloads))
         self.assertEqual(m.image_sizes(1 << 30), [1 << 20, 500 << 20, 1000 << 20])
         self.assertEqual({w.bufsize for w in m.workloads}, {4096, 128 << 10, 256 << 10})
+
+    def test_passthrough_fio_exports_are_growable(self):
+        m = matrices.get("passthrough-fio")
+        self.assertEqual(m.images, ("shm", "disk"))
+        self.assertEqual(m.fusex_extra, ("--growable",))
+        cat = catalogue(ncpu=2)
+        s, note = matrices.with_extra(cat["fusex-pt-on"], m.fusex_extra, {"--passthrough", "--growable"})
+        self.assertIsNone(note)
+        self.assertEqual(s.args, ("--passthrough", "on", "--growable"))
+        self.assertEqual({w.rw for w in m.workloads}, {"randread", "randwrite", "read", "write"})
 
     def test_unique_names(self):
         for m in matrices.resolve("all"):
