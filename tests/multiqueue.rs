@@ -7,15 +7,28 @@ use std::time::Duration;
 use fusex_e2e::*;
 
 fn integrity_with_queues(queues: &str) {
+    integrity_with_queues_reading(queues, "auto");
+}
+
+/// `read`: the `--legacy-read` mode. auto must pick multishot on the kernels CI runs on (6.7+).
+fn integrity_with_queues_reading(queues: &str, read: &str) {
     if !require_fuse_and_tools(&["fio"]) {
         return;
     }
     // Cloned /dev/fuse fds are the legacy transport's queues (io_uring has one per CPU).
     let st = verified_fio_run(
-        &format!("mq-{queues}"),
+        &format!("mq-{queues}-{read}"),
         40,
-        &["--transport", "legacy", "--queues", queues],
+        &[
+            "--transport",
+            "legacy",
+            "--queues",
+            queues,
+            "--legacy-read",
+            read,
+        ],
     );
+    let expect = if read == "poll" { "poll" } else { "multishot" };
     let n: usize = queues.parse().unwrap();
     let per_queue = st.stats()["queues"]
         .as_array()
@@ -33,6 +46,7 @@ fn integrity_with_queues(queues: &str) {
             "every queue serves requests: {}",
             st.stats()
         );
+        assert_eq!(q["dev_fuse_read"], expect, "read mode: {}", st.stats());
     }
     let total: u64 = per_queue
         .iter()
@@ -59,6 +73,11 @@ fn two_queues_keep_data_intact_and_all_serve() {
 #[test]
 fn four_queues_keep_data_intact_and_all_serve() {
     integrity_with_queues("4");
+}
+
+#[test]
+fn two_queues_reading_with_poll_keep_data_intact() {
+    integrity_with_queues_reading("2", "poll");
 }
 
 #[test]

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::buf::{BufHandle, RawBuf};
+use crate::buf::{BufHandle, IoBufMut, RawBuf};
+use crate::multishot::{multi_ended, BufGroup, MultiOp, MultiQueues, PbufRing};
 use crate::op::{Op, OpTable, Slot};
 use crate::remote::{Remote, RemoteShared};
 use crate::{EngineError, Sqe};
@@ -39,6 +40,8 @@ pub struct EngineConfig {
     pub register_buffers: bool,
     /// Busy-poll the completion queue this long before sleeping in `io_uring_enter`.
     pub spin: Duration,
+    /// Entries of a provided-buffer ring to register (0: none). See [`Engine::buf_group`].
+    pub provided_buffers: u16,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +52,7 @@ impl Default for EngineConfig {
             buffer_size: 0,
             register_buffers: false,
             spin: Duration::ZERO,
+            provided_buffers: 0,
         }
     }
 }
@@ -68,6 +72,9 @@ pub struct EngineStats {
 pub struct Engine {
     ring: RefCell<IoUring<squeue::Entry128, cqueue::Entry>>,
     pub(crate) ops: RefCell<OpTable>,
+    pub(crate) multi: RefCell<MultiQueues>,
+    /// Declared after `ring`, so the registration is gone before its memory is freed.
+    pbuf: Option<PbufRing>,
     tasks: RefCell<Vec<Option<Task>>>,
     wakers: RefCell<Vec<Waker>>,
     scheduled: RefCell<Vec<bool>>,
@@ -124,11 +131,30 @@ impl Engine {
             unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(EngineError::Register)?;
             registered = true;
         }
+        let pbuf = match cfg.provided_buffers {
+            0 => None,
+            n => PbufRing::new(n, 0).and_then(|r| {
+                // SAFETY: the ring memory is owned by the engine and dropped after the ring.
+                let res = unsafe {
+                    ring.submitter()
+                        .register_buf_ring_with_flags(r.addr(), r.entries(), r.group, 0)
+                };
+                match res {
+                    Ok(()) => Some(r),
+                    Err(e) => {
+                        tracing::debug!("no provided-buffer ring: {e}");
+                        None
+                    }
+                }
+            }),
+        };
         let remote = RemoteShared::new().map_err(EngineError::Setup)?;
         let n = pool.len();
         Ok(Engine {
             ring: RefCell::new(ring),
             ops: RefCell::new(OpTable::new(entries as usize * 2)),
+            multi: RefCell::new(MultiQueues::default()),
+            pbuf,
             tasks: RefCell::new(Vec::new()),
             wakers: RefCell::new(Vec::new()),
             scheduled: RefCell::new(Vec::new()),
@@ -158,6 +184,40 @@ impl Engine {
             &self.pool[index],
             u16::try_from(index).ok()?,
         ))
+    }
+
+    /// The provided-buffer ring's group, if [`EngineConfig::provided_buffers`] asked for one and the
+    /// kernel took it.
+    pub fn buf_group(&self) -> Option<BufGroup> {
+        self.pbuf.as_ref().map(|r| BufGroup(r.group))
+    }
+
+    /// Offers `win` to the kernel as provided buffer `bid`; visible to it after
+    /// [`Engine::publish_buffers`]. Does nothing without a provided-buffer ring.
+    ///
+    /// # Safety
+    /// Nobody but the kernel may touch the window's memory until a completion names `bid`.
+    pub unsafe fn provide_buffer(&self, mut win: IoBufMut<'_>, bid: u16) {
+        if let Some(r) = &self.pbuf {
+            let len = u32::try_from(win.len()).unwrap_or(u32::MAX);
+            // SAFETY: engine-owned memory (valid until the ring is gone); exclusivity is the
+            // caller's promise.
+            unsafe { r.push(bid, win.as_mut_ptr() as u64, len) };
+        }
+    }
+
+    /// Makes provided buffers visible to the kernel (one store for a batch of them).
+    pub fn publish_buffers(&self) {
+        if let Some(r) = &self.pbuf {
+            r.publish();
+        }
+    }
+
+    /// Whether the running kernel knows io_uring opcode `code` (asked once per call; cold path).
+    pub fn supports_opcode(&self, code: u8) -> bool {
+        let mut probe = io_uring::Probe::new();
+        let ring = self.ring.borrow();
+        ring.submitter().register_probe(&mut probe).is_ok() && probe.is_supported(code)
     }
 
     /// Whether the pool is registered as fixed buffers (so `*_FIXED` opcodes may be used).
@@ -246,6 +306,26 @@ impl Engine {
         Op {
             engine: self,
             idx,
+            finished: false,
+        }
+    }
+
+    /// Submits a multishot entry; its completions are queued (room for `capacity` reserved up
+    /// front) until the returned [`MultiOp`] takes them.
+    ///
+    /// # Safety
+    /// As for [`Engine::submit`], for as long as the operation stays armed.
+    pub unsafe fn submit_multishot(&self, sqe: Sqe, capacity: usize) -> MultiOp<'_> {
+        let queue = self.multi.borrow_mut().alloc(capacity);
+        let idx = self
+            .ops
+            .borrow_mut()
+            .alloc_multi(self.current_task(), queue);
+        self.push(sqe.user_data(u64::from(idx)));
+        MultiOp {
+            engine: self,
+            idx,
+            queue,
             finished: false,
         }
     }
@@ -365,14 +445,14 @@ impl Engine {
         let mut woken = 0u64;
         for cqe in ring.completion() {
             woken += 1;
-            self.dispatch(cqe.user_data(), cqe.result());
+            self.dispatch(cqe.user_data(), cqe.result(), cqe.flags());
         }
         st.completions += woken;
         self.stats.set(st);
         Ok(())
     }
 
-    fn dispatch(&self, ud: u64, res: i32) {
+    fn dispatch(&self, ud: u64, res: i32, flags: u32) {
         match ud {
             UD_IGNORE => {}
             UD_REMOTE => {
@@ -382,7 +462,10 @@ impl Engine {
                 }
             }
             _ => {
-                let task = self.ops.borrow_mut().complete(ud, res);
+                let task =
+                    self.ops
+                        .borrow_mut()
+                        .complete(ud, res, flags, &mut self.multi.borrow_mut());
                 if let Some(t) = task {
                     self.wake(t);
                 }
@@ -413,12 +496,19 @@ impl Engine {
 
     /// Cancels op `idx` and waits (driving the ring) until it completed, then frees the slot.
     pub(crate) fn cancel_and_wait(&self, idx: u32) {
+        self.cancel_until(idx, |s| matches!(s, Slot::Done { .. }));
+    }
+
+    /// Cancels multishot op `idx` and waits (driving the ring) for its final completion, then
+    /// frees the slot.
+    pub(crate) fn cancel_multi_and_wait(&self, idx: u32) {
+        self.cancel_until(idx, multi_ended);
+    }
+
+    fn cancel_until(&self, idx: u32, ended: impl Fn(Slot) -> bool) {
         let sqe: Sqe = opcode::AsyncCancel::new(u64::from(idx)).build().into();
         self.push(sqe.user_data(UD_IGNORE));
-        loop {
-            if let Slot::Done { .. } = self.ops.borrow().get(idx) {
-                break;
-            }
+        while !ended(self.ops.borrow().get(idx)) {
             let ring = self.ring.borrow_mut();
             if submit_retry(&ring, 1).is_err() {
                 break;
@@ -431,13 +521,13 @@ impl Engine {
 
     fn reap_now(&self) {
         let mut ring = self.ring.borrow_mut();
-        let cqes: Vec<(u64, i32)> = ring
+        let cqes: Vec<(u64, i32, u32)> = ring
             .completion()
-            .map(|c| (c.user_data(), c.result()))
+            .map(|c| (c.user_data(), c.result(), c.flags()))
             .collect();
         drop(ring);
-        for (ud, res) in cqes {
-            self.dispatch(ud, res);
+        for (ud, res, flags) in cqes {
+            self.dispatch(ud, res, flags);
         }
     }
 

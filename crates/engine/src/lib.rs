@@ -13,6 +13,7 @@
 
 pub mod buf;
 mod executor;
+pub mod multishot;
 mod op;
 pub mod remote;
 pub mod sync;
@@ -20,6 +21,7 @@ pub mod sync;
 pub use buf::{BufHandle, IoBuf, IoBufMut};
 pub use executor::{Engine, EngineConfig, EngineStats, TaskId};
 pub use io_uring;
+pub use multishot::{BufGroup, Completion, MultiOp};
 pub use op::Op;
 pub use remote::Remote;
 

@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::executor::{Engine, TaskId};
+use crate::multishot::{cqe_buffer, cqe_more, Completion, MultiQueues};
 
 /// State of one slot of the op table; the slot index is the SQE's `user_data`.
 #[derive(Clone, Copy, Debug)]
@@ -19,6 +20,15 @@ pub(crate) enum Slot {
     /// Completed; the result waits for its future to be polled.
     Done {
         res: i32,
+    },
+    /// A multishot op still armed: completions go to multishot queue `queue`.
+    Multi {
+        task: Option<TaskId>,
+        queue: u32,
+    },
+    /// A multishot op that posted its final completion (still queued for its owner).
+    MultiEnded {
+        task: Option<TaskId>,
     },
 }
 
@@ -55,6 +65,13 @@ impl OpTable {
         self.free = start as u32;
     }
 
+    /// Allocates a slot for a multishot op whose completions go to `queue`.
+    pub(crate) fn alloc_multi(&mut self, task: Option<TaskId>, queue: u32) -> u32 {
+        let idx = self.alloc(task);
+        self.slots[idx as usize] = Slot::Multi { task, queue };
+        idx
+    }
+
     pub(crate) fn alloc(&mut self, task: Option<TaskId>) -> u32 {
         if self.free == NONE {
             // Only when more ops are in flight than sized for: grows once, then stays.
@@ -76,13 +93,36 @@ impl OpTable {
         self.free = idx;
     }
 
-    /// Records a completion; returns the task to wake, if any.
-    pub(crate) fn complete(&mut self, idx: u64, res: i32) -> Option<TaskId> {
+    /// Records a completion; returns the task to wake, if any. Completions of multishot ops are
+    /// queued in `multi`.
+    pub(crate) fn complete(
+        &mut self,
+        idx: u64,
+        res: i32,
+        flags: u32,
+        multi: &mut MultiQueues,
+    ) -> Option<TaskId> {
         let slot = self.slots.get_mut(usize::try_from(idx).ok()?)?;
         match *slot {
             Slot::Waiting { task } => {
                 *slot = Slot::Done { res };
                 self.in_flight -= 1;
+                task
+            }
+            Slot::Multi { task, queue } => {
+                let more = cqe_more(flags);
+                multi.push(
+                    queue,
+                    Completion {
+                        res,
+                        buffer: cqe_buffer(flags),
+                        more,
+                    },
+                );
+                if !more {
+                    *slot = Slot::MultiEnded { task };
+                    self.in_flight -= 1;
+                }
                 task
             }
             _ => None,
@@ -94,8 +134,11 @@ impl OpTable {
     }
 
     pub(crate) fn set_waiter(&mut self, idx: u32, task: Option<TaskId>) {
-        if let Slot::Waiting { task: t } = &mut self.slots[idx as usize] {
-            *t = task;
+        match &mut self.slots[idx as usize] {
+            Slot::Waiting { task: t }
+            | Slot::Multi { task: t, .. }
+            | Slot::MultiEnded { task: t } => *t = task,
+            _ => {}
         }
     }
 }
@@ -135,7 +178,9 @@ impl Future for Op<'_> {
                 ops.set_waiter(self.idx, engine.current_task());
                 Poll::Pending
             }
-            Slot::Free { .. } => unreachable!("op polled after release"),
+            Slot::Free { .. } | Slot::Multi { .. } | Slot::MultiEnded { .. } => {
+                unreachable!("single-shot op polled in a wrong state")
+            }
         }
     }
 }

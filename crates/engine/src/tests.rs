@@ -170,3 +170,91 @@ fn sqe_len_is_set_without_touching_other_fields() {
     assert_eq!(&before[28..], &after[28..]);
     assert_eq!(after[0], io_uring::opcode::UringCmd80::CODE);
 }
+
+/// A multishot read on a pipe fills provided buffers one completion each, keeps going after a
+/// buffer comes back, ends with ENOBUFS when none is left, and a dropped op is cancelled.
+#[test]
+fn multishot_read_fills_provided_buffers() {
+    let eng = Rc::new(
+        Engine::new(&EngineConfig {
+            buffers: 2,
+            buffer_size: 4096,
+            provided_buffers: 2,
+            ..Default::default()
+        })
+        .expect("io_uring available"),
+    );
+    let Some(group) = eng.buf_group() else {
+        eprintln!("kernel without provided-buffer rings: nothing to test");
+        return;
+    };
+    if !eng.supports_opcode(opcode::ReadMulti::CODE) {
+        eprintln!("kernel without READ_MULTISHOT: nothing to test");
+        return;
+    }
+    let (r, mut w) = std::io::pipe().unwrap();
+    // SAFETY: fcntl on a valid fd.
+    unsafe {
+        let fl = libc::fcntl(r.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(r.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+    let mut b0 = eng.take_buffer(0).unwrap();
+    let mut b1 = eng.take_buffer(1).unwrap();
+    // SAFETY: nobody touches the buffers until a completion names them.
+    unsafe {
+        eng.provide_buffer(b0.io_mut(0, 4096), 0);
+        eng.provide_buffer(b1.io_mut(0, 4096), 1);
+    }
+    eng.publish_buffers();
+    let got = eng
+        .block_on(async {
+            let sqe: Sqe = opcode::ReadMulti::new(types::Fd(r.as_raw_fd()), 0, group.0)
+                .build()
+                .into();
+            // SAFETY: reads only into provided engine buffers.
+            let mut op = unsafe { eng.submit_multishot(sqe, 3) };
+            let mut got = Vec::new();
+            w.write_all(b"first").unwrap();
+            let c = op.completion().await.unwrap();
+            got.push((c.res, c.buffer, c.more));
+            w.write_all(b"second").unwrap();
+            let c = op.completion().await.unwrap();
+            got.push((c.res, c.buffer, c.more));
+            // Both buffers are used: the next read ends the op with ENOBUFS.
+            w.write_all(b"third").unwrap();
+            let c = op.completion().await.unwrap();
+            got.push((c.res, c.buffer, c.more));
+            assert!(op.completion().await.is_none());
+            got
+        })
+        .unwrap();
+    assert_eq!(got[0], (5, Some(0), true));
+    assert_eq!(got[1], (6, Some(1), true));
+    assert_eq!(got[2], (-libc::ENOBUFS, None, false));
+    assert_eq!(&b0.as_slice()[..5], b"first");
+    assert_eq!(&b1.as_slice()[..6], b"second");
+
+    // Give one buffer back; a new op reads what is waiting, and dropping it cancels it.
+    // SAFETY: as above.
+    unsafe { eng.provide_buffer(b0.io_mut(0, 4096), 0) };
+    eng.publish_buffers();
+    let c = eng
+        .block_on(async {
+            let sqe: Sqe = opcode::ReadMulti::new(types::Fd(r.as_raw_fd()), 0, group.0)
+                .build()
+                .into();
+            // SAFETY: as above.
+            let mut op = unsafe { eng.submit_multishot(sqe, 2) };
+            op.completion().await.unwrap()
+        })
+        .unwrap();
+    assert_eq!(
+        c,
+        crate::Completion {
+            res: 5,
+            buffer: Some(0),
+            more: true
+        }
+    );
+    assert_eq!(&b0.as_slice()[..5], b"third");
+}

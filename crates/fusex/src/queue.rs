@@ -54,6 +54,8 @@ pub struct QueueSpec {
     pub spin: Duration,
     /// CPU to pin the queue thread to.
     pub cpu: Option<usize>,
+    /// Read `/dev/fuse` with a multishot read where the kernel has it.
+    pub multishot: bool,
 }
 
 /// Messages from queue threads to the main thread.
@@ -79,6 +81,8 @@ pub struct QueueReport {
     pub engine: EngineStats,
     /// The error that ended the queue, if one did.
     pub error: Option<String>,
+    /// How the queue read `/dev/fuse`: "multishot", "poll", or "none" (io_uring only).
+    pub dev_fuse_read: &'static str,
 }
 
 /// Runs a queue to its end on the calling thread, reporting through `events`.
@@ -117,6 +121,8 @@ struct Shared {
     stopping: Cell<bool>,
     /// Requests taken and not yet answered.
     busy: Cell<usize>,
+    /// Requests taken whose reply is not built yet (the engine's load).
+    in_service: Cell<u32>,
     watcher: Cell<Option<TaskId>>,
     legacy: Option<LegacyQueue>,
     /// The connection fd io_uring commands are issued on: open for as long as the engine runs.
@@ -149,6 +155,7 @@ fn serve(
         buffer_size: legacy_layout.size.max(uring_layout.size),
         register_buffers: true,
         spin: spec.spin,
+        provided_buffers: u16::try_from(legacy_depth).unwrap_or(0),
     };
     let eng = match Engine::new(&cfg) {
         Ok(e) => e,
@@ -164,7 +171,20 @@ fn serve(
     };
     let legacy = match legacy_fd {
         Some(fd) => {
-            Some(LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1)).context("queue fd")?)
+            let mut q =
+                LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1)).context("queue fd")?;
+            // Slot buffers are pool buffers 0..legacy_depth (taken first, below).
+            let multishot = spec.multishot && q.use_multishot(&eng, legacy_depth);
+            tracing::debug!(
+                "queue {}: /dev/fuse read by {}",
+                spec.id,
+                if multishot {
+                    "one multishot read"
+                } else {
+                    "poll + read"
+                }
+            );
+            Some(q)
         }
         None => None,
     };
@@ -175,6 +195,7 @@ fn serve(
         failure: Cell::new(None),
         stopping: Cell::new(false),
         busy: Cell::new(0),
+        in_service: Cell::new(0),
         watcher: Cell::new(None),
         legacy,
         _conn: uring.as_ref().map(|(fd, _)| fd.clone()),
@@ -211,10 +232,18 @@ fn serve(
         next_buf += 1;
         sh.eng.take_buffer(next_buf - 1).context("buffer pool")
     };
-    if sh.legacy.is_some() {
+    if let Some(q) = &sh.legacy {
         for _ in 0..legacy_depth {
             let buf = take()?;
             sh.eng.spawn(sh.clone().legacy_slot(buf));
+        }
+        if q.is_multishot() {
+            let sh2 = sh.clone();
+            sh.eng.spawn(async move {
+                if let Some(q) = &sh2.legacy {
+                    q.serve_reads(&sh2.eng).await;
+                }
+            });
         }
     }
     if let Some((fd, qids)) = uring {
@@ -233,10 +262,16 @@ fn serve(
     });
     sh.eng.run()?;
     let error = sh.failure.take();
+    let dev_fuse_read = match &sh.legacy {
+        Some(q) if q.is_multishot() => "multishot",
+        Some(_) => "poll",
+        None => "none",
+    };
     Ok(QueueReport {
         counters: sh.counters.snapshot(),
         engine: sh.eng.stats(),
         error,
+        dev_fuse_read,
     })
 }
 
@@ -268,14 +303,24 @@ impl Shared {
         }
     }
 
+    /// A request was taken: it is busy until answered and in service until its reply is built.
     fn enter(&self) {
         self.busy.set(self.busy.get() + 1);
-        self.eng.set_load(self.busy.get() as u32);
+        self.in_service.set(self.in_service.get() + 1);
+        self.eng.set_load(self.in_service.get());
     }
 
+    /// The request's reply is built. Only requests still in service count as the engine's load:
+    /// a batch of requests read at once would otherwise see each other waiting for their reply
+    /// writes and send tmpfs reads to io-wq (measured: 4k randread QD16 202k → 168k IOPS).
+    fn served(&self) {
+        self.in_service.set(self.in_service.get() - 1);
+        self.eng.set_load(self.in_service.get());
+    }
+
+    /// The request is answered.
     fn leave(&self) {
         self.busy.set(self.busy.get() - 1);
-        self.eng.set_load(self.busy.get() as u32);
         if self.stopping.get() && self.busy.get() == 0 {
             self.wake_watcher();
         }
@@ -304,6 +349,7 @@ impl Shared {
                 )),
                 Err((unique, e)) => unique.map(|u| (u, self.malformed(&e))),
             };
+            self.served();
             let len = match reply {
                 None | Some((_, Reply::None)) => None,
                 Some((u, Reply::Error(errno))) => {
@@ -357,6 +403,7 @@ impl Shared {
                 Reply::None => (-libc::ENOSYS, 0),
             };
             q.set_reply(&mut buf, hdr.unique, error, len);
+            self.served();
             self.leave();
             fetched = q.commit_and_fetch(&self.eng, &mut buf, d.commit_id).await;
         }

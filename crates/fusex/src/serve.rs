@@ -240,6 +240,7 @@ fn run_queues(
             max_write: neg.max_write as usize,
             spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
             cpu: pin.then(|| cpus[id % cpus.len()]),
+            multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
         threads.push(
@@ -309,6 +310,7 @@ fn run_queues(
                     "enters": report.engine.enters,
                     "completions": report.engine.completions,
                     "polls": report.engine.polls,
+                    "dev_fuse_read": report.dev_fuse_read,
                 }));
                 if let Some(e) = report.error {
                     failure.get_or_insert(format!("queue {id}: {e}"));

@@ -1,6 +1,11 @@
 //! The legacy transport: requests read from a `/dev/fuse` fd, replies written back to it, both
 //! through the queue's ring.
 //!
+//! Where the kernel has them (Linux 6.7+), requests are read by one multishot `READ` per queue into
+//! a ring of provided buffers (each slot's buffer, at `Layout::request`): every queued request is
+//! read in one go, with no submission per request, and a queue woken for a request another queue
+//! took goes back to sleep inside the kernel. Otherwise (or with `--legacy-read poll`) each read is a `POLL_ADD` linked to a `READ`, as described next.
+//!
 //! The fd is non-blocking and each read is a `POLL_ADD` linked to a `READ`: a blocking read of
 //! `/dev/fuse` issued from io_uring could otherwise lose the race for a request to another queue (all
 //! cloned fds share one input queue) and block the whole queue thread inside the kernel. Exactly one
@@ -10,12 +15,14 @@
 //! VM (78.5k vs 20.0k IOPS) and 1.4–1.6× at QD64 with one submitter; exclusive wakeups only won
 //! with four submitters (255k vs 159k).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::task::Poll;
 
 use engine::io_uring::{opcode, types};
 use engine::sync::Semaphore;
-use engine::{BufHandle, Engine, IoBuf, Sqe};
+use engine::{BufGroup, BufHandle, Engine, IoBuf, Sqe, TaskId};
 
 use crate::TransportError;
 
@@ -70,6 +77,31 @@ pub struct LegacyQueue {
     layout: Layout,
     permit: Semaphore,
     stopping: Cell<bool>,
+    multishot: Option<Multishot>,
+}
+
+/// State of the multishot reader: which slot buffers the kernel holds and which got a request.
+struct Multishot {
+    group: BufGroup,
+    slots: RefCell<Vec<MsSlot>>,
+    /// Buffers the kernel holds (provided, not yet filled).
+    provided: Cell<usize>,
+    /// The reader task, while it waits for a buffer to be provided.
+    reader: Cell<Option<TaskId>>,
+    /// The reader finished: the queue stopped, the connection is gone, or `error`.
+    ended: Cell<bool>,
+    gone: Cell<bool>,
+    error: Cell<Option<i32>>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct MsSlot {
+    /// Bytes of the request the kernel read into this slot's buffer.
+    len: Option<usize>,
+    /// The slot task waiting for it.
+    task: Option<TaskId>,
+    /// Whether the buffer is in the kernel's hands.
+    provided: bool,
 }
 
 impl LegacyQueue {
@@ -81,7 +113,154 @@ impl LegacyQueue {
             layout,
             permit: Semaphore::new(1, depth),
             stopping: Cell::new(false),
+            multishot: None,
         })
+    }
+
+    /// Switches to multishot reads into provided buffers if `eng` has a provided-buffer ring
+    /// (sized for `slots` buffers, indexed by pool index) and the kernel knows
+    /// `IORING_OP_READ_MULTISHOT`. Then [`LegacyQueue::serve_reads`] must run as a task of `eng`.
+    /// Returns whether it switched.
+    pub fn use_multishot(&mut self, eng: &Engine, slots: usize) -> bool {
+        let Some(group) = eng.buf_group() else {
+            return false;
+        };
+        if !eng.supports_opcode(opcode::ReadMulti::CODE) {
+            return false;
+        }
+        self.multishot = Some(Multishot {
+            group,
+            slots: RefCell::new(vec![MsSlot::default(); slots]),
+            provided: Cell::new(0),
+            reader: Cell::new(None),
+            ended: Cell::new(false),
+            gone: Cell::new(false),
+            error: Cell::new(None),
+        });
+        true
+    }
+
+    /// Whether requests are read by a multishot read (see [`LegacyQueue::use_multishot`]).
+    pub fn is_multishot(&self) -> bool {
+        self.multishot.is_some()
+    }
+
+    /// The multishot reader: keeps one multishot `READ` armed while any buffer is provided and
+    /// hands each request to the slot whose buffer it landed in. Ends when the queue stops, the
+    /// connection is gone or reading fails; the slots then see that in
+    /// [`LegacyQueue::next_request`]. Does nothing in poll mode.
+    pub async fn serve_reads(&self, eng: &Engine) {
+        let Some(ms) = &self.multishot else { return };
+        let fd = types::Fd(self.fd.as_raw_fd());
+        'arm: while !self.stopping.get() {
+            poll_fn(|_| {
+                if ms.provided.get() > 0 || self.stopping.get() {
+                    Poll::Ready(())
+                } else {
+                    ms.reader.set(eng.current_task());
+                    Poll::Pending
+                }
+            })
+            .await;
+            if self.stopping.get() {
+                break;
+            }
+            let sqe: Sqe = opcode::ReadMulti::new(fd, 0, ms.group.0).build().into();
+            let cap = ms.slots.borrow().len() + 1;
+            // SAFETY: the op reads only into provided buffers, engine-owned memory that no task
+            // touches until a completion names it.
+            let mut op = unsafe { eng.submit_multishot(sqe, cap) };
+            while let Some(c) = op.completion().await {
+                if c.res > 0 {
+                    let mut slots = ms.slots.borrow_mut();
+                    let slot = c.buffer.and_then(|b| slots.get_mut(usize::from(b)));
+                    match slot {
+                        Some(s) if s.provided && s.len.is_none() => {
+                            s.len = Some(c.res as usize);
+                            ms.provided.set(ms.provided.get() - 1);
+                            if let Some(t) = s.task.take() {
+                                eng.wake(t);
+                            }
+                        }
+                        _ => {
+                            // The kernel named a buffer it was not given: nothing read from
+                            // now on can be trusted.
+                            ms.error.set(Some(libc::EPROTO));
+                            break 'arm;
+                        }
+                    }
+                    continue;
+                }
+                match -c.res {
+                    0 | libc::ENODEV => {
+                        ms.gone.set(true);
+                        break 'arm;
+                    }
+                    // Out of buffers (all requests in service), interrupted or cancelled: re-arm
+                    // once a buffer is back (the loop checks for a stop first).
+                    libc::ENOBUFS | libc::EAGAIN | libc::EINTR | libc::ECANCELED => {}
+                    e => {
+                        ms.error.set(Some(e));
+                        break 'arm;
+                    }
+                }
+            }
+        }
+        ms.ended.set(true);
+        for s in ms.slots.borrow_mut().iter_mut() {
+            if let Some(t) = s.task.take() {
+                eng.wake(t);
+            }
+        }
+    }
+
+    async fn next_multishot(
+        &self,
+        eng: &Engine,
+        ms: &Multishot,
+        buf: &mut BufHandle,
+    ) -> Result<ReadOutcome, TransportError> {
+        let bid = buf.index();
+        let i = usize::from(bid);
+        {
+            let mut slots = ms.slots.borrow_mut();
+            let Some(s) = slots.get_mut(i) else {
+                return Err(TransportError::Io(std::io::Error::other(
+                    "slot buffer outside the provided-buffer ring",
+                )));
+            };
+            if !s.provided && s.len.is_none() && !ms.ended.get() {
+                let start = self.layout.request;
+                let win = buf.io_mut(start, buf.len() - start);
+                // SAFETY: the slot task touches this buffer again only once a completion named
+                // it (it waits below); the engine keeps the memory until the ring is gone.
+                unsafe { eng.provide_buffer(win, bid) };
+                eng.publish_buffers();
+                s.provided = true;
+                ms.provided.set(ms.provided.get() + 1);
+                if let Some(r) = ms.reader.take() {
+                    eng.wake(r);
+                }
+            }
+        }
+        poll_fn(|_| {
+            let mut slots = ms.slots.borrow_mut();
+            let s = &mut slots[i];
+            if let Some(n) = s.len.take() {
+                s.provided = false;
+                return Poll::Ready(Ok(ReadOutcome::Request(n)));
+            }
+            if ms.ended.get() {
+                return Poll::Ready(match ms.error.get() {
+                    Some(e) => Err(TransportError::Io(std::io::Error::from_raw_os_error(e))),
+                    None if ms.gone.get() => Ok(ReadOutcome::Gone),
+                    None => Ok(ReadOutcome::Stopped),
+                });
+            }
+            s.task = eng.current_task();
+            Poll::Pending
+        })
+        .await
     }
 
     /// The buffer layout requests use.
@@ -100,6 +279,9 @@ impl LegacyQueue {
         eng: &Engine,
         buf: &mut BufHandle,
     ) -> Result<ReadOutcome, TransportError> {
+        if let Some(ms) = &self.multishot {
+            return self.next_multishot(eng, ms, buf).await;
+        }
         loop {
             self.permit.acquire(eng).await;
             if self.stopping.get() {
@@ -146,7 +328,8 @@ impl LegacyQueue {
         .build()
         .into();
         // SAFETY: the window is engine-owned memory, valid until the engine drains.
-        let res = unsafe { eng.submit(sqe) }.await;
+        let op = unsafe { eng.submit(sqe) };
+        let res = op.await;
         match res {
             n if n >= 0 => Ok(()),
             n if [
@@ -168,6 +351,9 @@ impl LegacyQueue {
         self.stopping.set(true);
         eng.cancel_fd(self.fd.as_raw_fd());
         self.permit.wake_all(eng);
+        if let Some(r) = self.multishot.as_ref().and_then(|m| m.reader.take()) {
+            eng.wake(r);
+        }
     }
 
     /// Whether [`LegacyQueue::stop`] was called.
