@@ -128,8 +128,9 @@ pub struct MountArgs {
     /// a VM with several vCPUs) and when the backend costs CPU per request. On small VMs they
     /// also help a single synchronous submitter: a queue on the submitter's CPU answers without
     /// waking another (halted) vCPU (measured here, 4k psync QD1: 1 legacy queue 16k IOPS, 2 queues
-    /// 78k). One submitter at high queue depth gains little from a second legacy queue, which then
-    /// costs some CPU in spurious wakeups; with io_uring a job's requests all go to its CPU's queue.
+    /// 74-100k). Where one queue already keeps up they cost CPU instead: on the legacy transport
+    /// every idle queue is woken for each request (2 vCPUs, null image, 4 psync jobs: 2 queues
+    /// 0.83-0.91x of one). With io_uring a job's requests all go to its CPU's queue.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256), verbatim_doc_comment)]
     pub queues: Option<u16>,
     /// Pin queue i to CPU i (mod the CPUs fusex may run on). auto: on when there are exactly as
