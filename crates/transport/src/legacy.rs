@@ -222,6 +222,7 @@ impl LegacyQueue {
     ) -> Result<ReadOutcome, TransportError> {
         let bid = buf.index();
         let i = usize::from(bid);
+        let capacity = buf.len() - self.layout.request;
         {
             let mut slots = ms.slots.borrow_mut();
             let Some(s) = slots.get_mut(i) else {
@@ -248,6 +249,12 @@ impl LegacyQueue {
             let s = &mut slots[i];
             if let Some(n) = s.len.take() {
                 s.provided = false;
+                if n > capacity {
+                    // More bytes than the buffer offered: the kernel's word cannot be trusted.
+                    return Poll::Ready(Err(TransportError::Io(
+                        std::io::Error::from_raw_os_error(libc::EPROTO),
+                    )));
+                }
                 return Poll::Ready(Ok(ReadOutcome::Request(n)));
             }
             if ms.ended.get() {
