@@ -47,6 +47,11 @@ e2e:
 	FUSEX_E2E_TRANSPORT=legacy $(CARGO) test -p fusex-e2e -- --test-threads=4
 	FUSEX_E2E_TRANSPORT=uring $(CARGO) test -p fusex-e2e -- --test-threads=4
 
+## make stress: long verified fio storms on every transport, read mode and queue count, then the
+## end-to-end suite a few times (STRESS_SECONDS=60 per storm, STRESS_E2E_ROUNDS=3: ~25 minutes).
+stress: deps release build
+	bash scripts/stress.sh
+
 bench-smoke: release
 	bash bench/smoke.sh
 
