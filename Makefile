@@ -55,7 +55,7 @@ stress: deps release build
 bench-smoke: release
 	bash bench/smoke.sh
 
-## make bench: the full benchmark suite (every matrix, 2 s jobs after 1 s ramp, 3 rounds: ~40
+## make bench: the full benchmark suite (every matrix, 2 s jobs after 1 s ramp, 3 rounds: ~50
 ## minutes here; drop --runtime/--ramp for the 5 s default, ~80 minutes). Results in bench/results/.
 bench: bench-deps release
 	bench/.venv/bin/python bench/run.py --matrix all --runtime 2 --ramp 1
