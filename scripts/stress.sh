@@ -51,7 +51,7 @@ storm() { # label, fusex mount options...
     while [ "$SECONDS" -lt "$end" ] || [ "$passes" -eq 0 ]; do
         fio --name=storm --filename="$MNT" --thread --numjobs=4 --offset_increment=64M --size=64M \
             --ioengine=io_uring --iodepth=32 --direct=1 --rw=randwrite \
-            --bssplit=4k/40:64k/30:128k/20:1m/10 --verify=crc32c --verify_fatal=1 \
+            --bssplit=4k/40:64k/30:128k/20:1m/10 --verify=crc32c --verify_fatal=1 --verify_state_save=0 \
             --randseed=$((passes + 1)) --output-format=terse >>"$WORK/fio.out"
         fio --name=unaligned --filename="$MNT" --offset=$(((passes % 15) << 24)) --size=16M \
             --ioengine=psync --rw=write --bsrange=100-70000 --bs_unaligned \
