@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::buf::{BufHandle, IoBufMut, RawBuf};
-use crate::multishot::{multi_ended, BufGroup, MultiOp, MultiQueues, PbufRing};
+use crate::multishot::{BufGroup, MultiOp, MultiQueues, PbufRing};
 use crate::op::{Op, OpTable, Slot};
 use crate::remote::{Remote, RemoteShared};
 use crate::{EngineError, Sqe};
@@ -502,7 +502,7 @@ impl Engine {
     /// Cancels multishot op `idx` and waits (driving the ring) for its final completion, then
     /// frees the slot.
     pub(crate) fn cancel_multi_and_wait(&self, idx: u32) {
-        self.cancel_until(idx, multi_ended);
+        self.cancel_until(idx, |s| matches!(s, Slot::MultiEnded { .. }));
     }
 
     fn cancel_until(&self, idx: u32, ended: impl Fn(Slot) -> bool) {

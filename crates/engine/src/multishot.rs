@@ -17,7 +17,6 @@ use io_uring::types::BufRingEntry;
 
 use crate::buf::RawBuf;
 use crate::executor::Engine;
-use crate::op::Slot;
 
 /// One completion of a multishot operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,11 +136,6 @@ impl Drop for MultiOp<'_> {
     }
 }
 
-/// Whether the slot's multishot operation has posted its final completion.
-pub(crate) fn multi_ended(slot: Slot) -> bool {
-    matches!(slot, Slot::MultiEnded { .. })
-}
-
 /// A ring of provided buffers (`IORING_REGISTER_PBUF_RING`), owned by the engine so its memory
 /// outlives the registration.
 pub(crate) struct PbufRing {
@@ -206,13 +200,3 @@ impl PbufRing {
 /// Handle to the engine's provided-buffer ring: which group id to name in a buffer-select SQE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BufGroup(pub u16);
-
-/// Completion flags helper: the buffer id a CQE names, if it carries one.
-pub(crate) fn cqe_buffer(flags: u32) -> Option<u16> {
-    io_uring::cqueue::buffer_select(flags)
-}
-
-/// Completion flags helper: whether more completions of the same operation follow.
-pub(crate) fn cqe_more(flags: u32) -> bool {
-    io_uring::cqueue::more(flags)
-}

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::executor::{Engine, TaskId};
-use crate::multishot::{cqe_buffer, cqe_more, Completion, MultiQueues};
+use crate::multishot::{Completion, MultiQueues};
 
 /// State of one slot of the op table; the slot index is the SQE's `user_data`.
 #[derive(Clone, Copy, Debug)]
@@ -110,12 +110,12 @@ impl OpTable {
                 task
             }
             Slot::Multi { task, queue } => {
-                let more = cqe_more(flags);
+                let more = io_uring::cqueue::more(flags);
                 multi.push(
                     queue,
                     Completion {
                         res,
-                        buffer: cqe_buffer(flags),
+                        buffer: io_uring::cqueue::buffer_select(flags),
                         more,
                     },
                 );

@@ -206,13 +206,15 @@ fn multishot_read_fills_provided_buffers() {
         eng.provide_buffer(b1.io_mut(0, 4096), 1);
     }
     eng.publish_buffers();
+    let read_multi = || -> Sqe {
+        opcode::ReadMulti::new(types::Fd(r.as_raw_fd()), 0, group.0)
+            .build()
+            .into()
+    };
     let got = eng
         .block_on(async {
-            let sqe: Sqe = opcode::ReadMulti::new(types::Fd(r.as_raw_fd()), 0, group.0)
-                .build()
-                .into();
             // SAFETY: reads only into provided engine buffers.
-            let mut op = unsafe { eng.submit_multishot(sqe, 3) };
+            let mut op = unsafe { eng.submit_multishot(read_multi(), 3) };
             let mut got = Vec::new();
             w.write_all(b"first").unwrap();
             let c = op.completion().await.unwrap();
@@ -240,11 +242,8 @@ fn multishot_read_fills_provided_buffers() {
     eng.publish_buffers();
     let c = eng
         .block_on(async {
-            let sqe: Sqe = opcode::ReadMulti::new(types::Fd(r.as_raw_fd()), 0, group.0)
-                .build()
-                .into();
             // SAFETY: as above.
-            let mut op = unsafe { eng.submit_multishot(sqe, 2) };
+            let mut op = unsafe { eng.submit_multishot(read_multi(), 2) };
             op.completion().await.unwrap()
         })
         .unwrap();

@@ -174,16 +174,10 @@ fn serve(
             let mut q =
                 LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1)).context("queue fd")?;
             // Slot buffers are pool buffers 0..legacy_depth (taken first, below).
-            let multishot = spec.multishot && q.use_multishot(&eng, legacy_depth);
-            tracing::debug!(
-                "queue {}: /dev/fuse read by {}",
-                spec.id,
-                if multishot {
-                    "one multishot read"
-                } else {
-                    "poll + read"
-                }
-            );
+            if spec.multishot {
+                q.use_multishot(&eng, legacy_depth);
+            }
+            tracing::debug!("queue {}: /dev/fuse read mode {}", spec.id, q.read_mode());
             Some(q)
         }
         None => None,
@@ -262,11 +256,7 @@ fn serve(
     });
     sh.eng.run()?;
     let error = sh.failure.take();
-    let dev_fuse_read = match &sh.legacy {
-        Some(q) if q.is_multishot() => "multishot",
-        Some(_) => "poll",
-        None => "none",
-    };
+    let dev_fuse_read = sh.legacy.as_ref().map_or("none", LegacyQueue::read_mode);
     Ok(QueueReport {
         counters: sh.counters.snapshot(),
         engine: sh.eng.stats(),

@@ -4,7 +4,8 @@
 //! Where the kernel has them (Linux 6.7+), requests are read by one multishot `READ` per queue into
 //! a ring of provided buffers (each slot's buffer, at `Layout::request`): every queued request is
 //! read in one go, with no submission per request, and a queue woken for a request another queue
-//! took goes back to sleep inside the kernel. Otherwise (or with `--legacy-read poll`) each read is a `POLL_ADD` linked to a `READ`, as described next.
+//! took goes back to sleep inside the kernel. Otherwise (or with `--legacy-read poll`) each read
+//! is a `POLL_ADD` linked to a `READ`, as described next.
 //!
 //! The fd is non-blocking and each read is a `POLL_ADD` linked to a `READ`: a blocking read of
 //! `/dev/fuse` issued from io_uring could otherwise lose the race for a request to another queue (all
@@ -88,10 +89,19 @@ struct Multishot {
     provided: Cell<usize>,
     /// The reader task, while it waits for a buffer to be provided.
     reader: Cell<Option<TaskId>>,
-    /// The reader finished: the queue stopped, the connection is gone, or `error`.
-    ended: Cell<bool>,
-    gone: Cell<bool>,
-    error: Cell<Option<i32>>,
+    /// Why the reader finished, once it has.
+    end: Cell<Option<ReaderEnd>>,
+}
+
+/// Why the multishot reader finished.
+#[derive(Clone, Copy)]
+enum ReaderEnd {
+    /// The queue was stopped.
+    Stopped,
+    /// The connection is gone (unmounted or aborted).
+    Gone,
+    /// Reading failed with this errno.
+    Failed(i32),
 }
 
 #[derive(Clone, Copy, Default)]
@@ -133,9 +143,7 @@ impl LegacyQueue {
             slots: RefCell::new(vec![MsSlot::default(); slots]),
             provided: Cell::new(0),
             reader: Cell::new(None),
-            ended: Cell::new(false),
-            gone: Cell::new(false),
-            error: Cell::new(None),
+            end: Cell::new(None),
         });
         true
     }
@@ -145,6 +153,15 @@ impl LegacyQueue {
         self.multishot.is_some()
     }
 
+    /// How this queue reads `/dev/fuse`: "multishot" or "poll" (for logs and stats).
+    pub fn read_mode(&self) -> &'static str {
+        if self.is_multishot() {
+            "multishot"
+        } else {
+            "poll"
+        }
+    }
+
     /// The multishot reader: keeps one multishot `READ` armed while any buffer is provided and
     /// hands each request to the slot whose buffer it landed in. Ends when the queue stops, the
     /// connection is gone or reading fails; the slots then see that in
@@ -152,6 +169,7 @@ impl LegacyQueue {
     pub async fn serve_reads(&self, eng: &Engine) {
         let Some(ms) = &self.multishot else { return };
         let fd = types::Fd(self.fd.as_raw_fd());
+        let mut end = ReaderEnd::Stopped;
         'arm: while !self.stopping.get() {
             poll_fn(|_| {
                 if ms.provided.get() > 0 || self.stopping.get() {
@@ -185,7 +203,7 @@ impl LegacyQueue {
                         _ => {
                             // The kernel named a buffer it was not given: nothing read from
                             // now on can be trusted.
-                            ms.error.set(Some(libc::EPROTO));
+                            end = ReaderEnd::Failed(libc::EPROTO);
                             break 'arm;
                         }
                     }
@@ -193,20 +211,20 @@ impl LegacyQueue {
                 }
                 match -c.res {
                     0 | libc::ENODEV => {
-                        ms.gone.set(true);
+                        end = ReaderEnd::Gone;
                         break 'arm;
                     }
                     // Out of buffers (all requests in service), interrupted or cancelled: re-arm
                     // once a buffer is back (the loop checks for a stop first).
                     libc::ENOBUFS | libc::EAGAIN | libc::EINTR | libc::ECANCELED => {}
                     e => {
-                        ms.error.set(Some(e));
+                        end = ReaderEnd::Failed(e);
                         break 'arm;
                     }
                 }
             }
         }
-        ms.ended.set(true);
+        ms.end.set(Some(end));
         for s in ms.slots.borrow_mut().iter_mut() {
             if let Some(t) = s.task.take() {
                 eng.wake(t);
@@ -230,9 +248,8 @@ impl LegacyQueue {
                     "slot buffer outside the provided-buffer ring",
                 )));
             };
-            if !s.provided && s.len.is_none() && !ms.ended.get() {
-                let start = self.layout.request;
-                let win = buf.io_mut(start, buf.len() - start);
+            if !s.provided && s.len.is_none() && ms.end.get().is_none() {
+                let win = buf.io_mut(self.layout.request, capacity);
                 // SAFETY: the slot task touches this buffer again only once a completion named
                 // it (it waits below); the engine keeps the memory until the ring is gone.
                 unsafe { eng.provide_buffer(win, bid) };
@@ -257,11 +274,13 @@ impl LegacyQueue {
                 }
                 return Poll::Ready(Ok(ReadOutcome::Request(n)));
             }
-            if ms.ended.get() {
-                return Poll::Ready(match ms.error.get() {
-                    Some(e) => Err(TransportError::Io(std::io::Error::from_raw_os_error(e))),
-                    None if ms.gone.get() => Ok(ReadOutcome::Gone),
-                    None => Ok(ReadOutcome::Stopped),
+            if let Some(end) = ms.end.get() {
+                return Poll::Ready(match end {
+                    ReaderEnd::Stopped => Ok(ReadOutcome::Stopped),
+                    ReaderEnd::Gone => Ok(ReadOutcome::Gone),
+                    ReaderEnd::Failed(e) => {
+                        Err(TransportError::Io(std::io::Error::from_raw_os_error(e)))
+                    }
                 });
             }
             s.task = eng.current_task();
