@@ -84,6 +84,17 @@ def ratio_pairs(targets: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def ratio_table(rows: list[dict[str, Any]], present: list[str], title: str) -> list[str]:
+    """Report lines of the per-workload ratio table for every pair of ``present`` targets (none
+    when there is no pair)."""
+    pairs = ratio_pairs(present)
+    if not pairs:
+        return []
+    rr = [[f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
+                                    for a, b in pairs] for r in rows]
+    return ["", title, "", table(["workload"] + [f"{a}/{b}" for a, b in pairs], rr)]
+
+
 def cmdline(cmd: list[str]) -> str:
     return " ".join(shlex.quote(c) for c in cmd)
 
@@ -174,14 +185,7 @@ def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> s
                                               for t in present])
     out = [f"**IOPS** (read + write; median \u00b1 spread)", "",
            table(["workload"] + present, main)]
-    pairs = ratio_pairs(present)
-    if pairs:
-        rr = []
-        for r in rows:
-            rr.append([f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
-                                                for a, b in pairs])
-        out += ["", "**Ratios** (median of per-round IOPS ratios)", "",
-                table(["workload"] + [f"{a}/{b}" for a, b in pairs], rr)]
+    out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
     det = []
     for r in rows:
         for t in present:
@@ -220,12 +224,7 @@ def fileaccess_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: st
             cells.append(cell(mt.get("time_ms"), fmt_sig) + (f" ({fmt_count(calls)})" if calls else ""))
         main.append([f"`{r['workload']}`"] + cells)
     out = [f"**Time in ms** (read calls), median \u00b1 spread", "", table(["file-size-mode-buffer-cache"] + present, main)]
-    pairs = ratio_pairs(present)
-    if pairs:
-        rr = [[f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
-                                        for a, b in pairs] for r in rows]
-        out += ["", "**Speed ratios** (median of per-round MiB/s ratios; >1 = faster)", "",
-                table(["workload"] + [f"{a}/{b}" for a, b in pairs], rr)]
+    out += ratio_table(rows, present, "**Speed ratios** (median of per-round MiB/s ratios; >1 = faster)")
     det = []
     for r in rows:
         for t in present:
