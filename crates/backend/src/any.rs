@@ -5,7 +5,7 @@
 use std::io;
 use std::path::Path;
 
-use engine::{Engine, IoBuf, IoBufMut};
+use engine::{Engine, Slice};
 
 use crate::{
     parse_size, Attrs, BlockBackend, Capabilities, IoPath, NullBackend, RawBackend, Result, Seek,
@@ -114,11 +114,11 @@ impl BlockBackend for AnyBackend {
     fn attrs(&self) -> Result<Attrs> {
         each!(self, b => b.attrs())
     }
-    async fn read_at(&self, eng: &Engine, buf: IoBufMut<'_>, off: u64) -> Result<usize> {
-        each!(self, b => b.read_at(eng, buf, off).await)
+    async fn read_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        each!(self, b => b.read_at(eng, win, off).await)
     }
-    async fn write_at(&self, eng: &Engine, buf: IoBuf<'_>, off: u64) -> Result<usize> {
-        each!(self, b => b.write_at(eng, buf, off).await)
+    async fn write_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        each!(self, b => b.write_at(eng, win, off).await)
     }
     async fn flush(&self, eng: &Engine) -> Result<()> {
         each!(self, b => b.flush(eng).await)
@@ -140,6 +140,9 @@ impl BlockBackend for AnyBackend {
     }
     fn grow_to(&self, new_size: u64) -> Result<()> {
         each!(self, b => b.grow_to(new_size))
+    }
+    fn written_to(&self, end: u64) {
+        each!(self, b => b.written_to(end))
     }
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
         each!(self, b => b.set_times(atime, mtime))

@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::io;
 
-use engine::{Engine, IoBuf, IoBufMut};
+use engine::{Engine, Slice};
 
 mod any;
 mod null;
@@ -35,10 +35,6 @@ impl BackendError {
             BackendError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             BackendError::Unsupported => libc::EOPNOTSUPP,
         }
-    }
-
-    pub(crate) fn from_res(res: i32) -> BackendError {
-        BackendError::Io(io::Error::from_raw_os_error(-res))
     }
 }
 
@@ -86,8 +82,9 @@ pub enum Seek {
 
 /// The operations every image format provides. Offsets and lengths are in bytes of the guest view.
 ///
-/// Reads and writes take engine-owned buffer windows, so a backend can hand them to the ring
-/// (`READ`/`WRITE`, or `READ_FIXED`/`WRITE_FIXED` when the engine registered its pool) with no copy.
+/// Reads and writes take an owned window of an engine buffer and give it back with the result, so a
+/// backend can hand it to the ring (`READ`/`WRITE`, or `READ_FIXED`/`WRITE_FIXED` when the engine
+/// registered its pool) with no copy, and no caller can touch it while the kernel may.
 pub trait BlockBackend: Send + Sync + 'static {
     /// Current length of the image.
     fn size(&self) -> u64;
@@ -105,21 +102,25 @@ pub trait BlockBackend: Send + Sync + 'static {
     /// Attributes for GETATTR.
     fn attrs(&self) -> Result<Attrs>;
 
-    /// Reads into `buf` at `off`; returns the bytes read (short only at the end of the image).
+    /// Fills `win` from `off`; returns the bytes read (short only at the end of the image) and the
+    /// window.
     fn read_at(
         &self,
         eng: &Engine,
-        buf: IoBufMut<'_>,
+        win: Slice,
         off: u64,
-    ) -> impl Future<Output = Result<usize>>;
+    ) -> impl Future<Output = (Result<usize>, Slice)>;
 
-    /// Writes all of `buf` at `off` (the caller grows the image first if needed); returns its length.
+    /// Writes `win` at `off`; returns the bytes written and the window. A write past the end of a
+    /// growable image extends it by what was written: the caller then records the new end with
+    /// [`BlockBackend::written_to`]. If an error stops the write after some bytes landed, those
+    /// bytes are reported (`Ok(n)` with `n` short), not the error.
     fn write_at(
         &self,
         eng: &Engine,
-        buf: IoBuf<'_>,
+        win: Slice,
         off: u64,
-    ) -> impl Future<Output = Result<usize>>;
+    ) -> impl Future<Output = (Result<usize>, Slice)>;
 
     /// Makes completed writes durable.
     fn flush(&self, eng: &Engine) -> impl Future<Output = Result<()>>;
@@ -141,7 +142,12 @@ pub trait BlockBackend: Send + Sync + 'static {
     fn resize(&self, new_size: u64) -> Result<()>;
 
     /// Grows the image to at least `new_size` (never shrinks; concurrent callers race safely).
+    /// For fallocate and truncate, which extend without writing data.
     fn grow_to(&self, new_size: u64) -> Result<()>;
+
+    /// Records that a write put bytes up to `end`, so the image is at least that long now (the
+    /// write itself extended it). No syscall, no lock: appends pay nothing for growing.
+    fn written_to(&self, end: u64);
 
     /// Sets access/modification times of the image where that means something.
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()>;

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use engine::{Engine, IoBuf, IoBufMut};
+use engine::{Engine, Slice};
 
 use crate::{Attrs, BlockBackend, Capabilities, OpenError, Result, Seek};
 
@@ -77,14 +77,14 @@ impl BlockBackend for NullBackend {
         })
     }
 
-    async fn read_at(&self, _eng: &Engine, mut buf: IoBufMut<'_>, off: u64) -> Result<usize> {
-        let n = (self.size().saturating_sub(off)).min(buf.len() as u64) as usize;
-        buf.as_mut_slice()[..n].fill(0);
-        Ok(n)
+    async fn read_at(&self, _eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
+        let n = (self.size().saturating_sub(off)).min(win.len() as u64) as usize;
+        win.as_mut_slice()[..n].fill(0);
+        (Ok(n), win)
     }
 
-    async fn write_at(&self, _eng: &Engine, buf: IoBuf<'_>, _off: u64) -> Result<usize> {
-        Ok(buf.len())
+    async fn write_at(&self, _eng: &Engine, win: Slice, _off: u64) -> (Result<usize>, Slice) {
+        (Ok(win.len()), win)
     }
 
     async fn flush(&self, _eng: &Engine) -> Result<()> {
@@ -120,6 +120,10 @@ impl BlockBackend for NullBackend {
     fn grow_to(&self, new_size: u64) -> Result<()> {
         self.size.fetch_max(new_size, Ordering::AcqRel);
         Ok(())
+    }
+
+    fn written_to(&self, end: u64) {
+        self.size.fetch_max(end, Ordering::AcqRel);
     }
 
     fn set_times(&self, _atime: Option<(i64, u32)>, _mtime: Option<(i64, u32)>) -> Result<()> {

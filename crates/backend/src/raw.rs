@@ -3,13 +3,12 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use engine::io_uring::{opcode, types};
-use engine::{Engine, IoBuf, IoBufMut, Sqe};
+use engine::{Engine, Fd, Slice};
 
 use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
 
@@ -147,13 +146,38 @@ impl RawBackend {
         }
     }
 
-    /// Picks the descriptor for a transfer: O_DIRECT needs aligned offset, length and memory.
-    fn fd_for(&self, ptr: usize, len: usize, off: u64) -> (RawFd, bool) {
+    /// Picks the file for a transfer: O_DIRECT needs aligned offset, length and memory.
+    fn file_for(&self, win: &Slice, off: u64) -> (&File, bool) {
+        let bits = win.addr() as u64 | win.len() as u64 | off;
         match &self.buffered {
-            Some(b) if !(ptr as u64 | len as u64 | off).is_multiple_of(DIRECT_ALIGN) => {
-                (b.as_raw_fd(), false)
-            }
-            _ => (self.file.as_raw_fd(), self.direct),
+            Some(b) if !bits.is_multiple_of(DIRECT_ALIGN) => (b, false),
+            _ => (&self.file, self.direct),
+        }
+    }
+
+    fn ring_fd(&self) -> Fd {
+        Fd::Raw(self.file.as_raw_fd())
+    }
+
+    /// One read attempt on the data path chosen for it.
+    async fn read_once(
+        &self,
+        eng: &Engine,
+        mut win: Slice,
+        pos: u64,
+    ) -> (io::Result<usize>, Slice) {
+        let (file, direct) = self.file_for(&win, pos);
+        let ring = Fd::Raw(file.as_raw_fd());
+        match self.pick(eng, self.read_path, direct) {
+            IoPath::Inline => (file.read_at(win.as_mut_slice(), pos), win),
+            IoPath::NowaitThenRing => match read_nowait(file, win.as_mut_slice(), pos) {
+                Ok(n) if n > 0 => (Ok(n), win),
+                // 0 may mean EOF or "nothing cached", EAGAIN "would block": ask the ring.
+                Ok(_) => eng.read(ring, win, pos).await,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => eng.read(ring, win, pos).await,
+                Err(e) => (Err(e), win),
+            },
+            IoPath::Ring | IoPath::Adaptive => eng.read(ring, win, pos).await,
         }
     }
 }
@@ -237,108 +261,69 @@ impl BlockBackend for RawBackend {
         })
     }
 
-    async fn read_at(&self, eng: &Engine, mut buf: IoBufMut<'_>, off: u64) -> Result<usize> {
+    async fn read_at(&self, eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
+        let end = win.end();
         let mut done = 0usize;
-        while !buf.is_empty() {
-            let pos = off + done as u64;
-            let (fd, direct) = self.fd_for(buf.as_mut_ptr() as usize, buf.len(), pos);
-            let n = match self.pick(eng, self.read_path, direct) {
-                IoPath::Inline => {
-                    // SAFETY: reads into the engine-owned window of exactly buf.len() bytes.
-                    cvt(unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), pos as i64) })?
+        while !win.is_empty() {
+            let (r, back) = self.read_once(eng, win, off + done as u64).await;
+            win = back;
+            match r {
+                Ok(0) => break,
+                Ok(n) => {
+                    done += n;
+                    win.advance(n);
                 }
-                IoPath::NowaitThenRing => {
-                    let iov = libc::iovec {
-                        iov_base: buf.as_mut_ptr().cast(),
-                        iov_len: buf.len(),
-                    };
-                    // SAFETY: one iovec over the engine-owned window.
-                    let r = unsafe { libc::preadv2(fd, &iov, 1, pos as i64, libc::RWF_NOWAIT) };
-                    match cvt(r) {
-                        Ok(n) if n > 0 => n,
-                        // 0 may mean EOF or "nothing cached": let the ring decide.
-                        Ok(_) => ring_read(eng, fd, &mut buf, pos).await?,
-                        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
-                            ring_read(eng, fd, &mut buf, pos).await?
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                IoPath::Ring | IoPath::Adaptive => ring_read(eng, fd, &mut buf, pos).await?,
-            };
-            if n == 0 {
-                break;
+                Err(e) => return (Err(e.into()), restore(win, end, done)),
             }
-            done += n;
-            buf.advance(n);
         }
-        Ok(done)
+        (Ok(done), restore(win, end, done))
     }
 
-    async fn write_at(&self, eng: &Engine, buf: IoBuf<'_>, off: u64) -> Result<usize> {
+    async fn write_at(&self, eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
+        let end = win.end();
         let mut done = 0usize;
-        while done < buf.len() {
-            let rest = buf.slice(done, buf.len() - done);
+        while !win.is_empty() {
             let pos = off + done as u64;
-            let (fd, direct) = self.fd_for(rest.as_ptr() as usize, rest.len(), pos);
-            let n = match self.pick(eng, self.write_path, direct) {
-                IoPath::Inline => {
-                    // SAFETY: writes from the engine-owned window of exactly rest.len() bytes.
-                    cvt(unsafe { libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), pos as i64) })?
-                }
-                _ => ring_write(eng, fd, rest, pos).await?,
+            let (file, direct) = self.file_for(&win, pos);
+            let (r, back) = match self.pick(eng, self.write_path, direct) {
+                IoPath::Inline => (file.write_at(win.as_slice(), pos), win),
+                _ => eng.write(Fd::Raw(file.as_raw_fd()), win, pos).await,
             };
-            if n == 0 {
-                return Err(io::Error::from_raw_os_error(libc::EIO).into());
+            win = back;
+            match r {
+                Ok(0) => {
+                    let e = io::Error::from_raw_os_error(libc::EIO);
+                    return (partial(done, e), restore(win, end, done));
+                }
+                Ok(n) => {
+                    done += n;
+                    win.advance(n);
+                }
+                Err(e) => return (partial(done, e), restore(win, end, done)),
             }
-            done += n;
         }
-        Ok(done)
+        (Ok(done), restore(win, end, done))
     }
 
     async fn flush(&self, eng: &Engine) -> Result<()> {
-        let sqe: Sqe = opcode::Fsync::new(types::Fd(self.file.as_raw_fd()))
-            .flags(types::FsyncFlags::DATASYNC)
-            .build()
-            .into();
-        // SAFETY: no memory is referenced by an fsync.
-        unsafe { ring(eng, sqe) }.await.map(drop)
+        Ok(eng.fsync(self.ring_fd(), true).await?)
     }
 
     async fn discard(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
-        fallocate(
-            eng,
-            self.file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            off,
-            len,
-        )
-        .await
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        Ok(eng.fallocate(self.ring_fd(), mode, off, len).await?)
     }
 
     async fn write_zeroes(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
-        let fd = self.file.as_raw_fd();
-        match fallocate(
-            eng,
-            fd,
-            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
-            off,
-            len,
-        )
-        .await
-        {
-            Err(e) if e.errno() == libc::EOPNOTSUPP => {
+        let fd = self.ring_fd();
+        let zero = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+        match eng.fallocate(fd, zero, off, len).await {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 // tmpfs and some devices lack ZERO_RANGE: punching a hole reads back zeroes too.
-                fallocate(
-                    eng,
-                    fd,
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    off,
-                    len,
-                )
-                .await
+                let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                Ok(eng.fallocate(fd, punch, off, len).await?)
             }
-            r => r,
+            r => Ok(r?),
         }
     }
 
@@ -346,14 +331,9 @@ impl BlockBackend for RawBackend {
         if self.block_device {
             return Ok(());
         }
-        fallocate(
-            eng,
-            self.file.as_raw_fd(),
-            libc::FALLOC_FL_KEEP_SIZE,
-            off,
-            len,
-        )
-        .await
+        Ok(eng
+            .fallocate(self.ring_fd(), libc::FALLOC_FL_KEEP_SIZE, off, len)
+            .await?)
     }
 
     fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>> {
@@ -409,6 +389,10 @@ impl BlockBackend for RawBackend {
         Ok(())
     }
 
+    fn written_to(&self, end: u64) {
+        self.size.fetch_max(end, Ordering::AcqRel);
+    }
+
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
         let ts = |t: Option<(i64, u32)>| match t {
             Some((s, ns)) => libc::timespec {
@@ -429,61 +413,29 @@ impl BlockBackend for RawBackend {
     }
 }
 
-async fn ring_read(eng: &Engine, fd: RawFd, buf: &mut IoBufMut<'_>, pos: u64) -> Result<usize> {
-    let len = buf.len().min(u32::MAX as usize) as u32;
-    let sqe: Sqe = if eng.buffers_registered() {
-        opcode::ReadFixed::new(types::Fd(fd), buf.as_mut_ptr(), len, buf.buf_index())
-            .offset(pos)
-            .build()
-            .into()
-    } else {
-        opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), len)
-            .offset(pos)
-            .build()
-            .into()
+/// `preadv2(RWF_NOWAIT)`: completes from the page cache or says `EAGAIN`, never waits.
+fn read_nowait(file: &File, dst: &mut [u8], pos: u64) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: dst.as_mut_ptr().cast(),
+        iov_len: dst.len(),
     };
-    // SAFETY: the window is engine-owned memory, valid until the engine drains.
-    unsafe { ring(eng, sqe) }.await
+    // SAFETY: one iovec over a live, exclusively borrowed slice of exactly its length.
+    cvt(unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, pos as i64, libc::RWF_NOWAIT) })
 }
 
-async fn ring_write(eng: &Engine, fd: RawFd, buf: IoBuf<'_>, pos: u64) -> Result<usize> {
-    let len = buf.len().min(u32::MAX as usize) as u32;
-    let sqe: Sqe = if eng.buffers_registered() {
-        opcode::WriteFixed::new(types::Fd(fd), buf.as_ptr(), len, buf.buf_index())
-            .offset(pos)
-            .build()
-            .into()
-    } else {
-        opcode::Write::new(types::Fd(fd), buf.as_ptr(), len)
-            .offset(pos)
-            .build()
-            .into()
-    };
-    // SAFETY: the window is engine-owned memory, valid until the engine drains.
-    unsafe { ring(eng, sqe) }.await
+/// The window as the caller gave it: `[end - len, end)` after `done` bytes were advanced over.
+fn restore(win: Slice, end: usize, done: usize) -> Slice {
+    let start = win.start() - done.min(win.start());
+    win.into_inner().slice(start..end)
 }
 
-/// Submits one entry and turns its result into bytes transferred or an error.
-///
-/// # Safety
-/// As for [`Engine::submit`]: memory the entry references outlives the operation.
-async unsafe fn ring(eng: &Engine, sqe: Sqe) -> Result<usize> {
-    // SAFETY: forwarded to the caller.
-    let res = unsafe { eng.submit(sqe) }.await;
-    if res < 0 {
-        return Err(BackendError::from_res(res));
+/// Bytes that landed before an error count as a short write; with none, the error.
+fn partial(done: usize, e: io::Error) -> Result<usize> {
+    if done > 0 {
+        Ok(done)
+    } else {
+        Err(e.into())
     }
-    Ok(res as usize)
-}
-
-async fn fallocate(eng: &Engine, fd: RawFd, mode: i32, off: u64, len: u64) -> Result<()> {
-    let sqe: Sqe = opcode::Fallocate::new(types::Fd(fd), len)
-        .offset(off)
-        .mode(mode)
-        .build()
-        .into();
-    // SAFETY: fallocate references no memory.
-    unsafe { ring(eng, sqe) }.await.map(drop)
 }
 
 #[cfg(test)]
@@ -518,21 +470,26 @@ mod tests {
                     ..Default::default()
                 })
                 .unwrap();
-                let mut buf = eng.take_buffer(0).unwrap();
+                let buf = eng.take_buffer().unwrap();
                 // A read crossing EOF is short.
-                let n = eng
-                    .block_on(b.read_at(&eng, buf.io_mut(0, 8192), 2 * 4096))
-                    .unwrap()
+                let (n, win) = eng
+                    .block_on(b.read_at(&eng, buf.slice(4096..4096 + 8192), 2 * 4096))
                     .unwrap();
+                let n = n.unwrap();
                 assert_eq!(n, 4096 + 100, "{path:?}");
-                assert_eq!(&buf.as_slice()[..n], &data[2 * 4096..], "{path:?}");
+                assert_eq!(&win.as_slice()[..n], &data[2 * 4096..], "{path:?}");
+                assert_eq!(
+                    (win.start(), win.len()),
+                    (4096, 8192),
+                    "window given back whole"
+                );
                 // A write at an odd offset lands byte-exact.
+                let mut buf = win.into_inner();
                 buf.as_mut_slice()[..777].fill(0xee);
-                let n = eng
-                    .block_on(b.write_at(&eng, buf.io(0, 777), 5))
-                    .unwrap()
+                let (n, _) = eng
+                    .block_on(b.write_at(&eng, buf.slice(0..777), 5))
                     .unwrap();
-                assert_eq!(n, 777);
+                assert_eq!(n.unwrap(), 777);
                 data[5..782].fill(0xee);
                 let mut back = vec![0u8; data.len()];
                 f.as_file().read_exact_at(&mut back, 0).unwrap();
@@ -559,6 +516,95 @@ mod tests {
         b.resize(4096).unwrap();
         assert_eq!(b.size(), 4096);
         assert_eq!(b.seek(4096, Seek::Data).unwrap(), None, "no data at EOF");
+    }
+
+    /// A write past the end extends the file by exactly what was written, and `written_to`
+    /// makes the size follow without a syscall.
+    #[test]
+    fn appends_grow_by_what_was_written() {
+        let (f, _) = image(4096);
+        let b = RawBackend::open(f.path(), true, false, Some(IoPath::Ring)).unwrap();
+        let eng = Engine::new(&EngineConfig {
+            buffers: 1,
+            buffer_size: 8192,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut buf = eng.take_buffer().unwrap();
+        buf.as_mut_slice().fill(0x5a);
+        let (n, _) = eng
+            .block_on(b.write_at(&eng, buf.slice(0..6000), 4096))
+            .unwrap();
+        let n = n.unwrap();
+        assert_eq!(n, 6000);
+        b.written_to(4096 + n as u64);
+        assert_eq!(b.size(), 10096);
+        assert_eq!(f.as_file().metadata().unwrap().len(), 10096);
+        b.written_to(100);
+        assert_eq!(b.size(), 10096, "never shrinks");
+    }
+
+    /// A write that fails after some bytes landed reports those bytes: here a full filesystem
+    /// (a 64 KiB tmpfs) stops a 128 KiB write part way.
+    #[test]
+    fn a_write_cut_short_reports_what_landed() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(_mnt) = TinyTmpfs::mount(dir.path()) else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI runs as root and must be able to mount a tmpfs"
+            );
+            eprintln!("not root: cannot mount a small tmpfs; skipped outside CI");
+            return;
+        };
+        let p = dir.path().join("img");
+        std::fs::write(&p, b"").unwrap();
+        let b = RawBackend::open(&p, true, false, Some(IoPath::Ring)).unwrap();
+        let eng = Engine::new(&EngineConfig {
+            buffers: 1,
+            buffer_size: 128 << 10,
+            ..Default::default()
+        })
+        .unwrap();
+        let buf = eng.take_buffer().unwrap();
+        let (n, win) = eng
+            .block_on(b.write_at(&eng, buf.slice(0..128 << 10), 0))
+            .unwrap();
+        let n = n.expect("bytes landed before ENOSPC: a short write, not an error");
+        assert!(n > 0 && n < 128 << 10, "short write: {n}");
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), n as u64);
+        assert_eq!(win.len(), 128 << 10, "window given back whole");
+        // Nothing fits any more: now it is an error.
+        let (r, _) = eng.block_on(b.write_at(&eng, win, 1 << 20)).unwrap();
+        assert_eq!(r.unwrap_err().errno(), libc::ENOSPC);
+    }
+
+    /// A 64 KiB tmpfs mounted for one test, unmounted on drop.
+    struct TinyTmpfs(std::ffi::CString);
+
+    impl TinyTmpfs {
+        fn mount(at: &Path) -> Option<TinyTmpfs> {
+            use std::os::unix::ffi::OsStrExt;
+            let target = std::ffi::CString::new(at.as_os_str().as_bytes()).ok()?;
+            // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+            let r = unsafe {
+                libc::mount(
+                    c"tmpfs".as_ptr(),
+                    target.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    0,
+                    c"size=64k".as_ptr().cast(),
+                )
+            };
+            (r == 0).then_some(TinyTmpfs(target))
+        }
+    }
+
+    impl Drop for TinyTmpfs {
+        fn drop(&mut self) {
+            // SAFETY: umount2 of the path this guard mounted.
+            unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+        }
     }
 
     #[test]

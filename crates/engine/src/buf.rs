@@ -1,18 +1,22 @@
-//! Engine-owned, page-aligned I/O buffers.
+//! Engine-owned, page-aligned I/O buffers, handed out as owned values.
 //!
-//! Every byte the kernel reads or writes on behalf of a request lives in a buffer allocated here, once,
-//! when the queue starts. Handing out the buffers as [`BufHandle`]s (one owner each) and slicing them
-//! into [`IoBuf`]/[`IoBufMut`] lets the ring operations be safe functions: the memory outlives every
-//! operation because the engine frees it only after draining the ring.
+//! Every byte the kernel reads or writes on behalf of a request lives in a buffer of a [`Pool`],
+//! allocated once when the queue starts. A [`Buf`] owns one buffer: it keeps the pool's memory
+//! alive (shared ownership), so no safe code can reach freed memory, not even after the engine is
+//! gone. Ring operations that touch a buffer take the `Buf` (or a [`Slice`] of it) by value and
+//! give it back with their result: while the kernel may write into it, no task can reach it.
+//! Dropping a `Buf` returns it to its pool's free list (no allocation: the list is sized once).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::marker::PhantomData;
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
 use std::ptr::NonNull;
+use std::rc::Rc;
 
 /// Alignment of every buffer: a page, which satisfies O_DIRECT on any device fusex will meet.
 pub const BUF_ALIGN: usize = 4096;
 
-/// One page-aligned allocation. Owned by the engine's pool.
+/// One page-aligned allocation.
 pub(crate) struct RawBuf {
     ptr: NonNull<u8>,
     layout: Layout,
@@ -43,172 +47,223 @@ impl Drop for RawBuf {
     }
 }
 
-/// Exclusive access to one engine buffer, handed out once per buffer by [`crate::Engine::take_buffer`].
-///
-/// A handle is `!Send`: it belongs to the queue thread whose engine owns the memory.
-pub struct BufHandle {
-    ptr: NonNull<u8>,
-    len: usize,
-    index: u16,
-    _not_send: PhantomData<*mut u8>,
+/// The buffers of one engine: their memory and the free list.
+pub(crate) struct Pool {
+    bufs: Vec<RawBuf>,
+    free: RefCell<Vec<u16>>,
+    registered: Cell<bool>,
 }
 
-impl BufHandle {
-    pub(crate) fn new(raw: &RawBuf, index: u16) -> BufHandle {
-        BufHandle {
-            ptr: raw.ptr,
-            len: raw.len(),
-            index,
-            _not_send: PhantomData,
+impl Pool {
+    pub(crate) fn new(count: usize, size: usize) -> Option<Rc<Pool>> {
+        if count > usize::from(u16::MAX) {
+            return None;
         }
+        let mut bufs = Vec::with_capacity(count);
+        for _ in 0..count {
+            bufs.push(RawBuf::new(size)?);
+        }
+        // Handed out lowest index first.
+        let free = (0..count as u16).rev().collect();
+        Some(Rc::new(Pool {
+            bufs,
+            free: RefCell::new(free),
+            registered: Cell::new(false),
+        }))
+    }
+
+    pub(crate) fn iovecs(&self) -> Vec<libc::iovec> {
+        self.bufs
+            .iter()
+            .map(|b| libc::iovec {
+                iov_base: b.ptr().cast(),
+                iov_len: b.len(),
+            })
+            .collect()
+    }
+
+    pub(crate) fn set_registered(&self) {
+        self.registered.set(true);
+    }
+
+    pub(crate) fn registered(&self) -> bool {
+        self.registered.get()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.bufs.len()
+    }
+
+    pub(crate) fn take(self: &Rc<Self>) -> Option<Buf> {
+        let index = self.free.borrow_mut().pop()?;
+        Some(Buf {
+            pool: self.clone(),
+            index,
+        })
+    }
+
+    pub(crate) fn available(&self) -> usize {
+        self.free.borrow().len()
+    }
+}
+
+/// One buffer of an engine's pool, owned: it cannot be used by two owners at once, it keeps the
+/// pool's memory alive, and it goes back to the pool when dropped.
+///
+/// A `Buf` is `!Send`: it belongs to the queue thread whose engine owns the pool.
+pub struct Buf {
+    pool: Rc<Pool>,
+    index: u16,
+}
+
+impl Buf {
+    fn raw(&self) -> &RawBuf {
+        &self.pool.bufs[usize::from(self.index)]
     }
 
     /// Length of the whole buffer in bytes (a multiple of [`BUF_ALIGN`]).
     pub fn len(&self) -> usize {
-        self.len
+        self.raw().len()
     }
 
     /// Whether the buffer is empty (never, for a real buffer; here for clippy's sake).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
-    /// Index of this buffer in the engine's pool (the fixed-buffer index when registered).
+    /// Index of this buffer in its pool (the fixed-buffer index when registered, the buffer id
+    /// when provided to the kernel).
     pub fn index(&self) -> u16 {
         self.index
     }
 
+    /// Whether the pool is registered with the ring as fixed buffers.
+    pub fn registered(&self) -> bool {
+        self.pool.registered.get()
+    }
+
+    /// Start address, for diagnostics and alignment checks (never dereferenced by callers).
+    pub fn addr(&self) -> usize {
+        self.raw().ptr() as usize
+    }
+
     /// The whole buffer as a byte slice.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the engine keeps the allocation alive while any handle exists (handles borrow
-        // nothing, but the engine frees buffers only when it is dropped, after all tasks ended and
-        // the ring drained), and this handle is the only way to reach it.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        let raw = self.raw();
+        // SAFETY: the allocation lives as long as the pool, which this `Buf` keeps alive; the
+        // free list hands each index to one `Buf` at a time, and ring operations take the `Buf`
+        // by value, so while this shared borrow exists nobody (not the kernel) writes to it.
+        unsafe { std::slice::from_raw_parts(raw.ptr(), raw.len()) }
     }
 
     /// The whole buffer as a mutable byte slice.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let raw = self.raw();
         // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(raw.ptr(), raw.len()) }
     }
 
-    /// A read-only window `[start, start+len)` for the kernel to read from (a write to a file).
-    ///
-    /// # Panics
-    /// If the range is outside the buffer (a programming error, never input-driven).
-    pub fn io(&self, start: usize, len: usize) -> IoBuf<'_> {
-        assert!(start <= self.len && len <= self.len - start, "IoBuf range");
-        IoBuf {
-            // SAFETY: start is within the allocation (checked above).
-            ptr: unsafe { self.ptr.as_ptr().add(start) },
-            len,
-            index: self.index,
-            _b: PhantomData,
+    /// A window of this buffer, owned. Out-of-range bounds are clamped to the buffer.
+    pub fn slice(self, range: Range<usize>) -> Slice {
+        let end = range.end.min(self.len());
+        let start = range.start.min(end);
+        Slice {
+            buf: self,
+            start,
+            end,
         }
     }
 
-    /// A writable window `[start, start+len)` for the kernel to fill (a read from a file).
-    ///
-    /// # Panics
-    /// If the range is outside the buffer (a programming error, never input-driven).
-    pub fn io_mut(&mut self, start: usize, len: usize) -> IoBufMut<'_> {
-        assert!(
-            start <= self.len && len <= self.len - start,
-            "IoBufMut range"
-        );
-        IoBufMut {
-            // SAFETY: start is within the allocation (checked above).
-            ptr: unsafe { self.ptr.as_ptr().add(start) },
-            len,
-            index: self.index,
-            _b: PhantomData,
-        }
+    /// Pointer for the kernel. Only the engine hands it out, inside an operation that owns `self`.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.raw().ptr()
     }
 }
 
-/// Engine-owned memory the kernel may read (source of a write).
-#[derive(Clone, Copy)]
-pub struct IoBuf<'a> {
-    ptr: *const u8,
-    len: usize,
-    index: u16,
-    _b: PhantomData<&'a [u8]>,
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // The free list was sized for every buffer of the pool: this never allocates.
+        self.pool.free.borrow_mut().push(self.index);
+    }
 }
 
-impl<'a> IoBuf<'a> {
-    /// Start address, for building an SQE.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr
+impl std::fmt::Debug for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buf")
+            .field("index", &self.index)
+            .field("len", &self.len())
+            .finish()
     }
-    /// Length in bytes.
+}
+
+/// An owned window `[start, end)` of a [`Buf`]: what a read fills or a write sends. Operations
+/// take it by value and return it, so a partial transfer can [`Slice::advance`] and go again.
+#[derive(Debug)]
+pub struct Slice {
+    buf: Buf,
+    start: usize,
+    end: usize,
+}
+
+impl Slice {
+    /// Bytes in the window.
     pub fn len(&self) -> usize {
-        self.len
+        self.end - self.start
     }
+
     /// Whether the window is empty.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.start == self.end
     }
-    /// Pool index of the underlying buffer (fixed-buffer index when registered).
-    pub fn buf_index(&self) -> u16 {
-        self.index
-    }
-    /// The bytes.
-    pub fn as_slice(&self) -> &'a [u8] {
-        // SAFETY: constructed from a live BufHandle window of exactly this range.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    /// A sub-window (clamped to this window).
-    pub fn slice(&self, start: usize, len: usize) -> IoBuf<'a> {
-        let start = start.min(self.len);
-        let len = len.min(self.len - start);
-        // SAFETY: start <= self.len, so the pointer stays inside the window.
-        IoBuf {
-            ptr: unsafe { self.ptr.add(start) },
-            len,
-            ..*self
-        }
-    }
-}
 
-/// Engine-owned memory the kernel may write (destination of a read).
-pub struct IoBufMut<'a> {
-    ptr: *mut u8,
-    len: usize,
-    index: u16,
-    _b: PhantomData<&'a mut [u8]>,
-}
+    /// Where the window starts in its buffer.
+    pub fn start(&self) -> usize {
+        self.start
+    }
 
-impl IoBufMut<'_> {
-    /// Start address, for building an SQE.
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
+    /// Where the window ends in its buffer.
+    pub fn end(&self) -> usize {
+        self.end
     }
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
+
+    /// Start address of the window (for alignment decisions; never dereferenced by callers).
+    pub fn addr(&self) -> usize {
+        self.buf.addr() + self.start
     }
-    /// Whether the window is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
+
+    /// The window's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf.as_slice()[self.start..self.end]
     }
-    /// Pool index of the underlying buffer (fixed-buffer index when registered).
-    pub fn buf_index(&self) -> u16 {
-        self.index
-    }
-    /// The bytes, for filling in userspace (e.g. zeroes from the null backend).
+
+    /// The window's bytes, mutable (e.g. zeroes from the null backend, a synchronous `pread`).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: constructed from a live, exclusively borrowed BufHandle window of this range.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+        let (s, e) = (self.start, self.end);
+        &mut self.buf.as_mut_slice()[s..e]
     }
-    /// A shorter prefix of this window.
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
+
     /// Drops the first `n` bytes (clamped) from the window, e.g. after a short transfer.
     pub fn advance(&mut self, n: usize) {
-        let n = n.min(self.len);
-        // SAFETY: n <= len keeps the pointer inside the window.
-        self.ptr = unsafe { self.ptr.add(n) };
-        self.len -= n;
+        self.start += n.min(self.len());
+    }
+
+    /// Shortens the window to at most `len` bytes.
+    pub fn truncate(&mut self, len: usize) {
+        self.end = self.start + len.min(self.len());
+    }
+
+    /// The underlying buffer.
+    pub fn buf(&self) -> &Buf {
+        &self.buf
+    }
+
+    /// Gives the buffer back.
+    pub fn into_inner(self) -> Buf {
+        self.buf
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        // The window lies inside the allocation (constructor clamps, advance/truncate shrink).
+        self.buf.ptr().wrapping_add(self.start)
     }
 }

@@ -3,17 +3,17 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
-use std::os::fd::RawFd;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::buf::{BufHandle, IoBufMut, RawBuf};
-use crate::multishot::{BufGroup, MultiOp, MultiQueues, PbufRing};
-use crate::op::{Op, OpTable, Slot};
+use crate::buf::{Buf, Pool};
+use crate::multishot::{BufGroup, MultiOp, MultiQueues, PbufRing, Provided};
+use crate::op::{Op, OpState, OpTable, Owned};
 use crate::remote::{Remote, RemoteShared};
 use crate::{EngineError, Sqe};
 
@@ -22,8 +22,11 @@ pub type TaskId = u32;
 
 /// `user_data` of the engine's own eventfd read (cross-thread wakeups).
 const UD_REMOTE: u64 = u64::MAX;
-/// `user_data` of fire-and-forget entries whose completion nobody awaits.
+/// `user_data` of fire-and-forget entries whose completion nobody awaits (they lend no memory).
 const UD_IGNORE: u64 = u64::MAX - 1;
+
+/// How often [`Engine::push`] hands a full submission queue to the kernel before it gives up.
+const PUSH_TRIES: usize = 4;
 
 type Task = Pin<Box<dyn Future<Output = ()>>>;
 
@@ -40,8 +43,12 @@ pub struct EngineConfig {
     pub register_buffers: bool,
     /// Busy-poll the completion queue this long before sleeping in `io_uring_enter`.
     pub spin: Duration,
-    /// Entries of a provided-buffer ring to register (0: none). See [`Engine::buf_group`].
-    pub provided_buffers: u16,
+    /// Register a provided-buffer ring (for [`Engine::read_multishot`]) whose buffer ids are the
+    /// pool's indexes.
+    pub provided_buffers: bool,
+    /// How long dropping the engine waits for the kernel to finish operations still in flight
+    /// before it leaks their memory instead of freeing it.
+    pub drop_wait: Duration,
 }
 
 impl Default for EngineConfig {
@@ -52,7 +59,8 @@ impl Default for EngineConfig {
             buffer_size: 0,
             register_buffers: false,
             spin: Duration::ZERO,
-            provided_buffers: 0,
+            provided_buffers: false,
+            drop_wait: Duration::from_secs(5),
         }
     }
 }
@@ -66,6 +74,8 @@ pub struct EngineStats {
     pub completions: u64,
     /// Task polls.
     pub polls: u64,
+    /// Operations the submission queue could not take (they failed with `EBUSY`).
+    pub refused: u64,
 }
 
 /// A single-threaded io_uring engine: submit operations, run tasks until they all finish.
@@ -74,7 +84,7 @@ pub struct Engine {
     pub(crate) ops: RefCell<OpTable>,
     pub(crate) multi: RefCell<MultiQueues>,
     /// Declared after `ring`, so the registration is gone before its memory is freed.
-    pbuf: Option<PbufRing>,
+    pub(crate) provided: Provided,
     tasks: RefCell<Vec<Option<Task>>>,
     wakers: RefCell<Vec<Waker>>,
     scheduled: RefCell<Vec<bool>>,
@@ -84,10 +94,9 @@ pub struct Engine {
     remote: Arc<RemoteShared>,
     remote_buf: Box<[u8; 8]>,
     remote_armed: Cell<bool>,
-    pool: Vec<RawBuf>,
-    pool_taken: RefCell<Vec<bool>>,
-    registered: bool,
+    pool: Rc<Pool>,
     spin: Duration,
+    drop_wait: Duration,
     stats: Cell<EngineStats>,
     load: Cell<u32>,
 }
@@ -110,43 +119,41 @@ impl Engine {
                     .build(entries)
             })
             .map_err(EngineError::Setup)?;
-        let mut pool = Vec::with_capacity(cfg.buffers);
-        for _ in 0..cfg.buffers {
-            pool.push(RawBuf::new(cfg.buffer_size).ok_or(EngineError::Alloc {
-                count: cfg.buffers,
-                size: cfg.buffer_size,
-            })?);
-        }
-        let mut registered = false;
-        if cfg.register_buffers && !pool.is_empty() {
-            let iovecs: Vec<libc::iovec> = pool
-                .iter()
-                .map(|b| libc::iovec {
-                    iov_base: b.ptr().cast(),
-                    iov_len: b.len(),
-                })
-                .collect();
-            // SAFETY: the iovecs describe live allocations owned by `pool`, which the engine keeps
-            // until it is dropped; the ring (and with it the registration) is dropped first.
+        let pool = Pool::new(cfg.buffers, cfg.buffer_size).ok_or(EngineError::Alloc {
+            count: cfg.buffers,
+            size: cfg.buffer_size,
+        })?;
+        if cfg.register_buffers && pool.len() > 0 {
+            let iovecs = pool.iovecs();
+            // SAFETY: the iovecs describe live allocations of `pool`, which the engine keeps (and
+            // leaks rather than frees while operations are in flight) until after the ring, and
+            // with it the registration, is gone.
             unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(EngineError::Register)?;
-            registered = true;
+            pool.set_registered();
         }
-        let pbuf = match cfg.provided_buffers {
-            0 => None,
-            n => PbufRing::new(n, 0).and_then(|r| {
-                // SAFETY: the ring memory is owned by the engine and dropped after the ring.
-                let res = unsafe {
-                    ring.submitter()
-                        .register_buf_ring_with_flags(r.addr(), r.entries(), r.group, 0)
-                };
-                match res {
-                    Ok(()) => Some(r),
-                    Err(e) => {
-                        tracing::debug!("no provided-buffer ring: {e}");
-                        None
+        let provided = match (cfg.provided_buffers, u16::try_from(pool.len())) {
+            (true, Ok(n)) if n > 0 => match PbufRing::new(n, 0) {
+                Some(r) => {
+                    // SAFETY: the ring memory is owned by the engine and dropped after the ring.
+                    let res = unsafe {
+                        ring.submitter().register_buf_ring_with_flags(
+                            r.addr(),
+                            r.entries(),
+                            r.group,
+                            0,
+                        )
+                    };
+                    match res {
+                        Ok(()) => Provided::new(r, pool.len()),
+                        Err(e) => {
+                            tracing::debug!("no provided-buffer ring: {e}");
+                            Provided::none()
+                        }
                     }
                 }
-            }),
+                None => Provided::none(),
+            },
+            _ => Provided::none(),
         };
         let remote = RemoteShared::new().map_err(EngineError::Setup)?;
         let n = pool.len();
@@ -154,7 +161,7 @@ impl Engine {
             ring: RefCell::new(ring),
             ops: RefCell::new(OpTable::new(entries as usize * 2)),
             multi: RefCell::new(MultiQueues::default()),
-            pbuf,
+            provided,
             tasks: RefCell::new(Vec::new()),
             wakers: RefCell::new(Vec::new()),
             scheduled: RefCell::new(Vec::new()),
@@ -165,64 +172,40 @@ impl Engine {
             remote_buf: Box::new([0; 8]),
             remote_armed: Cell::new(false),
             pool,
-            pool_taken: RefCell::new(vec![false; n]),
-            registered,
             spin: cfg.spin,
+            drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
             load: Cell::new(0),
         })
     }
 
-    /// Takes exclusive ownership of pool buffer `index` (each buffer can be taken once).
-    pub fn take_buffer(&self, index: usize) -> Option<BufHandle> {
-        let mut taken = self.pool_taken.borrow_mut();
-        if *taken.get(index)? {
-            return None;
-        }
-        taken[index] = true;
-        Some(BufHandle::new(
-            &self.pool[index],
-            u16::try_from(index).ok()?,
-        ))
+    /// Takes a free buffer of the pool (lowest index first), `None` if all are in use. It returns
+    /// to the pool when dropped.
+    pub fn take_buffer(&self) -> Option<Buf> {
+        self.pool.take()
+    }
+
+    /// Buffers of the pool not in use.
+    pub fn buffers_available(&self) -> usize {
+        self.pool.available()
     }
 
     /// The provided-buffer ring's group, if [`EngineConfig::provided_buffers`] asked for one and the
     /// kernel took it.
     pub fn buf_group(&self) -> Option<BufGroup> {
-        self.pbuf.as_ref().map(|r| BufGroup(r.group))
-    }
-
-    /// Offers `win` to the kernel as provided buffer `bid`; visible to it after
-    /// [`Engine::publish_buffers`]. Does nothing without a provided-buffer ring.
-    ///
-    /// # Safety
-    /// Nobody but the kernel may touch the window's memory until a completion names `bid`.
-    pub unsafe fn provide_buffer(&self, mut win: IoBufMut<'_>, bid: u16) {
-        if let Some(r) = &self.pbuf {
-            let len = u32::try_from(win.len()).unwrap_or(u32::MAX);
-            // SAFETY: engine-owned memory (valid until the ring is gone); exclusivity is the
-            // caller's promise.
-            unsafe { r.push(bid, win.as_mut_ptr() as u64, len) };
-        }
-    }
-
-    /// Makes provided buffers visible to the kernel (one store for a batch of them).
-    pub fn publish_buffers(&self) {
-        if let Some(r) = &self.pbuf {
-            r.publish();
-        }
+        self.provided.group().map(BufGroup)
     }
 
     /// Whether the running kernel knows io_uring opcode `code` (asked once per call; cold path).
-    pub fn supports_opcode(&self, code: u8) -> bool {
+    pub(crate) fn supports_opcode(&self, code: u8) -> bool {
         let mut probe = io_uring::Probe::new();
         let ring = self.ring.borrow();
         ring.submitter().register_probe(&mut probe).is_ok() && probe.is_supported(code)
     }
 
-    /// Whether the pool is registered as fixed buffers (so `*_FIXED` opcodes may be used).
+    /// Whether the pool is registered as fixed buffers (so `*_FIXED` opcodes are used).
     pub fn buffers_registered(&self) -> bool {
-        self.registered
+        self.pool.registered()
     }
 
     /// A handle other threads use to wake tasks of this engine.
@@ -277,93 +260,129 @@ impl Engine {
         }
     }
 
-    /// Submits one entry and returns the future of its completion.
+    /// Submits one entry that lends the kernel `owned`; the returned future resolves to the
+    /// completion's `res` and gives `owned` back. If the submission queue cannot take the entry
+    /// the future resolves at once with `-EBUSY`.
     ///
     /// # Safety
-    /// Every pointer in `sqe` must stay valid (and, for buffers the kernel writes, unaliased) until
-    /// the operation completes. Engine-owned memory ([`BufHandle`] windows) satisfies this.
-    pub unsafe fn submit(&self, sqe: Sqe) -> Op<'_> {
-        let idx = self.ops.borrow_mut().alloc(self.current_task());
-        self.push(sqe.user_data(u64::from(idx)));
-        Op {
-            engine: self,
-            idx,
-            finished: false,
+    /// Every pointer in `sqe` must point into `owned` (or into memory the engine itself keeps
+    /// until the op's completion), and the ranges the kernel writes must be unaliased.
+    pub(crate) unsafe fn start(&self, sqe: Sqe, owned: Owned) -> Op<'_> {
+        let idx = self.ops.borrow_mut().alloc(self.current_task(), owned);
+        if self.push(&[sqe.user_data(u64::from(idx))]) {
+            Op {
+                engine: self,
+                state: OpState::Pending(idx),
+            }
+        } else {
+            let owned = self.ops.borrow_mut().unpush(idx);
+            Op {
+                engine: self,
+                state: OpState::Failed(-libc::EBUSY, owned),
+            }
         }
     }
 
-    /// Submits `first` (whose completion is ignored) linked before `sqe`: `sqe` runs only once
-    /// `first` succeeded. Used for "poll, then read" on non-blocking files.
+    /// Submits `first` (whose completion is ignored; it must lend no memory) linked before
+    /// `sqe`: `sqe` runs only once `first` succeeded. Both go in one batch.
     ///
     /// # Safety
-    /// As for [`Engine::submit`], for both entries.
-    pub unsafe fn submit_linked(&self, first: Sqe, sqe: Sqe) -> Op<'_> {
-        let idx = self.ops.borrow_mut().alloc(self.current_task());
-        self.reserve(2);
+    /// As for [`Engine::start`], for `sqe`.
+    pub(crate) unsafe fn start_linked(&self, first: Sqe, sqe: Sqe, owned: Owned) -> Op<'_> {
+        let idx = self.ops.borrow_mut().alloc(self.current_task(), owned);
         let first = first.flags(squeue::Flags::IO_LINK).user_data(UD_IGNORE);
-        self.push(first);
-        self.push(sqe.user_data(u64::from(idx)));
-        Op {
-            engine: self,
-            idx,
-            finished: false,
+        if self.push(&[first, sqe.user_data(u64::from(idx))]) {
+            Op {
+                engine: self,
+                state: OpState::Pending(idx),
+            }
+        } else {
+            let owned = self.ops.borrow_mut().unpush(idx);
+            Op {
+                engine: self,
+                state: OpState::Failed(-libc::EBUSY, owned),
+            }
         }
     }
 
     /// Submits a multishot entry; its completions are queued (room for `capacity` reserved up
-    /// front) until the returned [`MultiOp`] takes them.
+    /// front) until the returned [`MultiOp`] takes them. `None` if the submission queue cannot
+    /// take it.
     ///
     /// # Safety
-    /// As for [`Engine::submit`], for as long as the operation stays armed.
-    pub unsafe fn submit_multishot(&self, sqe: Sqe, capacity: usize) -> MultiOp<'_> {
+    /// The entry may only write into provided buffers (buffer select) or engine-owned memory.
+    pub(crate) unsafe fn start_multishot(&self, sqe: Sqe, capacity: usize) -> Option<MultiOp<'_>> {
         let queue = self.multi.borrow_mut().alloc(capacity);
         let idx = self
             .ops
             .borrow_mut()
             .alloc_multi(self.current_task(), queue);
-        self.push(sqe.user_data(u64::from(idx)));
-        MultiOp {
-            engine: self,
-            idx,
-            queue,
-            finished: false,
+        if self.push(&[sqe.user_data(u64::from(idx))]) {
+            Some(MultiOp {
+                engine: self,
+                idx,
+                queue,
+                finished: false,
+            })
+        } else {
+            self.ops.borrow_mut().unpush(idx);
+            self.multi.borrow_mut().release(queue);
+            None
         }
     }
 
-    /// Submits an entry whose completion nobody awaits (e.g. a cancel).
-    ///
-    /// # Safety
-    /// As for [`Engine::submit`].
-    pub unsafe fn submit_detached(&self, sqe: Sqe) {
-        self.push(sqe.user_data(UD_IGNORE));
+    /// Submits an entry whose completion nobody awaits. It must reference no memory.
+    fn start_detached(&self, sqe: Sqe) -> bool {
+        self.push(&[sqe.user_data(UD_IGNORE)])
     }
 
-    /// Makes room for `n` entries in the submission queue.
-    fn reserve(&self, n: usize) {
-        let mut ring = self.ring.borrow_mut();
-        while {
-            let sq = ring.submission();
-            sq.capacity() - sq.len() < n
-        } {
-            if let Err(e) = ring.submit() {
-                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
+    /// Puts `sqes` in the submission queue, all or none. A full queue is handed to the kernel
+    /// (reaping completions if the kernel says it has too many pending) a bounded number of times;
+    /// then the caller is told no, and fails its operation rather than spinning.
+    fn push(&self, sqes: &[Sqe]) -> bool {
+        for _ in 0..PUSH_TRIES {
+            {
+                let mut ring = self.ring.borrow_mut();
+                let mut sq = ring.submission();
+                if sq.capacity() - sq.len() >= sqes.len() {
+                    for sqe in sqes {
+                        // SAFETY: the callers of `start*` guarantee each entry's memory; room
+                        // for every entry was checked just above.
+                        if unsafe { sq.push(sqe) }.is_err() {
+                            return false;
+                        }
+                    }
+                    return true;
+                }
+            }
+            let r = self.ring.borrow().submit();
+            let mut st = self.stats.get();
+            st.enters += 1;
+            self.stats.set(st);
+            match r {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
+                    // Too many completions pending: take them, then try again.
+                    self.reap_now();
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) => {
                     tracing::error!("io_uring submit failed: {e}");
                     break;
                 }
             }
         }
+        let mut st = self.stats.get();
+        st.refused += 1;
+        self.stats.set(st);
+        false
     }
 
-    fn push(&self, sqe: Sqe) {
-        let mut ring = self.ring.borrow_mut();
-        loop {
-            // SAFETY: the caller of the public submit functions guarantees the entry's memory.
-            if unsafe { ring.submission().push(&sqe) }.is_ok() {
-                return;
-            }
-            // Queue full: hand what we have to the kernel, then retry.
-            let _ = ring.submit();
-        }
+    /// Cancels the op with this `user_data` without waiting (best effort: the op still
+    /// completes, with `-ECANCELED` or its result).
+    pub(crate) fn cancel(&self, user_data: u64) {
+        let sqe: Sqe = opcode::AsyncCancel::new(user_data).build().into();
+        self.start_detached(sqe);
     }
 
     /// Runs until every task finished. Returns early only on a fatal ring error.
@@ -462,10 +481,13 @@ impl Engine {
                 }
             }
             _ => {
-                let task =
-                    self.ops
-                        .borrow_mut()
-                        .complete(ud, res, flags, &mut self.multi.borrow_mut());
+                let task = self.ops.borrow_mut().complete(
+                    ud,
+                    res,
+                    flags,
+                    &mut self.multi.borrow_mut(),
+                    &self.provided,
+                );
                 if let Some(t) = task {
                     self.wake(t);
                 }
@@ -489,66 +511,62 @@ impl Engine {
         )
         .build()
         .into();
-        // SAFETY: remote_buf is owned by the engine and outlives the ring (drained in Drop).
-        self.push(sqe.user_data(UD_REMOTE));
-        self.remote_armed.set(true);
-    }
-
-    /// Cancels op `idx` and waits (driving the ring) until it completed, then frees the slot.
-    pub(crate) fn cancel_and_wait(&self, idx: u32) {
-        self.cancel_until(idx, |s| matches!(s, Slot::Done { .. }));
-    }
-
-    /// Cancels multishot op `idx` and waits (driving the ring) for its final completion, then
-    /// frees the slot.
-    pub(crate) fn cancel_multi_and_wait(&self, idx: u32) {
-        self.cancel_until(idx, |s| matches!(s, Slot::MultiEnded { .. }));
-    }
-
-    fn cancel_until(&self, idx: u32, ended: impl Fn(Slot) -> bool) {
-        let sqe: Sqe = opcode::AsyncCancel::new(u64::from(idx)).build().into();
-        self.push(sqe.user_data(UD_IGNORE));
-        while !ended(self.ops.borrow().get(idx)) {
-            let ring = self.ring.borrow_mut();
-            if submit_retry(&ring, 1).is_err() {
-                break;
-            }
-            drop(ring);
-            self.reap_now();
+        // `remote_buf` is the engine's own and is leaked, not freed, if the read is still in
+        // flight when the engine is dropped.
+        if self.push(&[sqe.user_data(UD_REMOTE)]) {
+            self.remote_armed.set(true);
         }
-        self.ops.borrow_mut().release(idx);
     }
 
     fn reap_now(&self) {
-        let mut ring = self.ring.borrow_mut();
-        let cqes: Vec<(u64, i32, u32)> = ring
-            .completion()
-            .map(|c| (c.user_data(), c.result(), c.flags()))
-            .collect();
-        drop(ring);
-        for (ud, res, flags) in cqes {
+        loop {
+            let next = {
+                let mut ring = self.ring.borrow_mut();
+                let mut cq = ring.completion();
+                cq.next().map(|c| (c.user_data(), c.result(), c.flags()))
+            };
+            let Some((ud, res, flags)) = next else { break };
             self.dispatch(ud, res, flags);
         }
     }
 
-    /// Cancels the op with this `user_data` without waiting (its future sees `-ECANCELED`).
-    pub fn cancel(&self, user_data: u64) {
-        let sqe: Sqe = opcode::AsyncCancel::new(user_data).build().into();
-        self.push(sqe.user_data(UD_IGNORE));
-    }
-
-    /// Cancels every op in flight on `fd` without waiting (each future sees `-ECANCELED`).
-    pub fn cancel_fd(&self, fd: RawFd) {
-        let sqe: Sqe = opcode::AsyncCancel2::new(types::CancelBuilder::fd(types::Fd(fd)).all())
-            .build()
-            .into();
-        self.push(sqe.user_data(UD_IGNORE));
+    /// Cancels every op in flight on `fd` without waiting (each sees `-ECANCELED`, or its result).
+    pub(crate) fn cancel_fd(&self, fd: crate::Fd) {
+        let b = match fd {
+            crate::Fd::Raw(fd) => types::CancelBuilder::fd(types::Fd(fd)),
+            crate::Fd::Fixed(i) => types::CancelBuilder::fd(types::Fixed(i)),
+        };
+        let sqe: Sqe = opcode::AsyncCancel2::new(b.all()).build().into();
+        self.start_detached(sqe);
     }
 
     /// The raw fd of the ring (for diagnostics).
-    pub fn ring_fd(&self) -> RawFd {
+    pub fn ring_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
         self.ring.borrow().as_raw_fd()
+    }
+
+    /// Operations whose terminal completion has not arrived.
+    pub fn in_flight(&self) -> usize {
+        self.ops.borrow().in_flight
+    }
+
+    /// A handle that says whether the pool's memory is still allocated, for tests that check
+    /// what dropping an engine with operations in flight frees.
+    #[doc(hidden)]
+    pub fn pool_watch(&self) -> PoolWatch {
+        PoolWatch(Rc::downgrade(&self.pool))
+    }
+}
+
+/// Whether an engine's buffer memory is still allocated (see [`Engine::pool_watch`]).
+#[doc(hidden)]
+pub struct PoolWatch(std::rc::Weak<Pool>);
+
+impl PoolWatch {
+    /// True while anything (a [`Buf`], the engine, a deliberate leak) keeps the pool alive.
+    pub fn alive(&self) -> bool {
+        self.0.strong_count() > 0
     }
 }
 
@@ -574,33 +592,45 @@ fn submit_retry(
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Futures of unfinished tasks may own ops: drop them first (each cancels and waits).
+        // Futures of unfinished tasks may own ops: dropping them orphans those ops (their memory
+        // stays in the op table until their completions), and cancels them.
         let tasks: Vec<Option<Task>> = std::mem::take(&mut *self.tasks.borrow_mut());
         drop(tasks);
-        // Then make sure nothing the kernel still holds points into memory about to be freed.
-        if self.remote_armed.get() {
-            let sqe: Sqe = opcode::AsyncCancel::new(UD_REMOTE).build().into();
-            self.push(sqe.user_data(UD_IGNORE));
+        // Ask the kernel to end everything else still in flight, then wait (bounded) for it.
+        let pending: Vec<u64> = self.ops.borrow().pending().collect();
+        for ud in pending {
+            self.cancel(ud);
         }
-        let deadline = Instant::now() + Duration::from_secs(30);
+        if self.remote_armed.get() {
+            self.cancel(UD_REMOTE);
+        }
+        let deadline = Instant::now() + self.drop_wait;
         while (self.ops.borrow().in_flight > 0 || self.remote_armed.get())
             && Instant::now() < deadline
         {
-            let ring = self.ring.borrow_mut();
-            let _ = ring.submitter().submit_with_args(
-                1,
-                &types::SubmitArgs::new().timespec(&types::Timespec::new().nsec(100_000_000)),
-            );
-            drop(ring);
+            {
+                let ring = self.ring.borrow();
+                let _ = ring.submitter().submit_with_args(
+                    1,
+                    &types::SubmitArgs::new().timespec(&types::Timespec::new().nsec(10_000_000)),
+                );
+            }
             self.reap_now();
         }
-        if self.ops.borrow().in_flight > 0 {
-            // Leak the pool rather than free memory the kernel may still write.
+        let in_flight = self.ops.borrow().in_flight;
+        if in_flight > 0 || self.remote_armed.get() {
+            // The kernel may still write into what those operations hold: leak it rather than
+            // free it. The op table keeps the buffers, which keep the pool; the provided windows
+            // and the ring memory stay too.
             tracing::error!(
-                "engine dropped with {} ops in flight; leaking its buffers",
-                self.ops.borrow().in_flight
+                "engine dropped with {in_flight} operations in flight; leaking their memory"
             );
-            std::mem::forget(std::mem::take(&mut self.pool));
+            std::mem::forget(self.pool.clone());
+            std::mem::forget(std::mem::take(&mut *self.ops.borrow_mut()));
+            std::mem::forget(std::mem::replace(&mut self.remote_buf, Box::new([0; 8])));
+            std::mem::forget(std::mem::replace(&mut self.provided, Provided::none()));
+        } else {
+            self.provided.clear();
         }
     }
 }

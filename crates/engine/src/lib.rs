@@ -9,25 +9,23 @@
 //! Soundness rests on one rule: memory handed to the kernel is owned by the engine (its buffer pool
 //! or its own fields) and the engine does not free it before every submitted operation has completed.
 
-#![deny(unsafe_op_in_unsafe_fn)]
-
 pub mod buf;
 mod executor;
 pub mod multishot;
 mod op;
+mod ops;
 pub mod remote;
 pub mod sync;
 
-pub use buf::{BufHandle, IoBuf, IoBufMut};
-pub use executor::{Engine, EngineConfig, EngineStats, TaskId};
-pub use io_uring;
+pub use buf::{Buf, Slice, BUF_ALIGN};
+pub use executor::{Engine, EngineConfig, EngineStats, PoolWatch, TaskId};
 pub use multishot::{BufGroup, Completion, MultiOp};
-pub use op::Op;
+pub use ops::{Fd, AT_CURSOR};
 pub use remote::Remote;
 
 /// The submission entry type every fusex ring uses (128 bytes, so `URING_CMD` with an 80-byte
-/// command area fits next to plain reads and writes).
-pub type Sqe = io_uring::squeue::Entry128;
+/// command area fits next to plain reads and writes). Built only inside this crate.
+pub(crate) type Sqe = io_uring::squeue::Entry128;
 
 /// Errors that setting up or driving an engine can produce.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +35,12 @@ pub enum EngineError {
     Setup(#[source] std::io::Error),
     /// Allocating the buffer pool failed.
     #[error("cannot allocate {count} I/O buffers of {size} bytes")]
-    Alloc { count: usize, size: usize },
+    Alloc {
+        /// Buffers asked for.
+        count: usize,
+        /// Bytes each.
+        size: usize,
+    },
     /// Registering buffers with the ring failed.
     #[error("cannot register I/O buffers with io_uring: {0}")]
     Register(#[source] std::io::Error),
@@ -48,19 +51,3 @@ pub enum EngineError {
 
 #[cfg(test)]
 mod tests;
-
-/// Returns `sqe` with its `len` field (the u32 at byte offset 24 of `io_uring_sqe`) set.
-///
-/// The io-uring crate's `UringCmd80` builder has no setter for `len`, but FUSE's REGISTER command
-/// passes its iovec count there. This is the one place fusex edits an SQE's bytes directly.
-pub fn sqe_with_len(sqe: Sqe, len: u32) -> Sqe {
-    const _: () = assert!(std::mem::size_of::<Sqe>() == 128);
-    const LEN_OFFSET: usize = 24;
-    // SAFETY: `Entry128` is `#[repr(C)]`, exactly 128 bytes of plain integers (an `io_uring_sqe`
-    // followed by 64 command bytes), with no padding, pointers or drop glue; any bit pattern is a
-    // valid value, so a round trip through a byte array is sound.
-    let mut raw: [u8; 128] = unsafe { std::mem::transmute::<Sqe, [u8; 128]>(sqe) };
-    raw[LEN_OFFSET..LEN_OFFSET + 4].copy_from_slice(&len.to_ne_bytes());
-    // SAFETY: as above, in the other direction.
-    unsafe { std::mem::transmute::<[u8; 128], Sqe>(raw) }
-}

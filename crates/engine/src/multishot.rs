@@ -4,8 +4,12 @@
 //! one completion per read, each into a buffer the kernel picks from a ring of buffers the
 //! application provides. On `/dev/fuse` that drains every queued request in one go without a
 //! submission per request: one `io_uring_enter` can then carry many requests in and many replies out.
+//!
+//! Ownership: [`crate::Engine::provide`] takes a [`Slice`] by value and keeps it in the engine's
+//! provided table until a completion names its buffer id, which hands it to the completion's
+//! owner. Nobody else can reach a buffer while the kernel may fill it.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -15,16 +19,20 @@ use std::task::{Context, Poll};
 
 use io_uring::types::BufRingEntry;
 
-use crate::buf::RawBuf;
+use crate::buf::{RawBuf, Slice};
 use crate::executor::Engine;
 
 /// One completion of a multishot operation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Completion {
     /// The CQE's `res` (bytes read, or a negative errno).
     pub res: i32,
-    /// The provided buffer the kernel filled, if any.
-    pub buffer: Option<u16>,
+    /// The provided window the kernel filled (from its start), if the completion named one that
+    /// was provided.
+    pub buf: Option<Slice>,
+    /// The buffer id the completion named, if any. `named.is_some() && buf.is_none()` means the
+    /// kernel named a buffer it was not given: nothing it says can be trusted any more.
+    pub named: Option<u16>,
     /// Whether more completions follow (the operation is still armed).
     pub more: bool,
 }
@@ -60,15 +68,20 @@ impl MultiQueues {
         self.queues.get_mut(q as usize)?.pop_front()
     }
 
-    fn release(&mut self, q: u32) {
-        self.free.push(q);
+    /// Drops what is queued (buffers go back to the pool) and frees the queue.
+    pub(crate) fn release(&mut self, q: u32) {
+        if let Some(dq) = self.queues.get_mut(q as usize) {
+            dq.clear();
+            self.free.push(q);
+        }
     }
 }
 
 /// A submitted multishot operation: yields its completions in order, then `None` once the kernel
 /// posted the last one (a completion without `more`).
 ///
-/// Dropping it before the end cancels the operation and waits for its final completion.
+/// Dropping it before the end orphans it: the engine cancels it (best effort) and drops whatever
+/// it still posts, up to its final completion. Nothing blocks.
 #[must_use = "a MultiOp does nothing unless its completions are awaited"]
 pub struct MultiOp<'e> {
     pub(crate) engine: &'e Engine,
@@ -78,11 +91,6 @@ pub struct MultiOp<'e> {
 }
 
 impl<'e> MultiOp<'e> {
-    /// The `user_data` of this op, e.g. to target it with `ASYNC_CANCEL`.
-    pub fn user_data(&self) -> u64 {
-        u64::from(self.idx)
-    }
-
     /// The next completion, or `None` after the last one.
     pub fn completion(&mut self) -> Next<'_, 'e> {
         Next { op: self }
@@ -106,21 +114,17 @@ impl Future for Next<'_, '_> {
         let popped = engine.multi.borrow_mut().pop(op.queue);
         if let Some(c) = popped {
             if !c.more {
-                op.finish();
+                op.finished = true;
+                engine.ops.borrow_mut().release_ended(op.idx);
+                engine.multi.borrow_mut().release(op.queue);
             }
             return Poll::Ready(Some(c));
         }
-        let mut ops = engine.ops.borrow_mut();
-        ops.set_waiter(op.idx, engine.current_task());
+        engine
+            .ops
+            .borrow_mut()
+            .set_waiter(op.idx, engine.current_task());
         Poll::Pending
-    }
-}
-
-impl MultiOp<'_> {
-    fn finish(&mut self) {
-        self.finished = true;
-        self.engine.ops.borrow_mut().release(self.idx);
-        self.engine.multi.borrow_mut().release(self.queue);
     }
 }
 
@@ -129,15 +133,81 @@ impl Drop for MultiOp<'_> {
         if self.finished {
             return;
         }
-        // Cancel, then wait for the final completion (earlier ones are discarded with the queue).
-        self.engine.cancel_multi_and_wait(self.idx);
-        self.engine.multi.borrow_mut().release(self.queue);
-        self.finished = true;
+        let armed = self.engine.ops.borrow_mut().orphan_multi(self.idx);
+        if armed {
+            self.engine.cancel(u64::from(self.idx));
+        } else {
+            self.engine.multi.borrow_mut().release(self.queue);
+        }
     }
 }
 
-/// A ring of provided buffers (`IORING_REGISTER_PBUF_RING`), owned by the engine so its memory
-/// outlives the registration.
+/// A ring of provided buffers (`IORING_REGISTER_PBUF_RING`) and the windows it lends the kernel.
+/// Owned by the engine; its ring memory is dropped after the io_uring itself.
+pub(crate) struct Provided {
+    ring: Option<PbufRing>,
+    /// The window provided under each buffer id, until a completion names it.
+    lent: RefCell<Vec<Option<Slice>>>,
+}
+
+impl Provided {
+    pub(crate) fn none() -> Provided {
+        Provided {
+            ring: None,
+            lent: RefCell::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn new(ring: PbufRing, ids: usize) -> Provided {
+        Provided {
+            ring: Some(ring),
+            lent: RefCell::new((0..ids).map(|_| None).collect()),
+        }
+    }
+
+    pub(crate) fn group(&self) -> Option<u16> {
+        self.ring.as_ref().map(|r| r.group)
+    }
+
+    /// Lends `win` under its buffer's pool index; gives it back if there is no ring or the id is
+    /// out of range or already lent.
+    pub(crate) fn lend(&self, win: Slice) -> Result<(), Slice> {
+        let Some(r) = &self.ring else { return Err(win) };
+        let bid = win.buf().index();
+        let mut lent = self.lent.borrow_mut();
+        match lent.get_mut(usize::from(bid)) {
+            Some(e @ None) => {
+                let len = u32::try_from(win.len()).unwrap_or(u32::MAX);
+                // SAFETY: the window is engine-owned memory that stays in `lent` (so no task can
+                // reach it) until a completion names `bid`; the memory itself outlives the ring.
+                unsafe { r.push(bid, win.ptr() as u64, len) };
+                *e = Some(win);
+                Ok(())
+            }
+            _ => Err(win),
+        }
+    }
+
+    pub(crate) fn publish(&self) {
+        if let Some(r) = &self.ring {
+            r.publish();
+        }
+    }
+
+    /// The window lent under `bid`, now handed back by the kernel.
+    pub(crate) fn take(&self, bid: u16) -> Option<Slice> {
+        self.lent.borrow_mut().get_mut(usize::from(bid))?.take()
+    }
+
+    /// Windows still lent (dropped with the engine, after the ring).
+    pub(crate) fn clear(&self) {
+        for e in self.lent.borrow_mut().iter_mut() {
+            drop(e.take());
+        }
+    }
+}
+
+/// The memory of a provided-buffer ring.
 pub(crate) struct PbufRing {
     mem: RawBuf,
     entries: u16,
@@ -175,7 +245,7 @@ impl PbufRing {
     /// # Safety
     /// `addr..addr+len` must stay valid, and untouched by anyone but the kernel, until a completion
     /// names `bid` (or the ring is gone).
-    pub(crate) unsafe fn push(&self, bid: u16, addr: u64, len: u32) {
+    unsafe fn push(&self, bid: u16, addr: u64, len: u32) {
         let t = self.tail.get();
         let i = usize::from(t & (self.entries - 1));
         // SAFETY: i < entries, so the entry lies within `mem`; the kernel only reads entries
@@ -188,7 +258,7 @@ impl PbufRing {
     }
 
     /// Makes every pushed buffer visible to the kernel.
-    pub(crate) fn publish(&self) {
+    fn publish(&self) {
         // SAFETY: the tail field lives in the first entry of the ring (`mem`), is 2-byte aligned,
         // and is shared with the kernel, which reads it; an atomic release store orders the entry
         // writes before it.
@@ -199,4 +269,4 @@ impl PbufRing {
 
 /// Handle to the engine's provided-buffer ring: which group id to name in a buffer-select SQE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BufGroup(pub u16);
+pub struct BufGroup(pub(crate) u16);

@@ -1,14 +1,35 @@
 //! The table of in-flight ring operations and the future that waits for one.
+//!
+//! The table, not the future, owns what an operation lends the kernel (its buffer, its timespec):
+//! an entry keeps it from submission until the operation's terminal completion. Dropping the
+//! future early only marks the entry orphaned and asks the kernel to cancel (best effort); the
+//! memory goes back when the completion arrives, whenever that is. Nothing waits, and a slot is
+//! never reused before its completion came in, so a late completion cannot reach the next owner.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use crate::buf::{Buf, Slice};
 use crate::executor::{Engine, TaskId};
-use crate::multishot::{Completion, MultiQueues};
+use crate::multishot::{Completion, MultiQueues, Provided};
+
+/// What an operation lends the kernel until its terminal completion.
+#[derive(Debug, Default)]
+pub(crate) enum Owned {
+    /// Nothing (fsync, fallocate, cancel).
+    #[default]
+    None,
+    /// A whole buffer (FUSE ring entries: the kernel writes the next request into it).
+    Buf(Buf),
+    /// A window of a buffer (reads and writes).
+    Slice(Slice),
+    /// A timeout's duration (the kernel reads it at submission; kept for simplicity).
+    Time { _ts: Box<io_uring::types::Timespec> },
+}
 
 /// State of one slot of the op table; the slot index is the SQE's `user_data`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub(crate) enum Slot {
     Free {
         next: u32,
@@ -16,14 +37,24 @@ pub(crate) enum Slot {
     /// Submitted; `task` is woken when the CQE arrives.
     Waiting {
         task: Option<TaskId>,
+        owned: Owned,
     },
     /// Completed; the result waits for its future to be polled.
     Done {
         res: i32,
+        owned: Owned,
+    },
+    /// Its future was dropped before the completion: the slot holds `owned` until it arrives.
+    Orphan {
+        _owned: Owned,
     },
     /// A multishot op still armed: completions go to multishot queue `queue`.
     Multi {
         task: Option<TaskId>,
+        queue: u32,
+    },
+    /// A multishot op whose owner is gone: completions are discarded until the final one.
+    MultiOrphan {
         queue: u32,
     },
     /// A multishot op that posted its final completion (still queued for its owner).
@@ -36,10 +67,21 @@ pub(crate) enum Slot {
 pub(crate) struct OpTable {
     slots: Vec<Slot>,
     free: u32,
+    /// Operations whose terminal completion has not arrived.
     pub(crate) in_flight: usize,
 }
 
 const NONE: u32 = u32::MAX;
+
+impl Default for OpTable {
+    fn default() -> Self {
+        OpTable {
+            slots: Vec::new(),
+            free: NONE,
+            in_flight: 0,
+        }
+    }
+}
 
 impl OpTable {
     pub(crate) fn new(capacity: usize) -> OpTable {
@@ -65,57 +107,89 @@ impl OpTable {
         self.free = start as u32;
     }
 
-    /// Allocates a slot for a multishot op whose completions go to `queue`.
-    pub(crate) fn alloc_multi(&mut self, task: Option<TaskId>, queue: u32) -> u32 {
-        let idx = self.alloc(task);
-        self.slots[idx as usize] = Slot::Multi { task, queue };
-        idx
+    /// Takes a free slot for an op about to be pushed.
+    pub(crate) fn alloc(&mut self, task: Option<TaskId>, owned: Owned) -> u32 {
+        self.alloc_as(Slot::Waiting { task, owned })
     }
 
-    pub(crate) fn alloc(&mut self, task: Option<TaskId>) -> u32 {
+    /// Takes a free slot for a multishot op whose completions go to `queue`.
+    pub(crate) fn alloc_multi(&mut self, task: Option<TaskId>, queue: u32) -> u32 {
+        self.alloc_as(Slot::Multi { task, queue })
+    }
+
+    fn alloc_as(&mut self, slot: Slot) -> u32 {
         if self.free == NONE {
             // Only when more ops are in flight than sized for: grows once, then stays.
             let n = self.slots.len();
             self.grow(n);
         }
         let idx = self.free;
-        let Slot::Free { next } = self.slots[idx as usize] else {
-            unreachable!("free list points at a used slot")
+        let next = match self.slots[idx as usize] {
+            Slot::Free { next } => next,
+            _ => unreachable!("free list points at a used slot"),
         };
         self.free = next;
-        self.slots[idx as usize] = Slot::Waiting { task };
+        self.slots[idx as usize] = slot;
         self.in_flight += 1;
         idx
     }
 
-    pub(crate) fn release(&mut self, idx: u32) {
-        self.slots[idx as usize] = Slot::Free { next: self.free };
+    /// Frees a slot whose op was never pushed (the submission queue refused it) and gives back
+    /// what it held.
+    pub(crate) fn unpush(&mut self, idx: u32) -> Owned {
+        self.in_flight -= 1;
+        match self.release(idx) {
+            Slot::Waiting { owned, .. } => owned,
+            _ => Owned::None,
+        }
+    }
+
+    fn release(&mut self, idx: u32) -> Slot {
+        let old = std::mem::replace(
+            &mut self.slots[idx as usize],
+            Slot::Free { next: self.free },
+        );
         self.free = idx;
+        old
     }
 
     /// Records a completion; returns the task to wake, if any. Completions of multishot ops are
-    /// queued in `multi`.
+    /// queued in `multi` with the provided buffer they name. Memory of orphaned ops is dropped
+    /// here (back to the pool), since the kernel is done with it.
     pub(crate) fn complete(
         &mut self,
         idx: u64,
         res: i32,
         flags: u32,
         multi: &mut MultiQueues,
+        provided: &Provided,
     ) -> Option<TaskId> {
-        let slot = self.slots.get_mut(usize::try_from(idx).ok()?)?;
-        match *slot {
-            Slot::Waiting { task } => {
-                *slot = Slot::Done { res };
+        let i = usize::try_from(idx).ok()?;
+        let slot = self.slots.get_mut(i)?;
+        match slot {
+            Slot::Waiting { task, owned } => {
+                let task = *task;
+                let owned = std::mem::take(owned);
+                *slot = Slot::Done { res, owned };
                 self.in_flight -= 1;
                 task
             }
+            Slot::Orphan { .. } => {
+                self.in_flight -= 1;
+                drop(self.release(i as u32));
+                None
+            }
             Slot::Multi { task, queue } => {
+                let (task, queue) = (*task, *queue);
                 let more = io_uring::cqueue::more(flags);
+                let named = io_uring::cqueue::buffer_select(flags);
+                let buf = named.and_then(|bid| provided.take(bid));
                 multi.push(
                     queue,
                     Completion {
                         res,
-                        buffer: io_uring::cqueue::buffer_select(flags),
+                        buf,
+                        named,
                         more,
                     },
                 );
@@ -125,70 +199,144 @@ impl OpTable {
                 }
                 task
             }
+            Slot::MultiOrphan { queue } => {
+                let queue = *queue;
+                // Whatever buffer the kernel filled goes straight back to the pool.
+                if let Some(bid) = io_uring::cqueue::buffer_select(flags) {
+                    drop(provided.take(bid));
+                }
+                if !io_uring::cqueue::more(flags) {
+                    self.in_flight -= 1;
+                    drop(self.release(i as u32));
+                    multi.release(queue);
+                }
+                None
+            }
+            Slot::Free { .. } | Slot::Done { .. } | Slot::MultiEnded { .. } => None,
+        }
+    }
+
+    /// Takes the result of a completed single-shot op and frees its slot.
+    pub(crate) fn take_done(&mut self, idx: u32) -> Option<(i32, Owned)> {
+        if !matches!(self.slots[idx as usize], Slot::Done { .. }) {
+            return None;
+        }
+        match self.release(idx) {
+            Slot::Done { res, owned } => Some((res, owned)),
             _ => None,
         }
     }
 
-    pub(crate) fn get(&self, idx: u32) -> Slot {
-        self.slots[idx as usize]
+    /// The owner of single-shot op `idx` is gone: free the slot now if it completed, else keep
+    /// its memory until the completion. Returns whether the op is still in flight.
+    pub(crate) fn orphan(&mut self, idx: u32) -> bool {
+        let slot = &mut self.slots[idx as usize];
+        match slot {
+            Slot::Waiting { owned, .. } => {
+                let owned = std::mem::take(owned);
+                *slot = Slot::Orphan { _owned: owned };
+                true
+            }
+            _ => {
+                drop(self.release(idx));
+                false
+            }
+        }
     }
 
-    pub(crate) fn set_waiter(&mut self, idx: u32, task: Option<TaskId>) {
+    /// The owner of multishot op `idx` is gone. Returns whether the op is still armed (its queue
+    /// is then released with its final completion); otherwise the caller releases the queue.
+    pub(crate) fn orphan_multi(&mut self, idx: u32) -> bool {
+        let slot = &mut self.slots[idx as usize];
+        match *slot {
+            Slot::Multi { queue, .. } => {
+                *slot = Slot::MultiOrphan { queue };
+                true
+            }
+            _ => {
+                drop(self.release(idx));
+                false
+            }
+        }
+    }
+
+    /// Frees the slot of a multishot op whose final completion its owner has taken.
+    pub(crate) fn release_ended(&mut self, idx: u32) {
+        drop(self.release(idx));
+    }
+
+    pub(crate) fn set_waiter(&mut self, idx: u32, t: Option<TaskId>) {
         match &mut self.slots[idx as usize] {
-            Slot::Waiting { task: t }
-            | Slot::Multi { task: t, .. }
-            | Slot::MultiEnded { task: t } => *t = task,
+            Slot::Waiting { task, .. } | Slot::Multi { task, .. } | Slot::MultiEnded { task } => {
+                *task = t
+            }
             _ => {}
         }
     }
-}
 
-/// A submitted ring operation; resolves to the CQE's `res` (negative errno on failure).
-///
-/// Dropping an `Op` that has not completed cancels it and waits for its completion, so the memory it
-/// uses is never touched after the owner moved on.
-#[must_use = "an Op does nothing unless awaited"]
-pub struct Op<'e> {
-    pub(crate) engine: &'e Engine,
-    pub(crate) idx: u32,
-    pub(crate) finished: bool,
-}
-
-impl Op<'_> {
-    /// The `user_data` of this op, e.g. to target it with `ASYNC_CANCEL`.
-    pub fn user_data(&self) -> u64 {
-        u64::from(self.idx)
+    /// `user_data` of every op still in flight (for cancelling them all at engine drop).
+    pub(crate) fn pending(&self) -> impl Iterator<Item = u64> + '_ {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            matches!(
+                s,
+                Slot::Waiting { .. }
+                    | Slot::Orphan { .. }
+                    | Slot::Multi { .. }
+                    | Slot::MultiOrphan { .. }
+            )
+            .then_some(i as u64)
+        })
     }
 }
 
-impl Future for Op<'_> {
-    type Output = i32;
+/// A submitted single-shot operation; resolves to the CQE's `res` (negative errno on failure)
+/// and what the operation held.
+///
+/// Dropping it before the completion orphans the operation: the engine asks the kernel to cancel
+/// it and keeps its memory until the completion arrives. Nothing blocks.
+#[must_use = "an Op does nothing unless awaited"]
+pub(crate) struct Op<'e> {
+    pub(crate) engine: &'e Engine,
+    pub(crate) state: OpState,
+}
 
-    fn poll(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<i32> {
+pub(crate) enum OpState {
+    /// In the table under this index.
+    Pending(u32),
+    /// Never reached the kernel (the submission queue refused it): resolves at once.
+    Failed(i32, Owned),
+    /// Resolved.
+    Finished,
+}
+
+impl Future for Op<'_> {
+    type Output = (i32, Owned);
+
+    fn poll(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<(i32, Owned)> {
         let engine = self.engine;
-        let mut ops = engine.ops.borrow_mut();
-        match ops.get(self.idx) {
-            Slot::Done { res, .. } => {
-                ops.release(self.idx);
-                drop(ops);
-                self.finished = true;
-                Poll::Ready(res)
-            }
-            Slot::Waiting { .. } => {
-                ops.set_waiter(self.idx, engine.current_task());
+        match std::mem::replace(&mut self.state, OpState::Finished) {
+            OpState::Pending(idx) => {
+                let mut ops = engine.ops.borrow_mut();
+                if let Some(done) = ops.take_done(idx) {
+                    return Poll::Ready(done);
+                }
+                ops.set_waiter(idx, engine.current_task());
+                self.state = OpState::Pending(idx);
                 Poll::Pending
             }
-            Slot::Free { .. } | Slot::Multi { .. } | Slot::MultiEnded { .. } => {
-                unreachable!("single-shot op polled in a wrong state")
-            }
+            OpState::Failed(res, owned) => Poll::Ready((res, owned)),
+            OpState::Finished => Poll::Ready((-libc::EINVAL, Owned::None)),
         }
     }
 }
 
 impl Drop for Op<'_> {
     fn drop(&mut self) {
-        if !self.finished {
-            self.engine.cancel_and_wait(self.idx);
+        if let OpState::Pending(idx) = self.state {
+            let in_flight = self.engine.ops.borrow_mut().orphan(idx);
+            if in_flight {
+                self.engine.cancel(u64::from(idx));
+            }
         }
     }
 }

@@ -1,16 +1,19 @@
-//! Engine tests against real files, pipes and threads.
+//! Engine tests against real files, pipes and threads. No test sleeps to synchronize: each waits
+//! for the condition it needs (a message, the op table's count, a completion).
 
-use std::cell::Cell;
+use std::cell::RefCell;
+use std::future::Future;
 use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-
-use io_uring::{opcode, types};
+use std::sync::{mpsc, Arc};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use crate::sync::Semaphore;
-use crate::{Engine, EngineConfig, Sqe};
+use crate::{Engine, EngineConfig, Fd, AT_CURSOR};
 
 fn engine(buffers: usize, register: bool) -> Rc<Engine> {
     Rc::new(
@@ -24,70 +27,105 @@ fn engine(buffers: usize, register: bool) -> Rc<Engine> {
     )
 }
 
+fn nonblocking(fd: &impl AsRawFd) {
+    // SAFETY: fcntl on a valid fd with integer arguments.
+    unsafe {
+        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+}
+
+/// Polls `fut` once with a no-op waker (it stays pending on a ring op).
+fn poll_once<F: Future>(fut: Pin<&mut F>) -> Poll<F::Output> {
+    fut.poll(&mut Context::from_waker(Waker::noop()))
+}
+
 #[test]
-fn reads_a_file_into_pool_buffers_plain_and_fixed() {
+fn reads_and_writes_a_file_through_pool_buffers_plain_and_fixed() {
     let mut f = tempfile::tempfile().unwrap();
     let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
     f.write_all(&data).unwrap();
     for register in [false, true] {
         let eng = engine(2, register);
-        let mut buf = eng.take_buffer(1).unwrap();
-        assert!(eng.take_buffer(1).is_none(), "a buffer is handed out once");
-        let fd = f.as_raw_fd();
-        let n = eng
-            .block_on(async {
-                let mut w = buf.io_mut(100, 5000);
-                let sqe: Sqe = if eng.buffers_registered() {
-                    opcode::ReadFixed::new(types::Fd(fd), w.as_mut_ptr(), 5000, w.buf_index())
-                        .offset(3)
-                        .build()
-                        .into()
-                } else {
-                    opcode::Read::new(types::Fd(fd), w.as_mut_ptr(), 5000)
-                        .offset(3)
-                        .build()
-                        .into()
-                };
-                // SAFETY: engine-owned buffer.
-                unsafe { eng.submit(sqe) }.await
-            })
-            .unwrap();
-        assert_eq!(n, 5000);
-        assert_eq!(&buf.as_slice()[100..5100], &data[3..5003]);
         assert_eq!(eng.buffers_registered(), register);
+        let buf = eng.take_buffer().unwrap();
+        let fd = Fd::Raw(f.as_raw_fd());
+        let (n, win) = eng.block_on(eng.read(fd, buf.slice(100..5100), 3)).unwrap();
+        assert_eq!(n.unwrap(), 5000);
+        assert_eq!(win.as_slice(), &data[3..5003]);
+        // Write the window back elsewhere and read it from the file.
+        let (n, win) = eng.block_on(eng.write(fd, win, 20_000)).unwrap();
+        assert_eq!(n.unwrap(), 5000);
+        let mut back = vec![0u8; 5000];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut back, 20_000).unwrap();
+        assert_eq!(back, &data[3..5003]);
+        drop(win);
+        eng.block_on(eng.fsync(fd, true)).unwrap().unwrap();
     }
 }
 
 #[test]
+fn buffers_are_owned_once_and_return_to_the_pool() {
+    let eng = engine(2, false);
+    let a = eng.take_buffer().unwrap();
+    let b = eng.take_buffer().unwrap();
+    assert_ne!(a.index(), b.index());
+    assert!(
+        eng.take_buffer().is_none(),
+        "each buffer is handed out once"
+    );
+    drop(a);
+    assert_eq!(eng.buffers_available(), 1);
+    let c = eng.take_buffer().unwrap();
+    assert_eq!(c.len(), 8192);
+    assert_eq!(c.addr() % crate::BUF_ALIGN, 0, "page aligned");
+}
+
+#[test]
+fn a_buffer_kept_past_its_engine_keeps_its_memory() {
+    let eng = engine(1, true);
+    let watch = eng.pool_watch();
+    let mut buf = eng.take_buffer().unwrap();
+    buf.as_mut_slice()[..4].copy_from_slice(b"live");
+    drop(eng);
+    assert!(watch.alive(), "the buffer still owns the pool's memory");
+    assert_eq!(&buf.as_slice()[..4], b"live");
+    drop(buf);
+    assert!(!watch.alive(), "the last owner frees it");
+}
+
+#[test]
 fn many_tasks_run_concurrently_and_finish() {
-    let eng = engine(0, false);
-    let done = Rc::new(Cell::new(0));
+    let eng = engine(8, false);
+    let got = Rc::new(RefCell::new(Vec::new()));
     let (r, w) = std::io::pipe().unwrap();
-    let rfd = r.as_raw_fd();
-    // 8 tasks each wait for one byte of the pipe; they are all in flight before any byte exists.
-    let bufs: Rc<Vec<Cell<u8>>> = Rc::new((0..8).map(|_| Cell::new(0)).collect());
-    for i in 0..8 {
-        let (eng2, done, bufs) = (eng.clone(), done.clone(), bufs.clone());
+    let rfd = Fd::Raw(r.as_raw_fd());
+    // 8 tasks each wait for one byte of the pipe; all are in flight before any byte exists.
+    for _ in 0..8 {
+        let (eng2, got) = (eng.clone(), got.clone());
         eng.spawn(async move {
-            let p = bufs[i].as_ptr();
-            let sqe: Sqe = opcode::Read::new(types::Fd(rfd), p, 1).build().into();
-            // SAFETY: the Rc'd cells outlive the op (the task holds the Rc until completion).
-            let res = unsafe { eng2.submit(sqe) }.await;
-            assert_eq!(res, 1);
-            done.set(done.get() + 1);
+            let buf = eng2.take_buffer().unwrap();
+            let (n, win) = eng2.read(rfd, buf.slice(0..1), AT_CURSOR).await;
+            assert_eq!(n.unwrap(), 1);
+            got.borrow_mut().push(win.as_slice()[0]);
         });
     }
-    let writer = std::thread::spawn(move || {
+    // Spawned after the readers, so polled after each has submitted its read.
+    let eng2 = eng.clone();
+    eng.spawn(async move {
+        assert_eq!(
+            eng2.in_flight(),
+            8,
+            "every read is in flight before any byte"
+        );
         let mut w = w;
-        std::thread::sleep(std::time::Duration::from_millis(50));
         w.write_all(b"abcdefgh").unwrap();
     });
     eng.run().unwrap();
-    writer.join().unwrap();
-    assert_eq!(done.get(), 8);
-    let mut got: Vec<u8> = bufs.iter().map(|c| c.get()).collect();
+    let mut got = got.borrow().clone();
     got.sort();
     assert_eq!(got, b"abcdefgh");
+    assert_eq!(eng.buffers_available(), 8);
 }
 
 #[test]
@@ -95,19 +133,22 @@ fn remote_wake_from_another_thread() {
     let eng = engine(0, false);
     let flag = Arc::new(AtomicBool::new(false));
     let f2 = flag.clone();
+    let (pending_tx, pending_rx) = mpsc::channel();
     let task = eng.spawn(async move {
         std::future::poll_fn(|_| {
             if f2.load(Ordering::Acquire) {
-                std::task::Poll::Ready(())
+                Poll::Ready(())
             } else {
-                std::task::Poll::Pending
+                let _ = pending_tx.send(());
+                Poll::Pending
             }
         })
         .await
     });
     let remote = eng.remote();
     let t = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(30));
+        // Only once the task is parked: then only the remote wakeup can finish it.
+        pending_rx.recv().unwrap();
         flag.store(true, Ordering::Release);
         remote.wake(task);
     });
@@ -117,22 +158,19 @@ fn remote_wake_from_another_thread() {
 
 #[test]
 fn semaphore_admits_one_at_a_time_in_order() {
-    let eng = engine(0, false);
+    let eng = engine(3, false);
     let sem = Rc::new(Semaphore::new(1, 4));
-    let log = Rc::new(std::cell::RefCell::new(Vec::new()));
+    let log = Rc::new(RefCell::new(Vec::new()));
     let (r, mut w) = std::io::pipe().unwrap();
-    let rfd = r.as_raw_fd();
-    let cells: Rc<Vec<Cell<u8>>> = Rc::new((0..3).map(|_| Cell::new(0)).collect());
+    let rfd = Fd::Raw(r.as_raw_fd());
     for i in 0..3 {
-        let (eng2, sem, log, cells) = (eng.clone(), sem.clone(), log.clone(), cells.clone());
+        let (eng2, sem, log) = (eng.clone(), sem.clone(), log.clone());
         eng.spawn(async move {
             sem.acquire(&eng2).await;
             log.borrow_mut().push(i);
-            let sqe: Sqe = opcode::Read::new(types::Fd(rfd), cells[i].as_ptr(), 1)
-                .build()
-                .into();
-            // SAFETY: the cells outlive the op.
-            unsafe { eng2.submit(sqe) }.await;
+            let buf = eng2.take_buffer().unwrap();
+            let (n, _) = eng2.read(rfd, buf.slice(0..1), AT_CURSOR).await;
+            assert_eq!(n.unwrap(), 1);
             log.borrow_mut().push(i + 10);
             sem.release(&eng2);
         });
@@ -142,118 +180,185 @@ fn semaphore_admits_one_at_a_time_in_order() {
     assert_eq!(*log.borrow(), vec![0, 10, 1, 11, 2, 12]);
 }
 
+/// Dropping a pending op does not wait: the op is orphaned, its buffer stays with the engine
+/// until the cancellation's completion, then returns to the pool.
 #[test]
-fn dropping_a_pending_op_cancels_it() {
-    let eng = engine(0, false);
+fn dropping_a_pending_op_orphans_it_without_blocking() {
+    let eng = engine(1, false);
+    let (r, mut w) = std::io::pipe().unwrap();
+    let buf = eng.take_buffer().unwrap();
+    {
+        let fut = eng.read(Fd::Raw(r.as_raw_fd()), buf.slice(0..8), AT_CURSOR);
+        let mut fut = std::pin::pin!(fut);
+        assert!(poll_once(fut.as_mut()).is_pending());
+        assert_eq!(eng.in_flight(), 1);
+    } // dropped here: returns at once
+    assert_eq!(eng.in_flight(), 1, "the kernel still has the read");
+    assert_eq!(eng.buffers_available(), 0, "the op table keeps the buffer");
+    // Let the ring run until the cancellation completes.
+    eng.block_on(async {
+        while eng.in_flight() > 0 {
+            eng.sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .unwrap();
+    assert_eq!(eng.buffers_available(), 1, "back once the kernel let go");
+    // The pipe's data was not consumed by the orphaned read.
+    w.write_all(b"z").unwrap();
+    let buf = eng.take_buffer().unwrap();
+    let (n, win) = eng
+        .block_on(eng.read(Fd::Raw(r.as_raw_fd()), buf.slice(0..8), AT_CURSOR))
+        .unwrap();
+    assert_eq!(n.unwrap(), 1);
+    assert_eq!(win.as_slice()[0], b'z');
+}
+
+/// An engine dropped with operations in flight cancels them and waits (bounded) for the kernel;
+/// the pool is freed only once nothing is in flight.
+#[test]
+fn engine_drop_with_ops_in_flight_frees_only_what_the_kernel_let_go() {
     let (r, _w) = std::io::pipe().unwrap();
-    let mut byte = Box::new(0u8);
-    let sqe: Sqe = opcode::Read::new(types::Fd(r.as_raw_fd()), &mut *byte, 1)
-        .build()
-        .into();
-    // SAFETY: `byte` outlives the op: dropping the op waits for its cancellation.
-    let op = unsafe { eng.submit(sqe) };
-    drop(op); // must not hang, must not leave the op in flight
+    let rfd = Fd::Raw(r.as_raw_fd());
+    let eng = Engine::new(&EngineConfig {
+        buffers: 2,
+        buffer_size: 4096,
+        register_buffers: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let watch = eng.pool_watch();
+    let buf = eng.take_buffer().unwrap();
+    let mut fut = Box::pin(eng.read(rfd, buf.slice(0..8), AT_CURSOR));
+    assert!(poll_once(fut.as_mut()).is_pending());
+    // Forgetting the future (safe code may) leaves the op to the engine: its buffer is in the
+    // op table, not in the forgotten future.
+    std::mem::forget(fut);
+    assert_eq!(eng.in_flight(), 1);
     drop(eng);
-    assert_eq!(*byte, 0);
+    assert!(
+        !watch.alive(),
+        "the read was cancelled, so the pool could be freed"
+    );
+
+    // Same, but the engine may not wait: it must leak the memory rather than free it.
+    let eng = Engine::new(&EngineConfig {
+        buffers: 1,
+        buffer_size: 4096,
+        drop_wait: Duration::ZERO,
+        ..Default::default()
+    })
+    .unwrap();
+    let watch = eng.pool_watch();
+    let buf = eng.take_buffer().unwrap();
+    {
+        let fut = eng.read(rfd, buf.slice(0..8), AT_CURSOR);
+        let mut fut = std::pin::pin!(fut);
+        assert!(poll_once(fut.as_mut()).is_pending());
+    } // the future goes first, orphaning the read; then the engine
+    drop(eng);
+    assert!(
+        watch.alive(),
+        "a read the kernel may still complete keeps its memory"
+    );
 }
 
 #[test]
-fn sqe_len_is_set_without_touching_other_fields() {
-    let sqe: Sqe = opcode::UringCmd80::new(types::Fd(7), 1)
-        .addr(Some(0xdead_beef))
-        .cmd([0xab; 80])
-        .build();
-    let before: [u8; 128] = unsafe { std::mem::transmute(sqe.clone()) };
-    let after: [u8; 128] = unsafe { std::mem::transmute(crate::sqe_with_len(sqe, 2)) };
-    assert_eq!(&after[24..28], &2u32.to_ne_bytes());
-    assert_eq!(&before[..24], &after[..24]);
-    assert_eq!(&before[28..], &after[28..]);
-    assert_eq!(after[0], io_uring::opcode::UringCmd80::CODE);
+fn sleep_runs_on_the_ring() {
+    let eng = engine(0, false);
+    let t = std::time::Instant::now();
+    eng.block_on(eng.sleep(Duration::from_millis(5))).unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(5));
 }
 
-/// A multishot read on a pipe fills provided buffers one completion each, keeps going after a
-/// buffer comes back, ends with ENOBUFS when none is left, and a dropped op is cancelled.
+#[test]
+fn uring_cmd_refuses_iovecs_outside_its_buffer() {
+    let eng = engine(1, false);
+    let buf = eng.take_buffer().unwrap();
+    let len = buf.len();
+    #[allow(clippy::single_range_in_vec_init)]
+    let segs = [0..len + 1];
+    let (res, buf) = eng
+        .block_on(eng.uring_cmd(Fd::Raw(-1), 0, [0; 80], buf, Some((512, &segs))))
+        .unwrap();
+    assert_eq!(res.unwrap_err().raw_os_error(), Some(libc::EINVAL));
+    assert_eq!(eng.in_flight(), 0, "nothing was submitted");
+    let segs = [0..16];
+    let (res, _) = eng
+        .block_on(eng.uring_cmd(Fd::Raw(-1), 0, [0; 80], buf, Some((len - 8, &segs))))
+        .unwrap();
+    assert_eq!(res.unwrap_err().raw_os_error(), Some(libc::EINVAL));
+}
+
+/// A multishot read on a pipe fills provided windows one completion each, hands each window back,
+/// ends with ENOBUFS when none is left, and a dropped op is orphaned.
 #[test]
 fn multishot_read_fills_provided_buffers() {
     let eng = Rc::new(
         Engine::new(&EngineConfig {
             buffers: 2,
             buffer_size: 4096,
-            provided_buffers: 2,
+            provided_buffers: true,
             ..Default::default()
         })
         .expect("io_uring available"),
     );
-    let Some(group) = eng.buf_group() else {
-        eprintln!("kernel without provided-buffer rings: nothing to test");
-        return;
-    };
-    if !eng.supports_opcode(opcode::ReadMulti::CODE) {
-        eprintln!("kernel without READ_MULTISHOT: nothing to test");
-        return;
-    }
+    assert!(
+        eng.can_read_multishot(),
+        "Linux 6.7+ has READ_MULTISHOT and provided-buffer rings"
+    );
+    let group = eng.buf_group().unwrap();
     let (r, mut w) = std::io::pipe().unwrap();
-    // SAFETY: fcntl on a valid fd.
-    unsafe {
-        let fl = libc::fcntl(r.as_raw_fd(), libc::F_GETFL);
-        libc::fcntl(r.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-    }
-    let mut b0 = eng.take_buffer(0).unwrap();
-    let mut b1 = eng.take_buffer(1).unwrap();
-    // SAFETY: nobody touches the buffers until a completion names them.
-    unsafe {
-        eng.provide_buffer(b0.io_mut(0, 4096), 0);
-        eng.provide_buffer(b1.io_mut(0, 4096), 1);
-    }
+    nonblocking(&r);
+    let rfd = Fd::Raw(r.as_raw_fd());
+    let b0 = eng.take_buffer().unwrap();
+    let b1 = eng.take_buffer().unwrap();
+    eng.provide(b0.slice(0..4096)).unwrap();
+    eng.provide(b1.slice(0..4096)).unwrap();
     eng.publish_buffers();
-    let read_multi = || -> Sqe {
-        opcode::ReadMulti::new(types::Fd(r.as_raw_fd()), 0, group.0)
-            .build()
-            .into()
-    };
     let got = eng
         .block_on(async {
-            // SAFETY: reads only into provided engine buffers.
-            let mut op = unsafe { eng.submit_multishot(read_multi(), 3) };
+            let mut op = eng.read_multishot(rfd, group, 3).unwrap();
             let mut got = Vec::new();
             w.write_all(b"first").unwrap();
-            let c = op.completion().await.unwrap();
-            got.push((c.res, c.buffer, c.more));
+            got.push(op.completion().await.unwrap());
             w.write_all(b"second").unwrap();
-            let c = op.completion().await.unwrap();
-            got.push((c.res, c.buffer, c.more));
+            got.push(op.completion().await.unwrap());
             // Both buffers are used: the next read ends the op with ENOBUFS.
             w.write_all(b"third").unwrap();
-            let c = op.completion().await.unwrap();
-            got.push((c.res, c.buffer, c.more));
+            got.push(op.completion().await.unwrap());
             assert!(op.completion().await.is_none());
             got
         })
         .unwrap();
-    assert_eq!(got[0], (5, Some(0), true));
-    assert_eq!(got[1], (6, Some(1), true));
-    assert_eq!(got[2], (-libc::ENOBUFS, None, false));
-    assert_eq!(&b0.as_slice()[..5], b"first");
-    assert_eq!(&b1.as_slice()[..6], b"second");
+    assert_eq!((got[0].res, got[0].named, got[0].more), (5, Some(0), true));
+    assert_eq!(&got[0].buf.as_ref().unwrap().as_slice()[..5], b"first");
+    assert_eq!((got[1].res, got[1].named, got[1].more), (6, Some(1), true));
+    assert_eq!(&got[1].buf.as_ref().unwrap().as_slice()[..6], b"second");
+    assert_eq!((got[2].res, got[2].more), (-libc::ENOBUFS, false));
+    assert!(got[2].buf.is_none());
 
-    // Give one buffer back; a new op reads what is waiting, and dropping it cancels it.
-    // SAFETY: as above.
-    unsafe { eng.provide_buffer(b0.io_mut(0, 4096), 0) };
+    // Give one window back; a new op reads what is waiting; dropping it orphans it.
+    let mut got = got;
+    let w0 = got.remove(0).buf.unwrap();
+    assert!(
+        eng.provide(got[0].buf.take().unwrap()).is_ok(),
+        "buffer 1 is free to lend again"
+    );
+    drop(w0);
     eng.publish_buffers();
     let c = eng
         .block_on(async {
-            // SAFETY: as above.
-            let mut op = unsafe { eng.submit_multishot(read_multi(), 2) };
+            let mut op = eng.read_multishot(rfd, group, 2).unwrap();
             op.completion().await.unwrap()
         })
         .unwrap();
-    assert_eq!(
-        c,
-        crate::Completion {
-            res: 5,
-            buffer: Some(0),
-            more: true
+    assert_eq!((c.res, c.named, c.more), (5, Some(1), true));
+    assert_eq!(&c.buf.unwrap().as_slice()[..5], b"third");
+    // The orphaned op ends (cancelled) without anyone waiting for it.
+    eng.block_on(async {
+        while eng.in_flight() > 0 {
+            eng.sleep(Duration::from_millis(1)).await;
         }
-    );
-    assert_eq!(&b0.as_slice()[..5], b"third");
+    })
+    .unwrap();
 }

@@ -4,7 +4,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use backend::{BackendError, BlockBackend, Seek};
-use engine::{BufHandle, Engine};
+use engine::{Buf, Engine};
 use fuse_abi::{
     Attr, AttrOut, FallocateIn, InHeader, Kstatfs, LseekIn, LseekOut, OpenIn, OpenOut, ReadIn,
     SetattrIn, StatfsOut, WriteIn, WriteOut, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE,
@@ -113,105 +113,123 @@ impl<B: BlockBackend> Export<B> {
     }
 
     /// Serves one request. `buf[payload..]` is the payload window: WRITE data on entry, the reply
-    /// body on return.
+    /// body on return. The buffer is taken and given back, since backend I/O lends it to the kernel.
     pub async fn handle(
         &self,
         eng: &Engine,
         hdr: &InHeader,
         req: Request,
-        buf: &mut BufHandle,
+        mut buf: Buf,
         payload: usize,
         stats: &Counters,
-    ) -> Reply {
+    ) -> (Reply, Buf) {
         if hdr.nodeid != ROOT_ID
             && !matches!(req, Request::Forget | Request::Interrupt | Request::Destroy)
         {
             // Only the root exists; the kernel never names another node (LOOKUP always fails).
-            return Reply::Error(libc::ENOENT);
+            return (Reply::Error(libc::ENOENT), buf);
+        }
+        if payload > buf.len() {
+            return (Reply::Error(libc::EIO), buf);
         }
         let r = match req {
-            Request::Read(a) => self.read(eng, a, buf, payload, stats).await,
-            Request::Write(a) => self.write(eng, a, buf, payload, stats).await,
-            Request::Getattr => self.getattr(buf, payload),
-            Request::Setattr(a) => self.setattr(a, buf, payload),
-            Request::Open(a) => self.open(a, buf, payload),
+            Request::Read(a) => return self.read(eng, a, buf, payload, stats).await,
+            Request::Write(a) => return self.write(eng, a, buf, payload, stats).await,
+            Request::Getattr => self.getattr(&mut buf, payload),
+            Request::Setattr(a) => self.setattr(a, &mut buf, payload),
+            Request::Open(a) => self.open(a, &mut buf, payload),
             Request::Release => Ok(Reply::Data(0)),
             Request::Flush | Request::Fsync(_) => self.flush(eng, stats).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
-            Request::Lseek(a) => self.lseek(a, buf, payload),
-            Request::Statfs => self.statfs(buf, payload),
+            Request::Lseek(a) => self.lseek(a, &mut buf, payload),
+            Request::Statfs => self.statfs(&mut buf, payload),
             Request::Lookup => Err(libc::ENOENT),
             Request::Forget | Request::Interrupt => Ok(Reply::None),
             Request::Destroy => Ok(Reply::Data(0)),
             Request::Init => Err(libc::EPROTO),
             Request::Unsupported(_) => Err(libc::ENOSYS),
         };
-        r.unwrap_or_else(Reply::Error)
+        (r.unwrap_or_else(Reply::Error), buf)
     }
 
     async fn read(
         &self,
         eng: &Engine,
         a: ReadIn,
-        buf: &mut BufHandle,
+        buf: Buf,
         payload: usize,
         stats: &Counters,
-    ) -> R {
+    ) -> (Reply, Buf) {
         let size = self.backend.size();
         let cap = buf.len() - payload;
         if a.offset >= size || a.size == 0 {
-            return Ok(Reply::Data(0));
+            return (Reply::Data(0), buf);
         }
         let n = (u64::from(a.size).min(size - a.offset) as usize).min(cap);
-        let got = self
+        let (r, win) = self
             .backend
-            .read_at(eng, buf.io_mut(payload, n), a.offset)
-            .await
-            .map_err(err)?;
-        stats.read(got);
-        Ok(Reply::Data(got))
+            .read_at(eng, buf.slice(payload..payload + n), a.offset)
+            .await;
+        let buf = win.into_inner();
+        match r {
+            Ok(got) => {
+                stats.read(got);
+                (Reply::Data(got), buf)
+            }
+            Err(e) => (Reply::Error(err(e)), buf),
+        }
     }
 
     async fn write(
         &self,
         eng: &Engine,
         a: WriteIn,
-        buf: &mut BufHandle,
+        buf: Buf,
         payload: usize,
         stats: &Counters,
-    ) -> R {
+    ) -> (Reply, Buf) {
         if !self.cfg.writable {
-            return Err(libc::EROFS);
+            return (Reply::Error(libc::EROFS), buf);
         }
         let mut len = (a.size as usize).min(buf.len() - payload) as u64;
-        let end = a.offset.checked_add(len).ok_or(libc::EFBIG)?;
+        let Some(end) = a.offset.checked_add(len) else {
+            return (Reply::Error(libc::EFBIG), buf);
+        };
         let size = self.backend.size();
-        if end > size {
-            if self.cfg.growable {
-                self.backend.grow_to(end).map_err(err)?;
-            } else if a.offset >= size {
-                return Err(libc::ENOSPC);
-            } else {
-                len = size - a.offset;
+        if end > size && !self.cfg.growable {
+            if a.offset >= size {
+                return (Reply::Error(libc::ENOSPC), buf);
             }
+            len = size - a.offset;
         }
-        let n = self
+        // A growable image grows by what the write put there, after it landed: nothing is
+        // allocated for a write that fails, and a write cut short grows only as far as it got.
+        let (r, win) = self
             .backend
-            .write_at(eng, buf.io(payload, len as usize), a.offset)
-            .await
-            .map_err(err)?;
+            .write_at(eng, buf.slice(payload..payload + len as usize), a.offset)
+            .await;
+        let mut buf = win.into_inner();
+        let n = match r {
+            Ok(n) => n,
+            Err(e) => return (Reply::Error(err(e)), buf),
+        };
+        if self.cfg.growable && n > 0 {
+            self.backend.written_to(a.offset + n as u64);
+        }
         stats.write(n);
         if self.cfg.writethrough {
-            self.backend.flush(eng).await.map_err(err)?;
+            if let Err(e) = self.backend.flush(eng).await {
+                return (Reply::Error(err(e)), buf);
+            }
             stats.flush();
         }
-        put(
+        let out = WriteOut {
+            size: n as u32,
+            padding: 0,
+        };
+        (
+            put(&mut buf, payload, &out).unwrap_or_else(Reply::Error),
             buf,
-            payload,
-            &WriteOut {
-                size: n as u32,
-                padding: 0,
-            },
         )
     }
 
@@ -253,7 +271,7 @@ impl<B: BlockBackend> Export<B> {
         })
     }
 
-    fn attr_out(&self, buf: &mut BufHandle, payload: usize) -> R {
+    fn attr_out(&self, buf: &mut Buf, payload: usize) -> R {
         let v = self.cfg.attr_valid;
         let out = AttrOut {
             attr_valid: v.as_secs(),
@@ -264,11 +282,11 @@ impl<B: BlockBackend> Export<B> {
         put(buf, payload, &out)
     }
 
-    fn getattr(&self, buf: &mut BufHandle, payload: usize) -> R {
+    fn getattr(&self, buf: &mut Buf, payload: usize) -> R {
         self.attr_out(buf, payload)
     }
 
-    fn setattr(&self, a: SetattrIn, buf: &mut BufHandle, payload: usize) -> R {
+    fn setattr(&self, a: SetattrIn, buf: &mut Buf, payload: usize) -> R {
         let cur = self.backend.attrs().map_err(err)?;
         if a.valid & FATTR_MODE != 0 && a.mode & 0o7777 != cur.perm {
             return Err(libc::EPERM);
@@ -309,7 +327,7 @@ impl<B: BlockBackend> Export<B> {
         self.attr_out(buf, payload)
     }
 
-    fn open(&self, a: OpenIn, buf: &mut BufHandle, payload: usize) -> R {
+    fn open(&self, a: OpenIn, buf: &mut Buf, payload: usize) -> R {
         let for_writing = a.flags as i32 & libc::O_ACCMODE != libc::O_RDONLY;
         if for_writing && !self.cfg.writable {
             return Err(libc::EROFS);
@@ -399,7 +417,7 @@ impl<B: BlockBackend> Export<B> {
         Ok(Reply::Data(0))
     }
 
-    fn lseek(&self, a: LseekIn, buf: &mut BufHandle, payload: usize) -> R {
+    fn lseek(&self, a: LseekIn, buf: &mut Buf, payload: usize) -> R {
         let whence = match a.whence {
             w if w == SEEK_DATA => Seek::Data,
             w if w == SEEK_HOLE => Seek::Hole,
@@ -421,7 +439,7 @@ impl<B: BlockBackend> Export<B> {
         }
     }
 
-    fn statfs(&self, buf: &mut BufHandle, payload: usize) -> R {
+    fn statfs(&self, buf: &mut Buf, payload: usize) -> R {
         let bsize = 4096u64;
         let st = Kstatfs {
             blocks: self.size()?.div_ceil(bsize),
@@ -436,8 +454,12 @@ impl<B: BlockBackend> Export<B> {
 }
 
 /// Writes a reply struct at the payload window.
-fn put<T: IntoBytes + Immutable>(buf: &mut BufHandle, payload: usize, v: &T) -> R {
+fn put<T: IntoBytes + Immutable>(buf: &mut Buf, payload: usize, v: &T) -> R {
     let b = v.as_bytes();
-    buf.as_mut_slice()[payload..payload + b.len()].copy_from_slice(b);
+    let dst = buf
+        .as_mut_slice()
+        .get_mut(payload..payload + b.len())
+        .ok_or(libc::EIO)?;
+    dst.copy_from_slice(b);
     Ok(Reply::Data(b.len()))
 }

@@ -21,9 +21,8 @@ use std::future::poll_fn;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::task::Poll;
 
-use engine::io_uring::{opcode, types};
 use engine::sync::Semaphore;
-use engine::{BufGroup, BufHandle, Engine, IoBuf, Sqe, TaskId};
+use engine::{Buf, BufGroup, Engine, Fd, TaskId, AT_CURSOR};
 
 use crate::TransportError;
 
@@ -62,10 +61,10 @@ impl Layout {
 }
 
 /// Outcome of waiting for a request.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum ReadOutcome {
-    /// A request of this many bytes is at `Layout::request`.
-    Request(usize),
+    /// A request of this many bytes is at `Layout::request` of the buffer.
+    Request(Buf, usize),
     /// The queue is stopping: take no more requests.
     Stopped,
     /// The connection is gone (unmounted or aborted).
@@ -84,6 +83,7 @@ pub struct LegacyQueue {
 /// State of the multishot reader: which slot buffers the kernel holds and which got a request.
 struct Multishot {
     group: BufGroup,
+    /// Per buffer index (the provided buffer id).
     slots: RefCell<Vec<MsSlot>>,
     /// Buffers the kernel holds (provided, not yet filled).
     provided: Cell<usize>,
@@ -94,7 +94,7 @@ struct Multishot {
 }
 
 /// Why the multishot reader finished.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 enum ReaderEnd {
     /// The queue was stopped.
     Stopped,
@@ -104,14 +104,16 @@ enum ReaderEnd {
     Failed(i32),
 }
 
-#[derive(Clone, Copy, Default)]
+#[derive(Default)]
 struct MsSlot {
-    /// Bytes of the request the kernel read into this slot's buffer.
-    len: Option<usize>,
+    /// The buffer the kernel filled for this slot, and the request's length.
+    filled: Option<(Buf, usize)>,
     /// The slot task waiting for it.
     task: Option<TaskId>,
-    /// Whether the buffer is in the kernel's hands.
-    provided: bool,
+}
+
+fn io_err(errno: i32) -> TransportError {
+    TransportError::Io(std::io::Error::from_raw_os_error(errno))
 }
 
 impl LegacyQueue {
@@ -128,19 +130,18 @@ impl LegacyQueue {
     }
 
     /// Switches to multishot reads into provided buffers if `eng` has a provided-buffer ring
-    /// (sized for `slots` buffers, indexed by pool index) and the kernel knows
-    /// `IORING_OP_READ_MULTISHOT`. Then [`LegacyQueue::serve_reads`] must run as a task of `eng`.
-    /// Returns whether it switched.
-    pub fn use_multishot(&mut self, eng: &Engine, slots: usize) -> bool {
+    /// and the kernel knows `IORING_OP_READ_MULTISHOT`. Then [`LegacyQueue::serve_reads`] must run
+    /// as a task of `eng`. Returns whether it switched.
+    pub fn use_multishot(&mut self, eng: &Engine, buffers: usize) -> bool {
         let Some(group) = eng.buf_group() else {
             return false;
         };
-        if !eng.supports_opcode(opcode::ReadMulti::CODE) {
+        if !eng.can_read_multishot() {
             return false;
         }
         self.multishot = Some(Multishot {
             group,
-            slots: RefCell::new(vec![MsSlot::default(); slots]),
+            slots: RefCell::new((0..buffers).map(|_| MsSlot::default()).collect()),
             provided: Cell::new(0),
             reader: Cell::new(None),
             end: Cell::new(None),
@@ -168,9 +169,8 @@ impl LegacyQueue {
     /// [`LegacyQueue::next_request`]. Does nothing in poll mode.
     pub async fn serve_reads(&self, eng: &Engine) {
         let Some(ms) = &self.multishot else { return };
-        let fd = types::Fd(self.fd.as_raw_fd());
-        let mut end = ReaderEnd::Stopped;
-        'arm: while !self.stopping.get() {
+        let fd = Fd::Raw(self.fd.as_raw_fd());
+        let end = 'arm: loop {
             poll_fn(|_| {
                 if ms.provided.get() > 0 || self.stopping.get() {
                     Poll::Ready(())
@@ -181,49 +181,44 @@ impl LegacyQueue {
             })
             .await;
             if self.stopping.get() {
-                break;
+                break ReaderEnd::Stopped;
             }
-            let sqe: Sqe = opcode::ReadMulti::new(fd, 0, ms.group.0).build().into();
             let cap = ms.slots.borrow().len() + 1;
-            // SAFETY: the op reads only into provided buffers, engine-owned memory that no task
-            // touches until a completion names it.
-            let mut op = unsafe { eng.submit_multishot(sqe, cap) };
+            let Some(mut op) = eng.read_multishot(fd, ms.group, cap) else {
+                break ReaderEnd::Failed(libc::EBUSY);
+            };
             while let Some(c) = op.completion().await {
                 if c.res > 0 {
+                    let n = c.res as usize;
+                    // The kernel must name a buffer it was given, and fill no more than it offered;
+                    // otherwise nothing it says can be trusted any more.
+                    let Some(win) = c.buf.filter(|w| n <= w.len()) else {
+                        break 'arm ReaderEnd::Failed(libc::EPROTO);
+                    };
+                    let buf = win.into_inner();
                     let mut slots = ms.slots.borrow_mut();
-                    let slot = c.buffer.and_then(|b| slots.get_mut(usize::from(b)));
-                    match slot {
-                        Some(s) if s.provided && s.len.is_none() => {
-                            s.len = Some(c.res as usize);
-                            ms.provided.set(ms.provided.get() - 1);
-                            if let Some(t) = s.task.take() {
-                                eng.wake(t);
-                            }
-                        }
-                        _ => {
-                            // The kernel named a buffer it was not given: nothing read from
-                            // now on can be trusted.
-                            end = ReaderEnd::Failed(libc::EPROTO);
-                            break 'arm;
-                        }
+                    let Some(s) = slots.get_mut(usize::from(buf.index())) else {
+                        break 'arm ReaderEnd::Failed(libc::EPROTO);
+                    };
+                    s.filled = Some((buf, n));
+                    ms.provided.set(ms.provided.get().saturating_sub(1));
+                    if let Some(t) = s.task.take() {
+                        eng.wake(t);
                     }
                     continue;
                 }
+                if c.named.is_some() && c.buf.is_none() {
+                    break 'arm ReaderEnd::Failed(libc::EPROTO);
+                }
                 match -c.res {
-                    0 | libc::ENODEV => {
-                        end = ReaderEnd::Gone;
-                        break 'arm;
-                    }
+                    0 | libc::ENODEV => break 'arm ReaderEnd::Gone,
                     // Out of buffers (all requests in service), interrupted or cancelled: re-arm
                     // once a buffer is back (the loop checks for a stop first).
                     libc::ENOBUFS | libc::EAGAIN | libc::EINTR | libc::ECANCELED => {}
-                    e => {
-                        end = ReaderEnd::Failed(e);
-                        break 'arm;
-                    }
+                    e => break 'arm ReaderEnd::Failed(e),
                 }
             }
-        }
+        };
         ms.end.set(Some(end));
         for s in ms.slots.borrow_mut().iter_mut() {
             if let Some(t) = s.task.take() {
@@ -236,51 +231,38 @@ impl LegacyQueue {
         &self,
         eng: &Engine,
         ms: &Multishot,
-        buf: &mut BufHandle,
+        buf: Buf,
     ) -> Result<ReadOutcome, TransportError> {
-        let bid = buf.index();
-        let i = usize::from(bid);
-        let capacity = buf.len() - self.layout.request;
-        {
-            let mut slots = ms.slots.borrow_mut();
-            let Some(s) = slots.get_mut(i) else {
+        let i = usize::from(buf.index());
+        if i >= ms.slots.borrow().len() {
+            return Err(TransportError::Io(std::io::Error::other(
+                "slot buffer outside the provided-buffer ring",
+            )));
+        }
+        if ms.end.get().is_none() {
+            let win = buf.slice(self.layout.request..usize::MAX);
+            if eng.provide(win).is_err() {
                 return Err(TransportError::Io(std::io::Error::other(
-                    "slot buffer outside the provided-buffer ring",
+                    "slot buffer already provided",
                 )));
-            };
-            if !s.provided && s.len.is_none() && ms.end.get().is_none() {
-                let win = buf.io_mut(self.layout.request, capacity);
-                // SAFETY: the slot task touches this buffer again only once a completion named
-                // it (it waits below); the engine keeps the memory until the ring is gone.
-                unsafe { eng.provide_buffer(win, bid) };
-                eng.publish_buffers();
-                s.provided = true;
-                ms.provided.set(ms.provided.get() + 1);
-                if let Some(r) = ms.reader.take() {
-                    eng.wake(r);
-                }
+            }
+            eng.publish_buffers();
+            ms.provided.set(ms.provided.get() + 1);
+            if let Some(r) = ms.reader.take() {
+                eng.wake(r);
             }
         }
         poll_fn(|_| {
             let mut slots = ms.slots.borrow_mut();
             let s = &mut slots[i];
-            if let Some(n) = s.len.take() {
-                s.provided = false;
-                if n > capacity {
-                    // More bytes than the buffer offered: the kernel's word cannot be trusted.
-                    return Poll::Ready(Err(TransportError::Io(
-                        std::io::Error::from_raw_os_error(libc::EPROTO),
-                    )));
-                }
-                return Poll::Ready(Ok(ReadOutcome::Request(n)));
+            if let Some((buf, n)) = s.filled.take() {
+                return Poll::Ready(Ok(ReadOutcome::Request(buf, n)));
             }
             if let Some(end) = ms.end.get() {
                 return Poll::Ready(match end {
                     ReaderEnd::Stopped => Ok(ReadOutcome::Stopped),
                     ReaderEnd::Gone => Ok(ReadOutcome::Gone),
-                    ReaderEnd::Failed(e) => {
-                        Err(TransportError::Io(std::io::Error::from_raw_os_error(e)))
-                    }
+                    ReaderEnd::Failed(e) => Err(io_err(e)),
                 });
             }
             s.task = eng.current_task();
@@ -299,83 +281,77 @@ impl LegacyQueue {
         self.fd.as_raw_fd()
     }
 
-    /// Waits for the next request and reads it into `buf` at `layout.request`.
+    /// Waits for the next request and reads it into `buf` at `layout.request`. The buffer comes
+    /// back with the request; when the queue stops or the connection is gone it may stay with
+    /// the engine (lent to the kernel), which returns it to the pool.
     pub async fn next_request(
         &self,
         eng: &Engine,
-        buf: &mut BufHandle,
+        buf: Buf,
     ) -> Result<ReadOutcome, TransportError> {
         if let Some(ms) = &self.multishot {
             return self.next_multishot(eng, ms, buf).await;
         }
+        let fd = Fd::Raw(self.fd.as_raw_fd());
+        let mut buf = buf;
         loop {
             self.permit.acquire(eng).await;
             if self.stopping.get() {
                 self.permit.release(eng);
                 return Ok(ReadOutcome::Stopped);
             }
-            let start = self.layout.request;
-            let len = (buf.len() - start) as u32;
-            let fd = types::Fd(self.fd.as_raw_fd());
-            let poll: Sqe = opcode::PollAdd::new(fd, libc::POLLIN as u32).build().into();
-            let mut win = buf.io_mut(start, len as usize);
-            let read: Sqe = opcode::Read::new(fd, win.as_mut_ptr(), len)
-                .offset(u64::MAX)
-                .build()
-                .into();
-            // SAFETY: the window is engine-owned memory, valid until the engine drains.
-            let res = unsafe { eng.submit_linked(poll, read) }.await;
+            let win = buf.slice(self.layout.request..usize::MAX);
+            let (res, win) = eng.poll_read(fd, win).await;
             self.permit.release(eng);
+            buf = win.into_inner();
             match res {
-                n if n > 0 => return Ok(ReadOutcome::Request(n as usize)),
-                0 => return Ok(ReadOutcome::Gone),
-                n if n == -libc::ENODEV => return Ok(ReadOutcome::Gone),
-                n if n == -libc::EAGAIN
-                    || n == -libc::EINTR
-                    || n == -libc::ECANCELED
-                    || n == -libc::ENOENT =>
-                {
-                    continue
-                }
-                n => return Err(TransportError::Io(std::io::Error::from_raw_os_error(-n))),
+                Ok(0) => return Ok(ReadOutcome::Gone),
+                Ok(n) => return Ok(ReadOutcome::Request(buf, n)),
+                Err(e) => match e.raw_os_error().unwrap_or(libc::EIO) {
+                    libc::ENODEV => return Ok(ReadOutcome::Gone),
+                    libc::EAGAIN | libc::EINTR | libc::ECANCELED | libc::ENOENT | libc::EBUSY => {
+                        continue
+                    }
+                    _ => return Err(TransportError::Io(e)),
+                },
             }
         }
     }
 
-    /// Writes a reply (out header included) from `reply` to the fd. A reply the kernel no longer
-    /// waits for (the request was interrupted, or the connection aborted) is not an error.
-    pub async fn send_reply(&self, eng: &Engine, reply: IoBuf<'_>) -> Result<(), TransportError> {
-        let sqe: Sqe = opcode::Write::new(
-            types::Fd(self.fd.as_raw_fd()),
-            reply.as_ptr(),
-            reply.len() as u32,
-        )
-        .offset(u64::MAX)
-        .build()
-        .into();
-        // SAFETY: the window is engine-owned memory, valid until the engine drains.
-        let op = unsafe { eng.submit(sqe) };
-        let res = op.await;
-        match res {
-            n if n >= 0 => Ok(()),
-            n if [
-                libc::ENOENT,
-                libc::ENODEV,
-                libc::ECONNABORTED,
-                libc::ECANCELED,
-            ]
-            .contains(&-n) =>
+    /// Writes a reply of `len` bytes (out header included) from `buf[layout.reply..]` to the fd.
+    /// A reply the kernel no longer waits for (the request was interrupted, or the connection
+    /// aborted) is not an error.
+    pub async fn send_reply(
+        &self,
+        eng: &Engine,
+        buf: Buf,
+        len: usize,
+    ) -> (Result<(), TransportError>, Buf) {
+        let start = self.layout.reply;
+        let fd = Fd::Raw(self.fd.as_raw_fd());
+        // /dev/fuse takes only user memory: a plain WRITE, never WRITE_FIXED.
+        let (res, win) = eng
+            .write_plain(fd, buf.slice(start..start + len), AT_CURSOR)
+            .await;
+        let r = match res {
+            Ok(_) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT | libc::ENODEV | libc::ECONNABORTED | libc::ECANCELED)
+                ) =>
             {
                 Ok(())
             }
-            n => Err(TransportError::Io(std::io::Error::from_raw_os_error(-n))),
-        }
+            Err(e) => Err(TransportError::Io(e)),
+        };
+        (r, win.into_inner())
     }
 
     /// Stops taking requests: cancels the pending read and lets waiting readers see the flag.
     pub fn stop(&self, eng: &Engine) {
         self.stopping.set(true);
-        eng.cancel_fd(self.fd.as_raw_fd());
+        eng.cancel_all_on(Fd::Raw(self.fd.as_raw_fd()));
         self.permit.wake_all(eng);
         if let Some(r) = self.multishot.as_ref().and_then(|m| m.reader.take()) {
             eng.wake(r);

@@ -10,13 +10,16 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use engine::io_uring::{opcode, types};
-use engine::{sqe_with_len, BufHandle, Engine, Sqe};
+use engine::{Buf, Engine, Fd};
 use fuse_abi::{
     InHeader, UringCmdReq, UringEntInOut, FUSE_IO_URING_CMD_COMMIT_AND_FETCH,
     FUSE_IO_URING_CMD_REGISTER,
 };
 use zerocopy::{FromBytes, IntoBytes};
+
+/// How long to wait before registering again when the kernel is not ready yet (INIT's reply
+/// still on its way).
+const REGISTER_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 
 use crate::TransportError;
 
@@ -39,6 +42,22 @@ pub struct UringLayout {
 }
 
 impl UringLayout {
+    /// Writes the out header (`error` is 0 or a negative errno) and the payload size of a reply
+    /// into an entry buffer.
+    pub fn set_reply(&self, buf: &mut [u8], unique: u64, error: i32, payload_len: usize) {
+        let len = (fuse_abi::OUT_HEADER_LEN + payload_len) as u32;
+        let oh = fuse_abi::OutHeader { len, error, unique };
+        buf[self.header..self.header + 16].copy_from_slice(oh.as_bytes());
+        // Only payload_sz of the entry's in/out area is read back by the kernel.
+        let at = self.header + 256 + std::mem::offset_of!(UringEntInOut, payload_sz);
+        buf[at..at + 4].copy_from_slice(&(payload_len as u32).to_ne_bytes());
+    }
+
+    /// Offset of the op-specific request arguments (`fuse_uring_req_header.op_in`).
+    pub const fn op_in(&self) -> usize {
+        self.header + 128
+    }
+
     /// The layout for `max_write` payloads (the kernel wants at least max(8192, max_write,
     /// max_pages × 4096) bytes of payload).
     pub const fn new(max_write: usize) -> UringLayout {
@@ -124,47 +143,34 @@ impl UringQueue {
         cmd
     }
 
-    /// Registers `buf` as an entry and waits for its first request.
-    pub async fn register(
-        &self,
-        eng: &Engine,
-        buf: &mut BufHandle,
-    ) -> Result<Fetched, TransportError> {
+    /// Registers `buf` as an entry and waits for its first request. The kernel holds the buffer
+    /// until the returned result; the buffer comes back with it.
+    pub async fn register(&self, eng: &Engine, buf: Buf) -> (Result<Fetched, TransportError>, Buf) {
         let l = self.layout;
-        let base = buf.as_mut_slice().as_mut_ptr();
-        let iov = [
-            libc::iovec {
-                iov_base: base.cast(),
-                iov_len: std::mem::size_of::<fuse_abi::UringReqHeader>(),
-            },
-            // SAFETY: payload + payload_len is inside the buffer (UringLayout::size).
-            libc::iovec {
-                iov_base: unsafe { base.add(l.payload) }.cast(),
-                iov_len: l.payload_len,
-            },
+        let segments = [
+            l.header..l.header + std::mem::size_of::<fuse_abi::UringReqHeader>(),
+            l.payload..l.payload + l.payload_len,
         ];
-        let iov_bytes: &[u8] = {
-            // SAFETY: iovec is plain data; viewing it as bytes to store it in the buffer.
-            unsafe {
-                std::slice::from_raw_parts(iov.as_ptr().cast::<u8>(), std::mem::size_of_val(&iov))
-            }
-        };
-        buf.as_mut_slice()[l.iovecs..l.iovecs + iov_bytes.len()].copy_from_slice(iov_bytes);
-        let iov_ptr = buf.as_slice()[l.iovecs..].as_ptr() as u64;
+        let mut buf = buf;
         loop {
-            let sqe: Sqe = opcode::UringCmd80::new(types::Fd(self.fd), FUSE_IO_URING_CMD_REGISTER)
-                .addr(Some(iov_ptr))
-                .cmd(self.cmd(0))
-                .build();
-            let sqe = sqe_with_len(sqe, 2);
-            // SAFETY: the iovecs and the memory they describe are engine-owned.
-            let res = unsafe { eng.submit(sqe) }.await;
-            if res == -libc::EAGAIN {
-                // INIT's reply has not landed in the kernel yet; it will in a moment.
-                std::thread::sleep(std::time::Duration::from_millis(1));
+            let (res, back) = eng
+                .uring_cmd(
+                    Fd::Raw(self.fd),
+                    FUSE_IO_URING_CMD_REGISTER,
+                    self.cmd(0),
+                    buf,
+                    Some((l.iovecs, &segments)),
+                )
+                .await;
+            buf = back;
+            if matches!(&res, Err(e) if e.raw_os_error() == Some(libc::EAGAIN)) {
+                // INIT's reply has not landed in the kernel yet; it will in a moment. The ring
+                // keeps serving meanwhile.
+                eng.sleep(REGISTER_RETRY).await;
                 continue;
             }
-            return self.fetched(res, buf);
+            let r = self.fetched(res, &buf);
+            return (r, buf);
         }
     }
 
@@ -173,56 +179,47 @@ impl UringQueue {
     pub async fn commit_and_fetch(
         &self,
         eng: &Engine,
-        buf: &mut BufHandle,
+        buf: Buf,
         commit_id: u64,
-    ) -> Result<Fetched, TransportError> {
-        let sqe: Sqe =
-            opcode::UringCmd80::new(types::Fd(self.fd), FUSE_IO_URING_CMD_COMMIT_AND_FETCH)
-                .cmd(self.cmd(commit_id))
-                .build();
-        // SAFETY: the entry's memory is engine-owned.
-        let res = unsafe { eng.submit(sqe) }.await;
-        self.fetched(res, buf)
+    ) -> (Result<Fetched, TransportError>, Buf) {
+        let (res, buf) = eng
+            .uring_cmd(
+                Fd::Raw(self.fd),
+                FUSE_IO_URING_CMD_COMMIT_AND_FETCH,
+                self.cmd(commit_id),
+                buf,
+                None,
+            )
+            .await;
+        let r = self.fetched(res, &buf);
+        (r, buf)
     }
 
-    fn fetched(&self, res: i32, buf: &BufHandle) -> Result<Fetched, TransportError> {
+    fn fetched(&self, res: io::Result<i32>, buf: &Buf) -> Result<Fetched, TransportError> {
         match res {
-            0 => {}
-            n if [
-                libc::ENOTCONN,
-                libc::ENODEV,
-                libc::ECANCELED,
-                libc::ECONNABORTED,
-            ]
-            .contains(&-n) =>
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOTCONN | libc::ENODEV | libc::ECANCELED | libc::ECONNABORTED)
+                ) =>
             {
                 return Ok(Fetched::Gone)
             }
-            n => return Err(TransportError::Io(io::Error::from_raw_os_error(-n))),
+            Err(e) => return Err(TransportError::Io(e)),
         }
         let b = buf.as_slice();
+        let bad = || TransportError::Io(io::Error::from_raw_os_error(libc::EIO));
         let header = InHeader::read_from_prefix(&b[self.layout.header..])
             .map(|(h, _)| h)
-            .map_err(|_| TransportError::Io(io::Error::from_raw_os_error(libc::EIO)))?;
+            .map_err(|_| bad())?;
         let ent = UringEntInOut::read_from_prefix(&b[self.layout.header + 256..])
             .map(|(e, _)| e)
-            .map_err(|_| TransportError::Io(io::Error::from_raw_os_error(libc::EIO)))?;
+            .map_err(|_| bad())?;
         Ok(Fetched::Request(Delivered {
             header,
             commit_id: ent.commit_id,
             payload_sz: (ent.payload_sz as usize).min(self.layout.payload_len),
         }))
-    }
-
-    /// Writes the out header (`error` is 0 or a negative errno) and the payload size of a reply.
-    pub fn set_reply(&self, buf: &mut BufHandle, unique: u64, error: i32, payload_len: usize) {
-        let l = self.layout;
-        let b = buf.as_mut_slice();
-        let len = (fuse_abi::OUT_HEADER_LEN + payload_len) as u32;
-        let oh = fuse_abi::OutHeader { len, error, unique };
-        b[l.header..l.header + 16].copy_from_slice(oh.as_bytes());
-        // Only payload_sz of the entry's in/out area is read back by the kernel.
-        let at = l.header + 256 + std::mem::offset_of!(UringEntInOut, payload_sz);
-        b[at..at + 4].copy_from_slice(&(payload_len as u32).to_ne_bytes());
     }
 }

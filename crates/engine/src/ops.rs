@@ -1,0 +1,320 @@
+//! The typed catalog of ring operations fusex uses. Every SQE is built here and nowhere else.
+//!
+//! Each operation that lends memory to the kernel takes it by value (a [`Buf`] or a [`Slice`]) and
+//! gives it back with the result, so safe code cannot touch memory the kernel may still write,
+//! whatever happens to the future: dropping it early orphans the operation, and the engine keeps
+//! the memory until the kernel's completion (see [`crate::op`]). Operations that lend nothing
+//! (fsync, fallocate, cancel) take no buffer.
+
+use std::io;
+use std::ops::Range;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+use io_uring::{opcode, types};
+
+use crate::buf::{Buf, Slice};
+use crate::executor::Engine;
+use crate::multishot::{BufGroup, MultiOp};
+use crate::op::Owned;
+use crate::Sqe;
+
+/// A file an operation targets: a descriptor, or an index into the ring's registered files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fd {
+    /// A plain file descriptor (the caller keeps it open while operations on it run).
+    Raw(RawFd),
+    /// Index `n` in the ring's registered file table.
+    Fixed(u32),
+}
+
+impl From<RawFd> for Fd {
+    fn from(fd: RawFd) -> Fd {
+        Fd::Raw(fd)
+    }
+}
+
+/// Offset meaning "the file's current position" (for pipes, character devices like `/dev/fuse`).
+pub const AT_CURSOR: u64 = u64::MAX;
+
+/// Builds an entry for `fd`, whichever kind it is (the opcode builders are generic over it).
+macro_rules! with_fd {
+    ($fd:expr, |$f:ident| $build:expr) => {
+        match $fd {
+            Fd::Raw(raw) => {
+                let $f = types::Fd(raw);
+                $build
+            }
+            Fd::Fixed(i) => {
+                let $f = types::Fixed(i);
+                $build
+            }
+        }
+    };
+}
+
+/// A completion's `res` as bytes transferred or an error.
+fn bytes(res: i32) -> io::Result<usize> {
+    if res < 0 {
+        Err(io::Error::from_raw_os_error(-res))
+    } else {
+        Ok(res as usize)
+    }
+}
+
+fn take_slice(owned: Owned, fallback: impl FnOnce() -> Slice) -> Slice {
+    match owned {
+        Owned::Slice(s) => s,
+        _ => fallback(),
+    }
+}
+
+fn len32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// Byte offset of `len` in an `io_uring_sqe` (the io-uring crate's `UringCmd80` has no setter).
+const SQE_LEN_OFFSET: usize = 24;
+
+fn sqe_with_len(sqe: Sqe, len: u32) -> Sqe {
+    const _: () = assert!(std::mem::size_of::<Sqe>() == 128);
+    // SAFETY: `Entry128` is `#[repr(C)]`, exactly 128 bytes of plain integers (an `io_uring_sqe`
+    // followed by 64 command bytes), with no padding, pointers or drop glue; any bit pattern is a
+    // valid value, so a round trip through a byte array is sound.
+    let mut raw: [u8; 128] = unsafe { std::mem::transmute::<Sqe, [u8; 128]>(sqe) };
+    raw[SQE_LEN_OFFSET..SQE_LEN_OFFSET + 4].copy_from_slice(&len.to_ne_bytes());
+    // SAFETY: as above, in the other direction.
+    unsafe { std::mem::transmute::<[u8; 128], Sqe>(raw) }
+}
+
+impl Engine {
+    /// Reads into `win` from `fd` at `off` (`READ_FIXED` when the pool is registered). Returns
+    /// the bytes read (short at end of file) and the window.
+    pub async fn read(&self, fd: Fd, win: Slice, off: u64) -> (io::Result<usize>, Slice) {
+        let (ptr, len) = (win.ptr(), len32(win.len()));
+        let sqe: Sqe = if win.buf().registered() {
+            let index = win.buf().index();
+            with_fd!(fd, |f| opcode::ReadFixed::new(f, ptr, len, index)
+                .offset(off)
+                .build()
+                .into())
+        } else {
+            with_fd!(fd, |f| opcode::Read::new(f, ptr, len)
+                .offset(off)
+                .build()
+                .into())
+        };
+        // SAFETY: the entry points into `win`, which the op owns until its completion.
+        let (res, owned) = unsafe { self.start(sqe, Owned::Slice(win)) }.await;
+        (bytes(res), take_slice(owned, empty_slice))
+    }
+
+    /// Writes `win` to `fd` at `off` (`WRITE_FIXED` when the pool is registered). Returns the
+    /// bytes written (possibly short) and the window.
+    pub async fn write(&self, fd: Fd, win: Slice, off: u64) -> (io::Result<usize>, Slice) {
+        self.write_as(fd, win, off, win_registered).await
+    }
+
+    /// Like [`Engine::write`], but always a plain `WRITE` from the buffer's address: for files
+    /// that take only user memory, not registered buffers (`/dev/fuse` refuses those with
+    /// `EINVAL`).
+    pub async fn write_plain(&self, fd: Fd, win: Slice, off: u64) -> (io::Result<usize>, Slice) {
+        self.write_as(fd, win, off, |_| false).await
+    }
+
+    async fn write_as(
+        &self,
+        fd: Fd,
+        win: Slice,
+        off: u64,
+        fixed: fn(&Slice) -> bool,
+    ) -> (io::Result<usize>, Slice) {
+        let (ptr, len) = (win.ptr().cast_const(), len32(win.len()));
+        let sqe: Sqe = if fixed(&win) {
+            let index = win.buf().index();
+            with_fd!(fd, |f| opcode::WriteFixed::new(f, ptr, len, index)
+                .offset(off)
+                .build()
+                .into())
+        } else {
+            with_fd!(fd, |f| opcode::Write::new(f, ptr, len)
+                .offset(off)
+                .build()
+                .into())
+        };
+        // SAFETY: the entry points into `win`, which the op owns until its completion.
+        let (res, owned) = unsafe { self.start(sqe, Owned::Slice(win)) }.await;
+        (bytes(res), take_slice(owned, empty_slice))
+    }
+
+    /// Waits until `fd` is readable, then reads into `win` at the file position: a `POLL_ADD`
+    /// linked to a `READ`, for non-blocking files where a plain read could fail with `EAGAIN`.
+    pub async fn poll_read(&self, fd: Fd, win: Slice) -> (io::Result<usize>, Slice) {
+        let (ptr, len) = (win.ptr(), len32(win.len()));
+        let poll: Sqe = with_fd!(fd, |f| opcode::PollAdd::new(f, libc::POLLIN as u32)
+            .build()
+            .into());
+        let read: Sqe = with_fd!(fd, |f| opcode::Read::new(f, ptr, len)
+            .offset(AT_CURSOR)
+            .build()
+            .into());
+        // SAFETY: the poll lends nothing; the read points into `win`, which the op owns.
+        let (res, owned) = unsafe { self.start_linked(poll, read, Owned::Slice(win)) }.await;
+        (bytes(res), take_slice(owned, empty_slice))
+    }
+
+    /// `fsync(2)` (or `fdatasync(2)` with `datasync`).
+    pub async fn fsync(&self, fd: Fd, datasync: bool) -> io::Result<()> {
+        let flags = if datasync {
+            types::FsyncFlags::DATASYNC
+        } else {
+            types::FsyncFlags::empty()
+        };
+        let sqe: Sqe = with_fd!(fd, |f| opcode::Fsync::new(f).flags(flags).build().into());
+        // SAFETY: an fsync references no memory.
+        let (res, _) = unsafe { self.start(sqe, Owned::None) }.await;
+        bytes(res).map(drop)
+    }
+
+    /// `fallocate(2)` with `mode` over `[off, off+len)`.
+    pub async fn fallocate(&self, fd: Fd, mode: i32, off: u64, len: u64) -> io::Result<()> {
+        let sqe: Sqe = with_fd!(fd, |f| opcode::Fallocate::new(f, len)
+            .offset(off)
+            .mode(mode)
+            .build()
+            .into());
+        // SAFETY: a fallocate references no memory.
+        let (res, _) = unsafe { self.start(sqe, Owned::None) }.await;
+        bytes(res).map(drop)
+    }
+
+    /// Waits `d` on the ring (an `IORING_OP_TIMEOUT`): the thread keeps serving other tasks.
+    pub async fn sleep(&self, d: Duration) {
+        let ts = Box::new(
+            types::Timespec::new()
+                .sec(d.as_secs())
+                .nsec(d.subsec_nanos()),
+        );
+        let sqe: Sqe = opcode::Timeout::new(&*ts as *const types::Timespec)
+            .build()
+            .into();
+        // SAFETY: the timespec is boxed (it does not move) and owned by the op until completion.
+        let _ = unsafe { self.start(sqe, Owned::Time { _ts: ts }) }.await;
+    }
+
+    /// Whether the kernel has `IORING_OP_READ_MULTISHOT` (Linux 6.7) and this engine has a
+    /// provided-buffer ring to read into.
+    pub fn can_read_multishot(&self) -> bool {
+        self.buf_group().is_some() && self.supports_opcode(opcode::ReadMulti::CODE)
+    }
+
+    /// Arms a multishot read of `fd` into buffers of `group` (see [`Engine::provide`]); each
+    /// completion hands back the window it filled. Room for `capacity` queued completions is
+    /// reserved up front. `None` if the submission queue cannot take it.
+    pub fn read_multishot(&self, fd: Fd, group: BufGroup, capacity: usize) -> Option<MultiOp<'_>> {
+        let sqe: Sqe = with_fd!(fd, |f| opcode::ReadMulti::new(f, 0, group.0).build().into());
+        // SAFETY: the read writes only into provided windows, which the engine holds until a
+        // completion names them.
+        unsafe { self.start_multishot(sqe, capacity) }
+    }
+
+    /// Lends `win` to the kernel as provided buffer number `win.buf().index()`, for multishot
+    /// reads; it comes back in the [`crate::Completion`] that names it. Visible to the kernel after
+    /// [`Engine::publish_buffers`]. Gives the window back if there is no provided-buffer ring or
+    /// that buffer id is already lent.
+    pub fn provide(&self, win: Slice) -> Result<(), Slice> {
+        self.provided.lend(win)
+    }
+
+    /// Makes provided buffers visible to the kernel (one store for a batch of them).
+    pub fn publish_buffers(&self) {
+        self.provided.publish();
+    }
+
+    /// An 80-byte `URING_CMD` with command `cmd_op` on `fd` that lends the kernel all of `buf`
+    /// until its completion (a FUSE ring entry: the kernel writes the next request into it).
+    ///
+    /// With `iov = Some((at, segments))`, the engine writes one `iovec` per segment (each a range
+    /// of `buf`) at `buf[at..]`, and passes their address and count as the command's `addr` and
+    /// `len`. Returns the completion's `res` and the buffer.
+    pub async fn uring_cmd(
+        &self,
+        fd: Fd,
+        cmd_op: u32,
+        cmd: [u8; 80],
+        mut buf: Buf,
+        iov: Option<(usize, &[Range<usize>])>,
+    ) -> (io::Result<i32>, Buf) {
+        let mut addr = None;
+        let mut count = 0u32;
+        if let Some((at, segments)) = iov {
+            let size = std::mem::size_of::<libc::iovec>();
+            let inside = |r: &Range<usize>| r.start <= r.end && r.end <= buf.len();
+            let end = at.checked_add(segments.len() * size);
+            if !segments.iter().all(inside) || end.is_none_or(|e| e > buf.len()) {
+                return (Err(io::Error::from_raw_os_error(libc::EINVAL)), buf);
+            }
+            let base = buf.ptr();
+            for (i, r) in segments.iter().enumerate() {
+                let v = libc::iovec {
+                    iov_base: base.wrapping_add(r.start).cast(),
+                    iov_len: r.len(),
+                };
+                let p = (v.iov_base as usize).to_ne_bytes();
+                let l = v.iov_len.to_ne_bytes();
+                let o = at + i * size;
+                buf.as_mut_slice()[o..o + 8].copy_from_slice(&p);
+                buf.as_mut_slice()[o + 8..o + 16].copy_from_slice(&l);
+            }
+            addr = Some(base.wrapping_add(at) as u64);
+            count = segments.len() as u32;
+        }
+        let sqe: Sqe = with_fd!(fd, |f| opcode::UringCmd80::new(f, cmd_op)
+            .addr(addr)
+            .cmd(cmd)
+            .build());
+        let sqe = if count > 0 {
+            sqe_with_len(sqe, count)
+        } else {
+            sqe
+        };
+        // SAFETY: `addr` and every iovec point into `buf`, which the op owns until completion.
+        let (res, owned) = unsafe { self.start(sqe, Owned::Buf(buf)) }.await;
+        let buf = match owned {
+            Owned::Buf(b) => b,
+            _ => unreachable!("a uring_cmd op always gives its buffer back"),
+        };
+        if res < 0 {
+            (Err(io::Error::from_raw_os_error(-res)), buf)
+        } else {
+            (Ok(res), buf)
+        }
+    }
+
+    /// Cancels every operation in flight on `fd` (best effort; they complete with `ECANCELED`).
+    pub fn cancel_all_on(&self, fd: Fd) {
+        self.cancel_fd(fd);
+    }
+}
+
+fn win_registered(win: &Slice) -> bool {
+    win.buf().registered()
+}
+
+fn empty_slice() -> Slice {
+    unreachable!("a read or write op always gives its window back")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqe_len_lands_at_offset_24() {
+        let sqe: Sqe = opcode::UringCmd80::new(types::Fd(3), 7).build();
+        let sqe = sqe_with_len(sqe, 0x0102_0304);
+        // SAFETY: plain 128-byte POD, as in sqe_with_len.
+        let raw: [u8; 128] = unsafe { std::mem::transmute::<Sqe, [u8; 128]>(sqe) };
+        assert_eq!(&raw[24..28], &0x0102_0304u32.to_ne_bytes());
+    }
+}

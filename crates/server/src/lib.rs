@@ -1,0 +1,16 @@
+//! The FUSE protocol server of fusex, as a library.
+//!
+//! A request comes in as bytes in an engine buffer, framed one of two ways: the legacy framing
+//! (`read(2)` of `/dev/fuse`: header, arguments and WRITE data in one run) or the io_uring framing
+//! (a ring entry: header and arguments in the entry's header area, names and WRITE data in its
+//! payload). [`QueueServer`] decodes it, hands it to the [`export::Export`], and encodes the reply
+//! in the same buffer; [`reply::reply_parts`] is the one place either framing turns a reply into
+//! what the kernel reads. None of this needs a kernel: tests feed bytes in and read bytes out over
+//! a fake backend. [`slots`] runs the per-buffer request loops over the real transports.
+
+pub mod reply;
+mod serve;
+pub mod slots;
+
+pub use serve::QueueServer;
+pub use slots::QueueState;

@@ -1,0 +1,150 @@
+//! Decode → export → encode, for both framings.
+
+use std::sync::Arc;
+
+use backend::BlockBackend;
+use engine::{Buf, Engine};
+use export::{Counters, Export, Reply, Request};
+use fuse_abi::{parse, parse_op_split, peek_unique, write_header, InHeader, Operation, ParseError};
+use transport::{Delivered, Layout, UringLayout};
+
+use crate::reply::reply_parts;
+
+/// Serves the requests of one queue: shared export, per-queue counters (plain cells, one thread).
+pub struct QueueServer<B> {
+    export: Arc<Export<B>>,
+    counters: Counters,
+}
+
+impl<B: BlockBackend> QueueServer<B> {
+    /// A server for one queue of `export`.
+    pub fn new(export: Arc<Export<B>>) -> QueueServer<B> {
+        QueueServer {
+            export,
+            counters: Counters::default(),
+        }
+    }
+
+    /// This queue's request and backend counters.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The export served.
+    pub fn export(&self) -> &Export<B> {
+        &self.export
+    }
+
+    /// Legacy framing: the request `read(2)` returned is `buf[l.request..l.request + n]`. Serves it
+    /// and encodes the reply at `buf[l.reply..]`; returns the buffer and the reply's length (out
+    /// header included), or `None` when the request takes no reply (FORGET, INTERRUPT, or bytes
+    /// too short to name a request).
+    pub async fn serve_legacy(
+        &self,
+        eng: &Engine,
+        l: &Layout,
+        buf: Buf,
+        n: usize,
+    ) -> (Buf, Option<usize>) {
+        let Some(raw) = buf.as_slice().get(l.request..l.request.saturating_add(n)) else {
+            return (buf, None);
+        };
+        let decoded = match parse(raw) {
+            Ok(r) => Ok((r.header, lower(&r.op, buf.as_slice()))),
+            Err(e) => Err((peek_unique(raw), e)),
+        };
+        let (unique, reply, mut buf) = match decoded {
+            Ok((hdr, op)) => {
+                let (reply, buf) = self.dispatch(eng, &hdr, op, buf, l.payload).await;
+                (hdr.unique, reply, buf)
+            }
+            Err((Some(unique), e)) => (unique, self.malformed(&e), buf),
+            Err((None, e)) => {
+                self.malformed(&e);
+                return (buf, None);
+            }
+        };
+        let capacity = buf.len().saturating_sub(l.payload);
+        let Some((error, len)) = reply_parts(reply, capacity) else {
+            return (buf, None);
+        };
+        let out = &mut buf.as_mut_slice()[l.reply..];
+        let total = write_header(out, unique, error, len).ok();
+        (buf, total)
+    }
+
+    /// io_uring framing: the kernel delivered `d` into the entry buffer `buf` (header and
+    /// arguments in the header area, `d.payload_sz` bytes of names or WRITE data in the payload).
+    /// Serves it and writes the out header and payload size the commit sends.
+    pub async fn serve_uring(&self, eng: &Engine, l: &UringLayout, buf: Buf, d: &Delivered) -> Buf {
+        let hdr = d.header;
+        let b = buf.as_slice();
+        let op_in = &b[l.op_in()..l.op_in() + 128];
+        let payload = &b[l.payload..l.payload + d.payload_sz.min(l.payload_len)];
+        let (reply, mut buf) = match parse_op_split(&hdr, op_in, payload) {
+            Ok(op) => {
+                let op = lower(&op, b);
+                self.dispatch(eng, &hdr, op, buf, l.payload).await
+            }
+            Err(e) => (self.malformed(&e), buf),
+        };
+        // Nothing without a reply travels over the ring (FORGET and INTERRUPT come through
+        // /dev/fuse); should one arrive, answer so the entry re-arms.
+        let (error, len) = reply_parts(reply, l.payload_len).unwrap_or((-libc::ENOSYS, 0));
+        l.set_reply(buf.as_mut_slice(), hdr.unique, error, len);
+        buf
+    }
+
+    /// io_uring framing: answers the request in `buf` with `errno` without serving it (a queue
+    /// that is stopping takes nothing new).
+    pub fn refuse_uring(&self, l: &UringLayout, buf: &mut Buf, d: &Delivered, errno: i32) {
+        let (error, len) = reply_parts(Reply::Error(errno), 0).unwrap_or((-libc::EIO, 0));
+        l.set_reply(buf.as_mut_slice(), d.header.unique, error, len);
+    }
+
+    fn malformed(&self, e: &ParseError) -> Reply {
+        self.counters.malformed();
+        tracing::debug!("malformed request: {e}");
+        Reply::Error(e.errno())
+    }
+
+    /// Serves a decoded request whose reply body goes to `buf[payload..]`.
+    async fn dispatch(
+        &self,
+        eng: &Engine,
+        hdr: &InHeader,
+        (req, write): (Request, Option<(usize, usize)>),
+        mut buf: Buf,
+        payload: usize,
+    ) -> (Reply, Buf) {
+        if let Some((at, len)) = write {
+            if at != payload {
+                // The transport could not land the data where the backend reads it: move it
+                // there (counted, so a test can prove the data path never does this).
+                if payload.checked_add(len).is_none_or(|e| e > buf.len()) {
+                    return (Reply::Error(libc::EIO), buf);
+                }
+                buf.as_mut_slice().copy_within(at..at + len, payload);
+                self.counters.copied(len);
+            }
+        }
+        self.counters.request(hdr.opcode);
+        self.export
+            .handle(eng, hdr, req, buf, payload, &self.counters)
+            .await
+    }
+}
+
+/// The owned form of an operation, plus where WRITE data sits in the buffer `base`.
+fn lower(op: &Operation<'_>, base: &[u8]) -> (Request, Option<(usize, usize)>) {
+    let write = match op {
+        Operation::Write { data, .. } => {
+            Some((data.as_ptr() as usize - base.as_ptr() as usize, data.len()))
+        }
+        _ => None,
+    };
+    (Request::from_operation(op), write)
+}
+
+#[cfg(test)]
+mod tests;
