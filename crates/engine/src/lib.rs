@@ -1,13 +1,22 @@
 //! The per-thread engine of fusex.
 //!
 //! One queue thread owns one [`Engine`]: an io_uring (128-byte SQEs, so FUSE `URING_CMD`s can share
-//! the ring with backend I/O), a table of in-flight operations, a pool of page-aligned buffers the
-//! engine owns (and may register as fixed buffers), and a tiny single-threaded executor whose only
-//! reactor is the ring. Requests are Rust futures: stackless, polled in place, no thread per request
-//! and no allocation per request once the queue has started.
+//! the ring with backend I/O), a table of in-flight operations, a pool of page-aligned buffers (which
+//! it may register as fixed buffers), and a tiny single-threaded executor whose only reactor is the
+//! ring. Requests are Rust futures: stackless, polled in place, no thread per request and no
+//! allocation per request once the queue has started.
 //!
-//! Soundness rests on one rule: memory handed to the kernel is owned by the engine (its buffer pool
-//! or its own fields) and the engine does not free it before every submitted operation has completed.
+//! Soundness rests on ownership, not on promises:
+//! * a [`Buf`] owns one pool buffer and keeps the pool's memory alive, so no safe code reaches
+//!   freed memory, even after the engine is gone;
+//! * every operation that lends memory to the kernel takes it by value ([`Buf`], [`Slice`]) and
+//!   the op table holds it until the operation's terminal completion; the future only gets it
+//!   back. Dropping (or forgetting) the future orphans the operation: nothing waits, nothing can
+//!   touch the memory, and the slot is not reused before the kernel is done;
+//! * SQEs are built only here, in a typed catalog ([`Engine::read`], [`Engine::write`],
+//!   [`Engine::uring_cmd`], ...); no other crate sees io_uring;
+//! * dropping the engine with operations in flight cancels them and waits a bounded time; what
+//!   the kernel still holds after that is leaked, never freed.
 
 pub mod buf;
 mod executor;

@@ -282,6 +282,7 @@ fn uring_cmd_refuses_iovecs_outside_its_buffer() {
         .unwrap();
     assert_eq!(res.unwrap_err().raw_os_error(), Some(libc::EINVAL));
     assert_eq!(eng.in_flight(), 0, "nothing was submitted");
+    #[allow(clippy::single_range_in_vec_init)]
     let segs = [0..16];
     let (res, _) = eng
         .block_on(eng.uring_cmd(Fd::Raw(-1), 0, [0; 80], buf, Some((len - 8, &segs))))

@@ -117,9 +117,11 @@ pub struct MountArgs {
     /// Flush the image after every write.
     #[arg(long)]
     pub writethrough: bool,
-    /// Requests in flight per queue (io_uring: ring entries per kernel queue).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub queue_depth: u16,
+    /// Requests in flight per queue (io_uring: ring entries per kernel queue) [default: from a
+    /// memory budget of 32 MiB + 1 MiB per possible CPU, at most 64; see docs/design.md]. Every
+    /// request buffer holds the largest request (1 MiB), so memory is about depth x queues x 1 MiB.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub queue_depth: Option<u16>,
     /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
     /// io_uring, sharing nothing with the others: on the legacy transport it reads its own clone
     /// of /dev/fuse; on io_uring it serves the kernel's per-CPU queues (qid i goes to queue i mod N).

@@ -3,6 +3,7 @@
 mod affinity;
 mod cli;
 mod daemon;
+mod memory;
 mod passthrough;
 mod queue;
 mod serve;

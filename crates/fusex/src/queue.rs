@@ -22,7 +22,7 @@ use transport::{Layout, LegacyQueue, UringLayout, UringQueue};
 
 /// Slots of the legacy reader that an io_uring queue 0 keeps for requests sent before the ring
 /// is ready (and anything else the kernel still sends through `/dev/fuse`).
-const URING_LEGACY_SLOTS: usize = 2;
+use crate::memory::URING_LEGACY_SLOTS;
 
 /// Where a queue gets its requests.
 pub enum Source {

@@ -18,8 +18,7 @@ use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
 use crate::daemon::Readiness;
 use crate::queue::{self, Event, QueueSpec, Source};
 
-/// Largest WRITE (and READ) fusex negotiates: 1 MiB, the kernel's default `max_pages_limit`.
-const MAX_WRITE: u32 = 1 << 20;
+use crate::memory::{self, Demand, Plan};
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
 pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
@@ -63,6 +62,8 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
 /// What INIT settled that the queues need.
 struct Settled {
     max_write: u32,
+    /// Request buffers per queue and their size.
+    plan: Plan,
     uring: bool,
     /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
     _passthrough: Option<transport::passthrough::Backing>,
@@ -107,6 +108,19 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             ..ExportConfig::default()
         },
     ));
+    let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
+    let threads = args
+        .queues
+        .map_or(crate::affinity::allowed_cpus().len(), usize::from);
+    let possible_cpus = crate::affinity::possible_cpus();
+    let demand = Demand {
+        uring: may_uring,
+        threads,
+        possible_cpus,
+        depth: args.queue_depth.map(usize::from),
+    };
+    let planned = memory::plan(demand);
+    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
     let fd = open_dev_fuse()?;
     let mnt = Mount::new(
         &MountConfig {
@@ -114,21 +128,21 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             source: args.image.clone(),
             read_only: !args.writable,
             allow_other: args.allow_other,
-            max_read: MAX_WRITE,
+            max_read: max_write,
         },
         fd,
     )?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
     let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES;
-    if args.transport != TransportArg::Legacy && uring_blocked.is_none() {
+    if may_uring {
         want |= FUSE_OVER_IO_URING;
     }
     let neg = pt.negotiate_init(
         mnt.fd().context("mount fd")?,
         &InitParams {
             want,
-            max_write: MAX_WRITE,
-            max_pages: (MAX_WRITE / 4096) as u16,
+            max_write,
+            max_pages: (max_write / 4096) as u16,
             max_background: 1024,
         },
     )?;
@@ -160,12 +174,30 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             "legacy /dev/fuse"
         }
     );
+    // Planned for io_uring's per-CPU queues; the legacy transport needs buffers per thread only.
+    let plan = if uring || !may_uring {
+        planned
+    } else {
+        memory::plan(Demand {
+            uring: false,
+            ..demand
+        })
+    };
+    let buffer_size = memory::buffer_size(neg.max_write as usize);
+    tracing::info!(
+        "request buffers: {} requests in flight per queue, {} KiB each, {} MiB in all (budget {} MiB)",
+        plan.depth,
+        buffer_size >> 10,
+        (plan.buffers * buffer_size) >> 20,
+        plan.budget >> 20
+    );
     tracing::info!("mounted {} at {}", args.image, mnt.mountpoint().display());
     Ok((
         export,
         mnt,
         Settled {
             max_write: neg.max_write,
+            plan,
             uring,
             _passthrough: backing,
         },
@@ -236,7 +268,7 @@ fn run_queues(
         let spec = QueueSpec {
             id,
             source,
-            depth: usize::from(args.queue_depth),
+            depth: neg.plan.depth,
             max_write: neg.max_write as usize,
             spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
             cpu: pin.then(|| cpus[id % cpus.len()]),

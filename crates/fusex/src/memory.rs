@@ -1,0 +1,170 @@
+//! How much request-buffer memory an export pins, decided once at start.
+//!
+//! Every buffer must hold the largest request (the kernel refuses a `/dev/fuse` read shorter than
+//! `max_write` + headers, and an io_uring entry whose payload is shorter than `max_write`), and
+//! registered buffers are pinned in full. So memory is `buffers × (max_write + 8 KiB)`, and what
+//! there is to choose is how many buffers and how large `max_write` is:
+//!
+//! ```text
+//! budget  = 32 MiB + 1 MiB × possible CPUs
+//! size(w) = w + 8 KiB                         (a page of headers, the payload, a page of slack)
+//! units   = kernel queues (io_uring: one per possible CPU) or queue threads (legacy)
+//! fixed   = 2 on io_uring (queue 0's /dev/fuse reader for early requests), else 0
+//! w       = the largest of 1 MiB, 512, 256, 128 KiB with units × MIN_DEPTH + fixed buffers in budget
+//! depth   = --queue-depth if given, else clamp((budget / size(w) - fixed) / units, MIN_DEPTH, 64)
+//! pinned  = (units × depth + fixed) × size(w)
+//! ```
+//!
+//! Here (2 CPUs): budget 34 MiB, 1 MiB requests, depth 15 on io_uring (16 legacy), ~32 MiB. With
+//! 256 possible CPUs: budget 288 MiB, 256 KiB requests, depth 4, ~266 MiB (the kernel needs one
+//! entry per possible CPU's queue, each as large as `max_write`, whether that CPU is online or not).
+
+/// Fewest requests in flight per queue the plan accepts before it shrinks `max_write`.
+pub const MIN_DEPTH: usize = 4;
+/// Most requests in flight per queue by default (what `--queue-depth` used to default to).
+pub const MAX_DEPTH: usize = 64;
+/// The largest request fusex negotiates: 1 MiB, the kernel's default `max_pages_limit`.
+pub const MAX_WRITE: usize = 1 << 20;
+/// The smallest `max_write` the plan shrinks to.
+pub const MIN_WRITE: usize = 128 << 10;
+/// Buffers of queue 0's `/dev/fuse` reader on the io_uring transport.
+pub const URING_LEGACY_SLOTS: usize = 2;
+
+const MIB: usize = 1 << 20;
+
+/// What the plan depends on.
+#[derive(Clone, Copy, Debug)]
+pub struct Demand {
+    /// FUSE-over-io_uring may be negotiated (plan for its per-CPU queues).
+    pub uring: bool,
+    /// Queue threads.
+    pub threads: usize,
+    /// Possible CPUs (the kernel's io_uring queue count).
+    pub possible_cpus: usize,
+    /// `--queue-depth`, if given.
+    pub depth: Option<usize>,
+}
+
+/// The decision: request size, requests in flight per queue, and what it costs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// `max_write` (and `max_read`) to negotiate.
+    pub max_write: usize,
+    /// Requests in flight per queue (io_uring: entries per kernel queue).
+    pub depth: usize,
+    /// Bytes of one buffer.
+    pub buffer_size: usize,
+    /// Buffers across all queues.
+    pub buffers: usize,
+    /// The budget it was planned against.
+    pub budget: usize,
+}
+
+/// The default memory budget for a machine with `possible_cpus`.
+pub fn budget(possible_cpus: usize) -> usize {
+    32 * MIB + possible_cpus * MIB
+}
+
+/// Bytes of one buffer for requests of up to `max_write` bytes.
+pub fn buffer_size(max_write: usize) -> usize {
+    max_write + 8192
+}
+
+/// Plans the buffers for `d` (see the module docs for the formula).
+pub fn plan(d: Demand) -> Plan {
+    let budget = budget(d.possible_cpus);
+    let (units, fixed) = if d.uring {
+        (d.possible_cpus.max(d.threads).max(1), URING_LEGACY_SLOTS)
+    } else {
+        (d.threads.max(1), 0)
+    };
+    let fits = |w: usize, depth: usize| (units * depth + fixed) * buffer_size(w) <= budget;
+    let min_depth = d.depth.unwrap_or(MIN_DEPTH).min(MIN_DEPTH);
+    let mut w = MAX_WRITE;
+    while w > MIN_WRITE && !fits(w, min_depth) {
+        w /= 2;
+    }
+    let depth = d.depth.unwrap_or_else(|| {
+        let n = budget / buffer_size(w);
+        (n.saturating_sub(fixed) / units).clamp(MIN_DEPTH, MAX_DEPTH)
+    });
+    Plan {
+        max_write: w,
+        depth,
+        buffer_size: buffer_size(w),
+        buffers: units * depth + fixed,
+        budget,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    impl Plan {
+        /// Bytes allocated (and pinned, when registered) across all queues.
+        fn bytes(&self) -> usize {
+            self.buffers * self.buffer_size
+        }
+    }
+
+    fn defaults(uring: bool, cpus: usize) -> Plan {
+        plan(Demand {
+            uring,
+            threads: cpus,
+            possible_cpus: cpus,
+            depth: None,
+        })
+    }
+
+    #[test]
+    fn this_machine_stays_under_48_mib_with_1_mib_requests() {
+        for uring in [true, false] {
+            let p = defaults(uring, 2);
+            assert_eq!(p.max_write, MAX_WRITE);
+            assert!(p.depth >= 15, "{p:?}");
+            assert!(p.bytes() <= 40 * MIB, "{p:?}: {} MiB", p.bytes() / MIB);
+        }
+    }
+
+    #[test]
+    fn a_256_cpu_machine_stays_under_512_mib() {
+        for uring in [true, false] {
+            let p = defaults(uring, 256);
+            assert!(p.bytes() <= 512 * MIB, "{p:?}: {} MiB", p.bytes() / MIB);
+            assert!(p.depth >= MIN_DEPTH);
+            assert!(p.max_write >= MIN_WRITE);
+        }
+        let p = defaults(true, 256);
+        assert_eq!(p.max_write, 256 << 10, "shrunk requests rather than starved queues");
+    }
+
+    #[test]
+    fn every_machine_size_keeps_the_formula() {
+        for cpus in 1..=1024 {
+            for uring in [true, false] {
+                let p = defaults(uring, cpus);
+                let units = cpus;
+                let fixed = if uring { URING_LEGACY_SLOTS } else { 0 };
+                assert_eq!(p.buffers, units * p.depth + fixed);
+                assert!((MIN_DEPTH..=MAX_DEPTH).contains(&p.depth));
+                // Within budget unless already at the smallest requests and fewest entries.
+                assert!(
+                    p.bytes() <= p.budget || (p.max_write == MIN_WRITE && p.depth == MIN_DEPTH),
+                    "{cpus} cpus: {p:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_explicit_depth_is_honoured() {
+        let p = plan(Demand {
+            uring: false,
+            threads: 2,
+            possible_cpus: 2,
+            depth: Some(64),
+        });
+        assert_eq!((p.depth, p.buffers, p.max_write), (64, 128, MAX_WRITE));
+    }
+}
