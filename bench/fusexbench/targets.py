@@ -124,11 +124,17 @@ def parse_define(text: str) -> TargetSpec:
         raise ValueError(f"bad target definition {text!r} (want NAME=KIND:ARGS)")
     name, rest = text.split("=", 1)
     kind, argstr = rest.split(":", 1)
+    options: dict[str, Any] = {}
+    if kind.startswith("fusex@"):
+        # Another fusex binary (e.g. a build of an earlier commit, for before/after in one run).
+        kind, options["binary"] = "fusex", kind.split("@", 1)[1]
     if kind not in KINDS:
         raise ValueError(f"unknown target kind {kind!r}")
     args = tuple(argstr.split())
-    requires = tuple(a.split("=")[0] for a in args if a.startswith("--")) if kind == "fusex" else ()
-    return TargetSpec(name.strip(), kind, args, requires, {}, f"{kind} {argstr}".strip())
+    requires = ()
+    if kind == "fusex" and "binary" not in options:
+        requires = tuple(a.split("=")[0] for a in args if a.startswith("--"))
+    return TargetSpec(name.strip(), kind, args, requires, options, f"{rest.split(':', 1)[0]} {argstr}".strip())
 
 
 # --------------------------------------------------------------------------- tools
@@ -176,6 +182,9 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
     """Why ``spec`` cannot run on ``image`` here, or None if it can."""
     if spec.kind == "native":
         return "native has no null image (nothing to compare against)" if image.kind == "null" else None
+    if spec.kind == "fusex" and spec.options.get("binary"):
+        b = spec.options["binary"]
+        return None if os.access(b, os.X_OK) else f"fusex binary {b} is not executable"
     if spec.kind == "fusex":
         if not tools.fusex:
             return "fusex binary not found (cargo build --release -p fusex, or --fusex PATH)"
@@ -391,8 +400,9 @@ def _wait_path(path: str, proc: subprocess.Popen, log: str, timeout: float = MOU
 
 def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
     """``fusex mount --writable [--direct] ARGS IMAGE MNT``."""
-    assert tools.fusex
-    cmd = [tools.fusex, "mount", "--writable"]
+    binary = spec.options.get("binary") or tools.fusex
+    assert binary
+    cmd = [binary, "mount", "--writable"]
     if image.direct:
         cmd.append("--direct")
     cmd += list(spec.args)

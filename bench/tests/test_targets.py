@@ -73,6 +73,10 @@ class AvailabilityTest(unittest.TestCase):
         self.assertIsNotNone(unavailable_reason(self.cat["native"], NULL, TOOLS))
 
     def test_define(self):
+        s = parse_define("before=fusex@/bin/true:--queues 1")
+        self.assertEqual((s.kind, s.options["binary"], s.requires), ("fusex", "/bin/true", ()))
+        self.assertEqual(fusex_command(TOOLS, s, SHM, "/m")[0], "/bin/true")
+        self.assertIsNone(unavailable_reason(s, SHM, TOOLS))
         s = parse_define("fusex-qd8=fusex:--queue-depth 8 --spin-us=20")
         self.assertEqual((s.name, s.kind, s.args), ("fusex-qd8", "fusex", ("--queue-depth", "8", "--spin-us=20")))
         self.assertEqual(s.requires, ("--queue-depth", "--spin-us"))
