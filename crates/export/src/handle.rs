@@ -112,29 +112,32 @@ impl<B: BlockBackend> Export<B> {
         &self.cfg
     }
 
-    /// Serves one request. `buf[payload..]` is the payload window: WRITE data on entry, the reply
-    /// body on return. The buffer is taken and given back, since backend I/O lends it to the kernel.
+    /// Serves one request. `buf[window]` is the payload window: WRITE data at its start on entry,
+    /// the reply body at its start on return; nothing is read or written past its end. The buffer
+    /// is taken and given back, since backend I/O lends it to the kernel.
     pub async fn handle(
         &self,
         eng: &Engine,
         hdr: &InHeader,
         req: Request,
         mut buf: Buf,
-        payload: usize,
+        window: std::ops::Range<usize>,
         stats: &Counters,
     ) -> (Reply, Buf) {
+        let payload = window.start;
         if hdr.nodeid != ROOT_ID
             && !matches!(req, Request::Forget | Request::Interrupt | Request::Destroy)
         {
             // Only the root exists; the kernel never names another node (LOOKUP always fails).
             return (Reply::Error(libc::ENOENT), buf);
         }
-        if payload > buf.len() {
+        if window.start > window.end || window.end > buf.len() {
             return (Reply::Error(libc::EIO), buf);
         }
+        let cap = window.end - window.start;
         let r = match req {
-            Request::Read(a) => return self.read(eng, a, buf, payload, stats).await,
-            Request::Write(a) => return self.write(eng, a, buf, payload, stats).await,
+            Request::Read(a) => return self.read(eng, a, buf, payload, cap, stats).await,
+            Request::Write(a) => return self.write(eng, a, buf, payload, cap, stats).await,
             Request::Getattr => self.getattr(&mut buf, payload),
             Request::Setattr(a) => self.setattr(a, &mut buf, payload),
             Request::Open(a) => self.open(a, &mut buf, payload),
@@ -158,10 +161,10 @@ impl<B: BlockBackend> Export<B> {
         a: ReadIn,
         buf: Buf,
         payload: usize,
+        cap: usize,
         stats: &Counters,
     ) -> (Reply, Buf) {
         let size = self.backend.size();
-        let cap = buf.len() - payload;
         if a.offset >= size || a.size == 0 {
             return (Reply::Data(0), buf);
         }
@@ -186,12 +189,13 @@ impl<B: BlockBackend> Export<B> {
         a: WriteIn,
         buf: Buf,
         payload: usize,
+        cap: usize,
         stats: &Counters,
     ) -> (Reply, Buf) {
         if !self.cfg.writable {
             return (Reply::Error(libc::EROFS), buf);
         }
-        let mut len = (a.size as usize).min(buf.len() - payload) as u64;
+        let mut len = (a.size as usize).min(cap) as u64;
         let Some(end) = a.offset.checked_add(len) else {
             return (Reply::Error(libc::EFBIG), buf);
         };

@@ -36,7 +36,10 @@ mod tests {
         assert_eq!(reply_parts(Reply::None, 10), None);
         assert_eq!(reply_parts(Reply::Data(10), 10), Some((0, 10)));
         assert_eq!(reply_parts(Reply::Data(11), 10), Some((-libc::EIO, 0)));
-        assert_eq!(reply_parts(Reply::Error(libc::ENOSPC), 0), Some((-libc::ENOSPC, 0)));
+        assert_eq!(
+            reply_parts(Reply::Error(libc::ENOSPC), 0),
+            Some((-libc::ENOSPC, 0))
+        );
         assert_eq!(reply_parts(Reply::Error(0), 0), Some((-libc::EIO, 0)));
         assert_eq!(reply_parts(Reply::Error(-3), 0), Some((-libc::EIO, 0)));
         assert_eq!(reply_parts(Reply::Error(512), 0), Some((-libc::EIO, 0)));

@@ -55,7 +55,8 @@ impl<B: BlockBackend> QueueServer<B> {
         };
         let (unique, reply, mut buf) = match decoded {
             Ok((hdr, op)) => {
-                let (reply, buf) = self.dispatch(eng, &hdr, op, buf, l.payload).await;
+                let window = l.payload..buf.len();
+                let (reply, buf) = self.dispatch(eng, &hdr, op, buf, window).await;
                 (hdr.unique, reply, buf)
             }
             Err((Some(unique), e)) => (unique, self.malformed(&e), buf),
@@ -84,7 +85,8 @@ impl<B: BlockBackend> QueueServer<B> {
         let (reply, mut buf) = match parse_op_split(&hdr, op_in, payload) {
             Ok(op) => {
                 let op = lower(&op, b);
-                self.dispatch(eng, &hdr, op, buf, l.payload).await
+                let window = l.payload..l.payload + l.payload_len;
+                self.dispatch(eng, &hdr, op, buf, window).await
             }
             Err(e) => (self.malformed(&e), buf),
         };
@@ -115,13 +117,14 @@ impl<B: BlockBackend> QueueServer<B> {
         hdr: &InHeader,
         (req, write): (Request, Option<(usize, usize)>),
         mut buf: Buf,
-        payload: usize,
+        window: std::ops::Range<usize>,
     ) -> (Reply, Buf) {
+        let payload = window.start;
         if let Some((at, len)) = write {
             if at != payload {
                 // The transport could not land the data where the backend reads it: move it
                 // there (counted, so a test can prove the data path never does this).
-                if payload.checked_add(len).is_none_or(|e| e > buf.len()) {
+                if payload.checked_add(len).is_none_or(|e| e > window.end) {
                     return (Reply::Error(libc::EIO), buf);
                 }
                 buf.as_mut_slice().copy_within(at..at + len, payload);
@@ -130,7 +133,7 @@ impl<B: BlockBackend> QueueServer<B> {
         }
         self.counters.request(hdr.opcode);
         self.export
-            .handle(eng, hdr, req, buf, payload, &self.counters)
+            .handle(eng, hdr, req, buf, window, &self.counters)
             .await
     }
 }

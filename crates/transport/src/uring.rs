@@ -44,10 +44,18 @@ pub struct UringLayout {
 impl UringLayout {
     /// Writes the out header (`error` is 0 or a negative errno) and the payload size of a reply
     /// into an entry buffer.
+    ///
+    /// The header is encoded by [`fuse_abi::write_header`], as on the legacy transport; a reply it
+    /// refuses (an error outside `-511..=0`, or an error with a payload) goes out as `EIO`.
     pub fn set_reply(&self, buf: &mut [u8], unique: u64, error: i32, payload_len: usize) {
-        let len = (fuse_abi::OUT_HEADER_LEN + payload_len) as u32;
-        let oh = fuse_abi::OutHeader { len, error, unique };
-        buf[self.header..self.header + 16].copy_from_slice(oh.as_bytes());
+        let payload_len =
+            match fuse_abi::write_header(&mut buf[self.header..], unique, error, payload_len) {
+                Ok(_) => payload_len,
+                Err(_) => {
+                    let _ = fuse_abi::write_header(&mut buf[self.header..], unique, -libc::EIO, 0);
+                    0
+                }
+            };
         // Only payload_sz of the entry's in/out area is read back by the kernel.
         let at = self.header + 256 + std::mem::offset_of!(UringEntInOut, payload_sz);
         buf[at..at + 4].copy_from_slice(&(payload_len as u32).to_ne_bytes());
