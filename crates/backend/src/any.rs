@@ -92,6 +92,16 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
     )?))
 }
 
+impl AnyBackend {
+    /// Every descriptor data I/O goes to (for registering them with a ring as fixed files).
+    pub fn io_fds(&self) -> Vec<std::os::fd::RawFd> {
+        match self {
+            AnyBackend::Raw(r) => r.io_fds(),
+            AnyBackend::Null(_) => Vec::new(),
+        }
+    }
+}
+
 macro_rules! each {
     ($self:ident, $b:ident => $e:expr) => {
         match $self {

@@ -131,6 +131,14 @@ impl RawBackend {
         self.file.as_raw_fd()
     }
 
+    /// Every descriptor data I/O goes to (for registering them with a ring as fixed files).
+    pub fn io_fds(&self) -> Vec<RawFd> {
+        std::iter::once(&self.file)
+            .chain(self.buffered.as_ref())
+            .map(AsRawFd::as_raw_fd)
+            .collect()
+    }
+
     /// The data path for one transfer: O_DIRECT on a device always goes through the ring (it
     /// waits for the device); `Adaptive` resolves by how busy the calling queue is.
     fn pick(&self, eng: &Engine, configured: IoPath, direct_fd: bool) -> IoPath {

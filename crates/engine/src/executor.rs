@@ -95,6 +95,8 @@ pub struct Engine {
     remote_buf: Box<[u8; 8]>,
     remote_armed: Cell<bool>,
     pool: Rc<Pool>,
+    /// Descriptors registered as the ring's fixed files (index = position).
+    files: RefCell<Vec<std::os::fd::RawFd>>,
     spin: Duration,
     drop_wait: Duration,
     stats: Cell<EngineStats>,
@@ -172,6 +174,7 @@ impl Engine {
             remote_buf: Box::new([0; 8]),
             remote_armed: Cell::new(false),
             pool,
+            files: RefCell::new(Vec::new()),
             spin: cfg.spin,
             drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
@@ -206,6 +209,31 @@ impl Engine {
     /// Whether the pool is registered as fixed buffers (so `*_FIXED` opcodes are used).
     pub fn buffers_registered(&self) -> bool {
         self.pool.registered()
+    }
+
+    /// Registers `fds` as the ring's fixed files (once, at queue start): from then on every
+    /// operation on one of them names it by index, which spares the kernel a file table lookup
+    /// and reference count per operation. The caller keeps the descriptors open while the engine
+    /// lives.
+    pub fn register_files(&self, fds: &[std::os::fd::RawFd]) -> std::io::Result<()> {
+        let mut files = self.files.borrow_mut();
+        if !files.is_empty() {
+            return Err(std::io::Error::from_raw_os_error(libc::EEXIST));
+        }
+        self.ring.borrow().submitter().register_files(fds)?;
+        files.extend_from_slice(fds);
+        Ok(())
+    }
+
+    /// `fd` as operations should name it: its fixed-file index if it is registered.
+    pub(crate) fn target(&self, fd: crate::Fd) -> crate::Fd {
+        match fd {
+            crate::Fd::Raw(raw) => match self.files.borrow().iter().position(|f| *f == raw) {
+                Some(i) => crate::Fd::Fixed(i as u32),
+                None => fd,
+            },
+            fixed => fixed,
+        }
     }
 
     /// A handle other threads use to wake tasks of this engine.
@@ -532,7 +560,7 @@ impl Engine {
 
     /// Cancels every op in flight on `fd` without waiting (each sees `-ECANCELED`, or its result).
     pub(crate) fn cancel_fd(&self, fd: crate::Fd) {
-        let b = match fd {
+        let b = match self.target(fd) {
             crate::Fd::Raw(fd) => types::CancelBuilder::fd(types::Fd(fd)),
             crate::Fd::Fixed(i) => types::CancelBuilder::fd(types::Fixed(i)),
         };

@@ -94,12 +94,14 @@ impl Engine {
         let (ptr, len) = (win.ptr(), len32(win.len()));
         let sqe: Sqe = if win.buf().registered() {
             let index = win.buf().index();
-            with_fd!(fd, |f| opcode::ReadFixed::new(f, ptr, len, index)
-                .offset(off)
-                .build()
-                .into())
+            with_fd!(self.target(fd), |f| opcode::ReadFixed::new(
+                f, ptr, len, index
+            )
+            .offset(off)
+            .build()
+            .into())
         } else {
-            with_fd!(fd, |f| opcode::Read::new(f, ptr, len)
+            with_fd!(self.target(fd), |f| opcode::Read::new(f, ptr, len)
                 .offset(off)
                 .build()
                 .into())
@@ -132,12 +134,14 @@ impl Engine {
         let (ptr, len) = (win.ptr().cast_const(), len32(win.len()));
         let sqe: Sqe = if fixed(&win) {
             let index = win.buf().index();
-            with_fd!(fd, |f| opcode::WriteFixed::new(f, ptr, len, index)
-                .offset(off)
-                .build()
-                .into())
+            with_fd!(self.target(fd), |f| opcode::WriteFixed::new(
+                f, ptr, len, index
+            )
+            .offset(off)
+            .build()
+            .into())
         } else {
-            with_fd!(fd, |f| opcode::Write::new(f, ptr, len)
+            with_fd!(self.target(fd), |f| opcode::Write::new(f, ptr, len)
                 .offset(off)
                 .build()
                 .into())
@@ -151,10 +155,13 @@ impl Engine {
     /// linked to a `READ`, for non-blocking files where a plain read could fail with `EAGAIN`.
     pub async fn poll_read(&self, fd: Fd, win: Slice) -> (io::Result<usize>, Slice) {
         let (ptr, len) = (win.ptr(), len32(win.len()));
-        let poll: Sqe = with_fd!(fd, |f| opcode::PollAdd::new(f, libc::POLLIN as u32)
-            .build()
-            .into());
-        let read: Sqe = with_fd!(fd, |f| opcode::Read::new(f, ptr, len)
+        let poll: Sqe = with_fd!(self.target(fd), |f| opcode::PollAdd::new(
+            f,
+            libc::POLLIN as u32
+        )
+        .build()
+        .into());
+        let read: Sqe = with_fd!(self.target(fd), |f| opcode::Read::new(f, ptr, len)
             .offset(AT_CURSOR)
             .build()
             .into());
@@ -170,7 +177,10 @@ impl Engine {
         } else {
             types::FsyncFlags::empty()
         };
-        let sqe: Sqe = with_fd!(fd, |f| opcode::Fsync::new(f).flags(flags).build().into());
+        let sqe: Sqe = with_fd!(self.target(fd), |f| opcode::Fsync::new(f)
+            .flags(flags)
+            .build()
+            .into());
         // SAFETY: an fsync references no memory.
         let (res, _) = unsafe { self.start(sqe, Owned::None) }.await;
         bytes(res).map(drop)
@@ -178,7 +188,7 @@ impl Engine {
 
     /// `fallocate(2)` with `mode` over `[off, off+len)`.
     pub async fn fallocate(&self, fd: Fd, mode: i32, off: u64, len: u64) -> io::Result<()> {
-        let sqe: Sqe = with_fd!(fd, |f| opcode::Fallocate::new(f, len)
+        let sqe: Sqe = with_fd!(self.target(fd), |f| opcode::Fallocate::new(f, len)
             .offset(off)
             .mode(mode)
             .build()
@@ -212,7 +222,9 @@ impl Engine {
     /// completion hands back the window it filled. Room for `capacity` queued completions is
     /// reserved up front. `None` if the submission queue cannot take it.
     pub fn read_multishot(&self, fd: Fd, group: BufGroup, capacity: usize) -> Option<MultiOp<'_>> {
-        let sqe: Sqe = with_fd!(fd, |f| opcode::ReadMulti::new(f, 0, group.0).build().into());
+        let sqe: Sqe = with_fd!(self.target(fd), |f| opcode::ReadMulti::new(f, 0, group.0)
+            .build()
+            .into());
         // SAFETY: the read writes only into provided windows, which the engine holds until a
         // completion names them.
         unsafe { self.start_multishot(sqe, capacity) }
@@ -269,7 +281,7 @@ impl Engine {
             addr = Some(base.wrapping_add(at) as u64);
             count = segments.len() as u32;
         }
-        let sqe: Sqe = with_fd!(fd, |f| opcode::UringCmd80::new(f, cmd_op)
+        let sqe: Sqe = with_fd!(self.target(fd), |f| opcode::UringCmd80::new(f, cmd_op)
             .addr(addr)
             .cmd(cmd)
             .build());

@@ -363,3 +363,21 @@ fn multishot_read_fills_provided_buffers() {
     })
     .unwrap();
 }
+
+/// A registered file is named by index, transparently: the same ops, the same bytes.
+#[test]
+fn registered_files_are_used_transparently() {
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(b"fixed files work").unwrap();
+    let eng = engine(1, true);
+    eng.register_files(&[f.as_raw_fd()]).unwrap();
+    assert_eq!(eng.target(Fd::Raw(f.as_raw_fd())), Fd::Fixed(0));
+    assert_eq!(eng.target(Fd::Raw(0)), Fd::Raw(0), "others stay plain");
+    let buf = eng.take_buffer().unwrap();
+    let (n, win) = eng
+        .block_on(eng.read(Fd::Raw(f.as_raw_fd()), buf.slice(0..16), 0))
+        .unwrap();
+    assert_eq!(n.unwrap(), 16);
+    assert_eq!(win.as_slice(), b"fixed files work");
+    assert!(eng.register_files(&[f.as_raw_fd()]).is_err(), "once");
+}

@@ -76,6 +76,15 @@ pub enum PassthroughArg {
     Off,
 }
 
+/// A plain switch.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum OnOff {
+    /// On.
+    On,
+    /// Off.
+    Off,
+}
+
 /// Whether queue threads are pinned to CPUs.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum Affinity {
@@ -156,6 +165,10 @@ pub struct MountArgs {
     /// takes CPU from the submitters, hence the legacy default.
     #[arg(long)]
     pub spin_us: Option<u64>,
+    /// Register the image and /dev/fuse descriptors with each queue's ring as fixed files (a
+    /// measurement switch).
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
+    pub fixed_files: OnOff,
     /// Fork into the background; return only once the mount is live.
     #[arg(long)]
     pub daemonize: bool,

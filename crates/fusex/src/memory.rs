@@ -136,7 +136,11 @@ mod tests {
             assert!(p.max_write >= MIN_WRITE);
         }
         let p = defaults(true, 256);
-        assert_eq!(p.max_write, 256 << 10, "shrunk requests rather than starved queues");
+        assert_eq!(
+            p.max_write,
+            256 << 10,
+            "shrunk requests rather than starved queues"
+        );
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub struct QueueSpec {
     pub cpu: Option<usize>,
     /// Read `/dev/fuse` with a multishot read where the kernel has it.
     pub multishot: bool,
+    /// Register the image and /dev/fuse descriptors as fixed files.
+    pub fixed_files: bool,
 }
 
 /// Messages from queue threads to the main thread.
@@ -164,6 +166,15 @@ fn serve(
     };
     // The connection fd io_uring commands are issued on stays open for as long as the engine runs.
     let _conn = uring.as_ref().map(|(fd, _)| fd.clone());
+    if spec.fixed_files {
+        use std::os::fd::AsRawFd;
+        // Not the legacy /dev/fuse fd: a multishot READ of it as a fixed file fails with EBADFD.
+        let mut fds = export.backend().io_fds();
+        fds.extend(_conn.as_ref().map(|fd| fd.as_raw_fd()));
+        if let Err(e) = eng.register_files(&fds) {
+            tracing::debug!("queue {}: no fixed files ({e})", spec.id);
+        }
+    }
     let st = QueueState::new(eng, QueueServer::new(export), legacy);
     let eng = st.engine();
 

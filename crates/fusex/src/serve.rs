@@ -273,6 +273,7 @@ fn run_queues(
             spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
             cpu: pin.then(|| cpus[id % cpus.len()]),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
+            fixed_files: args.fixed_files == crate::cli::OnOff::On,
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
         threads.push(
