@@ -16,7 +16,7 @@
 //! ```
 //!
 //! Here (2 CPUs): budget 34 MiB, 1 MiB requests, depth 15 on io_uring (16 legacy), ~32 MiB. With
-//! 256 possible CPUs: budget 288 MiB, 256 KiB requests, depth 4, ~266 MiB (the kernel needs one
+//! 256 possible CPUs: budget 288 MiB, 256 KiB requests, depth 4, ~265 MiB (the kernel needs one
 //! entry per possible CPU's queue, each as large as `max_write`, whether that CPU is online or not).
 
 /// Fewest requests in flight per queue the plan accepts before it shrinks `max_write`.
