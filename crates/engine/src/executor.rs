@@ -296,19 +296,8 @@ impl Engine {
     /// Every pointer in `sqe` must point into `owned` (or into memory the engine itself keeps
     /// until the op's completion), and the ranges the kernel writes must be unaliased.
     pub(crate) unsafe fn start(&self, sqe: Sqe, owned: Owned) -> Op<'_> {
-        let idx = self.ops.borrow_mut().alloc(self.current_task(), owned);
-        if self.push(&[sqe.user_data(u64::from(idx))]) {
-            Op {
-                engine: self,
-                state: OpState::Pending(idx),
-            }
-        } else {
-            let owned = self.ops.borrow_mut().unpush(idx);
-            Op {
-                engine: self,
-                state: OpState::Failed(-libc::EBUSY, owned),
-            }
-        }
+        // SAFETY: forwarded to the caller.
+        unsafe { self.start_after(None, sqe, owned) }
     }
 
     /// Submits `first` (whose completion is ignored; it must lend no memory) linked before
@@ -317,19 +306,27 @@ impl Engine {
     /// # Safety
     /// As for [`Engine::start`], for `sqe`.
     pub(crate) unsafe fn start_linked(&self, first: Sqe, sqe: Sqe, owned: Owned) -> Op<'_> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.start_after(Some(first), sqe, owned) }
+    }
+
+    /// # Safety
+    /// As for [`Engine::start`].
+    unsafe fn start_after(&self, first: Option<Sqe>, sqe: Sqe, owned: Owned) -> Op<'_> {
         let idx = self.ops.borrow_mut().alloc(self.current_task(), owned);
-        let first = first.flags(squeue::Flags::IO_LINK).user_data(UD_IGNORE);
-        if self.push(&[first, sqe.user_data(u64::from(idx))]) {
-            Op {
-                engine: self,
-                state: OpState::Pending(idx),
-            }
+        let sqe = sqe.user_data(u64::from(idx));
+        let pushed = match first {
+            Some(f) => self.push(&[f.flags(squeue::Flags::IO_LINK).user_data(UD_IGNORE), sqe]),
+            None => self.push(&[sqe]),
+        };
+        let state = if pushed {
+            OpState::Pending(idx)
         } else {
-            let owned = self.ops.borrow_mut().unpush(idx);
-            Op {
-                engine: self,
-                state: OpState::Failed(-libc::EBUSY, owned),
-            }
+            OpState::Failed(-libc::EBUSY, self.ops.borrow_mut().unpush(idx))
+        };
+        Op {
+            engine: self,
+            state,
         }
     }
 
