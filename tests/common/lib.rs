@@ -900,6 +900,27 @@ impl Stopped {
         v.as_u64()
             .unwrap_or_else(|| panic!("stats {path:?} is not a u64: {v} in {}", self.stats()))
     }
+
+    /// A boolean from the stats, e.g. `flag(&["exit_flush"])`; a missing key panics.
+    #[track_caller]
+    pub fn flag(&self, path: &[&str]) -> bool {
+        let mut v = self.stats();
+        for k in path {
+            v = v
+                .get(k)
+                .unwrap_or_else(|| panic!("stats have no {path:?}: {}", self.stats()));
+        }
+        v.as_bool()
+            .unwrap_or_else(|| panic!("stats {path:?} is not a bool: {v} in {}", self.stats()))
+    }
+
+    /// FLUSH + FSYNC requests. On a writable export each of them flushes the backend once, and
+    /// `backend.flushes` counts only the flushes requests caused (the one at exit is
+    /// `exit_flush`), so without `--writethrough` the two are equal.
+    #[track_caller]
+    pub fn requested_flushes(&self) -> u64 {
+        self.stat(&["ops", "FLUSH"]) + self.stat(&["ops", "FSYNC"])
+    }
 }
 
 impl Mount {
