@@ -255,15 +255,19 @@ fn null_bad_sizes() {
 /// root-owned 0644 mountpoint (so neither mount(2) nor fusermount3 may mount it).
 #[test]
 fn not_permitted_to_mount() {
-    if !require_fuse_and_tools(&["setpriv"]) {
+    if !require_fuse_and_tools(&["setpriv", "cp"]) {
         return;
     }
     let w = WorkDir::new("bad-nobody");
     let img = image(&w);
     fs::set_permissions(&img, fs::Permissions::from_mode(0o644)).unwrap();
-    // A copy of the binary inside our 0755 temp dir, so nobody can surely execute it.
+    // A copy of the binary inside our 0755 temp dir, so nobody can surely execute it. `cp` makes
+    // it, not this process: a file this process held open for writing (fs::copy does) would leak
+    // into every child other test threads fork meanwhile, until that child's exec closes it, and
+    // exec of a file some process has open for writing fails with ETXTBSY. A child's fds are its
+    // own, so once `cp` has exited nothing has the copy open for writing; chmod needs no fd.
     let bin = w.join("fusex");
-    fs::copy(fusex_bin(), &bin).expect("copy fusex");
+    run_ok(Command::new("cp").arg(fusex_bin()).arg(&bin));
     fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
     let mp = w.join("export");
     fs::write(&mp, b"root's file").unwrap();

@@ -1,8 +1,7 @@
 //! Several queues (cloned /dev/fuse fds, one thread and ring each): data integrity under parallel
 //! verified writers, every queue serving requests, and a clean stop with every queue busy.
 
-use std::thread;
-use std::time::Duration;
+use std::time::Instant;
 
 use fusex_e2e::*;
 
@@ -95,6 +94,7 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         &mp,
         &["--writable", "--transport", "legacy", "--queues", "4"],
     );
+    let mut writes = WriteWatch::new(&img);
     let mut fio = spawn_fio(
         &w,
         &mp,
@@ -111,7 +111,34 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         ],
         1,
     );
-    thread::sleep(Duration::from_secs(1));
+    // The signal must land with every queue serving fio's I/O. First the load is on: fio's writes
+    // reach the image. Then every queue thread wakes for work after that point (an idle queue's
+    // count stands still).
+    let deadline = Instant::now() + TIMEOUT;
+    let flowing = wait_until(deadline, || fio.try_wait().is_some() || writes.seen() >= 1);
+    assert!(
+        fio.try_wait().is_none(),
+        "fio ended before the signal; fusex stderr:\n{}",
+        m.stderr()
+    );
+    assert!(
+        flowing,
+        "none of fio's writes reached the image within {TIMEOUT:?}"
+    );
+    let before = thread_wakeups(m.pid(), "fusex-q");
+    assert_eq!(before.len(), 4, "fusex's queue threads: {before:?}");
+    let mut now = before.clone();
+    let all_busy = wait_until(deadline, || {
+        now = thread_wakeups(m.pid(), "fusex-q");
+        before
+            .iter()
+            .all(|(q, n)| now.get(q).is_some_and(|k| k > n))
+    });
+    assert!(
+        all_busy,
+        "not every queue served fio within {TIMEOUT:?}: wake-ups {before:?} then {now:?}"
+    );
+    assert!(fio.try_wait().is_none(), "fio ended before the signal");
     m.signal(libc::SIGTERM);
     let st = m.wait_exit();
     fio.kill_and_wait();
@@ -127,4 +154,11 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         "{}",
         st.stats()
     );
+    for q in &per_queue {
+        assert!(
+            q["requests"].as_u64().unwrap_or(0) > 0,
+            "every queue served requests: {}",
+            st.stats()
+        );
+    }
 }

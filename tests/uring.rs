@@ -8,8 +8,7 @@ use std::ffi::OsString;
 use std::fs;
 use std::process::Command;
 use std::sync::RwLock;
-use std::thread;
-use std::time::Duration;
+use std::time::Instant;
 
 use fusex_e2e::*;
 
@@ -266,6 +265,8 @@ fn data_path_copies_nothing_in_userspace() {
 /// daemon keeps serving the open file, and exits cleanly once fio is gone.
 #[test]
 fn unmount_while_fio_runs() {
+    /// fio's queue depth: at most this many of its requests are in flight at any time.
+    const IODEPTH: u64 = 16;
     // Lock first: the fallback test switches enable_uring off while it holds the lock.
     let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
     if !require_uring() || !require_fuse_and_tools(&["fio"]) {
@@ -276,6 +277,7 @@ fn unmount_while_fio_runs() {
     random_image(&img, 16 * MIB, 54);
     let mp = w.join("export");
     let m = Mount::start(&w, &img, &mp, &["--writable", "--transport", "uring"]);
+    let mut writes = WriteWatch::new(&img);
     let mut fio = spawn_fio(
         &w,
         &mp,
@@ -284,18 +286,44 @@ fn unmount_while_fio_runs() {
             "--rw=randrw",
             "--bs=4k",
             "--ioengine=libaio",
-            "--iodepth=16",
+            &format!("--iodepth={IODEPTH}"),
             "--time_based",
             "--runtime=30",
             "--size=16M",
         ],
         1,
     );
-    thread::sleep(Duration::from_millis(500));
+    // Under load: more of fio's writes reached the image than it keeps in flight, so it is
+    // refilling its queue.
+    let flowing = wait_until(Instant::now() + TIMEOUT, || {
+        fio.try_wait().is_some() || writes.seen() > IODEPTH
+    });
+    assert!(fio.try_wait().is_none(), "fio ended before the unmount");
+    assert!(
+        flowing,
+        "fewer than {} of fio's writes reached the image within {TIMEOUT:?}",
+        IODEPTH + 1
+    );
     let r = run_fusex(&w, &[OsString::from("umount"), mp.clone().into()], None);
     assert_eq!(r.code, Some(0), "fusex umount under load: {}", r.stderr);
     assert!(!is_fuse_mounted(&mp), "the mount left the namespace");
-    thread::sleep(Duration::from_millis(300));
+    // The daemon keeps serving fio's open file: more writes land in the image after the unmount
+    // than fio can have had in flight at it, so fio submitted some of them afterwards and fusex
+    // served them.
+    let mut writes = WriteWatch::new(&img);
+    let served = wait_until(Instant::now() + TIMEOUT, || {
+        fio.try_wait().is_some() || writes.seen() > IODEPTH
+    });
+    assert!(
+        fio.try_wait().is_none(),
+        "fio failed after the unmount: the daemon must keep serving open files; fusex stderr:\n{}",
+        m.stderr()
+    );
+    assert!(
+        served,
+        "fewer than {} of fio's writes reached the image within {TIMEOUT:?} after the unmount",
+        IODEPTH + 1
+    );
     fio.kill_and_wait();
     let st = m.wait_exit();
     st.assert_clean("unmount while fio runs");

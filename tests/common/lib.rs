@@ -13,6 +13,7 @@
 //!   i.e. on the real disk, where punch-hole and SEEK_HOLE work).
 //! - `CI=true`: missing preconditions (root, /dev/fuse, tools) fail instead of skipping.
 
+use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
@@ -653,6 +654,96 @@ pub fn send_signal(pid: i32, sig: libc::c_int) {
     }
 }
 
+/// Polls `cond` until it holds or `deadline` passes; returns whether it held. `cond` is checked
+/// once more at the deadline, so a condition that became true just in time is not missed.
+///
+/// This is how a test waits for something to happen: on the observable condition itself (a file
+/// changed, a process ended, a counter moved), never for a guessed time.
+pub fn wait_until(deadline: Instant, mut cond: impl FnMut() -> bool) -> bool {
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Counts the writes that land in a file (the backing image of a busy export, say) by watching
+/// its st_mtime: a write sets st_mtime to the current time, so while nothing but writes touches
+/// the file, every change [`WriteWatch::seen`] observes means at least one write completed since
+/// the previous look. (Since Linux 6.13, a write after a stat gets a fine-grained time, so
+/// back-to-back writes are told apart; otherwise writes within one clock tick count once: an
+/// undercount, which only makes a wait on this counter conservative.)
+pub struct WriteWatch {
+    path: PathBuf,
+    last: (i64, i64),
+    seen: u64,
+}
+
+impl WriteWatch {
+    /// Starts watching `path` from its current st_mtime.
+    pub fn new(path: &Path) -> WriteWatch {
+        WriteWatch {
+            path: path.to_path_buf(),
+            last: mtime(path),
+            seen: 0,
+        }
+    }
+
+    /// A lower bound of the writes that landed since [`WriteWatch::new`]: the st_mtime changes
+    /// observed so far, this look included.
+    pub fn seen(&mut self) -> u64 {
+        let now = mtime(&self.path);
+        if now != self.last {
+            self.last = now;
+            self.seen += 1;
+        }
+        self.seen
+    }
+}
+
+/// st_mtime as (seconds, nanoseconds).
+fn mtime(path: &Path) -> (i64, i64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(path).unwrap_or_else(|e| panic!("stat {}: {e}", path.display()));
+    (m.mtime(), m.mtime_nsec())
+}
+
+/// Voluntary context switches of each thread of process `pid` whose name starts with `prefix`,
+/// by thread name (e.g. fusex's queue threads, `fusex-q0`, `fusex-q1`, ...). A thread that sleeps
+/// until work arrives adds one each time it goes back to sleep after doing some, so a count that
+/// moves says the thread is working; an idle queue thread's count stands still.
+pub fn thread_wakeups(pid: i32, prefix: &str) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let Ok(status) = fs::read_to_string(t.path().join("status")) else {
+            continue;
+        };
+        let field = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .map(|v| v.trim().to_string())
+        };
+        let (Some(name), Some(n)) = (field("Name:"), field("voluntary_ctxt_switches:")) else {
+            continue;
+        };
+        if name.starts_with(prefix) {
+            out.insert(
+                name,
+                n.parse().expect("voluntary_ctxt_switches is a number"),
+            );
+        }
+    }
+    out
+}
+
 /// Waits for a child with a timeout; None if it is still running.
 pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
@@ -899,6 +990,27 @@ impl Stopped {
         }
         v.as_u64()
             .unwrap_or_else(|| panic!("stats {path:?} is not a u64: {v} in {}", self.stats()))
+    }
+
+    /// A boolean from the stats, e.g. `flag(&["exit_flush"])`; a missing key panics.
+    #[track_caller]
+    pub fn flag(&self, path: &[&str]) -> bool {
+        let mut v = self.stats();
+        for k in path {
+            v = v
+                .get(k)
+                .unwrap_or_else(|| panic!("stats have no {path:?}: {}", self.stats()));
+        }
+        v.as_bool()
+            .unwrap_or_else(|| panic!("stats {path:?} is not a bool: {v} in {}", self.stats()))
+    }
+
+    /// FLUSH + FSYNC requests. On a writable export each of them flushes the backend once, and
+    /// `backend.flushes` counts only the flushes requests caused (the one at exit is
+    /// `exit_flush`), so without `--writethrough` the two are equal.
+    #[track_caller]
+    pub fn requested_flushes(&self) -> u64 {
+        self.stat(&["ops", "FLUSH"]) + self.stat(&["ops", "FSYNC"])
     }
 }
 
@@ -1403,6 +1515,11 @@ pub struct ChildGuard(pub Child);
 impl ChildGuard {
     pub fn pid(&self) -> i32 {
         self.0.id() as i32
+    }
+
+    /// The exit status if the process has ended (reaping it), None while it runs.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        self.0.try_wait().expect("try_wait")
     }
 
     /// Kills (if still running) and reaps; returns the exit status.
