@@ -29,7 +29,7 @@ pub mod sync;
 pub use buf::{Buf, Slice, BUF_ALIGN};
 pub use executor::{Engine, EngineConfig, EngineStats, PoolWatch, TaskId};
 pub use multishot::{BufGroup, Completion, MultiOp};
-pub use ops::{Fd, AT_CURSOR};
+pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};
 pub use remote::Remote;
 
 /// The submission entry type every fusex ring uses (128 bytes, so `URING_CMD` with an 80-byte

@@ -16,8 +16,11 @@ use io_uring::{opcode, types};
 use crate::buf::{Buf, Slice};
 use crate::executor::Engine;
 use crate::multishot::{BufGroup, MultiOp};
-use crate::op::Owned;
+use crate::op::{Op, OpState, Owned};
 use crate::Sqe;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 /// A file an operation targets: a descriptor, or an index into the ring's registered files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,13 +65,6 @@ fn bytes(res: i32) -> io::Result<usize> {
     }
 }
 
-fn take_slice(owned: Owned, fallback: impl FnOnce() -> Slice) -> Slice {
-    match owned {
-        Owned::Slice(s) => s,
-        _ => fallback(),
-    }
-}
-
 fn len32(len: usize) -> u32 {
     u32::try_from(len).unwrap_or(u32::MAX)
 }
@@ -90,7 +86,7 @@ fn sqe_with_len(sqe: Sqe, len: u32) -> Sqe {
 impl Engine {
     /// Reads into `win` from `fd` at `off` (`READ_FIXED` when the pool is registered). Returns
     /// the bytes read (short at end of file) and the window.
-    pub async fn read(&self, fd: Fd, win: Slice, off: u64) -> (io::Result<usize>, Slice) {
+    pub fn read(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr(), len32(win.len()));
         let sqe: Sqe = if win.buf().registered() {
             let index = win.buf().index();
@@ -107,30 +103,23 @@ impl Engine {
                 .into())
         };
         // SAFETY: the entry points into `win`, which the op owns until its completion.
-        let (res, owned) = unsafe { self.start(sqe, Owned::Slice(win)) }.await;
-        (bytes(res), take_slice(owned, empty_slice))
+        SliceOp(unsafe { self.start(sqe, Owned::Slice(win)) })
     }
 
     /// Writes `win` to `fd` at `off` (`WRITE_FIXED` when the pool is registered). Returns the
     /// bytes written (possibly short) and the window.
-    pub async fn write(&self, fd: Fd, win: Slice, off: u64) -> (io::Result<usize>, Slice) {
-        self.write_as(fd, win, off, win_registered).await
+    pub fn write(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
+        self.write_as(fd, win, off, win_registered)
     }
 
     /// Like [`Engine::write`], but always a plain `WRITE` from the buffer's address: for files
     /// that take only user memory, not registered buffers (`/dev/fuse` refuses those with
     /// `EINVAL`).
-    pub async fn write_plain(&self, fd: Fd, win: Slice, off: u64) -> (io::Result<usize>, Slice) {
-        self.write_as(fd, win, off, |_| false).await
+    pub fn write_plain(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
+        self.write_as(fd, win, off, |_| false)
     }
 
-    async fn write_as(
-        &self,
-        fd: Fd,
-        win: Slice,
-        off: u64,
-        fixed: fn(&Slice) -> bool,
-    ) -> (io::Result<usize>, Slice) {
+    fn write_as(&self, fd: Fd, win: Slice, off: u64, fixed: fn(&Slice) -> bool) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr().cast_const(), len32(win.len()));
         let sqe: Sqe = if fixed(&win) {
             let index = win.buf().index();
@@ -147,13 +136,12 @@ impl Engine {
                 .into())
         };
         // SAFETY: the entry points into `win`, which the op owns until its completion.
-        let (res, owned) = unsafe { self.start(sqe, Owned::Slice(win)) }.await;
-        (bytes(res), take_slice(owned, empty_slice))
+        SliceOp(unsafe { self.start(sqe, Owned::Slice(win)) })
     }
 
     /// Waits until `fd` is readable, then reads into `win` at the file position: a `POLL_ADD`
     /// linked to a `READ`, for non-blocking files where a plain read could fail with `EAGAIN`.
-    pub async fn poll_read(&self, fd: Fd, win: Slice) -> (io::Result<usize>, Slice) {
+    pub fn poll_read(&self, fd: Fd, win: Slice) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr(), len32(win.len()));
         let poll: Sqe = with_fd!(self.target(fd), |f| opcode::PollAdd::new(
             f,
@@ -166,8 +154,7 @@ impl Engine {
             .build()
             .into());
         // SAFETY: the poll lends nothing; the read points into `win`, which the op owns.
-        let (res, owned) = unsafe { self.start_linked(poll, read, Owned::Slice(win)) }.await;
-        (bytes(res), take_slice(owned, empty_slice))
+        SliceOp(unsafe { self.start_linked(poll, read, Owned::Slice(win)) })
     }
 
     /// `fsync(2)` (or `fdatasync(2)` with `datasync`).
@@ -249,36 +236,26 @@ impl Engine {
     /// With `iov = Some((at, segments))`, the engine writes one `iovec` per segment (each a range
     /// of `buf`) at `buf[at..]`, and passes their address and count as the command's `addr` and
     /// `len`. Returns the completion's `res` and the buffer.
-    pub async fn uring_cmd(
+    pub fn uring_cmd(
         &self,
         fd: Fd,
         cmd_op: u32,
         cmd: [u8; 80],
         mut buf: Buf,
         iov: Option<(usize, &[Range<usize>])>,
-    ) -> (io::Result<i32>, Buf) {
+    ) -> BufOp<'_> {
         let mut addr = None;
         let mut count = 0u32;
         if let Some((at, segments)) = iov {
-            let size = std::mem::size_of::<libc::iovec>();
-            let inside = |r: &Range<usize>| r.start <= r.end && r.end <= buf.len();
-            let end = at.checked_add(segments.len() * size);
-            if !segments.iter().all(inside) || end.is_none_or(|e| e > buf.len()) {
-                return (Err(io::Error::from_raw_os_error(libc::EINVAL)), buf);
+            match write_iovecs(&mut buf, at, segments) {
+                Some(a) => addr = Some(a),
+                None => {
+                    return BufOp(Op {
+                        engine: self,
+                        state: OpState::Failed(-libc::EINVAL, Owned::Buf(buf)),
+                    })
+                }
             }
-            let base = buf.ptr();
-            for (i, r) in segments.iter().enumerate() {
-                let v = libc::iovec {
-                    iov_base: base.wrapping_add(r.start).cast(),
-                    iov_len: r.len(),
-                };
-                let p = (v.iov_base as usize).to_ne_bytes();
-                let l = v.iov_len.to_ne_bytes();
-                let o = at + i * size;
-                buf.as_mut_slice()[o..o + 8].copy_from_slice(&p);
-                buf.as_mut_slice()[o + 8..o + 16].copy_from_slice(&l);
-            }
-            addr = Some(base.wrapping_add(at) as u64);
             count = segments.len() as u32;
         }
         let sqe: Sqe = with_fd!(self.target(fd), |f| opcode::UringCmd80::new(f, cmd_op)
@@ -291,16 +268,7 @@ impl Engine {
             sqe
         };
         // SAFETY: `addr` and every iovec point into `buf`, which the op owns until completion.
-        let (res, owned) = unsafe { self.start(sqe, Owned::Buf(buf)) }.await;
-        let buf = match owned {
-            Owned::Buf(b) => b,
-            _ => unreachable!("a uring_cmd op always gives its buffer back"),
-        };
-        if res < 0 {
-            (Err(io::Error::from_raw_os_error(-res)), buf)
-        } else {
-            (Ok(res), buf)
-        }
+        BufOp(unsafe { self.start(sqe, Owned::Buf(buf)) })
     }
 
     /// Cancels every operation in flight on `fd` (best effort; they complete with `ECANCELED`).
@@ -309,12 +277,62 @@ impl Engine {
     }
 }
 
-fn win_registered(win: &Slice) -> bool {
-    win.buf().registered()
+/// Writes one `iovec` per segment (each a range of `buf`) at `buf[at..]`; returns their address,
+/// or `None` if a segment or the iovecs themselves do not lie inside `buf`.
+fn write_iovecs(buf: &mut Buf, at: usize, segments: &[Range<usize>]) -> Option<u64> {
+    let size = std::mem::size_of::<libc::iovec>();
+    let inside = |r: &Range<usize>| r.start <= r.end && r.end <= buf.len();
+    let end = at.checked_add(segments.len().checked_mul(size)?)?;
+    if !segments.iter().all(inside) || end > buf.len() {
+        return None;
+    }
+    let base = buf.ptr();
+    for (i, r) in segments.iter().enumerate() {
+        let o = at + i * size;
+        let p = (base.wrapping_add(r.start) as usize).to_ne_bytes();
+        buf.as_mut_slice()[o..o + 8].copy_from_slice(&p);
+        buf.as_mut_slice()[o + 8..o + 16].copy_from_slice(&r.len().to_ne_bytes());
+    }
+    Some(base.wrapping_add(at) as u64)
 }
 
-fn empty_slice() -> Slice {
-    unreachable!("a read or write op always gives its window back")
+/// Future of a read or write: the bytes transferred (or the error) and the window back.
+#[must_use = "an operation's result and its window come back only when awaited"]
+pub struct SliceOp<'e>(Op<'e>);
+
+impl Future for SliceOp<'_> {
+    type Output = (io::Result<usize>, Slice);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match Pin::new(&mut self.0).poll(cx) {
+            Poll::Ready((res, Owned::Slice(win))) => Poll::Ready((bytes(res), win)),
+            Poll::Ready(_) => panic!("SliceOp polled after it completed"),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Future of [`Engine::uring_cmd`]: the command's result and the buffer back.
+#[must_use = "an operation's result and its buffer come back only when awaited"]
+pub struct BufOp<'e>(Op<'e>);
+
+impl Future for BufOp<'_> {
+    type Output = (io::Result<i32>, Buf);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match Pin::new(&mut self.0).poll(cx) {
+            Poll::Ready((res, Owned::Buf(buf))) if res < 0 => {
+                Poll::Ready((Err(io::Error::from_raw_os_error(-res)), buf))
+            }
+            Poll::Ready((res, Owned::Buf(buf))) => Poll::Ready((Ok(res), buf)),
+            Poll::Ready(_) => panic!("BufOp polled after it completed"),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+fn win_registered(win: &Slice) -> bool {
+    win.buf().registered()
 }
 
 #[cfg(test)]
