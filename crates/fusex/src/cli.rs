@@ -128,7 +128,8 @@ pub struct MountArgs {
     pub writethrough: bool,
     /// Requests in flight per queue (io_uring: ring entries per kernel queue) [default: from a
     /// memory budget of 32 MiB + 1 MiB per possible CPU, at most 64; see docs/design.md]. Every
-    /// request buffer holds the largest request (1 MiB), so memory is about depth x queues x 1 MiB.
+    /// request buffer holds the largest request (max_write, up to 1 MiB, chosen with the depth),
+    /// so memory is about depth x queues x max_write.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub queue_depth: Option<u16>,
     /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
