@@ -208,9 +208,7 @@ fn sigterm_under_fio_load() {
     // The signal must land while fio hammers the export: wait until more of its writes reached
     // the image than it keeps in flight, so it is refilling its queue (fio may take a while to
     // start on a loaded machine), or until fio gives up.
-    let flowing = wait_until(Instant::now() + TIMEOUT, || {
-        fio.try_wait().is_some() || writes.seen() > IODEPTH
-    });
+    let flowing = writes.wait_for_more_than(IODEPTH, &mut fio, Instant::now() + TIMEOUT);
     let fio_output = || {
         format!(
             "{}\n{}\n--- fusex stderr ---\n{}",

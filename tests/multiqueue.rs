@@ -115,7 +115,7 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
     // reach the image. Then every queue thread wakes for work after that point (an idle queue's
     // count stands still).
     let deadline = Instant::now() + TIMEOUT;
-    let flowing = wait_until(deadline, || fio.try_wait().is_some() || writes.seen() >= 1);
+    let flowing = writes.wait_for_more_than(0, &mut fio, deadline);
     assert!(
         fio.try_wait().is_none(),
         "fio ended before the signal; fusex stderr:\n{}",

@@ -295,9 +295,7 @@ fn unmount_while_fio_runs() {
     );
     // Under load: more of fio's writes reached the image than it keeps in flight, so it is
     // refilling its queue.
-    let flowing = wait_until(Instant::now() + TIMEOUT, || {
-        fio.try_wait().is_some() || writes.seen() > IODEPTH
-    });
+    let flowing = writes.wait_for_more_than(IODEPTH, &mut fio, Instant::now() + TIMEOUT);
     assert!(fio.try_wait().is_none(), "fio ended before the unmount");
     assert!(
         flowing,
@@ -311,9 +309,7 @@ fn unmount_while_fio_runs() {
     // than fio can have had in flight at it, so fio submitted some of them afterwards and fusex
     // served them.
     let mut writes = WriteWatch::new(&img);
-    let served = wait_until(Instant::now() + TIMEOUT, || {
-        fio.try_wait().is_some() || writes.seen() > IODEPTH
-    });
+    let served = writes.wait_for_more_than(IODEPTH, &mut fio, Instant::now() + TIMEOUT);
     assert!(
         fio.try_wait().is_none(),
         "fio failed after the unmount: the daemon must keep serving open files; fusex stderr:\n{}",

@@ -703,6 +703,12 @@ impl WriteWatch {
         }
         self.seen
     }
+
+    /// Waits until more than `n` writes landed or `fio` ended, at most until `deadline`. True if
+    /// either happened: callers check `fio` first, with their own message, then this.
+    pub fn wait_for_more_than(&mut self, n: u64, fio: &mut ChildGuard, deadline: Instant) -> bool {
+        wait_until(deadline, || fio.try_wait().is_some() || self.seen() > n)
+    }
 }
 
 /// st_mtime as (seconds, nanoseconds).

@@ -270,7 +270,7 @@ impl BlockBackend for RawBackend {
     }
 
     async fn read_at(&self, eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
-        let end = win.end();
+        let whole = (win.start(), win.end());
         let mut done = 0usize;
         while !win.is_empty() {
             let (r, back) = self.read_once(eng, win, off + done as u64).await;
@@ -281,14 +281,14 @@ impl BlockBackend for RawBackend {
                     done += n;
                     win.advance(n);
                 }
-                Err(e) => return (Err(e.into()), restore(win, end, done)),
+                Err(e) => return (Err(e.into()), restore(win, whole)),
             }
         }
-        (Ok(done), restore(win, end, done))
+        (Ok(done), restore(win, whole))
     }
 
     async fn write_at(&self, eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
-        let end = win.end();
+        let whole = (win.start(), win.end());
         let mut done = 0usize;
         while !win.is_empty() {
             let pos = off + done as u64;
@@ -301,16 +301,16 @@ impl BlockBackend for RawBackend {
             match r {
                 Ok(0) => {
                     let e = io::Error::from_raw_os_error(libc::EIO);
-                    return (partial(done, e), restore(win, end, done));
+                    return (partial(done, e), restore(win, whole));
                 }
                 Ok(n) => {
                     done += n;
                     win.advance(n);
                 }
-                Err(e) => return (partial(done, e), restore(win, end, done)),
+                Err(e) => return (partial(done, e), restore(win, whole)),
             }
         }
-        (Ok(done), restore(win, end, done))
+        (Ok(done), restore(win, whole))
     }
 
     async fn flush(&self, eng: &Engine) -> Result<()> {
@@ -431,9 +431,8 @@ fn read_nowait(file: &File, dst: &mut [u8], pos: u64) -> io::Result<usize> {
     cvt(unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, pos as i64, libc::RWF_NOWAIT) })
 }
 
-/// The window as the caller gave it: `[end - len, end)` after `done` bytes were advanced over.
-fn restore(win: Slice, end: usize, done: usize) -> Slice {
-    let start = win.start() - done.min(win.start());
+/// The window as the caller gave it, `(start, end)`, however far the transfer advanced it.
+fn restore(win: Slice, (start, end): (usize, usize)) -> Slice {
     win.into_inner().slice(start..end)
 }
 

@@ -357,7 +357,7 @@ impl Engine {
     }
 
     /// Submits an entry whose completion nobody awaits. It must reference no memory.
-    fn start_detached(&self, sqe: Sqe) -> bool {
+    pub(crate) fn start_detached(&self, sqe: Sqe) -> bool {
         self.push(&[sqe.user_data(UD_IGNORE)])
     }
 
@@ -553,16 +553,6 @@ impl Engine {
             let Some((ud, res, flags)) = next else { break };
             self.dispatch(ud, res, flags);
         }
-    }
-
-    /// Cancels every op in flight on `fd` without waiting (each sees `-ECANCELED`, or its result).
-    pub(crate) fn cancel_fd(&self, fd: crate::Fd) {
-        let b = match self.target(fd) {
-            crate::Fd::Raw(fd) => types::CancelBuilder::fd(types::Fd(fd)),
-            crate::Fd::Fixed(i) => types::CancelBuilder::fd(types::Fixed(i)),
-        };
-        let sqe: Sqe = opcode::AsyncCancel2::new(b.all()).build().into();
-        self.start_detached(sqe);
     }
 
     /// The raw fd of the ring (for diagnostics).

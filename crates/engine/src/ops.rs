@@ -109,19 +109,20 @@ impl Engine {
     /// Writes `win` to `fd` at `off` (`WRITE_FIXED` when the pool is registered). Returns the
     /// bytes written (possibly short) and the window.
     pub fn write(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
-        self.write_as(fd, win, off, win_registered)
+        let fixed = win.buf().registered();
+        self.write_as(fd, win, off, fixed)
     }
 
     /// Like [`Engine::write`], but always a plain `WRITE` from the buffer's address: for files
     /// that take only user memory, not registered buffers (`/dev/fuse` refuses those with
     /// `EINVAL`).
     pub fn write_plain(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
-        self.write_as(fd, win, off, |_| false)
+        self.write_as(fd, win, off, false)
     }
 
-    fn write_as(&self, fd: Fd, win: Slice, off: u64, fixed: fn(&Slice) -> bool) -> SliceOp<'_> {
+    fn write_as(&self, fd: Fd, win: Slice, off: u64, fixed: bool) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr().cast_const(), len32(win.len()));
-        let sqe: Sqe = if fixed(&win) {
+        let sqe: Sqe = if fixed {
             let index = win.buf().index();
             with_fd!(self.target(fd), |f| opcode::WriteFixed::new(
                 f, ptr, len, index
@@ -143,13 +144,11 @@ impl Engine {
     /// linked to a `READ`, for non-blocking files where a plain read could fail with `EAGAIN`.
     pub fn poll_read(&self, fd: Fd, win: Slice) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr(), len32(win.len()));
-        let poll: Sqe = with_fd!(self.target(fd), |f| opcode::PollAdd::new(
-            f,
-            libc::POLLIN as u32
-        )
-        .build()
-        .into());
-        let read: Sqe = with_fd!(self.target(fd), |f| opcode::Read::new(f, ptr, len)
+        let fd = self.target(fd);
+        let poll: Sqe = with_fd!(fd, |f| opcode::PollAdd::new(f, libc::POLLIN as u32)
+            .build()
+            .into());
+        let read: Sqe = with_fd!(fd, |f| opcode::Read::new(f, ptr, len)
             .offset(AT_CURSOR)
             .build()
             .into());
@@ -273,7 +272,9 @@ impl Engine {
 
     /// Cancels every operation in flight on `fd` (best effort; they complete with `ECANCELED`).
     pub fn cancel_all_on(&self, fd: Fd) {
-        self.cancel_fd(fd);
+        let matching = with_fd!(self.target(fd), |f| types::CancelBuilder::fd(f).all());
+        let sqe: Sqe = opcode::AsyncCancel2::new(matching).build().into();
+        self.start_detached(sqe);
     }
 }
 
@@ -329,10 +330,6 @@ impl Future for BufOp<'_> {
             Poll::Pending => Poll::Pending,
         }
     }
-}
-
-fn win_registered(win: &Slice) -> bool {
-    win.buf().registered()
 }
 
 #[cfg(test)]

@@ -165,12 +165,12 @@ fn serve(
         None => None,
     };
     // The connection fd io_uring commands are issued on stays open for as long as the engine runs.
-    let _conn = uring.as_ref().map(|(fd, _)| fd.clone());
+    let conn = uring.as_ref().map(|(fd, _)| fd.clone());
     if spec.fixed_files {
         use std::os::fd::AsRawFd;
         // Not the legacy /dev/fuse fd: a multishot READ of it as a fixed file fails with EBADFD.
         let mut fds = export.backend().io_fds();
-        fds.extend(_conn.as_ref().map(|fd| fd.as_raw_fd()));
+        fds.extend(conn.as_ref().map(|fd| fd.as_raw_fd()));
         if let Err(e) = eng.register_files(&fds) {
             tracing::debug!("queue {}: no fixed files ({e})", spec.id);
         }

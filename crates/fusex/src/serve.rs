@@ -64,6 +64,8 @@ struct Settled {
     max_write: u32,
     /// Request buffers per queue and their size.
     plan: Plan,
+    /// Queue threads (the count the plan was made for; on io_uring at most one per possible CPU).
+    queues: usize,
     uring: bool,
     /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
     _passthrough: Option<transport::passthrough::Backing>,
@@ -198,6 +200,11 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         Settled {
             max_write: neg.max_write,
             plan,
+            queues: if uring {
+                threads.min(possible_cpus)
+            } else {
+                threads
+            },
             uring,
             _passthrough: backing,
         },
@@ -238,10 +245,7 @@ fn run_queues(
     mut signals: signal_hook::iterator::Signals,
 ) -> Result<serde_json::Value> {
     let cpus = crate::affinity::allowed_cpus();
-    let mut nq = args.queues.map_or(cpus.len(), usize::from);
-    if neg.uring {
-        nq = nq.min(crate::affinity::possible_cpus());
-    }
+    let nq = neg.queues;
     let pin = match args.cpu_affinity {
         Affinity::On => true,
         Affinity::Off => false,

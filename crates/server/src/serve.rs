@@ -53,9 +53,10 @@ impl<B: BlockBackend> QueueServer<B> {
             Ok(r) => Ok((r.header, lower(&r.op, buf.as_slice()))),
             Err(e) => Err((peek_unique(raw), e)),
         };
+        let window = l.payload..buf.len();
+        let capacity = window.len();
         let (unique, reply, mut buf) = match decoded {
             Ok((hdr, op)) => {
-                let window = l.payload..buf.len();
                 let (reply, buf) = self.dispatch(eng, &hdr, op, buf, window).await;
                 (hdr.unique, reply, buf)
             }
@@ -65,7 +66,6 @@ impl<B: BlockBackend> QueueServer<B> {
                 return (buf, None);
             }
         };
-        let capacity = buf.len().saturating_sub(l.payload);
         let Some((error, len)) = reply_parts(reply, capacity) else {
             return (buf, None);
         };
