@@ -47,6 +47,32 @@ pub fn probe(path: &Path) -> io::Result<bool> {
     }
 }
 
+/// Byte offset of `crypt_method` (big-endian u32) in the qcow2 header.
+const CRYPT_METHOD_OFFSET: u64 = 32;
+
+/// Refuses encrypted images up front: imago has no decryption, and serving ciphertext as if it
+/// were the guest's bytes would be silently wrong.
+fn refuse_encrypted(f: &File) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut m = [0u8; 4];
+    match f.read_exact_at(&mut m, CRYPT_METHOD_OFFSET) {
+        Ok(()) => {}
+        // Too short to hold a header: imago names that.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    match u32::from_be_bytes(m) {
+        0 => Ok(()),
+        method => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "the image is encrypted (crypt_method {method}), which fusex does not support: \
+                 decrypt it with `qemu-img convert` first"
+            ),
+        )),
+    }
+}
+
 /// How to open a qcow2 image.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Qcow2Options {
@@ -127,9 +153,8 @@ impl ImplicitOpenGate<RingFile> for Gate {
         &mut self,
         builder: F,
     ) -> io::Result<FormatAccess<RingFile>> {
-        if let Some(p) = builder.get_image_path() {
-            self.admit(&p)?;
-        }
+        // The file behind it came through `open_storage`, which admitted it; a builder with a
+        // path of its own opens that path through `open_storage` too.
         // Backing images are only ever read.
         let inst = Box::pin(builder.write(false).open(self.clone())).await?;
         Ok(FormatAccess::new(inst))
@@ -172,6 +197,7 @@ impl Qcow2Backend {
             }
         })?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
+        refuse_encrypted(&meta).map_err(|e| format_error(&shown, e))?;
         let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
         let gate = Gate {
             no_backing: opts.no_backing,
