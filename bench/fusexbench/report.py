@@ -193,10 +193,9 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
     A goal ``{"a", "b", "min", "rows": all|allocating|other}`` asks for the
     median per-round IOPS ratio a/b >= min on the rows of that class.
     """
-    goals = [g for g in res.get("goals") or []]
-    targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
     rows = [r for r in rows if r["image"] == image]
-    goals = [g for g in goals if g["a"] in targets and g["b"] in targets]
+    present = {t for r in rows for t in r["targets"]}  # targets that ran on this image
+    goals = [g for g in res.get("goals") or [] if g["a"] in present and g["b"] in present]
     if not goals or not rows:
         return []
     pairs: list[tuple[str, str]] = []
