@@ -73,9 +73,10 @@ fn dropping_a_pending_op_waits_for_its_completion() {
     eng.spawn(async move {
         let mut buf = vec![0u8; 64];
         {
+            let rfd = Fd::Raw(r.as_raw_fd());
             // SAFETY: polled once, then dropped (never leaked); the drop waits.
-            let mut op =
-                pin!(unsafe { borrowed::read(Fd::Raw(r.as_raw_fd()), &mut buf, u64::MAX) });
+            let op = unsafe { borrowed::read(rfd, &mut buf, u64::MAX) };
+            let mut op = pin!(op);
             let pending = poll_fn(|cx| Poll::Ready(op.as_mut().poll(cx).is_pending())).await;
             assert!(pending, "an empty pipe has nothing to read");
             assert_eq!(e.in_flight(), 1);
@@ -116,18 +117,17 @@ fn completion_wakes_the_polling_waker() {
         let sub_waker = Waker::from(sub.clone());
         let mut buf = [0u8; 4];
         let res = {
+            let rfd = Fd::Raw(r.as_raw_fd());
             // SAFETY: polled to completion below, never leaked.
-            let mut op =
-                pin!(unsafe { borrowed::read(Fd::Raw(r.as_raw_fd()), &mut buf, u64::MAX) });
+            let op = unsafe { borrowed::read(rfd, &mut buf, u64::MAX) };
+            let mut op = pin!(op);
             assert!(op
                 .as_mut()
                 .poll(&mut Context::from_waker(&sub_waker))
                 .is_pending());
             // SAFETY: writes 4 bytes from a live array to the pipe.
-            assert_eq!(
-                unsafe { libc::write(w.as_raw_fd(), b"ping".as_ptr().cast(), 4) },
-                4
-            );
+            let wrote = unsafe { libc::write(w.as_raw_fd(), b"ping".as_ptr().cast(), 4) };
+            assert_eq!(wrote, 4);
             poll_fn(|cx| {
                 if sub.count.load(Ordering::SeqCst) > 0 {
                     return Poll::Ready(());
