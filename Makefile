@@ -55,8 +55,9 @@ stress: deps release build
 bench-smoke: release
 	bash bench/smoke.sh
 
-## make bench: the full benchmark suite (every matrix, 2 s jobs after 1 s ramp, 3 rounds: ~50
-## minutes here; drop --runtime/--ramp for the 5 s default, ~80 minutes). Results in bench/results/.
+## make bench: the full benchmark suite (every matrix, 2 s jobs after 1 s ramp, 3 rounds: ~65
+## minutes here, ~15 of them the qcow2 matrix; drop --runtime/--ramp for the 5 s default, ~100
+## minutes). Results in bench/results/.
 bench: bench-deps release
 	bench/.venv/bin/python bench/run.py --matrix all --runtime 2 --ramp 1
 

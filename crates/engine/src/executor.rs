@@ -25,6 +25,8 @@ pub type TaskId = u32;
 const UD_REMOTE: u64 = u64::MAX;
 /// `user_data` of fire-and-forget entries whose completion nobody awaits (they lend no memory).
 const UD_IGNORE: u64 = u64::MAX - 1;
+/// Tag of a wakeup another engine posted with `IORING_OP_MSG_RING`; the low 32 bits are the task.
+const UD_WAKE: u64 = 1 << 62;
 
 thread_local! {
     /// The engine running on this thread (inside [`Engine::run`], [`Engine::block_on`] or while
@@ -62,6 +64,31 @@ pub(crate) fn wake_local(shared: &Arc<RemoteShared>, task: TaskId) -> bool {
     }
     eng.wake(task);
     true
+}
+
+/// Posts a wakeup of `task` to the engine `shared` belongs to as an `IORING_OP_MSG_RING` on the
+/// ring of the engine running on this thread: no eventfd write, no lock, and the entry goes out
+/// with this thread's next submission. Returns false if this thread runs no engine or its ring
+/// cannot take the entry (the caller then uses the eventfd).
+pub(crate) fn wake_by_msg_ring(shared: &RemoteShared, task: TaskId) -> bool {
+    let cur = current_engine();
+    if cur.is_null() {
+        return false;
+    }
+    // SAFETY: non-null `CURRENT` names a live engine borrowed on this thread (see above).
+    let eng = unsafe { &*cur };
+    let sqe: Sqe = opcode::MsgRingData::new(
+        types::Fd(shared.ring_fd()),
+        0,
+        UD_WAKE | u64::from(task),
+        None,
+    )
+    .build()
+    .flags(squeue::Flags::SKIP_SUCCESS)
+    .into();
+    // The target ring's fd is a duplicate `shared` owns, so it names that ring for as long as
+    // anyone can wake it; the entry references no memory.
+    eng.start_detached(sqe)
 }
 
 /// How often [`Engine::push`] hands a full submission queue to the kernel before it gives up.
@@ -198,7 +225,10 @@ impl Engine {
             },
             _ => Provided::none(),
         };
-        let remote = RemoteShared::new().map_err(EngineError::Setup)?;
+        let remote = {
+            use std::os::fd::AsRawFd;
+            RemoteShared::new(ring.as_raw_fd()).map_err(EngineError::Setup)?
+        };
         let n = pool.len();
         Ok(Engine {
             ring: RefCell::new(ring),
@@ -563,6 +593,7 @@ impl Engine {
     fn dispatch(&self, ud: u64, res: i32, flags: u32) {
         match ud {
             UD_IGNORE => {}
+            ud if ud & UD_WAKE != 0 && ud < UD_IGNORE => self.wake(ud as u32 as TaskId),
             UD_REMOTE => {
                 self.remote_armed.set(false);
                 for id in self.remote.take() {

@@ -31,7 +31,7 @@ pub use buf::{Buf, Slice, BUF_ALIGN};
 pub use executor::{Engine, EngineConfig, EngineStats, PoolWatch, TaskId};
 pub use multishot::{BufGroup, Completion, MultiOp};
 pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};
-pub use remote::Remote;
+pub use remote::{CrossWake, Remote};
 
 /// The submission entry type every fusex ring uses (128 bytes, so `URING_CMD` with an 80-byte
 /// command area fits next to plain reads and writes). Built only inside this crate.

@@ -4,7 +4,7 @@
 //! the task directly, without this.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Wake, Waker};
 
@@ -12,12 +12,21 @@ use crate::executor::TaskId;
 
 pub(crate) struct RemoteShared {
     efd: OwnedFd,
+    /// A duplicate of the engine's ring fd, for `IORING_OP_MSG_RING` wakeups.
+    ring: OwnedFd,
     queue: Mutex<Vec<TaskId>>,
     wakes: AtomicU64,
 }
 
 impl RemoteShared {
-    pub(crate) fn new() -> std::io::Result<RemoteShared> {
+    pub(crate) fn new(ring_fd: RawFd) -> std::io::Result<RemoteShared> {
+        // SAFETY: plain syscall; the returned fd is checked before use.
+        let ring = unsafe { libc::fcntl(ring_fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if ring < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `ring` is a fresh, owned descriptor.
+        let ring = unsafe { OwnedFd::from_raw_fd(ring) };
         // SAFETY: plain syscall; the returned fd is checked before use.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
@@ -27,9 +36,14 @@ impl RemoteShared {
         let efd = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(RemoteShared {
             efd,
+            ring,
             queue: Mutex::new(Vec::new()),
             wakes: AtomicU64::new(0),
         })
+    }
+
+    pub(crate) fn ring_fd(&self) -> RawFd {
+        self.ring.as_raw_fd()
     }
 
     pub(crate) fn fd(&self) -> RawFd {
@@ -61,6 +75,35 @@ impl RemoteShared {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
         let _ = unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+/// How a waker used on another engine's thread reaches its task's engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrossWake {
+    /// Queue the task id and write the target engine's eventfd (whose read stays armed on its
+    /// ring): a lock and a system call per wakeup.
+    Eventfd,
+    /// Post an `IORING_OP_MSG_RING` completion carrying the task id to the target ring, on the
+    /// waking thread's own ring (batched with its next submission). Falls back to the eventfd on
+    /// threads without an engine.
+    MsgRing,
+}
+
+static CROSS_WAKE: AtomicU8 = AtomicU8::new(0);
+
+impl CrossWake {
+    /// Chooses the mechanism for the whole process (a measurement switch; eventfd by default).
+    pub fn set(self) {
+        CROSS_WAKE.store(self as u8, Ordering::Relaxed);
+    }
+
+    /// The mechanism in use.
+    pub fn current() -> CrossWake {
+        match CROSS_WAKE.load(Ordering::Relaxed) {
+            1 => CrossWake::MsgRing,
+            _ => CrossWake::Eventfd,
+        }
     }
 }
 
@@ -100,8 +143,15 @@ impl Wake for TaskWaker {
     fn wake_by_ref(self: &Arc<Self>) {
         // A task woken from its own engine's thread (a lock released by a sibling task) is
         // scheduled directly; only other threads pay for the eventfd.
-        if !crate::executor::wake_local(&self.remote.shared, self.task) {
-            self.remote.wake(self.task);
+        if crate::executor::wake_local(&self.remote.shared, self.task) {
+            return;
         }
+        if CrossWake::current() == CrossWake::MsgRing
+            && crate::executor::wake_by_msg_ring(&self.remote.shared, self.task)
+        {
+            self.remote.shared.wakes.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.remote.wake(self.task);
     }
 }
