@@ -220,11 +220,9 @@ impl Qcow2Backend {
                 .write(opts.writable)
                 .open(gate)
                 .await?;
-            let access = FormatAccess::new(q);
-            let allocated = count_allocated(&access).await?;
-            Ok::<_, io::Error>((access, allocated))
+            Ok::<_, io::Error>(FormatAccess::new(q))
         });
-        let (access, allocated) = match opened {
+        let access = match opened {
             Ok(r) => r.map_err(|e| format_error(&shown, e))?,
             Err(e) => {
                 return Err(OpenError::Io {
@@ -234,15 +232,16 @@ impl Qcow2Backend {
             }
         };
         let size = access.size();
-        tracing::debug!(path = %shown, size, allocated, "opened qcow2 image");
+        tracing::debug!(path = %shown, size, "opened qcow2 image");
         Ok(Qcow2Backend {
             image: access,
             gate: IoGate::default(),
             meta,
             size: AtomicU64::new(size),
             writable: opts.writable,
-            allocated: AtomicU64::new(allocated),
-            mapping_changed: AtomicBool::new(false),
+            allocated: AtomicU64::new(0),
+            // Counted on the first GETATTR, not here: a hostile header can make the walk long.
+            mapping_changed: AtomicBool::new(true),
         })
     }
 
@@ -264,12 +263,23 @@ impl Qcow2Backend {
     }
 }
 
-/// Guest bytes that map to data anywhere in the chain (for `st_blocks`).
-async fn count_allocated(img: &FormatAccess<RingFile>) -> io::Result<u64> {
+/// Most mapping runs one `st_blocks` count walks (a fragmented, fully allocated 16 GiB image with
+/// 64 KiB clusters has 262,144); past that the count falls back to the image file's own
+/// allocation, so a huge or hostile image cannot stall a queue in GETATTR.
+const MAX_COUNT_RUNS: u32 = 1 << 18;
+
+/// Guest bytes that map to data anywhere in the chain (for `st_blocks`); `None` if the mapping
+/// has more runs than [`MAX_COUNT_RUNS`].
+async fn count_allocated(img: &FormatAccess<RingFile>) -> io::Result<Option<u64>> {
     let size = img.size();
     let mut off = 0u64;
     let mut total = 0u64;
+    let mut runs = 0u32;
     while off < size {
+        runs += 1;
+        if runs > MAX_COUNT_RUNS {
+            return Ok(None);
+        }
         let (m, len) = img.get_mapping(off, size - off).await?;
         if len == 0 {
             break;
@@ -279,7 +289,7 @@ async fn count_allocated(img: &FormatAccess<RingFile>) -> io::Result<u64> {
         }
         off += len;
     }
-    Ok(total)
+    Ok(Some(total))
 }
 
 /// An error of one request: imago's own errors (corrupt metadata, out-of-range cluster
@@ -311,7 +321,11 @@ impl BlockBackend for Qcow2Backend {
         if self.mapping_changed.swap(false, Ordering::AcqRel) {
             let _g = self.gate.shared().await;
             match count_allocated(&self.image).await {
-                Ok(n) => self.allocated.store(n, Ordering::Release),
+                Ok(Some(n)) => self.allocated.store(n, Ordering::Release),
+                Ok(None) => {
+                    let host = self.meta.metadata()?.blocks() * 512;
+                    self.allocated.store(host, Ordering::Release);
+                }
                 Err(e) => {
                     self.changed();
                     return Err(io_err(e));
@@ -394,7 +408,17 @@ impl BlockBackend for Qcow2Backend {
         let _g = self.gate.shared().await;
         let size = self.image.size();
         let mut pos = off;
+        let mut runs = 0u32;
         while pos < size {
+            runs += 1;
+            if runs > MAX_COUNT_RUNS {
+                // Too long a walk for one request: report data here and no hole before the end,
+                // which is always allowed (holes may be reported as data).
+                return Ok(Some(match whence {
+                    Seek::Data => pos,
+                    Seek::Hole => size,
+                }));
+            }
             let (m, len) = self
                 .image
                 .get_mapping(pos, size - pos)
