@@ -868,6 +868,78 @@ fn three_level_chain_with_raw_base() {
     );
 }
 
+/// Backing files are opened read-only: a writable export of an overlay whose base lies on a
+/// read-only filesystem works, and the writes land in the overlay.
+#[test]
+fn backing_file_on_a_read_only_filesystem() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("q-backing-ro");
+    let src = w.join("src");
+    let ro = w.join("ro");
+    fs::create_dir(&src).unwrap();
+    fs::create_dir(&ro).unwrap();
+    let size = 4 * MIB;
+    let mut model = vec![0u8; size as usize];
+    let base_src = src.join("base.qcow2");
+    create_qcow2(&base_src, "", size);
+    qemu_io(
+        &base_src,
+        "qcow2",
+        &mut model,
+        &[Qio::Pattern(0, 2 * MIB, 0x61)],
+    );
+    let bind = ReadOnlyBind::new(&src, &ro);
+    assert!(
+        OpenOptions::new()
+            .write(true)
+            .open(bind.target().join("base.qcow2"))
+            .is_err(),
+        "setup: the bind mount is not read-only"
+    );
+    create_overlay(w.path(), "overlay.qcow2", "ro/base.qcow2", "qcow2", "");
+    let overlay = w.join("overlay.qcow2");
+    let m = Mount::start(&w, &overlay, &w.join("export"), &["--writable"]);
+    let f = m.open_rw();
+    let fd = open_rw_direct(m.path());
+    let mut rng = Rng::new(351);
+    for op in [
+        Op::Write(MIB + 3, 5000),
+        Op::Punch(64 * KIB, 64 * KIB),
+        Op::Write(3 * MIB, 4096),
+    ] {
+        apply(
+            op,
+            &f,
+            &fd,
+            &mut model,
+            &mut rng,
+            "overlay of a read-only base",
+        );
+    }
+    f.sync_all().expect("fsync");
+    assert_bytes_eq(
+        &read_all(m.path()),
+        &model,
+        0,
+        "overlay of a read-only base",
+    );
+    drop((f, fd));
+    m.stop().assert_clean("overlay of a read-only base");
+    let expected = w.join("expected.raw");
+    write_file(&expected, &model);
+    assert_qemu_identical(
+        &overlay,
+        "qcow2",
+        &expected,
+        "raw",
+        false,
+        "overlay vs model",
+    );
+    assert_check_clean(&overlay, "overlay of a read-only base");
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Writes against a raw oracle
 // ---------------------------------------------------------------------------------------
@@ -1046,6 +1118,57 @@ fn writes_discards_zeroes_match_oracle_64k_clusters() {
 #[test]
 fn writes_discards_zeroes_match_oracle_4k_clusters() {
     write_workload("q-wr-4k", 4 * KIB, 16 * MIB, 402);
+}
+
+/// Nothing but the end of the daemon flushes: writes (allocating clusters) without any fsync,
+/// then SIGTERM; then more writes and an external `umount`. After each, qemu-img finds the image
+/// identical to the model and clean.
+#[test]
+fn exit_flushes_without_fsync() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("q-exit-flush");
+    let img = w.join("disk.qcow2");
+    let size = 16 * MIB;
+    create_qcow2(&img, "cluster_size=4096", size);
+    let mut model = vec![0u8; size as usize];
+    let expected = w.join("expected.raw");
+    let mp = w.join("export");
+    let mut rng = Rng::new(451);
+    for round in ["SIGTERM", "umount"] {
+        let m = Mount::start(&w, &img, &mp, &["--writable"]);
+        let f = m.open_rw();
+        let fd = open_rw_direct(m.path());
+        for _ in 0..60 {
+            let len = 1 + rng.below(40 * KIB);
+            let off = rng.below(size - len);
+            let op = match rng.below(6) {
+                0 => Op::Punch(off, len),
+                1 => Op::ZeroRange(off, len),
+                _ => Op::Write(off, len),
+            };
+            apply(op, &f, &fd, &mut model, &mut rng, round);
+        }
+        drop((f, fd));
+        let st = if round == "SIGTERM" {
+            m.stop()
+        } else {
+            run_ok(Command::new("umount").arg(&mp));
+            m.wait_exit()
+        };
+        st.assert_clean(round);
+        write_file(&expected, &model);
+        assert_qemu_identical(
+            &img,
+            "qcow2",
+            &expected,
+            "raw",
+            false,
+            &format!("image vs model after {round} without fsync"),
+        );
+        assert_check_clean(&img, &format!("after {round} without fsync"));
+    }
 }
 
 // ---------------------------------------------------------------------------------------
