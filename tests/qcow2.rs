@@ -410,9 +410,50 @@ fn assert_errno<T: std::fmt::Debug>(r: std::io::Result<T>, allowed: &[i32], what
     }
 }
 
-/// `fusex mount ARGS IMAGE MP` is refused: the rejection contract of bad_input.rs (exit 1, exactly
-/// one line "fusex: error: ...", nothing on stdout), no panic, nothing mounted, no mountpoint left
-/// behind, and the line names the problem (one of `problem`, case-insensitive).
+/// The refusal contract for an image fusex cannot serve: exit code 1, nothing on stdout, no panic,
+/// and exactly one error line "fusex: error: <what>: <what to do>", the last one; lines before it
+/// may only be INFO log lines (`--format auto` logs its choice before the image is opened).
+/// Returns the error line.
+#[track_caller]
+fn assert_refusal(code: Option<i32>, stdout: &str, stderr: &str, what: &str) -> String {
+    assert!(
+        !stderr.contains("panicked"),
+        "{what}: fusex panicked:\n{stderr}"
+    );
+    assert_eq!(
+        code,
+        Some(1),
+        "{what}: exit code (contract: 1); stderr:\n{stderr}"
+    );
+    assert!(
+        stdout.is_empty(),
+        "{what}: fusex must print nothing to stdout, got {stdout:?}"
+    );
+    let lines: Vec<&str> = stderr.lines().collect();
+    let errors: Vec<&&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("fusex: error: "))
+        .collect();
+    assert!(
+        errors.len() == 1 && lines.last() == errors.first().copied(),
+        "{what}: expected exactly one \"fusex: error: \" line, the last one; stderr:\n{stderr}"
+    );
+    for l in &lines[..lines.len() - 1] {
+        assert!(
+            l.contains(" INFO ") && !l.contains("ERROR") && !l.contains("WARN"),
+            "{what}: only INFO log lines may precede the error line, got {l:?}; stderr:\n{stderr}"
+        );
+    }
+    let line = errors[0].to_string();
+    assert!(
+        line["fusex: error: ".len()..].contains(": "),
+        "{what}: the error line should read \"fusex: error: <what>: <what to do>\": {line:?}"
+    );
+    line
+}
+
+/// `fusex mount ARGS IMAGE MP` is refused ([`assert_refusal`]), nothing is mounted, no mountpoint
+/// is left behind, and the error line names the problem (one of `problem`, case-insensitive).
 #[track_caller]
 fn expect_refused(w: &WorkDir, what: &str, args: &[&str], image: &Path, problem: &[&str]) {
     let mp = w.join("export");
@@ -428,12 +469,7 @@ fn expect_refused(w: &WorkDir, what: &str, args: &[&str], image: &Path, problem:
     argv.push(mp.as_os_str().to_os_string());
     let r = run_fusex(w, &argv, Some(&mp));
     eprintln!("{what}: fusex said: {}", r.stderr.trim_end());
-    assert!(
-        !r.stderr.contains("panicked"),
-        "{what}: fusex panicked:\n{}",
-        r.stderr
-    );
-    r.assert_one_error_line(what);
+    let line = assert_refusal(r.code, &r.stdout, &r.stderr, what).to_lowercase();
     assert_eq!(
         fuse_mounts_at(&mp).len(),
         before,
@@ -444,11 +480,9 @@ fn expect_refused(w: &WorkDir, what: &str, args: &[&str], image: &Path, problem:
         "{what}: fusex left a mountpoint file behind at {}",
         mp.display()
     );
-    let line = r.stderr.to_lowercase();
     assert!(
         problem.iter().any(|k| line.contains(&k.to_lowercase())),
-        "{what}: the error should name the problem (one of {problem:?}): {}",
-        r.stderr.trim_end()
+        "{what}: the error should name the problem (one of {problem:?}): {line}"
     );
 }
 
@@ -1536,13 +1570,12 @@ fn format_raw_never_probes_and_auto_detects_qcow2() {
             st.assert_clean("--format auto on fake magic");
         }
         Err(f) => {
-            assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
-            CmdResult {
-                code: f.code,
-                stdout: f.stdout,
-                stderr: f.stderr,
-            }
-            .assert_one_error_line("--format auto on a raw file with the qcow2 magic and garbage");
+            assert_refusal(
+                f.code,
+                &f.stdout,
+                &f.stderr,
+                "--format auto on a raw file with the qcow2 magic and garbage",
+            );
             assert!(!is_fuse_mounted(&mp));
             assert!(!mp.exists(), "mountpoint left behind");
         }
@@ -1951,17 +1984,7 @@ fn mutated_headers_never_panic() {
             match Mount::try_start(&w, &img, &mp, args) {
                 Err(f) => {
                     eprintln!("{what}: refused: {}", f.stderr.trim_end());
-                    assert!(
-                        !f.stderr.contains("panicked"),
-                        "{what}: panicked:\n{}",
-                        f.stderr
-                    );
-                    CmdResult {
-                        code: f.code,
-                        stdout: f.stdout,
-                        stderr: f.stderr,
-                    }
-                    .assert_one_error_line(&what);
+                    assert_refusal(f.code, &f.stdout, &f.stderr, &what);
                     assert!(!is_fuse_mounted(&mp), "{what}: left mounted");
                     assert!(!mp.exists(), "{what}: mountpoint left behind");
                 }
@@ -2036,17 +2059,7 @@ fn corrupt_l1_entry_fails_only_its_range() {
             let m = match Mount::try_start(&w, &img, &mp, args) {
                 Err(f) => {
                     eprintln!("{what}: refused at start: {}", f.stderr.trim_end());
-                    assert!(
-                        !f.stderr.contains("panicked"),
-                        "{what}: panicked:\n{}",
-                        f.stderr
-                    );
-                    CmdResult {
-                        code: f.code,
-                        stdout: f.stdout,
-                        stderr: f.stderr,
-                    }
-                    .assert_one_error_line(&what);
+                    assert_refusal(f.code, &f.stdout, &f.stderr, &what);
                     assert!(!is_fuse_mounted(&mp));
                     continue;
                 }
