@@ -544,9 +544,9 @@ fn read_only_case(tag: &str, size: u64, opts: &str, compress: bool, args: &[&str
         &format!("{tag}: buffered read of the whole export"),
     );
     let mut rng = Rng::new(seed ^ 0x55);
-    for i in 0..300 {
+    for i in 0..200 {
         let off = rng.below(size + 4096);
-        let len = 1 + rng.below(if i % 3 == 0 { 3 * MIB } else { 80 * KIB }) as usize;
+        let len = 1 + rng.below(if i % 4 == 0 { 2 * MIB } else { 80 * KIB }) as usize;
         let got =
             pread_full(&f, off, len).unwrap_or_else(|e| panic!("{tag}: pread {off}+{len}: {e}"));
         let lo = (off.min(size)) as usize;
