@@ -7,6 +7,9 @@ use std::path::Path;
 
 use engine::{Engine, Slice};
 
+use std::os::unix::fs::FileTypeExt;
+
+use crate::qcow2::{Qcow2Backend, Qcow2Options};
 use crate::{
     parse_size, Attrs, BlockBackend, Capabilities, IoPath, NullBackend, RawBackend, Result, Seek,
 };
@@ -34,6 +37,19 @@ pub enum OpenError {
         "bad size {0:?} for null: use a positive size such as null:1G, null:512M or null:4096"
     )]
     BadSize(String),
+    /// The image is not a valid or supported image of the format it was opened as.
+    #[error("cannot open {path} as {format}: {reason}")]
+    Format {
+        /// The image path.
+        path: String,
+        /// The format it was opened as.
+        format: &'static str,
+        /// What is wrong, and what to do about it where there is something to do.
+        reason: String,
+    },
+    /// `null:SIZE` with a --format other than auto or null, or null with a path.
+    #[error("{0}")]
+    FormatMismatch(String),
     /// Anything else the OS reported.
     #[error("cannot open image {path}: {source}")]
     Io {
@@ -57,9 +73,28 @@ impl OpenError {
     }
 }
 
+/// The format of an image, as given on the command line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Format {
+    /// Probe: qcow2 if the file starts with the qcow2 magic, raw otherwise (`null:` specs are
+    /// null). The choice is logged.
+    #[default]
+    Auto,
+    /// Byte for byte; never probed, so a raw image whose first bytes mimic a header stays raw.
+    Raw,
+    /// qcow2 (version 2 or 3).
+    Qcow2,
+    /// `null:SIZE`.
+    Null,
+}
+
 /// How to open an image.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenOptions {
+    /// The image format.
+    pub format: Format,
+    /// Refuse to open files a qcow2 image names (backing and data files).
+    pub no_backing: bool,
     /// Open for writing.
     pub writable: bool,
     /// O_DIRECT on the image.
@@ -74,22 +109,82 @@ pub enum AnyBackend {
     Raw(RawBackend),
     /// `null:SIZE`.
     Null(NullBackend),
+    /// A qcow2 image (and its backing chain).
+    Qcow2(Qcow2Backend),
 }
 
-/// Opens IMAGE: `null:SIZE` or a path.
+/// Opens IMAGE: `null:SIZE` or a path, in the format `opts.format` names or probes.
 pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
     if let Some(size) = spec.strip_prefix("null:") {
+        if !matches!(opts.format, Format::Auto | Format::Null) {
+            return Err(OpenError::FormatMismatch(format!(
+                "{spec} is a null image: drop --format or use --format null"
+            )));
+        }
         return Ok(AnyBackend::Null(NullBackend::new(
             parse_size(size)?,
             opts.writable,
         )));
     }
-    Ok(AnyBackend::Raw(RawBackend::open(
-        Path::new(spec),
-        opts.writable,
-        opts.direct,
-        opts.io_path,
-    )?))
+    let path = Path::new(spec);
+    let format = match opts.format {
+        Format::Null => {
+            return Err(OpenError::FormatMismatch(format!(
+                "--format null needs IMAGE null:SIZE (e.g. null:1G), not {spec}"
+            )))
+        }
+        Format::Auto => {
+            let qcow2 = match std::fs::metadata(path) {
+                Ok(m) if m.is_file() || m.file_type().is_block_device() => {
+                    crate::qcow2::probe(path).map_err(|e| OpenError::from_io(spec, e))?
+                }
+                // Not a file: the raw backend names the problem.
+                _ => false,
+            };
+            let chosen = if qcow2 { Format::Qcow2 } else { Format::Raw };
+            tracing::info!(
+                image = spec,
+                "format auto: {}",
+                if qcow2 {
+                    "qcow2 (the image starts with the qcow2 magic)"
+                } else {
+                    "raw (no qcow2 magic)"
+                }
+            );
+            chosen
+        }
+        f => f,
+    };
+    match format {
+        Format::Qcow2 => {
+            let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
+            if !(meta.is_file() || meta.file_type().is_block_device()) {
+                return Err(OpenError::NotFileOrDevice(spec.to_string()));
+            }
+            if !crate::qcow2::probe(path).map_err(|e| OpenError::from_io(spec, e))? {
+                return Err(OpenError::Format {
+                    path: spec.to_string(),
+                    format: "qcow2",
+                    reason: "no qcow2 magic at its start: check the path, or use --format raw"
+                        .to_string(),
+                });
+            }
+            Ok(AnyBackend::Qcow2(Qcow2Backend::open(
+                path,
+                Qcow2Options {
+                    writable: opts.writable,
+                    direct: opts.direct,
+                    no_backing: opts.no_backing,
+                },
+            )?))
+        }
+        _ => Ok(AnyBackend::Raw(RawBackend::open(
+            path,
+            opts.writable,
+            opts.direct,
+            opts.io_path,
+        )?)),
+    }
 }
 
 impl AnyBackend {
@@ -97,7 +192,7 @@ impl AnyBackend {
     pub fn io_fds(&self) -> Vec<std::os::fd::RawFd> {
         match self {
             AnyBackend::Raw(r) => r.io_fds(),
-            AnyBackend::Null(_) => Vec::new(),
+            AnyBackend::Null(_) | AnyBackend::Qcow2(_) => Vec::new(),
         }
     }
 }
@@ -107,6 +202,7 @@ macro_rules! each {
         match $self {
             AnyBackend::Raw($b) => $e,
             AnyBackend::Null($b) => $e,
+            AnyBackend::Qcow2($b) => $e,
         }
     };
 }
@@ -121,8 +217,8 @@ impl BlockBackend for AnyBackend {
     fn capabilities(&self) -> Capabilities {
         each!(self, b => b.capabilities())
     }
-    fn attrs(&self) -> Result<Attrs> {
-        each!(self, b => b.attrs())
+    async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
+        each!(self, b => b.attrs(eng).await)
     }
     async fn read_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
         each!(self, b => b.read_at(eng, win, off).await)
@@ -142,14 +238,14 @@ impl BlockBackend for AnyBackend {
     async fn allocate(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
         each!(self, b => b.allocate(eng, off, len).await)
     }
-    fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>> {
-        each!(self, b => b.seek(off, whence))
+    async fn seek(&self, eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
+        each!(self, b => b.seek(eng, off, whence).await)
     }
-    fn resize(&self, new_size: u64) -> Result<()> {
-        each!(self, b => b.resize(new_size))
+    async fn resize(&self, eng: &Engine, new_size: u64) -> Result<()> {
+        each!(self, b => b.resize(eng, new_size).await)
     }
-    fn grow_to(&self, new_size: u64) -> Result<()> {
-        each!(self, b => b.grow_to(new_size))
+    async fn grow_to(&self, eng: &Engine, new_size: u64) -> Result<()> {
+        each!(self, b => b.grow_to(eng, new_size).await)
     }
     fn written_to(&self, end: u64) {
         each!(self, b => b.written_to(end))

@@ -11,11 +11,15 @@ use engine::{Engine, Slice};
 
 mod any;
 mod null;
+pub mod qcow2;
 mod raw;
+mod ringfile;
 
-pub use any::{open, AnyBackend, OpenError, OpenOptions};
+pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
 pub use null::{parse_size, NullBackend};
+pub use qcow2::{Qcow2Backend, Qcow2Options};
 pub use raw::{IoPath, RawBackend};
+pub use ringfile::RingFile;
 
 /// Errors of backend operations, typed so the export can map them to errnos.
 #[derive(Debug, thiserror::Error)]
@@ -99,8 +103,9 @@ pub trait BlockBackend: Send + Sync + 'static {
     /// What this backend supports.
     fn capabilities(&self) -> Capabilities;
 
-    /// Attributes for GETATTR.
-    fn attrs(&self) -> Result<Attrs>;
+    /// Attributes for GETATTR. Async: a format may have to walk its mapping to count allocated
+    /// bytes.
+    fn attrs(&self, eng: &Engine) -> impl Future<Output = Result<Attrs>>;
 
     /// Fills `win` from `off`; returns the bytes read (short only at the end of the image) and the
     /// window.
@@ -136,14 +141,20 @@ pub trait BlockBackend: Send + Sync + 'static {
 
     /// Block status: the next data or hole offset at or after `off`, `None` if there is none
     /// (SEEK_DATA past the last data).
-    fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>>;
+    /// Async: a format may have to read mapping tables from the image.
+    fn seek(
+        &self,
+        eng: &Engine,
+        off: u64,
+        whence: Seek,
+    ) -> impl Future<Output = Result<Option<u64>>>;
 
     /// Changes the length of the image; consistent for every queue at once.
-    fn resize(&self, new_size: u64) -> Result<()>;
+    fn resize(&self, eng: &Engine, new_size: u64) -> impl Future<Output = Result<()>>;
 
     /// Grows the image to at least `new_size` (never shrinks; concurrent callers race safely).
     /// For fallocate and truncate, which extend without writing data.
-    fn grow_to(&self, new_size: u64) -> Result<()>;
+    fn grow_to(&self, eng: &Engine, new_size: u64) -> impl Future<Output = Result<()>>;
 
     /// Records that a write put bytes up to `end`, so the image is at least that long now (the
     /// write itself extended it). No syscall, no lock: appends pay nothing for growing.

@@ -63,7 +63,7 @@ impl BlockBackend for NullBackend {
         }
     }
 
-    fn attrs(&self) -> Result<Attrs> {
+    async fn attrs(&self, _eng: &Engine) -> Result<Attrs> {
         // SAFETY: getuid/getgid cannot fail.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         Ok(Attrs {
@@ -103,7 +103,7 @@ impl BlockBackend for NullBackend {
         Ok(())
     }
 
-    fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>> {
+    async fn seek(&self, _eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
         let size = self.size();
         Ok(match whence {
             Seek::Data if off < size => Some(off),
@@ -112,12 +112,12 @@ impl BlockBackend for NullBackend {
         })
     }
 
-    fn resize(&self, new_size: u64) -> Result<()> {
+    async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
         self.size.store(new_size, Ordering::Release);
         Ok(())
     }
 
-    fn grow_to(&self, new_size: u64) -> Result<()> {
+    async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
         self.size.fetch_max(new_size, Ordering::AcqRel);
         Ok(())
     }

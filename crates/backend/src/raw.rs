@@ -190,7 +190,7 @@ impl RawBackend {
     }
 }
 
-fn is_memory_fs(f: &File) -> bool {
+pub(crate) fn is_memory_fs(f: &File) -> bool {
     // SAFETY: statfs writes into a zeroed, properly sized struct; fd is valid.
     unsafe {
         let mut s: libc::statfs = std::mem::zeroed();
@@ -210,7 +210,7 @@ fn nowait_read_works(f: &File) -> bool {
     r >= 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN)
 }
 
-fn blkdev_size(fd: RawFd) -> io::Result<u64> {
+pub(crate) fn blkdev_size(fd: RawFd) -> io::Result<u64> {
     let mut size: u64 = 0;
     // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
     const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -252,7 +252,7 @@ impl BlockBackend for RawBackend {
         }
     }
 
-    fn attrs(&self) -> Result<Attrs> {
+    async fn attrs(&self, _eng: &Engine) -> Result<Attrs> {
         let m = self.file.metadata()?;
         Ok(Attrs {
             perm: m.mode() & 0o7777,
@@ -344,7 +344,7 @@ impl BlockBackend for RawBackend {
             .await?)
     }
 
-    fn seek(&self, off: u64, whence: Seek) -> Result<Option<u64>> {
+    async fn seek(&self, _eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
         let size = self.size();
         if self.block_device {
             return Ok(match whence {
@@ -370,7 +370,7 @@ impl BlockBackend for RawBackend {
         Ok(Some(r as u64))
     }
 
-    fn resize(&self, new_size: u64) -> Result<()> {
+    async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
         if self.block_device {
             return Err(BackendError::Unsupported);
         }
@@ -380,7 +380,7 @@ impl BlockBackend for RawBackend {
         Ok(())
     }
 
-    fn grow_to(&self, new_size: u64) -> Result<()> {
+    async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
         if self.block_device {
             return Err(BackendError::Unsupported);
         }
@@ -402,23 +402,32 @@ impl BlockBackend for RawBackend {
     }
 
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
-        let ts = |t: Option<(i64, u32)>| match t {
-            Some((s, ns)) => libc::timespec {
-                tv_sec: s,
-                tv_nsec: i64::from(ns),
-            },
-            None => libc::timespec {
-                tv_sec: 0,
-                tv_nsec: libc::UTIME_OMIT,
-            },
-        };
-        let times = [ts(atime), ts(mtime)];
-        // SAFETY: futimens reads two timespecs from a live array.
-        if unsafe { libc::futimens(self.file.as_raw_fd(), times.as_ptr()) } < 0 {
-            return Err(io::Error::last_os_error().into());
-        }
-        Ok(())
+        set_file_times(self.file.as_raw_fd(), atime, mtime)
     }
+}
+
+/// `futimens(2)` with `None` meaning "leave as is".
+pub(crate) fn set_file_times(
+    fd: RawFd,
+    atime: Option<(i64, u32)>,
+    mtime: Option<(i64, u32)>,
+) -> Result<()> {
+    let ts = |t: Option<(i64, u32)>| match t {
+        Some((s, ns)) => libc::timespec {
+            tv_sec: s,
+            tv_nsec: i64::from(ns),
+        },
+        None => libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+    };
+    let times = [ts(atime), ts(mtime)];
+    // SAFETY: futimens reads two timespecs from a live array.
+    if unsafe { libc::futimens(fd, times.as_ptr()) } < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    Ok(())
 }
 
 /// `preadv2(RWF_NOWAIT)`: completes from the page cache or says `EAGAIN`, never waits.
@@ -510,19 +519,29 @@ mod tests {
     fn grow_resize_and_block_status() {
         let (f, _) = image(8192);
         let b = RawBackend::open(f.path(), true, false, None).unwrap();
+        let eng = Engine::new(&EngineConfig::default()).unwrap();
+        let on = |fut| eng.block_on(fut).unwrap();
         assert_eq!(b.size(), 8192);
-        b.grow_to(4096).unwrap();
+        on(b.grow_to(&eng, 4096)).unwrap();
         assert_eq!(b.size(), 8192, "grow_to never shrinks");
-        b.grow_to(1 << 20).unwrap();
+        on(b.grow_to(&eng, 1 << 20)).unwrap();
         assert_eq!(b.size(), 1 << 20);
         assert_eq!(f.as_file().metadata().unwrap().len(), 1 << 20);
         // The grown tail is a hole (on filesystems with holes), and the data is data.
-        assert_eq!(b.seek(0, Seek::Data).unwrap(), Some(0));
-        let hole = b.seek(0, Seek::Hole).unwrap().unwrap();
+        assert_eq!(eng.block_on(b.seek(&eng, 0, Seek::Data)).unwrap().unwrap(), Some(0));
+        let hole = eng
+            .block_on(b.seek(&eng, 0, Seek::Hole))
+            .unwrap()
+            .unwrap()
+            .unwrap();
         assert!((8192..=1 << 20).contains(&hole));
-        b.resize(4096).unwrap();
+        eng.block_on(b.resize(&eng, 4096)).unwrap().unwrap();
         assert_eq!(b.size(), 4096);
-        assert_eq!(b.seek(4096, Seek::Data).unwrap(), None, "no data at EOF");
+        assert_eq!(
+            eng.block_on(b.seek(&eng, 4096, Seek::Data)).unwrap().unwrap(),
+            None,
+            "no data at EOF"
+        );
     }
 
     /// A write past the end extends the file by exactly what was written, and `written_to`

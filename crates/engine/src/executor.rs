@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
@@ -13,7 +14,7 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::buf::{Buf, Pool};
 use crate::multishot::{BufGroup, MultiOp, MultiQueues, PbufRing, Provided};
-use crate::op::{Op, OpState, OpTable, Owned};
+use crate::op::{Op, OpState, OpTable, Owned, Woken};
 use crate::remote::{Remote, RemoteShared};
 use crate::{EngineError, Sqe};
 
@@ -24,6 +25,44 @@ pub type TaskId = u32;
 const UD_REMOTE: u64 = u64::MAX;
 /// `user_data` of fire-and-forget entries whose completion nobody awaits (they lend no memory).
 const UD_IGNORE: u64 = u64::MAX - 1;
+
+thread_local! {
+    /// The engine running on this thread (inside [`Engine::run`], [`Engine::block_on`] or while
+    /// its `Drop` drops tasks), null otherwise. Lets wakers schedule local tasks without a
+    /// system call and lets [`crate::borrowed`] operations find their ring.
+    static CURRENT: Cell<*const Engine> = const { Cell::new(std::ptr::null()) };
+}
+
+/// The engine running on this thread, or null. Non-null only while that engine is borrowed on
+/// this thread by `run`, `block_on` or `drop`, so it is live for as long as it is returned.
+pub(crate) fn current_engine() -> *const Engine {
+    CURRENT.with(Cell::get)
+}
+
+/// Makes an engine current for a scope; restores the previous one on drop.
+struct Entered(*const Engine);
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
+    }
+}
+
+/// Schedules `task` directly if `shared` belongs to the engine running on this thread; returns
+/// whether it did (otherwise the caller goes through the engine's eventfd).
+pub(crate) fn wake_local(shared: &Arc<RemoteShared>, task: TaskId) -> bool {
+    let cur = current_engine();
+    if cur.is_null() {
+        return false;
+    }
+    // SAFETY: non-null `CURRENT` names a live engine borrowed on this thread (see above).
+    let eng = unsafe { &*cur };
+    if !Arc::ptr_eq(&eng.remote, shared) {
+        return false;
+    }
+    eng.wake(task);
+    true
+}
 
 /// How often [`Engine::push`] hands a full submission queue to the kernel before it gives up.
 const PUSH_TRIES: usize = 4;
@@ -410,8 +449,13 @@ impl Engine {
         self.start_detached(sqe);
     }
 
+    fn enter(&self) -> Entered {
+        Entered(CURRENT.with(|c| c.replace(self as *const Engine)))
+    }
+
     /// Runs until every task finished. Returns early only on a fatal ring error.
     pub fn run(&self) -> Result<(), EngineError> {
+        let _current = self.enter();
         loop {
             self.poll_ready();
             if self.live.get() == 0 {
@@ -424,14 +468,25 @@ impl Engine {
     /// Drives `fut` to completion on this thread, turning the ring as needed. For cold paths (a
     /// final flush at shutdown): the future is polled again after every loop turn.
     pub fn block_on<F: Future>(&self, fut: F) -> Result<F::Output, EngineError> {
+        // Declared before the future, so it is still current when the future is dropped.
+        let _current = self.enter();
         let mut fut = std::pin::pin!(fut);
-        let mut cx = Context::from_waker(Waker::noop());
+        // A real waker: the future may wait on something other than this ring (a lock another
+        // thread releases), and the loop must not sleep in the ring once it was woken.
+        let wake = Arc::new(BlockOnWake {
+            woken: AtomicBool::new(false),
+            remote: self.remote.clone(),
+        });
+        let waker = Waker::from(wake.clone());
+        let mut cx = Context::from_waker(&waker);
         loop {
+            wake.woken.store(false, Ordering::Release);
             if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
                 return Ok(v);
             }
             self.poll_ready();
-            self.turn()?;
+            let block = !wake.woken.load(Ordering::Acquire);
+            self.turn_with(block)?;
         }
     }
 
@@ -460,10 +515,15 @@ impl Engine {
 
     /// One loop turn: submit, wait for at least one completion (after an optional spin), reap.
     fn turn(&self) -> Result<(), EngineError> {
+        self.turn_with(true)
+    }
+
+    /// A loop turn that waits for a completion only if `block`.
+    fn turn_with(&self, block: bool) -> Result<(), EngineError> {
         self.arm_remote();
         let mut ring = self.ring.borrow_mut();
         let mut st = self.stats.get();
-        if !self.spin.is_zero() && ring.completion().is_empty() {
+        if block && !self.spin.is_zero() && ring.completion().is_empty() {
             if !ring.submission().is_empty() {
                 st.enters += 1;
                 submit_retry(&ring, 0)?;
@@ -481,7 +541,7 @@ impl Engine {
                 }
             }
         }
-        let want = usize::from(ring.completion().is_empty());
+        let want = usize::from(block && ring.completion().is_empty());
         if want > 0 || !ring.submission().is_empty() {
             st.enters += 1;
             submit_retry(&ring, want)?;
@@ -513,8 +573,10 @@ impl Engine {
                     &mut self.multi.borrow_mut(),
                     &self.provided,
                 );
-                if let Some(t) = task {
-                    self.wake(t);
+                match task {
+                    Some(Woken::Task(t)) => self.wake(t),
+                    Some(Woken::Waker(w)) => w.wake(),
+                    None => {}
                 }
             }
         }
@@ -555,6 +617,43 @@ impl Engine {
         }
     }
 
+    /// Cancels op `idx` and turns the ring until its terminal completion has arrived, then frees
+    /// its slot: for futures on borrowed memory, which must not return before the kernel is done.
+    /// Other completions that arrive meanwhile are recorded and their tasks woken as usual.
+    pub(crate) fn wait_terminal(&self, idx: u32) {
+        self.cancel(u64::from(idx));
+        loop {
+            if self.ops.borrow_mut().take_done(idx).is_some() {
+                return;
+            }
+            let r = match self.ring.try_borrow() {
+                Ok(ring) => ring.submit_and_wait(1),
+                Err(_) => {
+                    // Only reachable if a future were dropped inside a ring turn, which the
+                    // executor never does; waiting is impossible, returning would be unsound.
+                    tracing::error!("borrowed-memory operation dropped during a ring turn");
+                    std::process::abort();
+                }
+            };
+            let mut st = self.stats.get();
+            st.enters += 1;
+            self.stats.set(st);
+            match r {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR | libc::EBUSY | libc::EAGAIN)
+                    ) => {}
+                Err(e) => {
+                    tracing::error!("io_uring_enter failed while waiting for an operation on borrowed memory: {e}");
+                    std::process::abort();
+                }
+            }
+            self.reap_now();
+        }
+    }
+
     /// The raw fd of the ring (for diagnostics).
     pub fn ring_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
@@ -572,6 +671,35 @@ impl Engine {
     pub fn pool_watch(&self) -> PoolWatch {
         PoolWatch(Rc::downgrade(&self.pool))
     }
+}
+
+/// The waker of [`Engine::block_on`]: records the wakeup, and interrupts the ring wait when it
+/// comes from another thread.
+struct BlockOnWake {
+    woken: AtomicBool,
+    remote: Arc<RemoteShared>,
+}
+
+impl std::task::Wake for BlockOnWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        if !std::ptr::eq(Arc::as_ptr(&self.remote), current_remote()) {
+            self.remote.kick();
+        }
+    }
+}
+
+/// The wakeup channel of the engine current on this thread, null if none.
+fn current_remote() -> *const RemoteShared {
+    let cur = current_engine();
+    if cur.is_null() {
+        return std::ptr::null();
+    }
+    // SAFETY: non-null `CURRENT` names a live engine borrowed on this thread.
+    Arc::as_ptr(&unsafe { &*cur }.remote)
 }
 
 /// Whether an engine's buffer memory is still allocated (see [`Engine::pool_watch`]).
@@ -610,7 +738,12 @@ impl Drop for Engine {
         // Futures of unfinished tasks may own ops: dropping them orphans those ops (their memory
         // stays in the op table until their completions), and cancels them.
         let tasks: Vec<Option<Task>> = std::mem::take(&mut *self.tasks.borrow_mut());
-        drop(tasks);
+        {
+            // Current while the tasks drop: futures on borrowed memory wait on this ring.
+            let this: &Engine = self;
+            let _current = this.enter();
+            drop(tasks);
+        }
         // Ask the kernel to end everything else still in flight, then wait (bounded) for it.
         let pending: Vec<u64> = self.ops.borrow().pending().collect();
         for ud in pending {

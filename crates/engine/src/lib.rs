@@ -18,6 +18,7 @@
 //! * dropping the engine with operations in flight cancels them and waits a bounded time; what
 //!   the kernel still holds after that is leaked, never freed.
 
+pub mod borrowed;
 pub mod buf;
 mod executor;
 pub mod multishot;

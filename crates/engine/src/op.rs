@@ -8,7 +8,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use crate::buf::{Buf, Slice};
 use crate::executor::{Engine, TaskId};
@@ -34,10 +34,11 @@ pub(crate) enum Slot {
     Free {
         next: u32,
     },
-    /// Submitted; `task` is woken when the CQE arrives.
+    /// Submitted; `waker` (if set) or else `task` is woken when the CQE arrives.
     Waiting {
         task: Option<TaskId>,
         owned: Owned,
+        waker: Option<Waker>,
     },
     /// Completed; the result waits for its future to be polled.
     Done {
@@ -61,6 +62,14 @@ pub(crate) enum Slot {
     MultiEnded {
         task: Option<TaskId>,
     },
+}
+
+/// Whom a completion wakes.
+pub(crate) enum Woken {
+    /// A task of the engine, by id (no waker needed: the executor knows its tasks).
+    Task(TaskId),
+    /// A waker registered by the future (see [`OpTable::set_waker`]).
+    Waker(Waker),
 }
 
 /// Fixed-capacity slab of op slots with an intrusive free list: no allocation once sized.
@@ -109,7 +118,11 @@ impl OpTable {
 
     /// Takes a free slot for an op about to be pushed.
     pub(crate) fn alloc(&mut self, task: Option<TaskId>, owned: Owned) -> u32 {
-        self.alloc_as(Slot::Waiting { task, owned })
+        self.alloc_as(Slot::Waiting {
+            task,
+            owned,
+            waker: None,
+        })
     }
 
     /// Takes a free slot for a multishot op whose completions go to `queue`.
@@ -163,16 +176,19 @@ impl OpTable {
         flags: u32,
         multi: &mut MultiQueues,
         provided: &Provided,
-    ) -> Option<TaskId> {
+    ) -> Option<Woken> {
         let i = usize::try_from(idx).ok()?;
         let slot = self.slots.get_mut(i)?;
         match slot {
-            Slot::Waiting { task, owned } => {
-                let task = *task;
+            Slot::Waiting { task, owned, waker } => {
+                let woken = match waker.take() {
+                    Some(w) => Some(Woken::Waker(w)),
+                    None => task.map(Woken::Task),
+                };
                 let owned = std::mem::take(owned);
                 *slot = Slot::Done { res, owned };
                 self.in_flight -= 1;
-                task
+                woken
             }
             Slot::Orphan { .. } => {
                 self.in_flight -= 1;
@@ -197,7 +213,7 @@ impl OpTable {
                     *slot = Slot::MultiEnded { task };
                     self.in_flight -= 1;
                 }
-                task
+                task.map(Woken::Task)
             }
             Slot::MultiOrphan { queue } => {
                 let queue = *queue;
@@ -265,6 +281,18 @@ impl OpTable {
         drop(self.release(idx));
     }
 
+    /// Makes the completion of op `idx` wake `w` rather than a task: for futures polled by a
+    /// combinator (`FuturesUnordered`, `join_all`) that polls only the sub-futures whose own
+    /// waker fired.
+    pub(crate) fn set_waker(&mut self, idx: u32, w: &Waker) {
+        if let Slot::Waiting { waker, .. } = &mut self.slots[idx as usize] {
+            match waker {
+                Some(old) if old.will_wake(w) => {}
+                _ => *waker = Some(w.clone()),
+            }
+        }
+    }
+
     pub(crate) fn set_waiter(&mut self, idx: u32, t: Option<TaskId>) {
         match &mut self.slots[idx as usize] {
             Slot::Waiting { task, .. } | Slot::Multi { task, .. } | Slot::MultiEnded { task } => {
@@ -307,6 +335,14 @@ pub(crate) enum OpState {
     Failed(i32, Owned),
     /// Resolved.
     Finished,
+}
+
+impl Op<'_> {
+    /// Takes the op's state out, leaving nothing for `Drop` to orphan (for wrappers that manage
+    /// the slot themselves).
+    pub(crate) fn into_state(mut self) -> OpState {
+        std::mem::replace(&mut self.state, OpState::Finished)
+    }
 }
 
 impl Future for Op<'_> {

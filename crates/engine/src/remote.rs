@@ -1,7 +1,7 @@
 //! Cross-thread wakeups: another thread (a signal handler thread, a control socket, a backend's
 //! helper) schedules a task of an engine by queueing its id and writing the engine's eventfd, whose
-//! read the engine keeps in flight on its ring. Cold path only: tasks of the same engine wake each
-//! other directly, without this.
+//! read the engine keeps in flight on its ring. A waker used on its engine's own thread schedules
+//! the task directly, without this.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
@@ -35,6 +35,13 @@ impl RemoteShared {
 
     pub(crate) fn take(&self) -> Vec<TaskId> {
         std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Interrupts the engine's ring wait without scheduling a task (for [`crate::Engine::block_on`]).
+    pub(crate) fn kick(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
+        let _ = unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
     fn wake(&self, task: TaskId) {
@@ -79,9 +86,13 @@ struct TaskWaker {
 
 impl Wake for TaskWaker {
     fn wake(self: Arc<Self>) {
-        self.remote.wake(self.task);
+        self.wake_by_ref();
     }
     fn wake_by_ref(self: &Arc<Self>) {
-        self.remote.wake(self.task);
+        // A task woken from its own engine's thread (a lock released by a sibling task) is
+        // scheduled directly; only other threads pay for the eventfd.
+        if !crate::executor::wake_local(&self.remote.shared, self.task) {
+            self.remote.wake(self.task);
+        }
     }
 }

@@ -138,13 +138,13 @@ impl<B: BlockBackend> Export<B> {
         let r = match req {
             Request::Read(a) => return self.read(eng, a, buf, payload, cap, stats).await,
             Request::Write(a) => return self.write(eng, a, buf, payload, cap, stats).await,
-            Request::Getattr => self.getattr(&mut buf, payload),
-            Request::Setattr(a) => self.setattr(a, &mut buf, payload),
+            Request::Getattr => self.getattr(eng, &mut buf, payload).await,
+            Request::Setattr(a) => self.setattr(eng, a, &mut buf, payload).await,
             Request::Open(a) => self.open(a, &mut buf, payload),
             Request::Release => Ok(Reply::Data(0)),
             Request::Flush | Request::Fsync(_) => self.flush(eng, stats).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
-            Request::Lseek(a) => self.lseek(a, &mut buf, payload),
+            Request::Lseek(a) => self.lseek(eng, a, &mut buf, payload).await,
             Request::Statfs => self.statfs(&mut buf, payload),
             Request::Lookup => Err(libc::ENOENT),
             Request::Forget | Request::Interrupt => Ok(Reply::None),
@@ -248,9 +248,9 @@ impl<B: BlockBackend> Export<B> {
         }
     }
 
-    fn attr(&self) -> Result<Attr, i32> {
+    async fn attr(&self, eng: &Engine) -> Result<Attr, i32> {
         let size = self.size()?;
-        let a = self.backend.attrs().map_err(err)?;
+        let a = self.backend.attrs(eng).await.map_err(err)?;
         let mut perm = a.perm;
         if !self.cfg.writable {
             perm &= !0o222;
@@ -275,23 +275,23 @@ impl<B: BlockBackend> Export<B> {
         })
     }
 
-    fn attr_out(&self, buf: &mut Buf, payload: usize) -> R {
+    async fn attr_out(&self, eng: &Engine, buf: &mut Buf, payload: usize) -> R {
         let v = self.cfg.attr_valid;
         let out = AttrOut {
             attr_valid: v.as_secs(),
             attr_valid_nsec: v.subsec_nanos(),
             dummy: 0,
-            attr: self.attr()?,
+            attr: self.attr(eng).await?,
         };
         put(buf, payload, &out)
     }
 
-    fn getattr(&self, buf: &mut Buf, payload: usize) -> R {
-        self.attr_out(buf, payload)
+    async fn getattr(&self, eng: &Engine, buf: &mut Buf, payload: usize) -> R {
+        self.attr_out(eng, buf, payload).await
     }
 
-    fn setattr(&self, a: SetattrIn, buf: &mut Buf, payload: usize) -> R {
-        let cur = self.backend.attrs().map_err(err)?;
+    async fn setattr(&self, eng: &Engine, a: SetattrIn, buf: &mut Buf, payload: usize) -> R {
+        let cur = self.backend.attrs(eng).await.map_err(err)?;
         if a.valid & FATTR_MODE != 0 && a.mode & 0o7777 != cur.perm {
             return Err(libc::EPERM);
         }
@@ -307,7 +307,7 @@ impl<B: BlockBackend> Export<B> {
             if !self.cfg.growable || !self.backend.capabilities().resize {
                 return Err(libc::EPERM);
             }
-            self.backend.resize(a.size).map_err(err)?;
+            self.backend.resize(eng, a.size).await.map_err(err)?;
         }
         let now = || {
             let d = std::time::SystemTime::now()
@@ -328,7 +328,7 @@ impl<B: BlockBackend> Export<B> {
         if atime.is_some() || mtime.is_some() {
             self.backend.set_times(atime, mtime).map_err(err)?;
         }
-        self.attr_out(buf, payload)
+        self.attr_out(eng, buf, payload).await
     }
 
     fn open(&self, a: OpenIn, buf: &mut Buf, payload: usize) -> R {
@@ -370,6 +370,18 @@ impl<B: BlockBackend> Export<B> {
         Ok(Reply::Data(0))
     }
 
+    /// Grows the image for a fallocate range past the end, or says how much of the range fits.
+    async fn fit(&self, eng: &Engine, size: u64, end: u64, keep: bool) -> Result<u64, i32> {
+        if end <= size || keep {
+            return Ok(end.min(size));
+        }
+        if !self.cfg.growable {
+            return Err(libc::ENOSPC);
+        }
+        self.backend.grow_to(eng, end).await.map_err(err)?;
+        Ok(end)
+    }
+
     async fn fallocate(&self, eng: &Engine, a: FallocateIn) -> R {
         if !self.cfg.writable {
             return Err(libc::EROFS);
@@ -377,17 +389,6 @@ impl<B: BlockBackend> Export<B> {
         let size = self.size()?;
         let end = a.offset.checked_add(a.length).ok_or(libc::EFBIG)?;
         let keep = a.mode & FALLOC_FL_KEEP_SIZE != 0;
-        // Grows the image for a range past the end, or says how much of the range fits.
-        let fit = |end: u64| -> Result<u64, i32> {
-            if end <= size || keep {
-                return Ok(end.min(size));
-            }
-            if !self.cfg.growable {
-                return Err(libc::ENOSPC);
-            }
-            self.backend.grow_to(end).map_err(err)?;
-            Ok(end)
-        };
         match a.mode {
             m if m == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE => {
                 let end = end.min(size);
@@ -399,7 +400,7 @@ impl<B: BlockBackend> Export<B> {
                 }
             }
             m if m & !FALLOC_FL_KEEP_SIZE == FALLOC_FL_ZERO_RANGE => {
-                let end = fit(end)?;
+                let end = self.fit(eng, size, end, keep).await?;
                 if a.offset < end {
                     self.backend
                         .write_zeroes(eng, a.offset, end - a.offset)
@@ -408,7 +409,7 @@ impl<B: BlockBackend> Export<B> {
                 }
             }
             m if m & !FALLOC_FL_KEEP_SIZE == 0 => {
-                let end = fit(end)?;
+                let end = self.fit(eng, size, end, keep).await?;
                 if a.offset < end {
                     self.backend
                         .allocate(eng, a.offset, end - a.offset)
@@ -421,7 +422,7 @@ impl<B: BlockBackend> Export<B> {
         Ok(Reply::Data(0))
     }
 
-    fn lseek(&self, a: LseekIn, buf: &mut Buf, payload: usize) -> R {
+    async fn lseek(&self, eng: &Engine, a: LseekIn, buf: &mut Buf, payload: usize) -> R {
         let whence = match a.whence {
             w if w == SEEK_DATA => Seek::Data,
             w if w == SEEK_HOLE => Seek::Hole,
@@ -431,7 +432,12 @@ impl<B: BlockBackend> Export<B> {
         if a.offset >= size {
             return Err(libc::ENXIO);
         }
-        match self.backend.seek(a.offset, whence).map_err(err)? {
+        match self
+            .backend
+            .seek(eng, a.offset, whence)
+            .await
+            .map_err(err)?
+        {
             Some(off) => put(
                 buf,
                 payload,

@@ -96,14 +96,47 @@ pub enum Affinity {
     Off,
 }
 
+/// The image format.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum FormatArg {
+    /// qcow2 if the image starts with the qcow2 magic, raw otherwise (null for null:SIZE); the
+    /// choice is logged.
+    Auto,
+    /// The file's bytes as they are, never probed.
+    Raw,
+    /// qcow2 (v2 or v3), with its backing chain.
+    Qcow2,
+    /// null:SIZE.
+    Null,
+}
+
+impl From<FormatArg> for backend::Format {
+    fn from(f: FormatArg) -> backend::Format {
+        match f {
+            FormatArg::Auto => backend::Format::Auto,
+            FormatArg::Raw => backend::Format::Raw,
+            FormatArg::Qcow2 => backend::Format::Qcow2,
+            FormatArg::Null => backend::Format::Null,
+        }
+    }
+}
+
 /// `fusex mount`.
 #[derive(clap::Args, Debug)]
 pub struct MountArgs {
-    /// Raw file or block device, or null:SIZE (zeroes; drops writes).
+    /// Image file or block device (raw or qcow2), or null:SIZE (zeroes; drops writes).
     pub image: String,
     /// Regular file to mount over (created if missing, removed again at exit if fusex created it).
     pub mountpoint: PathBuf,
-    /// Allow writes (default: read-only).
+    /// Image format. Give raw for raw images from untrusted sources: auto would read a raw
+    /// image whose first bytes mimic a qcow2 header as qcow2.
+    #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
+    pub format: FormatArg,
+    /// Refuse to open the backing or data files a qcow2 image names (for untrusted images, whose
+    /// header may name any file).
+    #[arg(long)]
+    pub no_backing: bool,
+    /// Allow writes (default: read-only). Backing files of a qcow2 image are never written.
     #[arg(long)]
     pub writable: bool,
     /// Writes past the end grow the image (needs --writable).

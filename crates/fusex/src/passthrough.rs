@@ -30,6 +30,8 @@ pub enum NotUsed {
     NoBackingFile(String),
     /// A block device: the kernel passes through to regular files only.
     BlockDevice(String),
+    /// An image format (qcow2): the file's bytes are not the guest's, fusex must translate.
+    Formatted(String),
     /// `--kernel-cache` wants the FUSE page cache, which passthrough bypasses.
     KernelCache,
     /// INIT did not offer `FUSE_PASSTHROUGH`.
@@ -55,6 +57,10 @@ impl fmt::Display for NotUsed {
             NotUsed::BlockDevice(img) => write!(
                 f,
                 "{img} is a block device (the kernel passes through to regular files only)"
+            ),
+            NotUsed::Formatted(img) => write!(
+                f,
+                "{img} is a formatted image (qcow2): only raw images can be passed through"
             ),
             NotUsed::KernelCache => write!(
                 f,
@@ -114,6 +120,7 @@ impl Plan {
         let want = match (args.passthrough, backend) {
             (PassthroughArg::Off, _) => Err(NotUsed::Off),
             (_, AnyBackend::Null(_)) => Err(NotUsed::NoBackingFile(args.image.clone())),
+            (_, AnyBackend::Qcow2(_)) => Err(NotUsed::Formatted(args.image.clone())),
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),
             (_, AnyBackend::Raw(r)) => Ok(Want {

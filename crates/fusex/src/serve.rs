@@ -91,6 +91,8 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     let backend = backend::open(
         &args.image,
         OpenOptions {
+            format: args.format.into(),
+            no_backing: args.no_backing,
             writable: args.writable,
             direct: args.direct,
             io_path,

@@ -162,7 +162,7 @@ mod harness {
             }
         }
 
-        fn attrs(&self) -> backend::Result<Attrs> {
+        async fn attrs(&self, _eng: &Engine) -> backend::Result<Attrs> {
             Ok(Attrs {
                 perm: 0o644,
                 uid: UID,
@@ -243,7 +243,12 @@ mod harness {
             Ok(())
         }
 
-        fn seek(&self, off: u64, whence: Seek) -> backend::Result<Option<u64>> {
+        async fn seek(
+            &self,
+            _eng: &Engine,
+            off: u64,
+            whence: Seek,
+        ) -> backend::Result<Option<u64>> {
             let s = self.state();
             let is_data = |blk: u64| {
                 let lo = (blk * BLOCK).min(s.data.len() as u64) as usize;
@@ -263,14 +268,14 @@ mod harness {
             })
         }
 
-        fn resize(&self, new_size: u64) -> backend::Result<()> {
+        async fn resize(&self, _eng: &Engine, new_size: u64) -> backend::Result<()> {
             let mut s = self.state();
             s.size = new_size;
             s.data.truncate(new_size as usize);
             Ok(())
         }
 
-        fn grow_to(&self, new_size: u64) -> backend::Result<()> {
+        async fn grow_to(&self, _eng: &Engine, new_size: u64) -> backend::Result<()> {
             let mut s = self.state();
             s.size = s.size.max(new_size);
             Ok(())

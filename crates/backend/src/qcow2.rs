@@ -1,0 +1,408 @@
+//! qcow2 images through imago, served as their guest-visible raw bytes.
+//!
+//! imago does the format (mapping, cluster allocation, compressed clusters, backing chains); its
+//! storage is [`RingFile`], so every image and metadata access runs on the calling queue's ring.
+//! A read lands in the FUSE request's own buffer: imago splits it by mapping and hands the pieces
+//! of that buffer to `RingFile`, which lends them to the kernel.
+//!
+//! One image is shared by every queue. imago's caches and allocation locks are thread-safe; the
+//! one operation that must run alone is a discard that frees clusters (it may invalidate a
+//! mapping another request is writing through), so requests hold a shared lock and a discard an
+//! exclusive one.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use engine::{Engine, EngineConfig, Slice};
+use imago::format::builder::FormatDriverBuilder;
+use imago::format::gate::ImplicitOpenGate;
+use imago::qcow2::Qcow2;
+use imago::{FormatAccess, Mapping, StorageOpenOptions};
+use tokio::sync::RwLock;
+
+use crate::ringfile::RingFile;
+use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
+
+/// The first four bytes of every qcow2 image.
+pub const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
+
+/// Longest backing chain fusex opens (a guard against absurd chains; loops are caught exactly).
+const MAX_CHAIN: usize = 64;
+
+/// Whether the file at `path` starts with the qcow2 magic (for `--format auto`).
+pub fn probe(path: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(path)?;
+    let mut magic = [0u8; 4];
+    match f.read_exact_at(&mut magic, 0) {
+        Ok(()) => Ok(magic == QCOW2_MAGIC),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// How to open a qcow2 image.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Qcow2Options {
+    /// Open the top image for writing (backing files are always read-only).
+    pub writable: bool,
+    /// O_DIRECT on every file of the chain.
+    pub direct: bool,
+    /// Refuse to open files the image names (backing files, external data files): for
+    /// untrusted images, whose header could point anywhere.
+    pub no_backing: bool,
+}
+
+/// A qcow2 image (with its backing chain).
+pub struct Qcow2Backend {
+    image: RwLock<FormatAccess<RingFile>>,
+    /// The top image file, for attributes (owner, mode, times).
+    meta: File,
+    size: AtomicU64,
+    writable: bool,
+    /// Guest bytes mapped to data (here or in a backing file), as of the last count.
+    allocated: AtomicU64,
+    /// Something changed the mapping since `allocated` was counted.
+    mapping_changed: AtomicBool,
+}
+
+/// Decides which files an image may open implicitly, and catches loops in the chain.
+#[derive(Clone)]
+struct Gate {
+    no_backing: bool,
+    direct: bool,
+    /// Canonical paths of every file opened for this chain so far.
+    opened: Rc<RefCell<Vec<PathBuf>>>,
+    image: PathBuf,
+}
+
+impl Gate {
+    fn admit(&self, path: &Path) -> io::Result<()> {
+        if self.no_backing {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "it names {} (a backing or data file) and --no-backing refuses to open it: \
+                     drop --no-backing if the image is trusted",
+                    path.display()
+                ),
+            ));
+        }
+        let canon = std::fs::canonicalize(path).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("its backing file {} cannot be opened: {e}", path.display()),
+            )
+        })?;
+        let mut opened = self.opened.borrow_mut();
+        if opened.contains(&canon) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "backing loop: {} appears twice in the chain of {}: fix it with `qemu-img rebase`",
+                    canon.display(),
+                    self.image.display()
+                ),
+            ));
+        }
+        if opened.len() >= MAX_CHAIN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("backing chain longer than {MAX_CHAIN} images"),
+            ));
+        }
+        opened.push(canon);
+        Ok(())
+    }
+}
+
+impl ImplicitOpenGate<RingFile> for Gate {
+    async fn open_format<F: FormatDriverBuilder<RingFile>>(
+        &mut self,
+        builder: F,
+    ) -> io::Result<FormatAccess<RingFile>> {
+        if let Some(p) = builder.get_image_path() {
+            self.admit(&p)?;
+        }
+        // Backing images are only ever read.
+        let inst = Box::pin(builder.write(false).open(self.clone())).await?;
+        Ok(FormatAccess::new(inst))
+    }
+
+    async fn open_storage(&mut self, opts: StorageOpenOptions) -> io::Result<RingFile> {
+        let path = opts
+            .get_filename()
+            .ok_or_else(|| io::Error::other("an implicit file without a name"))?
+            .to_path_buf();
+        self.admit(&path)?;
+        RingFile::open_path(&path, false, self.direct || opts.get_direct())
+    }
+}
+
+fn format_error(path: &str, e: io::Error) -> OpenError {
+    OpenError::Format {
+        path: path.to_string(),
+        format: "qcow2",
+        reason: one_line(&e.to_string()),
+    }
+}
+
+/// imago's messages can span lines (context chains); the CLI promises one.
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+impl Qcow2Backend {
+    /// Opens the image at `path` and its backing chain, on a short-lived engine of this thread.
+    pub fn open(path: &Path, opts: Qcow2Options) -> std::result::Result<Qcow2Backend, OpenError> {
+        let shown = path.display().to_string();
+        let top = RingFile::open_path(path, opts.writable, opts.direct).map_err(|e| {
+            match e.raw_os_error() {
+                Some(libc::EROFS | libc::EACCES | libc::EPERM | libc::ETXTBSY) if opts.writable => {
+                    OpenError::ReadOnly(shown.clone())
+                }
+                Some(libc::EINVAL) if opts.direct => OpenError::DirectUnsupported(shown.clone()),
+                _ => OpenError::from_io(&shown, e),
+            }
+        })?;
+        let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
+        let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
+        let gate = Gate {
+            no_backing: opts.no_backing,
+            direct: opts.direct,
+            opened: Rc::new(RefCell::new(vec![canon])),
+            image: path.to_path_buf(),
+        };
+        let eng = Engine::new(&EngineConfig {
+            sq_entries: 16,
+            ..EngineConfig::default()
+        })
+        .map_err(|e| OpenError::Io {
+            path: shown.clone(),
+            source: io::Error::other(e.to_string()),
+        })?;
+        let opened = eng.block_on(async {
+            let q = Qcow2::<RingFile>::builder(top)
+                .write(opts.writable)
+                .open(gate)
+                .await?;
+            let access = FormatAccess::new(q);
+            let allocated = count_allocated(&access).await?;
+            Ok::<_, io::Error>((access, allocated))
+        });
+        let (access, allocated) = match opened {
+            Ok(r) => r.map_err(|e| format_error(&shown, e))?,
+            Err(e) => {
+                return Err(OpenError::Io {
+                    path: shown,
+                    source: io::Error::other(e.to_string()),
+                })
+            }
+        };
+        let size = access.size();
+        tracing::debug!(path = %shown, size, allocated, "opened qcow2 image");
+        Ok(Qcow2Backend {
+            image: RwLock::new(access),
+            meta,
+            size: AtomicU64::new(size),
+            writable: opts.writable,
+            allocated: AtomicU64::new(allocated),
+            mapping_changed: AtomicBool::new(false),
+        })
+    }
+
+    fn changed(&self) {
+        self.mapping_changed.store(true, Ordering::Release);
+    }
+
+    /// Grows the image to `new_size` if it is smaller (under the shared lock: imago serializes
+    /// growing itself).
+    async fn grow(&self, img: &FormatAccess<RingFile>, new_size: u64) -> Result<()> {
+        if new_size > img.size() {
+            img.resize_grow(new_size, imago::format::PreallocateMode::None)
+                .await?;
+            self.changed();
+        }
+        self.size.fetch_max(img.size(), Ordering::AcqRel);
+        Ok(())
+    }
+}
+
+/// Guest bytes that map to data anywhere in the chain (for `st_blocks`).
+async fn count_allocated(img: &FormatAccess<RingFile>) -> io::Result<u64> {
+    let size = img.size();
+    let mut off = 0u64;
+    let mut total = 0u64;
+    while off < size {
+        let (m, len) = img.get_mapping(off, size - off).await?;
+        if len == 0 {
+            break;
+        }
+        if matches!(m, Mapping::Raw { .. } | Mapping::Special { .. }) {
+            total += len;
+        }
+        off += len;
+    }
+    Ok(total)
+}
+
+/// An error of one request: imago's own errors (corrupt metadata, out-of-range cluster
+/// offsets) carry no errno and become EIO.
+fn io_err(e: io::Error) -> BackendError {
+    match e.raw_os_error() {
+        Some(_) => BackendError::Io(e),
+        None => {
+            tracing::warn!("qcow2 request failed: {}", one_line(&e.to_string()));
+            BackendError::Io(io::Error::from_raw_os_error(libc::EIO))
+        }
+    }
+}
+
+impl BlockBackend for Qcow2Backend {
+    fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            writable: self.writable,
+            resize: self.writable,
+            raw_file: false,
+        }
+    }
+
+    async fn attrs(&self, _eng: &Engine) -> Result<Attrs> {
+        if self.mapping_changed.swap(false, Ordering::AcqRel) {
+            let img = self.image.read().await;
+            match count_allocated(&img).await {
+                Ok(n) => self.allocated.store(n, Ordering::Release),
+                Err(e) => {
+                    self.changed();
+                    return Err(io_err(e));
+                }
+            }
+        }
+        let m = self.meta.metadata()?;
+        Ok(Attrs {
+            perm: m.mode() & 0o7777,
+            uid: m.uid(),
+            gid: m.gid(),
+            allocated: self.allocated.load(Ordering::Acquire),
+            atime: (m.atime(), m.atime_nsec() as u32),
+            mtime: (m.mtime(), m.mtime_nsec() as u32),
+            ctime: (m.ctime(), m.ctime_nsec() as u32),
+        })
+    }
+
+    async fn read_at(&self, _eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
+        let size = self.size();
+        if off >= size {
+            return (Ok(0), win);
+        }
+        let n = (win.len() as u64).min(size - off) as usize;
+        let img = self.image.read().await;
+        let r = img.read(&mut win.as_mut_slice()[..n], off).await;
+        drop(img);
+        (r.map(|()| n).map_err(io_err), win)
+    }
+
+    async fn write_at(&self, _eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        let n = win.len();
+        let Some(end) = off.checked_add(n as u64) else {
+            return (Err(io::Error::from_raw_os_error(libc::EFBIG).into()), win);
+        };
+        let img = self.image.read().await;
+        if end > img.size() {
+            // The export lets writes past the end through only for growable images.
+            if let Err(e) = self.grow(&img, end).await {
+                return (Err(e), win);
+            }
+        }
+        let r = img.write(win.as_slice(), off).await;
+        drop(img);
+        self.changed();
+        (r.map(|()| n).map_err(io_err), win)
+    }
+
+    async fn flush(&self, _eng: &Engine) -> Result<()> {
+        let img = self.image.read().await;
+        img.flush().await.map_err(io_err)?;
+        img.sync().await.map_err(io_err)
+    }
+
+    async fn discard(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
+        // Freeing clusters may break mappings other requests hold: run alone.
+        let mut img = self.image.write().await;
+        let r = img.discard_to_zero(off, len).await;
+        drop(img);
+        self.changed();
+        r.map_err(io_err)
+    }
+
+    async fn write_zeroes(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
+        let img = self.image.read().await;
+        let r = img.write_zeroes(off, len).await;
+        drop(img);
+        self.changed();
+        r.map_err(io_err)
+    }
+
+    async fn allocate(&self, _eng: &Engine, _off: u64, _len: u64) -> Result<()> {
+        // Inside the image every range is writable already; qcow2 allocates clusters on write.
+        Ok(())
+    }
+
+    async fn seek(&self, _eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
+        let img = self.image.read().await;
+        let size = img.size();
+        let mut pos = off;
+        while pos < size {
+            let (m, len) = img.get_mapping(pos, size - pos).await.map_err(io_err)?;
+            if len == 0 {
+                break;
+            }
+            let data = matches!(m, Mapping::Raw { .. } | Mapping::Special { .. });
+            match (whence, data) {
+                (Seek::Data, true) | (Seek::Hole, false) => return Ok(Some(pos)),
+                _ => pos += len,
+            }
+        }
+        Ok(match whence {
+            Seek::Data => None,
+            Seek::Hole => Some(size),
+        })
+    }
+
+    async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
+        if new_size >= self.size() {
+            let img = self.image.read().await;
+            return self.grow(&img, new_size).await;
+        }
+        let mut img = self.image.write().await;
+        img.resize(new_size, imago::format::PreallocateMode::None)
+            .await
+            .map_err(io_err)?;
+        self.size.store(img.size(), Ordering::Release);
+        self.changed();
+        Ok(())
+    }
+
+    async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
+        let img = self.image.read().await;
+        self.grow(&img, new_size).await
+    }
+
+    fn written_to(&self, end: u64) {
+        self.size.fetch_max(end, Ordering::AcqRel);
+    }
+
+    fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
+        crate::raw::set_file_times(self.meta.as_raw_fd(), atime, mtime)
+    }
+}

@@ -1,0 +1,230 @@
+//! I/O on memory the caller only borrows, on the engine running on this thread.
+//!
+//! Image-format libraries (imago) hand their storage layer `&mut [u8]`/`&[u8]` windows and call it
+//! through a trait that carries no engine: a request's data window, a metadata table of the
+//! library's own. Copying every window into an engine buffer would cost a copy per request, so
+//! these operations lend the borrowed memory to the kernel directly and keep the borrow sound the
+//! other way round: a future that still has an operation in flight **waits for its completion when
+//! dropped** (it turns this thread's ring until the kernel is done), so the memory is never
+//! released while the kernel may write it.
+//!
+//! That makes leaking such a future (`mem::forget`, an `Rc` cycle) the one thing that could break
+//! it, hence the `unsafe` constructors: their callers promise to await or drop what they get.
+//! fusex's tasks are always dropped, never forgotten (see `Engine`'s `Drop`).
+//!
+//! The engine is found through a thread-local set while it runs tasks ([`Engine::run`],
+//! [`Engine::block_on`]) or drops them; [`in_engine`] says whether there is one, so a caller can
+//! fall back to plain system calls elsewhere (opening an image before any queue runs).
+
+use std::future::Future;
+use std::io;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use io_uring::{opcode, types};
+
+use crate::executor::{current_engine, Engine};
+use crate::op::{OpState, Owned};
+use crate::{Fd, Sqe};
+
+/// Whether this thread is running an engine right now (so the functions here have a ring).
+pub fn in_engine() -> bool {
+    !current_engine().is_null()
+}
+
+/// Requests in service on this thread's engine (see [`Engine::set_load`]); 0 outside an engine.
+pub fn current_load() -> u32 {
+    let eng = current_engine();
+    if eng.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null `current_engine` names a live engine borrowed on this thread.
+    unsafe { &*eng }.load()
+}
+
+/// A ring operation on memory borrowed for `'a`; resolves to bytes transferred or the error.
+///
+/// Dropping it while the operation is in flight cancels the operation and waits for its
+/// completion on this thread's ring (other completions that arrive meanwhile are recorded as
+/// usual). For regular files and block devices that wait is bounded by the device.
+#[must_use = "a borrowed-memory operation does nothing useful unless awaited"]
+pub struct BorrowedIo<'a> {
+    engine: *const Engine,
+    state: OpState,
+    _mem: PhantomData<&'a mut [u8]>,
+}
+
+impl BorrowedIo<'_> {
+    fn failed(errno: i32) -> Self {
+        BorrowedIo {
+            engine: std::ptr::null(),
+            state: OpState::Failed(-errno, Owned::None),
+            _mem: PhantomData,
+        }
+    }
+
+    /// Submits `sqe` on the current engine.
+    ///
+    /// # Safety
+    /// Every pointer in `sqe` must stay valid for the returned future's lifetime `'a`, and the
+    /// future must not be leaked while pending.
+    unsafe fn start<'a>(sqe: impl FnOnce(&Engine) -> Sqe) -> BorrowedIo<'a> {
+        let eng = current_engine();
+        if eng.is_null() {
+            return BorrowedIo::failed(libc::ENXIO);
+        }
+        // SAFETY: `current_engine` is non-null only while the engine it names is borrowed by
+        // `run`/`block_on`/`drop` on this thread, which is where we are.
+        let e = unsafe { &*eng };
+        let sqe = sqe(e);
+        // SAFETY: forwarded to the caller (the memory outlives the op: see `Drop`).
+        let op = unsafe { e.start(sqe, Owned::None) };
+        let state = op.into_state();
+        BorrowedIo {
+            engine: eng,
+            state,
+            _mem: PhantomData,
+        }
+    }
+
+    /// The engine this op was submitted on, checked to be the one running on this thread.
+    fn engine(&self) -> &Engine {
+        let cur = current_engine();
+        if cur != self.engine {
+            // The op can be neither awaited nor waited for from here, and its memory cannot be
+            // released while the kernel may use it: stopping is the only sound choice.
+            tracing::error!("a borrowed-memory operation was used outside its engine; aborting");
+            std::process::abort();
+        }
+        // SAFETY: equal to `current_engine`, which is live while set (see `start`).
+        unsafe { &*cur }
+    }
+}
+
+impl Future for BorrowedIo<'_> {
+    type Output = io::Result<usize>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        match std::mem::replace(&mut self.state, OpState::Finished) {
+            OpState::Pending(idx) => {
+                let eng = self.engine();
+                let mut ops = eng.ops.borrow_mut();
+                if let Some((res, _)) = ops.take_done(idx) {
+                    return Poll::Ready(bytes(res));
+                }
+                // Libraries poll these under combinators that re-poll only what its own waker
+                // woke: register the waker, not just the task.
+                ops.set_waker(idx, cx.waker());
+                drop(ops);
+                self.state = OpState::Pending(idx);
+                Poll::Pending
+            }
+            OpState::Failed(res, _) => Poll::Ready(bytes(res)),
+            OpState::Finished => Poll::Ready(Err(io::Error::from_raw_os_error(libc::EINVAL))),
+        }
+    }
+}
+
+impl Drop for BorrowedIo<'_> {
+    fn drop(&mut self) {
+        if let OpState::Pending(idx) = self.state {
+            self.engine().wait_terminal(idx);
+        }
+    }
+}
+
+fn bytes(res: i32) -> io::Result<usize> {
+    if res < 0 {
+        Err(io::Error::from_raw_os_error(-res))
+    } else {
+        Ok(res as usize)
+    }
+}
+
+fn len32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// Reads into `buf` from `fd` at `off` on this thread's engine (short at end of file). Fails with
+/// `ENXIO` when no engine runs on this thread.
+///
+/// # Safety
+/// The returned future must be awaited or dropped, never leaked while pending: its drop is what
+/// keeps `buf` from being released while the kernel writes into it.
+pub unsafe fn read<'a>(fd: Fd, buf: &'a mut [u8], off: u64) -> BorrowedIo<'a> {
+    let (ptr, len) = (buf.as_mut_ptr(), len32(buf.len()));
+    // SAFETY: `ptr..ptr+len` is `buf`, borrowed for 'a; the non-leak promise is the caller's.
+    unsafe {
+        BorrowedIo::start(|e| match e.target(fd) {
+            Fd::Raw(r) => opcode::Read::new(types::Fd(r), ptr, len)
+                .offset(off)
+                .build()
+                .into(),
+            Fd::Fixed(i) => opcode::Read::new(types::Fixed(i), ptr, len)
+                .offset(off)
+                .build()
+                .into(),
+        })
+    }
+}
+
+/// Writes `buf` to `fd` at `off` on this thread's engine (possibly short). Fails with `ENXIO` when
+/// no engine runs on this thread.
+///
+/// # Safety
+/// As for [`read`]: the returned future must be awaited or dropped, never leaked while pending.
+pub unsafe fn write<'a>(fd: Fd, buf: &'a [u8], off: u64) -> BorrowedIo<'a> {
+    let (ptr, len) = (buf.as_ptr(), len32(buf.len()));
+    // SAFETY: `ptr..ptr+len` is `buf`, borrowed for 'a; the non-leak promise is the caller's.
+    unsafe {
+        BorrowedIo::start(|e| match e.target(fd) {
+            Fd::Raw(r) => opcode::Write::new(types::Fd(r), ptr, len)
+                .offset(off)
+                .build()
+                .into(),
+            Fd::Fixed(i) => opcode::Write::new(types::Fixed(i), ptr, len)
+                .offset(off)
+                .build()
+                .into(),
+        })
+    }
+}
+
+/// `fsync(2)`/`fdatasync(2)` of `fd` on this thread's engine. Lends no memory.
+pub fn fsync(fd: Fd, datasync: bool) -> BorrowedIo<'static> {
+    let flags = if datasync {
+        types::FsyncFlags::DATASYNC
+    } else {
+        types::FsyncFlags::empty()
+    };
+    // SAFETY: an fsync references no memory.
+    unsafe {
+        BorrowedIo::start(|e| match e.target(fd) {
+            Fd::Raw(r) => opcode::Fsync::new(types::Fd(r)).flags(flags).build().into(),
+            Fd::Fixed(i) => opcode::Fsync::new(types::Fixed(i))
+                .flags(flags)
+                .build()
+                .into(),
+        })
+    }
+}
+
+/// `fallocate(2)` with `mode` over `[off, off+len)` on this thread's engine. Lends no memory.
+pub fn fallocate(fd: Fd, mode: i32, off: u64, len: u64) -> BorrowedIo<'static> {
+    // SAFETY: a fallocate references no memory.
+    unsafe {
+        BorrowedIo::start(|e| match e.target(fd) {
+            Fd::Raw(r) => opcode::Fallocate::new(types::Fd(r), len)
+                .offset(off)
+                .mode(mode)
+                .build()
+                .into(),
+            Fd::Fixed(i) => opcode::Fallocate::new(types::Fixed(i), len)
+                .offset(off)
+                .mode(mode)
+                .build()
+                .into(),
+        })
+    }
+}
