@@ -18,6 +18,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fusex_e2e::*;
 
@@ -456,12 +457,8 @@ fn assert_refusal(code: Option<i32>, stdout: &str, stderr: &str, what: &str) -> 
 /// is left behind, and the error line names the problem (one of `problem`, case-insensitive).
 #[track_caller]
 fn expect_refused(w: &WorkDir, what: &str, args: &[&str], image: &Path, problem: &[&str]) {
-    let mp = w.join("export");
-    assert!(
-        !mp.exists(),
-        "{what}: a previous case left {}",
-        mp.display()
-    );
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let mp = w.join(format!("export-{}", N.fetch_add(1, Ordering::Relaxed)));
     let before = fuse_mounts_at(&mp).len();
     let mut argv: Vec<OsString> = vec!["mount".into()];
     argv.extend(args.iter().map(OsString::from));
@@ -483,6 +480,32 @@ fn expect_refused(w: &WorkDir, what: &str, args: &[&str], image: &Path, problem:
     assert!(
         problem.iter().any(|k| line.contains(&k.to_lowercase())),
         "{what}: the error should name the problem (one of {problem:?}): {line}"
+    );
+}
+
+/// Runs every case to its end even when earlier ones fail (a failing case panics and its guards
+/// clean up as it unwinds), then fails listing each case that failed with its message.
+fn every_case<T>(items: impl IntoIterator<Item = T>, name: impl Fn(&T) -> String, run: impl Fn(T)) {
+    let mut failed = Vec::new();
+    let mut total = 0;
+    for item in items {
+        total += 1;
+        let n = name(&item);
+        if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(item))) {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            let msg: String = msg.chars().take(1500).collect();
+            failed.push(format!("- {n}: {msg}"));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {total} cases failed:\n{}",
+        failed.len(),
+        failed.join("\n")
     );
 }
 
@@ -1688,16 +1711,15 @@ fn refuses_encrypted_images() {
     }
     let w = WorkDir::new("q-bad-crypt");
     let plain = small_qcow2(&w, "plain.qcow2");
+    let mut cases = Vec::new();
     for method in [1u32, 2] {
         let img = w.join(format!("crypt{method}.qcow2"));
         mutated_copy(&plain, &img, &[(H_CRYPT_METHOD, be32(method))]);
-        expect_refused(
-            &w,
-            &format!("crypt_method {method}"),
-            &[],
-            &img,
-            &["encrypt", "crypt"],
-        );
+        cases.push((
+            format!("crypt_method {method} patched into a plain image"),
+            img,
+            &[][..],
+        ));
     }
     let luks = w.join("luks.qcow2");
     run_ok(
@@ -1715,12 +1737,15 @@ fn refuses_encrypted_images() {
             .arg(&luks)
             .arg("1M"),
     );
-    expect_refused(
-        &w,
-        "LUKS-encrypted qcow2",
-        &["--format", "qcow2"],
-        &luks,
-        &["encrypt", "crypt", "luks"],
+    cases.push((
+        "LUKS-encrypted qcow2 (qemu-img create)".to_string(),
+        luks,
+        &["--format", "qcow2"][..],
+    ));
+    every_case(
+        cases,
+        |c| c.0.clone(),
+        |(what, img, args)| expect_refused(&w, &what, args, &img, &["encrypt", "crypt", "luks"]),
     );
 }
 
@@ -1858,24 +1883,28 @@ fn refuses_missing_backing_file() {
     let _gone = small_qcow2(&w, "gone.qcow2");
     create_overlay(w.path(), "overlay.qcow2", "gone.qcow2", "qcow2", "");
     fs::remove_file(w.join("gone.qcow2")).unwrap();
-    expect_refused(
-        &w,
-        "overlay whose backing file is missing",
-        &[],
-        &w.join("overlay.qcow2"),
-        &["gone.qcow2"],
-    );
     // A missing backing file two levels down.
     let _gone2 = small_qcow2(&w, "gone2.qcow2");
     create_overlay(w.path(), "mid.qcow2", "gone2.qcow2", "qcow2", "");
     create_overlay(w.path(), "top.qcow2", "mid.qcow2", "qcow2", "");
     fs::remove_file(w.join("gone2.qcow2")).unwrap();
-    expect_refused(
-        &w,
-        "chain whose bottom file is missing",
-        &["--writable"],
-        &w.join("top.qcow2"),
-        &["gone2.qcow2"],
+    every_case(
+        [
+            (
+                "overlay whose backing file is missing",
+                "overlay.qcow2",
+                &[][..],
+                "gone.qcow2",
+            ),
+            (
+                "chain whose bottom file is missing",
+                "top.qcow2",
+                &["--writable"][..],
+                "gone2.qcow2",
+            ),
+        ],
+        |c| c.0.to_string(),
+        |(what, img, args, missing)| expect_refused(&w, what, args, &w.join(img), &[missing]),
     );
 }
 
@@ -1975,48 +2004,59 @@ fn mutated_headers_never_panic() {
         ("dirty bit", vec![(H_INCOMPATIBLE, be64(1))]),
         ("corrupt bit", vec![(H_INCOMPATIBLE, be64(2))]),
     ];
-    let mp = w.join("export");
+    let mut items = Vec::new();
     for (i, (what, patches)) in cases.iter().enumerate() {
         let img = w.join(format!("mut{i}.qcow2"));
         mutated_copy(&good, &img, patches);
-        for args in [&["--format", "qcow2"][..], &["--writable"][..]] {
-            let what = format!("{what} {args:?}");
-            match Mount::try_start(&w, &img, &mp, args) {
-                Err(f) => {
-                    eprintln!("{what}: refused: {}", f.stderr.trim_end());
-                    assert_refusal(f.code, &f.stdout, &f.stderr, &what);
-                    assert!(!is_fuse_mounted(&mp), "{what}: left mounted");
-                    assert!(!mp.exists(), "{what}: mountpoint left behind");
-                }
-                Ok(m) => {
-                    eprintln!("{what}: served");
-                    let f = m.open_ro();
-                    let size = fstat(&f).0;
-                    for off in [0, MIB, size / 2, size.saturating_sub(4096)] {
-                        if let Err(e) = pread_full(&f, off.min(i64::MAX as u64 - 8192), 4096) {
-                            assert_ne!(
-                                errno(&e),
-                                libc::ENOTCONN,
-                                "{what}: the daemon died reading at {off}"
-                            );
-                        }
-                    }
-                    let _ = lseek(&f, 0, libc::SEEK_DATA);
-                    drop(f);
-                    let st = m.stop();
-                    assert!(
-                        !st.stderr.contains("panicked"),
-                        "{what}: panicked:\n{}",
-                        st.stderr
-                    );
-                    assert!(
-                        st.exited && st.code == Some(0) && !st.left_mounted,
-                        "{what}: did not stop cleanly: {st:?}"
-                    );
-                }
-            }
+        for (j, args) in [&["--format", "qcow2"][..], &["--writable"][..]]
+            .into_iter()
+            .enumerate()
+        {
+            items.push((
+                format!("{what} {args:?}"),
+                img.clone(),
+                args,
+                w.join(format!("export-{i}-{j}")),
+            ));
         }
     }
+    every_case(
+        items,
+        |c| c.0.clone(),
+        |(what, img, args, mp)| match Mount::try_start(&w, &img, &mp, args) {
+            Err(f) => {
+                eprintln!("{what}: refused: {}", f.stderr.trim_end());
+                assert_refusal(f.code, &f.stdout, &f.stderr, &what);
+                assert!(!is_fuse_mounted(&mp), "{what}: left mounted");
+                assert!(!mp.exists(), "{what}: mountpoint left behind");
+            }
+            Ok(m) => {
+                eprintln!("{what}: served");
+                let f = m.open_ro();
+                let size = fstat(&f).0;
+                for off in [0, MIB, size / 2, size.saturating_sub(4096)] {
+                    if let Err(e) = pread_full(&f, off.min(i64::MAX as u64 - 8192), 4096) {
+                        assert!(
+                            ![libc::ENOTCONN, libc::ECONNABORTED].contains(&errno(&e)),
+                            "{what}: the daemon died reading at {off}: {e}"
+                        );
+                    }
+                }
+                let _ = lseek(&f, 0, libc::SEEK_DATA);
+                drop(f);
+                let st = m.stop();
+                assert!(
+                    !st.stderr.contains("panicked"),
+                    "{what}: panicked:\n{}",
+                    st.stderr
+                );
+                assert!(
+                    st.exited && st.code == Some(0) && !st.left_mounted,
+                    "{what}: did not stop cleanly: {st:?}"
+                );
+            }
+        },
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2046,22 +2086,38 @@ fn corrupt_l1_entry_fails_only_its_range() {
     assert!(offset != 0, "setup: L1[1] is not allocated");
     let file_len = fs::metadata(&good).unwrap().len();
     let bogus_past_eof = (file_len + GIB).next_multiple_of(4096);
-    let mp = w.join("export");
+    let mut items = Vec::new();
     for (name, value) in [
         ("past EOF", flags | bogus_past_eof),
         ("misaligned", flags | (offset + 512)),
     ] {
-        let img = w.join(format!("bad-l1-{}.qcow2", name.replace(' ', "-")));
-        mutated_copy(&good, &img, &[(l1 + 8, be64(value))]);
         for writable in [false, true] {
-            let what = format!("L1[1] {name}, writable {writable}");
+            let tag = format!(
+                "{}-{}",
+                name.replace(' ', "-"),
+                if writable { "rw" } else { "ro" }
+            );
+            let img = w.join(format!("bad-l1-{tag}.qcow2"));
+            mutated_copy(&good, &img, &[(l1 + 8, be64(value))]);
+            items.push((
+                format!("L1[1] {name}, writable {writable}"),
+                img,
+                writable,
+                w.join(format!("export-{tag}")),
+            ));
+        }
+    }
+    every_case(
+        items,
+        |c| c.0.clone(),
+        |(what, img, writable, mp)| {
             let args: &[&str] = if writable { &["--writable"] } else { &[] };
             let m = match Mount::try_start(&w, &img, &mp, args) {
                 Err(f) => {
                     eprintln!("{what}: refused at start: {}", f.stderr.trim_end());
                     assert_refusal(f.code, &f.stdout, &f.stderr, &what);
                     assert!(!is_fuse_mounted(&mp));
-                    continue;
+                    return;
                 }
                 Ok(m) => m,
             };
@@ -2079,11 +2135,18 @@ fn corrupt_l1_entry_fails_only_its_range() {
             good_range(&f, 0, 2 * MIB, "before");
             for off in [2 * MIB, 2 * MIB + 4096 + 100, 4 * MIB - 4096] {
                 let mut buf = vec![0u8; 4096];
-                assert_errno(
-                    f.read_at(&mut buf, off),
-                    &[libc::EIO],
-                    &format!("{what}: read at {off}, under the corrupt L1 entry"),
-                );
+                match f.read_at(&mut buf, off) {
+                    Err(e) => assert_eq!(
+                        errno(&e),
+                        libc::EIO,
+                        "{what}: read at {off}, under the corrupt L1 entry: {e}, expected EIO"
+                    ),
+                    Ok(n) => panic!(
+                    "{what}: read at {off}, under the corrupt L1 entry, succeeded ({n} bytes, all \
+                     zero: {}), expected EIO",
+                    buf[..n].iter().all(|&b| b == 0)
+                ),
+                }
             }
             if writable {
                 assert_errno(
@@ -2108,9 +2171,9 @@ fn corrupt_l1_entry_fails_only_its_range() {
             );
             let len = fs::metadata(&img).unwrap().len();
             assert!(
-                len < bogus_past_eof,
-                "{what}: the image file grew to {len}: something was written at the bogus L2 offset"
-            );
-        }
-    }
+            len < bogus_past_eof,
+            "{what}: the image file grew to {len}: something was written at the bogus L2 offset"
+        );
+        },
+    );
 }
