@@ -528,7 +528,10 @@ mod tests {
         assert_eq!(b.size(), 1 << 20);
         assert_eq!(f.as_file().metadata().unwrap().len(), 1 << 20);
         // The grown tail is a hole (on filesystems with holes), and the data is data.
-        assert_eq!(eng.block_on(b.seek(&eng, 0, Seek::Data)).unwrap().unwrap(), Some(0));
+        assert_eq!(
+            eng.block_on(b.seek(&eng, 0, Seek::Data)).unwrap().unwrap(),
+            Some(0)
+        );
         let hole = eng
             .block_on(b.seek(&eng, 0, Seek::Hole))
             .unwrap()
@@ -538,7 +541,9 @@ mod tests {
         eng.block_on(b.resize(&eng, 4096)).unwrap().unwrap();
         assert_eq!(b.size(), 4096);
         assert_eq!(
-            eng.block_on(b.seek(&eng, 4096, Seek::Data)).unwrap().unwrap(),
+            eng.block_on(b.seek(&eng, 4096, Seek::Data))
+                .unwrap()
+                .unwrap(),
             None,
             "no data at EOF"
         );
