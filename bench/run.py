@@ -10,6 +10,7 @@ Examples::
     python3 bench/run.py --matrix quick --targets native,fusex,qsd,nbdfuse
     python3 bench/run.py --matrix all --runtime 3 --rounds 3
     python3 bench/run.py --matrix multiqueue --image shm,null --workloads aio
+    python3 bench/run.py --matrix qcow2 --image qcow2-sparse --workloads write
     python3 bench/run.py --report bench/results/2025-11-23-vm     # re-render
     python3 bench/run.py --list
 
@@ -70,14 +71,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job (default 5)")
     p.add_argument("--ramp", type=float, default=1.0, help="fio ramp seconds before measuring (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--image", help="image kinds shm,disk,null (default: the matrix's own; quick: shm)")
+    p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing "
+                                   "(default: the matrix's own; quick: shm)")
     p.add_argument("--size", default="1G", help="image size for fio matrices (default 1G)")
     p.add_argument("--disk-dir", default="/var/tmp", help="directory for 'disk' images (default /var/tmp)")
     p.add_argument("--workloads", help="only workloads whose name matches one of these comma patterns")
     p.add_argument("--fusex", help="fusex binary (default: $FUSEX, target/release/fusex, PATH)")
     p.add_argument("--define", action="append", default=[], metavar="NAME=KIND:ARGS",
-                   help="extra target configuration, e.g. 'fusex-qd8=fusex:--queue-depth 8'")
+                   help="extra target configuration, e.g. 'fusex-qd8=fusex:--queue-depth 8', "
+                        "'old=fusex@/path/to/fusex:--passthrough off'; the argument format=raw gives it a raw "
+                        "file of the same data on the qcow2 images ('qsd-raw=qsd:format=raw')")
     p.add_argument("--fileaccess-cap", type=float, help="seconds cap per file-access pass (default 2 x runtime)")
+    p.add_argument("--fill-cap", type=float,
+                   help="seconds cap of a fill run (writing workloads on qcow2-sparse/qcow2-backing: the whole "
+                        "image once; default max(12 x runtime, 30))")
     p.add_argument("--no-rotate", action="store_true", help="same target order in every round")
     p.add_argument("--fuse-uring", choices=("auto", "on", "off"), default="auto",
                    help="fuse's enable_uring: auto = set Y (root) only during matrices that compare transports "
@@ -192,7 +199,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    size=parse_size(args.size), disk_dir=args.disk_dir, workloads=args.workloads,
                    targets=[t.strip() for t in args.targets.split(",")] if args.targets else None,
                    fileaccess_cap=args.fileaccess_cap, rotate=not args.no_rotate, catalogue=cat,
-                   fuse_uring=args.fuse_uring)
+                   fuse_uring=args.fuse_uring, fill_cap=args.fill_cap)
     fusex = find_fusex(args.fusex)
     tools = Tools.discover(fusex)
     try:

@@ -57,6 +57,11 @@ class FioWorkload:
             opts.append(f"--rwmixread={self.rwmixread}")
         return opts
 
+    @property
+    def writes(self) -> bool:
+        """True if the workload writes (write, randwrite, rw, randrw, ...)."""
+        return self.rw not in ("read", "randread")
+
     def series_key(self, vary: str) -> tuple[Any, ...]:
         """Key shared by workloads that differ only in ``vary``.
 
@@ -97,15 +102,18 @@ def fio_command(
     ramp_s: float,
     fio_bin: str = "fio",
     output: Optional[str] = None,
+    time_based: bool = True,
 ) -> list[str]:
     """Build the exact fio command line for one run.
 
     ``output`` (a path) sends the JSON to a file instead of stdout, which
-    keeps it free of stray warnings.
+    keeps it free of stray warnings.  Without ``time_based`` each job goes
+    over the file once (every block exactly once, random order for the
+    random modes) and ``runtime_s`` only caps it.
     """
     cmd = [fio_bin, f"--name={workload.name}", f"--filename={filename}"]
     cmd += workload.options()
-    cmd += [f"--size={size_bytes}", "--time_based", f"--runtime={_secs(runtime_s)}"]
+    cmd += [f"--size={size_bytes}"] + (["--time_based"] if time_based else []) + [f"--runtime={_secs(runtime_s)}"]
     if ramp_s > 0:
         cmd.append(f"--ramp_time={_secs(ramp_s)}")
     cmd += list(COMMON_OPTIONS)

@@ -1,10 +1,27 @@
-"""Benchmark images: random-byte files on /dev/shm or local disk, or null.
+"""Benchmark images: random-byte files on /dev/shm or local disk, null, or qcow2.
 
 ``shm`` (the default) puts a file of random bytes on tmpfs so the storage
 costs almost nothing and the FUSE transport is what gets measured; ``disk``
 puts it on the local filesystem; ``null`` has no file at all: fusex serves
 ``null:SIZE`` and the qemu peers ``null-co`` (reads return zeros, writes are
 dropped).
+
+The qcow2 kinds (on /dev/shm too) give every target its *own copy* of the
+image, because two daemons must never open the same writable qcow2; a target
+configuration says whether it wants the qcow2 or a raw file of the same data
+(``TargetSpec.options["format"]``):
+
+* ``qcow2-full``: random bytes, every cluster allocated (``qemu-img convert
+  -O qcow2`` of a random raw file); the raw copies hold the same bytes.
+* ``qcow2-sparse``: an empty qcow2 (no cluster allocated; the raw copy is a
+  sparse file).  *Fresh*: re-created before a run once a write touched it,
+  so writes always fill an empty image (first writes allocate clusters).
+* ``qcow2-backing``: an empty qcow2 overlay over a fully allocated qcow2 base
+  of random bytes (reads come from the base, writes allocate clusters in the
+  overlay, copying the rest of the cluster from the base); the base is shared
+  read-only by the overlays, the raw copies hold the base's bytes.  The
+  overlays are fresh like the sparse image; a raw copy needs no renewal (raw
+  writes change no layout).
 """
 
 from __future__ import annotations
@@ -14,12 +31,14 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from .fio import format_size
 
-IMAGE_KINDS = ("shm", "disk", "null")
+QCOW2_KINDS = ("qcow2-full", "qcow2-sparse", "qcow2-backing")
+IMAGE_KINDS = ("shm", "disk", "null") + QCOW2_KINDS
+FORMATS = ("raw", "qcow2")
 CHUNK = 16 * 1024 * 1024
 
 
@@ -39,15 +58,44 @@ class Image:
     fs: str = ""
     note: str = ""
     created: bool = field(default=False, repr=False)
+    format: str = "raw"                 # format of ``path`` (of a target's view: of its copy)
+    backing: Optional[str] = None       # qcow2 overlays: the base image (qcow2)
+    fresh: bool = False                 # re-created before a run once a write touched it
+    copies: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> {path, format}
+    sources: dict[str, str] = field(default_factory=dict, repr=False)  # what copies are made of
 
     @property
     def label(self) -> str:
         """Short label such as ``shm-1G``."""
         return f"{self.kind}-{format_size(self.size)}"
 
+    @property
+    def per_target(self) -> bool:
+        """True if every target gets its own copy (the qcow2 kinds)."""
+        return self.kind in QCOW2_KINDS
+
+    def format_for(self, wanted: Optional[str]) -> str:
+        """The format a target wanting ``wanted`` (None: the image's own) gets."""
+        if self.kind in QCOW2_KINDS:
+            return wanted or "qcow2"
+        return "raw"
+
+    def for_target(self, name: str) -> "Image":
+        """What target ``name`` opens: its own copy for the qcow2 kinds, else this image."""
+        if not self.per_target:
+            return self
+        c = self.copies[name]
+        return replace(self, path=c["path"], format=c["format"],
+                       backing=self.sources.get("base") if c["format"] == "qcow2" else None,
+                       copies={}, sources={}, created=False)
+
     def to_json(self) -> dict[str, object]:
-        return {"kind": self.kind, "size": self.size, "label": self.label, "path": self.path,
-                "direct": self.direct, "fs": self.fs, "note": self.note}
+        out: dict[str, object] = {"kind": self.kind, "size": self.size, "label": self.label, "path": self.path,
+                                  "direct": self.direct, "fs": self.fs, "note": self.note}
+        if self.per_target:
+            out.update({"fresh": self.fresh, "copies": {k: dict(v) for k, v in self.copies.items()},
+                        "base": self.sources.get("base")})
+        return out
 
 
 def fs_type(path: str) -> str:
@@ -92,7 +140,7 @@ def probe_direct(directory: str) -> bool:
 
 def image_dir(kind: str, disk_dir: str, tag: str) -> Optional[str]:
     """Directory that will hold images of ``kind`` for this run."""
-    if kind == "shm":
+    if kind == "shm" or kind in QCOW2_KINDS:
         return os.path.join("/dev/shm", f"fusexbench-{tag}")
     if kind == "disk":
         return os.path.join(disk_dir, f"fusexbench-{tag}")
@@ -100,11 +148,13 @@ def image_dir(kind: str, disk_dir: str, tag: str) -> Optional[str]:
 
 
 def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: bool = True,
-                  name: Optional[str] = None) -> Image:
+                  name: Optional[str] = None, targets: Optional[dict[str, str]] = None) -> Image:
     """Create (or plan, for null) one image of ``size`` random bytes.
 
     ``want_direct`` asks for O_DIRECT on the servers' side; it is granted
     only where the filesystem supports it (recorded in ``Image.note``).
+    The qcow2 kinds make one copy per target: ``targets`` maps target name
+    to the format it gets (see :meth:`Image.format_for`).
     """
     if kind not in IMAGE_KINDS:
         raise ValueError(f"unknown image kind {kind!r} (one of {', '.join(IMAGE_KINDS)})")
@@ -113,10 +163,13 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
                      note="no data: reads return zeros, writes are dropped")
     assert directory is not None
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, name or f"image-{format_size(size)}.raw")
-    write_random(path, size)
+    if kind in QCOW2_KINDS:
+        img = prepare_qcow2(kind, size, directory, targets or {})
+    else:
+        path = os.path.join(directory, name or f"image-{format_size(size)}.raw")
+        write_random(path, size)
+        img = Image(kind=kind, size=size, path=path, fs=fs_type(directory), created=True)
     can_direct = probe_direct(directory)
-    img = Image(kind=kind, size=size, path=path, fs=fs_type(directory), created=True)
     img.direct = want_direct and can_direct
     if want_direct and not can_direct:
         img.note = f"{img.fs} has no O_DIRECT: every server uses buffered I/O on it"
@@ -124,7 +177,127 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
         img.note = "buffered I/O on the image for every server (the matrix needs the page cache)"
     else:
         img.note = "O_DIRECT on the image for every server"
+    if img.per_target:
+        img.note = f"{QCOW2_NOTES[kind]}; {img.note}"
     return img
+
+
+# --------------------------------------------------------------------------- qcow2
+
+QCOW2_NOTES = {
+    "qcow2-full": ("random bytes, every qcow2 cluster allocated (qemu-img convert -O qcow2 of a random raw file; "
+                   "64 KiB clusters); every target has its own copy, raw copies hold the same bytes"),
+    "qcow2-sparse": ("empty qcow2 (64 KiB clusters, nothing allocated; raw copies are sparse files), "
+                     "one per target, re-created before any run that follows a write"),
+    "qcow2-backing": ("empty qcow2 overlay (64 KiB clusters) over a fully allocated qcow2 base of random bytes, "
+                      "one overlay per target (the base is shared read-only), re-created before any run that "
+                      "follows a write; raw copies hold the base's bytes"),
+}
+
+
+def qemu_img(*args: str) -> None:
+    """Run ``qemu-img ARGS`` (raises RuntimeError with its message on failure)."""
+    exe = shutil.which("qemu-img")
+    if not exe:
+        raise RuntimeError("qemu-img not found (Debian: qemu-utils); the qcow2 images need it")
+    p = subprocess.run([exe, *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"qemu-img {' '.join(args)}: {(p.stderr or p.stdout).strip()}")
+
+
+def copy_path(img: Image, target: str, fmt: str) -> str:
+    """Where target ``target``'s copy of ``img`` lives."""
+    assert img.sources.get("dir")
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", target)
+    return os.path.join(img.sources["dir"], f"{img.label}.{safe}.{fmt}")
+
+
+def prepare_qcow2(kind: str, size: int, directory: str, targets: dict[str, str]) -> Image:
+    """The sources of a qcow2 kind and one copy per target (``targets``: name -> format)."""
+    for t, fmt in targets.items():
+        if fmt not in FORMATS:
+            raise ValueError(f"target {t}: unknown image format {fmt!r}")
+    img = Image(kind=kind, size=size, fs=fs_type(directory), created=True, format="qcow2",
+                fresh=kind != "qcow2-full")
+    label = img.label
+    img.sources["dir"] = directory
+    try:
+        if kind in ("qcow2-full", "qcow2-backing"):
+            raw = os.path.join(directory, f"{label}.data.raw")
+            write_random(raw, size)
+            img.sources["raw"] = raw
+            qcow = os.path.join(directory, f"{label}.{'base' if kind == 'qcow2-backing' else 'data'}.qcow2")
+            qemu_img("convert", "-f", "raw", "-O", "qcow2", raw, qcow)
+            img.sources["base" if kind == "qcow2-backing" else "qcow2"] = qcow
+        # The last target to need a source takes it (a rename), unless renewing copies needs it later.
+        left = {fmt: sum(1 for f in targets.values() if f == fmt) for fmt in FORMATS}
+        for target, fmt in targets.items():
+            left[fmt] -= 1
+            make_copy(img, target, fmt, take=left[fmt] == 0)
+        for role in ("raw", "qcow2"):
+            src = img.sources.pop(role, None)
+            if src:
+                _unlink_quiet(src)
+    except BaseException:
+        remove_image(img)
+        raise
+    img.path = img.sources.get("base")
+    return img
+
+
+def make_copy(img: Image, target: str, fmt: str, take: bool = False) -> str:
+    """(Re)create target ``target``'s copy of ``img`` in format ``fmt``; returns its path.
+
+    ``take``: the source file may be moved instead of copied (nobody needs it later).
+    """
+    path = copy_path(img, target, fmt)
+    _unlink_quiet(path)
+    if img.kind == "qcow2-sparse":
+        if fmt == "qcow2":
+            qemu_img("create", "-q", "-f", "qcow2", path, str(img.size))
+        else:
+            with open(path, "wb") as f:
+                f.truncate(img.size)
+    elif img.kind == "qcow2-backing" and fmt == "qcow2":
+        base = img.sources["base"]
+        qemu_img("create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", path, str(img.size))
+    else:  # the data's raw file, or the full qcow2
+        src = img.sources.get(fmt)
+        if not src or not os.path.exists(src):
+            raise RuntimeError(f"{img.label}: no {fmt} source left to copy for {target}")
+        if take:
+            os.replace(src, path)
+        else:
+            shutil.copyfile(src, path)
+    img.copies[target] = {"path": path, "format": fmt}
+    return path
+
+
+def needs_renewal(img: Image, target: str) -> bool:
+    """True if ``target``'s copy is re-created after writes (fresh kinds; not raw copies of data)."""
+    if not img.fresh or target not in img.copies:
+        return False
+    return img.kind == "qcow2-sparse" or img.copies[target]["format"] == "qcow2"
+
+
+def renew_copy(img: Image, target: str) -> str:
+    """Re-create ``target``'s copy as new (the target must not have it open)."""
+    return make_copy(img, target, img.copies[target]["format"])
+
+
+def allocated_bytes(path: Optional[str]) -> Optional[int]:
+    """Bytes the file occupies on its filesystem (st_blocks), None if unknown."""
+    try:
+        return os.stat(path).st_blocks * 512 if path else None
+    except OSError:
+        return None
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def write_random(path: str, size: int) -> None:
@@ -147,17 +320,20 @@ def write_random(path: str, size: int) -> None:
 
 
 def remove_image(img: Image) -> None:
-    """Delete an image this run created, and its directory when empty."""
-    if not img.created or not img.path:
+    """Delete an image this run created (with its copies and sources), and its directory when empty."""
+    if not img.created:
         return
-    try:
-        os.unlink(img.path)
-    except FileNotFoundError:
-        pass
-    try:
-        os.rmdir(os.path.dirname(img.path))
-    except OSError:
-        pass
+    paths = [c["path"] for c in img.copies.values()]
+    paths += [p for role, p in img.sources.items() if role != "dir"]
+    if img.path:
+        paths.append(img.path)
+    for p in paths:
+        _unlink_quiet(p)
+    if paths:
+        try:
+            os.rmdir(os.path.dirname(paths[0]))
+        except OSError:
+            pass
 
 
 def drop_caches() -> bool:

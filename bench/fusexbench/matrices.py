@@ -9,6 +9,9 @@ The originals are in ``/work/shared/seeds`` (see its README):
 * ``zerocopy``    - seeds/002: FUSE zero copy RFC, 4k/128k read/randread at (QD, jobs).
 * ``uring``       - seeds/003: QEMU FUSE-over-io_uring, 1 GiB 70/30 randrw, {1,4}x{1,64}.
 * ``passthrough`` - seeds/004: passthrough file-access test, 1M/500M/1000M files.
+* ``passthrough-fio`` - the passthrough issue's goals (fio, growable export).
+* ``qcow2``       - the qcow2 issue's goals: fusex on qcow2 vs fusex on the same
+                    data as raw vs qemu-storage-daemon on the same qcow2.
 
 A matrix says which fusex configurations it compares (``fusex_variants``):
 when the user asks for ``fusex`` the runner substitutes these; a tuple means
@@ -18,7 +21,7 @@ when the user asks for ``fusex`` the runner substitutes these; a tuple means
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .fileaccess import FileAccessWorkload
 from .fio import FioWorkload, parse_size
@@ -45,6 +48,7 @@ class Matrix:
     fuse_uring: bool = False
     fusex_extra: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    goals: list[dict[str, Any]] = field(default_factory=list)
 
     def image_sizes(self, default_size: int, workloads: Optional[list[Workload]] = None) -> list[int]:
         """Image sizes needed: one for fio matrices, one per file size for fileaccess."""
@@ -58,7 +62,8 @@ class Matrix:
                 "reproduces": self.reproduces, "kind": self.kind, "images": list(self.images),
                 "fusex_variants": [list(v) if isinstance(v, tuple) else v for v in self.fusex_variants],
                 "backend_direct": self.backend_direct, "fuse_uring": self.fuse_uring,
-                "fusex_extra": list(self.fusex_extra), "notes": list(self.notes)}
+                "fusex_extra": list(self.fusex_extra), "notes": list(self.notes),
+                **({"goals": [dict(g) for g in self.goals]} if self.goals else {})}
 
 
 TRANSPORT_NOTE = ("fusex runs with `--passthrough off` here: this matrix measures the request transport, "
@@ -223,6 +228,49 @@ def passthrough_fio() -> Matrix:
     )
 
 
+def qcow2() -> Matrix:
+    return Matrix(
+        name="qcow2",
+        title="qcow2 images",
+        seed="-",
+        reproduces=("4k randread/randwrite QD1 and QD64, 70/30 4k x 4 jobs, 128k sequential read and write, on a "
+                    "fully allocated qcow2, a sparse qcow2 being filled and a qcow2 overlay over a backing file; "
+                    "fusex on the qcow2 vs fusex on the same data as raw (passthrough off) vs "
+                    "qemu-storage-daemon on the same qcow2 (the qcow2 issue's goals)"),
+        workloads=[
+            _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
+            _fio("randread-4k-qd64", "randread", "4k", 64),
+            _fio("randwrite-4k-qd1", "randwrite", "4k", 1, engine="psync"),
+            _fio("randwrite-4k-qd64", "randwrite", "4k", 64),
+            _fio("randrw70-4k-qd64-4j", "randrw", "4k", 64, jobs=4, mix=70),
+            _fio("read-128k-qd16", "read", "128k", 16),
+            _fio("write-128k-qd16", "write", "128k", 16),
+        ],
+        images=("qcow2-full", "qcow2-sparse", "qcow2-backing"),
+        fusex_variants=("fusex", "fusex-raw"),
+        default_targets=("fusex", "qsd"),
+        goals=[
+            {"a": "fusex", "b": "fusex-raw", "min": 0.7, "rows": "all"},
+            {"a": "fusex", "b": "qsd", "min": 2.0, "rows": "other"},
+            {"a": "fusex", "b": "qsd", "min": 1.5, "rows": "allocating"},
+        ],
+        notes=["`fusex` is fusex with its default options on a qcow2 (format auto-detected); `fusex-raw` is fusex "
+               "with `--passthrough off` on a raw file holding the same data; `qsd` is qemu-storage-daemon's FUSE "
+               "export of the same qcow2 (`driver=qcow2` over `driver=file,aio=io_uring`). Every target has its "
+               "own copy of the image.",
+               "`qcow2-sparse` and `qcow2-backing` start every run that follows a write with a new empty image "
+               "(overlay), unmounted and mounted again around it. On them a writing workload is a *fill*: each "
+               "fio job goes over the whole image once (every block exactly once, in random order for the "
+               "random modes; no `--time_based`, no ramp, so the first allocations count), the same work for "
+               "every target; the run's cap (`fill_cap_s`) only stops a very slow target, and a fill that hit "
+               "it is marked. With 64 KiB clusters, a 4k random fill allocates a cluster with 1 write in 16 "
+               "(on the overlay: copying the rest of the cluster from the base); a 128k sequential fill "
+               "allocates with every write. Reads of `qcow2-sparse` read unallocated clusters (zeros).",
+               "Goals (qcow2 issue): fusex/fusex-raw >= 0.70 on every row, fusex/qsd >= 2 on every row, and "
+               ">= 1.5 for allocating writes (the writing rows of `qcow2-sparse` and `qcow2-backing`)."],
+    )
+
+
 MATRICES: dict[str, Callable[[], Matrix]] = {
     "quick": quick,
     "coroutines": coroutines,
@@ -231,6 +279,7 @@ MATRICES: dict[str, Callable[[], Matrix]] = {
     "zerocopy": zerocopy,
     "passthrough": passthrough,
     "passthrough-fio": passthrough_fio,
+    "qcow2": qcow2,
 }
 
 

@@ -173,9 +173,83 @@ def _workload_desc(res: dict[str, Any]) -> dict[str, str]:
     return {w["name"]: w.get("description", "") for w in res.get("workloads", [])}
 
 
+def row_class(res: dict[str, Any], image: str, workload: str) -> str:
+    """``allocating`` for a writing workload on a fresh image (qcow2-sparse, qcow2-backing), else ``other``."""
+    img = next((i for i in res.get("images", []) if i.get("label") == image), {})
+    wl = next((w for w in res.get("workloads", []) if w.get("name") == workload), {})
+    writes = wl.get("rw") not in ("read", "randread")
+    return "allocating" if img.get("fresh") and writes else "other"
+
+
+def incomplete_fills(res: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(image, workload, target) of fill runs that hit their time cap in some round."""
+    return {(r["image"], r["workload"], r["target"]) for r in res.get("runs", [])
+            if r.get("fill") and not r["fill"].get("complete")}
+
+
+def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> list[str]:
+    """Report lines of the matrix's goals for one image (none without goals).
+
+    A goal ``{"a", "b", "min", "rows": all|allocating|other}`` asks for the
+    median per-round IOPS ratio a/b >= min on the rows of that class.
+    """
+    rows = [r for r in rows if r["image"] == image]
+    present = {t for r in rows for t in r["targets"]}  # targets that ran on this image
+    goals = [g for g in res.get("goals") or [] if g["a"] in present and g["b"] in present]
+    if not goals or not rows:
+        return []
+    pairs: list[tuple[str, str]] = []
+    for g in goals:
+        if (g["a"], g["b"]) not in pairs:
+            pairs.append((g["a"], g["b"]))
+    shown: list[str] = []
+    for a, b in pairs:
+        shown += [t for t in (a, b) if t not in shown]
+    capped = incomplete_fills(res)
+    met = total = 0
+    body = []
+    for r in rows:
+        cls = row_class(res, image, r["workload"])
+        cells = [f"`{r['workload']}`" + (" (alloc.)" if cls == "allocating" else "")]
+        for i, t in enumerate(shown):
+            mt = r["targets"].get(t, {}).get("metrics", {})
+            mark = " \u2021" if (image, r["workload"], t) in capped else ""
+            cells.append(cell(mt.get("iops")) + mark)
+            if i == 0:
+                cells.append(cell(mt.get("bw_mib"), fmt_sig, False))
+        for a, b in pairs:
+            g = next((g for g in goals if (g["a"], g["b"]) == (a, b) and g.get("rows", "all") in ("all", cls)), None)
+            ratio = r["targets"].get(a, {}).get("ratios", {}).get(b)
+            if g is None:
+                cells.append(fmt_ratio(ratio))
+                continue
+            if not ratio or ratio.get("median") is None:
+                cells.append(f"- (\u2265 {g['min']:.2f})")
+                continue
+            total += 1
+            ok = ratio["median"] >= g["min"]
+            met += ok
+            verdict = "\u2713" if ok else "\u2717"
+            cells.append(f"{fmt_ratio(ratio)} {verdict} (\u2265 {g['min']:.2f})")
+        body.append(cells)
+    header = ["workload"]
+    for i, t in enumerate(shown):
+        header.append(f"{t} IOPS")
+        if i == 0:
+            header.append(f"{t} MiB/s")
+    header += [f"{a}/{b}" for a, b in pairs]
+    out = [f"**Goals**: {met} of {total} met (median per-round IOPS ratio \u2265 the goal in brackets; "
+           "(alloc.) = allocating writes)", "", table(header, body)]
+    if any(k[0] == image for k in capped):
+        out += ["", "\u2021 in some round this fill hit its time cap before writing the whole image "
+                "(it then measured mostly the first, allocating writes): the ratio is biased against that target."]
+    return out + [""]
+
+
 def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
-    """IOPS table, ratio table and per-target detail table of one image."""
+    """Goals (if the matrix has them), IOPS table, ratio table and per-target detail table of one image."""
     targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
+    goals = goals_table(res, rows, image)
     rows = [r for r in rows if r["image"] == image]
     present = [t for t in targets if any(t in r["targets"] for r in rows)]
     desc = _workload_desc(res)
@@ -183,8 +257,8 @@ def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> s
     for r in rows:
         main.append([f"`{r['workload']}`"] + [cell(r["targets"].get(t, {}).get("metrics", {}).get("iops"))
                                               for t in present])
-    out = [f"**IOPS** (read + write; median \u00b1 spread)", "",
-           table(["workload"] + present, main)]
+    out = goals + [f"**IOPS** (read + write; median \u00b1 spread)", "",
+                   table(["workload"] + present, main)]
     out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
     det = []
     for r in rows:

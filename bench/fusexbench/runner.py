@@ -22,10 +22,13 @@ from . import machine
 from .fio import FioWorkload, fio_command, parse_fio_json
 from .matrices import Matrix, Workload, estimate_seconds, expand_targets, select_workloads, with_extra
 from .progress import Progress
-from .targets import (Interrupted, RunningTarget, TargetError, TargetGroup, TargetSpec, Tools, mounts_under,
-                      start_target, unavailable_reason)
+from .targets import (Interrupted, RunningTarget, TargetError, TargetGroup, TargetSpec, Tools, image_format,
+                      mounts_under, start_target, unavailable_reason)
 
 FIO_GRACE_S = 90.0
+# A fill run writes the whole fresh image once; the cap only stops a very slow target.
+FILL_CAP_FACTOR = 12.0
+FILL_CAP_MIN_S = 30.0
 
 
 @dataclass
@@ -44,17 +47,23 @@ class Options:
     fileaccess_cap: Optional[float] = None
     rotate: bool = True
     fuse_uring: str = "auto"             # auto: enable for matrices that need it; on; off
+    fill_cap: Optional[float] = None     # seconds cap of a fill run (fresh images); None: fill_cap_s()
     catalogue: dict[str, TargetSpec] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"runtime_s": self.runtime, "ramp_s": self.ramp, "rounds": self.rounds,
                 "images": self.images, "image_size": self.size, "disk_dir": self.disk_dir,
                 "workloads": self.workloads, "targets": self.targets,
-                "fileaccess_cap_s": self.cap(), "rotate_order": self.rotate, "fuse_uring": self.fuse_uring}
+                "fileaccess_cap_s": self.cap(), "fill_cap_s": self.fill_cap_s(),
+                "rotate_order": self.rotate, "fuse_uring": self.fuse_uring}
 
     def cap(self) -> float:
         """Time cap of one file-access pass (seconds)."""
         return self.fileaccess_cap if self.fileaccess_cap is not None else max(2.0 * self.runtime, 2.0)
+
+    def fill_cap_s(self) -> float:
+        """Time cap of one fill run (a writing workload on a fresh image; seconds)."""
+        return self.fill_cap if self.fill_cap is not None else max(FILL_CAP_FACTOR * self.runtime, FILL_CAP_MIN_S)
 
 
 def _now() -> str:
@@ -109,7 +118,12 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                     dirs.add(d)
                 for size in m.image_sizes(opts.size, workloads):
                     log(f"{m.name}: preparing {kind} image of {size >> 20} MiB")
-                    img = imgs.prepare_image(kind, size, d, want_direct=m.backend_direct)
+                    copies = None
+                    if kind in imgs.QCOW2_KINDS:  # one copy per target that can run on it
+                        probe = imgs.Image(kind=kind, size=size)
+                        copies = {s.name: image_format(s, probe) for s in specs
+                                  if unavailable_reason(s, probe, tools) is None}
+                    img = imgs.prepare_image(kind, size, d, want_direct=m.backend_direct, targets=copies)
                     created.append(img)
                     images.append(img)
                     result["images"].append(img.to_json())
@@ -124,7 +138,7 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                         continue
                     wd = os.path.join(workdir, m.name, img.label, spec.name)
                     try:
-                        t = start_target(spec, img, wd, tools)
+                        t = start_target(spec, img.for_target(spec.name), wd, tools)
                     except TargetError as e:
                         result["skipped"].append(f"Skipped {spec.name} on {img.label}: did not start: {e}")
                         result["mounts"].append({"target": spec.name, "image": img.label, "error": str(e)})
@@ -137,7 +151,7 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
             result["targets"] = [{**s.to_json(), "started": s.name in started} for s in specs]
             # Jobs: round -> workload -> image -> target (rotated per round).
             names = [s.name for s in specs]
-            jobs: list[tuple[int, Workload, imgs.Image, RunningTarget]] = []
+            jobs: list[tuple[int, Workload, imgs.Image, str]] = []
             for rnd in range(1, opts.rounds + 1):
                 order = names[(rnd - 1) % len(names):] + names[:(rnd - 1) % len(names)] if (
                     opts.rotate and names) else names
@@ -146,9 +160,8 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                         if not _applies(w, img):
                             continue
                         for name in order:
-                            t = running.get((img.label, name))
-                            if t:
-                                jobs.append((rnd, w, img, t))
+                            if (img.label, name) in running:
+                                jobs.append((rnd, w, img, name))
             est = estimate_seconds(m, 1, opts.runtime, opts.ramp, opts.cap())
             log(f"{m.name}: {len(jobs)} runs ({len(running)} mounts x {len(workloads)} workloads x "
                 f"{opts.rounds} rounds), about {len(jobs) * est / 60:.1f} min")
@@ -157,11 +170,19 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
             tmp = os.path.join(workdir, m.name, "out")
             os.makedirs(tmp, exist_ok=True)
             try:
-                for i, (rnd, w, img, t) in enumerate(jobs):
-                    progress.show(f"{m.name} r{rnd} {w.name} @ {t.name}" +
+                for i, (rnd, w, img, name) in enumerate(jobs):
+                    progress.show(f"{m.name} r{rnd} {w.name} @ {name}" +
                                   (f" [{img.label}]" if len(images) > 1 else ""))
+                    t = running[(img.label, name)]
+                    if t.dirty and imgs.needs_renewal(img, name):
+                        t = running[(img.label, name)] = renew_target(t, img, tools, group)
                     if isinstance(w, FioWorkload):
-                        run = run_fio(w, img, t, opts, os.path.join(tmp, f"fio-{i}.json"))
+                        fill = img.fresh and w.writes
+                        run = run_fio(w, img, t, opts, os.path.join(tmp, f"fio-{i}.json"), fill=fill)
+                        if w.writes:
+                            t.dirty = True
+                        if img.per_target:
+                            run["image_allocated_bytes"] = imgs.allocated_bytes(t.image.path)
                     else:
                         assert fa_bin
                         run = run_fileaccess(w, img, t, opts, fa_bin)
@@ -191,6 +212,24 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
     return result
 
 
+def renew_target(t: RunningTarget, img: imgs.Image, tools: Tools, group: TargetGroup) -> RunningTarget:
+    """Stop ``t``, re-create its copy of ``img`` as new and mount it again.
+
+    If that fails, the stopped target is returned marked unusable (its runs fail with the reason).
+    """
+    t.stop()
+    group.remove(t)
+    try:
+        imgs.renew_copy(img, t.name)
+        t2 = start_target(t.spec, img.for_target(t.name), t.workdir, tools)
+    except (TargetError, RuntimeError, OSError) as e:
+        t.dead_reason = f"re-creating the image and mounting again failed: {e}"
+        t.dirty = False  # no retry before every run: its runs fail with the reason
+        return t
+    group.add(t2)
+    return t2
+
+
 def _applies(w: Workload, img: imgs.Image) -> bool:
     if isinstance(w, fa.FileAccessWorkload):
         return img.size == w.size
@@ -213,9 +252,16 @@ def _server_cpu(t: RunningTarget, a: Optional[float], b: Optional[float], ios: i
     return {"server_cpu_s": cpu, "server_cpu_us_per_io": cpu * 1e6 / ios if ios else None}
 
 
-def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, out: str) -> dict[str, Any]:
-    """One fio run; server CPU is sampled after the ramp and at the end."""
-    cmd = fio_command(w, t.path, img.size, opts.runtime, opts.ramp, opts.fio, output=out)
+def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, out: str,
+            fill: bool = False) -> dict[str, Any]:
+    """One fio run; server CPU is sampled after the ramp and at the end.
+
+    ``fill``: every job writes (or reads and writes) each block of the fresh
+    image once, measured from the first I/O (no ramp), capped at
+    ``opts.fill_cap_s()``; the record's ``fill`` says whether it completed.
+    """
+    runtime, ramp = (opts.fill_cap_s(), 0.0) if fill else (opts.runtime, opts.ramp)
+    cmd = fio_command(w, t.path, img.size, runtime, ramp, opts.fio, output=out, time_based=not fill)
     rec: dict[str, Any] = {"command": cmd, "ok": False, "error": None, "metrics": None,
                            "started": _now()}
     dead = t.check_alive()
@@ -229,16 +275,16 @@ def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, ou
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
     try:
         try:
-            proc.wait(timeout=opts.ramp if opts.ramp > 0 else 0.01)
+            proc.wait(timeout=ramp if ramp > 0 else 0.01)
         except subprocess.TimeoutExpired:
             pass
         cpu_a = t.cpu_seconds()
         try:
-            proc.wait(timeout=opts.runtime + opts.ramp + FIO_GRACE_S)
+            proc.wait(timeout=runtime + ramp + FIO_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            rec["error"] = f"fio did not finish within {opts.runtime + opts.ramp + FIO_GRACE_S:.0f} s (killed)"
+            rec["error"] = f"fio did not finish within {runtime + ramp + FIO_GRACE_S:.0f} s (killed)"
             t.check_alive()
             return rec
         cpu_b = t.cpu_seconds()
@@ -256,11 +302,20 @@ def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, ou
         return rec
     rec["metrics"] = metrics
     rec.update(_server_cpu(t, cpu_a, cpu_b, metrics["ios"]))
+    if fill:
+        rec["fill"] = fill_record(w, img.size, metrics)
     if proc.returncode != 0 or metrics.get("error"):
         rec["error"] = f"fio exit {proc.returncode}, error {metrics.get('error')}: {stderr[-300:]}"
         return rec
     rec["ok"] = True
     return rec
+
+
+def fill_record(w: FioWorkload, size: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """How far a fill run got: every job should move ``size`` bytes (reads + writes)."""
+    expected = size * w.numjobs
+    done = sum(metrics[d]["io_bytes"] for d in ("read", "write") if metrics.get(d))
+    return {"expected_bytes": expected, "done_bytes": done, "complete": done >= expected}
 
 
 def run_fileaccess(w: fa.FileAccessWorkload, img: imgs.Image, t: RunningTarget, opts: Options,

@@ -60,7 +60,9 @@ class TargetSpec:
     ``fusex mount``).  ``requires`` lists flags that must appear in
     ``fusex mount --help``; configurations needing a missing feature are
     skipped with a note instead of failing.  ``options`` are the knobs as
-    data (queues, transport, passthrough, aio) for plots and the report.
+    data (queues, transport, passthrough, aio) for plots and the report;
+    ``options["format"] = "raw"`` asks for a raw file of the same data on the
+    qcow2 image kinds (default: the image's own format).
     """
 
     name: str
@@ -92,6 +94,9 @@ def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
                    {"transport": "uring"}, "fusex, FUSE-over-io_uring transport"),
         TargetSpec("fusex-pt-off", "fusex", ("--passthrough", "off"), ("--passthrough",),
                    {"passthrough": "off"}, "fusex, passthrough off"),
+        TargetSpec("fusex-raw", "fusex", ("--passthrough", "off"), ("--passthrough",),
+                   {"passthrough": "off", "format": "raw"},
+                   "fusex on a raw file of the same data (qcow2 images), passthrough off"),
         TargetSpec("fusex-pt-on", "fusex", ("--passthrough", "on"), ("--passthrough",),
                    {"passthrough": "on"}, "fusex, passthrough on"),
         TargetSpec("fusex-kcache", "fusex", ("--kernel-cache",), ("--kernel-cache",),
@@ -132,6 +137,9 @@ def parse_define(text: str) -> TargetSpec:
         raise ValueError(f"unknown target kind {kind!r}")
     args = tuple(argstr.split())
     requires = ()
+    if "format=raw" in args:  # e.g. qsd-raw=qsd:format=raw (not passed to the command)
+        args = tuple(a for a in args if a != "format=raw")
+        options["format"] = "raw"
     if kind == "fusex" and "binary" not in options:
         requires = tuple(a.split("=")[0] for a in args if a.startswith("--"))
     return TargetSpec(name.strip(), kind, args, requires, options, f"{rest.split(':', 1)[0]} {argstr}".strip())
@@ -178,13 +186,32 @@ def fusex_help(binary: str) -> str:
         return ""
 
 
+QCOW2_FLAG = "--format"  # a fusex without it has no qcow2 backend: it would export the qcow2 file as raw bytes
+
+_help_cache: dict[str, str] = {}
+
+
+def image_format(spec: TargetSpec, image: Image) -> str:
+    """The format of the file ``spec`` opens on ``image`` (raw, or qcow2 on the qcow2 kinds;
+    native always opens raw)."""
+    return image.format_for(spec.options.get("format") or ("raw" if spec.kind == "native" else None))
+
+
 def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
     """Why ``spec`` cannot run on ``image`` here, or None if it can."""
     if spec.kind == "native":
         return "native has no null image (nothing to compare against)" if image.kind == "null" else None
+    qcow2 = image_format(spec, image) == "qcow2"
     if spec.kind == "fusex" and spec.options.get("binary"):
         b = spec.options["binary"]
-        return None if os.access(b, os.X_OK) else f"fusex binary {b} is not executable"
+        if not os.access(b, os.X_OK):
+            return f"fusex binary {b} is not executable"
+        if qcow2:
+            if b not in _help_cache:
+                _help_cache[b] = fusex_help(b)
+            if QCOW2_FLAG not in re.findall(r"(--[a-z][a-z0-9-]*)", _help_cache[b]):
+                return f"`{b} mount --help` has no {QCOW2_FLAG} (no qcow2 backend)"
+        return None
     if spec.kind == "fusex":
         if not tools.fusex:
             return "fusex binary not found (cargo build --release -p fusex, or --fusex PATH)"
@@ -192,6 +219,8 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
         missing = [r for r in spec.requires if r not in flags]
         if missing:
             return f"`fusex mount --help` has no {', '.join(missing)} (feature not implemented yet)"
+        if qcow2 and QCOW2_FLAG not in flags:
+            return f"`fusex mount --help` has no {QCOW2_FLAG} (qcow2 backend not implemented yet)"
         return None
     if spec.kind == "qsd":
         return None if tools.qsd else "qemu-storage-daemon not installed (Debian: qemu-system-common)"
@@ -324,6 +353,7 @@ class RunningTarget:
     fusermount: Optional[str] = None
     stopped: bool = False
     dead_reason: Optional[str] = None
+    dirty: bool = False            # a write reached the image since it was (re)created
 
     @property
     def name(self) -> str:
@@ -411,17 +441,31 @@ def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> lis
 
 
 def qsd_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
-    """qemu-storage-daemon with a FUSE export of a raw file (or null-co)."""
+    """qemu-storage-daemon with a FUSE export of a raw or qcow2 file (or null-co).
+
+    A qcow2 overlay's base gets its own file + qcow2 nodes (read-only, same
+    aio and cache mode) instead of the ones qemu would open implicitly
+    (aio=threads).
+    """
     assert tools.qsd
     aio = spec.options.get("aio", "io_uring")
     if image.kind == "null":
         blockdevs = ["--blockdev", f"driver=null-co,node-name=disk,size={image.size},read-zeroes=on"]
     else:
         direct = "on" if image.direct else "off"
-        blockdevs = [
+        blockdevs = []
+        backing = ""
+        if image.format == "qcow2" and image.backing:
+            blockdevs += [
+                "--blockdev", f"driver=file,node-name=base-file,filename={image.backing},cache.direct={direct},"
+                              f"aio={aio},locking=off,read-only=on",
+                "--blockdev", "driver=qcow2,node-name=base,file=base-file,read-only=on",
+            ]
+            backing = ",backing=base"
+        blockdevs += [
             "--blockdev",
             f"driver=file,node-name=file,filename={image.path},cache.direct={direct},aio={aio},locking=off",
-            "--blockdev", "driver=raw,node-name=disk,file=file",
+            "--blockdev", f"driver={image.format},node-name=disk,file=file{backing}",
         ]
     return [tools.qsd, *blockdevs, "--export",
             f"type=fuse,id=exp,node-name=disk,mountpoint={mnt},writable=on", *spec.args]
@@ -436,7 +480,7 @@ def qemu_nbd_command(tools: Tools, spec: TargetSpec, image: Image, sock: str) ->
         return base + ["--image-opts", f"driver=null-co,size={image.size},read-zeroes=on"]
     cache = "none" if image.direct else "writeback"
     return base + [f"--cache={cache}", f"--aio={aio}", "--image-opts",
-                   f"driver=raw,file.driver=file,file.filename={image.path},file.locking=off"]
+                   f"driver={image.format},file.driver=file,file.filename={image.path},file.locking=off"]
 
 
 def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> RunningTarget:
@@ -457,13 +501,14 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
     try:
         if spec.kind == "fusex":
             cmd = fusex_command(tools, spec, image, mnt)
-            t.config = {"image_o_direct": image.direct, "writable": True, "args": list(spec.args)}
+            t.config = {"image_o_direct": image.direct, "writable": True, "args": list(spec.args),
+                        **({"image_format": image.format} if image.per_target else {})}
             _launch(t, cmd, "fusex.log")
         elif spec.kind == "qsd":
             cmd = qsd_command(tools, spec, image, mnt)
             t.config = {"image_o_direct": image.direct, "writable": True,
                         "aio": spec.options.get("aio", "io_uring"), "locking": "off",
-                        "backend": "null-co read-zeroes=on" if image.kind == "null" else "file+raw"}
+                        "backend": "null-co read-zeroes=on" if image.kind == "null" else _backend(image)}
             _launch(t, cmd, "qsd.log")
         elif spec.kind == "nbdfuse":
             sock = os.path.join(workdir, "nbd.sock")
@@ -471,7 +516,7 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
             t.config = {"image_o_direct": image.direct, "writable": True,
                         "qemu_nbd_cache": "none" if image.direct else "writeback",
                         "aio": spec.options.get("aio", "io_uring"), "nbdfuse_connections": 4,
-                        "backend": "null-co read-zeroes=on" if image.kind == "null" else "file+raw"}
+                        "backend": "null-co read-zeroes=on" if image.kind == "null" else _backend(image)}
             log = os.path.join(workdir, "qemu-nbd.log")
             srv = spawn(server, log)
             t.procs.append(srv)
@@ -484,10 +529,19 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
             _launch(t, client, "nbdfuse.log")
         else:
             raise TargetError(f"unknown kind {spec.kind}")
+        if image.format != "raw":
+            exported = os.path.getsize(mnt)
+            if exported != image.size:
+                raise TargetError(f"exports {exported} bytes, not the {image.format} image's virtual size "
+                                  f"{image.size} (is the {image.format} format supported?)")
     except BaseException:
         t.stop()
         raise
     return t
+
+
+def _backend(image: Image) -> str:
+    return f"file+{image.format}" + (" over a qcow2 base (file+qcow2, read-only)" if image.backing else "")
 
 
 def _launch(t: RunningTarget, cmd: list[str], logname: str, wait: bool = True) -> None:
@@ -513,6 +567,10 @@ class TargetGroup:
 
     def add(self, target: RunningTarget) -> None:
         self.targets.append(target)
+
+    def remove(self, target: RunningTarget) -> None:
+        """Forget ``target`` (after stopping it)."""
+        self.targets = [t for t in self.targets if t is not target]
 
     def stop_all(self) -> None:
         """Stop every target (reverse start order), then sweep the workdir."""

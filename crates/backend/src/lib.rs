@@ -10,6 +10,7 @@ use std::io;
 use engine::{Engine, Slice};
 
 mod any;
+mod gate;
 mod null;
 pub mod qcow2;
 mod raw;

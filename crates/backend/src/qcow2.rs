@@ -7,8 +7,8 @@
 //!
 //! One image is shared by every queue. imago's caches and allocation locks are thread-safe; the
 //! one operation that must run alone is a discard that frees clusters (it may invalidate a
-//! mapping another request is writing through), so requests hold a shared lock and a discard an
-//! exclusive one.
+//! mapping another request is writing through), so requests pass an [`IoGate`] shared and a
+//! discard passes it exclusive.
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -19,12 +19,12 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use crate::gate::IoGate;
 use engine::{Engine, EngineConfig, Slice};
 use imago::format::builder::FormatDriverBuilder;
 use imago::format::gate::ImplicitOpenGate;
 use imago::qcow2::Qcow2;
 use imago::{FormatAccess, Mapping, StorageOpenOptions};
-use tokio::sync::RwLock;
 
 use crate::ringfile::RingFile;
 use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
@@ -47,6 +47,32 @@ pub fn probe(path: &Path) -> io::Result<bool> {
     }
 }
 
+/// Byte offset of `crypt_method` (big-endian u32) in the qcow2 header.
+const CRYPT_METHOD_OFFSET: u64 = 32;
+
+/// Refuses encrypted images up front: imago has no decryption, and serving ciphertext as if it
+/// were the guest's bytes would be silently wrong.
+fn refuse_encrypted(f: &File) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut m = [0u8; 4];
+    match f.read_exact_at(&mut m, CRYPT_METHOD_OFFSET) {
+        Ok(()) => {}
+        // Too short to hold a header: imago names that.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    match u32::from_be_bytes(m) {
+        0 => Ok(()),
+        method => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "the image is encrypted (crypt_method {method}), which fusex does not support: \
+                 decrypt it with `qemu-img convert` first"
+            ),
+        )),
+    }
+}
+
 /// How to open a qcow2 image.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Qcow2Options {
@@ -61,7 +87,9 @@ pub struct Qcow2Options {
 
 /// A qcow2 image (with its backing chain).
 pub struct Qcow2Backend {
-    image: RwLock<FormatAccess<RingFile>>,
+    image: FormatAccess<RingFile>,
+    /// Requests enter shared; a discard that frees clusters enters exclusive.
+    gate: IoGate,
     /// The top image file, for attributes (owner, mode, times).
     meta: File,
     size: AtomicU64,
@@ -127,9 +155,8 @@ impl ImplicitOpenGate<RingFile> for Gate {
         &mut self,
         builder: F,
     ) -> io::Result<FormatAccess<RingFile>> {
-        if let Some(p) = builder.get_image_path() {
-            self.admit(&p)?;
-        }
+        // The file behind it came through `open_storage`, which admitted it; a builder with a
+        // path of its own opens that path through `open_storage` too.
         // Backing images are only ever read.
         let inst = Box::pin(builder.write(false).open(self.clone())).await?;
         Ok(FormatAccess::new(inst))
@@ -172,6 +199,7 @@ impl Qcow2Backend {
             }
         })?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
+        refuse_encrypted(&meta).map_err(|e| format_error(&shown, e))?;
         let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
         let gate = Gate {
             no_backing: opts.no_backing,
@@ -208,7 +236,8 @@ impl Qcow2Backend {
         let size = access.size();
         tracing::debug!(path = %shown, size, allocated, "opened qcow2 image");
         Ok(Qcow2Backend {
-            image: RwLock::new(access),
+            image: access,
+            gate: IoGate::default(),
             meta,
             size: AtomicU64::new(size),
             writable: opts.writable,
@@ -221,15 +250,16 @@ impl Qcow2Backend {
         self.mapping_changed.store(true, Ordering::Release);
     }
 
-    /// Grows the image to `new_size` if it is smaller (under the shared lock: imago serializes
-    /// growing itself).
-    async fn grow(&self, img: &FormatAccess<RingFile>, new_size: u64) -> Result<()> {
-        if new_size > img.size() {
-            img.resize_grow(new_size, imago::format::PreallocateMode::None)
+    /// Grows the image to `new_size` if it is smaller (callers hold the gate shared: imago
+    /// serializes growing itself).
+    async fn grow(&self, new_size: u64) -> Result<()> {
+        if new_size > self.image.size() {
+            self.image
+                .resize_grow(new_size, imago::format::PreallocateMode::None)
                 .await?;
             self.changed();
         }
-        self.size.fetch_max(img.size(), Ordering::AcqRel);
+        self.size.fetch_max(self.image.size(), Ordering::AcqRel);
         Ok(())
     }
 }
@@ -279,8 +309,8 @@ impl BlockBackend for Qcow2Backend {
 
     async fn attrs(&self, _eng: &Engine) -> Result<Attrs> {
         if self.mapping_changed.swap(false, Ordering::AcqRel) {
-            let img = self.image.read().await;
-            match count_allocated(&img).await {
+            let _g = self.gate.shared().await;
+            match count_allocated(&self.image).await {
                 Ok(n) => self.allocated.store(n, Ordering::Release),
                 Err(e) => {
                     self.changed();
@@ -306,9 +336,9 @@ impl BlockBackend for Qcow2Backend {
             return (Ok(0), win);
         }
         let n = (win.len() as u64).min(size - off) as usize;
-        let img = self.image.read().await;
-        let r = img.read(&mut win.as_mut_slice()[..n], off).await;
-        drop(img);
+        let g = self.gate.shared().await;
+        let r = self.image.read(&mut win.as_mut_slice()[..n], off).await;
+        drop(g);
         (r.map(|()| n).map_err(io_err), win)
     }
 
@@ -317,38 +347,40 @@ impl BlockBackend for Qcow2Backend {
         let Some(end) = off.checked_add(n as u64) else {
             return (Err(io::Error::from_raw_os_error(libc::EFBIG).into()), win);
         };
-        let img = self.image.read().await;
-        if end > img.size() {
+        let g = self.gate.shared().await;
+        if end > self.image.size() {
             // The export lets writes past the end through only for growable images.
-            if let Err(e) = self.grow(&img, end).await {
+            if let Err(e) = self.grow(end).await {
                 return (Err(e), win);
             }
         }
-        let r = img.write(win.as_slice(), off).await;
-        drop(img);
+        let r = self.image.write(win.as_slice(), off).await;
+        drop(g);
         self.changed();
         (r.map(|()| n).map_err(io_err), win)
     }
 
     async fn flush(&self, _eng: &Engine) -> Result<()> {
-        let img = self.image.read().await;
-        img.flush().await.map_err(io_err)?;
-        img.sync().await.map_err(io_err)
+        let _g = self.gate.shared().await;
+        self.image.flush().await.map_err(io_err)?;
+        self.image.sync().await.map_err(io_err)
     }
 
     async fn discard(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
         // Freeing clusters may break mappings other requests hold: run alone.
-        let mut img = self.image.write().await;
-        let r = img.discard_to_zero(off, len).await;
-        drop(img);
+        let g = self.gate.exclusive().await;
+        // SAFETY: not a memory-safety contract but imago's "no concurrent data mappings": the
+        // exclusive gate waits until no request is inside the image and keeps new ones out.
+        let r = unsafe { self.image.discard_to_zero_unsafe(off, len) }.await;
+        drop(g);
         self.changed();
         r.map_err(io_err)
     }
 
     async fn write_zeroes(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
-        let img = self.image.read().await;
-        let r = img.write_zeroes(off, len).await;
-        drop(img);
+        let g = self.gate.shared().await;
+        let r = self.image.write_zeroes(off, len).await;
+        drop(g);
         self.changed();
         r.map_err(io_err)
     }
@@ -359,11 +391,15 @@ impl BlockBackend for Qcow2Backend {
     }
 
     async fn seek(&self, _eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
-        let img = self.image.read().await;
-        let size = img.size();
+        let _g = self.gate.shared().await;
+        let size = self.image.size();
         let mut pos = off;
         while pos < size {
-            let (m, len) = img.get_mapping(pos, size - pos).await.map_err(io_err)?;
+            let (m, len) = self
+                .image
+                .get_mapping(pos, size - pos)
+                .await
+                .map_err(io_err)?;
             if len == 0 {
                 break;
             }
@@ -380,22 +416,18 @@ impl BlockBackend for Qcow2Backend {
     }
 
     async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size >= self.size() {
-            let img = self.image.read().await;
-            return self.grow(&img, new_size).await;
+        if new_size < self.size() {
+            // imago shrinks only through `&mut` access, which a shared image never has.
+            tracing::warn!("shrinking a qcow2 image is not supported: use `qemu-img resize`");
+            return Err(BackendError::Unsupported);
         }
-        let mut img = self.image.write().await;
-        img.resize(new_size, imago::format::PreallocateMode::None)
-            .await
-            .map_err(io_err)?;
-        self.size.store(img.size(), Ordering::Release);
-        self.changed();
-        Ok(())
+        let _g = self.gate.shared().await;
+        self.grow(new_size).await
     }
 
     async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        let img = self.image.read().await;
-        self.grow(&img, new_size).await
+        let _g = self.gate.shared().await;
+        self.grow(new_size).await
     }
 
     fn written_to(&self, end: u64) {

@@ -45,45 +45,103 @@ pub fn current_load() -> u32 {
 
 /// A ring operation on memory borrowed for `'a`; resolves to bytes transferred or the error.
 ///
-/// Dropping it while the operation is in flight cancels the operation and waits for its
-/// completion on this thread's ring (other completions that arrive meanwhile are recorded as
-/// usual). For regular files and block devices that wait is bounded by the device.
-#[must_use = "a borrowed-memory operation does nothing useful unless awaited"]
+/// It is submitted when first polled, on the engine running on the polling thread (so it can be
+/// built anywhere, e.g. before `block_on`). Dropping it while the operation is in flight cancels
+/// the operation and waits for its completion on that ring (other completions that arrive
+/// meanwhile are recorded as usual). For regular files and block devices that wait is bounded by
+/// the device.
+#[must_use = "a borrowed-memory operation does nothing unless awaited"]
 pub struct BorrowedIo<'a> {
     engine: *const Engine,
+    spec: Option<Spec>,
     state: OpState,
     _mem: PhantomData<&'a mut [u8]>,
 }
 
-impl BorrowedIo<'_> {
-    fn failed(errno: i32) -> Self {
-        BorrowedIo {
-            engine: std::ptr::null(),
-            state: OpState::Failed(-errno, Owned::None),
-            _mem: PhantomData,
+/// What to submit on first poll. Pointers stay valid for the future's `'a`.
+enum Spec {
+    Read {
+        fd: Fd,
+        ptr: *mut u8,
+        len: u32,
+        off: u64,
+    },
+    Write {
+        fd: Fd,
+        ptr: *const u8,
+        len: u32,
+        off: u64,
+    },
+    Fsync {
+        fd: Fd,
+        datasync: bool,
+    },
+    Fallocate {
+        fd: Fd,
+        mode: i32,
+        off: u64,
+        len: u64,
+    },
+}
+
+macro_rules! on_fd {
+    ($fd:expr, |$f:ident| $build:expr) => {
+        match $fd {
+            Fd::Raw(raw) => {
+                let $f = types::Fd(raw);
+                $build
+            }
+            Fd::Fixed(i) => {
+                let $f = types::Fixed(i);
+                $build
+            }
+        }
+    };
+}
+
+impl Spec {
+    fn sqe(&self, e: &Engine) -> Sqe {
+        match *self {
+            Spec::Read { fd, ptr, len, off } => {
+                on_fd!(e.target(fd), |f| opcode::Read::new(f, ptr, len)
+                    .offset(off)
+                    .build()
+                    .into())
+            }
+            Spec::Write { fd, ptr, len, off } => {
+                on_fd!(e.target(fd), |f| opcode::Write::new(f, ptr, len)
+                    .offset(off)
+                    .build()
+                    .into())
+            }
+            Spec::Fsync { fd, datasync } => {
+                let flags = if datasync {
+                    types::FsyncFlags::DATASYNC
+                } else {
+                    types::FsyncFlags::empty()
+                };
+                on_fd!(e.target(fd), |f| opcode::Fsync::new(f)
+                    .flags(flags)
+                    .build()
+                    .into())
+            }
+            Spec::Fallocate { fd, mode, off, len } => {
+                on_fd!(e.target(fd), |f| opcode::Fallocate::new(f, len)
+                    .offset(off)
+                    .mode(mode)
+                    .build()
+                    .into())
+            }
         }
     }
+}
 
-    /// Submits `sqe` on the current engine.
-    ///
-    /// # Safety
-    /// Every pointer in `sqe` must stay valid for the returned future's lifetime `'a`, and the
-    /// future must not be leaked while pending.
-    unsafe fn start<'a>(sqe: impl FnOnce(&Engine) -> Sqe) -> BorrowedIo<'a> {
-        let eng = current_engine();
-        if eng.is_null() {
-            return BorrowedIo::failed(libc::ENXIO);
-        }
-        // SAFETY: `current_engine` is non-null only while the engine it names is borrowed by
-        // `run`/`block_on`/`drop` on this thread, which is where we are.
-        let e = unsafe { &*eng };
-        let sqe = sqe(e);
-        // SAFETY: forwarded to the caller (the memory outlives the op: see `Drop`).
-        let op = unsafe { e.start(sqe, Owned::None) };
-        let state = op.into_state();
+impl BorrowedIo<'_> {
+    fn new<'a>(spec: Spec) -> BorrowedIo<'a> {
         BorrowedIo {
-            engine: eng,
-            state,
+            engine: std::ptr::null(),
+            spec: Some(spec),
+            state: OpState::Finished,
             _mem: PhantomData,
         }
     }
@@ -97,7 +155,7 @@ impl BorrowedIo<'_> {
             tracing::error!("a borrowed-memory operation was used outside its engine; aborting");
             std::process::abort();
         }
-        // SAFETY: equal to `current_engine`, which is live while set (see `start`).
+        // SAFETY: equal to `current_engine`, which is live while set (see `current_engine`).
         unsafe { &*cur }
     }
 }
@@ -106,6 +164,20 @@ impl Future for BorrowedIo<'_> {
     type Output = io::Result<usize>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if let Some(spec) = self.spec.take() {
+            let cur = current_engine();
+            if cur.is_null() {
+                return Poll::Ready(Err(io::Error::from_raw_os_error(libc::ENXIO)));
+            }
+            // SAFETY: non-null `current_engine` is live while set, on this thread.
+            let e = unsafe { &*cur };
+            let sqe = spec.sqe(e);
+            // SAFETY: the entry's pointers are the borrowed memory, valid for 'a; the future is
+            // not leaked (the constructors' contract) and its drop waits for the completion.
+            let op = unsafe { e.start(sqe, Owned::None) };
+            self.engine = cur;
+            self.state = op.into_state();
+        }
         match std::mem::replace(&mut self.state, OpState::Finished) {
             OpState::Pending(idx) => {
                 let eng = self.engine();
@@ -146,85 +218,42 @@ fn len32(len: usize) -> u32 {
     u32::try_from(len).unwrap_or(u32::MAX)
 }
 
-/// Reads into `buf` from `fd` at `off` on this thread's engine (short at end of file). Fails with
-/// `ENXIO` when no engine runs on this thread.
+/// Reads into `buf` from `fd` at `off` on the polling thread's engine (short at end of file).
+/// Fails with `ENXIO` when polled where no engine runs.
 ///
 /// # Safety
 /// The returned future must be awaited or dropped, never leaked while pending: its drop is what
 /// keeps `buf` from being released while the kernel writes into it.
-pub unsafe fn read<'a>(fd: Fd, buf: &'a mut [u8], off: u64) -> BorrowedIo<'a> {
-    let (ptr, len) = (buf.as_mut_ptr(), len32(buf.len()));
-    // SAFETY: `ptr..ptr+len` is `buf`, borrowed for 'a; the non-leak promise is the caller's.
-    unsafe {
-        BorrowedIo::start(|e| match e.target(fd) {
-            Fd::Raw(r) => opcode::Read::new(types::Fd(r), ptr, len)
-                .offset(off)
-                .build()
-                .into(),
-            Fd::Fixed(i) => opcode::Read::new(types::Fixed(i), ptr, len)
-                .offset(off)
-                .build()
-                .into(),
-        })
-    }
+pub unsafe fn read(fd: Fd, buf: &mut [u8], off: u64) -> BorrowedIo<'_> {
+    BorrowedIo::new(Spec::Read {
+        fd,
+        ptr: buf.as_mut_ptr(),
+        len: len32(buf.len()),
+        off,
+    })
 }
 
-/// Writes `buf` to `fd` at `off` on this thread's engine (possibly short). Fails with `ENXIO` when
-/// no engine runs on this thread.
+/// Writes `buf` to `fd` at `off` on the polling thread's engine (possibly short). Fails with
+/// `ENXIO` when polled where no engine runs.
 ///
 /// # Safety
 /// As for [`read`]: the returned future must be awaited or dropped, never leaked while pending.
-pub unsafe fn write<'a>(fd: Fd, buf: &'a [u8], off: u64) -> BorrowedIo<'a> {
-    let (ptr, len) = (buf.as_ptr(), len32(buf.len()));
-    // SAFETY: `ptr..ptr+len` is `buf`, borrowed for 'a; the non-leak promise is the caller's.
-    unsafe {
-        BorrowedIo::start(|e| match e.target(fd) {
-            Fd::Raw(r) => opcode::Write::new(types::Fd(r), ptr, len)
-                .offset(off)
-                .build()
-                .into(),
-            Fd::Fixed(i) => opcode::Write::new(types::Fixed(i), ptr, len)
-                .offset(off)
-                .build()
-                .into(),
-        })
-    }
+pub unsafe fn write(fd: Fd, buf: &[u8], off: u64) -> BorrowedIo<'_> {
+    BorrowedIo::new(Spec::Write {
+        fd,
+        ptr: buf.as_ptr(),
+        len: len32(buf.len()),
+        off,
+    })
 }
 
-/// `fsync(2)`/`fdatasync(2)` of `fd` on this thread's engine. Lends no memory.
+/// `fsync(2)`/`fdatasync(2)` of `fd` on the polling thread's engine. Lends no memory.
 pub fn fsync(fd: Fd, datasync: bool) -> BorrowedIo<'static> {
-    let flags = if datasync {
-        types::FsyncFlags::DATASYNC
-    } else {
-        types::FsyncFlags::empty()
-    };
-    // SAFETY: an fsync references no memory.
-    unsafe {
-        BorrowedIo::start(|e| match e.target(fd) {
-            Fd::Raw(r) => opcode::Fsync::new(types::Fd(r)).flags(flags).build().into(),
-            Fd::Fixed(i) => opcode::Fsync::new(types::Fixed(i))
-                .flags(flags)
-                .build()
-                .into(),
-        })
-    }
+    BorrowedIo::new(Spec::Fsync { fd, datasync })
 }
 
-/// `fallocate(2)` with `mode` over `[off, off+len)` on this thread's engine. Lends no memory.
+/// `fallocate(2)` with `mode` over `[off, off+len)` on the polling thread's engine. Lends no
+/// memory.
 pub fn fallocate(fd: Fd, mode: i32, off: u64, len: u64) -> BorrowedIo<'static> {
-    // SAFETY: a fallocate references no memory.
-    unsafe {
-        BorrowedIo::start(|e| match e.target(fd) {
-            Fd::Raw(r) => opcode::Fallocate::new(types::Fd(r), len)
-                .offset(off)
-                .mode(mode)
-                .build()
-                .into(),
-            Fd::Fixed(i) => opcode::Fallocate::new(types::Fixed(i), len)
-                .offset(off)
-                .mode(mode)
-                .build()
-                .into(),
-        })
-    }
+    BorrowedIo::new(Spec::Fallocate { fd, mode, off, len })
 }

@@ -115,6 +115,8 @@ pub struct EngineStats {
     pub polls: u64,
     /// Operations the submission queue could not take (they failed with `EBUSY`).
     pub refused: u64,
+    /// Wakeups other threads sent through the eventfd (a lock released by another queue).
+    pub remote_wakes: u64,
 }
 
 /// A single-threaded io_uring engine: submit operations, run tasks until they all finish.
@@ -282,7 +284,9 @@ impl Engine {
 
     /// Loop counters so far.
     pub fn stats(&self) -> EngineStats {
-        self.stats.get()
+        let mut st = self.stats.get();
+        st.remote_wakes = self.remote.wakes();
+        st
     }
 
     /// Records how many requests the thread is serving right now. Backends read it to choose

@@ -4,6 +4,7 @@
 //! the task directly, without this.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Wake, Waker};
 
@@ -12,6 +13,7 @@ use crate::executor::TaskId;
 pub(crate) struct RemoteShared {
     efd: OwnedFd,
     queue: Mutex<Vec<TaskId>>,
+    wakes: AtomicU64,
 }
 
 impl RemoteShared {
@@ -26,6 +28,7 @@ impl RemoteShared {
         Ok(RemoteShared {
             efd,
             queue: Mutex::new(Vec::new()),
+            wakes: AtomicU64::new(0),
         })
     }
 
@@ -44,7 +47,13 @@ impl RemoteShared {
         let _ = unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
+    /// Task wakeups sent through the eventfd so far.
+    pub(crate) fn wakes(&self) -> u64 {
+        self.wakes.load(Ordering::Relaxed)
+    }
+
     fn wake(&self, task: TaskId) {
+        self.wakes.fetch_add(1, Ordering::Relaxed);
         self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())

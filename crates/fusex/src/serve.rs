@@ -349,6 +349,7 @@ fn run_queues(
                     "enters": report.engine.enters,
                     "completions": report.engine.completions,
                     "polls": report.engine.polls,
+                    "remote_wakes": report.engine.remote_wakes,
                     "dev_fuse_read": report.dev_fuse_read,
                 }));
                 if let Some(e) = report.error {
