@@ -1467,6 +1467,13 @@ fn growable_case(tag: &str, opts: &str) {
     model[(10 * MIB - 1000) as usize..(10 * MIB + 2000) as usize].copy_from_slice(&inner);
     f.sync_all().expect("fsync");
     assert_bytes_eq(&read_all(m.path()), &model, 0, "grown export");
+    // Shrinking a qcow2 is refused (EOPNOTSUPP) and changes nothing.
+    assert_errno(
+        f.set_len(size / 2),
+        &[libc::EOPNOTSUPP],
+        "ftruncate to a smaller size on a growable qcow2 export",
+    );
+    assert_eq!(fstat(&f).0, end, "st_size after the refused shrink");
     drop(f);
     m.stop().assert_clean("growable qcow2");
 
@@ -1523,6 +1530,80 @@ fn fixed_size_qcow2_export_refuses_resize() {
     m.stop().assert_clean("fixed-size qcow2");
     assert_eq!(virtual_size(&img), size);
     assert_check_clean(&img, "fixed-size qcow2");
+}
+
+/// A 64 TiB sparse image: it mounts quickly, and data written at 0, past 4 TiB (L1 index past
+/// 2^13, offsets past 2^42) and in the last cluster reads back through the export, lands where
+/// qemu-io finds it, and shows in SEEK_DATA; nothing else is data.
+#[test]
+fn large_sparse_image_far_offsets() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("q-large");
+    let img = w.join("disk.qcow2");
+    let size = 64 << 40;
+    create_qcow2(&img, "", size);
+    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let f = m.open_rw();
+    assert_eq!(fstat(&f).0, size, "st_size of a 64 TiB image");
+    assert_eq!(
+        lseek(&f, 0, libc::SEEK_DATA).map_err(errno_str),
+        Err(errno_str(libc::ENXIO)),
+        "an empty image holds no data"
+    );
+    let writes = [
+        (0u64, 4096usize, 0xa1u8),
+        ((5u64 << 40) + 123, 70_000, 0xa2),
+        (size - 4096, 4096, 0xa3),
+    ];
+    for &(off, len, pat) in &writes {
+        f.write_all_at(&vec![pat; len], off)
+            .unwrap_or_else(|e| panic!("pwrite {off}+{len}: {e}"));
+    }
+    f.sync_all().expect("fsync");
+    for &(off, len, pat) in &writes {
+        let back = pread_full(&f, off.saturating_sub(10), len + 20).unwrap();
+        let lead = (off - off.saturating_sub(10)) as usize;
+        assert!(
+            back[lead..lead + len].iter().all(|&b| b == pat),
+            "read back at {off}+{len}"
+        );
+        assert!(
+            back[..lead]
+                .iter()
+                .chain(&back[lead + len..])
+                .all(|&b| b == 0),
+            "around {off}+{len} must stay zero"
+        );
+    }
+    let cl = 64 * KIB;
+    assert_eq!(
+        seek_data(&f, size),
+        vec![
+            (0, cl),
+            (
+                ((5 << 40) + 123) / cl * cl,
+                ((5 << 40) + 123 + 70_000u64).div_ceil(cl) * cl
+            ),
+            (size - cl, size),
+        ],
+        "data ranges"
+    );
+    drop(f);
+    m.stop().assert_clean("64 TiB image");
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "qcow2"]);
+    for &(off, len, pat) in &writes {
+        cmd.arg("-c").arg(format!("read -P {pat} {off} {len}"));
+    }
+    let out = run_ok(cmd.arg(&img));
+    let t = text(&out);
+    assert!(
+        !t.contains("Pattern verification failed") && t.matches("read ").count() >= writes.len(),
+        "qemu-io does not find the data where it was written:\n{t}"
+    );
+    assert_check_clean(&img, "64 TiB image");
 }
 
 // ---------------------------------------------------------------------------------------
