@@ -47,30 +47,111 @@ pub fn probe(path: &Path) -> io::Result<bool> {
     }
 }
 
-/// Byte offset of `crypt_method` (big-endian u32) in the qcow2 header.
-const CRYPT_METHOD_OFFSET: u64 = 32;
-
-/// Refuses encrypted images up front: imago has no decryption, and serving ciphertext as if it
-/// were the guest's bytes would be silently wrong.
-fn refuse_encrypted(f: &File) -> io::Result<()> {
+/// Checks the header fields fusex relies on before imago sees the image: imago cannot decrypt,
+/// and serving ciphertext would be silently wrong; a virtual size the L1 table cannot cover (or
+/// one past what a file offset can name) is a corrupt or hostile header.
+fn precheck_header(f: &File) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
-    let mut m = [0u8; 4];
-    match f.read_exact_at(&mut m, CRYPT_METHOD_OFFSET) {
+    if f.metadata()?.len() < 104 {
+        // Shorter than a version 3 header (every real image is longer): imago names that.
+        return Ok(());
+    }
+    let mut h = [0u8; 48];
+    match f.read_exact_at(&mut h, 0) {
         Ok(()) => {}
         // Too short to hold a header: imago names that.
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
         Err(e) => return Err(e),
     }
-    match u32::from_be_bytes(m) {
-        0 => Ok(()),
-        method => Err(io::Error::new(
+    let be32 = |o: usize| u32::from_be_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
+    let cluster_bits = be32(20);
+    let size = u64::from_be_bytes([h[24], h[25], h[26], h[27], h[28], h[29], h[30], h[31]]);
+    let crypt_method = be32(32);
+    let l1_size = be32(36);
+    let be64 = |o: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h[o..o + 8]);
+        u64::from_be_bytes(b)
+    };
+    let l1_offset = be64(40);
+    if crypt_method != 0 {
+        return Err(io::Error::new(
             io::ErrorKind::Unsupported,
             format!(
-                "the image is encrypted (crypt_method {method}), which fusex does not support: \
-                 decrypt it with `qemu-img convert` first"
+                "the image is encrypted (crypt_method {crypt_method}), which fusex does not \
+                 support: decrypt it with `qemu-img convert` first"
             ),
-        )),
+        ));
     }
+    if size > i64::MAX as u64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("its header gives a virtual size of {size} bytes, more than a file can hold"),
+        ));
+    }
+    // Leave cluster sizes imago refuses (outside 512 B..2 MiB) to imago's own message.
+    if (9..=21).contains(&cluster_bits) {
+        // Each L1 entry maps one L2 table: cluster_size / 8 clusters.
+        let per_entry = 1u64 << (2 * cluster_bits - 3);
+        let covered = u64::from(l1_size).saturating_mul(per_entry);
+        if covered < size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "its header gives a virtual size of {size} bytes but its L1 table covers only \
+                     {covered}: the image is corrupt (see `qemu-img check`)"
+                ),
+            ));
+        }
+    }
+    check_l1(f, l1_offset, l1_size)
+}
+
+/// Largest L1 table fusex reads (qemu's limit too: 32 MiB, 4 Mi entries).
+const MAX_L1_ENTRIES: u32 = 4 << 20;
+/// Bits 9..55 of an L1 entry: the L2 table's offset in the image file.
+const L1_OFFSET_MASK: u64 = 0x00ff_ffff_ffff_fe00;
+
+/// Refuses L1 entries that point past the end of the image file. imago reads storage past its
+/// end as zeroes (a freshly allocated cluster at the end of the file is only partly written), so
+/// such an L2 table would silently read as "unallocated" instead of failing.
+fn check_l1(f: &File, l1_offset: u64, l1_size: u32) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    if l1_size == 0 {
+        return Ok(());
+    }
+    if l1_size > MAX_L1_ENTRIES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("its L1 table has {l1_size} entries, more than the 4 Mi qcow2 allows"),
+        ));
+    }
+    let len = f.metadata()?.len();
+    let mut table = vec![0u8; l1_size as usize * 8];
+    f.read_exact_at(&mut table, l1_offset).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "its L1 table at offset {l1_offset} cannot be read ({e}): the file is truncated \
+                 or its header corrupt"
+            ),
+        )
+    })?;
+    for (i, e) in table.chunks_exact(8).enumerate() {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(e);
+        let l2 = u64::from_be_bytes(b) & L1_OFFSET_MASK;
+        if l2 != 0 && l2 >= len {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "L1 entry {i} points at offset {l2}, past the end of the file ({len} bytes): \
+                     the image is corrupt (see `qemu-img check`)"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// How to open a qcow2 image.
@@ -199,7 +280,7 @@ impl Qcow2Backend {
             }
         })?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
-        refuse_encrypted(&meta).map_err(|e| format_error(&shown, e))?;
+        precheck_header(&meta).map_err(|e| format_error(&shown, e))?;
         let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
         let gate = Gate {
             no_backing: opts.no_backing,
@@ -327,8 +408,14 @@ impl BlockBackend for Qcow2Backend {
                     self.allocated.store(host, Ordering::Release);
                 }
                 Err(e) => {
-                    self.changed();
-                    return Err(io_err(e));
+                    // A corrupt table in some range fails the requests for that range, not
+                    // every stat: report the file's own allocation instead.
+                    tracing::warn!(
+                        "counting allocated clusters failed ({}); st_blocks shows the image file's allocation",
+                        one_line(&e.to_string())
+                    );
+                    let host = self.meta.metadata()?.blocks() * 512;
+                    self.allocated.store(host, Ordering::Release);
                 }
             }
         }
