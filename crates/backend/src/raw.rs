@@ -63,16 +63,7 @@ impl RawBackend {
         if !(ft.is_file() || ft.is_block_device()) {
             return Err(OpenError::NotFileOrDevice(shown));
         }
-        let open = |direct: bool| {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true).write(writable);
-            let mut flags = libc::O_CLOEXEC;
-            if direct {
-                flags |= libc::O_DIRECT;
-            }
-            o.custom_flags(flags);
-            o.open(path)
-        };
+        let open = |direct: bool| open_image_file(path, writable, direct);
         let file = open(direct).map_err(|e| match e.raw_os_error() {
             Some(libc::EROFS | libc::EACCES | libc::EPERM | libc::ETXTBSY) if writable => {
                 OpenError::ReadOnly(shown.clone())
@@ -188,6 +179,18 @@ impl RawBackend {
             IoPath::Ring | IoPath::Adaptive => eng.read(ring, win, pos).await,
         }
     }
+}
+
+/// Opens an image file for reading (and writing), close-on-exec, with O_DIRECT if `direct`.
+pub(crate) fn open_image_file(path: &Path, writable: bool, direct: bool) -> io::Result<File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true).write(writable);
+    let mut flags = libc::O_CLOEXEC;
+    if direct {
+        flags |= libc::O_DIRECT;
+    }
+    o.custom_flags(flags);
+    o.open(path)
 }
 
 pub(crate) fn is_memory_fs(f: &File) -> bool {

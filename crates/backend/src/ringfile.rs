@@ -15,8 +15,9 @@ use std::fmt;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use engine::{borrowed, Fd};
 use imago::io_buffers::{IoVector, IoVectorMut};
@@ -32,22 +33,17 @@ pub struct RingFile {
     file: File,
     path: PathBuf,
     direct: bool,
-    /// tmpfs/ramfs: inline transfers while the queue is otherwise idle.
+    /// tmpfs/ramfs: inline transfers while the queue is otherwise idle, and inline fallocate.
     memory_fs: bool,
+    /// `FALLOC_FL_ZERO_RANGE` failed with EOPNOTSUPP once (tmpfs): go straight to punching.
+    no_zero_range: AtomicBool,
     helper: CommonStorageHelper,
 }
 
 impl RingFile {
     /// Opens `path` for reading (and writing with `writable`), with O_DIRECT if `direct`.
     pub fn open_path(path: &Path, writable: bool, direct: bool) -> io::Result<RingFile> {
-        let mut o = std::fs::OpenOptions::new();
-        o.read(true).write(writable);
-        let mut flags = libc::O_CLOEXEC;
-        if direct {
-            flags |= libc::O_DIRECT;
-        }
-        o.custom_flags(flags);
-        let file = o.open(path)?;
+        let file = crate::raw::open_image_file(path, writable, direct)?;
         let meta = file.metadata()?;
         if !meta.is_file() && !std::os::unix::fs::FileTypeExt::is_block_device(&meta.file_type()) {
             return Err(io::Error::new(
@@ -60,6 +56,7 @@ impl RingFile {
             file,
             path: path.to_path_buf(),
             direct,
+            no_zero_range: AtomicBool::new(false),
             helper: CommonStorageHelper::default(),
         })
     }
@@ -111,7 +108,9 @@ impl RingFile {
     }
 
     async fn fallocate(&self, mode: i32, off: u64, len: u64) -> io::Result<()> {
-        if borrowed::in_engine() {
+        // io_uring always hands fallocate to a worker thread; on tmpfs it is a memory operation,
+        // cheaper done here than the hand-off.
+        if borrowed::in_engine() && !self.memory_fs {
             borrowed::fallocate(self.fd(), mode, off, len)
                 .await
                 .map(drop)
@@ -215,11 +214,25 @@ impl Storage for RingFile {
     }
 
     async unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
+        // What lies past the end of the file reads as zeroes already: a cluster qcow2 just
+        // allocated at the end of the image needs no zeroing (most allocating writes).
+        let end = match self.file.metadata() {
+            Ok(m) if m.is_file() => offset.saturating_add(length).min(m.len()),
+            _ => offset.saturating_add(length),
+        };
+        if end <= offset {
+            return Ok(());
+        }
+        let length = end - offset;
+        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        if self.no_zero_range.load(Ordering::Relaxed) {
+            return self.fallocate(punch, offset, length).await;
+        }
         let zero = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
         match self.fallocate(zero, offset, length).await {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 // tmpfs lacks ZERO_RANGE: a punched hole reads back as zeroes too.
-                let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                self.no_zero_range.store(true, Ordering::Relaxed);
                 self.fallocate(punch, offset, length).await
             }
             r => r,

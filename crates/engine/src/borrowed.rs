@@ -26,6 +26,7 @@ use io_uring::{opcode, types};
 
 use crate::executor::{current_engine, Engine};
 use crate::op::{OpState, Owned};
+use crate::ops::with_fd;
 use crate::{Fd, Sqe};
 
 /// Whether this thread is running an engine right now (so the functions here have a ring).
@@ -84,32 +85,17 @@ enum Spec {
     },
 }
 
-macro_rules! on_fd {
-    ($fd:expr, |$f:ident| $build:expr) => {
-        match $fd {
-            Fd::Raw(raw) => {
-                let $f = types::Fd(raw);
-                $build
-            }
-            Fd::Fixed(i) => {
-                let $f = types::Fixed(i);
-                $build
-            }
-        }
-    };
-}
-
 impl Spec {
     fn sqe(&self, e: &Engine) -> Sqe {
         match *self {
             Spec::Read { fd, ptr, len, off } => {
-                on_fd!(e.target(fd), |f| opcode::Read::new(f, ptr, len)
+                with_fd!(e.target(fd), |f| opcode::Read::new(f, ptr, len)
                     .offset(off)
                     .build()
                     .into())
             }
             Spec::Write { fd, ptr, len, off } => {
-                on_fd!(e.target(fd), |f| opcode::Write::new(f, ptr, len)
+                with_fd!(e.target(fd), |f| opcode::Write::new(f, ptr, len)
                     .offset(off)
                     .build()
                     .into())
@@ -120,13 +106,13 @@ impl Spec {
                 } else {
                     types::FsyncFlags::empty()
                 };
-                on_fd!(e.target(fd), |f| opcode::Fsync::new(f)
+                with_fd!(e.target(fd), |f| opcode::Fsync::new(f)
                     .flags(flags)
                     .build()
                     .into())
             }
             Spec::Fallocate { fd, mode, off, len } => {
-                on_fd!(e.target(fd), |f| opcode::Fallocate::new(f, len)
+                with_fd!(e.target(fd), |f| opcode::Fallocate::new(f, len)
                     .offset(off)
                     .mode(mode)
                     .build()

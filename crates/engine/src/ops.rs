@@ -56,6 +56,8 @@ macro_rules! with_fd {
     };
 }
 
+pub(crate) use with_fd;
+
 /// A completion's `res` as bytes transferred or an error.
 fn bytes(res: i32) -> io::Result<usize> {
     if res < 0 {
