@@ -141,20 +141,24 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
                 // Not a file: the raw backend names the problem.
                 _ => false,
             };
-            let chosen = if qcow2 { Format::Qcow2 } else { Format::Raw };
-            tracing::info!(
-                image = spec,
-                "format auto: {}",
-                if qcow2 {
-                    "qcow2 (the image starts with the qcow2 magic)"
-                } else {
-                    "raw (no qcow2 magic)"
-                }
-            );
-            chosen
+            if qcow2 {
+                Format::Qcow2
+            } else {
+                Format::Raw
+            }
         }
         f => f,
     };
+    open_as(spec, path, format, opts)
+}
+
+/// Opens the image at `path` as `format` (raw or qcow2).
+fn open_as(
+    spec: &str,
+    path: &Path,
+    format: Format,
+    opts: OpenOptions,
+) -> std::result::Result<AnyBackend, OpenError> {
     match format {
         Format::Qcow2 => {
             let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
@@ -188,6 +192,18 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
 }
 
 impl AnyBackend {
+    /// The format being served, and for `--format auto` why it was chosen (logged once the
+    /// mount is live, so a refusal stays a single line).
+    pub fn format_description(&self, probed: bool) -> &'static str {
+        match (self, probed) {
+            (AnyBackend::Raw(_), false) => "raw",
+            (AnyBackend::Raw(_), true) => "raw (auto: no qcow2 magic at its start)",
+            (AnyBackend::Qcow2(_), false) => "qcow2",
+            (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
+            (AnyBackend::Null(_), _) => "null",
+        }
+    }
+
     /// Every descriptor data I/O goes to (for registering them with a ring as fixed files).
     pub fn io_fds(&self) -> Vec<std::os::fd::RawFd> {
         match self {

@@ -195,7 +195,14 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         (plan.buffers * buffer_size) >> 20,
         plan.budget >> 20
     );
-    tracing::info!("mounted {} at {}", args.image, mnt.mountpoint().display());
+    tracing::info!(
+        "mounted {} at {}, format {}",
+        args.image,
+        mnt.mountpoint().display(),
+        export
+            .backend()
+            .format_description(args.format == crate::cli::FormatArg::Auto)
+    );
     Ok((
         export,
         mnt,
