@@ -147,20 +147,8 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
                 Format::Raw
             }
         }
-        f => f,
-    };
-    open_as(spec, path, format, opts)
-}
-
-/// Opens the image at `path` as `format` (raw or qcow2).
-fn open_as(
-    spec: &str,
-    path: &Path,
-    format: Format,
-    opts: OpenOptions,
-) -> std::result::Result<AnyBackend, OpenError> {
-    match format {
         Format::Qcow2 => {
+            // Forced: the image must still be one (auto has just seen the magic itself).
             let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
             if !(meta.is_file() || meta.file_type().is_block_device()) {
                 return Err(OpenError::NotFileOrDevice(spec.to_string()));
@@ -173,15 +161,28 @@ fn open_as(
                         .to_string(),
                 });
             }
-            Ok(AnyBackend::Qcow2(Qcow2Backend::open(
-                path,
-                Qcow2Options {
-                    writable: opts.writable,
-                    direct: opts.direct,
-                    no_backing: opts.no_backing,
-                },
-            )?))
+            Format::Qcow2
         }
+        Format::Raw => Format::Raw,
+    };
+    open_as(path, format, opts)
+}
+
+/// Opens the image at `path` as `format` (raw or qcow2).
+fn open_as(
+    path: &Path,
+    format: Format,
+    opts: OpenOptions,
+) -> std::result::Result<AnyBackend, OpenError> {
+    match format {
+        Format::Qcow2 => Ok(AnyBackend::Qcow2(Qcow2Backend::open(
+            path,
+            Qcow2Options {
+                writable: opts.writable,
+                direct: opts.direct,
+                no_backing: opts.no_backing,
+            },
+        )?)),
         _ => Ok(AnyBackend::Raw(RawBackend::open(
             path,
             opts.writable,

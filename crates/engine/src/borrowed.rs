@@ -26,7 +26,7 @@ use io_uring::{opcode, types};
 
 use crate::executor::{current_engine, Engine};
 use crate::op::{OpState, Owned};
-use crate::ops::with_fd;
+use crate::ops::{bytes, len32, with_fd};
 use crate::{Fd, Sqe};
 
 /// Whether this thread is running an engine right now (so the functions here have a ring).
@@ -190,18 +190,6 @@ impl Drop for BorrowedIo<'_> {
             self.engine().wait_terminal(idx);
         }
     }
-}
-
-fn bytes(res: i32) -> io::Result<usize> {
-    if res < 0 {
-        Err(io::Error::from_raw_os_error(-res))
-    } else {
-        Ok(res as usize)
-    }
-}
-
-fn len32(len: usize) -> u32 {
-    u32::try_from(len).unwrap_or(u32::MAX)
 }
 
 /// Reads into `buf` from `fd` at `off` on the polling thread's engine (short at end of file).

@@ -59,7 +59,7 @@ macro_rules! with_fd {
 pub(crate) use with_fd;
 
 /// A completion's `res` as bytes transferred or an error.
-fn bytes(res: i32) -> io::Result<usize> {
+pub(crate) fn bytes(res: i32) -> io::Result<usize> {
     if res < 0 {
         Err(io::Error::from_raw_os_error(-res))
     } else {
@@ -67,7 +67,8 @@ fn bytes(res: i32) -> io::Result<usize> {
     }
 }
 
-fn len32(len: usize) -> u32 {
+/// A length as an SQE's 32-bit `len` (saturating).
+pub(crate) fn len32(len: usize) -> u32 {
     u32::try_from(len).unwrap_or(u32::MAX)
 }
 
