@@ -112,8 +112,9 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         1,
     );
     // The signal must land with every queue serving fio's I/O. First the load is on: fio's writes
-    // reach the image. Then every queue thread wakes for work after that point (an idle queue's
-    // count stands still).
+    // reach the image. Then every queue's live request count (SIGUSR1 dumps) rises past where it
+    // stood then. (Thread wake-ups would not do: on the legacy transport every idle clone wakes
+    // for each request, and only one of them gets it.)
     let deadline = Instant::now() + TIMEOUT;
     let flowing = writes.wait_for_more_than(0, &mut fio, deadline);
     assert!(
@@ -125,18 +126,28 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         flowing,
         "none of fio's writes reached the image within {TIMEOUT:?}"
     );
-    let before = thread_wakeups(m.pid(), "fusex-q");
-    assert_eq!(before.len(), 4, "fusex's queue threads: {before:?}");
+    let served = |v: &serde_json::Value| -> Vec<u64> {
+        v["queues"]
+            .as_array()
+            .map(|qs| {
+                qs.iter()
+                    .map(|q| q["requests"].as_u64().unwrap_or(0))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let before = served(&m.live_stats(deadline).expect("a live stats dump"));
+    assert_eq!(before.len(), 4, "queues in the live stats: {before:?}");
     let mut now = before.clone();
     let all_busy = wait_until(deadline, || {
-        now = thread_wakeups(m.pid(), "fusex-q");
-        before
-            .iter()
-            .all(|(q, n)| now.get(q).is_some_and(|k| k > n))
+        if let Some(v) = m.live_stats(deadline) {
+            now = served(&v);
+        }
+        now.len() == 4 && now.iter().zip(&before).all(|(n, b)| n > b)
     });
     assert!(
         all_busy,
-        "not every queue served fio within {TIMEOUT:?}: wake-ups {before:?} then {now:?}"
+        "not every queue served fio within {TIMEOUT:?}: requests {before:?} then {now:?}"
     );
     assert!(fio.try_wait().is_none(), "fio ended before the signal");
     m.signal(libc::SIGTERM);

@@ -13,7 +13,6 @@
 //!   i.e. on the real disk, where punch-hole and SEEK_HOLE work).
 //! - `CI=true`: missing preconditions (root, /dev/fuse, tools) fail instead of skipping.
 
-use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
@@ -718,38 +717,6 @@ fn mtime(path: &Path) -> (i64, i64) {
     (m.mtime(), m.mtime_nsec())
 }
 
-/// Voluntary context switches of each thread of process `pid` whose name starts with `prefix`,
-/// by thread name (e.g. fusex's queue threads, `fusex-q0`, `fusex-q1`, ...). A thread that sleeps
-/// until work arrives adds one each time it goes back to sleep after doing some, so a count that
-/// moves says the thread is working; an idle queue thread's count stands still.
-pub fn thread_wakeups(pid: i32, prefix: &str) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
-        return out;
-    };
-    for t in tasks.flatten() {
-        let Ok(status) = fs::read_to_string(t.path().join("status")) else {
-            continue;
-        };
-        let field = |key: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(key))
-                .map(|v| v.trim().to_string())
-        };
-        let (Some(name), Some(n)) = (field("Name:"), field("voluntary_ctxt_switches:")) else {
-            continue;
-        };
-        if name.starts_with(prefix) {
-            out.insert(
-                name,
-                n.parse().expect("voluntary_ctxt_switches is a number"),
-            );
-        }
-    }
-    out
-}
-
 /// Waits for a child with a timeout; None if it is still running.
 pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
@@ -1248,6 +1215,31 @@ impl Mount {
     pub fn signal(&self, sig: libc::c_int) {
         if self.pid > 0 {
             send_signal(self.pid, sig);
+        }
+    }
+
+    /// The daemon's counters as they stand: sends SIGUSR1 and waits, until `deadline`, for the
+    /// fresh dump the daemon writes to its `--stats-file` (numbered by its "dump" field). None if
+    /// none came.
+    pub fn live_stats(&self, deadline: Instant) -> Option<Value> {
+        let read = || {
+            fs::read(&self.stats_path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        };
+        let dump = |v: &Value| v.get("dump").and_then(Value::as_u64);
+        let before = read().as_ref().and_then(dump).unwrap_or(0);
+        self.signal(libc::SIGUSR1);
+        loop {
+            if let Some(v) = read() {
+                if dump(&v).is_some_and(|n| n > before) {
+                    return Some(v);
+                }
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(5));
         }
     }
 

@@ -1,47 +1,70 @@
-//! Per-queue counters: plain cells owned by one queue thread (no atomics, no shared cache lines on
-//! the hot path), merged into a [`Snapshot`] when the queue ends.
+//! Per-queue counters: written by one queue thread only, readable from any thread (a live
+//! `SIGUSR1` dump), merged into a [`Snapshot`] when the queue ends.
 
-use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use fuse_abi::{Opcode, MAX_OPCODE};
 
-/// Counters of one queue.
+/// One counter with a single writer. The writer bumps it with a relaxed load and store (plain
+/// `mov`/`add` on x86, no locked instruction), so counting costs what a `Cell` did, and other
+/// threads may still read a recent value.
+#[derive(Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// The current value (possibly a little behind the writer, when read from another thread).
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+    /// Adds `by`. Only the owning queue thread calls this: two writers would lose counts.
+    fn add(&self, by: u64) {
+        self.0.store(self.get().wrapping_add(by), Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.get().fmt(f)
+    }
+}
+
+/// Counters of one queue: written by that queue's thread alone.
 pub struct Counters {
-    ops: [Cell<u64>; MAX_OPCODE],
+    ops: [Counter; MAX_OPCODE],
     /// Requests that failed to decode.
-    pub malformed: Cell<u64>,
+    pub malformed: Counter,
     /// Backend reads issued.
-    pub backend_reads: Cell<u64>,
+    pub backend_reads: Counter,
     /// Backend writes issued.
-    pub backend_writes: Cell<u64>,
+    pub backend_writes: Counter,
     /// Backend flushes issued.
-    pub backend_flushes: Cell<u64>,
+    pub backend_flushes: Counter,
     /// Bytes read from the backend.
-    pub bytes_read: Cell<u64>,
+    pub bytes_read: Counter,
     /// Bytes written to the backend.
-    pub bytes_written: Cell<u64>,
+    pub bytes_written: Counter,
     /// Data bytes copied in userspace (a WRITE whose data the transport could not place where the
     /// backend reads it). Stays 0 on the zero-copy data path.
-    pub bytes_copied: Cell<u64>,
+    pub bytes_copied: Counter,
 }
 
 impl Default for Counters {
     fn default() -> Self {
         Counters {
-            ops: std::array::from_fn(|_| Cell::new(0)),
-            malformed: Cell::new(0),
-            backend_reads: Cell::new(0),
-            backend_writes: Cell::new(0),
-            backend_flushes: Cell::new(0),
-            bytes_read: Cell::new(0),
-            bytes_written: Cell::new(0),
-            bytes_copied: Cell::new(0),
+            ops: std::array::from_fn(|_| Counter::default()),
+            malformed: Counter::default(),
+            backend_reads: Counter::default(),
+            backend_writes: Counter::default(),
+            backend_flushes: Counter::default(),
+            bytes_read: Counter::default(),
+            bytes_written: Counter::default(),
+            bytes_copied: Counter::default(),
         }
     }
 }
 
-fn bump(c: &Cell<u64>, by: u64) {
-    c.set(c.get() + by);
+fn bump(c: &Counter, by: u64) {
+    c.add(by);
 }
 
 impl Counters {
@@ -71,7 +94,8 @@ impl Counters {
         bump(&self.backend_flushes, 1);
     }
 
-    /// A sendable copy of the counters.
+    /// A copy of the counters (from the owning thread exact; from another thread each value is
+    /// one the writer stored recently).
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             ops: std::array::from_fn(|i| self.ops[i].get()),

@@ -210,7 +210,7 @@ pub struct MountArgs {
     /// Write the daemon's pid here (removed at exit).
     #[arg(long)]
     pub pid_file: Option<PathBuf>,
-    /// At exit, write request and backend counters here as JSON.
+    /// At exit, write request and backend counters here as JSON (also on SIGUSR1, while running).
     #[arg(long)]
     pub stats_file: Option<PathBuf>,
 }

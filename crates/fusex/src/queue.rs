@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use backend::AnyBackend;
 use engine::{Engine, EngineConfig, EngineStats, Remote, TaskId};
-use export::{Export, Snapshot};
+use export::{Counters, Export, Snapshot};
 use server::{QueueServer, QueueState};
 use transport::{Layout, LegacyQueue, UringLayout, UringQueue};
 
@@ -59,8 +59,14 @@ pub struct QueueSpec {
 
 /// Messages from queue threads to the main thread.
 pub enum Event {
-    /// The queue runs; wake `task` through `remote` to make it stop.
-    Started { remote: Remote, task: TaskId },
+    /// The queue runs; wake `task` through `remote` to make it stop. `counters` are the
+    /// queue's, readable live.
+    Started {
+        id: usize,
+        remote: Remote,
+        task: TaskId,
+        counters: Arc<Counters>,
+    },
     /// The queue could not start.
     Failed { id: usize, error: String },
     /// After a stop: every request the queue had taken is answered. io_uring queues then wait
@@ -70,6 +76,8 @@ pub enum Event {
     Ended { id: usize, report: Box<QueueReport> },
     /// SIGINT or SIGTERM arrived.
     Signal(i32),
+    /// SIGUSR1 arrived: write the statistics as they stand.
+    Dump,
 }
 
 /// What a queue did.
@@ -228,8 +236,10 @@ fn serve(
         }
     }
     let _ = events.send(Event::Started {
+        id: spec.id,
         remote: eng.remote(),
         task: w,
+        counters: st.server().shared_counters(),
     });
     eng.run()?;
     let error = st.take_failure();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, IoPath, OpenOptions};
 use engine::{Engine, EngineConfig};
-use export::{Export, ExportConfig, Snapshot};
+use export::{Counters, Export, ExportConfig, Snapshot};
 use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
 use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
 
@@ -27,6 +27,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
     let signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGINT,
         signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGUSR1,
     ])
     .context("installing signal handlers")?;
     let (export, mut mnt, neg) = match setup(&args) {
@@ -270,7 +271,12 @@ fn run_queues(
             .name("fusex-signals".into())
             .spawn(move || {
                 for s in signals.forever() {
-                    if tx.send(Event::Signal(s)).is_err() {
+                    let ev = if s == signal_hook::consts::SIGUSR1 {
+                        Event::Dump
+                    } else {
+                        Event::Signal(s)
+                    };
+                    if tx.send(ev).is_err() {
                         break;
                     }
                 }
@@ -297,6 +303,8 @@ fn run_queues(
     }
     drop(tx);
     let mut remotes = Vec::new();
+    let mut live: Vec<(usize, Arc<Counters>)> = Vec::new();
+    let mut dumps = 0u64;
     let (mut running, mut started, mut quiet) = (nq, 0, 0);
     let mut total = Snapshot::default();
     let mut failure: Option<String> = None;
@@ -326,8 +334,14 @@ fn run_queues(
             }
         };
         match ev {
-            Event::Started { remote, task } => {
+            Event::Started {
+                id,
+                remote,
+                task,
+                counters,
+            } => {
                 remotes.push((remote, task));
+                live.push((id, counters));
                 if stop.load(Ordering::Acquire) {
                     stop_all(&remotes);
                 }
@@ -369,6 +383,10 @@ fn run_queues(
                 tracing::info!("signal {s}: finishing in-flight requests and unmounting");
                 stop_all(&remotes);
             }
+            Event::Dump => {
+                dumps += 1;
+                dump_live(args, &mut live, dumps, neg.uring);
+            }
         }
         if stop.load(Ordering::Acquire) && quiet >= nq {
             finish(&mut flushed, export, mnt);
@@ -395,6 +413,38 @@ fn run_queues(
     json["queues"] = serde_json::Value::Array(per_queue);
     json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
     Ok(json)
+}
+
+/// SIGUSR1: the counters as they stand, written to `--stats-file` (replaced whole, so a reader
+/// never sees half a file) or, without one, logged. `dump` numbers the dumps so a reader can tell
+/// a fresh one from the last.
+fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, uring: bool) {
+    live.sort_by_key(|(id, _)| *id);
+    let mut total = Snapshot::default();
+    let mut queues = Vec::with_capacity(live.len());
+    for (id, c) in live.iter() {
+        let s = c.snapshot();
+        total.merge(&s);
+        queues.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
+    }
+    let Some(path) = &args.stats_file else {
+        tracing::info!("statistics: {} requests so far", total.requests());
+        return;
+    };
+    let mut json = total.to_json();
+    json["live"] = true.into();
+    json["dump"] = dump.into();
+    json["queues"] = serde_json::Value::Array(queues);
+    json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let written = serde_json::to_vec_pretty(&json)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| std::fs::write(&tmp, bytes))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        tracing::warn!("cannot write statistics to {}: {e}", path.display());
+    }
 }
 
 /// Ends the export once every queue answered what it had taken: flush, then abort the

@@ -10,10 +10,11 @@ use transport::{Delivered, Layout, UringLayout};
 
 use crate::reply::reply_parts;
 
-/// Serves the requests of one queue: shared export, per-queue counters (plain cells, one thread).
+/// Serves the requests of one queue: shared export, per-queue counters (written by this queue's
+/// thread only; shared so the main thread can read them live).
 pub struct QueueServer<B> {
     export: Arc<Export<B>>,
-    counters: Counters,
+    counters: Arc<Counters>,
 }
 
 impl<B: BlockBackend> QueueServer<B> {
@@ -21,13 +22,18 @@ impl<B: BlockBackend> QueueServer<B> {
     pub fn new(export: Arc<Export<B>>) -> QueueServer<B> {
         QueueServer {
             export,
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
         }
     }
 
     /// This queue's request and backend counters.
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The same counters, for a reader on another thread (live statistics).
+    pub fn shared_counters(&self) -> Arc<Counters> {
+        self.counters.clone()
     }
 
     /// The export served.
