@@ -231,6 +231,9 @@ impl BlockBackend for AnyBackend {
     fn refresh_size(&self) -> Result<u64> {
         each!(self, b => b.refresh_size())
     }
+    fn size_limit(&self) -> u64 {
+        each!(self, b => b.size_limit())
+    }
     fn capabilities(&self) -> Capabilities {
         each!(self, b => b.capabilities())
     }

@@ -96,9 +96,17 @@ pub trait BlockBackend: Send + Sync + 'static {
 
     /// Re-reads the length from the image itself and returns it, for when something other than
     /// this backend may have changed it: with FUSE passthrough the kernel writes (and extends) the
-    /// image file directly. The default keeps the backend's own idea of the size.
+    /// image file directly, and another program may truncate or extend a raw image (or a block
+    /// device be resized) behind the export. The default keeps the backend's own idea of the size.
     fn refresh_size(&self) -> Result<u64> {
         Ok(self.size())
+    }
+
+    /// The largest size the image may grow to: where the filesystem holding it stops a file
+    /// (its `s_maxbytes`), so a growable export refuses an offset near 2^63 with EFBIG up
+    /// front rather than half way through. The default: what `off_t` can address.
+    fn size_limit(&self) -> u64 {
+        i64::MAX as u64
     }
 
     /// What this backend supports.

@@ -107,6 +107,25 @@ fn precheck_header(f: &File) -> io::Result<()> {
     check_l1(f, l1_offset, l1_size)
 }
 
+/// The largest virtual size an image with this header's cluster size can have and still open
+/// here: what [`MAX_L1_ENTRIES`] L2 tables map (2 PiB with 64 KiB clusters). Growing past it would
+/// make an image fusex (and QEMU) refuse at the next open.
+fn guest_size_limit(f: &File) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 4];
+    let cluster_bits = match f.read_exact_at(&mut b, 20) {
+        Ok(()) => u32::from_be_bytes(b),
+        Err(_) => return 0,
+    };
+    if !(9..=21).contains(&cluster_bits) {
+        return 0;
+    }
+    let per_entry = 1u64 << (2 * cluster_bits - 3);
+    u64::from(MAX_L1_ENTRIES)
+        .saturating_mul(per_entry)
+        .min(i64::MAX as u64)
+}
+
 /// Largest L1 table fusex reads (qemu's limit too: 32 MiB, 4 Mi entries).
 const MAX_L1_ENTRIES: u32 = 4 << 20;
 /// Bits 9..55 of an L1 entry: the L2 table's offset in the image file.
@@ -174,6 +193,8 @@ pub struct Qcow2Backend {
     /// The top image file, for attributes (owner, mode, times).
     meta: File,
     size: AtomicU64,
+    /// The largest virtual size fusex lets the image grow to (see [`guest_size_limit`]).
+    size_limit: u64,
     writable: bool,
     /// Guest bytes mapped to data (here or in a backing file), as of the last count.
     allocated: AtomicU64,
@@ -281,6 +302,7 @@ impl Qcow2Backend {
         })?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
         precheck_header(&meta).map_err(|e| format_error(&shown, e))?;
+        let size_limit = guest_size_limit(&meta);
         let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
         let gate = Gate {
             no_backing: opts.no_backing,
@@ -319,6 +341,7 @@ impl Qcow2Backend {
             gate: IoGate::default(),
             meta,
             size: AtomicU64::new(size),
+            size_limit,
             writable: opts.writable,
             allocated: AtomicU64::new(0),
             // Counted on the first GETATTR, not here: a hostile header can make the walk long.
@@ -388,6 +411,10 @@ fn io_err(e: io::Error) -> BackendError {
 impl BlockBackend for Qcow2Backend {
     fn size(&self) -> u64 {
         self.size.load(Ordering::Acquire)
+    }
+
+    fn size_limit(&self) -> u64 {
+        self.size_limit
     }
 
     fn capabilities(&self) -> Capabilities {

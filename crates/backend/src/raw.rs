@@ -193,6 +193,29 @@ pub(crate) fn open_image_file(path: &Path, writable: bool, direct: bool) -> io::
     o.open(path)
 }
 
+/// The largest size `f`'s filesystem lets this file reach (the kernel's `s_maxbytes`, per inode on
+/// ext4). No syscall reports it, but `lseek(SEEK_SET)` refuses an offset past it with EINVAL, so
+/// a binary search over the 63 bits of `off_t` finds it in 63 calls, once, at open.
+pub(crate) fn file_size_limit(f: &File) -> u64 {
+    let fd = f.as_raw_fd();
+    // SAFETY: lseek on a valid fd moves only this open file description's position, which fusex
+    // never uses (all I/O is positional).
+    let accepts = |off: u64| unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_SET) >= 0 };
+    let (mut ok, mut bad) = (0u64, i64::MAX as u64 + 1);
+    if accepts(bad - 1) {
+        return bad - 1;
+    }
+    while bad - ok > 1 {
+        let mid = ok + (bad - ok) / 2;
+        if accepts(mid) {
+            ok = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    ok
+}
+
 pub(crate) fn is_memory_fs(f: &File) -> bool {
     // SAFETY: statfs writes into a zeroed, properly sized struct; fd is valid.
     unsafe {
@@ -238,13 +261,21 @@ impl BlockBackend for RawBackend {
     }
 
     fn refresh_size(&self) -> Result<u64> {
-        if self.block_device {
-            return Ok(self.size());
-        }
         let _g = self.resize_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let len = self.file.metadata()?.len();
+        let len = if self.block_device {
+            blkdev_size(self.file.as_raw_fd())?
+        } else {
+            self.file.metadata()?.len()
+        };
         self.size.store(len, Ordering::Release);
         Ok(len)
+    }
+
+    fn size_limit(&self) -> u64 {
+        if self.block_device {
+            return self.size();
+        }
+        file_size_limit(&self.file)
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -463,6 +494,27 @@ mod tests {
     use engine::EngineConfig;
     use std::io::Write;
     use std::os::unix::fs::FileExt;
+
+    /// The probe finds the exact boundary lseek enforces: tmpfs holds what `off_t` addresses;
+    /// ext4 (where the temporary directory is here) 16 TiB less one block.
+    #[test]
+    fn size_limit_is_the_largest_offset_lseek_accepts() {
+        let shm = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
+        assert_eq!(file_size_limit(shm.as_file()), i64::MAX as u64);
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let limit = file_size_limit(f.as_file());
+        let fd = f.as_file().as_raw_fd();
+        // SAFETY: lseek on a file this test owns.
+        let seek = |off: u64| unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_SET) };
+        assert_eq!(seek(limit), limit as libc::off_t);
+        if limit < i64::MAX as u64 {
+            assert_eq!(seek(limit + 1), -1, "past the limit {limit}");
+        }
+        assert!(
+            limit >= 1 << 40,
+            "a limit of {limit} bytes is implausibly small"
+        );
+    }
 
     fn image(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
         let mut f = tempfile::NamedTempFile::new().unwrap();

@@ -30,6 +30,9 @@ pub struct ExportConfig {
     /// How long the kernel may cache attributes. Short enough that a growable export's new size is
     /// seen soon; long enough that I/O does not trigger a GETATTR each time.
     pub attr_valid: Duration,
+    /// A growable export never grows past this (bytes): writes stop there, fallocate and truncate
+    /// past it fail with EFBIG, as a filesystem does at its largest file size.
+    pub max_size: u64,
 }
 
 /// How opens are passed through to the image file (kernel 6.9+; see docs/passthrough.md).
@@ -53,6 +56,7 @@ impl Default for ExportConfig {
             kernel_cache: false,
             writethrough: false,
             attr_valid: Duration::from_secs(1),
+            max_size: i64::MAX as u64,
         }
     }
 }
@@ -176,6 +180,11 @@ impl<B: BlockBackend> Export<B> {
         let buf = win.into_inner();
         match r {
             Ok(got) => {
+                if got < n {
+                    // The image ended before the size fusex knew: something shrank it. Learn
+                    // the new size now (fixed-size writes stop there).
+                    let _ = self.backend.refresh_size();
+                }
                 stats.read(got);
                 (Reply::Data(got), buf)
             }
@@ -199,12 +208,18 @@ impl<B: BlockBackend> Export<B> {
         let Some(end) = a.offset.checked_add(len) else {
             return (Reply::Error(libc::EFBIG), buf);
         };
-        let size = self.backend.size();
-        if end > size && !self.cfg.growable {
-            if a.offset >= size {
-                return (Reply::Error(libc::ENOSPC), buf);
+        // A fixed-size export ends at the image's size (ENOSPC past it, as a full device); a
+        // growable one at its size limit (EFBIG past it, as a filesystem's largest file).
+        let (limit, past) = if self.cfg.growable {
+            (self.cfg.max_size, libc::EFBIG)
+        } else {
+            (self.backend.size(), libc::ENOSPC)
+        };
+        if end > limit {
+            if a.offset >= limit {
+                return (Reply::Error(past), buf);
             }
-            len = size - a.offset;
+            len = limit - a.offset;
         }
         // A growable image grows by what the write put there, after it landed: nothing is
         // allocated for a write that fails, and a write cut short grows only as far as it got.
@@ -237,15 +252,13 @@ impl<B: BlockBackend> Export<B> {
         )
     }
 
-    /// The image length for requests that depend on it. With writes passed through, the kernel
-    /// extends the image file without telling fusex: re-read it from the file.
+    /// The image length for the requests that depend on it (GETATTR, SETATTR, FALLOCATE, LSEEK:
+    /// none of them on the data path), re-read from the image: the kernel extends the image file
+    /// itself when writes are passed through, and another program may truncate or extend a raw
+    /// image behind the export. READ and WRITE use the length last learned, which these
+    /// requests, a short read and the daemon's periodic check keep current.
     fn size(&self) -> Result<u64, i32> {
-        match self.passthrough.get() {
-            Some(p) if p.write_opens && self.cfg.writable => {
-                self.backend.refresh_size().map_err(err)
-            }
-            _ => Ok(self.backend.size()),
-        }
+        self.backend.refresh_size().map_err(err)
     }
 
     async fn attr(&self, eng: &Engine) -> Result<Attr, i32> {
@@ -306,6 +319,9 @@ impl<B: BlockBackend> Export<B> {
             }
             if !self.cfg.growable || !self.backend.capabilities().resize {
                 return Err(libc::EPERM);
+            }
+            if a.size > self.cfg.max_size {
+                return Err(libc::EFBIG);
             }
             self.backend.resize(eng, a.size).await.map_err(err)?;
         }
@@ -377,6 +393,9 @@ impl<B: BlockBackend> Export<B> {
         }
         if !self.cfg.growable {
             return Err(libc::ENOSPC);
+        }
+        if end > self.cfg.max_size {
+            return Err(libc::EFBIG);
         }
         self.backend.grow_to(eng, end).await.map_err(err)?;
         Ok(end)

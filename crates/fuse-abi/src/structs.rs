@@ -630,3 +630,23 @@ mod tests {
         assert_eq!(&b[12..16], &(-2i32).to_ne_bytes());
     }
 }
+
+/// `fuse_notify_code` value of an inode invalidation: the server tells the kernel to drop the
+/// attributes (and, from `off`, the cached pages) of a node it has cached.
+pub const FUSE_NOTIFY_INVAL_INODE: i32 = 2;
+
+/// Body of a `FUSE_NOTIFY_INVAL_INODE` message (`fuse_notify_inval_inode_out`), written to
+/// `/dev/fuse` after an [`OutHeader`] whose `unique` is 0 and whose `error` is the notify code.
+#[repr(C)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+)]
+pub struct NotifyInvalInodeOut {
+    /// The node (1: the exported file).
+    pub ino: u64,
+    /// First byte of cached data to drop; negative: drop only the attributes.
+    pub off: i64,
+    /// Bytes of cached data to drop from `off`; 0 or less: to the end.
+    pub len: i64,
+}
+assert_layout!(NotifyInvalInodeOut, 24, { ino: 0, off: 8, len: 16 });

@@ -112,6 +112,8 @@ struct Want {
 pub struct Plan {
     mode: PassthroughArg,
     want: Result<Want, NotUsed>,
+    /// `--max-size` holds a growable export below the filesystem's limit.
+    bounded: bool,
 }
 
 impl Plan {
@@ -125,13 +127,16 @@ impl Plan {
             _ if args.kernel_cache => Err(NotUsed::KernelCache),
             (_, AnyBackend::Raw(r)) => Ok(Want {
                 image_fd: r.fd(),
-                write_opens: !args.writable || args.growable,
+                // The kernel extends a passed-through file up to the filesystem's limit only:
+                // a lower --max-size needs writes to come to fusex.
+                write_opens: !args.writable || (args.growable && args.max_size.is_none()),
                 stack_depth: stack_depth_for(r.fd()),
             }),
         };
         let plan = Plan {
             mode: args.passthrough,
             want,
+            bounded: args.max_size.is_some(),
         };
         if let (PassthroughArg::On, Err(why)) = (plan.mode, &plan.want) {
             bail!("--passthrough on is not possible: {why}; use --passthrough auto or off");
@@ -161,6 +166,7 @@ impl Plan {
         export: &Export<B>,
         direct: bool,
     ) -> Result<Option<Backing>> {
+        let bounded = self.bounded;
         let decided = decide(self.want, neg.has(FUSE_PASSTHROUGH), |w| {
             Backing::open(conn.as_raw_fd(), w.image_fd).map_err(|e| match e {
                 TransportError::Io(e) => e,
@@ -175,6 +181,10 @@ impl Plan {
                 });
                 let what = if want.write_opens {
                     "read, write and mmap go from the kernel to the image file"
+                } else if bounded {
+                    "opens for reading and mmap go from the kernel to the image file; reads and \
+                     writes of files opened for writing come to fusex, which holds the image to \
+                     --max-size"
                 } else {
                     "opens for reading and mmap go from the kernel to the image file; reads and \
                      writes of files opened for writing come to fusex, which keeps the image's \

@@ -78,6 +78,9 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");
     }
+    if args.max_size.is_some() && !args.growable {
+        bail!("--max-size needs --growable: add --growable or drop --max-size");
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
@@ -102,6 +105,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
     }
+    let max_size = max_size(args, &backend)?;
     let pt = crate::passthrough::Plan::new(args, &backend)?;
     let export = Arc::new(Export::new(
         backend,
@@ -110,6 +114,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             growable: args.growable,
             kernel_cache: args.kernel_cache,
             writethrough: args.writethrough,
+            max_size,
             ..ExportConfig::default()
         },
     ));
@@ -221,6 +226,29 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     ))
 }
 
+/// How large a growable export may grow: `--max-size`, checked against what the image's
+/// filesystem (or format) can hold and against the image's current size.
+fn max_size(args: &MountArgs, backend: &AnyBackend) -> Result<u64> {
+    let limit = backend.size_limit();
+    let Some(want) = args.max_size else {
+        return Ok(limit);
+    };
+    if want > limit {
+        bail!(
+            "--max-size {want} is more than {} can grow to ({limit} bytes): give at most that",
+            args.image
+        );
+    }
+    if want < backend.size() {
+        bail!(
+            "--max-size {want} is less than {}'s current size ({} bytes): give at least that",
+            args.image,
+            backend.size()
+        );
+    }
+    Ok(want)
+}
+
 /// Request sources for each queue thread.
 fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> {
     let fd = mnt.take_fd().context("mount fd")?;
@@ -282,6 +310,13 @@ fn run_queues(
                 }
             })?;
     }
+    // The main thread keeps its own fd of the connection to tell the kernel when the image
+    // changes size behind the export.
+    let notify_fd = match mnt.fd() {
+        Some(fd) => Some(clone_fd(fd.as_raw_fd())?),
+        None => None,
+    };
+    let mut known_size = export.backend().size();
     let mut threads = Vec::with_capacity(nq);
     for (id, source) in sources(mnt, nq, neg.uring)?.into_iter().enumerate() {
         let spec = QueueSpec {
@@ -328,9 +363,13 @@ fn run_queues(
                 }
             }
         } else {
-            match rx.recv() {
+            match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
                 Ok(ev) => ev,
-                Err(_) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
         };
         match ev {
@@ -413,6 +452,36 @@ fn run_queues(
     json["queues"] = serde_json::Value::Array(per_queue);
     json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
     Ok(json)
+}
+
+/// How often the main thread looks at the image's size (the kernel's attribute timeout, so
+/// `stat` through the export is never staler than it would be anyway).
+const SIZE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Re-reads the image's size; when another program changed it, logs that and tells the kernel
+/// to drop its cached attributes and pages, so applications see the new size at once. A
+/// fixed-size export's writes then stop at the new end (ENOSPC past it).
+fn follow_image_size(
+    export: &Export<AnyBackend>,
+    notify_fd: Option<&std::os::fd::OwnedFd>,
+    known: &mut u64,
+) {
+    use std::os::fd::AsFd;
+    let Ok(now) = export.backend().refresh_size() else {
+        return;
+    };
+    if now == *known {
+        return;
+    }
+    if !export.config().growable || now < *known {
+        tracing::info!("the image changed size: {} -> {now} bytes", *known);
+    }
+    *known = now;
+    if let Some(fd) = notify_fd {
+        if let Err(e) = transport::notify_inval_inode(fd.as_fd(), fuse_abi::ROOT_ID) {
+            tracing::debug!("cannot tell the kernel the new size: {e}");
+        }
+    }
 }
 
 /// SIGUSR1: the counters as they stand, written to `--stats-file` (replaced whole, so a reader

@@ -7,6 +7,7 @@ mod init;
 mod legacy;
 mod mount;
 mod mountinfo;
+mod notify;
 pub mod passthrough;
 mod uring;
 
@@ -14,6 +15,7 @@ pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiate
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, Mount, MountConfig};
 pub use mountinfo::{fuse_mount_at, MountEntry};
+pub use notify::notify_inval_inode;
 pub use uring::{
     uring_unavailable_reason, Delivered, Fetched, UringLayout, UringQueue, ENABLE_URING_PARAM,
 };
