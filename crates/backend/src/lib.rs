@@ -10,6 +10,7 @@ use std::io;
 use engine::{Engine, Slice};
 
 mod any;
+mod fault;
 mod gate;
 mod null;
 pub mod qcow2;
@@ -17,6 +18,7 @@ mod raw;
 mod ringfile;
 
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
+pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use null::{parse_size, NullBackend};
 pub use qcow2::{Qcow2Backend, Qcow2Options};
 pub use raw::{IoPath, RawBackend};

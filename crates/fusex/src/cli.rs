@@ -142,7 +142,7 @@ pub struct MountArgs {
     /// Writes past the end grow the image (needs --writable).
     #[arg(long)]
     pub growable: bool,
-    /// With --growable: the largest size the image may grow to (bytes, or with a K/M/G/T/P
+    /// With --growable: the largest size the image may grow to (bytes, or with a K/M/G/T
     /// suffix, powers of 1024). Default: the largest file the image's filesystem holds.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub max_size: Option<u64>,
@@ -214,54 +214,17 @@ pub struct MountArgs {
     /// Write the daemon's pid here (removed at exit).
     #[arg(long)]
     pub pid_file: Option<PathBuf>,
+    /// For testing: make the Nth backend read, write or flush fail or wait, as OP:N:ACTION
+    /// (e.g. write:3:eio, read:10:delay=200ms, flush:1:enospc; repeatable). Turns passthrough off.
+    #[arg(long, value_name = "OP:N:ACTION")]
+    pub fault: Vec<backend::FaultRule>,
     /// At exit, write request and backend counters here as JSON (also on SIGUSR1, while running).
     #[arg(long)]
     pub stats_file: Option<PathBuf>,
 }
 
-/// A byte count: digits with an optional K, M, G, T or P suffix (powers of 1024, `B`/`iB` may follow).
+/// `--max-size`: the same size syntax as `null:SIZE` images.
 fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (digits, shift) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                'P' => 50,
-                _ => return Err(format!("unknown size suffix {c:?} (use K, M, G, T or P)")),
-            };
-            (&t[..i], shift)
-        }
-        _ => (t, 0),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 4096, 512M, 2T)"))?;
-    n.checked_mul(1u64 << shift)
-        .filter(|v| *v <= i64::MAX as u64)
-        .ok_or_else(|| format!("{s} is more than a file can hold"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("2T"), Ok(2 << 40));
-        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
-        assert_eq!(parse_size("3k"), Ok(3 << 10));
-        assert!(parse_size("8E").is_err());
-        assert!(parse_size("9000000P").is_err());
-        assert!(parse_size("ten").is_err());
-        assert!(parse_size("").is_err());
-    }
+    backend::parse_size(s)
+        .map_err(|_| format!("{s:?} is not a size: give bytes or K, M, G, T (powers of 1024)"))
 }

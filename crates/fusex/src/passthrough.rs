@@ -34,6 +34,8 @@ pub enum NotUsed {
     Formatted(String),
     /// `--kernel-cache` wants the FUSE page cache, which passthrough bypasses.
     KernelCache,
+    /// `--fault` injects faults into the I/O fusex does itself.
+    Faults,
     /// INIT did not offer `FUSE_PASSTHROUGH`.
     KernelTooOld,
     /// `FUSE_DEV_IOC_BACKING_OPEN` said EPERM: no `CAP_SYS_ADMIN` in the initial user namespace.
@@ -48,6 +50,10 @@ impl fmt::Display for NotUsed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             NotUsed::Off => write!(f, "--passthrough off"),
+            NotUsed::Faults => write!(
+                f,
+                "--fault is given (faults are injected into the reads and writes fusex serves)"
+            ),
             NotUsed::NoBackingFile(img) => {
                 write!(
                     f,
@@ -125,6 +131,7 @@ impl Plan {
             (_, AnyBackend::Qcow2(_)) => Err(NotUsed::Formatted(args.image.clone())),
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),
+            _ if !args.fault.is_empty() => Err(NotUsed::Faults),
             (_, AnyBackend::Raw(r)) => Ok(Want {
                 image_fd: r.fd(),
                 // The kernel extends a passed-through file up to the filesystem's limit only:

@@ -14,7 +14,6 @@ use std::task::Poll;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use backend::AnyBackend;
 use engine::{Engine, EngineConfig, EngineStats, Remote, TaskId};
 use export::{Counters, Export, Snapshot};
 use server::{QueueServer, QueueState};
@@ -23,6 +22,7 @@ use transport::{Layout, LegacyQueue, UringLayout, UringQueue};
 /// Slots of the legacy reader that an io_uring queue 0 keeps for requests sent before the ring
 /// is ready (and anything else the kernel still sends through `/dev/fuse`).
 use crate::memory::URING_LEGACY_SLOTS;
+use crate::serve::Served;
 
 /// Where a queue gets its requests.
 pub enum Source {
@@ -95,7 +95,7 @@ pub struct QueueReport {
 /// Runs a queue to its end on the calling thread, reporting through `events`.
 pub fn run(
     spec: QueueSpec,
-    export: Arc<Export<AnyBackend>>,
+    export: Arc<Export<Served>>,
     stop: Arc<AtomicBool>,
     events: Sender<Event>,
 ) {
@@ -121,7 +121,7 @@ pub fn run(
 
 fn serve(
     spec: QueueSpec,
-    export: Arc<Export<AnyBackend>>,
+    export: Arc<Export<Served>>,
     stop: Arc<AtomicBool>,
     events: &Sender<Event>,
 ) -> Result<QueueReport> {
@@ -177,7 +177,7 @@ fn serve(
     if spec.fixed_files {
         use std::os::fd::AsRawFd;
         // Not the legacy /dev/fuse fd: a multishot READ of it as a fixed file fails with EBADFD.
-        let mut fds = export.backend().io_fds();
+        let mut fds = export.backend().inner().io_fds();
         fds.extend(conn.as_ref().map(|fd| fd.as_raw_fd()));
         if let Err(e) = eng.register_files(&fds) {
             tracing::debug!("queue {}: no fixed files ({e})", spec.id);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use backend::{AnyBackend, BlockBackend, IoPath, OpenOptions};
+use backend::{AnyBackend, BlockBackend, Faulty, IoPath, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Counters, Export, ExportConfig, Snapshot};
 use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
@@ -19,6 +19,10 @@ use crate::daemon::Readiness;
 use crate::queue::{self, Event, QueueSpec, Source};
 
 use crate::memory::{self, Demand, Plan};
+
+/// The backend the queues serve: the opened image, with `--fault` rules (none: a plain
+/// pass-through).
+pub type Served = Faulty<AnyBackend>;
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
 pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
@@ -72,7 +76,7 @@ struct Settled {
     _passthrough: Option<transport::passthrough::Backing>,
 }
 
-type Setup = (Arc<Export<AnyBackend>>, Mount, Settled);
+type Setup = (Arc<Export<Served>>, Mount, Settled);
 
 fn setup(args: &MountArgs) -> Result<Setup> {
     if args.growable && !args.writable {
@@ -107,8 +111,11 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     }
     let max_size = max_size(args, &backend)?;
     let pt = crate::passthrough::Plan::new(args, &backend)?;
+    if !args.fault.is_empty() {
+        tracing::info!("fault injection: {:?}", args.fault);
+    }
     let export = Arc::new(Export::new(
-        backend,
+        Faulty::new(backend, args.fault.clone()),
         ExportConfig {
             writable: args.writable,
             growable: args.growable,
@@ -207,6 +214,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         mnt.mountpoint().display(),
         export
             .backend()
+            .inner()
             .format_description(args.format == crate::cli::FormatArg::Auto)
     );
     Ok((
@@ -276,7 +284,7 @@ fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> 
 
 fn run_queues(
     args: &MountArgs,
-    export: &Arc<Export<AnyBackend>>,
+    export: &Arc<Export<Served>>,
     mnt: &mut Mount,
     neg: &Settled,
     ready: &mut Readiness,
@@ -462,7 +470,7 @@ const SIZE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 /// to drop its cached attributes and pages, so applications see the new size at once. A
 /// fixed-size export's writes then stop at the new end (ENOSPC past it).
 fn follow_image_size(
-    export: &Export<AnyBackend>,
+    export: &Export<Served>,
     notify_fd: Option<&std::os::fd::OwnedFd>,
     known: &mut u64,
 ) {
@@ -518,7 +526,7 @@ fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, u
 
 /// Ends the export once every queue answered what it had taken: flush, then abort the
 /// connection and unmount (which also ends io_uring queues, whose entries then complete).
-fn finish(flushed: &mut Option<Result<bool>>, export: &Export<AnyBackend>, mnt: &mut Mount) {
+fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut Mount) {
     if flushed.is_none() {
         *flushed = Some(final_flush(export));
         if let Err(e) = mnt.abort() {
@@ -528,7 +536,7 @@ fn finish(flushed: &mut Option<Result<bool>>, export: &Export<AnyBackend>, mnt: 
 }
 
 /// Flushes a writable export's image once every queue has ended; says whether it flushed.
-fn final_flush(export: &Export<AnyBackend>) -> Result<bool> {
+fn final_flush(export: &Export<Served>) -> Result<bool> {
     if !export.config().writable {
         return Ok(false);
     }
