@@ -11,7 +11,9 @@ use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, IoPath, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Export, ExportConfig, Snapshot};
-use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
+use fuse_abi::{
+    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_OVER_IO_URING,
+};
 use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
@@ -48,7 +50,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
     let unmounted = mnt.unmount();
     drop(mnt);
     if let Some(p) = &args.pid_file {
-        let _ = std::fs::remove_file(p);
+        remove_pid_file(p);
     }
     let stats = result?;
     if let Some(p) = &args.stats_file {
@@ -137,7 +139,9 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         fd,
     )?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
-    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES;
+    // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
+    // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
+    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES | FUSE_DIRECT_IO_ALLOW_MMAP;
     if may_uring {
         want |= FUSE_OVER_IO_URING;
     }
@@ -423,7 +427,25 @@ fn final_flush(export: &Export<AnyBackend>) -> Result<bool> {
 }
 
 /// `fusex umount`.
-pub fn umount(path: PathBuf) -> Result<()> {
-    transport::unmount(&path)?;
+pub fn umount(path: PathBuf, force: bool) -> Result<()> {
+    transport::unmount(&path, force)?;
     Ok(())
+}
+
+/// Removes the pid file at exit, but only while it still holds this process's pid: after `fusex
+/// umount` the next daemon on the same mountpoint may already have written its own there.
+fn remove_pid_file(path: &std::path::Path) {
+    let ours = std::process::id().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) if text.trim() == ours => {
+            if let Err(e) = std::fs::remove_file(path) {
+                tracing::warn!("cannot remove pid file {}: {e}", path.display());
+            }
+        }
+        Ok(_) => tracing::debug!(
+            "pid file {} names another process now; leaving it",
+            path.display()
+        ),
+        Err(_) => {}
+    }
 }
