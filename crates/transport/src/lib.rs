@@ -79,7 +79,7 @@ pub enum TransportError {
     #[error("{0} is not a FUSE mount: give the file a fusex export is mounted on")]
     NotMounted(String),
     /// `fusex umount` (without `--force`) on a FUSE mount that is not a fusex export.
-    #[error("{path} is a {fstype} mount of {from:?}, not a fusex export: unmount it with its own tool, or add --force to unmount it anyway")]
+    #[error("{path} is a FUSE mount of type {fstype} (source {from:?}), not a fusex export: unmount it with its own tool, or add --force to unmount it anyway")]
     NotFusex {
         /// The mountpoint as given.
         path: String,

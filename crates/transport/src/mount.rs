@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::mountinfo::{file_id, fuse_mount_at, MountIdentity, FUSEX_FSTYPE};
@@ -133,7 +134,6 @@ impl Mount {
                     .create_new(true)
                     .open(&self.mountpoint)
                     .map_err(create_err)?;
-                use std::os::unix::fs::MetadataExt;
                 let meta = f.metadata().map_err(create_err)?;
                 let (maj, min) = (libc::major(meta.dev()), libc::minor(meta.dev()));
                 Ok(Some((maj, min, meta.ino())))
