@@ -1,7 +1,7 @@
 //! `fusex mount`: open the image, mount, negotiate, run the queues, and take it all down cleanly.
 
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -39,7 +39,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
         }
     };
     if let Some(p) = &args.pid_file {
-        if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
+        if let Err(e) = write_pid_file(p) {
             let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
             ready.report(Err(format!("{e:#}")));
             return Err(e);
@@ -432,20 +432,44 @@ pub fn umount(path: PathBuf, force: bool) -> Result<()> {
     Ok(())
 }
 
+/// A name next to the pid file that only this process uses.
+fn beside(path: &Path, what: &str) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!(".{name}.{what}.{}", std::process::id()))
+}
+
+/// Writes the pid file whole, by rename: a pid file's contents never change once it is in place,
+/// which [`remove_pid_file`] relies on.
+fn write_pid_file(path: &Path) -> std::io::Result<()> {
+    let tmp = beside(path, "new");
+    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
 /// Removes the pid file at exit, but only while it still holds this process's pid: after `fusex
-/// umount` the next daemon on the same mountpoint may already have written its own there.
-fn remove_pid_file(path: &std::path::Path) {
+/// umount` the next daemon on the same mountpoint may already have put its own there, possibly
+/// between our look and our removal. So ours is first moved aside (atomic) and checked there; a
+/// file that turns out to be the next daemon's goes back unless yet another one replaced it.
+fn remove_pid_file(path: &Path) {
     let ours = std::process::id().to_string();
-    match std::fs::read_to_string(path) {
-        Ok(text) if text.trim() == ours => {
-            if let Err(e) = std::fs::remove_file(path) {
-                tracing::warn!("cannot remove pid file {}: {e}", path.display());
-            }
-        }
-        Ok(_) => tracing::debug!(
-            "pid file {} names another process now; leaving it",
+    let holds_ours = |p: &Path| std::fs::read_to_string(p).is_ok_and(|t| t.trim() == ours);
+    if !holds_ours(path) {
+        tracing::debug!(
+            "pid file {} does not name this process; leaving it",
             path.display()
-        ),
-        Err(_) => {}
+        );
+        return;
     }
+    let aside = beside(path, "old");
+    if let Err(e) = std::fs::rename(path, &aside) {
+        tracing::warn!("cannot remove pid file {}: {e}", path.display());
+        return;
+    }
+    if !holds_ours(&aside) {
+        // Moved the next daemon's file: put it back without clobbering a newer one.
+        let _ = std::fs::hard_link(&aside, path);
+    }
+    let _ = std::fs::remove_file(&aside);
 }

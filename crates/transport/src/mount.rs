@@ -281,7 +281,8 @@ impl Mount {
             Err(_) => return,
         }
         if let Err(e) = std::fs::remove_file(&self.mountpoint) {
-            if e.kind() != io::ErrorKind::NotFound {
+            // EBUSY: the next export mounted on it after the check above; it is theirs now.
+            if e.kind() != io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::EBUSY) {
                 tracing::warn!(
                     "cannot remove mountpoint {}: {e}",
                     self.mountpoint.display()
