@@ -10,11 +10,12 @@ have mkfs.ext4 || need+=(e2fsprogs)
 have losetup || need+=(util-linux)
 have setpriv || need+=(util-linux)
 have qemu-img || need+=(qemu-utils)
+have qemu-nbd || need+=(qemu-utils)
+# nbdfuse: a foreign FUSE filesystem that `fusex umount` must refuse (tests/lifecycle.rs).
+have nbdfuse || need+=(libnbd-bin)
 have python3 || need+=(python3)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)
-  have qemu-nbd || need+=(qemu-utils)
-  have nbdfuse || need+=(libnbd-bin)
   have gcc || need+=(gcc)
 fi
 if [ ${#need[@]} -gt 0 ]; then

@@ -316,3 +316,49 @@ fn dev_fuse_missing() {
     assert!(!is_fuse_mounted(&mp));
     assert!(!mp.exists(), "fusex left a mountpoint file behind");
 }
+
+/// An error caused by the OS names the OS error once: the message carries it, and it is not also
+/// chained as a cause (which printed `…: Read-only file system (os error 30): Read-only file
+/// system (os error 30)`). Here: the mountpoint would have to be created on a read-only
+/// filesystem.
+#[test]
+fn os_error_is_printed_once() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-oserr-once");
+    let img = image(&w);
+    let src = w.join("src");
+    let ro = w.join("ro");
+    fs::create_dir(&src).unwrap();
+    fs::create_dir(&ro).unwrap();
+    let bind = ReadOnlyBind::new(&src, &ro);
+    let mp = bind.target().join("export");
+    let r = expect_rejected(
+        &w,
+        "mountpoint on a read-only filesystem",
+        &[],
+        img.as_os_str(),
+        &mp,
+    );
+    // "Read-only file system (os error 30)", as Rust prints an io::Error.
+    let text = std::io::Error::from_raw_os_error(libc::EROFS).to_string();
+    let (words, _) = text.split_once(" (os error").unwrap();
+    assert_eq!(
+        r.stderr.matches(text.as_str()).count(),
+        1,
+        "the OS error {text:?} must appear exactly once: {}",
+        r.stderr
+    );
+    assert_eq!(
+        r.stderr.matches(words).count(),
+        1,
+        "{words:?} must appear exactly once: {}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("export"),
+        "names the mountpoint: {}",
+        r.stderr
+    );
+}

@@ -94,7 +94,8 @@ impl Fsx {
             }
             Op::Write(o, l) => {
                 let data = self.rng.bytes(l as usize);
-                f.write_all_at(&data, o).map_err(|e| format!("write: {e}"))?;
+                f.write_all_at(&data, o)
+                    .map_err(|e| format!("write: {e}"))?;
                 let end = (o + l) as usize;
                 if end > self.model.len() {
                     self.model.resize(end, 0);
@@ -226,7 +227,15 @@ fn fsx_qcow2_image() {
     let img = w.join("disk.qcow2");
     // Small clusters: many cluster boundaries inside the 8 MiB the file reaches.
     qemu_img(
-        &["convert", "-f", "raw", "-O", "qcow2", "-o", "cluster_size=4096"],
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "qcow2",
+            "-o",
+            "cluster_size=4096",
+        ],
         &[&raw, &img],
     );
     let m = Mount::start(&w, &img, &w.join("export"), &["--writable", "--growable"]);

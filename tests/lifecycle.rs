@@ -411,3 +411,209 @@ fn sigterm_flushes_a_writable_export() {
     );
     assert_eq!(&read_all(&img)[4096..4105], b"unflushed");
 }
+
+/// `fusex umount X` and at once `fusex mount … X`, 20 times in a row: the old daemon's cleanup
+/// acts only on its own mount and its own pid file, so every new export stays mounted, serves its
+/// own image and keeps the pid file it wrote. (The old daemon used to unmount whatever FUSE mount
+/// it found at X and delete the pid file unconditionally: the new daemon said "mounted", then
+/// exited 0 about every other time.) The two images differ, so the bytes say which export serves.
+fn umount_then_mount_at_once(tag: &str, daemonize: bool) {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new(tag);
+    let imgs = [w.join("a.img"), w.join("b.img")];
+    let models = [
+        random_image(&imgs[0], MIB, 31),
+        random_image(&imgs[1], MIB, 32),
+    ];
+    // Created by the first daemon, so "remove the mountpoint I created" is exercised too.
+    let mp = w.join("export");
+    let pid_file = w.join("fusex.pid");
+    let pid_arg = pid_file.to_str().unwrap().to_string();
+    let start = |round: usize| -> Mount {
+        let img = &imgs[round % 2];
+        if daemonize {
+            let (m, live) = Mount::start_daemonized(&w, img, &mp, &pid_file, &["--writable"])
+                .unwrap_or_else(|f| {
+                    panic!(
+                        "round {round}: fusex --daemonize failed (exit {:?}); stderr:\n{}",
+                        f.code, f.stderr
+                    )
+                });
+            assert!(
+                live,
+                "round {round}: parent returned before the mount was live"
+            );
+            m
+        } else {
+            Mount::start(&w, img, &mp, &["--writable", "--pid-file", &pid_arg])
+        }
+    };
+    let mut cur = start(0);
+    for round in 1..=20 {
+        let r = run_fusex(&w, &[std::ffi::OsStr::new("umount"), mp.as_os_str()], None);
+        assert_eq!(
+            r.code,
+            Some(0),
+            "round {round}: fusex umount failed; stderr:\n{}",
+            r.stderr
+        );
+        let next = start(round);
+        let old = cur.wait_exit_handed_over();
+        assert!(
+            old.exited,
+            "round {round}: the unmounted daemon did not exit; stderr:\n{}",
+            old.stderr
+        );
+        if !daemonize {
+            assert_eq!(
+                old.code,
+                Some(0),
+                "round {round}: old daemon's exit; stderr:\n{}",
+                old.stderr
+            );
+        }
+        old.assert_no_errors_logged(&format!("round {round}: old daemon"));
+        // The old daemon is gone and has cleaned up: the new export must have survived that.
+        assert!(
+            pid_alive(next.pid()),
+            "round {round}: the new daemon exited after the old one cleaned up; stderr:\n{}",
+            next.stderr()
+        );
+        assert_eq!(
+            fuse_mounts_at(&mp).len(),
+            1,
+            "round {round}: exactly the new export must be mounted; new daemon's stderr:\n{}",
+            next.stderr()
+        );
+        assert_bytes_eq(
+            &read_all(&mp),
+            &models[round % 2],
+            0,
+            &format!("round {round}: the new export serves its own image"),
+        );
+        assert_eq!(
+            fs::read_to_string(&pid_file).unwrap_or_default().trim(),
+            next.pid().to_string(),
+            "round {round}: the pid file must name the new daemon"
+        );
+        cur = next;
+    }
+    cur.stop().assert_clean("last export after 20 hand-overs");
+    assert!(!pid_file.exists(), "the last daemon removes its pid file");
+}
+
+#[test]
+fn umount_then_mount_at_once_keeps_the_new_export() {
+    umount_then_mount_at_once("lc-handover", false);
+}
+
+#[test]
+fn umount_then_mount_at_once_keeps_the_new_export_daemonized() {
+    umount_then_mount_at_once("lc-handover-d", true);
+}
+
+/// An nbdfuse mount (a foreign FUSE filesystem: fstype `fuse`) on `dir`, over qemu-nbd serving
+/// `image` read-only. Dropping it unmounts (lazily) and ends nbdfuse.
+struct NbdFuse {
+    child: ChildGuard,
+    dir: std::path::PathBuf,
+}
+
+impl NbdFuse {
+    fn start(w: &WorkDir, image: &std::path::Path, dir: &std::path::Path) -> NbdFuse {
+        let mut cmd = Command::new("nbdfuse");
+        cmd.arg("-r")
+            .arg(dir)
+            .args(["[", "qemu-nbd", "-f", "raw", "-r"])
+            .arg(image)
+            .arg("]")
+            .stdin(Stdio::null())
+            .stdout(File::create(w.join("nbdfuse.out")).unwrap())
+            .stderr(File::create(w.join("nbdfuse.err")).unwrap());
+        let child = ChildGuard(cmd.spawn().expect("spawn nbdfuse"));
+        let mut m = NbdFuse {
+            child,
+            dir: dir.to_path_buf(),
+        };
+        let deadline = Instant::now() + TIMEOUT;
+        let up = wait_until(deadline, || {
+            is_fuse_mounted(dir) || m.child.try_wait().is_some()
+        });
+        assert!(
+            up && is_fuse_mounted(dir),
+            "nbdfuse did not mount {}; stderr:\n{}",
+            dir.display(),
+            fs::read_to_string(w.join("nbdfuse.err")).unwrap_or_default()
+        );
+        m
+    }
+}
+
+impl Drop for NbdFuse {
+    fn drop(&mut self) {
+        if is_fuse_mounted(&self.dir) {
+            let _ = run(Command::new("umount").arg("-l").arg(&self.dir));
+        }
+    }
+}
+
+/// `fusex umount` refuses a FUSE mount that is not a fusex export (here nbdfuse's) in one line
+/// naming what it is and that --force overrides; the mount stays and still serves. With --force
+/// it is unmounted, and nbdfuse exits.
+#[test]
+fn fusex_umount_refuses_other_fuse_filesystems_without_force() {
+    if !require_fuse_and_tools(&["nbdfuse", "qemu-nbd"]) {
+        return;
+    }
+    let w = WorkDir::new("lc-umount-foreign");
+    let img = w.join("disk.img");
+    let model = random_image(&img, MIB, 41);
+    let dir = w.join("nbd");
+    fs::create_dir(&dir).unwrap();
+    let mut nbd = NbdFuse::start(&w, &img, &dir);
+    let fstype = fuse_mounts_at(&dir)[0].fstype.clone();
+    assert_ne!(fstype, "fuse.fusex", "nbdfuse must not look like fusex");
+    let umount = |extra: &[&str]| {
+        let mut argv: Vec<std::ffi::OsString> = vec!["umount".into()];
+        argv.extend(extra.iter().map(std::ffi::OsString::from));
+        argv.push(dir.clone().into_os_string());
+        run_fusex(&w, &argv, None)
+    };
+
+    let r = umount(&[]);
+    eprintln!("fusex said: {}", r.stderr.trim_end());
+    r.assert_one_error_line("fusex umount of an nbdfuse mount");
+    assert!(
+        r.stderr.contains(&fstype) && r.stderr.contains("not a fusex export"),
+        "the error should say what is mounted there: {}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("--force"),
+        "the error should say --force overrides: {}",
+        r.stderr
+    );
+    assert!(is_fuse_mounted(&dir), "the foreign mount must stay");
+    assert_bytes_eq(
+        &read_all(&dir.join("nbd")),
+        &model,
+        0,
+        "nbdfuse still serves after the refusal",
+    );
+
+    let r = umount(&["--force"]);
+    assert_eq!(
+        r.code,
+        Some(0),
+        "fusex umount --force failed; stderr:\n{}",
+        r.stderr
+    );
+    assert!(!is_fuse_mounted(&dir), "--force must unmount it");
+    let deadline = Instant::now() + TIMEOUT;
+    assert!(
+        wait_until(deadline, || nbd.child.try_wait().is_some()),
+        "nbdfuse did not exit after its mount went away"
+    );
+}

@@ -565,3 +565,111 @@ fn without_cap_sys_admin_mount_fails_in_one_line() {
     assert!(r.stderr.contains("not permitted"), "{}", r.stderr);
     assert!(!is_fuse_mounted(&mp));
 }
+
+/// Reads a whole file through a read-only shared mapping.
+fn read_through_shared_mapping(f: &File, len: usize) -> Vec<u8> {
+    // SAFETY: a read-only shared mapping of `len` bytes of an open fd, checked, unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(
+        p,
+        libc::MAP_FAILED,
+        "read-only MAP_SHARED: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: the mapping is `len` bytes and live until munmap.
+    let v = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) }.to_vec();
+    // SAFETY: unmaps what was mapped above.
+    unsafe { libc::munmap(p, len) };
+    v
+}
+
+/// Shared mappings of an export whose opens fusex serves itself (`FOPEN_DIRECT_IO`): reading
+/// through one equals the image, and writes through a writable one reach the image by msync.
+fn shared_mapping_round_trip(m: &Mount, backing: &Path, model: &mut [u8], what: &str) {
+    let f = m.open_rw();
+    let len = model.len();
+    assert_bytes_eq(
+        &read_through_shared_mapping(&f, len),
+        model,
+        0,
+        &format!("{what}: read through MAP_SHARED"),
+    );
+    let mut rng = Rng::new(61);
+    {
+        let mut map = Map::new(&f, len);
+        assert_bytes_eq(map.bytes(), model, 0, &format!("{what}: writable mapping"));
+        for (off, n) in [
+            (0usize, 4096usize),
+            (100, 10),
+            (MIB as usize - 3, 7000),
+            (len - 1, 1),
+        ] {
+            let data = rng.bytes(n);
+            map.bytes()[off..off + n].copy_from_slice(&data);
+            model[off..off + n].copy_from_slice(&data);
+        }
+        map.msync();
+        assert_bytes_eq(
+            &read_all(backing),
+            model,
+            0,
+            &format!("{what}: backing file after msync"),
+        );
+    }
+    drop(f);
+    assert_all_same(m.path(), backing, model, &format!("{what}: after munmap"));
+}
+
+/// Contract: MAP_SHARED works without passthrough. Opens fusex serves itself carry
+/// `FOPEN_DIRECT_IO`, on which the kernel refuses shared mappings (ENODEV) unless INIT negotiated
+/// `FUSE_DIRECT_IO_ALLOW_MMAP`; fusex does, so mappings read and write the image through fusex's
+/// READ and WRITE (the counters show they came to fusex). Covers `--passthrough off` on a raw
+/// file, a block device (never passed through) and null (reads zeroes).
+#[test]
+fn shared_mmap_without_passthrough() {
+    if !require_fuse_and_tools(&["losetup"]) {
+        return;
+    }
+    let w = WorkDir::new("pt-off-mmap");
+    let img = w.join("disk.img");
+    let mut model = random_image(&img, IMG, 60);
+    let m = Mount::start(
+        &w,
+        &img,
+        &w.join("export"),
+        &["--writable", "--passthrough", "off"],
+    );
+    shared_mapping_round_trip(&m, &img, &mut model, "--passthrough off");
+    let st = m.stop();
+    st.assert_clean("raw image, --passthrough off, MAP_SHARED");
+    assert!(st.stat(&["ops", "READ"]) >= 1, "stats: {}", st.stats());
+    assert!(st.stat(&["ops", "WRITE"]) >= 1, "stats: {}", st.stats());
+
+    let lo = LoopDev::attach(&img, false);
+    let m = Mount::start(&w, &lo.dev, &w.join("export-blk"), &["--writable"]);
+    let line = passthrough_line(&m.stderr());
+    assert!(line.contains("passthrough: off"), "{line}");
+    shared_mapping_round_trip(&m, &lo.dev, &mut model, "block device");
+    let st = m.stop();
+    st.assert_clean("block device, MAP_SHARED");
+    assert!(st.stat(&["ops", "WRITE"]) >= 1, "stats: {}", st.stats());
+    lo.detach();
+    assert_bytes_eq(&read_all(&img), &model, 0, "image behind the loop device");
+
+    let m = Mount::start(&w, "null:16M", &w.join("export-null"), &[]);
+    let got = read_through_shared_mapping(&m.open_ro(), IMG as usize);
+    assert!(
+        got.iter().all(|&b| b == 0),
+        "null reads zeroes through MAP_SHARED"
+    );
+    m.stop().assert_clean("null, MAP_SHARED");
+}

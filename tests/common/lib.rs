@@ -866,6 +866,8 @@ pub struct Mount {
     stats_path: PathBuf,
     done: bool,
     watchdog: Option<mpsc::Sender<()>>,
+    /// The mountpoint belongs to another mount now: cleanup must not touch it.
+    handed_over: bool,
 }
 
 /// What [`Mount::stop`] observed.
@@ -1161,6 +1163,7 @@ impl Mount {
             stats_path,
             done: false,
             watchdog: None,
+            handed_over: false,
         }
     }
 
@@ -1262,6 +1265,15 @@ impl Mount {
         self.finish(false)
     }
 
+    /// Wait (without signalling) for the daemon to exit after its mount was unmounted and the
+    /// mountpoint may already carry the next export: unlike [`Mount::wait_exit`] nothing at the
+    /// mountpoint is touched (no `umount -l`) and `left_mounted` stays false; the caller checks
+    /// the mountpoint itself.
+    pub fn wait_exit_handed_over(mut self) -> Stopped {
+        self.handed_over = true;
+        self.finish(false)
+    }
+
     /// Polls for the daemon's end; Some((code, signal)) once it is gone.
     fn try_reap(&mut self) -> Option<(Option<i32>, Option<i32>)> {
         use std::os::unix::process::ExitStatusExt;
@@ -1297,14 +1309,16 @@ impl Mount {
             thread::sleep(Duration::from_millis(10));
         }
         let exited = reaped.is_some();
-        let left_mounted = exited && self.is_mounted();
+        let left_mounted = exited && !self.handed_over && self.is_mounted();
         if !exited {
             eprintln!(
                 "harness: fusex pid {} did not exit within {TIMEOUT:?}; umount -l + SIGKILL",
                 self.pid
             );
         }
-        lazy_umount_fuse(&self.mountpoint, self.baseline);
+        if !self.handed_over {
+            lazy_umount_fuse(&self.mountpoint, self.baseline);
+        }
         let (code, signal) = match reaped {
             Some(r) => r,
             None => {
@@ -1318,7 +1332,9 @@ impl Mount {
                 while self.pid > 0 && pid_alive(self.pid) && Instant::now() < deadline {
                     thread::sleep(Duration::from_millis(10));
                 }
-                lazy_umount_fuse(&self.mountpoint, self.baseline);
+                if !self.handed_over {
+                    lazy_umount_fuse(&self.mountpoint, self.baseline);
+                }
                 (None, Some(libc::SIGKILL))
             }
         };

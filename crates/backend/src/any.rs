@@ -51,12 +51,13 @@ pub enum OpenError {
     #[error("{0}")]
     FormatMismatch(String),
     /// Anything else the OS reported.
-    #[error("cannot open image {path}: {source}")]
+    #[error("cannot open image {path}: {error}")]
     Io {
         /// The image path.
         path: String,
-        /// What the OS said.
-        source: io::Error,
+        /// What the OS said (part of the message, deliberately not a `source()`: the binary
+        /// prints the whole chain, which would name it twice).
+        error: io::Error,
     },
 }
 
@@ -67,7 +68,7 @@ impl OpenError {
             io::ErrorKind::PermissionDenied => OpenError::Permission(path.to_string()),
             _ => OpenError::Io {
                 path: path.to_string(),
-                source: e,
+                error: e,
             },
         }
     }
@@ -272,5 +273,26 @@ impl BlockBackend for AnyBackend {
     }
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
         each!(self, b => b.set_times(atime, mtime))
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+
+    #[test]
+    fn os_error_is_printed_once() {
+        let e = OpenError::Io {
+            path: "/img".into(),
+            error: io::Error::from_raw_os_error(libc::EROFS),
+        };
+        // What the binary prints: the message, then every source.
+        let mut text = e.to_string();
+        let mut cur = std::error::Error::source(&e);
+        while let Some(c) = cur {
+            text.push_str(&format!(": {c}"));
+            cur = c.source();
+        }
+        assert_eq!(text.matches("(os error 30)").count(), 1, "{text}");
     }
 }

@@ -316,7 +316,7 @@ impl Qcow2Backend {
         })
         .map_err(|e| OpenError::Io {
             path: shown.clone(),
-            source: io::Error::other(e.to_string()),
+            error: io::Error::other(e.to_string()),
         })?;
         let opened = eng.block_on(async {
             let q = Qcow2::<RingFile>::builder(top)
@@ -330,7 +330,7 @@ impl Qcow2Backend {
             Err(e) => {
                 return Err(OpenError::Io {
                     path: shown,
-                    source: io::Error::other(e.to_string()),
+                    error: io::Error::other(e.to_string()),
                 })
             }
         };

@@ -37,12 +37,13 @@ pub use remote::{CrossWake, Remote};
 /// command area fits next to plain reads and writes). Built only inside this crate.
 pub(crate) type Sqe = io_uring::squeue::Entry128;
 
-/// Errors that setting up or driving an engine can produce.
+/// Errors that setting up or driving an engine can produce. The OS error is part of each message
+/// and not also a `source()`, so a printed error chain names it once.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// `io_uring_setup` failed (kernel without io_uring, or io_uring disabled by sysctl).
     #[error("cannot create io_uring: {0} (is io_uring disabled via /proc/sys/kernel/io_uring_disabled?)")]
-    Setup(#[source] std::io::Error),
+    Setup(std::io::Error),
     /// Allocating the buffer pool failed.
     #[error("cannot allocate {count} I/O buffers of {size} bytes")]
     Alloc {
@@ -53,10 +54,10 @@ pub enum EngineError {
     },
     /// Registering buffers with the ring failed.
     #[error("cannot register I/O buffers with io_uring: {0}")]
-    Register(#[source] std::io::Error),
+    Register(std::io::Error),
     /// `io_uring_enter` failed in a way the loop cannot recover from.
     #[error("io_uring_enter failed: {0}")]
-    Enter(#[source] std::io::Error),
+    Enter(std::io::Error),
 }
 
 #[cfg(test)]

@@ -381,3 +381,16 @@ fn registered_files_are_used_transparently() {
     assert_eq!(win.as_slice(), b"fixed files work");
     assert!(eng.register_files(&[f.as_raw_fd()]).is_err(), "once");
 }
+
+#[test]
+fn engine_errors_print_the_os_error_once() {
+    for e in [
+        crate::EngineError::Setup(std::io::Error::from_raw_os_error(libc::EPERM)),
+        crate::EngineError::Register(std::io::Error::from_raw_os_error(libc::EPERM)),
+        crate::EngineError::Enter(std::io::Error::from_raw_os_error(libc::EPERM)),
+    ] {
+        // The binary prints the message and then every source().
+        assert!(std::error::Error::source(&e).is_none(), "{e}");
+        assert_eq!(e.to_string().matches("(os error 1)").count(), 1, "{e}");
+    }
+}

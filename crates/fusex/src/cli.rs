@@ -20,10 +20,14 @@ pub struct Cli {
 pub enum Command {
     /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C or SIGTERM unmounts).
     Mount(MountArgs),
-    /// Unmount a fusex export (the daemon then exits).
+    /// Unmount a fusex export (the daemon then exits). Refuses other FUSE mounts unless --force.
     Umount {
         /// The mounted file.
         mountpoint: PathBuf,
+        /// Unmount whatever FUSE filesystem is mounted there, even if it is not a fusex export
+        /// (a fusex export is a mount of type fuse.fusex in /proc/self/mountinfo).
+        #[arg(long)]
+        force: bool,
     },
 }
 

@@ -43,9 +43,9 @@ fn main() {
             init_logging(cli.verbose);
             ready.and_then(|r| serve::mount(args, r))
         }
-        Command::Umount { mountpoint } => {
+        Command::Umount { mountpoint, force } => {
             init_logging(cli.verbose);
-            serve::umount(mountpoint)
+            serve::umount(mountpoint, force)
         }
     };
     if let Err(e) = result {

@@ -1,7 +1,7 @@
 //! `fusex mount`: open the image, mount, negotiate, run the queues, and take it all down cleanly.
 
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -11,7 +11,9 @@ use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, Faulty, IoPath, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Counters, Export, ExportConfig, Snapshot};
-use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
+use fuse_abi::{
+    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_OVER_IO_URING,
+};
 use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
@@ -42,7 +44,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
         }
     };
     if let Some(p) = &args.pid_file {
-        if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
+        if let Err(e) = write_pid_file(p) {
             let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
             ready.report(Err(format!("{e:#}")));
             return Err(e);
@@ -53,7 +55,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
     let unmounted = mnt.unmount();
     drop(mnt);
     if let Some(p) = &args.pid_file {
-        let _ = std::fs::remove_file(p);
+        remove_pid_file(p);
     }
     let stats = result?;
     if let Some(p) = &args.stats_file {
@@ -150,7 +152,9 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         fd,
     )?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
-    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES;
+    // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
+    // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
+    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES | FUSE_DIRECT_IO_ALLOW_MMAP;
     if may_uring {
         want |= FUSE_OVER_IO_URING;
     }
@@ -550,7 +554,49 @@ fn final_flush(export: &Export<Served>) -> Result<bool> {
 }
 
 /// `fusex umount`.
-pub fn umount(path: PathBuf) -> Result<()> {
-    transport::unmount(&path)?;
+pub fn umount(path: PathBuf, force: bool) -> Result<()> {
+    transport::unmount(&path, force)?;
     Ok(())
+}
+
+/// A name next to the pid file that only this process uses.
+fn beside(path: &Path, what: &str) -> PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    path.with_file_name(format!(".{name}.{what}.{}", std::process::id()))
+}
+
+/// Writes the pid file whole, by rename: a pid file's contents never change once it is in place,
+/// which [`remove_pid_file`] relies on.
+fn write_pid_file(path: &Path) -> std::io::Result<()> {
+    let tmp = beside(path, "new");
+    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// Removes the pid file at exit, but only while it still holds this process's pid: after `fusex
+/// umount` the next daemon on the same mountpoint may already have put its own there, possibly
+/// between our look and our removal. So ours is first moved aside (atomic) and checked there; a
+/// file that turns out to be the next daemon's goes back unless yet another one replaced it.
+fn remove_pid_file(path: &Path) {
+    let ours = std::process::id().to_string();
+    let holds_ours = |p: &Path| std::fs::read_to_string(p).is_ok_and(|t| t.trim() == ours);
+    if !holds_ours(path) {
+        tracing::debug!(
+            "pid file {} does not name this process; leaving it",
+            path.display()
+        );
+        return;
+    }
+    let aside = beside(path, "old");
+    if let Err(e) = std::fs::rename(path, &aside) {
+        tracing::warn!("cannot remove pid file {}: {e}", path.display());
+        return;
+    }
+    if !holds_ours(&aside) {
+        // Moved the next daemon's file: put it back without clobbering a newer one.
+        let _ = std::fs::hard_link(&aside, path);
+    }
+    let _ = std::fs::remove_file(&aside);
 }

@@ -14,7 +14,7 @@ mod uring;
 pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, Mount, MountConfig};
-pub use mountinfo::{fuse_mount_at, MountEntry};
+pub use mountinfo::{fuse_mount_at, MountEntry, MountIdentity, FUSEX_FSTYPE};
 pub use notify::notify_inval_inode;
 pub use uring::{
     uring_unavailable_reason, Delivered, Fetched, UringLayout, UringQueue, ENABLE_URING_PARAM,
@@ -23,6 +23,9 @@ pub use uring::{
 use std::io;
 
 /// Errors of the transport, each phrased for the person running fusex.
+///
+/// A variant that wraps an OS error prints it in its own message and does not also return it as
+/// its `source()`: the binary prints the whole chain (`{:#}`), which would name the cause twice.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
     /// `/dev/fuse` does not exist.
@@ -32,7 +35,7 @@ pub enum TransportError {
     NoDevFuse,
     /// `/dev/fuse` exists but cannot be opened.
     #[error("cannot open /dev/fuse: {0}")]
-    DevFuse(#[source] io::Error),
+    DevFuse(io::Error),
     /// The mountpoint is a directory; fusex exports a single file.
     #[error("mountpoint {0} is a directory: give a regular file path (it is created if missing)")]
     MountpointIsDir(String),
@@ -51,32 +54,42 @@ pub enum TransportError {
     #[error("not permitted to mount on {0}: run fusex as root (CAP_SYS_ADMIN)")]
     NotPermitted(String),
     /// mount(2) failed otherwise.
-    #[error("mounting on {path} failed: {source}")]
+    #[error("mounting on {path} failed: {error}")]
     Mount {
         /// The mountpoint.
         path: String,
         /// What the kernel said.
-        source: io::Error,
+        error: io::Error,
     },
     /// The mountpoint could not be created.
-    #[error("cannot create mountpoint {path}: {source}")]
+    #[error("cannot create mountpoint {path}: {error}")]
     CreateMountpoint {
         /// The mountpoint.
         path: String,
         /// What the OS said.
-        source: io::Error,
+        error: io::Error,
     },
     /// Unmounting failed.
-    #[error("unmounting {path} failed: {source}")]
+    #[error("unmounting {path} failed: {error}")]
     Unmount {
         /// The mountpoint.
         path: String,
         /// What the kernel said.
-        source: io::Error,
+        error: io::Error,
     },
     /// `fusex umount` on a path that is not a FUSE mount.
     #[error("{0} is not a FUSE mount: give the file a fusex export is mounted on")]
     NotMounted(String),
+    /// `fusex umount` (without `--force`) on a FUSE mount that is not a fusex export.
+    #[error("{path} is a FUSE mount of type {fstype} (source {from:?}), not a fusex export: unmount it with its own tool, or add --force to unmount it anyway")]
+    NotFusex {
+        /// The mountpoint as given.
+        path: String,
+        /// Its filesystem type from mountinfo (`fuse`, `fuse.sshfs`, ...).
+        fstype: String,
+        /// Its mount source from mountinfo.
+        from: String,
+    },
     /// The kernel's INIT was unusable.
     #[error("FUSE INIT failed: {0}")]
     Init(String),
@@ -90,5 +103,52 @@ pub enum TransportError {
     },
     /// I/O on `/dev/fuse` failed.
     #[error("/dev/fuse I/O failed: {0}")]
-    Io(#[from] io::Error),
+    Io(io::Error),
+}
+
+impl From<io::Error> for TransportError {
+    fn from(e: io::Error) -> TransportError {
+        TransportError::Io(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The message and its `source()` chain, joined the way the binary prints errors (`{:#}`).
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s.push_str(&format!(": {c}"));
+            cur = c.source();
+        }
+        s
+    }
+
+    #[test]
+    fn os_errors_are_printed_once() {
+        let os = || io::Error::from_raw_os_error(libc::EROFS);
+        let path = || "/x".to_string();
+        for e in [
+            TransportError::DevFuse(os()),
+            TransportError::Mount {
+                path: path(),
+                error: os(),
+            },
+            TransportError::CreateMountpoint {
+                path: path(),
+                error: os(),
+            },
+            TransportError::Unmount {
+                path: path(),
+                error: os(),
+            },
+            TransportError::Io(os()),
+        ] {
+            let text = chain(&e);
+            assert_eq!(text.matches("(os error 30)").count(), 1, "{text}");
+        }
+    }
 }

@@ -5,9 +5,10 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::mountinfo::fuse_mount_at;
+use crate::mountinfo::{file_id, fuse_mount_at, MountIdentity, FUSEX_FSTYPE};
 use crate::TransportError;
 
 /// What to mount.
@@ -27,11 +28,18 @@ pub struct MountConfig {
 
 /// A live mount. Dropping it unmounts (lazily, so open files cannot keep it in the namespace) and
 /// removes the mountpoint file if fusex created it: no path out of the daemon leaves a mount behind.
+///
+/// Everything it does at the end acts only on what it made: the mount is taken down only while the
+/// mount at the path is still this one ([`MountIdentity`]), the file is removed only while the path
+/// still holds the file it created. After `fusex umount` the next export may already sit on the
+/// same path by the time this daemon cleans up; it is left alone.
 pub struct Mount {
     fd: Option<OwnedFd>,
     mountpoint: PathBuf,
-    created: bool,
-    mounted: bool,
+    /// The mountpoint file this mount created: (device major, minor, inode).
+    created: Option<(u32, u32, u64)>,
+    /// Set while mounted: which mount is ours.
+    identity: Option<MountIdentity>,
 }
 
 /// Opens `/dev/fuse` with errors a user can act on.
@@ -83,39 +91,55 @@ impl Mount {
         if fuse_mount_at(&mountpoint).is_some() {
             return Err(TransportError::AlreadyMounted(shown));
         }
-        let created = match std::fs::symlink_metadata(&mountpoint) {
-            Ok(m) if m.is_dir() => return Err(TransportError::MountpointIsDir(shown)),
-            Ok(m) if !m.is_file() => return Err(TransportError::MountpointNotFile(shown)),
-            Ok(_) => false,
-            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-                return Err(TransportError::AlreadyMounted(shown));
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                File::options()
-                    .write(true)
-                    .create_new(true)
-                    .open(&mountpoint)
-                    .map_err(|source| TransportError::CreateMountpoint {
-                        path: shown.clone(),
-                        source,
-                    })?;
-                true
-            }
-            Err(source) => {
-                return Err(TransportError::CreateMountpoint {
-                    path: shown,
-                    source,
-                })
-            }
-        };
         let mut m = Mount {
             fd: Some(fd),
             mountpoint,
-            created,
-            mounted: false,
+            created: None,
+            identity: None,
         };
-        m.mount(cfg)?;
-        Ok(m)
+        // A daemon that just left this mountpoint removes the file if it had created it; when that
+        // lands between the check and mount(2), mount(2) says ENOENT: make the file and mount again.
+        let mut attempts = 3;
+        loop {
+            m.created = m.prepare_mountpoint(&shown)?;
+            match m.mount(cfg) {
+                Err(TransportError::Mount { error, .. })
+                    if error.raw_os_error() == Some(libc::ENOENT) && attempts > 1 =>
+                {
+                    attempts -= 1;
+                    tracing::debug!("mountpoint {shown} vanished before mount(2); again");
+                }
+                Err(e) => return Err(e),
+                Ok(()) => return Ok(m),
+            }
+        }
+    }
+
+    /// Checks what is at the mountpoint; creates the file if missing and says so by its identity.
+    fn prepare_mountpoint(&self, shown: &str) -> Result<Option<(u32, u32, u64)>, TransportError> {
+        let create_err = |error| TransportError::CreateMountpoint {
+            path: shown.to_string(),
+            error,
+        };
+        match std::fs::symlink_metadata(&self.mountpoint) {
+            Ok(m) if m.is_dir() => Err(TransportError::MountpointIsDir(shown.to_string())),
+            Ok(m) if !m.is_file() => Err(TransportError::MountpointNotFile(shown.to_string())),
+            Ok(_) => Ok(None),
+            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+                Err(TransportError::AlreadyMounted(shown.to_string()))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let f = File::options()
+                    .write(true)
+                    .create_new(true)
+                    .open(&self.mountpoint)
+                    .map_err(create_err)?;
+                let meta = f.metadata().map_err(create_err)?;
+                let (maj, min) = (libc::major(meta.dev()), libc::minor(meta.dev()));
+                Ok(Some((maj, min, meta.ino())))
+            }
+            Err(e) => Err(create_err(e)),
+        }
     }
 
     fn mount(&mut self, cfg: &MountConfig) -> Result<(), TransportError> {
@@ -140,7 +164,7 @@ impl Mount {
         };
         let source = c(cfg.source.as_bytes())?;
         let target = c(self.mountpoint.as_os_str().as_bytes())?;
-        let fstype = c(b"fuse.fusex")?;
+        let fstype = c(FUSEX_FSTYPE.as_bytes())?;
         let data = c(data.as_bytes())?;
         // SAFETY: all pointers are valid NUL-terminated strings that live across the call.
         let r = unsafe {
@@ -158,12 +182,22 @@ impl Mount {
                 Some(libc::EPERM | libc::EACCES) => TransportError::NotPermitted(shown),
                 _ => TransportError::Mount {
                     path: shown,
-                    source: e,
+                    error: e,
                 },
             });
         }
-        self.mounted = true;
-        Ok(())
+        // Read right away, while nothing else can have been mounted over it (a mount on top of a
+        // live FUSE mount is refused above). No request reaches the daemon: INIT is unanswered yet.
+        match MountIdentity::of_path(&self.mountpoint) {
+            Ok(id) => {
+                self.identity = Some(id);
+                Ok(())
+            }
+            Err(error) => {
+                let _ = unmount_path(&self.mountpoint, libc::MNT_DETACH);
+                Err(TransportError::Mount { path: shown, error })
+            }
+        }
     }
 
     /// The mount's `/dev/fuse` fd (queue 0 reads from it; other queues clone it), until taken.
@@ -181,38 +215,79 @@ impl Mount {
         &self.mountpoint
     }
 
+    /// Which mount is ours (None once unmounted): what anything deciding whether the mount at the
+    /// mountpoint is this export's should compare with.
+    pub fn identity(&self) -> Option<MountIdentity> {
+        self.identity
+    }
+
+    /// Our identity, if the mount at the mountpoint is still ours; forgets it otherwise (someone
+    /// else unmounted it, and the path may hold another mount by now: that one is left alone).
+    fn still_ours(&mut self) -> Option<MountIdentity> {
+        let id = self.identity?;
+        if id.is_at(&self.mountpoint) {
+            return Some(id);
+        }
+        tracing::debug!(
+            "{} no longer holds this export's mount; leaving the path alone",
+            self.mountpoint.display()
+        );
+        self.identity = None;
+        None
+    }
+
     /// Unmounts now (lazily: the namespace forgets the mount at once even if files are open; the
-    /// connection dies when fusex closes its fds). Idempotent; a mount already gone is fine.
+    /// connection dies when fusex closes its fds). Idempotent; a mount already gone is fine, and a
+    /// mount that is not ours is never touched.
     pub fn unmount(&mut self) -> Result<(), TransportError> {
-        if !self.mounted {
+        if self.still_ours().is_none() {
             return Ok(());
         }
-        self.mounted = false;
-        if fuse_mount_at(&self.mountpoint).is_none() {
-            return Ok(());
-        }
+        self.identity = None;
         unmount_path(&self.mountpoint, libc::MNT_DETACH)
     }
-}
 
-impl Mount {
     /// Aborts the connection (a forced unmount: every request the kernel still holds fails, every
     /// io_uring entry completes) and then unmounts, lazily if files are still open. The way to end
-    /// io_uring queues, whose pending commands keep `/dev/fuse` open.
+    /// io_uring queues, whose pending commands keep `/dev/fuse` open. Only ever on our own mount.
     pub fn abort(&mut self) -> Result<(), TransportError> {
-        if !self.mounted {
-            return Ok(());
-        }
-        if fuse_mount_at(&self.mountpoint).is_none() {
-            self.mounted = false;
+        if self.still_ours().is_none() {
             return Ok(());
         }
         match unmount_path(&self.mountpoint, libc::MNT_FORCE) {
             Ok(()) => {
-                self.mounted = false;
+                self.identity = None;
                 Ok(())
             }
             Err(_) => self.unmount(),
+        }
+    }
+
+    /// Removes the mountpoint file if this mount created it and the path still shows that very
+    /// file (not a mount on top of it, not a file someone made anew).
+    fn remove_created(&self) {
+        let Some(made) = self.created else {
+            return;
+        };
+        match file_id(&self.mountpoint) {
+            Ok(now) if now == made => {}
+            Ok(_) => {
+                tracing::debug!(
+                    "{} is covered or replaced; not removing it",
+                    self.mountpoint.display()
+                );
+                return;
+            }
+            Err(_) => return,
+        }
+        if let Err(e) = std::fs::remove_file(&self.mountpoint) {
+            // EBUSY: the next export mounted on it after the check above; it is theirs now.
+            if e.kind() != io::ErrorKind::NotFound && e.raw_os_error() != Some(libc::EBUSY) {
+                tracing::warn!(
+                    "cannot remove mountpoint {}: {e}",
+                    self.mountpoint.display()
+                );
+            }
         }
     }
 }
@@ -222,16 +297,7 @@ impl Drop for Mount {
         if let Err(e) = self.unmount() {
             tracing::error!("{e}");
         }
-        if self.created {
-            if let Err(e) = std::fs::remove_file(&self.mountpoint) {
-                if e.kind() != io::ErrorKind::NotFound {
-                    tracing::warn!(
-                        "cannot remove mountpoint {}: {e}",
-                        self.mountpoint.display()
-                    );
-                }
-            }
-        }
+        self.remove_created();
     }
 }
 
@@ -243,24 +309,30 @@ fn unmount_path(path: &Path, flags: i32) -> Result<(), TransportError> {
     if unsafe { libc::umount2(target.as_ptr(), flags | libc::UMOUNT_NOFOLLOW) } < 0 {
         return Err(TransportError::Unmount {
             path: shown,
-            source: io::Error::last_os_error(),
+            error: io::Error::last_os_error(),
         });
     }
     Ok(())
 }
 
-/// `fusex umount`: unmounts the FUSE mount at `path` (refusing anything that is not FUSE). A busy
-/// mount is detached lazily, so the daemon sees the device go away and exits.
-pub fn unmount(path: &Path) -> Result<(), TransportError> {
+/// `fusex umount`: unmounts the fusex export at `path`. Anything else is refused: a path with no
+/// FUSE mount always, another FUSE filesystem (fstype not [`FUSEX_FSTYPE`]) unless `force`. A busy
+/// mount is detached lazily, so the daemon sees the device go away once the last file closes.
+pub fn unmount(path: &Path, force: bool) -> Result<(), TransportError> {
     let shown = path.display().to_string();
     let canon = canonical(path)?;
-    if fuse_mount_at(&canon).is_none() {
+    let Some(entry) = fuse_mount_at(&canon) else {
         return Err(TransportError::NotMounted(shown));
+    };
+    if !entry.is_fusex() && !force {
+        return Err(TransportError::NotFusex {
+            path: shown,
+            fstype: entry.fstype,
+            from: entry.source,
+        });
     }
     match unmount_path(&canon, 0) {
-        Err(TransportError::Unmount { source, .. })
-            if source.raw_os_error() == Some(libc::EBUSY) =>
-        {
+        Err(TransportError::Unmount { error, .. }) if error.raw_os_error() == Some(libc::EBUSY) => {
             tracing::info!("{shown} is busy; detaching it lazily");
             unmount_path(&canon, libc::MNT_DETACH)
         }

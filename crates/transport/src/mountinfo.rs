@@ -1,6 +1,15 @@
-//! Reading `/proc/self/mountinfo`: is something mounted at a path, and is it FUSE?
+//! Which mount is where: `/proc/self/mountinfo` (is something mounted at a path, is it FUSE, is it
+//! a fusex export) and [`MountIdentity`] (is the mount at a path the one this process made).
 
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+
+/// The filesystem type every fusex export has: `fuse` with subtype `fusex`, given to mount(2)
+/// as is and shown in mountinfo's fstype field. It is how `fusex umount` tells a fusex export
+/// from another FUSE filesystem (nbdfuse, sshfs, ... show `fuse` or `fuse.<their name>`).
+pub const FUSEX_FSTYPE: &str = "fuse.fusex";
 
 /// One line of mountinfo, the parts fusex needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -9,6 +18,15 @@ pub struct MountEntry {
     pub mount_point: String,
     /// Filesystem type (e.g. `fuse.fusex`).
     pub fstype: String,
+    /// Mount source, unescaped (for a fusex export: the image as given on the command line).
+    pub source: String,
+}
+
+impl MountEntry {
+    /// Whether this is a fusex export (fstype [`FUSEX_FSTYPE`]).
+    pub fn is_fusex(&self) -> bool {
+        self.fstype == FUSEX_FSTYPE
+    }
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space, ...).
@@ -42,10 +60,13 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
         .filter_map(|line| {
             let (pre, post) = line.split_once(" - ")?;
             let mount_point = pre.split(' ').nth(4)?;
-            let fstype = post.split(' ').next()?;
+            let mut post = post.split(' ');
+            let fstype = post.next()?;
+            let source = post.next().unwrap_or("");
             Some(MountEntry {
                 mount_point: unescape(mount_point),
                 fstype: fstype.to_string(),
+                source: unescape(source),
             })
         })
         .collect()
@@ -61,6 +82,80 @@ pub fn fuse_mount_at(path: &Path) -> Option<MountEntry> {
         .find(|m| m.mount_point == want && (m.fstype == "fuse" || m.fstype.starts_with("fuse.")))
 }
 
+/// Which mount is this one: names one mount instance, not the path it sits on.
+///
+/// A path changes hands: once an export is unmounted, the next `fusex mount` may put a new export
+/// on the same file while the old daemon is still cleaning up, and anything that acts on "the FUSE
+/// mount at PATH" (the old daemon's unmount, an auto-unmount watcher) would act on the newcomer.
+/// Code that unmounts a mount it made asks [`MountIdentity::is_at`] first.
+///
+/// The identity is the kernel's mount id as `statx(2)` reports it for the mount's root: the 64-bit
+/// `STATX_MNT_ID_UNIQUE` (Linux 6.8+), which is never reused, plus the superblock's device number
+/// (for FUSE, the connection's `st_dev`). Before 6.8 only the 32-bit `STATX_MNT_ID` exists; it and
+/// the device number are both handed out again once freed, so on such kernels a new mount can
+/// (rarely) look like the old one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MountIdentity {
+    mnt_id: u64,
+    unique: bool,
+    dev: (u32, u32),
+}
+
+impl MountIdentity {
+    /// The identity of the topmost mount at `path` (canonical; a final symlink is not followed).
+    ///
+    /// Reads cached attributes only (`AT_STATX_DONT_SYNC`), so it sends no request to a FUSE
+    /// daemon: safe on an export whose INIT is not answered yet, whose daemon is busy or gone.
+    /// With nothing mounted at `path` it names the mount holding the file itself.
+    pub fn of_path(path: &Path) -> io::Result<MountIdentity> {
+        let st = statx_nosync(path, libc::STATX_MNT_ID_UNIQUE)?;
+        Ok(MountIdentity {
+            mnt_id: st.stx_mnt_id,
+            unique: st.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0,
+            dev: (st.stx_dev_major, st.stx_dev_minor),
+        })
+    }
+
+    /// Whether the mount on top of `path` now is this one. False when it cannot be told (the path
+    /// is gone, say): the caller then leaves the path alone.
+    pub fn is_at(&self, path: &Path) -> bool {
+        MountIdentity::of_path(path).is_ok_and(|now| now == *self)
+    }
+
+    /// The mount's device number (major, minor): for FUSE, the connection's, which also names its
+    /// directory in `/sys/fs/fuse/connections/`.
+    pub fn dev(&self) -> (u32, u32) {
+        self.dev
+    }
+
+    /// Whether the id is the never-reused 64-bit one (Linux 6.8+).
+    pub fn is_unique(&self) -> bool {
+        self.unique
+    }
+}
+
+/// The (device, inode) of the file at `path` as the topmost mount shows it, without asking a FUSE
+/// daemon (see [`MountIdentity::of_path`]): tells "the file fusex created" from whatever replaced
+/// or covers it since.
+pub(crate) fn file_id(path: &Path) -> io::Result<(u32, u32, u64)> {
+    let st = statx_nosync(path, libc::STATX_INO)?;
+    Ok((st.stx_dev_major, st.stx_dev_minor, st.stx_ino))
+}
+
+fn statx_nosync(path: &Path, mask: u32) -> io::Result<libc::statx> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    let flags = libc::AT_STATX_DONT_SYNC | libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT;
+    // SAFETY: `c` is a NUL-terminated path living across the call; `st` is a writable statx buffer.
+    let r = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), flags, mask, st.as_mut_ptr()) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statx succeeded and filled the buffer (which was zeroed to begin with).
+    Ok(unsafe { st.assume_init() })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,7 +169,39 @@ mod tests {
         assert_eq!(e.len(), 2);
         assert_eq!(e[1].mount_point, "/tmp/a b/disk.raw");
         assert_eq!(e[1].fstype, "fuse.fusex");
+        assert_eq!(e[1].source, "/img");
+        assert!(e[1].is_fusex());
         assert_eq!(e[0].fstype, "ext3");
+        assert!(!e[0].is_fusex());
+    }
+
+    #[test]
+    fn only_the_fusex_subtype_is_fusex() {
+        let t = "42 27 0:39 / /tmp/nbd rw,nosuid,nodev - fuse /dev/fuse rw,user_id=0\n\
+                 43 27 0:40 / /tmp/x rw - fuse.sshfs host: rw\n\
+                 44 27 0:41 / /tmp/y rw - fuse.fusexx /i rw\n";
+        assert!(parse(t).iter().all(|e| !e.is_fusex()));
+    }
+
+    #[test]
+    fn identity_follows_the_mount_not_the_path() {
+        let dir = std::env::temp_dir().join(format!("fusex-ident-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = dir.join("a");
+        std::fs::write(&a, b"x").unwrap();
+        let id = MountIdentity::of_path(&a).unwrap();
+        // Same mount for every file on it; a missing path is never "mine".
+        assert_eq!(MountIdentity::of_path(&dir).unwrap(), id);
+        assert!(id.is_at(&a));
+        assert!(!id.is_at(&dir.join("missing")));
+        // Another mount (procfs) is not this one.
+        assert!(!id.is_at(Path::new("/proc")));
+        let f = file_id(&a).unwrap();
+        std::fs::remove_file(&a).unwrap();
+        std::fs::write(&a, b"y").unwrap();
+        let g = file_id(&a).unwrap();
+        assert_eq!((f.0, f.1), (g.0, g.1));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
