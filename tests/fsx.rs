@@ -33,7 +33,8 @@ enum Op {
 struct Fsx {
     rng: Rng,
     model: Vec<u8>,
-    /// Whether truncating to a smaller size is supported (qcow2: no, EOPNOTSUPP).
+    /// Raw image semantics. A qcow2 image cannot shrink (EOPNOTSUPP) and its size is a multiple
+    /// of 512: it grows to the next one, and a truncate to anything else is EINVAL.
     can_shrink: bool,
     log: Vec<String>,
 }
@@ -63,6 +64,18 @@ impl Fsx {
                 Op::Zero(o, len(&mut self.rng))
             }
             _ => Op::Fsync,
+        }
+    }
+
+    /// The model after something wrote up to `end`.
+    fn grow(&mut self, end: usize) {
+        let end = if self.can_shrink {
+            end
+        } else {
+            end.next_multiple_of(512)
+        };
+        if end > self.model.len() {
+            self.model.resize(end, 0);
         }
     }
 
@@ -97,9 +110,7 @@ impl Fsx {
                 f.write_all_at(&data, o)
                     .map_err(|e| format!("write: {e}"))?;
                 let end = (o + l) as usize;
-                if end > self.model.len() {
-                    self.model.resize(end, 0);
-                }
+                self.grow(end);
                 self.model[o as usize..end].copy_from_slice(&data);
             }
             Op::Truncate(n) => {
@@ -107,6 +118,13 @@ impl Fsx {
                     let r = f.set_len(n).map_err(|e| errno(&e));
                     if r != Err(libc::EOPNOTSUPP) {
                         return Err(format!("shrinking gave {r:?}, not EOPNOTSUPP"));
+                    }
+                    return Ok(());
+                }
+                if !self.can_shrink && n > size && !n.is_multiple_of(512) {
+                    let r = f.set_len(n).map_err(|e| errno(&e));
+                    if r != Err(libc::EINVAL) {
+                        return Err(format!("truncate to {n} gave {r:?}, not EINVAL"));
                     }
                     return Ok(());
                 }
@@ -125,9 +143,7 @@ impl Fsx {
                 fallocate(f, libc::FALLOC_FL_ZERO_RANGE, o, l)
                     .map_err(|e| format!("zero range: {e}"))?;
                 let end = (o + l) as usize;
-                if end > self.model.len() {
-                    self.model.resize(end, 0);
-                }
+                self.grow(end);
                 self.model[o as usize..end].fill(0);
             }
             Op::Fsync => f.sync_all().map_err(|e| format!("fsync: {e}"))?,

@@ -1799,8 +1799,11 @@ fn refuses_encrypted_images() {
         ));
     }
     let luks = w.join("luks.qcow2");
-    run_ok(
-        qemu_img(w.path())
+    // qemu-img times its key derivation in CPU time and gives up ("Unable to get accurate CPU
+    // usage") when a loaded machine ran it too little to measure: try again then.
+    let mut tries = 0;
+    loop {
+        let out = run(qemu_img(w.path())
             .args([
                 "create",
                 "-q",
@@ -1812,8 +1815,17 @@ fn refuses_encrypted_images() {
                 "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10",
             ])
             .arg(&luks)
-            .arg("1M"),
-    );
+            .arg("1M"));
+        if out.status.success() {
+            break;
+        }
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        tries += 1;
+        assert!(
+            err.contains("accurate CPU usage") && tries < 10,
+            "qemu-img create (LUKS), try {tries}: {err}"
+        );
+    }
     cases.push((
         "LUKS-encrypted qcow2 (qemu-img create)".to_string(),
         luks,

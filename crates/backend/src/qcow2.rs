@@ -353,9 +353,14 @@ impl Qcow2Backend {
         self.mapping_changed.store(true, Ordering::Release);
     }
 
-    /// Grows the image to `new_size` if it is smaller (callers hold the gate shared: imago
-    /// serializes growing itself).
+    /// Grows the image to `new_size` rounded up to a multiple of 512 if it is smaller (callers
+    /// hold the gate shared: imago serializes growing itself). QEMU counts a qcow2 image's size
+    /// in 512-byte sectors and would not see the bytes of a partial last sector: an image fusex
+    /// grew must read the same in every tool.
     async fn grow(&self, new_size: u64) -> Result<()> {
+        let new_size = new_size
+            .checked_next_multiple_of(SECTOR)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFBIG))?;
         if new_size > self.image.size() {
             self.image
                 .resize_grow(new_size, imago::format::PreallocateMode::None)
@@ -366,6 +371,9 @@ impl Qcow2Backend {
         Ok(())
     }
 }
+
+/// A qcow2 image's size is a whole number of these (QEMU's sector).
+const SECTOR: u64 = 512;
 
 /// Most mapping runs one `st_blocks` count walks (a fragmented, fully allocated 16 GiB image with
 /// 64 KiB clusters has 262,144); past that the count falls back to the image file's own
@@ -558,6 +566,9 @@ impl BlockBackend for Qcow2Backend {
             // imago shrinks only through `&mut` access, which a shared image never has.
             tracing::warn!("shrinking a qcow2 image is not supported: use `qemu-img resize`");
             return Err(BackendError::Unsupported);
+        }
+        if !new_size.is_multiple_of(SECTOR) {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL).into());
         }
         let _g = self.gate.shared().await;
         self.grow(new_size).await
