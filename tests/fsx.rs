@@ -121,7 +121,7 @@ impl Fsx {
                     }
                     return Ok(());
                 }
-                if !self.can_shrink && n > size && !n.is_multiple_of(512) {
+                if !self.can_shrink && n > size && n % 512 != 0 {
                     let r = f.set_len(n).map_err(|e| errno(&e));
                     if r != Err(libc::EINVAL) {
                         return Err(format!("truncate to {n} gave {r:?}, not EINVAL"));
