@@ -3,7 +3,10 @@
 #  1. verified fio storms on every transport, read mode and queue count: mixed block sizes
 #     (512 B .. 1 MiB, unaligned offsets), 4 jobs x QD32, crc32c verify; afterwards the export
 #     and the image must hash the same;
-#  2. the end-to-end suite repeated, to shake out flaky tests.
+#  2. a mixed storm per transport: 4 jobs x QD128 random 4 KiB .. 1 MiB reads and writes with
+#     verify, reporting requests and the daemon's peak RSS;
+#  3. the fsx random-operation test with many more operations (STRESS_FSX_OPS, default 50000);
+#  4. the end-to-end suite repeated, to shake out flaky tests.
 # Environment: STRESS_SECONDS (per fio storm, default 60), STRESS_E2E_ROUNDS (default 3).
 # Every mount made here is unmounted on every exit path.
 set -euo pipefail
@@ -75,7 +78,55 @@ storm() { # label, fusex mount options...
     echo "stress: $label: ok ($passes passes, $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["requests"])' "$WORK/stats.json") requests)"
 }
 
+mixed() { # label, fusex mount options...
+    # 4 jobs x QD128, random reads and writes (50/50) of 4 KiB .. 1 MiB, each job in its own
+    # quarter, every block written carrying a crc32c header that reads check (verify_backlog
+    # re-reads written blocks while the mix runs); then the export and the image must hash the
+    # same. Reports requests, the run's length and the daemon's peak RSS (VmHWM).
+    local label=$1
+    shift
+    local img="$WORK/disk.img"
+    head -c $((512 << 20)) /dev/urandom >"$img"
+    "$FUSEX" mount --writable --stats-file "$WORK/stats.json" "$@" "$img" "$MNT" 2>"$WORK/daemon.log" &
+    DAEMON=$!
+    for _ in $(seq 200); do
+        grep -q "mounted " "$WORK/daemon.log" && break
+        kill -0 "$DAEMON" 2>/dev/null || { cat "$WORK/daemon.log" >&2; exit 1; }
+        sleep 0.05
+    done
+    local start=$SECONDS
+    fio --name=mixed --filename="$MNT" --thread --numjobs=4 --offset_increment=128M --size=128M \
+        --ioengine=io_uring --iodepth=128 --direct=1 --rw=randrw --rwmixread=50 \
+        --bsrange=4k-1m --bs_unaligned=0 --blockalign=4k --time_based --runtime="$SECONDS_EACH" \
+        --verify=crc32c --verify_backlog=64 --verify_fatal=1 --verify_state_save=0 \
+        --output-format=terse >>"$WORK/fio.out"
+    local hwm a b
+    hwm=$(awk '/^VmHWM/ {print $2 " " $3}' "/proc/$DAEMON/status")
+    a=$(sha256sum <"$MNT")
+    kill -TERM "$DAEMON"
+    wait "$DAEMON"
+    DAEMON=""
+    b=$(sha256sum <"$img")
+    if [ "$a" != "$b" ]; then
+        echo "stress: $label: export and image differ after the mixed run" >&2
+        exit 1
+    fi
+    echo "stress: $label: ok ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["requests"])' "$WORK/stats.json") requests in $((SECONDS - start)) s, daemon peak RSS $hwm)"
+}
+
 uring=$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null || echo N)
+mixed "mixed 4k-1M randrw QD128 x 4, legacy" --transport legacy
+if [ "$uring" = Y ]; then
+    mixed "mixed 4k-1M randrw QD128 x 4, io_uring" --transport uring
+fi
+
+for t in legacy uring; do
+    [ "$t" = uring ] && [ "$uring" != Y ] && continue
+    start=$SECONDS
+    FSX_OPS=${STRESS_FSX_OPS:-50000} FUSEX_E2E_TRANSPORT=$t cargo test -q -p fusex-e2e --test fsx
+    echo "stress: fsx, ${STRESS_FSX_OPS:-50000} operations per image (raw x2, qcow2), $t: ok in $((SECONDS - start)) s"
+done
+
 for q in 1 2 4; do
     storm "legacy multishot, $q queues" --transport legacy --queues "$q"
     storm "legacy poll, $q queues" --transport legacy --legacy-read poll --queues "$q"
