@@ -11,12 +11,14 @@ use engine::{Engine, Slice};
 
 mod any;
 mod gate;
+pub mod lock;
 mod null;
 pub mod qcow2;
 mod raw;
 mod ringfile;
 
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
+pub use lock::{LockError, Locking};
 pub use null::{parse_size, NullBackend};
 pub use qcow2::{Qcow2Backend, Qcow2Options};
 pub use raw::{IoPath, RawBackend};

@@ -142,6 +142,12 @@ pub struct MountArgs {
     /// Writes past the end grow the image (needs --writable).
     #[arg(long)]
     pub growable: bool,
+    /// Export even while another process writes the image, as `qemu-img -U` does (read-only
+    /// exports only). Without it fusex takes QEMU's image locks: it refuses an image another
+    /// process writes (or, with --writable, uses at all in a way that excludes writers), and
+    /// QEMU's tools refuse to write or resize an image fusex exports. See docs/design.md.
+    #[arg(long, short = 'U')]
+    pub force_share: bool,
     /// Let other users access the export (needs user_allow_other in /etc/fuse.conf for non-root).
     #[arg(long)]
     pub allow_other: bool,

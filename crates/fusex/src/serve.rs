@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use backend::{AnyBackend, BlockBackend, IoPath, OpenOptions};
+use backend::{AnyBackend, BlockBackend, IoPath, Locking, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Export, ExportConfig, Snapshot};
 use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
@@ -77,6 +77,12 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");
     }
+    if args.force_share && args.writable {
+        bail!(
+            "--force-share is for read-only exports (a writer must own the image): drop \
+             --force-share, or drop --writable"
+        );
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
@@ -94,6 +100,12 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             format: args.format.into(),
             no_backing: args.no_backing,
             writable: args.writable,
+            growable: args.growable,
+            locking: if args.force_share {
+                Locking::ForceShare
+            } else {
+                Locking::Exclusive
+            },
             direct: args.direct,
             io_path,
         },
