@@ -7,6 +7,7 @@
 //!   qemu-io holds open for writing, with one line naming the conflict and `--force-share`;
 //! - `--force-share` (read-only only) exports an image a writer holds and sees its writes;
 //! - the locks go away with the export (foreground or daemonized): QEMU can write afterwards.
+//! - `--no-locking` takes none (several writable exports of one image, as the benchmarks run).
 //!
 //! The refusals are checked against the image's bytes too: a refused writer changed nothing.
 
@@ -469,4 +470,35 @@ fn a_backing_file_qemu_writes_is_refused_with_its_name() {
     let q = QemuHolder::start(&w, "qcow2", &top, &top, 101);
     expect_locked_out(&w, &["--writable"], &top, &top, "write");
     q.quit();
+}
+
+#[test]
+fn no_locking_exports_share_an_image_writable() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("lock-off");
+    let img = w.join("disk.img");
+    let data = random_image(&img, MIB, 18);
+    // What the benchmarks do: several writable exports of one image, as qsd with locking=off.
+    let a = Mount::start(&w, &img, &w.join("a"), &["--writable", "--no-locking"]);
+    let b = Mount::start(&w, &img, &w.join("b"), &["--writable", "--no-locking"]);
+    assert!(held_bytes(&img).is_empty(), "--no-locking took locks");
+    assert_bytes_eq(&read_all(b.path()), &data, 0, "second unlocked export");
+    a.stop().assert_clean("first unlocked export");
+    b.stop().assert_clean("second unlocked export");
+    let mp = w.join("bad");
+    let r = run_fusex(
+        &w,
+        &[
+            OsString::from("mount"),
+            "--no-locking".into(),
+            "--force-share".into(),
+            img.clone().into(),
+            mp.clone().into(),
+        ],
+        Some(&mp),
+    );
+    r.assert_one_error_line("--no-locking --force-share");
+    assert!(!mp.exists() && fuse_mounts_at(&mp).is_empty());
 }

@@ -100,6 +100,9 @@ pub enum Locking {
     /// `--force-share` (qemu-img `-U`): claim consistent read but share everything, so the
     /// image may be written under a read-only export. Only for read-only exports.
     ForceShare,
+    /// `--no-locking` (QEMU's `locking=off`): no locks at all, for measurements that export one
+    /// image several times at once. Nothing keeps other writers off the image.
+    Off,
 }
 
 impl Claim {
@@ -107,50 +110,47 @@ impl Claim {
     const SHARE_READS: Perms = Perms::CONSISTENT_READ.union(Perms::WRITE_UNCHANGED);
 
     /// The image file a raw export serves: write while writable, resize while growable.
-    pub fn raw(locking: Locking, writable: bool, growable: bool) -> Claim {
-        match locking {
-            Locking::ForceShare => Claim::force_share(),
-            Locking::Exclusive => Claim {
-                perm: Perms::CONSISTENT_READ
-                    .union(Perms::when(writable, Perms::WRITE))
-                    .union(Perms::when(writable && growable, Perms::RESIZE)),
-                shared: Claim::SHARE_READS,
-            },
-        }
+    /// `None` with [`Locking::Off`] (likewise below).
+    pub fn raw(locking: Locking, writable: bool, growable: bool) -> Option<Claim> {
+        Claim::with(locking, || Claim {
+            perm: Perms::CONSISTENT_READ
+                .union(Perms::when(writable, Perms::WRITE))
+                .union(Perms::when(writable && growable, Perms::RESIZE)),
+            shared: Claim::SHARE_READS,
+        })
     }
 
     /// The file of a qcow2 image: as QEMU's qcow2 driver claims its file, write and resize while
     /// writable (allocating clusters grows the file), never sharing write or resize (its
     /// metadata must not change underneath, even for a read-only user).
-    pub fn qcow2(locking: Locking, writable: bool) -> Claim {
-        match locking {
-            Locking::ForceShare => Claim::force_share(),
-            Locking::Exclusive => Claim {
-                perm: Perms::CONSISTENT_READ
-                    .union(Perms::when(writable, Perms::WRITE.union(Perms::RESIZE))),
-                shared: Claim::SHARE_READS,
-            },
-        }
+    pub fn qcow2(locking: Locking, writable: bool) -> Option<Claim> {
+        Claim::with(locking, || Claim {
+            perm: Perms::CONSISTENT_READ
+                .union(Perms::when(writable, Perms::WRITE.union(Perms::RESIZE))),
+            shared: Claim::SHARE_READS,
+        })
     }
 
     /// A backing (or external data) file a qcow2 image names: read only, and, as QEMU derives
     /// for the backing of an image whose users do not share write, nobody else may write or
     /// resize it (that would change the guest view of every image above it).
-    pub fn backing(locking: Locking) -> Claim {
-        match locking {
-            Locking::ForceShare => Claim::force_share(),
-            Locking::Exclusive => Claim {
-                perm: Perms::CONSISTENT_READ,
-                shared: Claim::SHARE_READS,
-            },
-        }
+    pub fn backing(locking: Locking) -> Option<Claim> {
+        Claim::with(locking, || Claim {
+            perm: Perms::CONSISTENT_READ,
+            shared: Claim::SHARE_READS,
+        })
     }
 
-    /// What qemu-img `-U` leaves on a file: consistent read, everything shared.
-    fn force_share() -> Claim {
-        Claim {
-            perm: Perms::CONSISTENT_READ,
-            shared: Perms::ALL,
+    /// `exclusive()` for [`Locking::Exclusive`]; for `ForceShare` what qemu-img `-U` leaves on a
+    /// file (consistent read, everything shared); nothing for `Off`.
+    fn with(locking: Locking, exclusive: impl FnOnce() -> Claim) -> Option<Claim> {
+        match locking {
+            Locking::Exclusive => Some(exclusive()),
+            Locking::ForceShare => Some(Claim {
+                perm: Perms::CONSISTENT_READ,
+                shared: Perms::ALL,
+            }),
+            Locking::Off => None,
         }
     }
 }
@@ -185,8 +185,11 @@ pub enum LockError {
 
 /// Takes `claim`'s locks on `file`'s open file description, then checks that no other user
 /// conflicts with them; on a conflict the locks taken are dropped again. The locks last while
-/// the description is open. `subject` names the file in errors.
-pub fn lock_file(file: &File, claim: Claim, subject: &str) -> Result<(), LockError> {
+/// the description is open. `subject` names the file in errors; no claim, no locks.
+pub fn lock_file(file: &File, claim: Option<Claim>, subject: &str) -> Result<(), LockError> {
+    let Some(claim) = claim else {
+        return Ok(());
+    };
     let hint = if claim.shared == Perms::ALL {
         "stop it"
     } else {
@@ -383,7 +386,7 @@ mod tests {
             perm: Perms::RESIZE,
             shared: Perms::ALL,
         };
-        assert_eq!(in_use(lock_file(&c, grow, "C")), "resize");
+        assert_eq!(in_use(lock_file(&c, Some(grow), "C")), "resize");
     }
 
     #[test]
@@ -394,7 +397,7 @@ mod tests {
             perm: Perms::CONSISTENT_READ.union(Perms::WRITE),
             shared: Perms::ALL,
         };
-        lock_file(&a, qemu_io, "qemu-io").unwrap();
+        lock_file(&a, Some(qemu_io), "qemu-io").unwrap();
         let e = lock_file(&b, Claim::raw(Locking::Exclusive, false, false), "image B").unwrap_err();
         assert_eq!(
             e.to_string(),

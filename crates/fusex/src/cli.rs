@@ -148,6 +148,10 @@ pub struct MountArgs {
     /// QEMU's tools refuse to write or resize an image fusex exports. See docs/design.md.
     #[arg(long, short = 'U')]
     pub force_share: bool,
+    /// Take no image locks at all (QEMU's locking=off): nothing then keeps other writers off
+    /// the image. For measurements that export one image several times at once.
+    #[arg(long)]
+    pub no_locking: bool,
     /// Let other users access the export (needs user_allow_other in /etc/fuse.conf for non-root).
     #[arg(long)]
     pub allow_other: bool,

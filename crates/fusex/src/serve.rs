@@ -83,6 +83,9 @@ fn setup(args: &MountArgs) -> Result<Setup> {
              --force-share, or drop --writable"
         );
     }
+    if args.force_share && args.no_locking {
+        bail!("--force-share and --no-locking exclude each other: give one of them");
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
@@ -101,7 +104,9 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             no_backing: args.no_backing,
             writable: args.writable,
             growable: args.growable,
-            locking: if args.force_share {
+            locking: if args.no_locking {
+                Locking::Off
+            } else if args.force_share {
                 Locking::ForceShare
             } else {
                 Locking::Exclusive
