@@ -144,8 +144,9 @@ pub struct MountArgs {
     pub growable: bool,
     /// Export even while another process writes the image, as `qemu-img -U` does (read-only
     /// exports only). Without it fusex takes QEMU's image locks: it refuses an image another
-    /// process writes (or, with --writable, uses at all in a way that excludes writers), and
-    /// QEMU's tools refuse to write or resize an image fusex exports. See docs/design.md.
+    /// process writes (a writable export also one that a reader keeps writers off, such as
+    /// another fusex export), and QEMU's tools refuse to write or resize an image fusex exports.
+    /// See docs/design.md.
     #[arg(long, short = 'U')]
     pub force_share: bool,
     /// Take no image locks at all (QEMU's locking=off): nothing then keeps other writers off
