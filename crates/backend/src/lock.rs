@@ -238,7 +238,7 @@ fn apply(file: &File, claim: Claim) -> Result<(), Failure> {
             Ok(()) => {}
             // Someone write-locked a QEMU byte: not a QEMU user, but a conflict all the same.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) => {
-                return Err(Failure::Conflict(describe(byte).to_string()))
+                return Err(Failure::Conflict(describe(byte)))
             }
             Err(e) => return Err(Failure::Os(byte, e)),
         }
