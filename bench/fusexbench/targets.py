@@ -428,13 +428,28 @@ def _wait_path(path: str, proc: subprocess.Popen, log: str, timeout: float = MOU
     raise TargetError(f"{path} did not appear after {timeout:.0f} s")
 
 
+NO_LOCKING_FLAG = "--no-locking"  # several fusex targets export one image side by side
+
+
 def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
-    """``fusex mount --writable [--direct] ARGS IMAGE MNT``."""
+    """``fusex mount --writable [--direct] [--no-locking] ARGS IMAGE MNT``.
+
+    Targets share the image writable (qsd and qemu-nbd run with ``locking=off``
+    for the same reason), so fusex skips its image locks where it has them.
+    """
     binary = spec.options.get("binary") or tools.fusex
     assert binary
     cmd = [binary, "mount", "--writable"]
     if image.direct:
         cmd.append("--direct")
+    if binary == tools.fusex:
+        help_text = tools.fusex_help
+    else:
+        if binary not in _help_cache:
+            _help_cache[binary] = fusex_help(binary)
+        help_text = _help_cache[binary]
+    if NO_LOCKING_FLAG in re.findall(r"(--[a-z][a-z0-9-]*)", help_text):
+        cmd.append(NO_LOCKING_FLAG)
     cmd += list(spec.args)
     cmd += [f"null:{format_size(image.size)}" if image.kind == "null" else str(image.path), mnt]
     return cmd

@@ -34,6 +34,10 @@ class CommandTest(unittest.TestCase):
         self.assertEqual(fusex_command(TOOLS, self.cat["fusex"], BUF, "/m"),
                          ["/bin/fusex", "mount", "--writable", BUF.path, "/m"])
         self.assertEqual(fusex_command(TOOLS, self.cat["fusex"], NULL, "/m")[-2:], ["null:1G", "/m"])
+        # A fusex with image locks gets --no-locking: the targets share the image.
+        locking = Tools(fusex="/bin/fusex", fusex_help=TOOLS.fusex_help + "\n  --no-locking")
+        self.assertEqual(fusex_command(locking, self.cat["fusex"], BUF, "/m"),
+                         ["/bin/fusex", "mount", "--writable", "--no-locking", BUF.path, "/m"])
 
     def test_qsd(self):
         cmd = qsd_command(TOOLS, self.cat["qsd"], SHM, "/m")

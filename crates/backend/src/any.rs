@@ -9,6 +9,7 @@ use engine::{Engine, Slice};
 
 use std::os::unix::fs::FileTypeExt;
 
+use crate::lock::Claim;
 use crate::qcow2::{Qcow2Backend, Qcow2Options};
 use crate::{
     parse_size, Attrs, BlockBackend, Capabilities, IoPath, NullBackend, RawBackend, Result, Seek,
@@ -50,6 +51,9 @@ pub enum OpenError {
     /// `null:SIZE` with a --format other than auto or null, or null with a path.
     #[error("{0}")]
     FormatMismatch(String),
+    /// Another process uses the image (or a file it names) in a way the export cannot share.
+    #[error(transparent)]
+    Lock(#[from] crate::LockError),
     /// Anything else the OS reported.
     #[error("cannot open image {path}: {error}")]
     Io {
@@ -98,6 +102,11 @@ pub struct OpenOptions {
     pub no_backing: bool,
     /// Open for writing.
     pub writable: bool,
+    /// Writes past the end will grow the image (a raw export then claims QEMU's resize
+    /// permission too).
+    pub growable: bool,
+    /// How the image files are locked against QEMU and other fusex instances.
+    pub locking: crate::Locking,
     /// O_DIRECT on the image.
     pub direct: bool,
     /// Force a data path instead of probing.
@@ -182,14 +191,20 @@ fn open_as(
                 writable: opts.writable,
                 direct: opts.direct,
                 no_backing: opts.no_backing,
+                locking: opts.locking,
             },
         )?)),
-        _ => Ok(AnyBackend::Raw(RawBackend::open(
-            path,
-            opts.writable,
-            opts.direct,
-            opts.io_path,
-        )?)),
+        _ => {
+            let raw = RawBackend::open(path, opts.writable, opts.direct, opts.io_path)?;
+            // The O_DIRECT backend's buffered twin stays unlocked: one description per file
+            // carries the locks (see `lock`).
+            crate::lock::lock_file(
+                raw.file(),
+                Claim::raw(opts.locking, opts.writable, opts.growable),
+                &format!("image {}", path.display()),
+            )?;
+            Ok(AnyBackend::Raw(raw))
+        }
     }
 }
 

@@ -12,6 +12,7 @@ use engine::{Engine, Slice};
 mod any;
 mod fault;
 mod gate;
+pub mod lock;
 mod null;
 pub mod qcow2;
 mod raw;
@@ -19,6 +20,7 @@ mod ringfile;
 
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
+pub use lock::{LockError, Locking};
 pub use null::{parse_size, NullBackend};
 pub use qcow2::{Qcow2Backend, Qcow2Options};
 pub use raw::{IoPath, RawBackend};

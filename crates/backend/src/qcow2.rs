@@ -26,6 +26,7 @@ use imago::format::gate::ImplicitOpenGate;
 use imago::qcow2::Qcow2;
 use imago::{FormatAccess, Mapping, StorageOpenOptions};
 
+use crate::lock::{lock_file, Claim, LockError, Locking};
 use crate::ringfile::RingFile;
 use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
 
@@ -183,6 +184,8 @@ pub struct Qcow2Options {
     /// Refuse to open files the image names (backing files, external data files): for
     /// untrusted images, whose header could point anywhere.
     pub no_backing: bool,
+    /// How the image and the files it names are locked (see [`crate::lock`]).
+    pub locking: Locking,
 }
 
 /// A qcow2 image (with its backing chain).
@@ -210,6 +213,10 @@ struct Gate {
     /// Canonical paths of every file opened for this chain so far.
     opened: Rc<RefCell<Vec<PathBuf>>>,
     image: PathBuf,
+    locking: Locking,
+    /// A lock conflict on a named file, kept typed: imago turns the error `open_storage`
+    /// returns into its own.
+    lock_error: Rc<RefCell<Option<LockError>>>,
 }
 
 impl Gate {
@@ -270,7 +277,19 @@ impl ImplicitOpenGate<RingFile> for Gate {
             .ok_or_else(|| io::Error::other("an implicit file without a name"))?
             .to_path_buf();
         self.admit(&path)?;
-        RingFile::open_path(&path, false, self.direct || opts.get_direct())
+        let file = RingFile::open_path(&path, false, self.direct || opts.get_direct())?;
+        let subject = format!(
+            "backing file {} of image {}",
+            path.display(),
+            self.image.display()
+        );
+        // Held until imago drops the file, i.e. for the export's lifetime.
+        if let Err(e) = lock_file(file.file(), Claim::backing(self.locking), &subject) {
+            let msg = e.to_string();
+            *self.lock_error.borrow_mut() = Some(e);
+            return Err(io::Error::new(io::ErrorKind::ResourceBusy, msg));
+        }
+        Ok(file)
     }
 }
 
@@ -300,6 +319,12 @@ impl Qcow2Backend {
                 _ => OpenError::from_io(&shown, e),
             }
         })?;
+        // The top file's own description carries its locks, held while imago keeps it open.
+        lock_file(
+            top.file(),
+            Claim::qcow2(opts.locking, opts.writable),
+            &format!("image {shown}"),
+        )?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
         precheck_header(&meta).map_err(|e| format_error(&shown, e))?;
         let size_limit = guest_size_limit(&meta);
@@ -309,7 +334,10 @@ impl Qcow2Backend {
             direct: opts.direct,
             opened: Rc::new(RefCell::new(vec![canon])),
             image: path.to_path_buf(),
+            locking: opts.locking,
+            lock_error: Rc::default(),
         };
+        let lock_error = gate.lock_error.clone();
         let eng = Engine::new(&EngineConfig {
             sq_entries: 16,
             ..EngineConfig::default()
@@ -325,6 +353,9 @@ impl Qcow2Backend {
                 .await?;
             Ok::<_, io::Error>(FormatAccess::new(q))
         });
+        if let Some(e) = lock_error.borrow_mut().take() {
+            return Err(e.into());
+        }
         let access = match opened {
             Ok(r) => r.map_err(|e| format_error(&shown, e))?,
             Err(e) => {

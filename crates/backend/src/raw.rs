@@ -117,6 +117,11 @@ impl RawBackend {
         (self.read_path, self.write_path)
     }
 
+    /// The descriptor that carries the image's locks (the O_DIRECT one when there are two).
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
     /// The image's descriptor (for passthrough registration later).
     pub fn fd(&self) -> RawFd {
         self.file.as_raw_fd()

@@ -61,6 +61,11 @@ impl RingFile {
         })
     }
 
+    /// The open file (its description carries the file's locks).
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
     fn fd(&self) -> Fd {
         Fd::Raw(self.file.as_raw_fd())
     }

@@ -150,6 +150,17 @@ pub struct MountArgs {
     /// suffix, powers of 1024). Default: the largest file the image's filesystem holds.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub max_size: Option<u64>,
+    /// Export even while another process writes the image, as `qemu-img -U` does (read-only
+    /// exports only). Without it fusex takes QEMU's image locks: it refuses an image another
+    /// process writes (a writable export also one that a reader keeps writers off, such as
+    /// another fusex export), and QEMU's tools refuse to write or resize an image fusex exports.
+    /// See docs/design.md.
+    #[arg(long, short = 'U')]
+    pub force_share: bool,
+    /// Take no image locks at all (QEMU's locking=off): nothing then keeps other writers off
+    /// the image. For measurements that export one image several times at once.
+    #[arg(long)]
+    pub no_locking: bool,
     /// Let other users access the export (needs user_allow_other in /etc/fuse.conf for non-root).
     #[arg(long)]
     pub allow_other: bool,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use backend::{AnyBackend, BlockBackend, Faulty, IoPath, OpenOptions};
+use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Counters, Export, ExportConfig, Snapshot};
 use fuse_abi::{
@@ -87,6 +87,15 @@ fn setup(args: &MountArgs) -> Result<Setup> {
     if args.max_size.is_some() && !args.growable {
         bail!("--max-size needs --growable: add --growable or drop --max-size");
     }
+    if args.force_share && args.writable {
+        bail!(
+            "--force-share is for read-only exports (a writer must own the image): drop \
+             --force-share, or drop --writable"
+        );
+    }
+    if args.force_share && args.no_locking {
+        bail!("--force-share and --no-locking exclude each other: give one of them");
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
@@ -104,6 +113,14 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             format: args.format.into(),
             no_backing: args.no_backing,
             writable: args.writable,
+            growable: args.growable,
+            locking: if args.no_locking {
+                Locking::Off
+            } else if args.force_share {
+                Locking::ForceShare
+            } else {
+                Locking::Exclusive
+            },
             direct: args.direct,
             io_path,
         },
