@@ -34,18 +34,44 @@ trap cleanup EXIT INT TERM
 [ -x "$FUSEX" ] || { echo "stress: $FUSEX missing (run: make release)" >&2; exit 1; }
 command -v fio >/dev/null || { echo "stress: fio missing (run: make deps)" >&2; exit 1; }
 
-storm() { # label, fusex mount options...
-    local label=$1
+start_export() { # image MiB, fusex mount options...: a fresh random image, exported writable
+    local mib=$1
     shift
-    local img="$WORK/disk.img"
-    head -c $((256 << 20)) /dev/urandom >"$img"
-    "$FUSEX" mount --writable --stats-file "$WORK/stats.json" "$@" "$img" "$MNT" 2>"$WORK/daemon.log" &
+    head -c $((mib << 20)) /dev/urandom >"$WORK/disk.img"
+    "$FUSEX" mount --writable --stats-file "$WORK/stats.json" "$@" "$WORK/disk.img" "$MNT" 2>"$WORK/daemon.log" &
     DAEMON=$!
     for _ in $(seq 200); do
         grep -q "mounted " "$WORK/daemon.log" && break
         kill -0 "$DAEMON" 2>/dev/null || { cat "$WORK/daemon.log" >&2; exit 1; }
         sleep 0.05
     done
+}
+
+stop_export() { # label: SIGTERM; the export and the image must have hashed the same, no mount left
+    local a b
+    a=$(sha256sum <"$MNT")
+    kill -TERM "$DAEMON"
+    wait "$DAEMON"
+    DAEMON=""
+    b=$(sha256sum <"$WORK/disk.img")
+    if [ "$a" != "$b" ]; then
+        echo "stress: $1: export and image differ afterwards" >&2
+        exit 1
+    fi
+    if grep -q " $MNT " /proc/self/mountinfo; then
+        echo "stress: $1: still mounted after SIGTERM" >&2
+        exit 1
+    fi
+}
+
+requests() { # from the last run's stats file
+    python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["requests"])' "$WORK/stats.json"
+}
+
+storm() { # label, fusex mount options...
+    local label=$1
+    shift
+    start_export 256 "$@"
     # Each pass: 4 jobs, each writing its own 64 MiB quarter in random order with mixed block
     # sizes at QD32, then reading it all back against crc32c; then one job writing a 16 MiB
     # stretch sequentially with random unaligned sizes (100..70000 bytes) through the page cache,
@@ -61,21 +87,8 @@ storm() { # label, fusex mount options...
             --verify=crc32c --verify_fatal=1 --verify_state_save=0 --output-format=terse >>"$WORK/fio.out"
         passes=$((passes + 1))
     done
-    local a b
-    a=$(sha256sum <"$MNT")
-    kill -TERM "$DAEMON"
-    wait "$DAEMON"
-    DAEMON=""
-    b=$(sha256sum <"$img")
-    if [ "$a" != "$b" ]; then
-        echo "stress: $label: export and image differ after the storm" >&2
-        exit 1
-    fi
-    if grep -q " $MNT " /proc/self/mountinfo; then
-        echo "stress: $label: still mounted after SIGTERM" >&2
-        exit 1
-    fi
-    echo "stress: $label: ok ($passes passes, $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["requests"])' "$WORK/stats.json") requests)"
+    stop_export "$label"
+    echo "stress: $label: ok ($passes passes, $(requests) requests)"
 }
 
 mixed() { # label, fusex mount options...
@@ -85,33 +98,17 @@ mixed() { # label, fusex mount options...
     # same. Reports requests, the run's length and the daemon's peak RSS (VmHWM).
     local label=$1
     shift
-    local img="$WORK/disk.img"
-    head -c $((512 << 20)) /dev/urandom >"$img"
-    "$FUSEX" mount --writable --stats-file "$WORK/stats.json" "$@" "$img" "$MNT" 2>"$WORK/daemon.log" &
-    DAEMON=$!
-    for _ in $(seq 200); do
-        grep -q "mounted " "$WORK/daemon.log" && break
-        kill -0 "$DAEMON" 2>/dev/null || { cat "$WORK/daemon.log" >&2; exit 1; }
-        sleep 0.05
-    done
+    start_export 512 "$@"
     local start=$SECONDS
     fio --name=mixed --filename="$MNT" --thread --numjobs=4 --offset_increment=128M --size=128M \
         --ioengine=io_uring --iodepth=128 --direct=1 --rw=randrw --rwmixread=50 \
-        --bsrange=4k-1m --bs_unaligned=0 --blockalign=4k --time_based --runtime="$SECONDS_EACH" \
+        --bsrange=4k-1m --blockalign=4k --time_based --runtime="$SECONDS_EACH" \
         --verify=crc32c --verify_backlog=64 --verify_fatal=1 --verify_state_save=0 \
         --output-format=terse >>"$WORK/fio.out"
-    local hwm a b
+    local hwm
     hwm=$(awk '/^VmHWM/ {print $2 " " $3}' "/proc/$DAEMON/status")
-    a=$(sha256sum <"$MNT")
-    kill -TERM "$DAEMON"
-    wait "$DAEMON"
-    DAEMON=""
-    b=$(sha256sum <"$img")
-    if [ "$a" != "$b" ]; then
-        echo "stress: $label: export and image differ after the mixed run" >&2
-        exit 1
-    fi
-    echo "stress: $label: ok ($(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["requests"])' "$WORK/stats.json") requests in $((SECONDS - start)) s, daemon peak RSS $hwm)"
+    stop_export "$label"
+    echo "stress: $label: ok ($(requests) requests in $((SECONDS - start)) s, daemon peak RSS $hwm)"
 }
 
 uring=$(cat /sys/module/fuse/parameters/enable_uring 2>/dev/null || echo N)

@@ -1694,6 +1694,29 @@ pub fn verified_fio_run(tag: &str, seed: u64, args: &[&str]) -> Stopped {
     st
 }
 
+/// A qcow2 image's guest bytes as QEMU sees them, after `qemu-img check` found it clean:
+/// `qemu-img convert -O raw` into `work`, read back.
+#[track_caller]
+pub fn qcow2_guest_bytes(work: &WorkDir, img: &Path) -> Vec<u8> {
+    let check = run(Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(img));
+    assert!(
+        check.status.success(),
+        "qemu-img check {}: {}",
+        img.display(),
+        String::from_utf8_lossy(&check.stdout)
+    );
+    let out = work.join(unique("guest.raw"));
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "qcow2", "-O", "raw"])
+            .arg(img)
+            .arg(&out),
+    );
+    read_all(&out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
