@@ -11,7 +11,9 @@ use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, IoPath, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Export, ExportConfig, Snapshot};
-use fuse_abi::{FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING};
+use fuse_abi::{
+    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
+};
 use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
@@ -21,7 +23,7 @@ use crate::queue::{self, Event, QueueSpec, Source};
 use crate::memory::{self, Demand, Plan};
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
-pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
+pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     // Catch SIGINT/SIGTERM from the start: a signal that lands while mounting must still end in
     // a clean unmount, not in the default action killing the process with the mount in place.
     let signals = signal_hook::iterator::Signals::new([
@@ -29,7 +31,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
         signal_hook::consts::SIGTERM,
     ])
     .context("installing signal handlers")?;
-    let (export, mut mnt, neg) = match setup(&args) {
+    let (export, mut mnt, neg) = match setup(&args, verbose) {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -69,11 +71,14 @@ struct Settled {
     uring: bool,
     /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
     _passthrough: Option<transport::passthrough::Backing>,
+    /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
+    /// (closing it early would make the watcher unmount a live export).
+    _watcher: Option<crate::watcher::Watcher>,
 }
 
 type Setup = (Arc<Export<AnyBackend>>, Mount, Settled);
 
-fn setup(args: &MountArgs) -> Result<Setup> {
+fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");
     }
@@ -148,8 +153,14 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             max_write,
             max_pages: (max_write / 4096) as u16,
             max_background: 1024,
+            request_timeout: args.request_timeout,
         },
     )?;
+    crate::timeout::log(
+        args.request_timeout,
+        neg.request_timeout,
+        neg.offered & FUSE_REQUEST_TIMEOUT != 0,
+    );
     let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
     let uring = neg.has(FUSE_OVER_IO_URING);
     if uring && neg.kernel_has_uring_zero_copy() {
@@ -195,6 +206,31 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         (plan.buffers * buffer_size) >> 20,
         plan.budget >> 20
     );
+    // Started before the "mounted" line, the signal that the export is live: from then on a
+    // daemon death is always watched for.
+    let watcher = if args.auto_unmount {
+        let id = transport::fuse_mount_identity(mnt.mountpoint())
+            .with_context(|| {
+                format!(
+                    "--auto-unmount: identifying the mount at {}",
+                    mnt.mountpoint().display()
+                )
+            })?
+            .with_context(|| {
+                format!(
+                    "--auto-unmount: {} is not a FUSE mount root after mounting",
+                    mnt.mountpoint().display()
+                )
+            })?;
+        Some(crate::watcher::spawn(
+            mnt.mountpoint(),
+            &id,
+            verbose,
+            args.daemonize,
+        )?)
+    } else {
+        None
+    };
     tracing::info!(
         "mounted {} at {}, format {}",
         args.image,
@@ -216,6 +252,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             },
             uring,
             _passthrough: backing,
+            _watcher: watcher,
         },
     ))
 }

@@ -81,7 +81,14 @@ impl Mount {
         let shown = cfg.mountpoint.display().to_string();
         let mountpoint = canonical(&cfg.mountpoint)?;
         if fuse_mount_at(&mountpoint).is_some() {
-            return Err(TransportError::AlreadyMounted(shown));
+            // A stat asks the daemon: a dead connection answers ENOTCONN at once (a wedged one
+            // answers when the kernel's request timeout aborts it).
+            return Err(match std::fs::metadata(&mountpoint) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+                    TransportError::DeadMount(shown)
+                }
+                _ => TransportError::AlreadyMounted(shown),
+            });
         }
         let created = match std::fs::symlink_metadata(&mountpoint) {
             Ok(m) if m.is_dir() => return Err(TransportError::MountpointIsDir(shown)),
