@@ -38,7 +38,11 @@ fn kill_and_expect_unmount(m: Mount, what: &str) {
     assert!(st.exited && !st.left_mounted, "{what}: {st:?}");
     // What is left is the empty file fusex created as the mountpoint (only a clean exit removes it).
     let left = fs::metadata(&mp).map(|md| md.len());
-    assert_eq!(left.ok(), Some(0), "{what}: the unmounted path shows the placeholder file");
+    assert_eq!(
+        left.ok(),
+        Some(0),
+        "{what}: the unmounted path shows the placeholder file"
+    );
 }
 
 /// Contract: `--auto-unmount` removes the mount within seconds of the daemon's death, even by
@@ -90,7 +94,10 @@ fn auto_unmount_after_a_clean_stop() {
     let watcher = watcher_of(m.pid());
     m.stop().assert_clean("SIGTERM with --auto-unmount");
     let done = wait_until(Instant::now() + TIMEOUT, || !pid_alive(watcher));
-    assert!(done, "the watcher did not exit after the daemon's clean exit");
+    assert!(
+        done,
+        "the watcher did not exit after the daemon's clean exit"
+    );
     assert!(!mp.exists(), "mountpoint created by fusex must be removed");
 }
 
@@ -128,11 +135,7 @@ fn without_auto_unmount_a_dead_mount_stays_until_fusex_umount() {
 
     let r = run_fusex(
         &w,
-        &[
-            "mount".as_ref(),
-            img.as_os_str(),
-            mp.as_os_str(),
-        ],
+        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
         Some(&mp),
     );
     r.assert_one_error_line("fusex mount on a dead mount");
@@ -146,7 +149,12 @@ fn without_auto_unmount_a_dead_mount_stays_until_fusex_umount() {
     assert_eq!(fuse_mounts_at(&mp).len(), 1, "nothing new was mounted");
 
     let u = run_fusex(&w, &["umount".as_ref(), mp.as_os_str()], None);
-    assert_eq!(u.code, Some(0), "fusex umount of a dead mount: {}", u.stderr);
+    assert_eq!(
+        u.code,
+        Some(0),
+        "fusex umount of a dead mount: {}",
+        u.stderr
+    );
     assert!(!is_fuse_mounted(&mp), "fusex umount cleared the dead mount");
     let st = m.wait_exit();
     assert!(!st.left_mounted);
@@ -155,7 +163,9 @@ fn without_auto_unmount_a_dead_mount_stays_until_fusex_umount() {
     // And the path is usable again.
     let again = Mount::start(&w, &img, &mp, &[]);
     assert_bytes_eq(&read_all(&mp), &model, 0, "read after remounting");
-    again.stop().assert_clean("remount after clearing a dead mount");
+    again
+        .stop()
+        .assert_clean("remount after clearing a dead mount");
 }
 
 /// Regression: a watcher that only gets to run after its daemon died, the dead mount was cleared
@@ -180,9 +190,17 @@ fn the_watcher_leaves_a_newer_mount_at_the_same_path_alone() {
     let pid_a = a.pid();
     a.signal(libc::SIGKILL);
     assert!(wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid_a)));
-    assert!(is_fuse_mounted(&mp), "the stopped watcher cannot have unmounted");
+    assert!(
+        is_fuse_mounted(&mp),
+        "the stopped watcher cannot have unmounted"
+    );
     let u = run_fusex(&w, &["umount".as_ref(), mp.as_os_str()], None);
-    assert_eq!(u.code, Some(0), "fusex umount of the dead mount: {}", u.stderr);
+    assert_eq!(
+        u.code,
+        Some(0),
+        "fusex umount of the dead mount: {}",
+        u.stderr
+    );
     let st = a.wait_exit();
     assert!(!st.left_mounted);
 
@@ -200,7 +218,10 @@ fn the_watcher_leaves_a_newer_mount_at_the_same_path_alone() {
     drop(held);
     let done = wait_until(Instant::now() + TIMEOUT, || !pid_alive(watcher));
     assert!(done, "the resumed watcher did not exit");
-    assert!(b.is_mounted(), "the old daemon's watcher unmounted the new mount");
+    assert!(
+        b.is_mounted(),
+        "the old daemon's watcher unmounted the new mount"
+    );
     assert_bytes_eq(&read_all(&mp), &model_b, 0, "the new export still serves");
     b.stop().assert_clean("the newer daemon");
 }

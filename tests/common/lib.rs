@@ -1726,11 +1726,20 @@ pub struct Resume {
 }
 
 impl Resume {
-    /// SIGSTOPs `pid` and waits until it is stopped (state `T`).
+    /// SIGSTOPs `pid` and waits until every one of its threads is stopped (state `T`): the
+    /// group leader shows `T` before the other threads have all taken the stop.
     pub fn stop(pid: i32) -> Resume {
         send_signal(pid, libc::SIGSTOP);
         let stopped = wait_until(Instant::now() + TIMEOUT, || {
-            matches!(proc_state(pid), Some('T') | None)
+            let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+                return true;
+            };
+            tasks.flatten().all(|t| {
+                fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+                    st.rsplit_once(") ")
+                        .is_some_and(|(_, rest)| rest.starts_with('T'))
+                })
+            })
         });
         assert!(stopped, "pid {pid} did not stop after SIGSTOP");
         Resume { pid }
@@ -1785,7 +1794,12 @@ impl Reader {
         let ok = wait_until(Instant::now() + TIMEOUT, || {
             wchan(pid) == "request_wait_answer" || proc_state(pid).is_none_or(|s| s == 'Z')
         });
-        assert!(ok, "reader {pid} neither blocked in FUSE nor ended: state {:?}, wchan {:?}", proc_state(pid), wchan(pid));
+        assert!(
+            ok,
+            "reader {pid} neither blocked in FUSE nor ended: state {:?}, wchan {:?}",
+            proc_state(pid),
+            wchan(pid)
+        );
     }
 
     /// What the reader printed.
