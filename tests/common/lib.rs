@@ -1792,7 +1792,7 @@ impl Reader {
     pub fn wait_blocked_in_fuse(&mut self) {
         let pid = self.pid();
         let ok = wait_until(Instant::now() + TIMEOUT, || {
-            wchan(pid) == "request_wait_answer" || proc_state(pid).is_none_or(|s| s == 'Z')
+            wchan(pid) == "request_wait_answer" || matches!(proc_state(pid), None | Some('Z'))
         });
         assert!(
             ok,
