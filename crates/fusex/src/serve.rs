@@ -42,6 +42,9 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
         if let Err(e) = std::fs::write(p, format!("{}\n", std::process::id())) {
             let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
             ready.report(Err(format!("{e:#}")));
+            // Unmount before the --auto-unmount watcher (in `neg`) is released.
+            drop(mnt);
+            drop(neg);
             return Err(e);
         }
     }
@@ -49,6 +52,8 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     // Normally done at the end of run_queues; again here for the early-return paths.
     let unmounted = mnt.unmount();
     drop(mnt);
+    // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
+    drop(neg);
     if let Some(p) = &args.pid_file {
         let _ = std::fs::remove_file(p);
     }
