@@ -1717,6 +1717,128 @@ pub fn qcow2_guest_bytes(work: &WorkDir, img: &Path) -> Vec<u8> {
     read_all(&out)
 }
 
+// ---------------------------------------------------------------------------------------
+// Stopped and dead daemons
+// ---------------------------------------------------------------------------------------
+
+/// The state letter of a process (`R`, `S`, `D`, `T`, `Z`, ...), None once it is gone.
+pub fn proc_state(pid: i32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.chars().next()
+}
+
+/// The kernel function a sleeping process waits in (`/proc/PID/wchan`), empty if unknown.
+pub fn wchan(pid: i32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default()
+}
+
+/// Pids of the live children of `ppid` whose name (comm) is `comm`.
+pub fn children_named(ppid: i32, comm: &str) -> Vec<i32> {
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|p| p.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| {
+            ppid_of(pid) == Some(ppid)
+                && pid_alive(pid)
+                && fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|c| c.trim_end() == comm)
+        })
+        .collect()
+}
+
+/// Stops a process (SIGSTOP) and resumes it (SIGCONT) when dropped, so a test that fails while
+/// a daemon is stopped never leaves it, or the applications waiting on it, stuck:
+/// `let resume = Resume::stop(pid);`.
+pub struct Resume {
+    pid: i32,
+}
+
+impl Resume {
+    /// SIGSTOPs `pid` and waits until every one of its threads is stopped (state `T`): the
+    /// group leader shows `T` before the other threads have all taken the stop.
+    pub fn stop(pid: i32) -> Resume {
+        send_signal(pid, libc::SIGSTOP);
+        let stopped = wait_until(Instant::now() + TIMEOUT, || {
+            let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+                return true;
+            };
+            tasks.flatten().all(|t| {
+                fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+                    st.rsplit_once(") ")
+                        .is_some_and(|(_, rest)| rest.starts_with('T'))
+                })
+            })
+        });
+        assert!(stopped, "pid {pid} did not stop after SIGSTOP");
+        Resume { pid }
+    }
+
+    /// SIGCONT now (again on drop, harmlessly).
+    pub fn resume(&self) {
+        send_signal(self.pid, libc::SIGCONT);
+    }
+}
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        send_signal(self.pid, libc::SIGCONT);
+    }
+}
+
+/// A process that opens `path` and reads its first 4 KiB (`dd`), with its stderr in `work`:
+/// the application a test watches when the daemon stops answering. Killed on drop.
+pub struct Reader {
+    pub child: ChildGuard,
+    stderr: PathBuf,
+}
+
+impl Reader {
+    pub fn spawn(work: &WorkDir, path: &Path) -> Reader {
+        let stderr = work.join(unique("reader.stderr"));
+        let mut input = OsString::from("if=");
+        input.push(path);
+        let child = Command::new("dd")
+            .arg(input)
+            .args(["of=/dev/null", "bs=4096", "count=1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&stderr).expect("create reader stderr"))
+            .spawn()
+            .expect("spawn dd");
+        Reader {
+            child: ChildGuard(child),
+            stderr,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.pid()
+    }
+
+    /// Waits until the reader sleeps in a FUSE request (`request_wait_answer`), or ended.
+    #[track_caller]
+    pub fn wait_blocked_in_fuse(&mut self) {
+        let pid = self.pid();
+        let ok = wait_until(Instant::now() + TIMEOUT, || {
+            wchan(pid) == "request_wait_answer" || matches!(proc_state(pid), None | Some('Z'))
+        });
+        assert!(
+            ok,
+            "reader {pid} neither blocked in FUSE nor ended: state {:?}, wchan {:?}",
+            proc_state(pid),
+            wchan(pid)
+        );
+    }
+
+    /// What the reader printed.
+    pub fn stderr(&self) -> String {
+        read_lossy(&self.stderr)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -90,7 +90,8 @@ pub const FUSE_HAS_RESEND: u64 = 1 << 39;
 pub const FUSE_ALLOW_IDMAP: u64 = 1 << 40;
 /// Requests are delivered through io_uring (see [`crate::uring`]).
 pub const FUSE_OVER_IO_URING: u64 = 1 << 41;
-/// `InitOut::request_timeout` is valid.
+/// `InitOut::request_timeout` is valid (Linux 6.14, protocol 7.43): the kernel aborts the whole
+/// connection when a request goes unanswered that long. Offered by every kernel that knows it.
 pub const FUSE_REQUEST_TIMEOUT: u64 = 1 << 42;
 
 /// Splits a 64-bit INIT flag set into the `(flags, flags2)` wire fields.

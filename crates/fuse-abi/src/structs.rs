@@ -221,7 +221,11 @@ pub struct InitOut {
     pub flags2: u32,
     /// Backing-file stack depth for passthrough (1 or 2).
     pub max_stack_depth: u32,
-    /// Request timeout, seconds (with `FUSE_REQUEST_TIMEOUT`).
+    /// Request timeout, seconds (with `FUSE_REQUEST_TIMEOUT`); 0 asks for none. The kernel
+    /// caps it at the `fs.fuse.max_request_timeout` sysctl when that is set, uses
+    /// `fs.fuse.default_request_timeout` when it is 0, raises anything below 15 s to 15 s and
+    /// checks every 15 s, so a stuck request is noticed between `timeout` and `timeout + 15` s
+    /// after it was queued. On expiry the connection is aborted, as by a forced unmount.
     pub request_timeout: u16,
     /// Reserved; must be zero.
     pub unused: [u16; 11],

@@ -20,7 +20,8 @@ pub struct Cli {
 pub enum Command {
     /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C or SIGTERM unmounts).
     Mount(MountArgs),
-    /// Unmount a fusex export (the daemon then exits). Refuses other FUSE mounts unless --force.
+    /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died. Refuses
+    /// other FUSE mounts unless --force.
     Umount {
         /// The mounted file.
         mountpoint: PathBuf,
@@ -28,6 +29,22 @@ pub enum Command {
         /// (a fusex export is a mount of type fuse.fusex in /proc/self/mountinfo).
         #[arg(long)]
         force: bool,
+    },
+    /// The `--auto-unmount` watcher (started by `fusex mount`, not by hand): waits for EOF on
+    /// stdin, which the daemon holds open, then unmounts MOUNTPOINT if the mount there is still
+    /// the one with the given unique mount id.
+    #[command(name = "auto-unmount-watcher", hide = true)]
+    AutoUnmountWatcher {
+        /// The daemon's canonical mountpoint.
+        mountpoint: PathBuf,
+        /// The daemon's mount, as `statx` `stx_mnt_id` (unique since Linux 6.8).
+        mount_id: u64,
+        /// Whether `mount_id` is the never-reused 64-bit id (`STATX_MNT_ID_UNIQUE`).
+        #[arg(long)]
+        unique: bool,
+        /// The FUSE connection's device number (`st_dev`), checked too.
+        #[arg(long)]
+        dev: u64,
     },
 }
 
@@ -124,6 +141,12 @@ impl From<FormatArg> for backend::Format {
         }
     }
 }
+
+/// `--request-timeout` default, seconds: ten minutes. Long enough that a slow but alive backend
+/// (an fsync of an image with gigabytes dirty in the host page cache, a remote backend riding out
+/// a network outage) never trips it, since a trip aborts the whole connection; short enough that
+/// applications blocked on a wedged daemon get an error in minutes instead of never.
+pub const DEFAULT_REQUEST_TIMEOUT: u16 = 600;
 
 /// `fusex mount`.
 #[derive(clap::Args, Debug)]
@@ -223,6 +246,17 @@ pub struct MountArgs {
     /// faster, see docs/design.md).
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     pub fixed_files: OnOff,
+    /// Seconds a request may go unanswered before the kernel aborts the connection, so that no
+    /// application hangs forever on a wedged daemon (Linux 6.14+; 0: none). The kernel raises
+    /// values below 15 to 15, checks every 15 s, and caps the value at fs.fuse.max_request_timeout
+    /// if set. The default leaves a slow but alive backend (a flush of a big image) room; see
+    /// docs/design.md.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_REQUEST_TIMEOUT)]
+    pub request_timeout: u16,
+    /// Unmount the export when the daemon dies, even by SIGKILL: a small watcher process (holding
+    /// nothing of the connection) removes the mount if it is still this daemon's.
+    #[arg(long)]
+    pub auto_unmount: bool,
     /// Fork into the background; return only once the mount is live.
     #[arg(long)]
     pub daemonize: bool,

@@ -7,6 +7,8 @@ mod memory;
 mod passthrough;
 mod queue;
 mod serve;
+mod timeout;
+mod watcher;
 
 use clap::Parser;
 
@@ -41,11 +43,27 @@ fn main() {
                 Ok(daemon::Readiness::foreground())
             };
             init_logging(cli.verbose);
-            ready.and_then(|r| serve::mount(args, r))
+            ready.and_then(|r| serve::mount(args, r, cli.verbose))
         }
         Command::Umount { mountpoint, force } => {
             init_logging(cli.verbose);
             serve::umount(mountpoint, force)
+        }
+        Command::AutoUnmountWatcher {
+            mountpoint,
+            mount_id,
+            unique,
+            dev,
+        } => {
+            init_logging(cli.verbose);
+            watcher::run(
+                &mountpoint,
+                transport::MountIdentity::from_parts(
+                    mount_id,
+                    unique,
+                    (libc::major(dev), libc::minor(dev)),
+                ),
+            )
         }
     };
     if let Err(e) = result {

@@ -12,7 +12,8 @@ use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
 use engine::{Engine, EngineConfig};
 use export::{Counters, Export, ExportConfig, Snapshot};
 use fuse_abi::{
-    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_OVER_IO_URING,
+    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
+    FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
 };
 use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
 
@@ -27,7 +28,7 @@ use crate::memory::{self, Demand, Plan};
 pub type Served = Faulty<AnyBackend>;
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
-pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
+pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     // Catch SIGINT/SIGTERM from the start: a signal that lands while mounting must still end in
     // a clean unmount, not in the default action killing the process with the mount in place.
     let signals = signal_hook::iterator::Signals::new([
@@ -36,7 +37,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
         signal_hook::consts::SIGUSR1,
     ])
     .context("installing signal handlers")?;
-    let (export, mut mnt, neg) = match setup(&args) {
+    let (export, mut mnt, neg) = match setup(&args, verbose) {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -47,6 +48,9 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
         if let Err(e) = write_pid_file(p) {
             let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
             ready.report(Err(format!("{e:#}")));
+            // Unmount before the --auto-unmount watcher (in `neg`) is released.
+            drop(mnt);
+            drop(neg);
             return Err(e);
         }
     }
@@ -54,6 +58,8 @@ pub fn mount(args: MountArgs, mut ready: Readiness) -> Result<()> {
     // Normally done at the end of run_queues; again here for the early-return paths.
     let unmounted = mnt.unmount();
     drop(mnt);
+    // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
+    drop(neg);
     if let Some(p) = &args.pid_file {
         remove_pid_file(p);
     }
@@ -76,11 +82,14 @@ struct Settled {
     uring: bool,
     /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
     _passthrough: Option<transport::passthrough::Backing>,
+    /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
+    /// (closing it early would make the watcher unmount a live export).
+    _watcher: Option<crate::watcher::Watcher>,
 }
 
 type Setup = (Arc<Export<Served>>, Mount, Settled);
 
-fn setup(args: &MountArgs) -> Result<Setup> {
+fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");
     }
@@ -182,8 +191,14 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             max_write,
             max_pages: (max_write / 4096) as u16,
             max_background: 1024,
+            request_timeout: args.request_timeout,
         },
     )?;
+    crate::timeout::log(
+        args.request_timeout,
+        neg.request_timeout,
+        neg.offered & FUSE_REQUEST_TIMEOUT != 0,
+    );
     let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
     let uring = neg.has(FUSE_OVER_IO_URING);
     if uring && neg.kernel_has_uring_zero_copy() {
@@ -229,6 +244,31 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         (plan.buffers * buffer_size) >> 20,
         plan.budget >> 20
     );
+    // Started before the "mounted" line, the signal that the export is live: from then on a
+    // daemon death is always watched for.
+    let watcher = if args.auto_unmount {
+        let id = transport::fuse_mount_identity(mnt.mountpoint())
+            .with_context(|| {
+                format!(
+                    "--auto-unmount: identifying the mount at {}",
+                    mnt.mountpoint().display()
+                )
+            })?
+            .with_context(|| {
+                format!(
+                    "--auto-unmount: {} is not a FUSE mount root after mounting",
+                    mnt.mountpoint().display()
+                )
+            })?;
+        Some(crate::watcher::spawn(
+            mnt.mountpoint(),
+            &id,
+            verbose,
+            args.daemonize,
+        )?)
+    } else {
+        None
+    };
     tracing::info!(
         "mounted {} at {}, format {}",
         args.image,
@@ -251,6 +291,7 @@ fn setup(args: &MountArgs) -> Result<Setup> {
             },
             uring,
             _passthrough: backing,
+            _watcher: watcher,
         },
     ))
 }

@@ -4,7 +4,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 use fuse_abi::{
     encode, encode_error, parse, InitOut, Operation, FUSE_INIT_EXT, FUSE_MAX_PAGES,
-    FUSE_PASSTHROUGH, KERNEL_MINOR_VERSION, KERNEL_VERSION,
+    FUSE_PASSTHROUGH, FUSE_REQUEST_TIMEOUT, KERNEL_MINOR_VERSION, KERNEL_VERSION,
 };
 
 use crate::TransportError;
@@ -20,6 +20,10 @@ pub struct InitParams {
     pub max_pages: u16,
     /// Background (async) requests the kernel may have outstanding; bounds async-DIO depth.
     pub max_background: u16,
+    /// Seconds a request may go unanswered before the kernel aborts the connection
+    /// (`FUSE_REQUEST_TIMEOUT`, Linux 6.14); 0 asks for none. Frees applications from a wedged
+    /// daemon.
+    pub request_timeout: u16,
 }
 
 /// What was agreed.
@@ -38,6 +42,9 @@ pub struct Negotiated {
     pub max_write: u32,
     /// The kernel's readahead limit.
     pub max_readahead: u32,
+    /// The request timeout sent to the kernel, when one was asked for and the kernel offered
+    /// `FUSE_REQUEST_TIMEOUT` (the kernel still applies its sysctls and 15 s floor to it).
+    pub request_timeout: Option<u16>,
 }
 
 /// First protocol minor with the kernel's FUSE-over-io_uring zero copy (buffer pools,
@@ -119,7 +126,11 @@ fn negotiate(
     if passthrough_depth.is_some() {
         want |= FUSE_PASSTHROUGH;
     }
+    if p.request_timeout > 0 {
+        want |= FUSE_REQUEST_TIMEOUT;
+    }
     let flags = offered & want;
+    let request_timeout = (flags & FUSE_REQUEST_TIMEOUT != 0).then_some(p.request_timeout);
     let mut reply = InitOut {
         major: KERNEL_VERSION,
         minor: KERNEL_MINOR_VERSION.min(init.minor),
@@ -131,6 +142,7 @@ fn negotiate(
         max_pages: p.max_pages,
         // Ignored by the kernel unless FUSE_PASSTHROUGH is granted.
         max_stack_depth: passthrough_depth.unwrap_or(0),
+        request_timeout: request_timeout.unwrap_or(0),
         ..InitOut::default()
     };
     reply.set_all_flags(flags);
@@ -149,6 +161,7 @@ fn negotiate(
         flags,
         max_write: p.max_write,
         max_readahead: init.max_readahead,
+        request_timeout,
     })
 }
 

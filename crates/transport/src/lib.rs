@@ -3,6 +3,7 @@
 //! It mounts (and reliably unmounts), negotiates INIT, and moves request and reply bytes through
 //! the queue's ring. It knows nothing of images: the export decides what a request means.
 
+mod identity;
 mod init;
 mod legacy;
 mod mount;
@@ -11,6 +12,7 @@ mod notify;
 pub mod passthrough;
 mod uring;
 
+pub use identity::{fuse_mount_identity, unmount_if_same};
 pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, Mount, MountConfig};
@@ -50,6 +52,11 @@ pub enum TransportError {
     /// Something is already mounted there.
     #[error("mountpoint {0} is already a FUSE mount: unmount it first (fusex umount {0})")]
     AlreadyMounted(String),
+    /// A FUSE mount whose daemon is gone is still there (`ENOTCONN` on the mountpoint).
+    #[error(
+        "mountpoint {0} is a dead FUSE mount (Transport endpoint is not connected: its daemon is gone): clear it with fusex umount {0} (or umount -l {0}), then mount again"
+    )]
+    DeadMount(String),
     /// Not allowed to mount.
     #[error("not permitted to mount on {0}: run fusex as root (CAP_SYS_ADMIN)")]
     NotPermitted(String),

@@ -89,7 +89,15 @@ impl Mount {
         let shown = cfg.mountpoint.display().to_string();
         let mountpoint = canonical(&cfg.mountpoint)?;
         if fuse_mount_at(&mountpoint).is_some() {
-            return Err(TransportError::AlreadyMounted(shown));
+            // A stat asks the daemon: a dead connection answers ENOTCONN at once (ECONNABORTED
+            // when the stat was queued just before the connection ended; a wedged daemon's stat
+            // returns when the kernel's request timeout aborts the connection).
+            return Err(match std::fs::metadata(&mountpoint) {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTCONN | libc::ECONNABORTED)) => {
+                    TransportError::DeadMount(shown)
+                }
+                _ => TransportError::AlreadyMounted(shown),
+            });
         }
         let mut m = Mount {
             fd: Some(fd),

@@ -132,6 +132,21 @@ impl MountIdentity {
     pub fn is_unique(&self) -> bool {
         self.unique
     }
+
+    /// The mount id (`stx_mnt_id`): the unique one when [`MountIdentity::is_unique`].
+    pub fn mount_id(&self) -> u64 {
+        self.mnt_id
+    }
+
+    /// An identity handed over from another process (the `--auto-unmount` watcher gets it on its
+    /// command line).
+    pub fn from_parts(mount_id: u64, unique: bool, dev: (u32, u32)) -> MountIdentity {
+        MountIdentity {
+            mnt_id: mount_id,
+            unique,
+            dev,
+        }
+    }
 }
 
 /// The (device, inode) of the file at `path` as the topmost mount shows it, without asking a FUSE

@@ -1,0 +1,141 @@
+//! Which FUSE mount is at a path, for the `--auto-unmount` watcher: it records the mount's
+//! [`MountIdentity`] at mount time and unmounts only that mount, never one some later daemon
+//! made at the same path.
+//!
+//! A path alone says nothing about *which* mount it is, and neither does `st_dev`: the kernel hands
+//! out anonymous device numbers (and the mountinfo mount ids) lowest-free first, so a new FUSE mount
+//! made right after an old one was cleared usually gets the old one's `st_dev`. The 64-bit mount
+//! id `statx` reports with `STATX_MNT_ID_UNIQUE` (Linux 6.8) is never reused; older kernels only
+//! have the reusable `STATX_MNT_ID`, which is then checked together with `st_dev`.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use crate::mountinfo::MountIdentity;
+
+/// `statx` of an open fd for `mask`, answered from the cache (no request to a FUSE daemon).
+fn statx_fd(fd: &OwnedFd, mask: u32) -> io::Result<libc::statx> {
+    // SAFETY: an all-zero statx is a valid value of this plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx on a live fd with an empty path writes into stx, which outlives the call.
+    let r = unsafe {
+        libc::statx(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            mask,
+            &mut stx,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stx)
+}
+
+/// Whether the mountinfo line with mount id `id` (the reusable one, first field) is FUSE.
+fn mountinfo_is_fuse(text: &str, id: u64) -> bool {
+    text.lines().any(|line| {
+        let first = line.split(' ').next().and_then(|f| f.parse::<u64>().ok());
+        let fstype = line
+            .split_once(" - ")
+            .and_then(|(_, post)| post.split(' ').next());
+        first == Some(id) && fstype.is_some_and(|t| t == "fuse" || t.starts_with("fuse."))
+    })
+}
+
+/// The top mount at `path`, opened `O_PATH`, with its identity; `None` for the identity when
+/// `path` is not the root of a FUSE mount.
+///
+/// Never sends a request to the FUSE daemon (which may be this very process, not serving yet, or
+/// wedged): `O_PATH` does not open the file, `statx` asks only for mount ids, which FUSE answers
+/// from its cache, and whether the mount is FUSE comes from mountinfo, not from `statfs`.
+fn open_mount(path: &Path) -> io::Result<(OwnedFd, Option<MountIdentity>)> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: c is a valid NUL-terminated path; the returned fd is owned below.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by open and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let old = statx_fd(&fd, libc::STATX_MNT_ID)?;
+    let root = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    let is_root = old.stx_attributes_mask & root != 0 && old.stx_attributes & root != 0;
+    if !is_root || old.stx_mask & libc::STATX_MNT_ID == 0 {
+        return Ok((fd, None));
+    }
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    if !mountinfo_is_fuse(&info, old.stx_mnt_id) {
+        return Ok((fd, None));
+    }
+    let new = statx_fd(&fd, libc::STATX_MNT_ID_UNIQUE)?;
+    let unique = new.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0;
+    Ok((
+        fd,
+        Some(MountIdentity::from_parts(
+            if unique {
+                new.stx_mnt_id
+            } else {
+                old.stx_mnt_id
+            },
+            unique,
+            (old.stx_dev_major, old.stx_dev_minor),
+        )),
+    ))
+}
+
+/// The identity of the FUSE mount at `path` (canonical), or `None` if `path` is not the root of
+/// a FUSE mount. Does not talk to the daemon.
+pub fn fuse_mount_identity(path: &Path) -> io::Result<Option<MountIdentity>> {
+    open_mount(path).map(|(_, id)| id)
+}
+
+/// Unmounts (lazily) the mount at `path` if it is still the FUSE mount `expected`; says whether it
+/// did. The check and the unmount act on the same opened mount (the unmount goes through the
+/// `/proc/self/fd` link of the fd that was checked), so a mount stacked or swapped in at `path`
+/// meanwhile is never the one removed.
+pub fn unmount_if_same(path: &Path, expected: &MountIdentity) -> io::Result<bool> {
+    let (fd, id) = match open_mount(path) {
+        Ok(v) => v,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if id.as_ref() != Some(expected) {
+        return Ok(false);
+    }
+    let link = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: link is a valid NUL-terminated path. No UMOUNT_NOFOLLOW: the magic link must be
+    // followed to reach the very mount `fd` holds. MNT_DETACH because `fd` itself (and any
+    // application's open file) keeps the mount busy.
+    if unsafe { libc::umount2(link.as_ptr(), libc::MNT_DETACH) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_fuse_by_id() {
+        let t = "36 35 98:0 / /mnt1 rw master:1 - ext3 /dev/root rw\n\
+                 40 22 0:45 / /tmp/x rw,nosuid - fuse.fusex /img rw,user_id=0\n\
+                 41 22 0:46 / /tmp/y rw - fusectl fusectl rw\n";
+        assert!(mountinfo_is_fuse(t, 40));
+        assert!(!mountinfo_is_fuse(t, 36));
+        assert!(!mountinfo_is_fuse(t, 41));
+        assert!(!mountinfo_is_fuse(t, 4));
+    }
+}

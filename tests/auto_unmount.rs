@@ -1,0 +1,227 @@
+//! A daemon that dies (SIGKILL): with `--auto-unmount` its watcher removes the mount; without,
+//! the dead mount stays, a new `fusex mount` on it says how to clear it, and `fusex umount` does.
+//! The watcher identifies the mount by its unique mount id, so it never removes a mount a newer
+//! daemon made at the same path.
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::time::Instant;
+
+use fusex_e2e::*;
+
+/// The watcher process of daemon `pid` (named `fusex-watch`), once it is running.
+#[track_caller]
+fn watcher_of(pid: i32) -> i32 {
+    let mut found = Vec::new();
+    let ok = wait_until(Instant::now() + TIMEOUT, || {
+        found = children_named(pid, "fusex-watch");
+        !found.is_empty()
+    });
+    assert!(ok, "no fusex-watch child of daemon {pid}");
+    assert_eq!(found.len(), 1, "one watcher per daemon: {found:?}");
+    found[0]
+}
+
+#[track_caller]
+fn kill_and_expect_unmount(m: Mount, what: &str) {
+    let mp = m.path().to_path_buf();
+    let watcher = watcher_of(m.pid());
+    m.signal(libc::SIGKILL);
+    let gone = wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(&mp));
+    assert!(
+        gone,
+        "{what}: the dead daemon's mount is still there after {TIMEOUT:?}"
+    );
+    let watcher_done = wait_until(Instant::now() + TIMEOUT, || !pid_alive(watcher));
+    assert!(watcher_done, "{what}: the watcher did not exit");
+    let st = m.wait_exit();
+    assert!(st.exited && !st.left_mounted, "{what}: {st:?}");
+    // What is left is the empty file fusex created as the mountpoint (only a clean exit removes it).
+    let left = fs::metadata(&mp).map(|md| md.len());
+    assert_eq!(
+        left.ok(),
+        Some(0),
+        "{what}: the unmounted path shows the placeholder file"
+    );
+}
+
+/// Contract: `--auto-unmount` removes the mount within seconds of the daemon's death, even by
+/// SIGKILL (foreground).
+#[test]
+fn auto_unmount_removes_the_mount_of_a_killed_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-kill");
+    let img = w.join("disk.img");
+    let model = random_image(&img, MIB, 41);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--auto-unmount", "--writable"]);
+    assert_bytes_eq(&read_all(&mp), &model, 0, "read before the kill");
+    kill_and_expect_unmount(m, "foreground");
+}
+
+/// The same with `--daemonize`: the watcher is the daemon's child and outlives it.
+#[test]
+fn auto_unmount_removes_the_mount_of_a_killed_daemonized_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-kill-daemon");
+    let img = w.join("disk.img");
+    let model = random_image(&img, MIB, 42);
+    let mp = w.join("export");
+    let (m, mounted) =
+        Mount::start_daemonized(&w, &img, &mp, &w.join("fusex.pid"), &["--auto-unmount"])
+            .unwrap_or_else(|f| panic!("--daemonize --auto-unmount failed: {}", f.stderr));
+    assert!(mounted, "mount live when the parent returned");
+    assert_bytes_eq(&read_all(&mp), &model, 0, "read before the kill");
+    kill_and_expect_unmount(m, "daemonized");
+}
+
+/// A clean stop with `--auto-unmount` is as clean as without: the daemon unmounts itself and the
+/// watcher, finding nothing of its own, just exits.
+#[test]
+fn auto_unmount_after_a_clean_stop() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-clean");
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 43);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--auto-unmount"]);
+    let watcher = watcher_of(m.pid());
+    m.stop().assert_clean("SIGTERM with --auto-unmount");
+    let done = wait_until(Instant::now() + TIMEOUT, || !pid_alive(watcher));
+    assert!(
+        done,
+        "the watcher did not exit after the daemon's clean exit"
+    );
+    assert!(!mp.exists(), "mountpoint created by fusex must be removed");
+}
+
+/// Without `--auto-unmount` a killed daemon leaves a dead mount (ENOTCONN). A new `fusex mount`
+/// on it fails with one line saying how to recover, mounts nothing, and `fusex umount` clears it.
+#[test]
+fn without_auto_unmount_a_dead_mount_stays_until_fusex_umount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-dead");
+    let img = w.join("disk.img");
+    let model = random_image(&img, MIB, 44);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &[]);
+    let pid = m.pid();
+    m.signal(libc::SIGKILL);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)),
+        "daemon {pid} survived SIGKILL"
+    );
+    assert_eq!(fuse_mounts_at(&mp).len(), 1, "the dead mount stays");
+    // The connection ends once the kernel has released the daemon's io_uring (asynchronously,
+    // after the process is gone): a stat queued just before that fails with ECONNABORTED, every
+    // one after it with ENOTCONN.
+    let dead = wait_until(Instant::now() + TIMEOUT, || {
+        let e = fs::metadata(&mp).expect_err("stat of a dead daemon's mount");
+        assert!(
+            matches!(errno(&e), libc::ENOTCONN | libc::ECONNABORTED),
+            "stat of a dead daemon's mount: {e}"
+        );
+        errno(&e) == libc::ENOTCONN
+    });
+    assert!(dead, "stat of the dead mount never said ENOTCONN");
+
+    let r = run_fusex(
+        &w,
+        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
+        Some(&mp),
+    );
+    r.assert_one_error_line("fusex mount on a dead mount");
+    assert!(
+        r.stderr.contains("dead FUSE mount")
+            && r.stderr.contains("Transport endpoint is not connected")
+            && r.stderr.contains(&format!("fusex umount {}", mp.display())),
+        "the error should say the mount is dead and how to clear it: {}",
+        r.stderr
+    );
+    assert_eq!(fuse_mounts_at(&mp).len(), 1, "nothing new was mounted");
+
+    let u = run_fusex(&w, &["umount".as_ref(), mp.as_os_str()], None);
+    assert_eq!(
+        u.code,
+        Some(0),
+        "fusex umount of a dead mount: {}",
+        u.stderr
+    );
+    assert!(!is_fuse_mounted(&mp), "fusex umount cleared the dead mount");
+    let st = m.wait_exit();
+    assert!(!st.left_mounted);
+    assert_eq!(st.signal, Some(libc::SIGKILL));
+
+    // And the path is usable again.
+    let again = Mount::start(&w, &img, &mp, &[]);
+    assert_bytes_eq(&read_all(&mp), &model, 0, "read after remounting");
+    again
+        .stop()
+        .assert_clean("remount after clearing a dead mount");
+}
+
+/// Regression: a watcher that only gets to run after its daemon died, the dead mount was cleared
+/// and a new daemon mounted the same path must leave the new mount alone (the kernel usually gives
+/// the new mount the old one's st_dev, so only the unique mount id tells them apart).
+#[test]
+fn the_watcher_leaves_a_newer_mount_at_the_same_path_alone() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-newer");
+    let img_a = w.join("a.img");
+    let img_b = w.join("b.img");
+    random_image(&img_a, MIB, 45);
+    let model_b = random_image(&img_b, MIB, 46);
+    let mp = w.join("export");
+    fs::write(&mp, b"").unwrap();
+    let a = Mount::start(&w, &img_a, &mp, &["--auto-unmount"]);
+    let dev_a = fs::metadata(&mp).unwrap().dev();
+    let watcher = watcher_of(a.pid());
+    let held = Resume::stop(watcher);
+    let pid_a = a.pid();
+    a.signal(libc::SIGKILL);
+    assert!(wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid_a)));
+    assert!(
+        is_fuse_mounted(&mp),
+        "the stopped watcher cannot have unmounted"
+    );
+    let u = run_fusex(&w, &["umount".as_ref(), mp.as_os_str()], None);
+    assert_eq!(
+        u.code,
+        Some(0),
+        "fusex umount of the dead mount: {}",
+        u.stderr
+    );
+    let st = a.wait_exit();
+    assert!(!st.left_mounted);
+
+    let b = Mount::start(&w, &img_b, &mp, &[]);
+    let dev_b = fs::metadata(&mp).unwrap().dev();
+    eprintln!(
+        "st_dev of the old mount {dev_a:#x}, of the new one {dev_b:#x}{}",
+        if dev_a == dev_b {
+            " (reused: st_dev alone would not tell them apart)"
+        } else {
+            ""
+        }
+    );
+    held.resume();
+    drop(held);
+    let done = wait_until(Instant::now() + TIMEOUT, || !pid_alive(watcher));
+    assert!(done, "the resumed watcher did not exit");
+    assert!(
+        b.is_mounted(),
+        "the old daemon's watcher unmounted the new mount"
+    );
+    assert_bytes_eq(&read_all(&mp), &model_b, 0, "the new export still serves");
+    b.stop().assert_clean("the newer daemon");
+}
