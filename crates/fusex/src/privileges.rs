@@ -215,7 +215,7 @@ impl Plan {
                 return Plan { keep: None };
             }
         };
-        if cur.permitted == 0 && cur.effective == 0 {
+        if cur.permitted == 0 {
             tracing::debug!("privileges: fusex holds no capabilities; nothing to drop");
             return Plan { keep: None };
         }
@@ -426,6 +426,21 @@ mod tests {
             "another thread's drop reached this one"
         );
         assert_eq!(plan.kept().unwrap(), "CAP_SYS_ADMIN");
+    }
+
+    /// A thread without capabilities (as a process not run by root) decides to drop nothing.
+    #[test]
+    fn without_capabilities_nothing_is_dropped() {
+        let plan = std::thread::spawn(|| {
+            capset(Sets::default()).unwrap();
+            Plan::decide(&Needs {
+                paths: vec![(PathBuf::from("/"), Access::Search)],
+                foreign_image_owner: Some(65534),
+            })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(plan, Plan::none());
     }
 
     #[test]
