@@ -114,8 +114,9 @@ fn setup(args: &MountArgs) -> Result<Setup> {
         io_path,
     };
     // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
-    // thread, whose io-wq workers (forked with that thread's full capabilities) live as long as
-    // the thread. This one ends here, so no worker created before the privilege drop outlives it.
+    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
+    // capabilities, which live as long as the thread. This one ends here, so no such worker
+    // outlives the privilege drop.
     let backend = std::thread::scope(|s| {
         std::thread::Builder::new()
             .name("fusex-open".into())
