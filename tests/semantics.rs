@@ -94,6 +94,183 @@ fn read_only_export_rejects_writes() {
     );
 }
 
+/// Every way of changing a file fails on a read-only export, with the errno the kernel gives for
+/// a file that cannot be opened for writing, before anything reaches fusex: opening for writing,
+/// `truncate` and `utimensat` by path are EROFS (read-only mount); on a read-only descriptor
+/// `write`/`pwrite` and `fallocate` (mode 0, punch hole, zero range) are EBADF, `ftruncate` is
+/// EINVAL, a writable shared mapping EACCES and `copy_file_range` into it EBADF. After each, the
+/// image file's bytes are the same.
+fn read_only_refusals(w: &WorkDir, img: &Path, args: &[&str], what: &str) {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let before = read_all(img);
+    let mtime = std::fs::metadata(img).unwrap().mtime();
+    let m = Mount::start(w, img, &w.join("export"), args);
+    let mp = m.path().to_path_buf();
+    let size = stat(&mp).unwrap().0;
+    let unchanged = |op: &str| {
+        assert_bytes_eq(
+            &read_all(img),
+            &before,
+            0,
+            &format!("{what}: image after {op}"),
+        );
+    };
+    let last = || std::io::Error::last_os_error();
+    let expect = |r: std::io::Result<()>, want: i32, op: &str| {
+        match r {
+            Ok(()) => panic!("{what}: {op} succeeded on a read-only export"),
+            Err(e) => assert_eq!(
+                errno(&e),
+                want,
+                "{what}: {op}: expected {}, got {e}",
+                errno_str(want)
+            ),
+        }
+        unchanged(op);
+    };
+    let ok_or = |r: libc::c_int| if r == 0 { Ok(()) } else { Err(last()) };
+
+    for (flags, op) in [
+        (libc::O_RDWR, "open(O_RDWR)"),
+        (libc::O_WRONLY | libc::O_TRUNC, "open(O_WRONLY|O_TRUNC)"),
+        (libc::O_WRONLY | libc::O_APPEND, "open(O_WRONLY|O_APPEND)"),
+    ] {
+        use std::os::unix::fs::OpenOptionsExt;
+        let r = OpenOptions::new()
+            .read(flags & libc::O_ACCMODE == libc::O_RDWR)
+            .write(true)
+            .custom_flags(flags & !libc::O_ACCMODE)
+            .open(&mp)
+            .map(drop);
+        expect(r, libc::EROFS, op);
+    }
+    let cpath = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid NUL-terminated path.
+    let r = ok_or(unsafe { libc::truncate(cpath.as_ptr(), 0) });
+    expect(r, libc::EROFS, "truncate(path, 0)");
+    let times = [libc::timespec {
+        tv_sec: 1_000_000_000,
+        tv_nsec: 0,
+    }; 2];
+    // SAFETY: valid NUL-terminated path and two timespecs living across the call.
+    let r = ok_or(unsafe { libc::utimensat(libc::AT_FDCWD, cpath.as_ptr(), times.as_ptr(), 0) });
+    expect(r, libc::EROFS, "utimensat(path)");
+
+    let f = m.open_ro();
+    expect(f.write_at(b"x", 0).map(drop), libc::EBADF, "pwrite");
+    expect((&f).write(b"x").map(drop), libc::EBADF, "write");
+    expect(f.set_len(0), libc::EINVAL, "ftruncate(0)");
+    expect(
+        f.set_len(size + 4096),
+        libc::EINVAL,
+        "ftruncate(size + 4096)",
+    );
+    for (mode, op) in [
+        (0, "fallocate(mode 0)"),
+        (libc::FALLOC_FL_KEEP_SIZE, "fallocate(KEEP_SIZE)"),
+        (
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            "fallocate(PUNCH_HOLE)",
+        ),
+        (libc::FALLOC_FL_ZERO_RANGE, "fallocate(ZERO_RANGE)"),
+        (
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+            "fallocate(ZERO_RANGE|KEEP_SIZE)",
+        ),
+    ] {
+        expect(fallocate(&f, mode, 4096, 64 * KIB), libc::EBADF, op);
+        expect(fallocate(&f, mode, size, 64 * KIB), libc::EBADF, op);
+    }
+    // SAFETY: mmap of a valid fd; a mapping that succeeds is unmapped right away.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    let r = if p == libc::MAP_FAILED {
+        Err(last())
+    } else {
+        // SAFETY: `p` is the 4096-byte mapping just made.
+        unsafe { libc::munmap(p, 4096) };
+        Ok(())
+    };
+    expect(r, libc::EACCES, "mmap(PROT_WRITE, MAP_SHARED)");
+    let src_path = w.join("copy-src");
+    std::fs::write(&src_path, vec![0x5a; 8192]).unwrap();
+    let src = std::fs::File::open(&src_path).unwrap();
+    let (mut off_in, mut off_out) = (0i64, 0i64);
+    // SAFETY: valid fds and offsets living across the call.
+    let n = unsafe {
+        libc::copy_file_range(
+            src.as_raw_fd(),
+            &mut off_in,
+            f.as_raw_fd(),
+            &mut off_out,
+            8192,
+            0,
+        )
+    };
+    let r = if n < 0 { Err(last()) } else { Ok(()) };
+    expect(r, libc::EBADF, "copy_file_range into the export");
+    drop(f);
+
+    let st = m.stop();
+    st.assert_clean(what);
+    for op in ["WRITE", "FALLOCATE", "SETATTR"] {
+        assert_eq!(
+            st.stat(&["ops", op]),
+            0,
+            "{what}: {op} reached fusex: {}",
+            st.stats()
+        );
+    }
+    assert_eq!(st.stat(&["backend", "writes"]), 0, "{what}: {}", st.stats());
+    unchanged("the export ended");
+    assert_eq!(
+        std::fs::metadata(img).unwrap().mtime(),
+        mtime,
+        "{what}: the image's mtime changed"
+    );
+}
+
+#[test]
+fn read_only_export_refuses_write_truncate_fallocate() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("sem-ro-refuse");
+    let img = w.join("disk.img");
+    random_image(&img, 4 * MIB, 45);
+    // Passthrough where the kernel has it (the default), and every request through fusex.
+    read_only_refusals(&w, &img, &[], "raw");
+    read_only_refusals(&w, &img, &["--passthrough", "off"], "raw, passthrough off");
+}
+
+#[test]
+fn read_only_qcow2_export_refuses_write_truncate_fallocate() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
+        return;
+    }
+    let w = WorkDir::new("sem-ro-refuse-q");
+    let raw = w.join("disk.raw");
+    random_image(&raw, 4 * MIB, 46);
+    let img = w.join("disk.qcow2");
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "qcow2"])
+            .arg(&raw)
+            .arg(&img),
+    );
+    read_only_refusals(&w, &img, &[], "qcow2");
+}
+
 #[test]
 fn fixed_size_export_stops_at_eof() {
     if !require_fuse() {

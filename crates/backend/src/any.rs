@@ -221,6 +221,17 @@ impl AnyBackend {
         }
     }
 
+    /// The uid owning the image file (a qcow2 image's top file); None for `null:` or when it
+    /// cannot be read. SETATTR sets the image's times, which only its owner may without
+    /// `CAP_FOWNER`.
+    pub fn owner(&self) -> Option<u32> {
+        match self {
+            AnyBackend::Raw(r) => r.owner().ok(),
+            AnyBackend::Qcow2(q) => q.owner().ok(),
+            AnyBackend::Null(_) => None,
+        }
+    }
+
     /// Every descriptor data I/O goes to (for registering them with a ring as fixed files).
     pub fn io_fds(&self) -> Vec<std::os::fd::RawFd> {
         match self {

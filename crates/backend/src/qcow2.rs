@@ -307,6 +307,12 @@ fn one_line(s: &str) -> String {
 }
 
 impl Qcow2Backend {
+    /// The uid owning the top image file: who may set its times without `CAP_FOWNER`.
+    pub fn owner(&self) -> io::Result<u32> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(self.meta.metadata()?.uid())
+    }
+
     /// Opens the image at `path` and its backing chain, on a short-lived engine of this thread.
     pub fn open(path: &Path, opts: Qcow2Options) -> std::result::Result<Qcow2Backend, OpenError> {
         let shown = path.display().to_string();

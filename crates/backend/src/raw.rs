@@ -127,6 +127,12 @@ impl RawBackend {
         self.file.as_raw_fd()
     }
 
+    /// The uid owning the image file (or device node): who may set its times without
+    /// `CAP_FOWNER`.
+    pub fn owner(&self) -> std::io::Result<u32> {
+        Ok(self.file.metadata()?.uid())
+    }
+
     /// Every descriptor data I/O goes to (for registering them with a ring as fixed files).
     pub fn io_fds(&self) -> Vec<RawFd> {
         std::iter::once(&self.file)

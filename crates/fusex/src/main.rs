@@ -5,6 +5,7 @@ mod cli;
 mod daemon;
 mod memory;
 mod passthrough;
+mod privileges;
 mod queue;
 mod serve;
 mod timeout;

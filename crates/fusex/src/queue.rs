@@ -55,6 +55,8 @@ pub struct QueueSpec {
     pub multishot: bool,
     /// Register the image and /dev/fuse descriptors as fixed files.
     pub fixed_files: bool,
+    /// Applied once the queue is set up, before it submits anything.
+    pub privileges: crate::privileges::Plan,
 }
 
 /// Messages from queue threads to the main thread.
@@ -235,6 +237,10 @@ fn serve(
             }
         }
     }
+    // Everything that needed privileges is done (ring, registered buffers, fixed files); nothing
+    // is submitted yet, so every io-wq worker the kernel forks from this thread from here on gets
+    // the reduced set too.
+    spec.privileges.apply().context("cannot drop privileges")?;
     let _ = events.send(Event::Started {
         id: spec.id,
         remote: eng.remote(),

@@ -21,7 +21,8 @@ use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
 use crate::daemon::Readiness;
 use crate::queue::{self, Event, QueueSpec, Source};
 
-use crate::memory::{self, Demand, Plan};
+use crate::memory::{self, Demand, Plan as MemoryPlan};
+use crate::privileges::{Access, Needs, Plan};
 
 /// The backend the queues serve: the opened image, with `--fault` rules (none: a plain
 /// pass-through).
@@ -54,7 +55,14 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     }
-    let result = run_queues(&args, &export, &mut mnt, &neg, &mut ready, signals);
+    let privileges = Plan::decide(&exit_needs(&args, &export, &mnt));
+    let result = run_queues(
+        &args, &export, &mut mnt, &neg, privileges, &mut ready, signals,
+    );
+    if let Err(e) = &result {
+        // Start-up errors in run_queues (no-op once readiness was reported).
+        ready.report(Err(format!("{e:#}")));
+    }
     // Normally done at the end of run_queues; again here for the early-return paths.
     let unmounted = mnt.unmount();
     drop(mnt);
@@ -76,7 +84,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
 struct Settled {
     max_write: u32,
     /// Request buffers per queue and their size.
-    plan: Plan,
+    plan: MemoryPlan,
     /// Queue threads (the count the plan was made for; on io_uring at most one per possible CPU).
     queues: usize,
     uring: bool,
@@ -116,24 +124,34 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
         IoPathArg::Adaptive => Some(IoPath::Adaptive),
     };
-    let backend = backend::open(
-        &args.image,
-        OpenOptions {
-            format: args.format.into(),
-            no_backing: args.no_backing,
-            writable: args.writable,
-            growable: args.growable,
-            locking: if args.no_locking {
-                Locking::Off
-            } else if args.force_share {
-                Locking::ForceShare
-            } else {
-                Locking::Exclusive
-            },
-            direct: args.direct,
-            io_path,
+    let options = OpenOptions {
+        format: args.format.into(),
+        no_backing: args.no_backing,
+        writable: args.writable,
+        growable: args.growable,
+        locking: if args.no_locking {
+            Locking::Off
+        } else if args.force_share {
+            Locking::ForceShare
+        } else {
+            Locking::Exclusive
         },
-    )?;
+        direct: args.direct,
+        io_path,
+    };
+    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
+    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
+    // capabilities, which live as long as the thread. This one ends here, so no such worker
+    // outlives the privilege drop.
+    let backend = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("fusex-open".into())
+            .spawn_scoped(s, || backend::open(&args.image, options))
+            .context("starting the thread that opens the image")?
+            .join()
+            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
+            .map_err(anyhow::Error::from)
+    })?;
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
     }
@@ -319,6 +337,40 @@ fn max_size(args: &MountArgs, backend: &AnyBackend) -> Result<u64> {
     Ok(want)
 }
 
+/// What the rest of the daemon's life needs privileges for (see [`crate::privileges`]): the
+/// paths its exit path acts on, and whether SETATTR sets times on an image another user owns.
+fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
+    let mut paths = Vec::new();
+    let mountpoint_dir = Needs::parent(mnt.mountpoint());
+    if mnt.created_mountpoint() {
+        paths.push((mountpoint_dir, Access::Modify));
+    } else {
+        paths.push((mountpoint_dir, Access::Search));
+    }
+    if let Some(p) = &args.pid_file {
+        paths.push((Needs::parent(p), Access::Modify));
+        paths.push((p.clone(), Access::Read));
+    }
+    if let Some(p) = &args.stats_file {
+        paths.push((Needs::parent(p), Access::Modify));
+        if p.exists() {
+            paths.push((p.clone(), Access::Write));
+        }
+    }
+    let foreign_image_owner = if export.config().writable {
+        export.backend().inner().owner().filter(|&uid| {
+            // SAFETY: geteuid has no preconditions.
+            uid != unsafe { libc::geteuid() }
+        })
+    } else {
+        None
+    };
+    Needs {
+        paths,
+        foreign_image_owner,
+    }
+}
+
 /// Request sources for each queue thread.
 fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> {
     let fd = mnt.take_fd().context("mount fd")?;
@@ -349,6 +401,7 @@ fn run_queues(
     export: &Arc<Export<Served>>,
     mnt: &mut Mount,
     neg: &Settled,
+    privileges: Plan,
     ready: &mut Readiness,
     mut signals: signal_hook::iterator::Signals,
 ) -> Result<serde_json::Value> {
@@ -365,9 +418,17 @@ fn run_queues(
     let sig_handle = signals.handle();
     {
         let tx = tx.clone();
+        let (dropped_tx, dropped) = mpsc::channel();
         std::thread::Builder::new()
             .name("fusex-signals".into())
             .spawn(move || {
+                // It needs no privilege at all; drops them before it handles anything.
+                let outcome = privileges.apply();
+                let failed = outcome.is_err();
+                let _ = dropped_tx.send(outcome);
+                if failed {
+                    return;
+                }
                 for s in signals.forever() {
                     let ev = if s == signal_hook::consts::SIGUSR1 {
                         Event::Dump
@@ -379,6 +440,10 @@ fn run_queues(
                     }
                 }
             })?;
+        dropped
+            .recv()
+            .context("the signal thread ended at its start")?
+            .context("cannot drop privileges")?;
     }
     // The main thread keeps its own fd of the connection to tell the kernel when the image
     // changes size behind the export.
@@ -398,6 +463,7 @@ fn run_queues(
             cpu: pin.then(|| cpus[id % cpus.len()]),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
             fixed_files: args.fixed_files == crate::cli::OnOff::On,
+            privileges,
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
         threads.push(
@@ -456,7 +522,25 @@ fn run_queues(
                 }
                 started += 1;
                 if started == nq {
-                    ready.report(Ok(()));
+                    // Every queue thread has dropped its privileges before it reported; the
+                    // signal thread did at its start. This thread is the last one.
+                    match privileges.apply() {
+                        Ok(()) => {
+                            if let Some(kept) = privileges.kept() {
+                                tracing::info!(
+                                    "privileges: every thread keeps only {kept} (the rest is \
+                                     dropped, no_new_privs is set)"
+                                );
+                            }
+                            ready.report(Ok(()));
+                        }
+                        Err(e) => {
+                            let msg = format!("cannot drop privileges: {e}");
+                            ready.report(Err(msg.clone()));
+                            failure.get_or_insert(msg);
+                            stop_all(&remotes);
+                        }
+                    }
                 }
             }
             Event::Failed { id, error } => {

@@ -223,6 +223,12 @@ impl Mount {
         &self.mountpoint
     }
 
+    /// Whether this mount created the mountpoint file (and so removes it at the end, which needs
+    /// write access to its directory).
+    pub fn created_mountpoint(&self) -> bool {
+        self.created.is_some()
+    }
+
     /// Which mount is ours (None once unmounted): what anything deciding whether the mount at the
     /// mountpoint is this export's should compare with.
     pub fn identity(&self) -> Option<MountIdentity> {

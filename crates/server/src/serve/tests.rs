@@ -643,10 +643,12 @@ fn setattr_size_follows_the_export_config() {
         assert_eq!(h.mem().state().times, Some((None, Some((77, 8)))), "{f:?}");
 
         let h = Harness::new(ro(), image(8192));
-        assert_eq!(
-            h.call(f, op::SETATTR, grow.as_bytes(), &[]).errno,
-            libc::EROFS
-        );
+        for size in [9000, 100, 0] {
+            let a = h.call(f, op::SETATTR, setattr(FATTR_SIZE, size, 0).as_bytes(), &[]);
+            assert_eq!(a.errno, libc::EROFS, "{f:?}: truncate to {size}");
+        }
+        assert_eq!(h.mem().state().size, 8192);
+        assert_eq!(h.mem().contents(), image(8192));
 
         let h = Harness::new(growable(), image(8192));
         for size in [9000, 100] {
@@ -936,9 +938,20 @@ fn fallocate_punches_zeroes_and_grows() {
         assert_eq!(h.mem().state().size, 20_100, "{f:?}");
 
         let h = Harness::new(ro(), img.clone());
-        let a = h.call(f, op::FALLOCATE, fallocate(0, 10, PUNCH).as_bytes(), &[]);
-        assert_eq!(a.errno, libc::EROFS, "{f:?}");
+        for mode in [
+            0,
+            FALLOC_FL_KEEP_SIZE,
+            PUNCH,
+            FALLOC_FL_ZERO_RANGE,
+            FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE,
+        ] {
+            for (off, len) in [(0, 10), (16_000, 1000)] {
+                let a = h.call(f, op::FALLOCATE, fallocate(off, len, mode).as_bytes(), &[]);
+                assert_eq!(a.errno, libc::EROFS, "{f:?} mode {mode:#x}");
+            }
+        }
         assert_eq!(h.mem().contents(), img);
+        assert_eq!(h.mem().state().size, 16_384);
     }
 }
 

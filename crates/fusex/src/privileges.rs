@@ -1,0 +1,492 @@
+//! Dropping privileges once the export runs.
+//!
+//! fusex starts as root because mount(2), `/dev/fuse` and `FUSE_DEV_IOC_BACKING_OPEN` need it.
+//! Once every queue has started, nothing it does for the rest of its life needs more than:
+//!
+//! - `CAP_SYS_ADMIN`, always: `umount2` at exit (the forced unmount that aborts the connection and
+//!   the lazy one after it) and `FUSE_DEV_IOC_BACKING_CLOSE` of the passthrough backing id.
+//! - `CAP_DAC_OVERRIDE`, only when the exit path touches a directory or file that root could not
+//!   touch as an ordinary owner: removing the mountpoint file fusex created, renaming and removing
+//!   the pid file, writing the stats file (and its `SIGUSR1` dumps, by rename), and looking the
+//!   mountpoint up to unmount it. [`Plan::decide`] asks the kernel (`faccessat2(AT_EACCESS)` from
+//!   a scratch thread whose effective set lacks the DAC capabilities) instead of guessing from mode
+//!   bits, so ACLs and the like count.
+//! - `CAP_FOWNER`, only on a writable export of an image another user owns: SETATTR with times
+//!   (`touch` on the export) sets them on the image with `futimens`, which only the owner may.
+//!
+//! Everything else goes: nothing opens a file after start-up (the image and a qcow2 image's
+//! backing chain are opened before mounting; the final flush and passthrough use the open
+//! descriptors), io_uring rings and their registered buffers are set up before the drop (the
+//! `RLIMIT_MEMLOCK` exemption of `CAP_IPC_LOCK` is decided when a ring is created), and requests
+//! only read and write descriptors that are already open. Passthrough I/O runs with the
+//! credentials the kernel recorded at `FUSE_DEV_IOC_BACKING_OPEN`, before the drop.
+//!
+//! Capabilities are per thread on Linux: `capset(2)` changes the calling thread only, and so do
+//! `PR_CAPBSET_DROP` and `PR_SET_NO_NEW_PRIVS`; a thread inherits its creator's at creation.
+//! So [`Plan::apply`] runs in every long-lived thread: each queue thread once it is set up (before
+//! it submits anything, so the io_uring workers the kernel forks from it later inherit the
+//! reduced set), the signal thread when it starts, and the main thread once every queue has
+//! started. Threads that exist only during start-up (the one that opens the image) end before the
+//! drop, taking their io_uring workers with them.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// A capability number: its bit in the kernel's 64-bit capability sets.
+type Cap = u32;
+
+const CAP_DAC_OVERRIDE: Cap = 1;
+const CAP_DAC_READ_SEARCH: Cap = 2;
+const CAP_FOWNER: Cap = 3;
+const CAP_SETPCAP: Cap = 8;
+const CAP_SYS_ADMIN: Cap = 21;
+
+/// The capabilities fusex may keep, by name, for the log line.
+const NAMES: [(Cap, &str); 3] = [
+    (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"),
+    (CAP_DAC_OVERRIDE, "CAP_DAC_OVERRIDE"),
+    (CAP_FOWNER, "CAP_FOWNER"),
+];
+
+const fn bit(cap: Cap) -> u64 {
+    1 << cap
+}
+
+/// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
+const CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// `struct __user_cap_header_struct`.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    /// 0: the calling thread.
+    pid: libc::c_int,
+}
+
+/// `struct __user_cap_data_struct`, one per 32 capabilities.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// A thread's effective, permitted and inheritable sets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Sets {
+    effective: u64,
+    permitted: u64,
+    inheritable: u64,
+}
+
+/// The calling thread's capability sets.
+fn capget() -> io::Result<Sets> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget reads the header and writes two data structs (version 3), both valid and
+    // live across the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut CapHeader,
+            data.as_mut_ptr(),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let join = |lo: u32, hi: u32| u64::from(lo) | u64::from(hi) << 32;
+    Ok(Sets {
+        effective: join(data[0].effective, data[1].effective),
+        permitted: join(data[0].permitted, data[1].permitted),
+        inheritable: join(data[0].inheritable, data[1].inheritable),
+    })
+}
+
+/// Sets the calling thread's capability sets.
+fn capset(s: Sets) -> io::Result<()> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let split = |v: u64| (v as u32, (v >> 32) as u32);
+    let (e, p, i) = (split(s.effective), split(s.permitted), split(s.inheritable));
+    let data = [
+        CapData {
+            effective: e.0,
+            permitted: p.0,
+            inheritable: i.0,
+        },
+        CapData {
+            effective: e.1,
+            permitted: p.1,
+            inheritable: i.1,
+        },
+    ];
+    // SAFETY: capset reads the header and two data structs (version 3), valid across the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_capset,
+            &mut header as *mut CapHeader,
+            data.as_ptr(),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `prctl(option, arg2, 0, 0, 0)`.
+fn prctl(option: libc::c_int, arg2: libc::c_ulong) -> io::Result<libc::c_int> {
+    // SAFETY: the options used here take integer arguments only and touch no memory of ours.
+    let r = unsafe { libc::prctl(option, arg2, 0 as libc::c_ulong, 0 as libc::c_ulong, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(r)
+}
+
+/// Access the exit path needs to a path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Look names up in a directory (unmount, stat the mountpoint).
+    Search,
+    /// Create, rename and remove entries of a directory.
+    Modify,
+    /// Read a file (the pid file, to see it is still ours).
+    Read,
+    /// Rewrite a file (the stats file).
+    Write,
+}
+
+impl Access {
+    fn mode(self) -> libc::c_int {
+        match self {
+            Access::Search => libc::X_OK,
+            Access::Modify => libc::W_OK | libc::X_OK,
+            Access::Read => libc::R_OK,
+            Access::Write => libc::W_OK,
+        }
+    }
+}
+
+/// What the rest of the daemon's life does that may need privileges.
+#[derive(Debug, Default)]
+pub struct Needs {
+    /// Paths the exit path (and `SIGUSR1` dumps) act on, with the access each needs.
+    pub paths: Vec<(PathBuf, Access)>,
+    /// Set when SETATTR may set times on an image whose owner is not fusex's effective uid: the
+    /// owner's uid.
+    pub foreign_image_owner: Option<u32>,
+}
+
+impl Needs {
+    /// The directory holding `path` (`.` for a bare name).
+    pub fn parent(path: &Path) -> PathBuf {
+        match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        }
+    }
+}
+
+/// Which capabilities every thread keeps, decided once on the main thread before any thread that
+/// will apply it starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// None: fusex holds no capabilities, there is nothing to drop.
+    keep: Option<u64>,
+}
+
+impl Plan {
+    /// Decides what to keep from what the calling (main) thread holds and what `needs` asks for.
+    pub fn decide(needs: &Needs) -> Plan {
+        let cur = match capget() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!("privileges: cannot read capabilities ({e}); nothing dropped");
+                return Plan { keep: None };
+            }
+        };
+        if cur.permitted == 0 {
+            tracing::debug!("privileges: fusex holds no capabilities; nothing to drop");
+            return Plan { keep: None };
+        }
+        let mut keep = bit(CAP_SYS_ADMIN);
+        if let Some(uid) = needs.foreign_image_owner {
+            tracing::debug!(
+                "privileges: keeping CAP_FOWNER: the image belongs to uid {uid}, and setting its \
+                 times (SETATTR) needs that"
+            );
+            keep |= bit(CAP_FOWNER);
+        }
+        if needs_dac_override(&needs.paths, cur) {
+            keep |= bit(CAP_DAC_OVERRIDE);
+        }
+        Plan {
+            keep: Some(keep & cur.permitted),
+        }
+    }
+
+    /// A plan that drops nothing (for tests of code that takes a plan).
+    #[cfg(test)]
+    pub fn none() -> Plan {
+        Plan { keep: None }
+    }
+
+    /// The kept capabilities by name, e.g. `CAP_SYS_ADMIN, CAP_FOWNER`; None when nothing is
+    /// dropped at all.
+    pub fn kept(&self) -> Option<String> {
+        let keep = self.keep?;
+        let names: Vec<&str> = NAMES
+            .iter()
+            .filter(|(c, _)| keep & bit(*c) != 0)
+            .map(|(_, n)| *n)
+            .collect();
+        Some(if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        })
+    }
+
+    /// Drops, in the calling thread, every capability the plan does not keep from the effective,
+    /// permitted, inheritable, ambient and bounding sets, and sets `PR_SET_NO_NEW_PRIVS` (so an
+    /// `execve` can never gain any back, not even root's). A plan with nothing to drop does
+    /// nothing.
+    pub fn apply(&self) -> io::Result<()> {
+        let Some(keep) = self.keep else {
+            return Ok(());
+        };
+        prctl(libc::PR_SET_NO_NEW_PRIVS, 1)?;
+        let cur = capget()?;
+        // Dropping from the bounding set needs CAP_SETPCAP in effect, so it goes first.
+        if cur.effective & bit(CAP_SETPCAP) != 0 {
+            for cap in 0..64 {
+                // EINVAL past the kernel's last capability.
+                let Ok(present) = prctl(libc::PR_CAPBSET_READ, cap) else {
+                    break;
+                };
+                if present == 1 && keep & bit(cap as Cap) == 0 {
+                    prctl(libc::PR_CAPBSET_DROP, cap)?;
+                }
+            }
+        } else {
+            tracing::debug!("privileges: no CAP_SETPCAP, the bounding set stays as it is");
+        }
+        // Ambient capabilities would otherwise survive an execve; EINVAL before Linux 4.3.
+        if let Err(e) = prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+        ) {
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
+        }
+        let want = Sets {
+            effective: keep & cur.permitted,
+            permitted: keep & cur.permitted,
+            inheritable: 0,
+        };
+        capset(want)?;
+        let now = capget()?;
+        if now != want {
+            return Err(io::Error::other(format!(
+                "capabilities are {now:x?} after setting {want:x?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Whether any exit-path access fails without the DAC capabilities (EACCES from
+/// `faccessat2(AT_EACCESS)` in a scratch thread whose effective set lacks them). Other errors
+/// (a path that is missing, on a read-only filesystem) would not go away with the capability.
+fn needs_dac_override(paths: &[(PathBuf, Access)], cur: Sets) -> bool {
+    if paths.is_empty() {
+        return false;
+    }
+    let dac = bit(CAP_DAC_OVERRIDE) | bit(CAP_DAC_READ_SEARCH) | bit(CAP_FOWNER);
+    let probe = || -> io::Result<Option<String>> {
+        // Only this thread's effective set: the thread ends right after, nobody else is affected.
+        capset(Sets {
+            effective: cur.effective & !dac,
+            ..cur
+        })?;
+        for (path, access) in paths {
+            if let Err(e) = eaccess(path, access.mode()) {
+                if e.raw_os_error() == Some(libc::EACCES) {
+                    return Ok(Some(format!("{access:?} {}: {e}", path.display())));
+                }
+            }
+        }
+        Ok(None)
+    };
+    let outcome = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("fusex-probe".into())
+            .spawn_scoped(s, probe)
+            .map(|t| t.join())
+    });
+    match outcome {
+        Ok(Ok(Ok(None))) => false,
+        Ok(Ok(Ok(Some(why)))) => {
+            tracing::debug!("privileges: keeping CAP_DAC_OVERRIDE for the exit path: {why}");
+            true
+        }
+        Ok(Ok(Err(e))) => {
+            tracing::debug!(
+                "privileges: cannot probe the exit path ({e}); keeping CAP_DAC_OVERRIDE"
+            );
+            true
+        }
+        Ok(Err(_)) | Err(_) => {
+            tracing::debug!("privileges: the exit-path probe failed; keeping CAP_DAC_OVERRIDE");
+            true
+        }
+    }
+}
+
+/// `faccessat2(AT_FDCWD, path, mode, AT_EACCESS)`: the check with the calling thread's effective
+/// credentials. Called directly: glibc emulates `AT_EACCESS` from mode bits when the syscall is
+/// missing, and that emulation takes uid 0 for all-powerful.
+fn eaccess(path: &Path, mode: libc::c_int) -> io::Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `c` is a NUL-terminated path living across the call; faccessat2 only reads it.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_faccessat2,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            mode,
+            libc::AT_EACCESS,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn is_root() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() == 0 }
+    }
+
+    /// `apply` on a scratch thread: only that thread loses its capabilities, the test's own
+    /// threads keep theirs.
+    #[test]
+    fn apply_drops_in_the_calling_thread_only() {
+        let before = capget().unwrap();
+        if before.permitted & bit(CAP_SYS_ADMIN) == 0 || before.effective & bit(CAP_SETPCAP) == 0 {
+            eprintln!("SKIP: needs CAP_SYS_ADMIN and CAP_SETPCAP");
+            return;
+        }
+        let plan = Plan {
+            keep: Some(bit(CAP_SYS_ADMIN)),
+        };
+        let (sets, nnp, bounding) = std::thread::spawn(move || {
+            plan.apply().unwrap();
+            let nnp = prctl(libc::PR_GET_NO_NEW_PRIVS, 0).unwrap();
+            let bounding: Vec<Cap> = (0..64)
+                .map_while(|c| prctl(libc::PR_CAPBSET_READ, c).ok().map(|r| (c, r)))
+                .filter(|(_, r)| *r == 1)
+                .map(|(c, _)| c as Cap)
+                .collect();
+            (capget().unwrap(), nnp, bounding)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(
+            sets,
+            Sets {
+                effective: bit(CAP_SYS_ADMIN),
+                permitted: bit(CAP_SYS_ADMIN),
+                inheritable: 0
+            }
+        );
+        assert_eq!(nnp, 1);
+        assert_eq!(bounding, vec![CAP_SYS_ADMIN]);
+        assert_eq!(
+            capget().unwrap(),
+            before,
+            "another thread's drop reached this one"
+        );
+        assert_eq!(plan.kept().unwrap(), "CAP_SYS_ADMIN");
+    }
+
+    /// A thread without capabilities (as a process not run by root) decides to drop nothing.
+    #[test]
+    fn without_capabilities_nothing_is_dropped() {
+        let plan = std::thread::spawn(|| {
+            capset(Sets::default()).unwrap();
+            Plan::decide(&Needs {
+                paths: vec![(PathBuf::from("/"), Access::Search)],
+                foreign_image_owner: Some(65534),
+            })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(plan, Plan::none());
+    }
+
+    #[test]
+    fn nothing_to_drop_does_nothing() {
+        let before = capget().unwrap();
+        std::thread::spawn(|| {
+            Plan::none().apply().unwrap();
+            assert_eq!(prctl(libc::PR_GET_NO_NEW_PRIVS, 0).unwrap(), 0);
+        })
+        .join()
+        .unwrap();
+        assert_eq!(capget().unwrap(), before);
+        assert_eq!(Plan::none().kept(), None);
+    }
+
+    /// The probe keeps CAP_DAC_OVERRIDE exactly when root without it could not modify a
+    /// directory: one owned by another user, not one of its own.
+    #[test]
+    fn dac_override_only_for_foreign_directories() {
+        let cur = capget().unwrap();
+        if !is_root() || cur.effective & bit(CAP_DAC_OVERRIDE) == 0 {
+            eprintln!("SKIP: needs root with CAP_DAC_OVERRIDE");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let own = dir.path().join("own");
+        let foreign = dir.path().join("foreign");
+        std::fs::create_dir(&own).unwrap();
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+        assert!(!needs_dac_override(&[(own.clone(), Access::Modify)], cur));
+        assert!(!needs_dac_override(
+            &[(foreign.clone(), Access::Search)],
+            cur
+        ));
+        assert!(needs_dac_override(
+            &[(own, Access::Modify), (foreign.clone(), Access::Modify)],
+            cur
+        ));
+        // A missing path is not a reason to keep anything.
+        assert!(!needs_dac_override(
+            &[(foreign.join("missing"), Access::Read)],
+            cur
+        ));
+        assert_eq!(capget().unwrap(), cur, "the probe changed this thread");
+    }
+}
