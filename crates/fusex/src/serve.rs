@@ -212,11 +212,6 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
             request_timeout: args.request_timeout,
         },
     )?;
-    crate::timeout::log(
-        args.request_timeout,
-        neg.request_timeout,
-        neg.offered & FUSE_REQUEST_TIMEOUT != 0,
-    );
     let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
     let uring = neg.has(FUSE_OVER_IO_URING);
     if uring && neg.kernel_has_uring_zero_copy() {
@@ -237,6 +232,12 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
             "the kernel did not offer FUSE_OVER_IO_URING in INIT".to_string()
         }
     };
+    // Logged once nothing can refuse the mount any more: a refusal stays one stderr line.
+    crate::timeout::log(
+        args.request_timeout,
+        neg.request_timeout,
+        neg.offered & FUSE_REQUEST_TIMEOUT != 0,
+    );
     tracing::info!(
         "transport: {} ({why})",
         if uring {
