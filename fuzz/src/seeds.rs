@@ -248,8 +248,11 @@ pub const SETUPS: [(&str, u8); 4] = [
     ("pt", 0b1011_0001),
 ];
 
+/// Named seed inputs of one target.
+pub type Seeds = Vec<(String, Vec<u8>)>;
+
 /// Seeds of the `decode` target: each request in `/dev/fuse` framing.
-pub fn decode() -> Vec<(String, Vec<u8>)> {
+pub fn decode() -> Seeds {
     session()
         .iter()
         .enumerate()
@@ -257,7 +260,7 @@ pub fn decode() -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-fn serve(bytes: fn(usize, &Req) -> Vec<u8>) -> Vec<(String, Vec<u8>)> {
+fn serve(bytes: fn(usize, &Req) -> Vec<u8>) -> Seeds {
     let s = session();
     let mut out = Vec::new();
     for (setup_name, setup) in SETUPS {
@@ -275,17 +278,17 @@ fn serve(bytes: fn(usize, &Req) -> Vec<u8>) -> Vec<(String, Vec<u8>)> {
 }
 
 /// Seeds of the `serve_legacy` target.
-pub fn serve_legacy() -> Vec<(String, Vec<u8>)> {
+pub fn serve_legacy() -> Seeds {
     serve(legacy_bytes)
 }
 
 /// Seeds of the `serve_uring` target.
-pub fn serve_uring() -> Vec<(String, Vec<u8>)> {
+pub fn serve_uring() -> Seeds {
     serve(uring_bytes)
 }
 
 /// Seeds per target name.
-pub fn all() -> Vec<(&'static str, Vec<(String, Vec<u8>)>)> {
+pub fn all() -> Vec<(&'static str, Seeds)> {
     vec![
         ("decode", decode()),
         ("serve_legacy", serve_legacy()),

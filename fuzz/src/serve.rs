@@ -166,6 +166,9 @@ impl Harness {
                 }
             }
         }
+        let stats = server.counters().snapshot();
+        // WRITE data lands where the backend reads it in both framings: never moved.
+        assert_eq!(stats.bytes_copied, 0, "the data path copied WRITE data");
         if !setup.cfg.writable {
             let mem = server.export().backend();
             assert_eq!(
