@@ -240,3 +240,44 @@ impl Delivered {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_header_area_decodes_with_the_payload_size_clamped() {
+        let l = UringLayout::new(8192);
+        let mut buf = vec![0xA5u8; l.size];
+        let hdr = InHeader {
+            len: 80,
+            opcode: 15,
+            unique: 42,
+            nodeid: 1,
+            ..InHeader::default()
+        };
+        buf[l.header..l.header + 40].copy_from_slice(hdr.as_bytes());
+        let ent = UringEntInOut {
+            commit_id: 42,
+            payload_sz: 100,
+            ..UringEntInOut::default()
+        };
+        let at = l.header + 256;
+        buf[at..at + 32].copy_from_slice(ent.as_bytes());
+        let d = Delivered::from_entry(&l, &buf).unwrap();
+        assert_eq!((d.header, d.commit_id, d.payload_sz), (hdr, 42, 100));
+
+        // A kernel claiming more payload than the entry registered is held to the entry.
+        let ent = UringEntInOut {
+            payload_sz: u32::MAX,
+            ..ent
+        };
+        buf[at..at + 32].copy_from_slice(ent.as_bytes());
+        let d = Delivered::from_entry(&l, &buf).unwrap();
+        assert_eq!(d.payload_sz, l.payload_len);
+
+        // A buffer that ends inside the header area holds no request.
+        assert!(Delivered::from_entry(&l, &buf[..287]).is_none());
+        assert!(Delivered::from_entry(&l, &buf[..288]).is_some());
+    }
+}
