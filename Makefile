@@ -5,7 +5,7 @@ DEMO_DIR := demo
 DEMO_IMG := $(DEMO_DIR)/disk.img
 DEMO_MNT := $(DEMO_DIR)/disk.raw
 
-.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps stress fmt clean
+.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps stress fuzz fmt clean
 
 all: build
 
@@ -32,12 +32,20 @@ run: deps release
 ## make test: everything CI runs (formatting, lints, unit tests, real-mount end-to-end tests, bench smoke).
 test: deps check unit e2e bench-smoke
 
+# fuzz/ is its own workspace (libFuzzer stays out of the main one): checked and tested on stable
+# without its libFuzzer entry points, sharing target/ with the workspace.
+FUZZ_CARGO := CARGO_TARGET_DIR=$(CURDIR)/target $(CARGO)
+FUZZ_MANIFEST := --manifest-path fuzz/Cargo.toml --no-default-features
+
 check:
 	$(CARGO) fmt --all -- --check
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(FUZZ_CARGO) clippy $(FUZZ_MANIFEST) --all-targets -- -D warnings
 
 unit:
 	$(CARGO) test --workspace --exclude fusex-e2e
+	$(FUZZ_CARGO) test $(FUZZ_MANIFEST)
 	python3 -m unittest discover -s bench/tests -t bench
 
 # The end-to-end suite runs once per transport (FUSE-over-io_uring needs enable_uring=Y, which
@@ -51,6 +59,12 @@ e2e:
 ## end-to-end suite a few times (STRESS_SECONDS=60 per storm, STRESS_E2E_ROUNDS=3: ~25 minutes).
 stress: deps release build
 	bash scripts/stress.sh
+
+## make fuzz: every fuzz target (request decoder; protocol server on /dev/fuse and io_uring framing)
+## for FUZZ_SECONDS each (default 600), one after another; installs nightly and cargo-fuzz if
+## missing. Not part of `make test`. See docs/design.md.
+fuzz:
+	bash scripts/fuzz.sh
 
 bench-smoke: release
 	bash bench/smoke.sh
@@ -70,6 +84,7 @@ bench-deps:
 
 fmt:
 	$(CARGO) fmt --all
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml
 
 clean:
 	$(CARGO) clean

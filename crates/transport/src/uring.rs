@@ -216,18 +216,68 @@ impl UringQueue {
             }
             Err(e) => return Err(TransportError::Io(e)),
         }
-        let b = buf.as_slice();
-        let bad = || TransportError::Io(io::Error::from_raw_os_error(libc::EIO));
-        let header = InHeader::read_from_prefix(&b[self.layout.header..])
-            .map(|(h, _)| h)
-            .map_err(|_| bad())?;
-        let ent = UringEntInOut::read_from_prefix(&b[self.layout.header + 256..])
-            .map(|(e, _)| e)
-            .map_err(|_| bad())?;
-        Ok(Fetched::Request(Delivered {
+        Delivered::from_entry(&self.layout, buf.as_slice())
+            .map(Fetched::Request)
+            .ok_or_else(|| TransportError::Io(io::Error::from_raw_os_error(libc::EIO)))
+    }
+}
+
+impl Delivered {
+    /// Decodes what the kernel wrote into the header area of an entry buffer laid out by `l`:
+    /// the request header, the commit id and the payload size, clamped to the payload the entry
+    /// registered (kernel input is untrusted). `None` if `entry` ends inside the header area.
+    ///
+    /// The queue reads every fetched request through this; tests and fuzzers use it to deliver a
+    /// request without a kernel (fill an entry buffer the way the kernel does, then decode it here).
+    pub fn from_entry(l: &UringLayout, entry: &[u8]) -> Option<Delivered> {
+        let area = entry.get(l.header..)?;
+        let (header, _) = InHeader::read_from_prefix(area).ok()?;
+        let (ent, _) = UringEntInOut::read_from_prefix(area.get(256..)?).ok()?;
+        Some(Delivered {
             header,
             commit_id: ent.commit_id,
-            payload_sz: (ent.payload_sz as usize).min(self.layout.payload_len),
-        }))
+            payload_sz: (ent.payload_sz as usize).min(l.payload_len),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_header_area_decodes_with_the_payload_size_clamped() {
+        let l = UringLayout::new(8192);
+        let mut buf = vec![0xA5u8; l.size];
+        let hdr = InHeader {
+            len: 80,
+            opcode: 15,
+            unique: 42,
+            nodeid: 1,
+            ..InHeader::default()
+        };
+        buf[l.header..l.header + 40].copy_from_slice(hdr.as_bytes());
+        let ent = UringEntInOut {
+            commit_id: 42,
+            payload_sz: 100,
+            ..UringEntInOut::default()
+        };
+        let at = l.header + 256;
+        buf[at..at + 32].copy_from_slice(ent.as_bytes());
+        let d = Delivered::from_entry(&l, &buf).unwrap();
+        assert_eq!((d.header, d.commit_id, d.payload_sz), (hdr, 42, 100));
+
+        // A kernel claiming more payload than the entry registered is held to the entry.
+        let ent = UringEntInOut {
+            payload_sz: u32::MAX,
+            ..ent
+        };
+        buf[at..at + 32].copy_from_slice(ent.as_bytes());
+        let d = Delivered::from_entry(&l, &buf).unwrap();
+        assert_eq!(d.payload_sz, l.payload_len);
+
+        // A buffer that ends inside the header area holds no request.
+        assert!(Delivered::from_entry(&l, &buf[..287]).is_none());
+        assert!(Delivered::from_entry(&l, &buf[..288]).is_some());
     }
 }

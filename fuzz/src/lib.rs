@@ -1,0 +1,14 @@
+//! Fuzz harnesses of fusex: the request decoder of `fuse-abi`, and the whole protocol server over
+//! an in-memory backend in both framings (`/dev/fuse` and FUSE-over-io_uring).
+//!
+//! The harness logic lives here, not in `fuzz_targets/`, so the stable unit tests below run it
+//! over the seed inputs (`make unit`), and `make fuzz` runs it under libFuzzer on nightly.
+//! Every invariant is an assertion: a violation is a panic, which libFuzzer reports as a crash.
+
+pub mod decode;
+pub mod mem;
+pub mod seeds;
+pub mod serve;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,297 @@
+//! Seed inputs: valid requests with realistic headers, so the fuzzer starts deep in the server
+//! instead of discovering the header layout by chance.
+
+use fuse_abi::{
+    BatchForgetIn, FallocateIn, FlushIn, ForgetIn, ForgetOne, FsyncIn, GetattrIn, InHeader, InitIn,
+    InterruptIn, LseekIn, OpenIn, ReadIn, ReleaseIn, SetattrIn, UringEntInOut, WriteIn,
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, FATTR_MTIME, FATTR_SIZE,
+    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_FSYNC_FDATASYNC, FUSE_INIT_EXT, FUSE_MAX_PAGES,
+    FUSE_OVER_IO_URING, FUSE_PASSTHROUGH, KERNEL_MINOR_VERSION, KERNEL_VERSION, SEEK_DATA,
+    SEEK_HOLE,
+};
+use zerocopy::IntoBytes;
+
+use crate::serve::URING_HEADER_AREA;
+
+/// One request: opcode, node, the opcode's fixed argument struct, variable data (name, WRITE
+/// data, BATCH_FORGET entries).
+#[derive(Clone, Debug)]
+pub struct Req {
+    /// Short name, for file names.
+    pub name: &'static str,
+    /// Opcode.
+    pub opcode: u32,
+    /// Node the request is about.
+    pub nodeid: u64,
+    /// The fixed argument struct.
+    pub args: Vec<u8>,
+    /// Bytes after it.
+    pub data: Vec<u8>,
+}
+
+fn req(name: &'static str, opcode: u32, args: &[u8], data: &[u8]) -> Req {
+    Req {
+        name,
+        opcode,
+        nodeid: 1,
+        args: args.to_vec(),
+        data: data.to_vec(),
+    }
+}
+
+/// Every request the server handles, as a kernel sends them in a session's order.
+pub fn session() -> Vec<Req> {
+    let init = InitIn {
+        major: KERNEL_VERSION,
+        minor: KERNEL_MINOR_VERSION,
+        max_readahead: 128 << 10,
+        flags: (FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_MAX_PAGES | FUSE_INIT_EXT) as u32,
+        flags2: ((FUSE_PASSTHROUGH | FUSE_OVER_IO_URING) >> 32) as u32,
+        unused: [0; 11],
+    };
+    let read = |offset, size| ReadIn {
+        offset,
+        size,
+        flags: libc::O_RDWR as u32,
+        ..ReadIn::default()
+    };
+    let write = |offset, size| WriteIn {
+        offset,
+        size,
+        flags: libc::O_RDWR as u32,
+        ..WriteIn::default()
+    };
+    let falloc = |offset, length, mode| FallocateIn {
+        offset,
+        length,
+        mode,
+        ..FallocateIn::default()
+    };
+    let lseek = |offset, whence| LseekIn {
+        offset,
+        whence,
+        ..LseekIn::default()
+    };
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    let mut forgets = Vec::new();
+    for n in [1u64, 1] {
+        forgets.extend_from_slice(
+            ForgetOne {
+                nodeid: n,
+                nlookup: 1,
+            }
+            .as_bytes(),
+        );
+    }
+    vec![
+        req("init", 26, init.as_bytes(), &[]),
+        req("lookup", 1, &[], b"disk.raw\0"),
+        req("getattr", 3, GetattrIn::default().as_bytes(), &[]),
+        req(
+            "open",
+            14,
+            OpenIn {
+                flags: libc::O_RDWR as u32,
+                open_flags: 0,
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req(
+            "open-ro",
+            14,
+            OpenIn {
+                flags: libc::O_RDONLY as u32,
+                open_flags: 0,
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req("read", 15, read(0, 4096).as_bytes(), &[]),
+        req("write", 16, write(4096, 4096).as_bytes(), &data),
+        req(
+            "write-unaligned",
+            16,
+            write(100, 333).as_bytes(),
+            &data[..333],
+        ),
+        req("read-tail", 15, read(12000, 8192).as_bytes(), &[]),
+        req("fallocate", 43, falloc(0, 65536, 0).as_bytes(), &[]),
+        req(
+            "punch-hole",
+            43,
+            falloc(4096, 4096, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE).as_bytes(),
+            &[],
+        ),
+        req(
+            "zero-range",
+            43,
+            falloc(0, 8192, FALLOC_FL_ZERO_RANGE).as_bytes(),
+            &[],
+        ),
+        req("seek-data", 46, lseek(0, SEEK_DATA).as_bytes(), &[]),
+        req("seek-hole", 46, lseek(0, SEEK_HOLE).as_bytes(), &[]),
+        req(
+            "setattr",
+            4,
+            SetattrIn {
+                valid: FATTR_MTIME,
+                mtime: 1_700_000_000,
+                ..SetattrIn::default()
+            }
+            .as_bytes(),
+            &[],
+        ),
+        // Fails on a fixed-size export, grows a growable one.
+        req(
+            "truncate",
+            4,
+            SetattrIn {
+                valid: FATTR_SIZE,
+                size: 20000,
+                ..SetattrIn::default()
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req("statfs", 17, &[], &[]),
+        req("flush", 25, FlushIn::default().as_bytes(), &[]),
+        req(
+            "fsync",
+            20,
+            FsyncIn {
+                fsync_flags: FUSE_FSYNC_FDATASYNC,
+                ..FsyncIn::default()
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req(
+            "release",
+            18,
+            ReleaseIn {
+                flags: libc::O_RDWR as u32,
+                ..ReleaseIn::default()
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req("interrupt", 36, InterruptIn { unique: 2 }.as_bytes(), &[]),
+        req("forget", 2, ForgetIn { nlookup: 1 }.as_bytes(), &[]),
+        req(
+            "batch-forget",
+            42,
+            BatchForgetIn { count: 2, dummy: 0 }.as_bytes(),
+            &forgets,
+        ),
+        req("mkdir-unsupported", 9, &[0u8; 8], b"d\0"),
+        req("destroy", 38, &[], &[]),
+    ]
+}
+
+/// The header a kernel would put in front of request number `i` of a session.
+pub fn header(i: usize, r: &Req) -> InHeader {
+    InHeader {
+        len: (40 + r.args.len() + r.data.len()) as u32,
+        opcode: r.opcode,
+        // The kernel hands out even ids (the low bit marks interrupts).
+        unique: 2 * (i as u64 + 1),
+        nodeid: r.nodeid,
+        uid: 1000,
+        gid: 1000,
+        pid: 4242,
+        total_extlen: 0,
+        padding: 0,
+    }
+}
+
+/// The request as `read(2)` of `/dev/fuse` returns it.
+pub fn legacy_bytes(i: usize, r: &Req) -> Vec<u8> {
+    let mut v = header(i, r).as_bytes().to_vec();
+    v.extend_from_slice(&r.args);
+    v.extend_from_slice(&r.data);
+    v
+}
+
+/// The request as an io_uring entry holds it: the 288-byte header area, then the payload.
+pub fn uring_bytes(i: usize, r: &Req) -> Vec<u8> {
+    let mut area = [0u8; URING_HEADER_AREA];
+    area[..40].copy_from_slice(header(i, r).as_bytes());
+    area[128..128 + r.args.len()].copy_from_slice(&r.args);
+    let ent = UringEntInOut {
+        commit_id: header(i, r).unique,
+        payload_sz: r.data.len() as u32,
+        ..UringEntInOut::default()
+    };
+    area[256..].copy_from_slice(ent.as_bytes());
+    let mut v = area.to_vec();
+    v.extend_from_slice(&r.data);
+    v
+}
+
+/// A serve input: the setup byte, then each request as a length-prefixed record.
+fn serve_input(setup: u8, recs: impl Iterator<Item = Vec<u8>>) -> Vec<u8> {
+    let mut v = vec![setup];
+    for r in recs {
+        v.extend_from_slice(&(r.len() as u16).to_le_bytes());
+        v.extend_from_slice(&r);
+    }
+    v
+}
+
+/// Setup bytes of the seed inputs (see `Setup::from_byte`): read-only, writable, writable and
+/// growable with writethrough, writable with passthrough for all opens, on a 12345-byte image.
+pub const SETUPS: [(&str, u8); 4] = [
+    ("ro", 0b1000_0000),
+    ("rw", 0b1000_0001),
+    ("grow", 0b1000_0111),
+    ("pt", 0b1011_0001),
+];
+
+/// Named seed inputs of one target.
+pub type Seeds = Vec<(String, Vec<u8>)>;
+
+/// Seeds of the `decode` target: each request in `/dev/fuse` framing.
+pub fn decode() -> Seeds {
+    session()
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.name.to_string(), legacy_bytes(i, r)))
+        .collect()
+}
+
+fn serve(bytes: fn(usize, &Req) -> Vec<u8>) -> Seeds {
+    let s = session();
+    let mut out = Vec::new();
+    for (setup_name, setup) in SETUPS {
+        // The whole session, after INIT (which the transport handles before the server).
+        let recs = s.iter().enumerate().skip(1).map(|(i, r)| bytes(i, r));
+        out.push((format!("session-{setup_name}"), serve_input(setup, recs)));
+    }
+    for (i, r) in s.iter().enumerate() {
+        out.push((
+            r.name.to_string(),
+            serve_input(SETUPS[1].1, [bytes(i, r)].into_iter()),
+        ));
+    }
+    out
+}
+
+/// Seeds of the `serve_legacy` target.
+pub fn serve_legacy() -> Seeds {
+    serve(legacy_bytes)
+}
+
+/// Seeds of the `serve_uring` target.
+pub fn serve_uring() -> Seeds {
+    serve(uring_bytes)
+}
+
+/// Seeds per target name.
+pub fn all() -> Vec<(&'static str, Seeds)> {
+    vec![
+        ("decode", decode()),
+        ("serve_legacy", serve_legacy()),
+        ("serve_uring", serve_uring()),
+    ]
+}
