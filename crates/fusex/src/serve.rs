@@ -15,7 +15,7 @@ use fuse_abi::{
     FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
     FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
 };
-use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
+use transport::{clone_fd, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
 use crate::daemon::Readiness;
@@ -184,17 +184,19 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     };
     let planned = memory::plan(demand);
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
-    let fd = open_dev_fuse()?;
-    let mnt = Mount::new(
-        &MountConfig {
-            mountpoint: args.mountpoint.clone(),
-            source: args.image.clone(),
-            read_only: !args.writable,
-            allow_other: args.allow_other,
-            max_read: max_write,
-        },
-        fd,
-    )?;
+    let mnt = Mount::establish(&MountConfig {
+        mountpoint: args.mountpoint.clone(),
+        source: args.image.clone(),
+        read_only: !args.writable,
+        allow_other: args.allow_other,
+        max_read: max_write,
+    })?;
+    if mnt.via_fusermount() {
+        tracing::info!(
+            "mounted through {} (fusex may not mount itself)",
+            transport::fusermount::FUSERMOUNT
+        );
+    }
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
     // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
     // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
@@ -369,6 +371,7 @@ fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
     Needs {
         paths,
         foreign_image_owner,
+        exits_through_setuid_helper: mnt.via_fusermount(),
     }
 }
 
