@@ -4,6 +4,7 @@ mod affinity;
 mod cli;
 mod daemon;
 mod memory;
+mod notify;
 mod passthrough;
 mod privileges;
 mod queue;

@@ -38,6 +38,13 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
         signal_hook::consts::SIGUSR1,
     ])
     .context("installing signal handlers")?;
+    let notifier = match crate::notify::Notifier::from_env() {
+        Ok(n) => n,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
     let (export, mut mnt, neg) = match setup(&args, verbose) {
         Ok(v) => v,
         Err(e) => {
@@ -57,7 +64,13 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     }
     let privileges = Plan::decide(&exit_needs(&args, &export, &mnt));
     let result = run_queues(
-        &args, &export, &mut mnt, &neg, privileges, &mut ready, signals,
+        &args,
+        &export,
+        &mut mnt,
+        &neg,
+        privileges,
+        (&mut ready, &notifier),
+        signals,
     );
     if let Err(e) = &result {
         // Start-up errors in run_queues (no-op once readiness was reported).
@@ -406,9 +419,10 @@ fn run_queues(
     mnt: &mut Mount,
     neg: &Settled,
     privileges: Plan,
-    ready: &mut Readiness,
+    (ready, notifier): (&mut Readiness, &crate::notify::Notifier),
     mut signals: signal_hook::iterator::Signals,
 ) -> Result<serde_json::Value> {
+    let mut stopping_sent = false;
     let cpus = crate::affinity::allowed_cpus();
     let nq = neg.queues;
     let pin = match args.cpu_affinity {
@@ -537,6 +551,11 @@ fn run_queues(
                                 );
                             }
                             ready.report(Ok(()));
+                            notifier.ready(&format!(
+                                "exporting {} at {}",
+                                args.image,
+                                mnt.mountpoint().display()
+                            ));
                         }
                         Err(e) => {
                             let msg = format!("cannot drop privileges: {e}");
@@ -578,6 +597,9 @@ fn run_queues(
             }
             Event::Signal(s) => {
                 tracing::info!("signal {s}: finishing in-flight requests and unmounting");
+                if !std::mem::replace(&mut stopping_sent, true) {
+                    notifier.stopping();
+                }
                 stop_all(&remotes);
             }
             Event::Dump => {
@@ -588,6 +610,9 @@ fn run_queues(
         if stop.load(Ordering::Acquire) && quiet >= nq {
             finish(&mut flushed, export, mnt);
         }
+    }
+    if !stopping_sent {
+        notifier.stopping();
     }
     finish(&mut flushed, export, mnt);
     sig_handle.close();
