@@ -6,13 +6,23 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// Export disk images as regular files through FUSE.
 #[derive(Parser, Debug)]
-#[command(name = "fusex", version, about, propagate_version = true)]
+#[command(
+    name = "fusex",
+    version,
+    about,
+    disable_version_flag = true,
+    arg_required_else_help = true
+)]
 pub struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
+    /// Print the version and what this kernel offers (FUSE protocol, io_uring transport,
+    /// passthrough); reads a few files, mounts nothing.
+    #[arg(short = 'V', long)]
+    pub version: bool,
     #[command(subcommand)]
-    pub command: Command,
+    pub command: Option<Command>,
 }
 
 /// Subcommands.
