@@ -40,6 +40,13 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Writes the man pages or shell completions, generated from this command line, into DIR
+    /// (`make install` runs it).
+    #[command(hide = true)]
+    Generate {
+        #[command(subcommand)]
+        what: Generate,
+    },
     /// The `--auto-unmount` watcher (started by `fusex mount`, not by hand): waits for EOF on
     /// stdin, which the daemon holds open, then unmounts MOUNTPOINT if the mount there is still
     /// the one with the given unique mount id.
@@ -55,6 +62,24 @@ pub enum Command {
         /// The FUSE connection's device number (`st_dev`), checked too.
         #[arg(long)]
         dev: u64,
+    },
+}
+
+/// What `fusex generate` writes.
+#[derive(Subcommand, Debug)]
+pub enum Generate {
+    /// fusex.1 and a page per subcommand (fusex-mount.1, fusex-umount.1).
+    Man {
+        /// Directory to write the pages into (created if missing).
+        dir: PathBuf,
+    },
+    /// The completion script for SHELL, under the name that shell looks for (fusex.bash,
+    /// _fusex, fusex.fish, ...).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+        /// Directory to write the script into (created if missing).
+        dir: PathBuf,
     },
 }
 

@@ -3,6 +3,7 @@
 mod affinity;
 mod cli;
 mod daemon;
+mod generate;
 mod memory;
 mod notify;
 mod passthrough;
@@ -56,6 +57,10 @@ fn main() {
             };
             init_logging(cli.verbose);
             ready.and_then(|r| serve::mount(args, r, cli.verbose))
+        }
+        Command::Generate { what } => {
+            init_logging(cli.verbose);
+            generate::run(what)
         }
         Command::Umount { mountpoint, force } => {
             init_logging(cli.verbose);
