@@ -42,12 +42,15 @@ fn has_sys_admin() -> bool {
         .is_some_and(|caps| caps & (1 << 21) != 0)
 }
 
+/// Reads a kernel configuration file (plain or gzip), None if it cannot.
+type ConfigReader = fn(&Path) -> Option<String>;
+
 /// What the kernel's build configuration says about `CONFIG_FUSE_PASSTHROUGH` (Linux 6.9+), from
 /// `/proc/config.gz` or `/boot/config-RELEASE`.
 fn passthrough_config() -> String {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let boot = format!("/boot/config-{}", release.trim());
-    let sources: [(&str, fn(&Path) -> Option<String>); 2] = [
+    let sources: [(&str, ConfigReader); 2] = [
         ("/proc/config.gz", |p| gunzip(&std::fs::read(p).ok()?)),
         (&boot, |p| std::fs::read_to_string(p).ok()),
     ];

@@ -245,19 +245,15 @@ pub(crate) fn unmount(path: &Path, lazy: bool) -> Result<(), TransportError> {
         return Ok(());
     }
     let what = complaint(&String::from_utf8_lossy(&out.stderr));
-    // Keep the errno-like cases recognisable to callers that retry lazily.
-    let errno = if what.contains("busy") {
-        libc::EBUSY
-    } else if what.contains("not found") || what.contains("not mounted") {
-        libc::EINVAL
-    } else {
-        libc::EPERM
-    };
     tracing::debug!("{FUSERMOUNT} -u {shown}: {what}");
-    Err(TransportError::Unmount {
-        path: shown,
-        error: io::Error::from_raw_os_error(errno),
-    })
+    // A busy mount stays recognisable, so callers can retry lazily.
+    if what.contains("busy") {
+        return Err(TransportError::Unmount {
+            path: shown,
+            error: io::Error::from_raw_os_error(libc::EBUSY),
+        });
+    }
+    Err(TransportError::FusermountUnmount { path: shown, what })
 }
 
 #[cfg(test)]

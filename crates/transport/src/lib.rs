@@ -72,6 +72,14 @@ pub enum TransportError {
         /// What fusermount3 said (its last line), and why fusex asked it.
         what: String,
     },
+    /// `fusermount3 -u` failed (not busy); `what` is its own complaint.
+    #[error("fusermount3 could not unmount {path}: {what}; a normal user may unmount only FUSE mounts they made")]
+    FusermountUnmount {
+        /// The mountpoint.
+        path: String,
+        /// What fusermount3 said (its last line).
+        what: String,
+    },
     /// `--allow-other` as a normal user on a system whose /etc/fuse.conf does not permit it.
     #[error("fusermount3 refused --allow-other on {0}: a normal user may use it only when /etc/fuse.conf has a line user_allow_other (add it as root), or drop --allow-other")]
     AllowOtherRefused(String),
