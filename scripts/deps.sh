@@ -15,6 +15,8 @@ have qemu-nbd || need+=(qemu-utils)
 have nbdfuse || need+=(libnbd-bin)
 # fusermount3: how a normal user mounts (fusex falls back to it without CAP_SYS_ADMIN).
 have fusermount3 || need+=(fuse3)
+# systemd-analyze: tests/install.rs verifies contrib/fusex@.service with it.
+have systemd-analyze || need+=(systemd)
 have python3 || need+=(python3)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)

@@ -135,3 +135,46 @@ fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
     let out = run_ok(Command::new(&bin).arg("--version"));
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("fusex "));
 }
+
+/// `systemd-analyze verify` accepts `contrib/fusex@.service` without a warning, with its
+/// `ExecStart` and `Documentation=man:fusex(1)` pointing at a `make install` prefix.
+#[test]
+fn systemd_unit_verifies_against_an_installed_prefix() {
+    if which("systemd-analyze").is_none() || which("make").is_none() {
+        skip_or_fail("systemd-analyze (systemd) and make are needed");
+        return;
+    }
+    let w = WorkDir::new("install-unit");
+    let prefix = w.join("prefix");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    run_ok(
+        Command::new("make")
+            .arg("-s")
+            .arg("-C")
+            .arg(&repo)
+            .arg("install")
+            .arg(format!("PREFIX={}", prefix.display()))
+            .arg(format!("INSTALL_BIN={}", fusex_bin().display())),
+    );
+    let unit = text(&repo.join("contrib/fusex@.service"));
+    assert!(unit.contains("Type=notify"), "{unit}");
+    assert!(
+        unit.contains("ExecStart=/usr/local/bin/fusex mount "),
+        "{unit}"
+    );
+    let installed = prefix.join("bin/fusex");
+    let unit = unit.replace("/usr/local/bin/fusex", installed.to_str().unwrap());
+    let units = w.join("units");
+    fs::create_dir(&units).unwrap();
+    fs::write(units.join("fusex@.service"), unit).unwrap();
+    let out = run(Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(units.join("fusex@vm1.service"))
+        .env("MANPATH", prefix.join("share/man")));
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "systemd-analyze verify: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
