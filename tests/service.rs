@@ -251,6 +251,25 @@ fn unprivileged_refusals_are_one_line_and_mount_nothing() {
     assert!(!is_fuse_mounted(&foreign));
     assert_eq!(fs::read(&foreign).unwrap(), b"root's file");
 
+    // No fusermount3 to be found (PATH without it): one line naming the package.
+    let mp = dir.join("disk.raw");
+    let mut cmd = Command::new(which("setpriv").unwrap());
+    cmd.args(&wrapper(u)[1..])
+        .arg(fusex_bin())
+        .arg("mount")
+        .arg(&img)
+        .arg(&mp)
+        .env("PATH", "/nonexistent");
+    let r = run_with_timeout(&w, cmd, Some(&mp));
+    eprintln!("no fusermount3: {}", r.stderr.trim_end());
+    r.assert_one_error_line("no fusermount3 in PATH");
+    assert!(r.stderr.contains("fuse3"), "{}", r.stderr);
+    assert!(!is_fuse_mounted(&mp));
+    assert!(
+        !mp.exists(),
+        "the mountpoint file fusex created is removed again"
+    );
+
     // --allow-other without user_allow_other in /etc/fuse.conf.
     if user_allow_other() {
         eprintln!("/etc/fuse.conf has user_allow_other: --allow-other is not refused here");

@@ -150,13 +150,7 @@ impl Mount {
                 }
                 Err(e) => {
                     m.remove_created();
-                    return Err(match e {
-                        TransportError::Fusermount { path, what } => TransportError::Fusermount {
-                            path,
-                            what: format!("{what} ({why})"),
-                        },
-                        e => e,
-                    });
+                    return Err(e);
                 }
                 Ok(()) => return Ok(m),
             }
