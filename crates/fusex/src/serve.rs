@@ -510,9 +510,15 @@ fn run_queues(
             match rx.recv_timeout(Duration::from_secs(10)) {
                 Ok(ev) => ev,
                 Err(_) => {
-                    failure.get_or_insert(
-                        "queues did not end after the connection was aborted".into(),
-                    );
+                    failure.get_or_insert(if mnt.via_fusermount() {
+                        // fusermount3 -u could only detach a mount applications hold open.
+                        "queues did not end after the unmount: applications still hold the \
+                         export open, and without CAP_SYS_ADMIN fusex cannot abort the \
+                         connection (it ends as fusex exits now)"
+                            .into()
+                    } else {
+                        "queues did not end after the connection was aborted".into()
+                    });
                     break;
                 }
             }
