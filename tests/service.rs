@@ -162,11 +162,15 @@ fn unprivileged_mount_round_trip_and_unmount() {
     let mp = dir.join("disk.raw");
     let m = Mount::try_start_opts(&w, &img, &mp, &["--writable"], &opts(u, &dir))
         .unwrap_or_else(|f| panic!("mount as {USER} failed: {}", f.stderr));
-    assert!(
-        m.stderr().contains("mounted through fusermount3"),
-        "{}",
-        m.stderr()
-    );
+    let log = m.stderr();
+    assert!(log.contains("mounted through fusermount3"), "{log}");
+    // Passthrough needs CAP_SYS_ADMIN: its absence is said once.
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("passthrough: off"))
+        .collect();
+    assert_eq!(said.len(), 1, "{log}");
+    assert!(said[0].contains("CAP_SYS_ADMIN"), "{log}");
     // The export as the user sees it is the image.
     assert_bytes_eq(&read_as(u, m.path()), &model, 0, "export read as the user");
     // A write through the export lands in the image.
@@ -250,6 +254,24 @@ fn unprivileged_refusals_are_one_line_and_mount_nothing() {
     );
     assert!(!is_fuse_mounted(&foreign));
     assert_eq!(fs::read(&foreign).unwrap(), b"root's file");
+
+    // --passthrough on: a normal user cannot register the image (CAP_SYS_ADMIN).
+    let mp = dir.join("disk.raw");
+    let mut cmd = Command::new("setpriv");
+    cmd.args(&wrapper(u)[1..])
+        .arg(fusex_bin())
+        .args(["mount", "--passthrough", "on"])
+        .arg(&img)
+        .arg(&mp);
+    let r = run_with_timeout(&w, cmd, Some(&mp));
+    eprintln!("--passthrough on: {}", r.stderr.trim_end());
+    r.assert_one_error_line("--passthrough on as a normal user");
+    assert!(r.stderr.contains("CAP_SYS_ADMIN"), "{}", r.stderr);
+    assert!(!is_fuse_mounted(&mp));
+    assert!(
+        !mp.exists(),
+        "the mountpoint file fusex created is removed again"
+    );
 
     // No fusermount3 to be found (PATH without it): one line naming the package.
     let mp = dir.join("disk.raw");

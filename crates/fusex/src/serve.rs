@@ -204,12 +204,6 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         allow_other: args.allow_other,
         max_read: max_write,
     })?;
-    if mnt.via_fusermount() {
-        tracing::info!(
-            "mounted through {} (fusex may not mount itself)",
-            transport::fusermount::FUSERMOUNT
-        );
-    }
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
     // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
     // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
@@ -253,6 +247,12 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         neg.request_timeout,
         neg.offered & FUSE_REQUEST_TIMEOUT != 0,
     );
+    if mnt.via_fusermount() {
+        tracing::info!(
+            "mounted through {} (fusex may not mount itself)",
+            transport::fusermount::FUSERMOUNT
+        );
+    }
     tracing::info!(
         "transport: {} ({why})",
         if uring {

@@ -34,8 +34,11 @@ pub(crate) struct Request<'a> {
     pub source: &'a str,
     /// `subtype=`: the mount's type becomes `fuse.SUBTYPE`.
     pub subtype: &'a str,
+    /// `ro` (else `rw`): the VFS refuses writes before they reach fusex.
     pub read_only: bool,
+    /// `allow_other`: fusermount3 permits it to normal users only with `user_allow_other`.
     pub allow_other: bool,
+    /// `max_read=`: the largest read the kernel sends.
     pub max_read: u32,
 }
 
