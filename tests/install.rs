@@ -19,7 +19,7 @@ fn version_names_the_version_and_the_kernel_features() {
     let out = run_ok(Command::new(fusex_bin()).arg("--version"));
     let s = String::from_utf8(out.stdout).unwrap();
     let lines: Vec<&str> = s.lines().collect();
-    assert_eq!(lines.len(), 4, "{s}");
+    assert_eq!(lines.len(), 5, "{s}");
     assert!(
         lines[0].starts_with("fusex ") && lines[0].contains('.'),
         "{s}"
@@ -37,12 +37,31 @@ fn version_names_the_version_and_the_kernel_features() {
         available,
         "{s} (enable_uring: {param:?})"
     );
-    assert!(lines[3].starts_with("passthrough: "), "{s}");
+    // The tests run as root: mount(2) itself.
+    assert_eq!(lines[3], "mounting: mount(2) (CAP_SYS_ADMIN held)", "{s}");
+    assert!(lines[4].starts_with("passthrough: "), "{s}");
     assert!(
         out.stderr.is_empty(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Without capabilities (a normal user's view): through fusermount3, or not at all.
+    if which("setpriv").is_some() {
+        let out = run_ok(
+            Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(fusex_bin())
+                .arg("--version"),
+        );
+        let s = String::from_utf8(out.stdout).unwrap();
+        let mounting = s.lines().nth(3).unwrap_or_default();
+        assert_eq!(
+            mounting.starts_with("mounting: through "),
+            which("fusermount3").is_some(),
+            "{s}"
+        );
+        assert!(s.contains("CAP_SYS_ADMIN not held"), "{s}");
+    }
 }
 
 #[test]

@@ -18,6 +18,15 @@ pub fn report() -> String {
         ),
         Some(why) => format!("io_uring transport: not available: {why}\n"),
     });
+    let fusermount = find_in_path(transport::fusermount::FUSERMOUNT);
+    s.push_str(&match (has_sys_admin(), &fusermount) {
+        (true, _) => "mounting: mount(2) (CAP_SYS_ADMIN held)\n".to_string(),
+        (false, Some(p)) => format!("mounting: through {} (no CAP_SYS_ADMIN)\n", p.display()),
+        (false, None) => format!(
+            "mounting: not possible: no CAP_SYS_ADMIN and no {} in PATH (install fuse3)\n",
+            transport::fusermount::FUSERMOUNT
+        ),
+    });
     s.push_str(&format!(
         "passthrough: kernel {}; {}\n",
         passthrough_config(),
@@ -28,6 +37,17 @@ pub fn report() -> String {
         }
     ));
     s
+}
+
+/// Where `PATH` finds the executable `name`, as `fusex mount` would run it.
+fn find_in_path(name: &str) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
 }
 
 /// Whether the effective set holds `CAP_SYS_ADMIN` (bit 21 of `CapEff` in /proc/self/status).
@@ -134,7 +154,12 @@ mod tests {
     fn report_names_every_feature() {
         let r = report();
         assert!(r.starts_with(&format!("fusex {}\n", env!("CARGO_PKG_VERSION"))));
-        for what in ["FUSE protocol:", "io_uring transport:", "passthrough:"] {
+        for what in [
+            "FUSE protocol:",
+            "io_uring transport:",
+            "mounting:",
+            "passthrough:",
+        ] {
             assert!(r.contains(what), "{r}");
         }
     }
