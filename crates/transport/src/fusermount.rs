@@ -1,8 +1,8 @@
 //! Mounting without privileges: through `fusermount3`, the set-uid helper of the `fuse3` package.
 //!
 //! A process without `CAP_SYS_ADMIN` cannot mount(2) a FUSE filesystem, and on many systems cannot
-//! open `/dev/fuse` either. `fusermount3` can: it checks that the user owns and may write the
-//! mountpoint (a regular file is accepted as well as a directory), opens `/dev/fuse`, mounts with
+//! open `/dev/fuse` either. `fusermount3` can: it checks that the user may write the mountpoint (a
+//! regular file is accepted as well as a directory), opens `/dev/fuse` as the user, mounts with
 //! `user_id`/`group_id` of the caller and a `rootmode` taken from the mountpoint's file type, and
 //! hands the `/dev/fuse` fd back over the unix socket named by the `_FUSE_COMMFD` environment
 //! variable (one byte of data with the fd as `SCM_RIGHTS`). It accepts only a fixed set of `-o`
