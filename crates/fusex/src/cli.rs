@@ -40,6 +40,14 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Restart the daemon serving MOUNTPOINT without unmounting: a new daemon (this fusex binary,
+    /// so also the way to upgrade) takes the live FUSE connection over while applications keep
+    /// the file open. Returns once the new daemon serves; on failure the old one keeps serving.
+    /// Legacy /dev/fuse transport only.
+    Restart {
+        /// The mounted file.
+        mountpoint: PathBuf,
+    },
     /// Writes the man pages or shell completions, generated from this command line, into DIR
     /// (`make install` runs it).
     #[command(hide = true)]
