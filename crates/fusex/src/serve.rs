@@ -763,9 +763,12 @@ fn spawn_restart_listener(
         }
     };
     let refusal = neg.uring.then(|| {
-        "the io_uring transport cannot be handed over to a new process (docs/design.md, \
-         Restart); mount with --transport legacy to restart without unmounting"
-            .to_string()
+        format!(
+            "{} is served over the io_uring transport, whose requests cannot be handed to a new \
+             process without failing some (docs/design.md, Restart): stop and mount it again, or \
+             mount it with --transport legacy to restart it without unmounting",
+            handover.mountpoint.display()
+        )
     });
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
     let watcher = neg._watcher.as_ref().map(|w| w.dup()).transpose()?;
@@ -837,7 +840,7 @@ fn hand_over(
     };
     if uid != 0 && uid != euid {
         return Err(refuse(&format!(
-            "user {uid} may not restart this export (only its owner {euid} or root)"
+            "user {uid} may not restart this export: run fusex restart as root or as user {euid}"
         )));
     }
     let (hello, _) = recv(stream).context("reading the request")?;
