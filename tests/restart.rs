@@ -275,3 +275,52 @@ fn the_auto_unmount_watcher_follows_the_restart() {
     );
     let _ = m.wait_exit();
 }
+
+/// Waits for one datagram on `sock` (its read timeout is set by the caller).
+fn datagram(sock: &std::os::unix::net::UnixDatagram) -> String {
+    let mut buf = [0u8; 4096];
+    let n = sock
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("no notification within {TIMEOUT:?}: {e}"));
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn systemd_hears_reloading_the_new_main_pid_and_ready() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    if !require_fuse() || uring() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-notify", 4 * MIB);
+    let name = format!("fusex-e2e-restart-notify-{}", std::process::id());
+    let sock =
+        UnixDatagram::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
+    sock.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let opts = SpawnOpts {
+        env: vec![("NOTIFY_SOCKET".into(), format!("@{name}").into())],
+        ..SpawnOpts::default()
+    };
+    let (mut m, _) =
+        Mount::start_daemonized_opts(&w, &img, &mp, &pid_file, &["--writable"], &opts)
+            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let old = m.pid();
+    let ready = datagram(&sock);
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    assert!(ready.lines().any(|l| l == format!("MAINPID={old}")), "{ready:?}");
+    // `fusex restart` runs without NOTIFY_SOCKET: the new daemon uses the old one's.
+    let new = restart_ok(&w, &mut m, &pid_file);
+    let reloading = datagram(&sock);
+    assert!(reloading.lines().any(|l| l == "RELOADING=1"), "{reloading:?}");
+    assert!(reloading.lines().any(|l| l.starts_with("MONOTONIC_USEC=")), "{reloading:?}");
+    let main = datagram(&sock);
+    assert_eq!(main, format!("MAINPID={new}"), "the old daemon names its successor");
+    let ready = datagram(&sock);
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    assert!(ready.lines().any(|l| l == format!("MAINPID={new}")), "{ready:?}");
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export served by the new daemon");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    let stopping = datagram(&sock);
+    assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
+}
