@@ -43,11 +43,27 @@ fn conn_dev(mp: &Path) -> (u32, u32) {
 fn restart_ok(w: &WorkDir, m: &mut Mount, pid_file: &Path) -> i32 {
     let old = m.pid();
     let dev = conn_dev(m.path());
-    let r = run_fusex(w, &[Path::new("restart").as_os_str(), m.path().as_os_str()], None);
-    assert_eq!(r.code, Some(0), "fusex restart failed; stderr:\n{}", r.stderr);
-    assert!(r.stdout.is_empty(), "restart printed to stdout: {:?}", r.stdout);
+    let r = run_fusex(
+        w,
+        &[Path::new("restart").as_os_str(), m.path().as_os_str()],
+        None,
+    );
+    assert_eq!(
+        r.code,
+        Some(0),
+        "fusex restart failed; stderr:\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stdout.is_empty(),
+        "restart printed to stdout: {:?}",
+        r.stdout
+    );
     let new = read_pid(pid_file);
-    assert!(new > 0 && new != old, "pid file names the new daemon ({new}, old {old})");
+    assert!(
+        new > 0 && new != old,
+        "pid file names the new daemon ({new}, old {old})"
+    );
     assert!(pid_alive(new), "the new daemon runs");
     m.adopt_pid(new);
     assert!(
@@ -184,10 +200,18 @@ fn ten_restarts_under_verified_writes() {
     writers.wait_for_progress(20);
     if uring() {
         let old = m.pid();
-        let r = run_fusex(&w, &[Path::new("restart").as_os_str(), mp.as_os_str()], None);
+        let r = run_fusex(
+            &w,
+            &[Path::new("restart").as_os_str(), mp.as_os_str()],
+            None,
+        );
         r.assert_one_error_line("fusex restart of an io_uring export");
         assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
-        assert_eq!(read_pid(&pid_file), old, "the old daemon keeps its pid file");
+        assert_eq!(
+            read_pid(&pid_file),
+            old,
+            "the old daemon keeps its pid file"
+        );
         writers.wait_for_progress(20);
     } else {
         for _ in 0..10 {
@@ -198,10 +222,16 @@ fn ten_restarts_under_verified_writes() {
     let model = writers.finish();
     assert_bytes_eq(&read_all(&mp), &model, 0, "export after the restarts");
     let st = m.stop();
-    assert!(st.exited && !st.left_mounted, "the last daemon unmounts at SIGTERM");
+    assert!(
+        st.exited && !st.left_mounted,
+        "the last daemon unmounts at SIGTERM"
+    );
     assert_bytes_eq(&read_all(&img), &model, 0, "image after the restarts");
     assert!(!pid_file.exists(), "the last daemon removes the pid file");
-    assert!(!mp.exists(), "the mountpoint fusex created is removed at the end");
+    assert!(
+        !mp.exists(),
+        "the mountpoint fusex created is removed at the end"
+    );
 }
 
 #[test]
@@ -216,12 +246,20 @@ fn a_failed_restart_leaves_the_old_daemon_serving() {
     // The new daemon cannot reopen the image: it is not at its path any more.
     let moved = w.join("moved.img");
     fs::rename(&img, &moved).unwrap();
-    let r = run_fusex(&w, &[Path::new("restart").as_os_str(), mp.as_os_str()], None);
+    let r = run_fusex(
+        &w,
+        &[Path::new("restart").as_os_str(), mp.as_os_str()],
+        None,
+    );
     r.assert_one_error_line("fusex restart with the image gone");
     if uring() {
         assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
     } else {
-        assert!(r.stderr.contains("disk.img"), "names the image: {}", r.stderr);
+        assert!(
+            r.stderr.contains("disk.img"),
+            "names the image: {}",
+            r.stderr
+        );
     }
     fs::rename(&moved, &img).unwrap();
     assert!(pid_alive(old), "the old daemon still runs");
@@ -256,14 +294,9 @@ fn the_auto_unmount_watcher_follows_the_restart() {
         return;
     }
     let (w, img, mp, pid_file, model) = setup("restart-watch", 4 * MIB);
-    let (mut m, _) = Mount::start_daemonized(
-        &w,
-        &img,
-        &mp,
-        &pid_file,
-        &["--writable", "--auto-unmount"],
-    )
-    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let (mut m, _) =
+        Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable", "--auto-unmount"])
+            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let new = restart_ok(&w, &mut m, &pid_file);
     // The old daemon's exit released its end of the watcher's pipe; the new one holds it.
     assert_bytes_eq(&read_all(&mp), &model, 0, "export served by the new daemon");
@@ -301,23 +334,38 @@ fn systemd_hears_reloading_the_new_main_pid_and_ready() {
         env: vec![("NOTIFY_SOCKET".into(), format!("@{name}").into())],
         ..SpawnOpts::default()
     };
-    let (mut m, _) =
-        Mount::start_daemonized_opts(&w, &img, &mp, &pid_file, &["--writable"], &opts)
-            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let (mut m, _) = Mount::start_daemonized_opts(&w, &img, &mp, &pid_file, &["--writable"], &opts)
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let old = m.pid();
     let ready = datagram(&sock);
     assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
-    assert!(ready.lines().any(|l| l == format!("MAINPID={old}")), "{ready:?}");
+    assert!(
+        ready.lines().any(|l| l == format!("MAINPID={old}")),
+        "{ready:?}"
+    );
     // `fusex restart` runs without NOTIFY_SOCKET: the new daemon uses the old one's.
     let new = restart_ok(&w, &mut m, &pid_file);
     let reloading = datagram(&sock);
-    assert!(reloading.lines().any(|l| l == "RELOADING=1"), "{reloading:?}");
-    assert!(reloading.lines().any(|l| l.starts_with("MONOTONIC_USEC=")), "{reloading:?}");
+    assert!(
+        reloading.lines().any(|l| l == "RELOADING=1"),
+        "{reloading:?}"
+    );
+    assert!(
+        reloading.lines().any(|l| l.starts_with("MONOTONIC_USEC=")),
+        "{reloading:?}"
+    );
     let main = datagram(&sock);
-    assert_eq!(main, format!("MAINPID={new}"), "the old daemon names its successor");
+    assert_eq!(
+        main,
+        format!("MAINPID={new}"),
+        "the old daemon names its successor"
+    );
     let ready = datagram(&sock);
     assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
-    assert!(ready.lines().any(|l| l == format!("MAINPID={new}")), "{ready:?}");
+    assert!(
+        ready.lines().any(|l| l == format!("MAINPID={new}")),
+        "{ready:?}"
+    );
     assert_bytes_eq(&read_all(&mp), &model, 0, "export served by the new daemon");
     let st = m.stop();
     assert!(st.exited && !st.left_mounted);

@@ -451,15 +451,27 @@ mod tests {
         lock_file(&old, Claim::raw(Locking::Exclusive, true, true), "old").unwrap();
         // The exclusive claim would find the predecessor; the takeover takes the same bytes.
         assert_eq!(
-            in_use(lock_file(&new, Claim::raw(Locking::Exclusive, true, true), "new")),
+            in_use(lock_file(
+                &new,
+                Claim::raw(Locking::Exclusive, true, true),
+                "new"
+            )),
             "write"
         );
         lock_file(&new, Claim::raw(Locking::Takeover, true, true), "new").unwrap();
         drop(old);
         // A third user is refused throughout: first by both, now by the successor alone.
-        let third = File::options().read(true).write(true).open(f.path()).unwrap();
+        let third = File::options()
+            .read(true)
+            .write(true)
+            .open(f.path())
+            .unwrap();
         assert_eq!(
-            in_use(lock_file(&third, Claim::raw(Locking::Exclusive, true, false), "third")),
+            in_use(lock_file(
+                &third,
+                Claim::raw(Locking::Exclusive, true, false),
+                "third"
+            )),
             "write"
         );
     }

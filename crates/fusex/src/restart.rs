@@ -193,7 +193,10 @@ pub fn identify(path: &std::path::Path) -> Result<MountIdentity> {
         .join(path.file_name().context("no file name")?);
     match transport::fuse_mount_at(&canon) {
         Some(e) if e.is_fusex() => {}
-        Some(e) => bail!("{shown} is a FUSE mount of type {}, not a fusex export", e.fstype),
+        Some(e) => bail!(
+            "{shown} is a FUSE mount of type {}, not a fusex export",
+            e.fstype
+        ),
         None => bail!("{shown} is not a FUSE mount: give the file a fusex export is mounted on"),
     }
     MountIdentity::of_path(&canon).with_context(|| format!("identifying the mount at {shown}"))

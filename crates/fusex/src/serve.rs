@@ -835,7 +835,11 @@ fn hand_over(
     use crate::restart::{expect, peer, recv, send};
     let (pid, uid) = peer(stream).context("peer credentials")?;
     let refuse = |why: &str| {
-        let _ = send(stream, &serde_json::json!({"op": "refused", "error": why}), &[]);
+        let _ = send(
+            stream,
+            &serde_json::json!({"op": "refused", "error": why}),
+            &[],
+        );
         anyhow::anyhow!("{why}")
     };
     if uid != 0 && uid != euid {
@@ -1091,8 +1095,11 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     };
     let dev = state["dev"].as_array().context("dev")?;
     let part = |i: usize| dev.get(i).and_then(Value::as_u64).unwrap_or(0) as u32;
-    let identity =
-        transport::MountIdentity::from_parts(num("mount_id")?, state["unique"] == true, (part(0), part(1)));
+    let identity = transport::MountIdentity::from_parts(
+        num("mount_id")?,
+        state["unique"] == true,
+        (part(0), part(1)),
+    );
     let created = state["created"].as_array().map(|c| {
         let p = |i: usize| c.get(i).and_then(Value::as_u64).unwrap_or(0);
         (p(0) as u32, p(1) as u32, p(2))
