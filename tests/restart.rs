@@ -372,3 +372,46 @@ fn systemd_hears_reloading_the_new_main_pid_and_ready() {
     let stopping = datagram(&sock);
     assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
 }
+
+#[test]
+fn restarts_of_a_writable_qcow2_export_keep_its_metadata_whole() {
+    if !require_fuse_and_tools(&["qemu-img"]) || uring() {
+        return;
+    }
+    let w = WorkDir::new("restart-qcow2");
+    let img = w.join("disk.qcow2");
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&img)
+            .arg("16M"),
+    );
+    let mp = w.join("disk.raw");
+    let pid_file = w.join("fusex.pid");
+    let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    // Every write allocates clusters while the daemons change hands.
+    let writers = Writers::start(&mp, vec![0u8; 16 * MIB as usize], 2);
+    writers.wait_for_progress(20);
+    for _ in 0..5 {
+        restart_ok(&w, &mut m, &pid_file);
+        writers.wait_for_progress(20);
+    }
+    let model = writers.finish();
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export after the restarts");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["check", "-q"])
+            .arg(&img),
+    );
+    let want = w.join("model.raw");
+    fs::write(&want, &model).unwrap();
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
+            .arg(&img)
+            .arg(&want),
+    );
+}

@@ -192,7 +192,7 @@ impl From<FormatArg> for backend::Format {
 pub const DEFAULT_REQUEST_TIMEOUT: u16 = 600;
 
 /// `fusex mount`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct MountArgs {
     /// Image file or block device (raw or qcow2), or null:SIZE (zeroes; drops writes).
     pub image: String,

@@ -1066,7 +1066,22 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         Some(v) => crate::notify::Notifier::connect(&v)?,
         None => crate::notify::Notifier::from_env()?,
     };
-    let (export, pt) = open_export(&args, true)?;
+    // A writable qcow2 image's tables change while the old daemon serves it: opened now, this
+    // process would cache stale ones. So it is only tried now (read-only, no locks: can it be
+    // opened at all?) and opened for real once the old daemon has flushed it and let go.
+    let reopen = args.writable
+        && args.format != crate::cli::FormatArg::Raw
+        && !args.image.starts_with("null:")
+        && backend::qcow2::probe(Path::new(&args.image)).unwrap_or(false);
+    let opened = if reopen {
+        let mut trial = args.clone();
+        (trial.writable, trial.growable, trial.max_size) = (false, false, None);
+        (trial.no_locking, trial.force_share) = (true, false);
+        drop(open_export(&trial, false)?);
+        None
+    } else {
+        Some(open_export(&args, true)?)
+    };
     let max_write = u32::try_from(num("max_write")?).context("max_write")?;
     let negotiated = transport::Negotiated {
         minor: num("minor")? as u32,
@@ -1082,7 +1097,14 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     if negotiated.has(FUSE_OVER_IO_URING) {
         bail!("the export uses the io_uring transport, which cannot be handed over");
     }
-    let backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+    let mut backing = None;
+    let opened = match opened {
+        Some((export, pt)) => {
+            backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+            Some(export)
+        }
+        None => None,
+    };
     let queues = usize::try_from(num("queues")?)?.max(1);
     let depth = usize::try_from(num("depth")?)?.max(1);
     let possible = crate::affinity::possible_cpus();
@@ -1114,8 +1136,20 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     send(&sock, &json!({"op": "release"}), &[])?;
     let (msg, _) = recv(&sock).context("the old daemon went away before letting go")?;
     expect(&msg, "released")?;
-    // The old daemon may have grown the image since it was opened here.
-    let _ = export.backend().refresh_size();
+    let export = match opened {
+        // The old daemon may have grown the image since it was opened here.
+        Some(export) => {
+            let _ = export.backend().refresh_size();
+            export
+        }
+        None => {
+            // Past the point of return: the old daemon no longer serves. Failing here ends the
+            // export as a failed start does (the --auto-unmount watcher then unmounts it).
+            let (export, pt) = open_export(&args, true)?;
+            backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+            export
+        }
+    };
     let mnt = Mount::adopt(handover, conn);
     tracing::info!(
         "restart: took over {} at {} (FUSE 7.{}, max_write {} KiB, {queues} legacy queues)",
