@@ -415,3 +415,109 @@ fn restarts_of_a_writable_qcow2_export_keep_its_metadata_whole() {
             .arg(&want),
     );
 }
+
+#[test]
+fn fio_verify_runs_through_ten_restarts() {
+    /// fio's queue depth: at most this many of its requests are in flight at any time.
+    const IODEPTH: u64 = 16;
+    if !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, _) = setup("restart-fio", 16 * MIB);
+    let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let mut writes = WriteWatch::new(&img);
+    let fio_log = w.join("fio.json");
+    let mut filename = std::ffi::OsString::from("--filename=");
+    filename.push(&mp);
+    // Writes with a crc32c in every block, each verified by reading it back soon after
+    // (verify_backlog), pass after pass until stopped.
+    let mut fio = ChildGuard(
+        std::process::Command::new("fio")
+            .args([
+                "--name=v",
+                "--rw=randwrite",
+                "--bs=4k",
+                &format!("--iodepth={IODEPTH}"),
+                "--ioengine=libaio",
+                "--direct=1",
+                "--size=8M",
+                "--loops=1000000",
+                "--verify=crc32c",
+                "--verify_backlog=64",
+                "--verify_fatal=1",
+                "--fallocate=none",
+                "--output-format=json",
+            ])
+            .arg(&filename)
+            .stdin(std::process::Stdio::null())
+            .stdout(fs::File::create(&fio_log).unwrap())
+            .stderr(fs::File::create(w.join("fio.stderr")).unwrap())
+            .spawn()
+            .expect("spawn fio"),
+    );
+    let fio_output = || {
+        format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&fs::read(&fio_log).unwrap_or_default()),
+            String::from_utf8_lossy(&fs::read(w.join("fio.stderr")).unwrap_or_default()),
+        )
+    };
+    let restarts = if uring() { 1 } else { 10 };
+    for _ in 0..restarts {
+        let n = writes.seen();
+        let flowing = writes.wait_for_more_than(n + IODEPTH, &mut fio, Instant::now() + PATIENCE);
+        if let Some(st) = fio.try_wait() {
+            panic!("fio ended during the restarts ({st}):\n{}", fio_output());
+        }
+        assert!(
+            flowing,
+            "fio's writes stopped reaching the image:\n{}",
+            fio_output()
+        );
+        if uring() {
+            let r = run_fusex(
+                &w,
+                &[Path::new("restart").as_os_str(), mp.as_os_str()],
+                None,
+            );
+            r.assert_one_error_line("fusex restart of an io_uring export");
+        } else {
+            restart_ok(&w, &mut m, &pid_file);
+        }
+    }
+    let n = writes.seen();
+    assert!(
+        writes.wait_for_more_than(n + IODEPTH, &mut fio, Instant::now() + PATIENCE),
+        "fio's writes reach the image after the last restart"
+    );
+    // SIGINT: fio finishes what it has in flight and writes its report.
+    send_signal(fio.pid(), libc::SIGINT);
+    let done = wait_until(Instant::now() + PATIENCE, || fio.try_wait().is_some());
+    assert!(done, "fio ends at SIGINT");
+    // fio says "terminating on signal 2" ahead of its report.
+    let out = fs::read(&fio_log).unwrap();
+    let start = out.iter().position(|&b| b == b'{').unwrap_or(0);
+    let report: serde_json::Value = serde_json::from_slice(&out[start..])
+        .unwrap_or_else(|e| panic!("fio's report: {e}\n{}", fio_output()));
+    let job = &report["jobs"][0];
+    assert_eq!(job["error"], 0, "fio saw an error:\n{}", fio_output());
+    assert!(
+        job["write"]["io_bytes"].as_u64().unwrap_or(0) > 0,
+        "fio wrote:\n{}",
+        fio_output()
+    );
+    // The verify reads (verify_backlog) are counted as reads.
+    assert!(
+        job["read"]["io_bytes"].as_u64().unwrap_or(0) > 0,
+        "fio verified:\n{}",
+        fio_output()
+    );
+    let stderr = String::from_utf8_lossy(&fs::read(w.join("fio.stderr")).unwrap()).to_string();
+    assert!(
+        !stderr.contains("verify") && !stderr.to_lowercase().contains("error"),
+        "fio complained:\n{stderr}"
+    );
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+}
