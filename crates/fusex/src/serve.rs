@@ -1030,6 +1030,16 @@ fn take_over(path: &Path) -> Result<TakenOver> {
             "no fusex daemon takes restarts of {shown} ({e}): it may predate fusex restart"
         )
     })?;
+    // Only a daemon of root or of this user is believed (anyone may bind an abstract name).
+    let (_, owner) = crate::restart::peer(&sock).context("restart socket peer")?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if owner != 0 && owner != euid {
+        bail!(
+            "the restart socket of {shown} belongs to user {owner}, not to root or to you: \
+             stop whatever listens there"
+        );
+    }
     send(&sock, &json!({"op": "hello"}), &[])?;
     let (state, fds) = recv(&sock).context("reading the export's state from its daemon")?;
     expect(&state, "state")?;
