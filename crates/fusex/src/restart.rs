@@ -201,3 +201,56 @@ pub fn identify(path: &std::path::Path) -> Result<MountIdentity> {
     }
     MountIdentity::of_path(&canon).with_context(|| format!("identifying the mount at {shown}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn messages_carry_descriptors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f = tempfile::tempfile().unwrap();
+        let (r, w) = std::io::pipe().unwrap();
+        let fds = [f.as_raw_fd(), w.as_fd().as_raw_fd()];
+        send(&a, &serde_json::json!({"op": "state", "n": 7}), &fds).unwrap();
+        send(&a, &serde_json::json!({"op": "released"}), &[]).unwrap();
+        let (msg, got) = recv(&b).unwrap();
+        assert_eq!(op(&msg), "state");
+        assert_eq!(msg["n"], 7);
+        assert_eq!(got.len(), 2);
+        // The received pipe end is the same pipe.
+        drop(w);
+        let mut wr = std::fs::File::from(got.into_iter().nth(1).unwrap());
+        wr.write_all(b"x").unwrap();
+        drop(wr);
+        let mut s = String::new();
+        (&r).read_to_string(&mut s).unwrap();
+        assert_eq!(s, "x");
+        let (msg, got) = recv(&b).unwrap();
+        expect(&msg, "released").unwrap();
+        assert!(got.is_empty());
+    }
+
+    #[test]
+    fn refusals_and_garbage_are_errors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        send(
+            &a,
+            &serde_json::json!({"op": "refused", "error": "no: because"}),
+            &[],
+        )
+        .unwrap();
+        let (msg, _) = recv(&b).unwrap();
+        assert_eq!(
+            expect(&msg, "state").unwrap_err().to_string(),
+            "no: because"
+        );
+        (&a).write_all(&[3, 0, 0, 0, b'{', b'x', b'}']).unwrap();
+        assert!(recv(&b).is_err());
+        (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
+        assert!(recv(&b).is_err());
+        drop(a);
+        assert!(recv(&b).is_err());
+    }
+}

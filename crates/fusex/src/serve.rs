@@ -833,6 +833,9 @@ fn hand_over(
     watcher: &Option<std::os::fd::OwnedFd>,
 ) -> Result<u32> {
     use crate::restart::{expect, peer, recv, send};
+    // A peer that stops talking must not keep this thread (and so every later restart) forever;
+    // generous, since the new process opens the image in between.
+    stream.set_read_timeout(Some(Duration::from_secs(300)))?;
     let (pid, uid) = peer(stream).context("peer credentials")?;
     let refuse = |why: &str| {
         let _ = send(
