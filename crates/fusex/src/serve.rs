@@ -705,6 +705,13 @@ fn run_queues(
     per_queue.sort_by_key(|q| q["queue"].as_u64());
     tracing::info!("served {} requests", total.requests());
     let flushed = flushed.unwrap_or(Ok(false));
+    if let Some(pid) = handed_to {
+        // The successor serves the mount: an error now must not make this process take it down.
+        if let Some(f) = failure {
+            tracing::error!("after handing over to process {pid}: {f}");
+        }
+        return Ok((total.to_json(), handed_to));
+    }
     if let Some(f) = failure {
         bail!(f);
     }
