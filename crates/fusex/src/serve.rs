@@ -683,8 +683,12 @@ fn run_queues(
         }
         if stop.load(Ordering::Acquire) && quiet >= nq {
             if let Some((stream, pid)) = successor.take() {
-                release(&mut flushed, export, &stream, pid, notifier);
-                handed_to = Some(pid);
+                if release(&mut flushed, export, &stream, pid, notifier) {
+                    handed_to = Some(pid);
+                } else {
+                    // Nobody took the export: end it as a stop would.
+                    finish(&mut flushed, export, mnt);
+                }
             } else {
                 finish(&mut flushed, export, mnt);
             }
@@ -727,14 +731,14 @@ fn run_queues(
 
 /// `fusex restart`, the old daemon's side once every queue is quiet: flush a writable image, tell
 /// the successor it may serve, and name it the service's main process. The connection is left
-/// alone (the successor holds it).
+/// alone (the successor holds it). False when the successor could not be told (it is gone).
 fn release(
     flushed: &mut Option<Result<bool>>,
     export: &Export<Served>,
     stream: &std::os::unix::net::UnixStream,
     pid: u32,
     notifier: &crate::notify::Notifier,
-) {
+) -> bool {
     let f = final_flush(export);
     if let Err(e) = &f {
         // The successor serves the same file through the same page cache; durability is what
@@ -743,8 +747,14 @@ fn release(
     }
     *flushed = Some(f);
     match crate::restart::send(stream, &serde_json::json!({"op": "released"}), &[]) {
-        Ok(()) => notifier.main_pid(pid),
-        Err(e) => tracing::error!("restart: cannot tell process {pid} it may serve: {e}"),
+        Ok(()) => {
+            notifier.main_pid(pid);
+            true
+        }
+        Err(e) => {
+            tracing::error!("restart: cannot tell process {pid} it may serve ({e}); unmounting");
+            false
+        }
     }
 }
 
