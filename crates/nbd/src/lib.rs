@@ -22,7 +22,8 @@ pub const FLAG_READ_ONLY: u16 = 1 << 1;
 pub const FLAG_SEND_FLUSH: u16 = 1 << 2;
 /// `NBD_FLAG_SEND_FUA`.
 pub const FLAG_SEND_FUA: u16 = 1 << 3;
-/// `NBD_FLAG_SEND_TRIM`.
+/// `NBD_FLAG_SEND_TRIM` (fusex does not send TRIM: it leaves contents unspecified, and a
+/// punched hole must read as zeroes).
 pub const FLAG_SEND_TRIM: u16 = 1 << 5;
 /// `NBD_FLAG_SEND_WRITE_ZEROES`.
 pub const FLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;

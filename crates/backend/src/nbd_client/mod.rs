@@ -260,6 +260,19 @@ impl NbdBackend {
         r.map_err(errno)
     }
 
+    async fn zero(&self, eng: &Engine, off: u64, len: u64, flags: u16) -> Result<()> {
+        if !self.opts.writable {
+            return Err(errno(libc::EROFS));
+        }
+        if !self.export.has(nbd::FLAG_SEND_WRITE_ZEROES) {
+            return Err(BackendError::Unsupported);
+        }
+        let conn = self.conn()?;
+        self.aligned(&conn, off, len)?;
+        let fua = if self.fua() { nbd::CMD_FLAG_FUA } else { 0 };
+        self.ranged(eng, Command::WriteZeroes, flags | fua, off, len).await
+    }
+
     async fn ranged(&self, eng: &Engine, cmd: Command, flags: u16, off: u64, len: u64) -> Result<()> {
         let end = off.saturating_add(len).min(self.export.size);
         let mut at = off;
@@ -328,22 +341,14 @@ impl BlockBackend for NbdBackend {
     }
 
     async fn discard(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
-        if !self.export.has(nbd::FLAG_SEND_TRIM) {
-            return Err(BackendError::Unsupported);
-        }
-        let conn = self.conn()?;
-        self.aligned(&conn, off, len)?;
-        self.ranged(eng, Command::Trim, 0, off, len).await
+        // NBD_CMD_TRIM leaves the range's contents unspecified, but a punched hole must read as
+        // zeroes: WRITE_ZEROES without NO_HOLE zeroes the range and lets the server deallocate it.
+        self.zero(eng, off, len, 0).await
     }
 
     async fn write_zeroes(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
-        if !self.export.has(nbd::FLAG_SEND_WRITE_ZEROES) {
-            return Err(BackendError::Unsupported);
-        }
-        let conn = self.conn()?;
-        self.aligned(&conn, off, len)?;
-        let flags = if self.fua() { nbd::CMD_FLAG_FUA } else { 0 };
-        self.ranged(eng, Command::WriteZeroes, flags, off, len).await
+        // fallocate's ZERO_RANGE keeps the range allocated.
+        self.zero(eng, off, len, nbd::CMD_FLAG_NO_HOLE).await
     }
 
     async fn allocate(&self, _eng: &Engine, _off: u64, _len: u64) -> Result<()> {
