@@ -38,7 +38,11 @@ fn wait_listening(sock: &Path, server: &mut ChildGuard) {
         if let Some(st) = server.try_wait() {
             panic!("the NBD server exited early: {st}");
         }
-        assert!(Instant::now() < deadline, "no NBD server on {}", sock.display());
+        assert!(
+            Instant::now() < deadline,
+            "no NBD server on {}",
+            sock.display()
+        );
         thread::sleep(Duration::from_millis(10));
     }
 }
@@ -99,7 +103,8 @@ fn connections_to(sock: &Path) -> usize {
 
 fn write_direct(f: &File, data: &[u8], off: u64) {
     let b = AlignedBuf::from_slice(data, 4096);
-    f.write_all_at(b.as_slice(), off).expect("write through the export");
+    f.write_all_at(b.as_slice(), off)
+        .expect("write through the export");
 }
 
 fn read_direct(f: &File, off: u64, len: usize) -> std::io::Result<Vec<u8>> {
@@ -153,7 +158,12 @@ fn qemu_nbd_raw_round_trip() {
     st.assert_clean("nbd raw");
     assert!(st.stat(&["ops", "WRITE"]) >= 64);
     server.kill_and_wait();
-    assert_bytes_eq(&read_all(&img), &expected, 0, "image file after the export ended");
+    assert_bytes_eq(
+        &read_all(&img),
+        &expected,
+        0,
+        "image file after the export ended",
+    );
 }
 
 #[test]
@@ -165,7 +175,12 @@ fn qemu_nbd_qcow2_round_trip() {
     let raw = w.join("oracle.raw");
     let mut expected = random_image(&raw, 8 * MIB, 3);
     let img = w.join("img.qcow2");
-    run_ok(Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "qcow2"]).arg(&raw).arg(&img));
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "qcow2"])
+            .arg(&raw)
+            .arg(&img),
+    );
     let sock = w.join("s.sock");
     let mut server = qemu_nbd(&sock, &["-f", "qcow2"], &img);
     let mp = w.join("export");
@@ -177,7 +192,12 @@ fn qemu_nbd_qcow2_round_trip() {
     m.stop().assert_clean("nbd qcow2");
     server.kill_and_wait();
     fs::write(&raw, &expected).unwrap();
-    run_ok(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "qcow2"]).arg(&raw).arg(&img));
+    run_ok(
+        Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "qcow2"])
+            .arg(&raw)
+            .arg(&img),
+    );
 }
 
 #[test]
@@ -192,18 +212,34 @@ fn nbdkit_memory_write_trim_zero() {
     let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable"]);
     let mut expected = vec![0u8; 8 * MIB as usize];
     let f = open_direct_rw(&mp);
-    assert_bytes_eq(&read_direct(&f, 0, expected.len()).unwrap(), &expected, 0, "fresh memory");
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "fresh memory",
+    );
     let mut rng = Rng::new(5);
     let data = rng.bytes(expected.len());
     write_direct(&f, &data, 0);
     expected.copy_from_slice(&data);
     // Punch a hole and zero a range: both read back as zeroes.
-    fallocate(&f, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, MIB, 256 * KIB).unwrap();
+    fallocate(
+        &f,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        MIB,
+        256 * KIB,
+    )
+    .unwrap();
     expected[MIB as usize..(MIB + 256 * KIB) as usize].fill(0);
     fallocate(&f, libc::FALLOC_FL_ZERO_RANGE, 3 * MIB, 64 * KIB).unwrap();
     expected[3 * MIB as usize..(3 * MIB + 64 * KIB) as usize].fill(0);
     f.sync_all().unwrap();
-    assert_bytes_eq(&read_direct(&f, 0, expected.len()).unwrap(), &expected, 0, "after trim and zero");
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "after trim and zero",
+    );
     // No growing, no truncating: the export's size is the server's.
     assert!(f.set_len(16 * MIB).is_err());
     drop(f);
@@ -227,9 +263,17 @@ fn multi_conn_one_connection_per_queue() {
         &w,
         &mp,
         &[
-            "--name=v", "--rw=randwrite", "--bs=4k", "--size=8M", "--numjobs=2",
-            "--offset_increment=8M", "--ioengine=psync", "--direct=1", "--verify=crc32c",
-            "--cpus_allowed=0-1", "--cpus_allowed_policy=split",
+            "--name=v",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=8M",
+            "--numjobs=2",
+            "--offset_increment=8M",
+            "--ioengine=psync",
+            "--direct=1",
+            "--verify=crc32c",
+            "--cpus_allowed=0-1",
+            "--cpus_allowed_policy=split",
         ],
     );
     assert!(out.contains("err= 0"), "{out}");
@@ -251,8 +295,18 @@ fn multi_conn_one_connection_per_queue() {
     let _q = qemu_nbd(&sock2, &["-f", "raw"], &img);
     let mp2 = w.join("export2");
     let m = Mount::start(&w, uri(&sock2, ""), &mp2, &["--writable", "--queues", "2"]);
-    assert!(m.stderr().contains("does not advertise multi-conn: serving with 1 queue"), "{}", m.stderr());
-    assert_bytes_eq(&read_all(&mp2), &read_all(&img), 0, "single-connection export");
+    assert!(
+        m.stderr()
+            .contains("does not advertise multi-conn: serving with 1 queue"),
+        "{}",
+        m.stderr()
+    );
+    assert_bytes_eq(
+        &read_all(&mp2),
+        &read_all(&img),
+        0,
+        "single-connection export",
+    );
     let st = m.stop();
     st.assert_clean("no multi-conn");
     assert_eq!(st.stats()["queues"].as_array().unwrap().len(), 1);
@@ -268,7 +322,7 @@ fn block_status_matches_seek_hole() {
     sparse_image(&img, 16 * MIB);
     {
         let f = open_rw(&img);
-        for (off, len) in [(MIB, 64 * KIB), (5 * MIB, 1 * MIB), (15 * MIB, 4 * KIB)] {
+        for (off, len) in [(MIB, 64 * KIB), (5 * MIB, MIB), (15 * MIB, 4 * KIB)] {
             f.write_all_at(&vec![0xa5; len as usize], off).unwrap();
         }
         f.sync_all().unwrap();
@@ -281,9 +335,16 @@ fn block_status_matches_seek_hole() {
     let exp = m.open_ro();
     let file = open_ro(&img);
     let mut checked = 0;
-    for off in (0..16 * MIB).step_by(64 * KIB as usize).chain([MIB + 100, 16 * MIB - 1]) {
+    for off in (0..16 * MIB)
+        .step_by(64 * KIB as usize)
+        .chain([MIB + 100, 16 * MIB - 1])
+    {
         for whence in [libc::SEEK_DATA, libc::SEEK_HOLE] {
-            assert_eq!(lseek(&exp, off, whence), lseek(&file, off, whence), "lseek({off}, {whence})");
+            assert_eq!(
+                lseek(&exp, off, whence),
+                lseek(&file, off, whence),
+                "lseek({off}, {whence})"
+            );
             checked += 1;
         }
     }
@@ -304,7 +365,12 @@ fn server_killed_mid_io_then_back() {
     let sock = w.join("s.sock");
     let mut server = qemu_nbd(&sock, &["-f", "raw", "-e", "4"], &img);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--reconnect-delay", "0.05", "--queues", "1"]);
+    let m = Mount::start(
+        &w,
+        uri(&sock, ""),
+        &mp,
+        &["--reconnect-delay", "0.05", "--queues", "1"],
+    );
     // Readers keep I/O in flight while the server dies.
     let stop = Arc::new(AtomicUsize::new(0));
     let errors = Arc::new(AtomicUsize::new(0));
@@ -318,7 +384,12 @@ fn server_killed_mid_io_then_back() {
                 while stop.load(Ordering::Relaxed) == 0 {
                     let off = rng.below(8 * MIB / 65536) * 65536;
                     match read_direct(&f, off, 65536) {
-                        Ok(b) => assert_bytes_eq(&b, &expected[off as usize..off as usize + 65536], off, "reader"),
+                        Ok(b) => assert_bytes_eq(
+                            &b,
+                            &expected[off as usize..off as usize + 65536],
+                            off,
+                            "reader",
+                        ),
                         Err(e) => {
                             assert_eq!(errno(&e), libc::EIO, "{e}");
                             errors.fetch_add(1, Ordering::Relaxed);
@@ -339,7 +410,12 @@ fn server_killed_mid_io_then_back() {
     let deadline = Instant::now() + TIMEOUT;
     let ok = wait_until(deadline, || read_direct(&f, 0, 4096).is_ok());
     assert!(ok, "reads did not recover; stderr:\n{}", m.stderr());
-    assert_bytes_eq(&read_direct(&f, 0, expected.len()).unwrap(), &expected, 0, "after reconnect");
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "after reconnect",
+    );
     stop.store(1, Ordering::Relaxed);
     for r in readers {
         r.join().expect("reader thread");
@@ -433,19 +509,22 @@ fn fake_conn(mut s: UnixStream, mode: Misbehave) {
         match ty {
             2 => return,
             0 => {
-                let chunk = |out: &mut Vec<u8>, magic: u32, cookie: u64, ty: u16, at: u64, n: u32| {
-                    out.extend_from_slice(&magic.to_be_bytes());
-                    out.extend_from_slice(&1u16.to_be_bytes());
-                    out.extend_from_slice(&ty.to_be_bytes());
-                    out.extend_from_slice(&cookie.to_be_bytes());
-                    out.extend_from_slice(&(n + 8).to_be_bytes());
-                    out.extend_from_slice(&at.to_be_bytes());
-                    out.extend((at..at + u64::from(n)).map(fake_byte));
-                };
+                let chunk =
+                    |out: &mut Vec<u8>, magic: u32, cookie: u64, ty: u16, at: u64, n: u32| {
+                        out.extend_from_slice(&magic.to_be_bytes());
+                        out.extend_from_slice(&1u16.to_be_bytes());
+                        out.extend_from_slice(&ty.to_be_bytes());
+                        out.extend_from_slice(&cookie.to_be_bytes());
+                        out.extend_from_slice(&(n + 8).to_be_bytes());
+                        out.extend_from_slice(&at.to_be_bytes());
+                        out.extend((at..at + u64::from(n)).map(fake_byte));
+                    };
                 const M: u32 = 0x668e_33ef;
                 match mode {
                     Misbehave::BadMagic => chunk(&mut out, 0xdead_beef, cookie, 1, off, len),
-                    Misbehave::UnknownCookie => chunk(&mut out, M, cookie ^ 0x5a5a_0000, 1, off, len),
+                    Misbehave::UnknownCookie => {
+                        chunk(&mut out, M, cookie ^ 0x5a5a_0000, 1, off, len)
+                    }
                     Misbehave::OversizeChunk => chunk(&mut out, M, cookie, 1, off, len + 4096),
                     Misbehave::DataOutsideRequest => chunk(&mut out, M, cookie, 1, off + 512, len),
                     Misbehave::ChunkForWrongCommand => {
@@ -500,17 +579,29 @@ fn malformed_replies_fail_the_request_not_the_daemon() {
         });
     }
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--reconnect-delay", "0.01", "--queues", "1"]);
+    let m = Mount::start(
+        &w,
+        uri(&sock, ""),
+        &mp,
+        &["--reconnect-delay", "0.01", "--queues", "1"],
+    );
     let f = File::open(&mp).unwrap();
     assert_eq!(fs::metadata(&mp).unwrap().len(), FAKE_SIZE);
     for mode in modes {
         let e = read_direct(&f, 8192, 4096).expect_err("a malformed reply must fail the read");
         assert_eq!(errno(&e), libc::EIO, "{mode:?}: {e}");
-        assert!(m.is_mounted() && pid_alive(m.pid()), "{mode:?}: the daemon must survive");
+        assert!(
+            m.is_mounted() && pid_alive(m.pid()),
+            "{mode:?}: the daemon must survive"
+        );
     }
     // The next connection behaves: reads succeed with the right bytes.
     let deadline = Instant::now() + TIMEOUT;
-    assert!(wait_until(deadline, || read_direct(&f, 0, 4096).is_ok()), "{}", m.stderr());
+    assert!(
+        wait_until(deadline, || read_direct(&f, 0, 4096).is_ok()),
+        "{}",
+        m.stderr()
+    );
     let b = read_direct(&f, 12288, 65536).unwrap();
     let want: Vec<u8> = (12288..12288 + 65536).map(fake_byte).collect();
     assert_bytes_eq(&b, &want, 12288, "good connection");
@@ -518,8 +609,18 @@ fn malformed_replies_fail_the_request_not_the_daemon() {
     drop(f);
     let st = m.stop();
     assert_eq!(st.code, Some(0), "{}", st.stderr);
-    for what in ["bad reply magic", "unknown cookie", "impossible length", "chunk outside the request", "reply chunk type 5"] {
-        assert!(st.stderr.contains(what), "{what} not logged:\n{}", st.stderr);
+    for what in [
+        "bad reply magic",
+        "unknown cookie",
+        "impossible length",
+        "chunk outside the request",
+        "reply chunk type 5",
+    ] {
+        assert!(
+            st.stderr.contains(what),
+            "{what} not logged:\n{}",
+            st.stderr
+        );
     }
     assert!(!st.stderr.to_lowercase().contains("panic"), "{}", st.stderr);
 }
@@ -543,7 +644,11 @@ fn startup_failures_are_one_line() {
         ("nbd+unix:///disk".to_string(), "needs ?socket=PATH"),
     ];
     for (image, what) in cases {
-        let r = run_fusex(&w, &["mount", image.as_str(), mp.to_str().unwrap()], Some(&mp));
+        let r = run_fusex(
+            &w,
+            &["mount", image.as_str(), mp.to_str().unwrap()],
+            Some(&mp),
+        );
         assert_eq!(r.code, Some(1), "{image}: {}", r.stderr);
         r.assert_one_error_line(&image);
         assert!(r.stderr.contains(what), "{image}: {}", r.stderr);
@@ -553,12 +658,19 @@ fn startup_failures_are_one_line() {
     let ro = w.join("ro.sock");
     let _ro = qemu_nbd(&ro, &["-f", "raw", "-r"], &img);
     let u = uri(&ro, "");
-    let r = run_fusex(&w, &["mount", "--writable", u.as_str(), mp.to_str().unwrap()], Some(&mp));
+    let r = run_fusex(
+        &w,
+        &["mount", "--writable", u.as_str(), mp.to_str().unwrap()],
+        Some(&mp),
+    );
     assert_eq!(r.code, Some(1), "{}", r.stderr);
-    assert!(r.stderr.contains("read-only: drop --writable"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("read-only: drop --writable"),
+        "{}",
+        r.stderr
+    );
     // The right export works.
     let m = Mount::start(&w, uri(&sock, "disk"), &mp, &[]);
     assert_bytes_eq(&read_all(&mp), &read_all(&img), 0, "named export");
     m.stop().assert_clean("named export");
 }
-

@@ -48,10 +48,14 @@ const RECV_FLAGS: i32 = libc::MSG_WAITALL;
 impl Engine {
     fn net_sqe(&self, fd: Fd, send: bool, ptr: *mut u8, len: u32) -> Sqe {
         if send {
-            with_fd!(self.target(fd), |f| opcode::Send::new(f, ptr.cast_const(), len)
-                .flags(SEND_FLAGS)
-                .build()
-                .into())
+            with_fd!(self.target(fd), |f| opcode::Send::new(
+                f,
+                ptr.cast_const(),
+                len
+            )
+            .flags(SEND_FLAGS)
+            .build()
+            .into())
         } else {
             with_fd!(self.target(fd), |f| opcode::Recv::new(f, ptr, len)
                 .flags(RECV_FLAGS)
@@ -60,7 +64,13 @@ impl Engine {
         }
     }
 
-    fn net_slice(&self, fd: Fd, send: bool, win: Slice, timeout: Option<Timeout>) -> NetSliceOp<'_> {
+    fn net_slice(
+        &self,
+        fd: Fd,
+        send: bool,
+        win: Slice,
+        timeout: Option<Timeout>,
+    ) -> NetSliceOp<'_> {
         let sqe = self.net_sqe(fd, send, win.ptr(), len32(win.len()));
         let op = match timeout {
             // SAFETY: the entry points into `win`, the timespec into `t`; the op owns both
@@ -72,7 +82,13 @@ impl Engine {
         NetSliceOp(op)
     }
 
-    fn net_bytes(&self, fd: Fd, send: bool, mut b: Vec<u8>, timeout: Option<Timeout>) -> BytesOp<'_> {
+    fn net_bytes(
+        &self,
+        fd: Fd,
+        send: bool,
+        mut b: Vec<u8>,
+        timeout: Option<Timeout>,
+    ) -> BytesOp<'_> {
         let sqe = self.net_sqe(fd, send, b.as_mut_ptr(), len32(b.len()));
         let op = match timeout {
             // SAFETY: the entry points into `b`'s heap memory (which does not move with the
@@ -171,7 +187,11 @@ mod tests {
         let mut buf = eng.take_buffer().unwrap();
         buf.as_mut_slice()[..5000].fill(7);
         let (r, win, t) = eng
-            .block_on(eng.send(fd, buf.slice(0..5000), Some(Timeout::new(Duration::from_secs(5)))))
+            .block_on(eng.send(
+                fd,
+                buf.slice(0..5000),
+                Some(Timeout::new(Duration::from_secs(5))),
+            ))
             .unwrap();
         assert_eq!(r.unwrap(), 5000);
         assert!(t.is_some());
@@ -195,7 +215,9 @@ mod tests {
         b.write_all(b"hdr!").unwrap();
         let (r, v, _) = eng.block_on(eng.recv_bytes(fd, vec![0; 4], None)).unwrap();
         assert_eq!((r.unwrap(), v.as_slice()), (4, &b"hdr!"[..]));
-        let (r, _, _) = eng.block_on(eng.send_bytes(fd, b"back".to_vec(), None)).unwrap();
+        let (r, _, _) = eng
+            .block_on(eng.send_bytes(fd, b"back".to_vec(), None))
+            .unwrap();
         assert_eq!(r.unwrap(), 4);
         let mut back = [0u8; 4];
         b.read_exact(&mut back).unwrap();
@@ -208,7 +230,9 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let fd = Fd::Raw(a.as_raw_fd());
         let t = Timeout::new(Duration::from_millis(50));
-        let (r, v, t) = eng.block_on(eng.recv_bytes(fd, vec![0; 16], Some(t))).unwrap();
+        let (r, v, t) = eng
+            .block_on(eng.recv_bytes(fd, vec![0; 16], Some(t)))
+            .unwrap();
         assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ECANCELED));
         assert!(t.is_some());
         drop(b);

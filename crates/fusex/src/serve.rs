@@ -192,7 +192,11 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
             e.min_block,
             e.preferred_block,
             e.max_payload,
-            if e.allocation_context.is_some() { "yes" } else { "no" },
+            if e.allocation_context.is_some() {
+                "yes"
+            } else {
+                "no"
+            },
             if e.structured { "yes" } else { "no" }
         );
         if !n.multi_conn() && threads > 1 {

@@ -173,7 +173,9 @@ pub fn handshake<S: Read + Write>(
             }
         }
         if !done {
-            return Err(HandshakeError::Violation("endless replies to NBD_OPT_SET_META_CONTEXT"));
+            return Err(HandshakeError::Violation(
+                "endless replies to NBD_OPT_SET_META_CONTEXT",
+            ));
         }
     }
 
@@ -197,7 +199,9 @@ pub fn handshake<S: Read + Write>(
                 match info {
                     INFO_EXPORT => {
                         if b.len() != 10 {
-                            return Err(HandshakeError::Violation("NBD_INFO_EXPORT of the wrong size"));
+                            return Err(HandshakeError::Violation(
+                                "NBD_INFO_EXPORT of the wrong size",
+                            ));
                         }
                         let mut sz = [0u8; 8];
                         sz.copy_from_slice(&b[..8]);
@@ -205,7 +209,9 @@ pub fn handshake<S: Read + Write>(
                     }
                     INFO_BLOCK_SIZE => {
                         if b.len() != 12 {
-                            return Err(HandshakeError::Violation("NBD_INFO_BLOCK_SIZE of the wrong size"));
+                            return Err(HandshakeError::Violation(
+                                "NBD_INFO_BLOCK_SIZE of the wrong size",
+                            ));
                         }
                         let u = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
                         blocks = Some((u(0), u(4), u(8)));
@@ -214,8 +220,9 @@ pub fn handshake<S: Read + Write>(
                 }
             }
             REP_ACK => {
-                let (size, flags) =
-                    export.ok_or(HandshakeError::Violation("NBD_OPT_GO acknowledged without NBD_INFO_EXPORT"))?;
+                let (size, flags) = export.ok_or(HandshakeError::Violation(
+                    "NBD_OPT_GO acknowledged without NBD_INFO_EXPORT",
+                ))?;
                 if size > i64::MAX as u64 {
                     return Err(HandshakeError::Violation("export size beyond 2^63"));
                 }
@@ -268,7 +275,9 @@ fn check_blocks(b: Option<(u32, u32, u32)>) -> Result<(u32, u32, u32), Handshake
         && max >= min
         && max % min == 0;
     if !ok {
-        return Err(HandshakeError::Violation("inconsistent NBD_INFO_BLOCK_SIZE"));
+        return Err(HandshakeError::Violation(
+            "inconsistent NBD_INFO_BLOCK_SIZE",
+        ));
     }
     Ok((min, pref, max.min(32 << 20).max(min)))
 }
@@ -301,7 +310,9 @@ fn read_reply<S: Read>(s: &mut S, opt: u32) -> Result<(u32, Vec<u8>), HandshakeE
     }
     let u = |i: usize| u32::from_be_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
     if u(8) != opt {
-        return Err(HandshakeError::Violation("option reply to an option not sent"));
+        return Err(HandshakeError::Violation(
+            "option reply to an option not sent",
+        ));
     }
     let (ty, len) = (u(12), u(16));
     if len > MAX_OPTION_REPLY {
@@ -399,7 +410,10 @@ mod tests {
         let e = r.unwrap();
         assert_eq!(e.size, 1 << 20);
         assert_eq!(e.flags, 0x1ed);
-        assert_eq!((e.min_block, e.preferred_block, e.max_payload), (512, 4096, 1 << 20));
+        assert_eq!(
+            (e.min_block, e.preferred_block, e.max_payload),
+            (512, 4096, 1 << 20)
+        );
         assert!(e.structured);
         assert_eq!(e.allocation_context, Some(7));
         // Client flags: fixed newstyle and no zeroes.
@@ -432,7 +446,10 @@ mod tests {
         reply(&mut srv, OPT_GO, REP_ERR_UNKNOWN, b"no such export");
         assert!(matches!(run(srv).0, Err(HandshakeError::UnknownExport(n)) if n == "exp"));
 
-        assert!(matches!(run(b"HTTP/1.1 200 OK\r\n".to_vec()).0, Err(HandshakeError::NotNbd)));
+        assert!(matches!(
+            run(b"HTTP/1.1 200 OK\r\n".to_vec()).0,
+            Err(HandshakeError::NotNbd)
+        ));
         assert!(matches!(run(Vec::new()).0, Err(HandshakeError::Io(_))));
         let mut old = NBDMAGIC.to_be_bytes().to_vec();
         old.extend_from_slice(&OLDSTYLE_MAGIC.to_be_bytes());

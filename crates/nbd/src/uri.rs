@@ -86,7 +86,9 @@ impl NbdUri {
         }
         let transport = if unix {
             if !authority.is_empty() {
-                return Err(bad("nbd+unix:// takes no host: write nbd+unix:///EXPORT?socket=PATH"));
+                return Err(bad(
+                    "nbd+unix:// takes no host: write nbd+unix:///EXPORT?socket=PATH",
+                ));
             }
             match socket {
                 Some(p) if !p.is_empty() => Transport::Unix(PathBuf::from(p)),
@@ -191,10 +193,7 @@ mod tests {
 
     #[test]
     fn refusals() {
-        assert!(matches!(
-            NbdUri::parse("nbds://h/e"),
-            Err(UriError::Tls(_))
-        ));
+        assert!(matches!(NbdUri::parse("nbds://h/e"), Err(UriError::Tls(_))));
         assert!(matches!(
             NbdUri::parse("nbds+unix:///e?socket=/s"),
             Err(UriError::Tls(_))
@@ -203,7 +202,13 @@ mod tests {
             NbdUri::parse("nbd+vsock://1/e"),
             Err(UriError::Scheme(_))
         ));
-        for bad in ["nbd://h:99999/e", "nbd:///e", "nbd://h/%zz", "nbd://h/%4", "nbd://h/e?socket=/s"] {
+        for bad in [
+            "nbd://h:99999/e",
+            "nbd:///e",
+            "nbd://h/%zz",
+            "nbd://h/%4",
+            "nbd://h/e?socket=/s",
+        ] {
             assert!(NbdUri::parse(bad).is_err(), "{bad}");
         }
         assert!(is_nbd_uri("nbd://h/e"));

@@ -116,7 +116,9 @@ impl Chunk {
             Chunk::None => len == 0,
             Chunk::OffsetData => len > 8 && len - 8 <= max_data,
             Chunk::OffsetHole => len == 12,
-            Chunk::BlockStatus => len >= 12 && (len - 4) % 8 == 0 && len <= MAX_META_PAYLOAD,
+            Chunk::BlockStatus => {
+                len >= 12 && (len - 4).is_multiple_of(8) && len <= MAX_META_PAYLOAD
+            }
             Chunk::Error => (6..=MAX_META_PAYLOAD).contains(&len),
         };
         if ok {
@@ -229,11 +231,13 @@ pub fn error(p: &[u8]) -> Result<(u32, String), WireError> {
 
 /// Decodes the first extent of a `BLOCK_STATUS` payload for context `ctx`: (length, flags).
 pub fn first_extent(p: &[u8], ctx: u32) -> Result<(u32, u32), WireError> {
-    if p.len() < 12 || (p.len() - 4) % 8 != 0 {
+    if p.len() < 12 || !(p.len() - 4).is_multiple_of(8) {
         return Err(WireError::Malformed("block status chunk of the wrong size"));
     }
     if be32(&p[0..4]) != ctx {
-        return Err(WireError::Malformed("block status for a context not asked for"));
+        return Err(WireError::Malformed(
+            "block status for a context not asked for",
+        ));
     }
     let len = be32(&p[4..8]);
     if len == 0 {
@@ -305,7 +309,10 @@ mod tests {
             })
         ));
         b[0] = 0;
-        assert!(matches!(ReplyHeader::decode(&b), Err(WireError::BadMagic(_))));
+        assert!(matches!(
+            ReplyHeader::decode(&b),
+            Err(WireError::BadMagic(_))
+        ));
     }
 
     #[test]
@@ -313,8 +320,12 @@ mod tests {
         assert!(Chunk::None.check_len(0, 0, 1 << 20).is_ok());
         assert!(Chunk::None.check_len(0, 1, 1 << 20).is_err());
         assert!(Chunk::OffsetData.check_len(1, 8, 1 << 20).is_err());
-        assert!(Chunk::OffsetData.check_len(1, 8 + (1 << 20), 1 << 20).is_ok());
-        assert!(Chunk::OffsetData.check_len(1, 9 + (1 << 20), 1 << 20).is_err());
+        assert!(Chunk::OffsetData
+            .check_len(1, 8 + (1 << 20), 1 << 20)
+            .is_ok());
+        assert!(Chunk::OffsetData
+            .check_len(1, 9 + (1 << 20), 1 << 20)
+            .is_err());
         assert!(Chunk::OffsetHole.check_len(2, 12, 0).is_ok());
         assert!(Chunk::OffsetHole.check_len(2, 13, 0).is_err());
         assert!(Chunk::BlockStatus.check_len(5, 12, 0).is_ok());

@@ -207,7 +207,12 @@ impl Conn {
         let res = match (slot.error, slot.cmd) {
             (Some(e), _) => Err(e),
             (None, Command::Read) if slot.covered != u64::from(slot.len) => {
-                tracing::warn!("NBD read of {} bytes at {} answered only {} bytes", slot.len, slot.off, slot.covered);
+                tracing::warn!(
+                    "NBD read of {} bytes at {} answered only {} bytes",
+                    slot.len,
+                    slot.off,
+                    slot.covered
+                );
                 Err(libc::EIO)
             }
             _ => Ok(Outcome {
@@ -441,7 +446,12 @@ impl Conn {
         r
     }
 
-    async fn recv_vec(&self, eng: &Engine, mut v: Vec<u8>, n: usize) -> (Result<(), Broken>, Vec<u8>) {
+    async fn recv_vec(
+        &self,
+        eng: &Engine,
+        mut v: Vec<u8>,
+        n: usize,
+    ) -> (Result<(), Broken>, Vec<u8>) {
         v.clear();
         v.resize(n, 0);
         let t = self.take_timeout();
@@ -476,20 +486,22 @@ impl Conn {
             (s.cmd, s.off, s.len)
         };
         let r = match hdr {
-            ReplyHeader::Simple { error, .. } => {
-                if error != 0 {
-                    self.set_error(idx, nbd::errno_of(error));
-                    Ok(())
-                } else if cmd == Command::Read {
-                    self.recv_data(eng, idx, 0, req_len).await
-                } else {
-                    Ok(())
-                }
-                .map(|()| true)
+            ReplyHeader::Simple { error, .. } => if error != 0 {
+                self.set_error(idx, nbd::errno_of(error));
+                Ok(())
+            } else if cmd == Command::Read {
+                self.recv_data(eng, idx, 0, req_len).await
+            } else {
+                Ok(())
             }
-            ReplyHeader::Chunk { flags, kind, ty, .. } => {
+            .map(|()| true),
+            ReplyHeader::Chunk {
+                flags, kind, ty, ..
+            } => {
                 let r;
-                (r, meta) = self.chunk(eng, idx, kind, ty, cmd, req_off, req_len, meta).await;
+                (r, meta) = self
+                    .chunk(eng, idx, kind, ty, cmd, req_off, req_len, meta)
+                    .await;
                 r.map(|()| flags & wire::REPLY_FLAG_DONE != 0)
             }
         };
@@ -531,7 +543,9 @@ impl Conn {
         };
         if !allowed {
             return (
-                Err(Broken::Violation(format!("reply chunk type {ty} to a {cmd:?} request"))),
+                Err(Broken::Violation(format!(
+                    "reply chunk type {ty} to a {cmd:?} request"
+                ))),
                 meta,
             );
         }
@@ -546,7 +560,12 @@ impl Conn {
                 let mut o = [0u8; 8];
                 o.copy_from_slice(&meta[..8]);
                 let n = len - 8;
-                match wire::place(u64::from_be_bytes(o), u64::from(n), req_off, u64::from(req_len)) {
+                match wire::place(
+                    u64::from_be_bytes(o),
+                    u64::from(n),
+                    req_off,
+                    u64::from(req_len),
+                ) {
                     Ok(rel) => (self.recv_data(eng, idx, rel as u32, n).await, meta),
                     Err(e) => (Err(e.into()), meta),
                 }
@@ -583,7 +602,12 @@ impl Conn {
                     return (Err(b), meta);
                 }
                 let Some(ctx) = self.export.allocation_context else {
-                    return (Err(Broken::Violation("block status without a negotiated context".into())), meta);
+                    return (
+                        Err(Broken::Violation(
+                            "block status without a negotiated context".into(),
+                        )),
+                        meta,
+                    );
                 };
                 match wire::first_extent(&meta, ctx) {
                     Ok(e) => {
@@ -622,7 +646,9 @@ impl Conn {
             w
         };
         let Some(win) = win else {
-            return Err(Broken::Violation("READ data for a request without a window".into()));
+            return Err(Broken::Violation(
+                "READ data for a request without a window".into(),
+            ));
         };
         let (start, end) = (win.start(), win.end());
         let (a, b) = (start + rel as usize, start + rel as usize + n as usize);
@@ -675,7 +701,9 @@ impl Conn {
         let idx = (cookie & 0xffff) as usize;
         match st.slots.get(idx) {
             Some(s) if s.cookie == cookie && s.phase == Phase::Sent => Ok(idx),
-            _ => Err(Broken::Violation(format!("reply with unknown cookie {cookie:#x}"))),
+            _ => Err(Broken::Violation(format!(
+                "reply with unknown cookie {cookie:#x}"
+            ))),
         }
     }
 
@@ -695,7 +723,9 @@ impl Conn {
             let flushed = ok
                 && match ReplyHeader::decode(&head) {
                     Ok(ReplyHeader::Simple { error: 0, .. }) => true,
-                    Ok(ReplyHeader::Chunk { kind: Chunk::None, .. }) => {
+                    Ok(ReplyHeader::Chunk {
+                        kind: Chunk::None, ..
+                    }) => {
                         let mut l = [0u8; 4];
                         sock.read_exact(&mut l).is_ok() && l == [0; 4]
                     }
@@ -733,7 +763,9 @@ fn check(r: std::io::Result<usize>, want: usize) -> Result<(), Broken> {
         Ok(n) if n == want => Ok(()),
         Ok(_) => Err(Broken::Closed),
         Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => Err(Broken::Timeout),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => Err(Broken::Closed),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
+            Err(Broken::Closed)
+        }
         Err(e) => Err(Broken::Io(e)),
     }
 }
@@ -749,7 +781,10 @@ struct Permit<'a> {
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
         if !self.clean {
-            self.conn.break_conn(self.eng, Broken::Violation("a request's send was cancelled".into()));
+            self.conn.break_conn(
+                self.eng,
+                Broken::Violation("a request's send was cancelled".into()),
+            );
         }
         self.conn.sending.release(self.eng);
     }
@@ -766,7 +801,10 @@ struct Role<'a> {
 impl Drop for Role<'_> {
     fn drop(&mut self) {
         if !self.clean {
-            self.conn.break_conn(self.eng, Broken::Violation("a reply's receipt was cancelled".into()));
+            self.conn.break_conn(
+                self.eng,
+                Broken::Violation("a reply's receipt was cancelled".into()),
+            );
         }
         self.conn.st.borrow_mut().receiving = false;
         if !self.clean {

@@ -63,7 +63,10 @@ pub fn connect(uri: &NbdUri, timeout: Duration) -> Result<(OwnedFd, Export), Con
         }
         Transport::Tcp { host, port } => {
             let addrs = (host.as_str(), *port).to_socket_addrs().map_err(conn_err)?;
-            let mut last = io::Error::new(io::ErrorKind::NotFound, "the host name resolves to no address");
+            let mut last = io::Error::new(
+                io::ErrorKind::NotFound,
+                "the host name resolves to no address",
+            );
             for a in addrs {
                 match TcpStream::connect_timeout(&a, timeout) {
                     Ok(mut s) => {

@@ -159,7 +159,9 @@ impl NbdBackend {
             }
             let now = Instant::now();
             if pt.retry_at.is_some_and(|t| now < t) {
-                return Err(BackendError::Io(std::io::Error::from_raw_os_error(libc::EIO)));
+                return Err(BackendError::Io(std::io::Error::from_raw_os_error(
+                    libc::EIO,
+                )));
             }
             let first = self.first.lock().map(|mut f| f.take()).unwrap_or(None);
             let made = match first {
@@ -172,15 +174,25 @@ impl NbdBackend {
                         tracing::info!("NBD: reconnected to {}", self.server());
                     }
                     pt.delay = self.opts.reconnect_delay;
-                    let c = Rc::new(Conn::new(sock, export, self.opts.timeout, self.opts.writable));
+                    let c = Rc::new(Conn::new(
+                        sock,
+                        export,
+                        self.opts.timeout,
+                        self.opts.writable,
+                    ));
                     pt.conn = Some(c.clone());
                     Ok(c)
                 }
                 Err(e) => {
-                    tracing::warn!("NBD: reconnecting failed: {e}; next attempt in {:?}", pt.delay);
+                    tracing::warn!(
+                        "NBD: reconnecting failed: {e}; next attempt in {:?}",
+                        pt.delay
+                    );
                     pt.retry_at = Some(now + pt.delay);
                     pt.delay = (pt.delay * 2).min(MAX_BACKOFF.max(self.opts.reconnect_delay));
-                    Err(BackendError::Io(std::io::Error::from_raw_os_error(libc::EIO)))
+                    Err(BackendError::Io(std::io::Error::from_raw_os_error(
+                        libc::EIO,
+                    )))
                 }
             }
         })
@@ -188,7 +200,8 @@ impl NbdBackend {
 
     /// A new connection to the same export, checked to still be the same size and as writable.
     fn reconnect(&self) -> std::result::Result<(OwnedFd, Export), String> {
-        let (sock, e) = connect::connect(&self.uri, self.opts.timeout).map_err(|e| e.to_string())?;
+        let (sock, e) =
+            connect::connect(&self.uri, self.opts.timeout).map_err(|e| e.to_string())?;
         if e.size != self.export.size {
             return Err(format!(
                 "the export changed size ({} -> {} bytes)",
@@ -203,14 +216,20 @@ impl NbdBackend {
 
     fn aligned(&self, conn: &Conn, off: u64, len: u64) -> Result<()> {
         let m = u64::from(conn.export().min_block.max(1));
-        if off % m != 0 || len % m != 0 {
+        if !off.is_multiple_of(m) || !len.is_multiple_of(m) {
             return Err(errno(libc::EINVAL));
         }
         Ok(())
     }
 
     /// READ or WRITE of `win` at `off`, split at the server's maximum payload.
-    async fn transfer(&self, eng: &Engine, cmd: Command, win: Slice, off: u64) -> (Result<usize>, Slice) {
+    async fn transfer(
+        &self,
+        eng: &Engine,
+        cmd: Command,
+        win: Slice,
+        off: u64,
+    ) -> (Result<usize>, Slice) {
         let n = (self.export.size.saturating_sub(off)).min(win.len() as u64) as usize;
         if n == 0 {
             return (Ok(0), win);
@@ -222,7 +241,11 @@ impl NbdBackend {
         if let Err(e) = self.aligned(&conn, off, n as u64) {
             return (Err(e), win);
         }
-        let flags = if cmd == Command::Write && self.fua() { nbd::CMD_FLAG_FUA } else { 0 };
+        let flags = if cmd == Command::Write && self.fua() {
+            nbd::CMD_FLAG_FUA
+        } else {
+            0
+        };
         let max = conn.export().max_payload.max(conn.export().min_block) as usize;
         let (start, end) = (win.start(), win.end());
         let mut buf = win.into_inner();
@@ -254,7 +277,14 @@ impl NbdBackend {
     }
 
     /// A request without data (FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS).
-    async fn command(&self, eng: &Engine, cmd: Command, flags: u16, off: u64, len: u32) -> Result<conn::Outcome> {
+    async fn command(
+        &self,
+        eng: &Engine,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u32,
+    ) -> Result<conn::Outcome> {
         let conn = self.conn()?;
         let (r, _) = conn.request(eng, cmd, flags, off, len, None).await;
         r.map_err(errno)
@@ -270,10 +300,18 @@ impl NbdBackend {
         let conn = self.conn()?;
         self.aligned(&conn, off, len)?;
         let fua = if self.fua() { nbd::CMD_FLAG_FUA } else { 0 };
-        self.ranged(eng, Command::WriteZeroes, flags | fua, off, len).await
+        self.ranged(eng, Command::WriteZeroes, flags | fua, off, len)
+            .await
     }
 
-    async fn ranged(&self, eng: &Engine, cmd: Command, flags: u16, off: u64, len: u64) -> Result<()> {
+    async fn ranged(
+        &self,
+        eng: &Engine,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u64,
+    ) -> Result<()> {
         let end = off.saturating_add(len).min(self.export.size);
         let mut at = off;
         while at < end {
@@ -377,7 +415,13 @@ impl BlockBackend for NbdBackend {
         while at < size {
             let want = (size - at).min(MAX_RANGE);
             let out = self
-                .command(eng, Command::BlockStatus, nbd::CMD_FLAG_REQ_ONE, at, want as u32)
+                .command(
+                    eng,
+                    Command::BlockStatus,
+                    nbd::CMD_FLAG_REQ_ONE,
+                    at,
+                    want as u32,
+                )
                 .await?;
             let Some((len, flags)) = out.extent else {
                 return Err(errno(libc::EIO));
