@@ -13,6 +13,8 @@ have qemu-img || need+=(qemu-utils)
 have qemu-nbd || need+=(qemu-utils)
 # nbdfuse: a foreign FUSE filesystem that `fusex umount` must refuse (tests/lifecycle.rs).
 have nbdfuse || need+=(libnbd-bin)
+# NBD servers for tests/nbd.rs (nbdkit also brings the delay filter).
+have nbdkit || need+=(nbdkit)
 have python3 || need+=(python3)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)

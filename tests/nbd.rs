@@ -674,3 +674,35 @@ fn startup_failures_are_one_line() {
     assert_bytes_eq(&read_all(&mp), &read_all(&img), 0, "named export");
     m.stop().assert_clean("named export");
 }
+
+#[test]
+fn server_that_stops_answering_times_out() {
+    if !require_fuse_and_tools(&["nbdkit"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-delay");
+    let sock = w.join("s.sock");
+    // Reads take 30 s; writes are answered at once.
+    let _server = nbdkit(&sock, &["--filter=delay", "memory", "size=1M", "rdelay=30"]);
+    let mp = w.join("export");
+    let m = Mount::start(
+        &w,
+        uri(&sock, ""),
+        &mp,
+        &["--writable", "--nbd-timeout", "0.3", "--queues", "1"],
+    );
+    let f = open_direct_rw(&mp);
+    let e = read_direct(&f, 0, 4096).expect_err("a read the server never answers in time");
+    assert_eq!(errno(&e), libc::EIO);
+    // The connection was replaced: requests the server answers work again.
+    write_direct(&f, &[7u8; 4096], 4096);
+    assert!(m.is_mounted() && pid_alive(m.pid()));
+    drop(f);
+    let st = m.stop();
+    assert_eq!(st.code, Some(0), "{}", st.stderr);
+    assert!(
+        st.stderr.contains("did not answer within the timeout"),
+        "{}",
+        st.stderr
+    );
+}
