@@ -708,3 +708,51 @@ fn server_that_stops_answering_times_out() {
         st.stderr
     );
 }
+
+#[test]
+fn qemu_nbd_over_tcp() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-tcp");
+    let img = w.join("img.raw");
+    let expected = random_image(&img, 4 * MIB, 9);
+    // A free port on the loopback (qemu-nbd binds it right after; nothing else here races).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("qemu-nbd")
+        .args([
+            "-t",
+            "-f",
+            "raw",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-x",
+            "disk",
+        ])
+        .arg(&img)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start qemu-nbd");
+    let mut server = ChildGuard(child);
+    let deadline = Instant::now() + TIMEOUT;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(server.try_wait().is_none(), "qemu-nbd exited early");
+        assert!(
+            Instant::now() < deadline,
+            "qemu-nbd does not listen on {port}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let mp = w.join("export");
+    let m = Mount::start(&w, format!("nbd://127.0.0.1:{port}/disk"), &mp, &[]);
+    assert_bytes_eq(&read_all(&mp), &expected, 0, "export over TCP");
+    m.stop().assert_clean("nbd over TCP");
+}

@@ -115,7 +115,7 @@ pub struct OpenOptions {
     pub direct: bool,
     /// Force a data path instead of probing.
     pub io_path: Option<IoPath>,
-    /// For NBD URIs: timeouts, reconnecting, FUA (`writable` is taken from above).
+    /// For NBD URIs: timeouts, reconnecting, FUA (its `writable` is replaced by the one above).
     pub nbd: NbdOptions,
 }
 
@@ -144,7 +144,17 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
                 "{spec}: an NBD export cannot grow: drop --growable"
             )));
         }
-        return Ok(AnyBackend::Nbd(NbdBackend::open(spec, opts.nbd)?));
+        if opts.direct {
+            return Err(OpenError::Nbd(format!(
+                "{spec}: --direct is for image files; the NBD server decides its own caching \
+                 (e.g. qemu-nbd --cache=none): drop --direct"
+            )));
+        }
+        let nbd = NbdOptions {
+            writable: opts.writable,
+            ..opts.nbd
+        };
+        return Ok(AnyBackend::Nbd(NbdBackend::open(spec, nbd)?));
     }
     if let Some(size) = spec.strip_prefix("null:") {
         if !matches!(opts.format, Format::Auto | Format::Null) {
