@@ -189,7 +189,11 @@ fn qemu_nbd_qcow2_round_trip() {
     let f = open_direct_rw(&mp);
     random_writes(&f, &mut expected, &mut Rng::new(4), 32);
     drop(f);
-    m.stop().assert_clean("nbd qcow2");
+    let st = m.stop();
+    st.assert_clean("nbd qcow2");
+    // --writethrough: writes carry FUA (qemu-nbd offers it), so no FLUSH follows each write.
+    assert!(st.stat(&["ops", "WRITE"]) >= 32);
+    assert_eq!(st.stat(&["backend", "flushes"]), st.requested_flushes());
     server.kill_and_wait();
     fs::write(&raw, &expected).unwrap();
     run_ok(
@@ -422,7 +426,9 @@ fn server_killed_mid_io_then_back() {
     for r in readers {
         r.join().expect("reader thread");
     }
-    assert!(errors.load(Ordering::Relaxed) + 1 > 0);
+    // Readers may or may not have had a request in flight at the kill; whatever failed was EIO
+    // (asserted in the readers) and everything read was the image's.
+    eprintln!("reader errors: {}", errors.load(Ordering::Relaxed));
     let st = m.stop();
     assert_eq!(st.code, Some(0), "{}", st.stderr);
     assert!(st.stderr.contains("NBD connection lost"), "{}", st.stderr);
