@@ -762,3 +762,47 @@ fn qemu_nbd_over_tcp() {
     assert_bytes_eq(&read_all(&mp), &expected, 0, "export over TCP");
     m.stop().assert_clean("nbd over TCP");
 }
+
+#[test]
+fn block_size_constraints_split_and_align() {
+    if !require_fuse_and_tools(&["nbdkit"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-bs");
+    let sock = w.join("s.sock");
+    // The server refuses (EINVAL) requests above 64 KiB or not 4 KiB-aligned.
+    let _server = nbdkit(
+        &sock,
+        &[
+            "--filter=blocksize-policy",
+            "memory",
+            "size=8M",
+            "blocksize-minimum=4096",
+            "blocksize-preferred=4096",
+            "blocksize-maximum=65536",
+            "blocksize-error-policy=error",
+        ],
+    );
+    let mp = w.join("export");
+    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable"]);
+    assert!(
+        m.stderr().contains("block sizes 4096/4096/65536"),
+        "{}",
+        m.stderr()
+    );
+    let f = open_direct_rw(&mp);
+    let data = Rng::new(10).bytes(512 * KIB as usize);
+    // Larger than the server's maximum: fusex splits it.
+    write_direct(&f, &data, MIB);
+    assert_bytes_eq(
+        &read_direct(&f, MIB, data.len()).unwrap(),
+        &data,
+        MIB,
+        "split transfers",
+    );
+    // Not aligned to the server's minimum: refused by fusex, not sent.
+    let e = read_direct(&f, 512, 512).expect_err("a read below the minimum block size");
+    assert_eq!(errno(&e), libc::EINVAL);
+    drop(f);
+    m.stop().assert_clean("block sizes");
+}
