@@ -273,3 +273,63 @@ fn out_of_order_split_replies_errors_and_block_status() {
         .unwrap();
     assert_eq!(r.unwrap(), 0);
 }
+
+/// A server that negotiates, reads one request, sends `reply` and hangs up.
+fn one_shot_server(reply: Vec<u8>) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("h.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        if !handshake(&mut s) {
+            return;
+        }
+        let mut rq = [0u8; 28];
+        if s.read_exact(&mut rq).is_ok() {
+            let _ = s.write_all(&reply);
+        }
+    });
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    (dir, uri)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Any corruption of a valid READ reply (flipped bytes, a cut, trailing garbage) gives the
+    /// read a result, an error or 4096 bytes, and never a panic or a read past the window.
+    #[test]
+    fn corrupted_read_replies_are_survived(
+        flips in proptest::collection::vec((0usize..4150, 1u8..=255), 0..4),
+        cut in 0usize..4200,
+        extra in proptest::collection::vec(proptest::num::u8::ANY, 0..48),
+    ) {
+        // The first request on a connection has cookie (1 << 16) | slot 0.
+        let mut p = 0u64.to_be_bytes().to_vec();
+        p.extend((0..4096).map(pattern));
+        let mut reply = Vec::new();
+        chunk(&mut reply, 1, 1, 1 << 16, &p);
+        for (at, x) in &flips {
+            if let Some(b) = reply.get_mut(*at) {
+                *b ^= x;
+            }
+        }
+        reply.truncate(cut.max(1));
+        reply.extend_from_slice(&extra);
+        let (_dir, uri) = one_shot_server(reply);
+        let b = NbdBackend::open(&uri, NbdOptions {
+            timeout: std::time::Duration::from_secs(5),
+            ..NbdOptions::default()
+        }).unwrap();
+        let eng = Engine::new(&EngineConfig { buffers: 1, buffer_size: 8192, ..EngineConfig::default() }).unwrap();
+        let buf = eng.take_buffer().unwrap();
+        let (r, win) = eng.block_on(b.read_at(&eng, buf.slice(1000..5096), 0)).unwrap();
+        proptest::prop_assert_eq!((win.start(), win.end()), (1000, 5096));
+        match r {
+            Ok(n) => proptest::prop_assert_eq!(n, 4096),
+            Err(e) => proptest::prop_assert!(e.errno() > 0),
+        }
+    }
+}
