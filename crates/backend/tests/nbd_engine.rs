@@ -116,6 +116,9 @@ fn serve(mut s: UnixStream, mem: Arc<Mutex<Vec<u8>>>) {
     }
     let mut batch: Vec<(u64, u64, u32)> = Vec::new();
     let mut batched = false;
+    // The first BATCH writes are answered together, last first, in one send: simple replies
+    // back to back in the client's stream buffer.
+    let mut write_acks: Vec<u64> = Vec::new();
     loop {
         let mut rq = [0u8; 28];
         if s.read_exact(&mut rq).is_err() {
@@ -148,7 +151,18 @@ fn serve(mut s: UnixStream, mem: Arc<Mutex<Vec<u8>>>) {
                 let mut d = vec![0u8; len as usize];
                 s.read_exact(&mut d).unwrap();
                 mem.lock().unwrap()[off as usize..off as usize + len as usize].copy_from_slice(&d);
-                simple_ok(&mut out);
+                if write_acks.len() < BATCH {
+                    write_acks.push(cookie);
+                    if write_acks.len() == BATCH {
+                        for c in write_acks.iter().rev() {
+                            out.extend_from_slice(&0x6744_6698u32.to_be_bytes());
+                            out.extend_from_slice(&0u32.to_be_bytes());
+                            out.extend_from_slice(&c.to_be_bytes());
+                        }
+                    }
+                } else {
+                    simple_ok(&mut out);
+                }
             }
             6 => {
                 mem.lock().unwrap()[off as usize..off as usize + len as usize].fill(0);
@@ -233,6 +247,30 @@ fn out_of_order_split_replies_errors_and_block_status() {
         });
     }
     eng.run().unwrap();
+    // BATCH concurrent writes far from everything else, acknowledged together.
+    for t in 0..BATCH {
+        let (b, e) = (b.clone(), eng.clone());
+        eng.spawn(async move {
+            let mut buf = e.take_buffer().unwrap();
+            buf.as_mut_slice()[..4096].fill(t as u8 + 0x40);
+            let off = SIZE as u64 / 2 + 65536 + t as u64 * 4096;
+            let (r, _) = b.write_at(&e, buf.slice(0..4096), off).await;
+            assert_eq!(r.unwrap(), 4096, "write {t}");
+        });
+    }
+    eng.run().unwrap();
+    {
+        let mut m = mem.lock().unwrap();
+        for t in 0..BATCH {
+            let off = SIZE / 2 + 65536 + t * 4096;
+            assert!(
+                m[off..off + 4096].iter().all(|&x| x == t as u8 + 0x40),
+                "write {t}"
+            );
+            // Back to zero for the block status checks below.
+            m[off..off + 4096].fill(0);
+        }
+    }
 
     let e = &*eng;
     // An error chunk fails that request only.

@@ -46,7 +46,7 @@ const SEND_FLAGS: i32 = libc::MSG_NOSIGNAL | libc::MSG_WAITALL;
 const RECV_FLAGS: i32 = libc::MSG_WAITALL;
 
 impl Engine {
-    fn net_sqe(&self, fd: Fd, send: bool, ptr: *mut u8, len: u32) -> Sqe {
+    fn net_sqe(&self, fd: Fd, send: bool, ptr: *mut u8, len: u32, all: bool) -> Sqe {
         if send {
             with_fd!(self.target(fd), |f| opcode::Send::new(
                 f,
@@ -57,8 +57,9 @@ impl Engine {
             .build()
             .into())
         } else {
+            let flags = if all { RECV_FLAGS } else { 0 };
             with_fd!(self.target(fd), |f| opcode::Recv::new(f, ptr, len)
-                .flags(RECV_FLAGS)
+                .flags(flags)
                 .build()
                 .into())
         }
@@ -71,7 +72,7 @@ impl Engine {
         win: Slice,
         timeout: Option<Timeout>,
     ) -> NetSliceOp<'_> {
-        let sqe = self.net_sqe(fd, send, win.ptr(), len32(win.len()));
+        let sqe = self.net_sqe(fd, send, win.ptr(), len32(win.len()), true);
         let op = match timeout {
             // SAFETY: the entry points into `win`, the timespec into `t`; the op owns both
             // until its completion.
@@ -87,12 +88,16 @@ impl Engine {
         fd: Fd,
         send: bool,
         mut b: Vec<u8>,
+        from: usize,
+        all: bool,
         timeout: Option<Timeout>,
     ) -> BytesOp<'_> {
-        let sqe = self.net_sqe(fd, send, b.as_mut_ptr(), len32(b.len()));
+        let from = from.min(b.len());
+        let ptr = b.as_mut_ptr().wrapping_add(from);
+        let sqe = self.net_sqe(fd, send, ptr, len32(b.len() - from), all);
         let op = match timeout {
-            // SAFETY: the entry points into `b`'s heap memory (which does not move with the
-            // vector), the timespec into `t`; the op owns both until its completion.
+            // SAFETY: the entry points into `b`'s heap memory (`b[from..]`, which does not move
+            // with the vector), the timespec into `t`; the op owns both until its completion.
             Some(t) => unsafe { self.start_timed(sqe, t.ptr(), Owned::BytesTimed(b, t)) },
             // SAFETY: as above, without a timeout.
             None => unsafe { self.start(sqe, Owned::Bytes(b)) },
@@ -114,12 +119,27 @@ impl Engine {
 
     /// Sends all of `b` (its length, not its capacity) on `fd`.
     pub fn send_bytes(&self, fd: Fd, b: Vec<u8>, timeout: Option<Timeout>) -> BytesOp<'_> {
-        self.net_bytes(fd, true, b, timeout)
+        self.net_bytes(fd, true, b, 0, true, timeout)
     }
 
     /// Receives exactly `b.len()` bytes into `b` from `fd`.
     pub fn recv_bytes(&self, fd: Fd, b: Vec<u8>, timeout: Option<Timeout>) -> BytesOp<'_> {
-        self.net_bytes(fd, false, b, timeout)
+        self.net_bytes(fd, false, b, 0, true, timeout)
+    }
+
+    /// Receives into `b[from..]` (`from` clamped to the length): all of it with `all`, else
+    /// whatever the socket holds, at least one byte (0 at end of stream). For reading small
+    /// protocol headers together with what follows them, in one operation, without waiting for
+    /// bytes that may never come.
+    pub fn recv_bytes_at(
+        &self,
+        fd: Fd,
+        b: Vec<u8>,
+        from: usize,
+        all: bool,
+        timeout: Option<Timeout>,
+    ) -> BytesOp<'_> {
+        self.net_bytes(fd, false, b, from, all, timeout)
     }
 }
 

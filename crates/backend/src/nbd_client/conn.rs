@@ -27,6 +27,11 @@ use engine::{Engine, Fd, Slice, TaskId, Timeout};
 use nbd::wire::{self, Chunk, Command, ReplyHeader, HEAD_LEN, REQUEST_LEN};
 use nbd::Export;
 
+/// Size of the receiver's stream buffer: a reply head plus a data chunk's length and offset. A
+/// head is read with up to this many bytes, so at most 12 bytes past a simple reply (the next
+/// reply's head, or a simple READ reply's first data bytes, then copied) land in it.
+const RX_CAP: usize = HEAD_LEN + wire::CHUNK_LEN_LEN + 8;
+
 /// Slots made up front (more are added, once, if more requests are ever in flight).
 const INITIAL_SLOTS: usize = 64;
 
@@ -117,8 +122,12 @@ struct State {
     generation: u64,
     receiving: bool,
     broken: bool,
-    /// Reply head bytes and chunk payload bytes of the receiver (away while it reads).
-    head: Option<Vec<u8>>,
+    /// The receiver's small stream buffer (away while a receive fills it): reply heads are read
+    /// into it together with what follows them (a data chunk's length and offset), so a READ
+    /// reply takes two ring operations. `rx_len` bytes at its start are received, not yet used.
+    rx: Option<Vec<u8>>,
+    rx_len: usize,
+    /// Chunk payload bytes (error messages, block status) of the receiver.
     meta: Option<Vec<u8>>,
     timeouts: Vec<Timeout>,
     /// Writes since the last successful flush.
@@ -157,7 +166,8 @@ impl Conn {
                 generation: 0,
                 receiving: false,
                 broken: false,
-                head: Some(vec![0; HEAD_LEN]),
+                rx: Some(vec![0; RX_CAP]),
+                rx_len: 0,
                 meta: Some(Vec::with_capacity(wire::MAX_META_PAYLOAD as usize)),
                 timeouts: (0..4).map(|_| Timeout::new(timeout)).collect(),
                 dirty: false,
@@ -432,20 +442,62 @@ impl Conn {
 
     /// Reads one reply (or chunk) and applies it to its request.
     async fn receive_one(&self, eng: &Engine) -> Result<(), Broken> {
-        let (head, meta) = {
-            let mut st = self.st.borrow_mut();
-            (st.head.take(), st.meta.take())
-        };
-        let (Some(head), Some(meta)) = (head, meta) else {
+        let Some(meta) = self.st.borrow_mut().meta.take() else {
             return Err(Broken::Violation("receiver buffers missing".into()));
         };
-        let (r, head, meta) = self.receive_with(eng, head, meta).await;
-        let mut st = self.st.borrow_mut();
-        st.head = Some(head);
-        st.meta = Some(meta);
+        let (r, meta) = self.receive_with(eng, meta).await;
+        self.st.borrow_mut().meta = Some(meta);
         r
     }
 
+    /// Makes the stream buffer hold at least `want` bytes, receiving at most up to `upto`.
+    async fn fill(&self, eng: &Engine, want: usize, upto: usize) -> Result<(), Broken> {
+        loop {
+            let (buf, have) = {
+                let mut st = self.st.borrow_mut();
+                if st.rx_len >= want {
+                    return Ok(());
+                }
+                let Some(buf) = st.rx.take() else {
+                    return Err(Broken::Violation("receiver buffers missing".into()));
+                };
+                (buf, st.rx_len)
+            };
+            let mut buf = buf;
+            buf.truncate(upto);
+            buf.resize(upto, 0);
+            let t = self.take_timeout();
+            let (r, mut buf, t) = eng.recv_bytes_at(self.fd, buf, have, false, t).await;
+            self.put_timeout(t);
+            buf.resize(RX_CAP, 0);
+            let mut st = self.st.borrow_mut();
+            st.rx = Some(buf);
+            match r {
+                Ok(0) => return Err(Broken::Closed),
+                Ok(n) => st.rx_len = (st.rx_len + n).min(RX_CAP),
+                Err(e) => return Err(check(Err(e), 1).err().unwrap_or(Broken::Closed)),
+            }
+        }
+    }
+
+    /// Moves up to `out.len()` received-but-unused bytes of the stream buffer into `out`;
+    /// returns how many.
+    fn take_rx(&self, out: &mut [u8]) -> usize {
+        let mut st = self.st.borrow_mut();
+        let st = &mut *st;
+        let Some(buf) = st.rx.as_mut() else {
+            return 0;
+        };
+        let have = st.rx_len.min(buf.len());
+        let n = have.min(out.len());
+        out[..n].copy_from_slice(&buf[..n]);
+        buf.copy_within(n..have, 0);
+        st.rx_len = have - n;
+        n
+    }
+
+    /// Exactly `n` bytes into `v` (resized to `n`): first what the stream buffer holds, then from
+    /// the socket.
     async fn recv_vec(
         &self,
         eng: &Engine,
@@ -454,31 +506,29 @@ impl Conn {
     ) -> (Result<(), Broken>, Vec<u8>) {
         v.clear();
         v.resize(n, 0);
+        let k = self.take_rx(&mut v);
+        if k == n {
+            return (Ok(()), v);
+        }
         let t = self.take_timeout();
-        let (r, v, t) = eng.recv_bytes(self.fd, v, t).await;
+        let (r, v, t) = eng.recv_bytes_at(self.fd, v, k, true, t).await;
         self.put_timeout(t);
-        (check(r, n), v)
+        (check(r, n - k), v)
     }
 
-    async fn receive_with(
-        &self,
-        eng: &Engine,
-        head: Vec<u8>,
-        mut meta: Vec<u8>,
-    ) -> (Result<(), Broken>, Vec<u8>, Vec<u8>) {
-        let (r, head) = self.recv_vec(eng, head, HEAD_LEN).await;
-        if let Err(b) = r {
-            return (Err(b), head, meta);
+    async fn receive_with(&self, eng: &Engine, mut meta: Vec<u8>) -> (Result<(), Broken>, Vec<u8>) {
+        if let Err(b) = self.fill(eng, HEAD_LEN, RX_CAP).await {
+            return (Err(b), meta);
         }
         let mut h = [0u8; HEAD_LEN];
-        h.copy_from_slice(&head[..HEAD_LEN]);
+        self.take_rx(&mut h);
         let hdr = match ReplyHeader::decode(&h) {
             Ok(x) => x,
-            Err(e) => return (Err(e.into()), head, meta),
+            Err(e) => return (Err(e.into()), meta),
         };
         let idx = match self.slot_of(hdr.cookie()) {
             Ok(i) => i,
-            Err(b) => return (Err(b), head, meta),
+            Err(b) => return (Err(b), meta),
         };
         let (cmd, req_off, req_len) = {
             let st = self.st.borrow();
@@ -508,10 +558,10 @@ impl Conn {
         match r {
             Ok(true) => {
                 self.complete(eng, idx);
-                (Ok(()), head, meta)
+                (Ok(()), meta)
             }
-            Ok(false) => (Ok(()), head, meta),
-            Err(b) => (Err(b), head, meta),
+            Ok(false) => (Ok(()), meta),
+            Err(b) => (Err(b), meta),
         }
     }
 
@@ -527,17 +577,20 @@ impl Conn {
         req_len: u32,
         meta: Vec<u8>,
     ) -> (Result<(), Broken>, Vec<u8>) {
-        // A data chunk's length and offset come in one receive (one ring operation less per
-        // READ); any valid data chunk has them. An invalid one breaks the connection anyway.
+        // A data chunk's length and offset come with its head when the server sent them
+        // together; any valid data chunk has both. An invalid one breaks the connection anyway.
         let first = if kind == Chunk::OffsetData {
             wire::CHUNK_LEN_LEN + 8
         } else {
             wire::CHUNK_LEN_LEN
         };
-        let (r, mut meta) = self.recv_vec(eng, meta, first).await;
-        if let Err(b) = r {
+        if let Err(b) = self.fill(eng, first, first).await {
             return (Err(b), meta);
         }
+        let mut meta = meta;
+        meta.clear();
+        meta.resize(first, 0);
+        self.take_rx(&mut meta);
         let len = wire::chunk_len(&[meta[0], meta[1], meta[2], meta[3]]);
         let max_data = if cmd == Command::Read { req_len } else { 0 };
         if let Err(e) = kind.check_len(ty, len, max_data) {
@@ -658,11 +711,20 @@ impl Conn {
             self.restore(eng, idx, win);
             return Err(Broken::Violation("READ data beyond the request".into()));
         }
-        let t = self.take_timeout();
-        let (r, sub, t) = eng.recv(self.fd, win.into_inner().slice(a..b), t).await;
-        self.put_timeout(t);
-        self.restore(eng, idx, sub.into_inner().slice(start..end));
-        check(r, n as usize)?;
+        // Bytes the stream buffer already holds (at most 12, after a simple reply) are copied.
+        let mut win = win;
+        let k = self.take_rx(&mut win.as_mut_slice()[a - start..b - start]);
+        let mut buf = win.into_inner();
+        let mut r = Ok(());
+        if a + k < b {
+            let t = self.take_timeout();
+            let (got, sub, t) = eng.recv(self.fd, buf.slice(a + k..b), t).await;
+            self.put_timeout(t);
+            buf = sub.into_inner();
+            r = check(got, b - a - k);
+        }
+        self.restore(eng, idx, buf.slice(start..end));
+        r?;
         self.st.borrow_mut().slots[idx].covered += u64::from(n);
         Ok(())
     }
