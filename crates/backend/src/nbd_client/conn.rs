@@ -5,7 +5,9 @@
 //! request's header and data go out whole before the next starts). Replies are read by whichever
 //! waiting request holds the *receiver role*: it reads one reply, lends the waiting request's own
 //! window to the kernel for READ data (no copy), marks that request done and wakes it; when its
-//! own request is done it hands the role to another waiting request. So a connection needs no
+//! own request is done it hands the role to another waiting request. Reply heads are received
+//! through a 28-byte stream buffer, together with a data chunk's length and offset when the
+//! server sent them (two ring operations per READ reply: head, data). So a connection needs no
 //! task of its own, and nothing is allocated per request: slots, header bytes and timeouts are
 //! reused.
 //!
