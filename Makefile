@@ -5,7 +5,13 @@ DEMO_DIR := demo
 DEMO_IMG := $(DEMO_DIR)/disk.img
 DEMO_MNT := $(DEMO_DIR)/disk.raw
 
-.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps stress fuzz fmt clean
+.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps stress fuzz fmt clean install
+
+# make install: PREFIX (default /usr/local), DESTDIR for staging; INSTALL_BIN installs an already
+# built binary instead of building the release one.
+PREFIX ?= /usr/local
+DESTDIR ?=
+INSTALL_BIN ?=
 
 all: build
 
@@ -81,6 +87,24 @@ bench-quick: bench-deps release
 bench-deps:
 	@bash scripts/deps.sh --bench
 	@bash bench/setup.sh
+
+## make install: the binary, its man pages and bash/zsh/fish completions (generated from the
+## command line definitions by the binary itself) under $(DESTDIR)$(PREFIX).
+install:
+	@set -euo pipefail; \
+	bin="$(INSTALL_BIN)"; \
+	if [ -z "$$bin" ]; then $(CARGO) build --release -p fusex; bin=target/release/fusex; fi; \
+	root="$(DESTDIR)$(PREFIX)"; \
+	gen=$$(mktemp -d); trap 'rm -rf "$$gen"' EXIT; \
+	"$$bin" generate man "$$gen/man"; \
+	for sh in bash zsh fish; do "$$bin" generate completions $$sh "$$gen/completions"; done; \
+	install -Dm755 "$$bin" "$$root/bin/fusex"; \
+	install -d "$$root/share/man/man1"; \
+	install -m644 "$$gen"/man/*.1 "$$root/share/man/man1/"; \
+	install -Dm644 "$$gen/completions/fusex.bash" "$$root/share/bash-completion/completions/fusex"; \
+	install -Dm644 "$$gen/completions/_fusex" "$$root/share/zsh/site-functions/_fusex"; \
+	install -Dm644 "$$gen/completions/fusex.fish" "$$root/share/fish/vendor_completions.d/fusex.fish"; \
+	echo "installed fusex, its man pages and completions under $$root"
 
 fmt:
 	$(CARGO) fmt --all

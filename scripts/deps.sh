@@ -15,6 +15,10 @@ have qemu-nbd || need+=(qemu-utils)
 have nbdfuse || need+=(libnbd-bin)
 # NBD servers for tests/nbd.rs (nbdkit also brings the delay filter).
 have nbdkit || need+=(nbdkit)
+# fusermount3: how a normal user mounts (fusex falls back to it without CAP_SYS_ADMIN).
+have fusermount3 || need+=(fuse3)
+# systemd-analyze: tests/install.rs verifies contrib/fusex@.service with it.
+have systemd-analyze || need+=(systemd)
 have python3 || need+=(python3)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)
@@ -36,6 +40,12 @@ fi
 for c in clippy rustfmt; do
   rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c" >/dev/null 2>&1 || true
 done
+
+# Unprivileged FUSE needs /dev/fuse open to everyone (fusermount3 opens it as the user); udev
+# makes it 0666 on a normal Debian system, a machine without udev may leave it 0600.
+if [ -c /dev/fuse ] && [ "$(stat -c %a /dev/fuse)" != 666 ] && [ "$(id -u)" -eq 0 ]; then
+  chmod 0666 /dev/fuse && echo "made /dev/fuse usable by normal users (mode 0666, as udev does)"
+fi
 
 # FUSE-over-io_uring is off by default; enable it where we may (the daemon itself never does).
 p=/sys/module/fuse/parameters/enable_uring

@@ -91,7 +91,9 @@ pub fn fusex_bin() -> PathBuf {
     );
 }
 
-fn skip_or_fail(what: &str) -> bool {
+/// A precondition that is not met: prints a skip message and returns false, or panics under
+/// `CI=true`.
+pub fn skip_or_fail(what: &str) -> bool {
     if in_ci() {
         panic!("precondition failed under CI=true: {what}");
     }
@@ -844,6 +846,19 @@ pub fn run_fusex<S: AsRef<OsStr>>(
 // The Mount guard
 // ---------------------------------------------------------------------------------------
 
+/// How [`Mount`] starts fusex beyond its arguments: a command that runs it (e.g. `setpriv` as
+/// another user), extra environment, and a directory for the files the daemon itself writes
+/// (`--stats-file`), which must be one the daemon's user may write.
+#[derive(Clone, Debug, Default)]
+pub struct SpawnOpts {
+    /// Program and arguments put before the fusex binary (which `exec`s it: the pid stays).
+    pub wrapper: Vec<OsString>,
+    /// Extra environment variables.
+    pub env: Vec<(OsString, OsString)>,
+    /// Where the stats file goes (default: the WorkDir).
+    pub files_dir: Option<PathBuf>,
+}
+
 /// A fusex invocation that did not produce a mount.
 #[derive(Debug)]
 pub struct MountFailed {
@@ -1019,7 +1034,18 @@ impl Mount {
         mountpoint: &Path,
         args: &[&str],
     ) -> Result<Mount, MountFailed> {
-        let mut m = Mount::spawn(work, image.as_ref(), mountpoint, args, false, None);
+        Mount::try_start_opts(work, image, mountpoint, args, &SpawnOpts::default())
+    }
+
+    /// Like [`Mount::try_start`], started as `opts` says.
+    pub fn try_start_opts(
+        work: &WorkDir,
+        image: impl AsRef<OsStr>,
+        mountpoint: &Path,
+        args: &[&str],
+        opts: &SpawnOpts,
+    ) -> Result<Mount, MountFailed> {
+        let mut m = Mount::spawn(work, image.as_ref(), mountpoint, args, false, None, opts);
         let deadline = Instant::now() + TIMEOUT;
         loop {
             // The mount exists from mount(2) on; the export is ready once INIT is answered,
@@ -1060,7 +1086,34 @@ impl Mount {
         pid_file: &Path,
         args: &[&str],
     ) -> Result<(Mount, bool), MountFailed> {
-        let mut m = Mount::spawn(work, image.as_ref(), mountpoint, args, true, Some(pid_file));
+        Mount::start_daemonized_opts(
+            work,
+            image,
+            mountpoint,
+            pid_file,
+            args,
+            &SpawnOpts::default(),
+        )
+    }
+
+    /// Like [`Mount::start_daemonized`], started as `opts` says.
+    pub fn start_daemonized_opts(
+        work: &WorkDir,
+        image: impl AsRef<OsStr>,
+        mountpoint: &Path,
+        pid_file: &Path,
+        args: &[&str],
+        opts: &SpawnOpts,
+    ) -> Result<(Mount, bool), MountFailed> {
+        let mut m = Mount::spawn(
+            work,
+            image.as_ref(),
+            mountpoint,
+            args,
+            true,
+            Some(pid_file),
+            opts,
+        );
         let child = m.child.as_mut().unwrap();
         let status = wait_timeout(child, TIMEOUT);
         // Checked before anything else: the contract is that the mount is live when the
@@ -1119,13 +1172,26 @@ impl Mount {
         args: &[&str],
         daemonize: bool,
         pid_file: Option<&Path>,
+        opts: &SpawnOpts,
     ) -> Mount {
         let tag = unique("fusex");
         let stdout_path = work.join(format!("{tag}.stdout"));
         let stderr_path = work.join(format!("{tag}.stderr"));
-        let stats_path = work.join(format!("{tag}.stats.json"));
+        let stats_path = opts
+            .files_dir
+            .as_deref()
+            .unwrap_or(work.path())
+            .join(format!("{tag}.stats.json"));
         let baseline = fuse_mounts_at(mountpoint).len();
-        let mut cmd = Command::new(fusex_bin());
+        let mut cmd = match opts.wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(fusex_bin());
+                c
+            }
+            None => Command::new(fusex_bin()),
+        };
+        cmd.envs(opts.env.iter().map(|(k, v)| (k, v)));
         cmd.arg("mount");
         if daemonize {
             cmd.arg("--daemonize");

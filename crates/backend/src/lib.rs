@@ -10,6 +10,7 @@ use std::io;
 use engine::{Engine, Slice};
 
 mod any;
+mod cow;
 mod fault;
 mod gate;
 pub mod lock;

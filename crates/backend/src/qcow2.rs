@@ -19,12 +19,13 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use crate::cow::{ClusterBuffers, RegionLocks};
 use crate::gate::IoGate;
 use engine::{Engine, EngineConfig, Slice};
 use imago::format::builder::FormatDriverBuilder;
 use imago::format::gate::ImplicitOpenGate;
 use imago::qcow2::Qcow2;
-use imago::{FormatAccess, Mapping, StorageOpenOptions};
+use imago::{FormatAccess, Mapping, ShallowMapping, StorageOpenOptions};
 
 use crate::lock::{lock_file, Claim, LockError, Locking};
 use crate::ringfile::RingFile;
@@ -112,19 +113,22 @@ fn precheck_header(f: &File) -> io::Result<()> {
 /// here: what [`MAX_L1_ENTRIES`] L2 tables map (2 PiB with 64 KiB clusters). Growing past it would
 /// make an image fusex (and QEMU) refuse at the next open.
 fn guest_size_limit(f: &File) -> u64 {
-    use std::os::unix::fs::FileExt;
-    let mut b = [0u8; 4];
-    let cluster_bits = match f.read_exact_at(&mut b, 20) {
-        Ok(()) => u32::from_be_bytes(b),
-        Err(_) => return 0,
-    };
-    if !(9..=21).contains(&cluster_bits) {
+    let Some(cluster_bits) = cluster_bits(f) else {
         return 0;
-    }
+    };
     let per_entry = 1u64 << (2 * cluster_bits - 3);
     u64::from(MAX_L1_ENTRIES)
         .saturating_mul(per_entry)
         .min(i64::MAX as u64)
+}
+
+/// The header's cluster size as a power of two, if it is one imago opens (512 B to 2 MiB).
+fn cluster_bits(f: &File) -> Option<u32> {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 4];
+    f.read_exact_at(&mut b, 20).ok()?;
+    let bits = u32::from_be_bytes(b);
+    (9..=21).contains(&bits).then_some(bits)
 }
 
 /// Largest L1 table fusex reads (qemu's limit too: 32 MiB, 4 Mi entries).
@@ -203,6 +207,16 @@ pub struct Qcow2Backend {
     allocated: AtomicU64,
     /// Something changed the mapping since `allocated` was counted.
     mapping_changed: AtomicBool,
+    /// Copy-on-write ahead of imago (see [`crate::cow`]), for writable images with a backing
+    /// file.
+    cow: Option<Box<CowAhead>>,
+}
+
+/// What copying backed clusters ahead of imago needs.
+struct CowAhead {
+    cluster_bits: u32,
+    locks: RegionLocks,
+    buffers: ClusterBuffers,
 }
 
 /// Decides which files an image may open implicitly, and catches loops in the chain.
@@ -357,12 +371,13 @@ impl Qcow2Backend {
                 .write(opts.writable)
                 .open(gate)
                 .await?;
-            Ok::<_, io::Error>(FormatAccess::new(q))
+            let backed = q.implicit_backing_file().is_some();
+            Ok::<_, io::Error>((FormatAccess::new(q), backed))
         });
         if let Some(e) = lock_error.borrow_mut().take() {
             return Err(e.into());
         }
-        let access = match opened {
+        let (access, backed) = match opened {
             Ok(r) => r.map_err(|e| format_error(&shown, e))?,
             Err(e) => {
                 return Err(OpenError::Io {
@@ -372,7 +387,15 @@ impl Qcow2Backend {
             }
         };
         let size = access.size();
-        tracing::debug!(path = %shown, size, "opened qcow2 image");
+        tracing::debug!(path = %shown, size, backed, "opened qcow2 image");
+        let cow = match cluster_bits(&meta) {
+            Some(bits) if backed && opts.writable => Some(Box::new(CowAhead {
+                cluster_bits: bits,
+                locks: RegionLocks::new(bits),
+                buffers: ClusterBuffers::new(1 << bits, access.mem_align()),
+            })),
+            _ => None,
+        };
         Ok(Qcow2Backend {
             image: access,
             gate: IoGate::default(),
@@ -383,6 +406,7 @@ impl Qcow2Backend {
             allocated: AtomicU64::new(0),
             // Counted on the first GETATTR, not here: a hostile header can make the walk long.
             mapping_changed: AtomicBool::new(true),
+            cow,
         })
     }
 
@@ -406,6 +430,62 @@ impl Qcow2Backend {
         }
         self.size.fetch_max(self.image.size(), Ordering::AcqRel);
         Ok(())
+    }
+}
+
+impl Qcow2Backend {
+    /// Writes `data` at `off` on an image with a backing file (the caller holds the gate
+    /// shared, and the range is not [`RegionLocks::too_wide`]). A write inside one cluster that the backing file still provides becomes a write
+    /// of the whole cluster, its other bytes read first, outside imago's L2 lock (see
+    /// [`crate::cow`]); every other write enters its regions shared and goes to imago as is.
+    async fn write_backed(&self, cow: &CowAhead, data: &[u8], off: u64) -> io::Result<()> {
+        let cs = 1u64 << cow.cluster_bits;
+        let len = data.len() as u64;
+        let cstart = off & !(cs - 1);
+        let within_one = len > 0 && len < cs && off + len <= cstart + cs;
+        if within_one && cstart + cs <= self.image.size() && self.backed(cstart, cs).await? {
+            let _x = cow.locks.region_of(cstart).exclusive().await;
+            // Another write may have copied the cluster while this one waited.
+            if self.backed(cstart, cs).await? {
+                let mut buf = cow.buffers.take()?;
+                let r = self.copy_ahead(&mut buf, data, off, cstart).await;
+                cow.buffers.put(buf);
+                return r;
+            }
+            return self.image.write(data, off).await;
+        }
+        let _regions = cow.locks.shared(off, len).await;
+        self.image.write(data, off).await
+    }
+
+    /// Reads cluster `cstart` whole, lays `data` over it at `off` and writes the whole cluster.
+    async fn copy_ahead(
+        &self,
+        buf: &mut imago::io_buffers::IoBuffer,
+        data: &[u8],
+        off: u64,
+        cstart: u64,
+    ) -> io::Result<()> {
+        let whole = buf.as_mut().into_slice();
+        self.image.read(&mut *whole, cstart).await?;
+        let at = (off - cstart) as usize;
+        whole[at..at + data.len()].copy_from_slice(data);
+        self.image.write(&*whole, cstart).await
+    }
+
+    /// Whether the top image takes cluster `cstart` (of `cs` bytes) from a backing file, or
+    /// otherwise needs a copy before it can be written (a compressed or shared cluster).
+    async fn backed(&self, cstart: u64, cs: u64) -> io::Result<bool> {
+        let (m, _) = self.image.get_shallow_mapping(cstart, cs).await?;
+        Ok(matches!(
+            m,
+            ShallowMapping::Indirect { .. }
+                | ShallowMapping::Raw {
+                    writable: false,
+                    ..
+                }
+                | ShallowMapping::Special { .. }
+        ))
     }
 }
 
@@ -520,15 +600,28 @@ impl BlockBackend for Qcow2Backend {
         let Some(end) = off.checked_add(n as u64) else {
             return (Err(io::Error::from_raw_os_error(libc::EFBIG).into()), win);
         };
-        let g = self.gate.shared().await;
+        // A write wider than the region gates (never a FUSE write: those are at most 1 MiB)
+        // runs alone on an image whose clusters may be copied ahead.
+        let wide = self
+            .cow
+            .as_ref()
+            .is_some_and(|c| c.locks.too_wide(off, n as u64));
+        let (shared, alone) = if wide {
+            (None, Some(self.gate.exclusive().await))
+        } else {
+            (Some(self.gate.shared().await), None)
+        };
         if end > self.image.size() {
             // The export lets writes past the end through only for growable images.
             if let Err(e) = self.grow(end).await {
                 return (Err(e), win);
             }
         }
-        let r = self.image.write(win.as_slice(), off).await;
-        drop(g);
+        let r = match &self.cow {
+            Some(cow) if !wide => self.write_backed(cow, win.as_slice(), off).await,
+            _ => self.image.write(win.as_slice(), off).await,
+        };
+        drop((shared, alone));
         self.changed();
         (r.map(|()| n).map_err(io_err), win)
     }
@@ -551,9 +644,22 @@ impl BlockBackend for Qcow2Backend {
     }
 
     async fn write_zeroes(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
-        let g = self.gate.shared().await;
-        let r = self.image.write_zeroes(off, len).await;
-        drop(g);
+        let r = match self.cow.as_ref() {
+            Some(cow) if !cow.locks.too_wide(off, len) => {
+                let _g = self.gate.shared().await;
+                let _regions = cow.locks.shared(off, len).await;
+                self.image.write_zeroes(off, len).await
+            }
+            Some(_) => {
+                // Too wide for the region gates: no copy ahead may run meanwhile.
+                let _x = self.gate.exclusive().await;
+                self.image.write_zeroes(off, len).await
+            }
+            None => {
+                let _g = self.gate.shared().await;
+                self.image.write_zeroes(off, len).await
+            }
+        };
         self.changed();
         r.map_err(io_err)
     }

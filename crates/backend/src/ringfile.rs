@@ -17,7 +17,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use engine::{borrowed, Fd};
 use imago::io_buffers::{IoVector, IoVectorMut};
@@ -37,6 +37,9 @@ pub struct RingFile {
     memory_fs: bool,
     /// `FALLOC_FL_ZERO_RANGE` failed with EOPNOTSUPP once (tmpfs): go straight to punching.
     no_zero_range: AtomicBool,
+    /// The file's length as this process last made it (only a memory file system reads it):
+    /// fusex's image locks keep other writers out.
+    end: AtomicU64,
     helper: CommonStorageHelper,
 }
 
@@ -52,6 +55,7 @@ impl RingFile {
             ));
         }
         Ok(RingFile {
+            end: AtomicU64::new(meta.len()),
             memory_fs: crate::raw::is_memory_fs(&file),
             file,
             path: path.to_path_buf(),
@@ -95,9 +99,19 @@ impl RingFile {
         Ok(())
     }
 
+    /// Whether a write of `len` bytes at `off` runs inline. Besides [`Self::inline`]'s cases, a
+    /// write that extends a file on tmpfs (a cluster qcow2 just allocated at the end of the
+    /// image) allocates pages, which io_uring cannot do without blocking: it would hand the
+    /// write to a worker thread, a wake-up and two context switches, all while imago holds the
+    /// L2 table the new cluster is entered in. Done here it is a page allocation and a copy.
+    fn write_inline(&self, off: u64, len: usize) -> bool {
+        self.inline()
+            || (self.memory_fs && off.saturating_add(len as u64) > self.end.load(Ordering::Relaxed))
+    }
+
     async fn write_full(&self, mut buf: &[u8], mut off: u64) -> io::Result<()> {
         while !buf.is_empty() {
-            let n = if self.inline() {
+            let n = if self.write_inline(off, buf.len()) {
                 self.file.write_at(buf, off)?
             } else {
                 // SAFETY: as in `read_full`.
@@ -108,6 +122,7 @@ impl RingFile {
             }
             buf = &buf[n..];
             off += n as u64;
+            self.end.fetch_max(off, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -277,6 +292,7 @@ impl Storage for RingFile {
     async fn resize(&self, new_size: u64, prealloc_mode: PreallocateMode) -> io::Result<()> {
         let old = self.size()?;
         self.file.set_len(new_size)?;
+        self.end.store(new_size, Ordering::Relaxed);
         if new_size > old {
             match prealloc_mode {
                 PreallocateMode::None | PreallocateMode::Zero => {}

@@ -6,13 +6,23 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// Export disk images as regular files through FUSE.
 #[derive(Parser, Debug)]
-#[command(name = "fusex", version, about, propagate_version = true)]
+#[command(
+    name = "fusex",
+    version,
+    about,
+    disable_version_flag = true,
+    arg_required_else_help = true
+)]
 pub struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
+    /// Print the version and what this kernel offers (FUSE protocol, io_uring transport,
+    /// passthrough); reads a few files, mounts nothing.
+    #[arg(short = 'V', long)]
+    pub version: bool,
     #[command(subcommand)]
-    pub command: Command,
+    pub command: Option<Command>,
 }
 
 /// Subcommands.
@@ -30,6 +40,13 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Writes the man pages or shell completions, generated from this command line, into DIR
+    /// (`make install` runs it).
+    #[command(hide = true)]
+    Generate {
+        #[command(subcommand)]
+        what: Generate,
+    },
     /// The `--auto-unmount` watcher (started by `fusex mount`, not by hand): waits for EOF on
     /// stdin, which the daemon holds open, then unmounts MOUNTPOINT if the mount there is still
     /// the one with the given unique mount id.
@@ -45,6 +62,24 @@ pub enum Command {
         /// The FUSE connection's device number (`st_dev`), checked too.
         #[arg(long)]
         dev: u64,
+    },
+}
+
+/// What `fusex generate` writes.
+#[derive(Subcommand, Debug)]
+pub enum Generate {
+    /// fusex.1 and a page per subcommand (fusex-mount.1, fusex-umount.1).
+    Man {
+        /// Directory to write the pages into (created if missing).
+        dir: PathBuf,
+    },
+    /// The completion script for SHELL, under the name that shell looks for (fusex.bash,
+    /// _fusex, fusex.fish, ...).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+        /// Directory to write the script into (created if missing).
+        dir: PathBuf,
     },
 }
 

@@ -3,12 +3,15 @@
 mod affinity;
 mod cli;
 mod daemon;
+mod generate;
 mod memory;
+mod notify;
 mod passthrough;
 mod privileges;
 mod queue;
 mod serve;
 mod timeout;
+mod version;
 mod watcher;
 
 use clap::Parser;
@@ -34,7 +37,16 @@ fn init_logging(verbose: u8) {
 fn main() {
     let cli = Cli::parse();
     let mut daemonized = false;
-    let result = match cli.command {
+    if cli.version {
+        print!("{}", version::report());
+        return;
+    }
+    let Some(command) = cli.command else {
+        // arg_required_else_help covers a bare `fusex`; `fusex -v` lands here.
+        eprintln!("fusex: error: no command given: run fusex --help");
+        std::process::exit(2);
+    };
+    let result = match command {
         Command::Mount(args) => {
             daemonized = args.daemonize;
             // Fork before any thread exists (logging starts no threads).
@@ -45,6 +57,10 @@ fn main() {
             };
             init_logging(cli.verbose);
             ready.and_then(|r| serve::mount(args, r, cli.verbose))
+        }
+        Command::Generate { what } => {
+            init_logging(cli.verbose);
+            generate::run(what)
         }
         Command::Umount { mountpoint, force } => {
             init_logging(cli.verbose);

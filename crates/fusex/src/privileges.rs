@@ -185,6 +185,9 @@ pub struct Needs {
     /// Set when SETATTR may set times on an image whose owner is not fusex's effective uid: the
     /// owner's uid.
     pub foreign_image_owner: Option<u32>,
+    /// The mount came from `fusermount3` and goes through `fusermount3 -u`: a set-uid program,
+    /// which `PR_SET_NO_NEW_PRIVS` would run without its privilege. So no_new_privs stays off.
+    pub exits_through_setuid_helper: bool,
 }
 
 impl Needs {
@@ -203,6 +206,8 @@ impl Needs {
 pub struct Plan {
     /// None: fusex holds no capabilities, there is nothing to drop.
     keep: Option<u64>,
+    /// Whether to set `PR_SET_NO_NEW_PRIVS` (not when the exit runs `fusermount3 -u`).
+    no_new_privs: bool,
 }
 
 impl Plan {
@@ -212,12 +217,12 @@ impl Plan {
             Ok(c) => c,
             Err(e) => {
                 tracing::debug!("privileges: cannot read capabilities ({e}); nothing dropped");
-                return Plan { keep: None };
+                return Plan::none();
             }
         };
         if cur.permitted == 0 {
             tracing::debug!("privileges: fusex holds no capabilities; nothing to drop");
-            return Plan { keep: None };
+            return Plan::none();
         }
         let mut keep = bit(CAP_SYS_ADMIN);
         if let Some(uid) = needs.foreign_image_owner {
@@ -232,13 +237,16 @@ impl Plan {
         }
         Plan {
             keep: Some(keep & cur.permitted),
+            no_new_privs: !needs.exits_through_setuid_helper,
         }
     }
 
-    /// A plan that drops nothing (for tests of code that takes a plan).
-    #[cfg(test)]
+    /// A plan that drops nothing.
     pub fn none() -> Plan {
-        Plan { keep: None }
+        Plan {
+            keep: None,
+            no_new_privs: false,
+        }
     }
 
     /// The kept capabilities by name, e.g. `CAP_SYS_ADMIN, CAP_FOWNER`; None when nothing is
@@ -265,7 +273,9 @@ impl Plan {
         let Some(keep) = self.keep else {
             return Ok(());
         };
-        prctl(libc::PR_SET_NO_NEW_PRIVS, 1)?;
+        if self.no_new_privs {
+            prctl(libc::PR_SET_NO_NEW_PRIVS, 1)?;
+        }
         let cur = capget()?;
         // Dropping from the bounding set needs CAP_SETPCAP in effect, so it goes first.
         if cur.effective & bit(CAP_SETPCAP) != 0 {
@@ -397,6 +407,7 @@ mod tests {
         }
         let plan = Plan {
             keep: Some(bit(CAP_SYS_ADMIN)),
+            no_new_privs: true,
         };
         let (sets, nnp, bounding) = std::thread::spawn(move || {
             plan.apply().unwrap();
@@ -436,6 +447,7 @@ mod tests {
             Plan::decide(&Needs {
                 paths: vec![(PathBuf::from("/"), Access::Search)],
                 foreign_image_owner: Some(65534),
+                exits_through_setuid_helper: false,
             })
         })
         .join()

@@ -15,7 +15,7 @@ use fuse_abi::{
     FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
     FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
 };
-use transport::{clone_fd, open_dev_fuse, InitParams, Mount, MountConfig};
+use transport::{clone_fd, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
 use crate::daemon::Readiness;
@@ -38,6 +38,13 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
         signal_hook::consts::SIGUSR1,
     ])
     .context("installing signal handlers")?;
+    let notifier = match crate::notify::Notifier::from_env() {
+        Ok(n) => n,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
     let (export, mut mnt, neg) = match setup(&args, verbose) {
         Ok(v) => v,
         Err(e) => {
@@ -57,7 +64,13 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     }
     let privileges = Plan::decide(&exit_needs(&args, &export, &mnt));
     let result = run_queues(
-        &args, &export, &mut mnt, &neg, privileges, &mut ready, signals,
+        &args,
+        &export,
+        &mut mnt,
+        &neg,
+        privileges,
+        (&mut ready, &notifier),
+        signals,
     );
     if let Err(e) = &result {
         // Start-up errors in run_queues (no-op once readiness was reported).
@@ -215,17 +228,13 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     };
     let planned = memory::plan(demand);
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
-    let fd = open_dev_fuse()?;
-    let mnt = Mount::new(
-        &MountConfig {
-            mountpoint: args.mountpoint.clone(),
-            source: args.image.clone(),
-            read_only: !args.writable,
-            allow_other: args.allow_other,
-            max_read: max_write,
-        },
-        fd,
-    )?;
+    let mnt = Mount::establish(&MountConfig {
+        mountpoint: args.mountpoint.clone(),
+        source: args.image.clone(),
+        read_only: !args.writable,
+        allow_other: args.allow_other,
+        max_read: max_write,
+    })?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
     // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
     // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
@@ -269,6 +278,12 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         neg.request_timeout,
         neg.offered & FUSE_REQUEST_TIMEOUT != 0,
     );
+    if mnt.via_fusermount() {
+        tracing::info!(
+            "mounted through {} (fusex may not mount itself)",
+            transport::fusermount::FUSERMOUNT
+        );
+    }
     tracing::info!(
         "transport: {} ({why})",
         if uring {
@@ -400,6 +415,7 @@ fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
     Needs {
         paths,
         foreign_image_owner,
+        exits_through_setuid_helper: mnt.via_fusermount(),
     }
 }
 
@@ -434,9 +450,10 @@ fn run_queues(
     mnt: &mut Mount,
     neg: &Settled,
     privileges: Plan,
-    ready: &mut Readiness,
+    (ready, notifier): (&mut Readiness, &crate::notify::Notifier),
     mut signals: signal_hook::iterator::Signals,
 ) -> Result<serde_json::Value> {
+    let mut stopping_sent = false;
     let cpus = crate::affinity::allowed_cpus();
     let nq = neg.queues;
     let pin = match args.cpu_affinity {
@@ -524,9 +541,15 @@ fn run_queues(
             match rx.recv_timeout(Duration::from_secs(10)) {
                 Ok(ev) => ev,
                 Err(_) => {
-                    failure.get_or_insert(
-                        "queues did not end after the connection was aborted".into(),
-                    );
+                    failure.get_or_insert(if mnt.via_fusermount() {
+                        // fusermount3 -u could only detach a mount applications hold open.
+                        "queues did not end after the unmount: applications still hold the \
+                         export open, and without CAP_SYS_ADMIN fusex cannot abort the \
+                         connection (it ends as fusex exits now)"
+                            .into()
+                    } else {
+                        "queues did not end after the connection was aborted".into()
+                    });
                     break;
                 }
             }
@@ -565,6 +588,11 @@ fn run_queues(
                                 );
                             }
                             ready.report(Ok(()));
+                            notifier.ready(&format!(
+                                "exporting {} at {}",
+                                args.image,
+                                mnt.mountpoint().display()
+                            ));
                         }
                         Err(e) => {
                             let msg = format!("cannot drop privileges: {e}");
@@ -606,6 +634,9 @@ fn run_queues(
             }
             Event::Signal(s) => {
                 tracing::info!("signal {s}: finishing in-flight requests and unmounting");
+                if !std::mem::replace(&mut stopping_sent, true) {
+                    notifier.stopping();
+                }
                 stop_all(&remotes);
             }
             Event::Dump => {
@@ -616,6 +647,9 @@ fn run_queues(
         if stop.load(Ordering::Acquire) && quiet >= nq {
             finish(&mut flushed, export, mnt);
         }
+    }
+    if !stopping_sent {
+        notifier.stopping();
     }
     finish(&mut flushed, export, mnt);
     sig_handle.close();

@@ -119,7 +119,18 @@ pub fn unmount_if_same(path: &Path, expected: &MountIdentity) -> io::Result<bool
     // followed to reach the very mount `fd` holds. MNT_DETACH because `fd` itself (and any
     // application's open file) keeps the mount busy.
     if unsafe { libc::umount2(link.as_ptr(), libc::MNT_DETACH) } < 0 {
-        return Err(io::Error::last_os_error());
+        let e = io::Error::last_os_error();
+        // SAFETY: geteuid has no preconditions.
+        if e.raw_os_error() != Some(libc::EPERM) || unsafe { libc::geteuid() } == 0 {
+            return Err(e);
+        }
+        // A normal user's mount, made by fusermount3: only fusermount3 may take it down, and
+        // only by path. It refuses mounts that are not this user's; a mount swapped in at the
+        // path between the check above and this call would be hit (see docs/design.md).
+        drop(fd);
+        return crate::fusermount::unmount(path, true)
+            .map(|()| true)
+            .map_err(|e| io::Error::other(e.to_string()));
     }
     Ok(true)
 }

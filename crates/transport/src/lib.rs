@@ -3,6 +3,7 @@
 //! It mounts (and reliably unmounts), negotiates INIT, and moves request and reply bytes through
 //! the queue's ring. It knows nothing of images: the export decides what a request means.
 
+pub mod fusermount;
 mod identity;
 mod init;
 mod legacy;
@@ -60,6 +61,28 @@ pub enum TransportError {
     /// Not allowed to mount.
     #[error("not permitted to mount on {0}: run fusex as root (CAP_SYS_ADMIN)")]
     NotPermitted(String),
+    /// Not allowed to mount, and no `fusermount3` to do it instead.
+    #[error("not permitted to mount on {0} and fusermount3 is missing: install fuse3 (it provides the set-uid fusermount3), or run fusex as root")]
+    NoFusermount(String),
+    /// `fusermount3` refused or failed; `what` is its own complaint.
+    #[error("fusermount3 could not mount on {path}: {what}; fix that, or run fusex as root")]
+    Fusermount {
+        /// The mountpoint.
+        path: String,
+        /// What fusermount3 said (its last line), and why fusex asked it.
+        what: String,
+    },
+    /// `fusermount3 -u` failed (not busy); `what` is its own complaint.
+    #[error("fusermount3 could not unmount {path}: {what}; a normal user may unmount only FUSE mounts they made")]
+    FusermountUnmount {
+        /// The mountpoint.
+        path: String,
+        /// What fusermount3 said (its last line).
+        what: String,
+    },
+    /// `--allow-other` as a normal user on a system whose /etc/fuse.conf does not permit it.
+    #[error("fusermount3 refused --allow-other on {0}: a normal user may use it only when /etc/fuse.conf has a line user_allow_other (add it as root), or drop --allow-other")]
+    AllowOtherRefused(String),
     /// mount(2) failed otherwise.
     #[error("mounting on {path} failed: {error}")]
     Mount {

@@ -3,10 +3,11 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Once;
 
 use crate::mountinfo::{file_id, fuse_mount_at, MountIdentity, FUSEX_FSTYPE};
 use crate::TransportError;
@@ -26,6 +27,14 @@ pub struct MountConfig {
     pub max_read: u32,
 }
 
+/// How a mount was made, which decides how it is taken down.
+enum Via {
+    /// mount(2) by fusex itself (it has `CAP_SYS_ADMIN`); umount2 at the end.
+    Kernel,
+    /// `fusermount3` (fusex has no privilege to mount); `fusermount3 -u` at the end.
+    Fusermount,
+}
+
 /// A live mount. Dropping it unmounts (lazily, so open files cannot keep it in the namespace) and
 /// removes the mountpoint file if fusex created it: no path out of the daemon leaves a mount behind.
 ///
@@ -40,6 +49,7 @@ pub struct Mount {
     created: Option<(u32, u32, u64)>,
     /// Set while mounted: which mount is ours.
     identity: Option<MountIdentity>,
+    via: Via,
 }
 
 /// Opens `/dev/fuse` with errors a user can act on.
@@ -53,8 +63,33 @@ pub fn open_dev_fuse() -> Result<OwnedFd, TransportError> {
 
 /// Opens a new `/dev/fuse` fd attached to the same connection as `fd` (`FUSE_DEV_IOC_CLONE`): a
 /// separate queue reads requests from it and must reply on it.
+///
+/// A user who may not open `/dev/fuse` (mode 0600 where no udev rule opened it up; the mount then
+/// came from `fusermount3`) gets a duplicate of `fd` instead: the same device, so the queues share
+/// one request list and each replies on the fd it read from, as the kernel requires. Said once.
 pub fn clone_fd(fd: RawFd) -> Result<OwnedFd, TransportError> {
-    let new = open_dev_fuse()?;
+    let new = match open_dev_fuse() {
+        Ok(new) => new,
+        Err(TransportError::DevFuse(e))
+            if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) =>
+        {
+            static SAID: Once = Once::new();
+            SAID.call_once(|| {
+                tracing::info!(
+                    "cannot open /dev/fuse ({e}): queues share the connection's fd instead of \
+                     each cloning its own"
+                )
+            });
+            // SAFETY: F_DUPFD_CLOEXEC on a live fd returns a new fd or -1.
+            let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+            if dup < 0 {
+                return Err(TransportError::Io(io::Error::last_os_error()));
+            }
+            // SAFETY: dup is fresh and owned here.
+            return Ok(unsafe { OwnedFd::from_raw_fd(dup) });
+        }
+        Err(e) => return Err(e),
+    };
     let src = fd as u32;
     // SAFETY: FUSE_DEV_IOC_CLONE reads one u32 (the source fd) from the pointer.
     let r = unsafe { libc::ioctl(new.as_raw_fd(), fuse_abi::FUSE_DEV_IOC_CLONE as _, &src) };
@@ -84,8 +119,46 @@ fn canonical(path: &Path) -> Result<PathBuf, TransportError> {
 }
 
 impl Mount {
-    /// Checks the mountpoint, creates it if missing and mounts `fd` there.
-    pub fn new(cfg: &MountConfig, fd: OwnedFd) -> Result<Mount, TransportError> {
+    /// Mounts with whatever fusex may use: mount(2) when it can open `/dev/fuse` and mount (root,
+    /// `CAP_SYS_ADMIN`); otherwise through `fusermount3` (see [`crate::fusermount`]), which a
+    /// normal user may run. The way chosen is logged at debug level and decides the unmount.
+    pub fn establish(cfg: &MountConfig) -> Result<Mount, TransportError> {
+        let shown = cfg.mountpoint.display().to_string();
+        let why = match open_dev_fuse() {
+            Ok(fd) => match Mount::new(cfg, fd) {
+                Err(TransportError::NotPermitted(_)) => "mount(2) is not permitted".to_string(),
+                r => return r,
+            },
+            Err(TransportError::DevFuse(e))
+                if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) =>
+            {
+                format!("cannot open /dev/fuse: {e}")
+            }
+            Err(e) => return Err(e),
+        };
+        tracing::debug!("{why}; mounting through {}", crate::fusermount::FUSERMOUNT);
+        let mut m = Mount::unmounted(cfg)?;
+        let mut attempts = 3;
+        loop {
+            m.created = m.prepare_mountpoint(&shown)?;
+            match m.mount_fusermount(cfg) {
+                // As in `new`: the mountpoint a leaving daemon removed between check and mount.
+                Err(TransportError::Fusermount { what, .. })
+                    if what.contains("No such file") && attempts > 1 =>
+                {
+                    attempts -= 1;
+                }
+                Err(e) => {
+                    m.remove_created();
+                    return Err(e);
+                }
+                Ok(()) => return Ok(m),
+            }
+        }
+    }
+
+    /// Checks the mountpoint: canonical, and not already a FUSE mount.
+    fn unmounted(cfg: &MountConfig) -> Result<Mount, TransportError> {
         let shown = cfg.mountpoint.display().to_string();
         let mountpoint = canonical(&cfg.mountpoint)?;
         if fuse_mount_at(&mountpoint).is_some() {
@@ -99,12 +172,20 @@ impl Mount {
                 _ => TransportError::AlreadyMounted(shown),
             });
         }
-        let mut m = Mount {
-            fd: Some(fd),
+        Ok(Mount {
+            fd: None,
             mountpoint,
             created: None,
             identity: None,
-        };
+            via: Via::Kernel,
+        })
+    }
+
+    /// Checks the mountpoint, creates it if missing and mounts `fd` there with mount(2).
+    pub fn new(cfg: &MountConfig, fd: OwnedFd) -> Result<Mount, TransportError> {
+        let shown = cfg.mountpoint.display().to_string();
+        let mut m = Mount::unmounted(cfg)?;
+        m.fd = Some(fd);
         // A daemon that just left this mountpoint removes the file if it had created it; when that
         // lands between the check and mount(2), mount(2) says ENOENT: make the file and mount again.
         let mut attempts = 3;
@@ -147,6 +228,60 @@ impl Mount {
                 Ok(Some((maj, min, meta.ino())))
             }
             Err(e) => Err(create_err(e)),
+        }
+    }
+
+    /// Mounts through `fusermount3`; records the identity as [`Mount::mount`] does.
+    fn mount_fusermount(&mut self, cfg: &MountConfig) -> Result<(), TransportError> {
+        let shown = cfg.mountpoint.display().to_string();
+        let subtype = FUSEX_FSTYPE.strip_prefix("fuse.").unwrap_or(FUSEX_FSTYPE);
+        let mounted = crate::fusermount::mount(
+            &self.mountpoint,
+            &crate::fusermount::Request {
+                source: &cfg.source,
+                subtype,
+                read_only: cfg.read_only,
+                allow_other: cfg.allow_other,
+                max_read: cfg.max_read,
+            },
+        )?;
+        self.fd = Some(mounted);
+        self.via = Via::Fusermount;
+        self.record_identity(&shown)
+    }
+
+    /// Reads the mount's identity right away, while nothing else can have been mounted over it (a
+    /// mount on top of a live FUSE mount is refused before mounting). No request reaches the
+    /// daemon: INIT is unanswered yet. Unmounts again if that fails.
+    fn record_identity(&mut self, shown: &str) -> Result<(), TransportError> {
+        match MountIdentity::of_path(&self.mountpoint) {
+            Ok(id) => {
+                self.identity = Some(id);
+                Ok(())
+            }
+            Err(error) => {
+                let _ = self.unmount_path(libc::MNT_DETACH);
+                Err(TransportError::Mount {
+                    path: shown.to_string(),
+                    error,
+                })
+            }
+        }
+    }
+
+    /// Whether `fusermount3` made this mount (fusex has no privilege to mount or unmount).
+    pub fn via_fusermount(&self) -> bool {
+        matches!(self.via, Via::Fusermount)
+    }
+
+    /// umount2 with `flags` (mount(2) mounts), or `fusermount3 -u` (lazy for `MNT_DETACH`; a
+    /// forced unmount is root's, so it becomes a plain one).
+    fn unmount_path(&self, flags: i32) -> Result<(), TransportError> {
+        match self.via {
+            Via::Kernel => unmount_path(&self.mountpoint, flags),
+            Via::Fusermount => {
+                crate::fusermount::unmount(&self.mountpoint, flags & libc::MNT_DETACH != 0)
+            }
         }
     }
 
@@ -194,18 +329,7 @@ impl Mount {
                 },
             });
         }
-        // Read right away, while nothing else can have been mounted over it (a mount on top of a
-        // live FUSE mount is refused above). No request reaches the daemon: INIT is unanswered yet.
-        match MountIdentity::of_path(&self.mountpoint) {
-            Ok(id) => {
-                self.identity = Some(id);
-                Ok(())
-            }
-            Err(error) => {
-                let _ = unmount_path(&self.mountpoint, libc::MNT_DETACH);
-                Err(TransportError::Mount { path: shown, error })
-            }
-        }
+        self.record_identity(&shown)
     }
 
     /// The mount's `/dev/fuse` fd (queue 0 reads from it; other queues clone it), until taken.
@@ -258,7 +382,7 @@ impl Mount {
             return Ok(());
         }
         self.identity = None;
-        unmount_path(&self.mountpoint, libc::MNT_DETACH)
+        self.unmount_path(libc::MNT_DETACH)
     }
 
     /// Aborts the connection (a forced unmount: every request the kernel still holds fails, every
@@ -268,7 +392,7 @@ impl Mount {
         if self.still_ours().is_none() {
             return Ok(());
         }
-        match unmount_path(&self.mountpoint, libc::MNT_FORCE) {
+        match self.unmount_path(libc::MNT_FORCE) {
             Ok(()) => {
                 self.identity = None;
                 Ok(())
@@ -345,10 +469,21 @@ pub fn unmount(path: &Path, force: bool) -> Result<(), TransportError> {
             from: entry.source,
         });
     }
-    match unmount_path(&canon, 0) {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let unmount = |lazy: bool| match unmount_path(&canon, if lazy { libc::MNT_DETACH } else { 0 }) {
+        // A normal user: the mount came from fusermount3, and so does the unmount.
+        Err(TransportError::Unmount { error, .. })
+            if error.raw_os_error() == Some(libc::EPERM) && !root =>
+        {
+            crate::fusermount::unmount(&canon, lazy)
+        }
+        r => r,
+    };
+    match unmount(false) {
         Err(TransportError::Unmount { error, .. }) if error.raw_os_error() == Some(libc::EBUSY) => {
             tracing::info!("{shown} is busy; detaching it lazily");
-            unmount_path(&canon, libc::MNT_DETACH)
+            unmount(true)
         }
         r => r,
     }

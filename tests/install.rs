@@ -1,0 +1,199 @@
+//! What a packager relies on: `fusex --version`, the man pages and shell completions generated
+//! from the command line definitions, and `make install PREFIX=...` putting them in place. None of
+//! this mounts anything, so none of it needs root or /dev/fuse.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use fusex_e2e::*;
+
+fn text(path: &Path) -> String {
+    let bytes = fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert!(!bytes.is_empty(), "{} is empty", path.display());
+    String::from_utf8(bytes).unwrap_or_else(|e| panic!("{}: not UTF-8: {e}", path.display()))
+}
+
+#[test]
+fn version_names_the_version_and_the_kernel_features() {
+    let out = run_ok(Command::new(fusex_bin()).arg("--version"));
+    let s = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = s.lines().collect();
+    assert_eq!(lines.len(), 5, "{s}");
+    assert!(
+        lines[0].starts_with("fusex ") && lines[0].contains('.'),
+        "{s}"
+    );
+    assert!(
+        lines[1].starts_with("FUSE protocol: fusex speaks 7."),
+        "{s}"
+    );
+    assert!(lines[1].contains("negotiated at mount"), "{s}");
+    // Whatever the machine offers, the io_uring line agrees with the kernel parameter.
+    let param = fs::read_to_string("/sys/module/fuse/parameters/enable_uring").ok();
+    let available = param.as_deref().map(str::trim) == Some("Y");
+    assert_eq!(
+        lines[2].starts_with("io_uring transport: available"),
+        available,
+        "{s} (enable_uring: {param:?})"
+    );
+    // The tests run as root: mount(2) itself.
+    assert_eq!(lines[3], "mounting: mount(2) (CAP_SYS_ADMIN held)", "{s}");
+    assert!(lines[4].starts_with("passthrough: "), "{s}");
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without capabilities (a normal user's view): through fusermount3, or not at all.
+    if which("setpriv").is_some() {
+        let out = run_ok(
+            Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(fusex_bin())
+                .arg("--version"),
+        );
+        let s = String::from_utf8(out.stdout).unwrap();
+        let mounting = s.lines().nth(3).unwrap_or_default();
+        assert_eq!(
+            mounting.starts_with("mounting: through "),
+            which("fusermount3").is_some(),
+            "{s}"
+        );
+        assert!(s.contains("CAP_SYS_ADMIN not held"), "{s}");
+    }
+}
+
+#[test]
+fn man_pages_and_completions_are_generated_with_every_subcommand() {
+    let w = WorkDir::new("install-gen");
+    let man = w.join("man");
+    run_ok(
+        Command::new(fusex_bin())
+            .arg("generate")
+            .arg("man")
+            .arg(&man),
+    );
+    let main = text(&man.join("fusex.1"));
+    assert!(main.contains(".TH fusex 1"), "{main}");
+    for sub in ["fusex\\-mount(1)", "fusex\\-umount(1)"] {
+        assert!(main.contains(sub), "fusex.1 lacks {sub}:\n{main}");
+    }
+    assert!(
+        !main.contains("auto\\-unmount\\-watcher"),
+        "hidden subcommand in fusex.1"
+    );
+    let mount = text(&man.join("fusex-mount.1"));
+    for opt in [
+        "\\-\\-auto\\-unmount",
+        "\\-\\-daemonize",
+        "\\-\\-allow\\-other",
+    ] {
+        assert!(mount.contains(opt), "fusex-mount.1 lacks {opt}");
+    }
+    text(&man.join("fusex-umount.1"));
+
+    let comp = w.join("completions");
+    for (shell, file) in [
+        ("bash", "fusex.bash"),
+        ("zsh", "_fusex"),
+        ("fish", "fusex.fish"),
+    ] {
+        run_ok(
+            Command::new(fusex_bin())
+                .args(["generate", "completions", shell])
+                .arg(&comp),
+        );
+        let script = text(&comp.join(file));
+        for word in ["mount", "umount", "auto-unmount", "writable"] {
+            assert!(script.contains(word), "{shell} completions lack {word}");
+        }
+    }
+}
+
+#[test]
+fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
+    if which("make").is_none() || which("install").is_none() {
+        skip_or_fail("make and install (coreutils) are needed");
+        return;
+    }
+    let w = WorkDir::new("install-prefix");
+    let prefix = w.join("prefix");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    run_ok(
+        Command::new("make")
+            .arg("-s")
+            .arg("-C")
+            .arg(&repo)
+            .arg("install")
+            .arg(format!("PREFIX={}", prefix.display()))
+            .arg(format!("INSTALL_BIN={}", fusex_bin().display())),
+    );
+    let bin = prefix.join("bin/fusex");
+    assert_eq!(
+        fs::read(&bin).unwrap(),
+        fs::read(fusex_bin()).unwrap(),
+        "installed binary"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        fs::metadata(&bin).unwrap().permissions().mode() & 0o777,
+        0o755
+    );
+    for page in ["fusex.1", "fusex-mount.1", "fusex-umount.1"] {
+        assert!(text(&prefix.join("share/man/man1").join(page)).contains(".TH"));
+    }
+    for script in [
+        "share/bash-completion/completions/fusex",
+        "share/zsh/site-functions/_fusex",
+        "share/fish/vendor_completions.d/fusex.fish",
+    ] {
+        assert!(text(&prefix.join(script)).contains("umount"), "{script}");
+    }
+    // The installed binary runs.
+    let out = run_ok(Command::new(&bin).arg("--version"));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("fusex "));
+}
+
+/// `systemd-analyze verify` accepts `contrib/fusex@.service` without a warning, with its
+/// `ExecStart` and `Documentation=man:fusex(1)` pointing at a `make install` prefix.
+#[test]
+fn systemd_unit_verifies_against_an_installed_prefix() {
+    if which("systemd-analyze").is_none() || which("make").is_none() {
+        skip_or_fail("systemd-analyze (systemd) and make are needed");
+        return;
+    }
+    let w = WorkDir::new("install-unit");
+    let prefix = w.join("prefix");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    run_ok(
+        Command::new("make")
+            .arg("-s")
+            .arg("-C")
+            .arg(&repo)
+            .arg("install")
+            .arg(format!("PREFIX={}", prefix.display()))
+            .arg(format!("INSTALL_BIN={}", fusex_bin().display())),
+    );
+    let unit = text(&repo.join("contrib/fusex@.service"));
+    assert!(unit.contains("Type=notify"), "{unit}");
+    assert!(
+        unit.contains("ExecStart=/usr/local/bin/fusex mount "),
+        "{unit}"
+    );
+    let installed = prefix.join("bin/fusex");
+    let unit = unit.replace("/usr/local/bin/fusex", installed.to_str().unwrap());
+    let units = w.join("units");
+    fs::create_dir(&units).unwrap();
+    fs::write(units.join("fusex@.service"), unit).unwrap();
+    let out = run(Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(units.join("fusex@vm1.service"))
+        .env("MANPATH", prefix.join("share/man")));
+    assert!(
+        out.status.success() && out.stderr.is_empty(),
+        "systemd-analyze verify: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
