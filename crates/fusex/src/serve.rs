@@ -151,6 +151,12 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         },
         direct: args.direct,
         io_path,
+        nbd: backend::NbdOptions {
+            writable: args.writable,
+            fua: args.writethrough,
+            timeout: Duration::from_secs_f64(args.nbd_timeout),
+            reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
+        },
     };
     // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
     // thread, and reads the kernel punts to io-wq fork workers with that thread's full
@@ -185,9 +191,34 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         },
     ));
     let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
-    let threads = args
+    let mut threads = args
         .queues
         .map_or(crate::affinity::allowed_cpus().len(), usize::from);
+    if let AnyBackend::Nbd(n) = export.backend().inner() {
+        let e = n.export();
+        tracing::info!(
+            "NBD export {}: {} bytes, multi-conn {}, block sizes {}/{}/{}, block status {}, \
+             structured replies {}",
+            n.server(),
+            e.size,
+            if n.multi_conn() { "yes" } else { "no" },
+            e.min_block,
+            e.preferred_block,
+            e.max_payload,
+            if e.allocation_context.is_some() {
+                "yes"
+            } else {
+                "no"
+            },
+            if e.structured { "yes" } else { "no" }
+        );
+        if !n.multi_conn() && threads > 1 {
+            // Without multi-conn, writes and flushes on different connections need not see each
+            // other: one queue, one connection.
+            tracing::info!("the NBD server does not advertise multi-conn: serving with 1 queue");
+            threads = 1;
+        }
+    }
     let possible_cpus = crate::affinity::possible_cpus();
     let demand = Demand {
         uring: may_uring,
@@ -719,6 +750,11 @@ fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut
 /// Flushes a writable export's image once every queue has ended; says whether it flushed.
 fn final_flush(export: &Export<Served>) -> Result<bool> {
     if !export.config().writable {
+        return Ok(false);
+    }
+    if let AnyBackend::Nbd(_) = export.backend().inner() {
+        // Each queue's connection flushes what it wrote as it closes (a new connection might
+        // not even be accepted while they are open, and without multi-conn would not cover them).
         return Ok(false);
     }
     let eng = Engine::new(&EngineConfig {
