@@ -13,6 +13,8 @@ have qemu-img || need+=(qemu-utils)
 have qemu-nbd || need+=(qemu-utils)
 # nbdfuse: a foreign FUSE filesystem that `fusex umount` must refuse (tests/lifecycle.rs).
 have nbdfuse || need+=(libnbd-bin)
+# NBD servers for tests/nbd.rs (nbdkit also brings the delay filter).
+have nbdkit || need+=(nbdkit)
 # fusermount3: how a normal user mounts (fusex falls back to it without CAP_SYS_ADMIN).
 have fusermount3 || need+=(fuse3)
 # systemd-analyze: tests/install.rs verifies contrib/fusex@.service with it.

@@ -521,3 +521,52 @@ fn fio_verify_runs_through_ten_restarts() {
     let st = m.stop();
     assert!(st.exited && !st.left_mounted);
 }
+
+#[test]
+fn an_nbd_export_refuses_restart_and_keeps_serving() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-nbd", 4 * MIB);
+    let sock = w.join("s.sock");
+    let mut server = ChildGuard(
+        std::process::Command::new("qemu-nbd")
+            .args(["-t", "-f", "raw", "-k"])
+            .arg(&sock)
+            .arg(&img)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start qemu-nbd"),
+    );
+    assert!(
+        wait_until(Instant::now() + PATIENCE, || {
+            std::os::unix::net::UnixStream::connect(&sock).is_ok() || server.try_wait().is_some()
+        }),
+        "qemu-nbd listens"
+    );
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let (m, _) = Mount::start_daemonized(&w, &uri, &mp, &pid_file, &[])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let old = m.pid();
+    let r = run_fusex(
+        &w,
+        &[Path::new("restart").as_os_str(), mp.as_os_str()],
+        None,
+    );
+    r.assert_one_error_line("fusex restart of an NBD export");
+    assert!(
+        pid_alive(old) && read_pid(&pid_file) == old,
+        "the old daemon serves on"
+    );
+    assert_bytes_eq(
+        &read_all(&mp),
+        &model,
+        0,
+        "export after the refused restart",
+    );
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    server.kill_and_wait();
+}

@@ -12,7 +12,8 @@ use std::os::unix::fs::FileTypeExt;
 use crate::lock::Claim;
 use crate::qcow2::{Qcow2Backend, Qcow2Options};
 use crate::{
-    parse_size, Attrs, BlockBackend, Capabilities, IoPath, NullBackend, RawBackend, Result, Seek,
+    parse_size, Attrs, BlockBackend, Capabilities, IoPath, NbdBackend, NbdOptions, NullBackend,
+    RawBackend, Result, Seek,
 };
 
 /// Why an image could not be opened. Each message names the problem and what to do.
@@ -54,6 +55,9 @@ pub enum OpenError {
     /// Another process uses the image (or a file it names) in a way the export cannot share.
     #[error(transparent)]
     Lock(#[from] crate::LockError),
+    /// An NBD URI that does not parse, a server that cannot be reached or refuses the export.
+    #[error("{0}")]
+    Nbd(String),
     /// Anything else the OS reported.
     #[error("cannot open image {path}: {error}")]
     Io {
@@ -111,6 +115,8 @@ pub struct OpenOptions {
     pub direct: bool,
     /// Force a data path instead of probing.
     pub io_path: Option<IoPath>,
+    /// For NBD URIs: timeouts, reconnecting, FUA (its `writable` is replaced by the one above).
+    pub nbd: NbdOptions,
 }
 
 /// Any backend fusex can serve.
@@ -121,10 +127,35 @@ pub enum AnyBackend {
     Null(NullBackend),
     /// A qcow2 image (and its backing chain).
     Qcow2(Qcow2Backend),
+    /// An export of an NBD server.
+    Nbd(NbdBackend),
 }
 
-/// Opens IMAGE: `null:SIZE` or a path, in the format `opts.format` names or probes.
+/// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes.
 pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
+    if nbd::uri::is_nbd_uri(spec) {
+        if !matches!(opts.format, Format::Auto | Format::Raw) {
+            return Err(OpenError::FormatMismatch(format!(
+                "{spec} is an NBD export, served as the server presents it: drop --format"
+            )));
+        }
+        if opts.growable {
+            return Err(OpenError::Nbd(format!(
+                "{spec}: an NBD export cannot grow: drop --growable"
+            )));
+        }
+        if opts.direct {
+            return Err(OpenError::Nbd(format!(
+                "{spec}: --direct is for image files; the NBD server decides its own caching \
+                 (e.g. qemu-nbd --cache=none): drop --direct"
+            )));
+        }
+        let nbd = NbdOptions {
+            writable: opts.writable,
+            ..opts.nbd
+        };
+        return Ok(AnyBackend::Nbd(NbdBackend::open(spec, nbd)?));
+    }
     if let Some(size) = spec.strip_prefix("null:") {
         if !matches!(opts.format, Format::Auto | Format::Null) {
             return Err(OpenError::FormatMismatch(format!(
@@ -218,6 +249,7 @@ impl AnyBackend {
             (AnyBackend::Qcow2(_), false) => "qcow2",
             (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
             (AnyBackend::Null(_), _) => "null",
+            (AnyBackend::Nbd(_), _) => "nbd",
         }
     }
 
@@ -228,7 +260,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.owner().ok(),
             AnyBackend::Qcow2(q) => q.owner().ok(),
-            AnyBackend::Null(_) => None,
+            AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
         }
     }
 
@@ -236,7 +268,7 @@ impl AnyBackend {
     pub fn io_fds(&self) -> Vec<std::os::fd::RawFd> {
         match self {
             AnyBackend::Raw(r) => r.io_fds(),
-            AnyBackend::Null(_) | AnyBackend::Qcow2(_) => Vec::new(),
+            AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
         }
     }
 }
@@ -247,6 +279,7 @@ macro_rules! each {
             AnyBackend::Raw($b) => $e,
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
+            AnyBackend::Nbd($b) => $e,
         }
     };
 }
@@ -263,6 +296,9 @@ impl BlockBackend for AnyBackend {
     }
     fn capabilities(&self) -> Capabilities {
         each!(self, b => b.capabilities())
+    }
+    fn durable_writes(&self) -> bool {
+        each!(self, b => b.durable_writes())
     }
     async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
         each!(self, b => b.attrs(eng).await)

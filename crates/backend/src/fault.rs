@@ -168,6 +168,9 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
+    fn durable_writes(&self) -> bool {
+        self.inner.durable_writes()
+    }
     async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
         self.inner.attrs(eng).await
     }

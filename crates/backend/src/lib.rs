@@ -14,6 +14,7 @@ mod cow;
 mod fault;
 mod gate;
 pub mod lock;
+pub mod nbd_client;
 mod null;
 pub mod qcow2;
 mod raw;
@@ -22,6 +23,7 @@ mod ringfile;
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use lock::{LockError, Locking};
+pub use nbd_client::{NbdBackend, NbdOptions};
 pub use null::{parse_size, NullBackend};
 pub use qcow2::{Qcow2Backend, Qcow2Options};
 pub use raw::{IoPath, RawBackend};
@@ -162,6 +164,12 @@ pub trait BlockBackend: Send + Sync + 'static {
         off: u64,
         whence: Seek,
     ) -> impl Future<Output = Result<Option<u64>>>;
+
+    /// Whether a completed write is already durable (NBD writes sent with FUA for
+    /// `--writethrough`), so the export need not follow each write with a flush.
+    fn durable_writes(&self) -> bool {
+        false
+    }
 
     /// Changes the length of the image; consistent for every queue at once.
     fn resize(&self, eng: &Engine, new_size: u64) -> impl Future<Output = Result<()>>;

@@ -383,6 +383,36 @@ impl Engine {
         unsafe { self.start_after(Some(first), sqe, owned) }
     }
 
+    /// Submits `sqe` linked to an `IORING_OP_LINK_TIMEOUT` reading `ts`: if `sqe` has not
+    /// completed when the timeout expires, the kernel cancels it (it completes with `-ECANCELED`,
+    /// or with the bytes it moved so far). The timeout's own completion is ignored.
+    ///
+    /// # Safety
+    /// As for [`Engine::start`]; `ts` must point into `owned` too (the kernel reads it when the
+    /// pair is submitted, which is before `sqe` can complete).
+    pub(crate) unsafe fn start_timed(
+        &self,
+        sqe: Sqe,
+        ts: *const types::Timespec,
+        owned: Owned,
+    ) -> Op<'_> {
+        let idx = self.ops.borrow_mut().alloc(self.current_task(), owned);
+        let first = sqe.user_data(u64::from(idx)).flags(squeue::Flags::IO_LINK);
+        let timeout: Sqe = opcode::LinkTimeout::new(ts)
+            .build()
+            .user_data(UD_IGNORE)
+            .into();
+        let state = if self.push(&[first, timeout]) {
+            OpState::Pending(idx)
+        } else {
+            OpState::Failed(-libc::EBUSY, self.ops.borrow_mut().unpush(idx))
+        };
+        Op {
+            engine: self,
+            state,
+        }
+    }
+
     /// # Safety
     /// As for [`Engine::start`].
     unsafe fn start_after(&self, first: Option<Sqe>, sqe: Sqe, owned: Owned) -> Op<'_> {

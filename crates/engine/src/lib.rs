@@ -14,7 +14,8 @@
 //!   back. Dropping (or forgetting) the future orphans the operation: nothing waits, nothing can
 //!   touch the memory, and the slot is not reused before the kernel is done;
 //! * SQEs are built only here, in a typed catalog ([`Engine::read`], [`Engine::write`],
-//!   [`Engine::uring_cmd`], ...); no other crate sees io_uring;
+//!   [`Engine::uring_cmd`], [`Engine::send`], [`Engine::recv`], ...); no other crate sees
+//!   io_uring;
 //! * dropping the engine with operations in flight cancels them and waits a bounded time; what
 //!   the kernel still holds after that is leaked, never freed.
 
@@ -22,6 +23,7 @@ pub mod borrowed;
 pub mod buf;
 mod executor;
 pub mod multishot;
+mod net;
 mod op;
 mod ops;
 pub mod remote;
@@ -30,6 +32,7 @@ pub mod sync;
 pub use buf::{Buf, Slice, BUF_ALIGN};
 pub use executor::{Engine, EngineConfig, EngineStats, PoolWatch, TaskId};
 pub use multishot::{BufGroup, Completion, MultiOp};
+pub use net::{BytesOp, NetSliceOp, Timeout};
 pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};
 pub use remote::{CrossWake, Remote};
 

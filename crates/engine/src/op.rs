@@ -26,6 +26,12 @@ pub(crate) enum Owned {
     Slice(Slice),
     /// A timeout's duration (the kernel reads it at submission; kept for simplicity).
     Time { _ts: Box<io_uring::types::Timespec> },
+    /// A window and the deadline of the `LINK_TIMEOUT` linked to its socket operation.
+    SliceTimed(Slice, crate::net::Timeout),
+    /// Bytes of the caller's own (protocol headers on a socket).
+    Bytes(Vec<u8>),
+    /// Bytes and the deadline of the linked timeout.
+    BytesTimed(Vec<u8>, crate::net::Timeout),
 }
 
 /// State of one slot of the op table; the slot index is the SQE's `user_data`.

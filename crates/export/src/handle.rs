@@ -236,7 +236,7 @@ impl<B: BlockBackend> Export<B> {
             self.backend.written_to(a.offset + n as u64);
         }
         stats.write(n);
-        if self.cfg.writethrough {
+        if self.cfg.writethrough && !self.backend.durable_writes() {
             if let Err(e) = self.backend.flush(eng).await {
                 return (Reply::Error(err(e)), buf);
             }

@@ -191,10 +191,21 @@ impl From<FormatArg> for backend::Format {
 /// applications blocked on a wedged daemon get an error in minutes instead of never.
 pub const DEFAULT_REQUEST_TIMEOUT: u16 = 600;
 
+/// A positive number of seconds, at most a day (fractions allowed: 0.2).
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 86400.0 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds between 0 and 86400"
+        )),
+    }
+}
+
 /// `fusex mount`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct MountArgs {
-    /// Image file or block device (raw or qcow2), or null:SIZE (zeroes; drops writes).
+    /// Image file or block device (raw or qcow2), null:SIZE (zeroes; drops writes), or an NBD URI
+    /// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH; see docs/nbd.md).
     pub image: String,
     /// Regular file to mount over (created if missing, removed again at exit if fusex created it).
     pub mountpoint: PathBuf,
@@ -296,6 +307,14 @@ pub struct MountArgs {
     /// docs/design.md.
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_REQUEST_TIMEOUT)]
     pub request_timeout: u16,
+    /// NBD: seconds a connection may make no progress on requests in flight (or take to connect)
+    /// before it is dropped and its requests fail with EIO.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = parse_seconds)]
+    pub nbd_timeout: f64,
+    /// NBD: seconds to wait after a failed reconnect before trying again (doubling per failure,
+    /// up to 30 s). A lost connection is retried at once on the next request.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = parse_seconds)]
+    pub reconnect_delay: f64,
     /// Unmount the export when the daemon dies, even by SIGKILL: a small watcher process (holding
     /// nothing of the connection) removes the mount if it is still this daemon's.
     #[arg(long)]

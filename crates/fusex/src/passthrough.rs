@@ -127,7 +127,9 @@ impl Plan {
     pub fn new(args: &MountArgs, backend: &AnyBackend) -> Result<Plan> {
         let want = match (args.passthrough, backend) {
             (PassthroughArg::Off, _) => Err(NotUsed::Off),
-            (_, AnyBackend::Null(_)) => Err(NotUsed::NoBackingFile(args.image.clone())),
+            (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
+                Err(NotUsed::NoBackingFile(args.image.clone()))
+            }
             (_, AnyBackend::Qcow2(_)) => Err(NotUsed::Formatted(args.image.clone())),
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),

@@ -163,9 +163,34 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     }
     let (export, pt) = open_export(args, false)?;
     let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
-    let threads = args
+    let mut threads = args
         .queues
         .map_or(crate::affinity::allowed_cpus().len(), usize::from);
+    if let AnyBackend::Nbd(n) = export.backend().inner() {
+        let e = n.export();
+        tracing::info!(
+            "NBD export {}: {} bytes, multi-conn {}, block sizes {}/{}/{}, block status {}, \
+             structured replies {}",
+            n.server(),
+            e.size,
+            if n.multi_conn() { "yes" } else { "no" },
+            e.min_block,
+            e.preferred_block,
+            e.max_payload,
+            if e.allocation_context.is_some() {
+                "yes"
+            } else {
+                "no"
+            },
+            if e.structured { "yes" } else { "no" }
+        );
+        if !n.multi_conn() && threads > 1 {
+            // Without multi-conn, writes and flushes on different connections need not see each
+            // other: one queue, one connection.
+            tracing::info!("the NBD server does not advertise multi-conn: serving with 1 queue");
+            threads = 1;
+        }
+    }
     let possible_cpus = crate::affinity::possible_cpus();
     let demand = Demand {
         uring: may_uring,
@@ -339,6 +364,12 @@ fn open_export(
         },
         direct: args.direct,
         io_path,
+        nbd: backend::NbdOptions {
+            writable: args.writable,
+            fua: args.writethrough,
+            timeout: Duration::from_secs_f64(args.nbd_timeout),
+            reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
+        },
     };
     // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
     // thread, and reads the kernel punts to io-wq fork workers with that thread's full
@@ -508,7 +539,7 @@ fn run_queues(
             .context("the signal thread ended at its start")?
             .context("cannot drop privileges")?;
     }
-    spawn_restart_listener(args, mnt, neg, notifier, privileges, tx.clone())?;
+    spawn_restart_listener(args, export, mnt, neg, notifier, privileges, tx.clone())?;
     // The main thread keeps its own fd of the connection to tell the kernel when the image
     // changes size behind the export.
     let notify_fd = match mnt.fd() {
@@ -763,6 +794,7 @@ fn release(
 /// [`Event::Release`]. Not started for a mount without an identity.
 fn spawn_restart_listener(
     args: &MountArgs,
+    export: &Export<Served>,
     mnt: &Mount,
     neg: &Settled,
     notifier: &crate::notify::Notifier,
@@ -779,14 +811,24 @@ fn spawn_restart_listener(
             return Ok(());
         }
     };
-    let refusal = neg.uring.then(|| {
-        format!(
+    let refusal = if neg.uring {
+        Some(format!(
             "{} is served over the io_uring transport, whose requests cannot be handed to a new \
              process without failing some (docs/design.md, Restart): stop and mount it again, or \
              mount it with --transport legacy to restart it without unmounting",
             handover.mountpoint.display()
-        )
-    });
+        ))
+    } else if matches!(export.backend().inner(), AnyBackend::Nbd(_)) {
+        // The new process would connect while these connections are open, which a server
+        // without multi-conn may not accept, and would not see what they have not flushed.
+        Some(format!(
+            "{} exports an NBD server, whose connections are not handed over: stop and mount it \
+             again",
+            handover.mountpoint.display()
+        ))
+    } else {
+        None
+    };
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
     let watcher = neg._watcher.as_ref().map(|w| w.dup()).transpose()?;
     let n = &neg.negotiated;
@@ -957,6 +999,11 @@ fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut
 /// Flushes a writable export's image once every queue has ended; says whether it flushed.
 fn final_flush(export: &Export<Served>) -> Result<bool> {
     if !export.config().writable {
+        return Ok(false);
+    }
+    if let AnyBackend::Nbd(_) = export.backend().inner() {
+        // Each queue's connection flushes what it wrote as it closes (a new connection might
+        // not even be accepted while they are open, and without multi-conn would not cover them).
         return Ok(false);
     }
     let eng = Engine::new(&EngineConfig {

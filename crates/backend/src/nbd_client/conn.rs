@@ -1,0 +1,917 @@
+//! One NBD connection in the transmission phase, driven on its queue's ring.
+//!
+//! Many requests are in flight at once, told apart by cookies (a slot index in the low 16 bits,
+//! a generation above it, so a stale or invented cookie is caught). Sends are serialized (one
+//! request's header and data go out whole before the next starts). Replies are read by whichever
+//! waiting request holds the *receiver role*: it reads one reply, lends the waiting request's own
+//! window to the kernel for READ data (no copy), marks that request done and wakes it; when its
+//! own request is done it hands the role to another waiting request. Reply heads are received
+//! through a 28-byte stream buffer, together with a data chunk's length and offset when the
+//! server sent them (two ring operations per READ reply: head, data). So a connection needs no
+//! task of its own, and nothing is allocated per request: slots, header bytes and timeouts are
+//! reused.
+//!
+//! Anything the server does wrong (bad magic, unknown cookie, impossible length, data outside the
+//! request), a closed socket or a timeout breaks the connection: every request on it fails with
+//! `EIO`, the socket is shut down, and the backend reconnects on a later request.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::future::Future;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use engine::sync::Semaphore;
+use engine::{Engine, Fd, Slice, TaskId, Timeout};
+use nbd::wire::{self, Chunk, Command, ReplyHeader, HEAD_LEN, REQUEST_LEN};
+use nbd::Export;
+
+/// Size of the receiver's stream buffer: a reply head plus a data chunk's length and offset. A
+/// head is read with up to this many bytes, so at most 12 bytes past a simple reply (the next
+/// reply's head, or a simple READ reply's first data bytes, then copied) land in it.
+const RX_CAP: usize = HEAD_LEN + wire::CHUNK_LEN_LEN + 8;
+
+/// Slots made up front (more are added, once, if more requests are ever in flight).
+const INITIAL_SLOTS: usize = 64;
+
+/// Why a connection broke (logged once).
+#[derive(Debug)]
+pub(crate) enum Broken {
+    /// The server closed the connection.
+    Closed,
+    /// No reply (or no progress sending) within the timeout.
+    Timeout,
+    /// The socket failed.
+    Io(std::io::Error),
+    /// The server broke the protocol.
+    Violation(String),
+}
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Broken::Closed => write!(f, "the server closed the connection"),
+            Broken::Timeout => write!(f, "the server did not answer within the timeout"),
+            Broken::Io(e) => write!(f, "socket error: {e}"),
+            Broken::Violation(w) => write!(f, "protocol violation: {w}"),
+        }
+    }
+}
+
+impl From<wire::WireError> for Broken {
+    fn from(e: wire::WireError) -> Self {
+        Broken::Violation(e.to_string())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Free,
+    /// Allocated, waiting to send.
+    Queued,
+    /// Submitted to the socket (or being): a reply may come.
+    Sent,
+    /// The final reply arrived, or the connection broke.
+    Done,
+}
+
+struct Slot {
+    cookie: u64,
+    phase: Phase,
+    task: Option<TaskId>,
+    cmd: Command,
+    off: u64,
+    len: u32,
+    /// A READ's destination window (away while `lent`).
+    win: Option<Slice>,
+    /// The receiver has the window in a ring operation right now.
+    lent: bool,
+    covered: u64,
+    error: Option<i32>,
+    extent: Option<(u32, u32)>,
+    /// Its request's future is gone: the slot is freed when the reply (or the break) comes.
+    abandoned: bool,
+    /// The request header bytes (reused).
+    header: Option<Vec<u8>>,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            cookie: 0,
+            phase: Phase::Free,
+            task: None,
+            cmd: Command::Flush,
+            off: 0,
+            len: 0,
+            win: None,
+            lent: false,
+            covered: 0,
+            error: None,
+            extent: None,
+            abandoned: false,
+            header: Some(Vec::with_capacity(REQUEST_LEN)),
+        }
+    }
+}
+
+struct State {
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    generation: u64,
+    receiving: bool,
+    broken: bool,
+    /// The receiver's small stream buffer (away while a receive fills it): reply heads are read
+    /// into it together with what follows them (a data chunk's length and offset), so a READ
+    /// reply takes two ring operations. `rx_len` bytes at its start are received, not yet used.
+    rx: Option<Vec<u8>>,
+    rx_len: usize,
+    /// Chunk payload bytes (error messages, block status) of the receiver.
+    meta: Option<Vec<u8>>,
+    timeouts: Vec<Timeout>,
+    /// Writes since the last successful flush.
+    dirty: bool,
+}
+
+/// What a successful request answered beyond "done".
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Outcome {
+    /// BLOCK_STATUS: the first extent (length, flags).
+    pub extent: Option<(u32, u32)>,
+}
+
+/// One connection (per queue thread).
+pub(crate) struct Conn {
+    sock: File,
+    fd: Fd,
+    export: Export,
+    writable: bool,
+    st: RefCell<State>,
+    sending: Semaphore,
+}
+
+impl Conn {
+    pub(crate) fn new(sock: OwnedFd, export: Export, timeout: Duration, writable: bool) -> Conn {
+        let sock = File::from(sock);
+        let fd = Fd::Raw(sock.as_raw_fd());
+        Conn {
+            sock,
+            fd,
+            export,
+            writable,
+            st: RefCell::new(State {
+                slots: (0..INITIAL_SLOTS).map(|_| Slot::new()).collect(),
+                free: (0..INITIAL_SLOTS as u16).rev().collect(),
+                generation: 0,
+                receiving: false,
+                broken: false,
+                rx: Some(vec![0; RX_CAP]),
+                rx_len: 0,
+                meta: Some(Vec::with_capacity(wire::MAX_META_PAYLOAD as usize)),
+                timeouts: (0..4).map(|_| Timeout::new(timeout)).collect(),
+                dirty: false,
+            }),
+            sending: Semaphore::new(1, INITIAL_SLOTS),
+        }
+    }
+
+    /// Whether the connection broke (the backend then makes a new one).
+    pub(crate) fn broken(&self) -> bool {
+        self.st.borrow().broken
+    }
+
+    /// The export as this connection negotiated it.
+    pub(crate) fn export(&self) -> &Export {
+        &self.export
+    }
+
+    /// Sends one request and waits for its reply. `data` is a WRITE's payload or a READ's
+    /// destination (exactly `len` bytes); it comes back whatever happens. Errors are errnos.
+    pub(crate) async fn request(
+        &self,
+        eng: &Engine,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u32,
+        data: Option<Slice>,
+    ) -> (Result<Outcome, i32>, Option<Slice>) {
+        let Some(idx) = self.alloc(cmd, off, len) else {
+            return (Err(libc::EIO), data);
+        };
+        let mut data = data;
+        if cmd == Command::Read {
+            self.st.borrow_mut().slots[idx].win = data.take();
+        }
+        let guard = SlotGuard { conn: self, idx };
+        let (sent, write) = self.send(eng, idx, cmd, flags, off, len, data).await;
+        if sent.is_err() {
+            self.fail_slot(eng, idx);
+        }
+        self.wait(eng, idx).await;
+        std::mem::forget(guard);
+        let mut st = self.st.borrow_mut();
+        let slot = &mut st.slots[idx];
+        let win = slot.win.take().or(write);
+        let res = match (slot.error, slot.cmd) {
+            (Some(e), _) => Err(e),
+            (None, Command::Read) if slot.covered != u64::from(slot.len) => {
+                tracing::warn!(
+                    "NBD read of {} bytes at {} answered only {} bytes",
+                    slot.len,
+                    slot.off,
+                    slot.covered
+                );
+                Err(libc::EIO)
+            }
+            _ => Ok(Outcome {
+                extent: slot.extent,
+            }),
+        };
+        if res.is_ok() {
+            match cmd {
+                Command::Write | Command::Trim | Command::WriteZeroes => st.dirty = true,
+                Command::Flush => st.dirty = false,
+                _ => {}
+            }
+        }
+        free(&mut st, idx);
+        (res, win)
+    }
+
+    fn alloc(&self, cmd: Command, off: u64, len: u32) -> Option<usize> {
+        let mut st = self.st.borrow_mut();
+        if st.broken {
+            return None;
+        }
+        let idx = match st.free.pop() {
+            Some(i) => usize::from(i),
+            None => {
+                let n = st.slots.len();
+                if n >= usize::from(u16::MAX) {
+                    return None;
+                }
+                // More requests in flight than ever before: grow once.
+                st.slots.push(Slot::new());
+                n
+            }
+        };
+        st.generation = st.generation.wrapping_add(1);
+        let cookie = (st.generation << 16) | idx as u64;
+        let s = &mut st.slots[idx];
+        s.cookie = cookie;
+        s.phase = Phase::Queued;
+        s.task = None;
+        s.cmd = cmd;
+        s.off = off;
+        s.len = len;
+        s.lent = false;
+        s.covered = 0;
+        s.error = None;
+        s.extent = None;
+        s.abandoned = false;
+        Some(idx)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn send(
+        &self,
+        eng: &Engine,
+        idx: usize,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u32,
+        write: Option<Slice>,
+    ) -> (Result<(), Broken>, Option<Slice>) {
+        self.sending.acquire(eng).await;
+        let mut permit = Permit {
+            conn: self,
+            eng,
+            clean: false,
+        };
+        let (hdr, t) = {
+            let mut st = self.st.borrow_mut();
+            if st.broken {
+                permit.clean = true;
+                return (Err(Broken::Closed), write);
+            }
+            let cookie = st.slots[idx].cookie;
+            // Sent from here on: a reply may be read before this task runs again.
+            st.slots[idx].phase = Phase::Sent;
+            let mut hdr = st.slots[idx].header.take().unwrap_or_default();
+            let mut b = [0u8; REQUEST_LEN];
+            wire::encode_request(&mut b, flags, cmd, cookie, off, len);
+            hdr.clear();
+            hdr.extend_from_slice(&b);
+            (hdr, st.timeouts.pop())
+        };
+        let (r, hdr, t) = eng.send_bytes(self.fd, hdr, t).await;
+        self.st.borrow_mut().slots[idx].header = Some(hdr);
+        self.put_timeout(t);
+        if let Err(b) = check(r, REQUEST_LEN) {
+            self.break_conn(eng, b);
+            permit.clean = true;
+            return (Err(Broken::Closed), write);
+        }
+        let write = match write {
+            Some(w) => {
+                let want = w.len();
+                let t = self.take_timeout();
+                let (r, w, t) = eng.send(self.fd, w, t).await;
+                self.put_timeout(t);
+                if let Err(b) = check(r, want) {
+                    self.break_conn(eng, b);
+                    permit.clean = true;
+                    return (Err(Broken::Closed), Some(w));
+                }
+                Some(w)
+            }
+            None => None,
+        };
+        permit.clean = true;
+        (Ok(()), write)
+    }
+
+    fn take_timeout(&self) -> Option<Timeout> {
+        self.st.borrow_mut().timeouts.pop()
+    }
+
+    fn put_timeout(&self, t: Option<Timeout>) {
+        if let Some(t) = t {
+            self.st.borrow_mut().timeouts.push(t);
+        }
+    }
+
+    fn fail_slot(&self, eng: &Engine, idx: usize) {
+        let mut st = self.st.borrow_mut();
+        let s = &mut st.slots[idx];
+        if s.phase != Phase::Done {
+            s.phase = Phase::Done;
+            s.error.get_or_insert(libc::EIO);
+            if let Some(t) = s.task {
+                eng.wake(t);
+            }
+        }
+    }
+
+    /// Waits until the slot is done and its window is back, reading replies meanwhile if no
+    /// other request is.
+    async fn wait(&self, eng: &Engine, idx: usize) {
+        loop {
+            let receive = {
+                let mut st = self.st.borrow_mut();
+                let receiving = st.receiving;
+                let s = &mut st.slots[idx];
+                if s.phase == Phase::Done && !s.lent {
+                    return;
+                }
+                if s.phase != Phase::Done && !receiving {
+                    st.receiving = true;
+                    true
+                } else {
+                    s.task = eng.current_task();
+                    false
+                }
+            };
+            if receive {
+                let mut role = Role {
+                    conn: self,
+                    eng,
+                    clean: false,
+                };
+                let r = self.receive_one(eng).await;
+                role.clean = true;
+                drop(role);
+                if let Err(b) = r {
+                    self.break_conn(eng, b);
+                }
+                if self.st.borrow().slots[idx].phase == Phase::Done {
+                    self.hand_off(eng);
+                }
+            } else {
+                YieldOnce(false).await;
+            }
+        }
+    }
+
+    /// Wakes one request still waiting for its reply, to take the receiver role.
+    fn hand_off(&self, eng: &Engine) {
+        let st = self.st.borrow();
+        if st.receiving {
+            return;
+        }
+        if let Some(t) = st
+            .slots
+            .iter()
+            .find(|s| s.phase == Phase::Sent && !s.abandoned && s.task.is_some())
+            .and_then(|s| s.task)
+        {
+            eng.wake(t);
+        }
+    }
+
+    /// Marks the connection broken: fails every request on it, shuts the socket down (so
+    /// operations in flight on it end), and logs why, once.
+    pub(crate) fn break_conn(&self, eng: &Engine, why: Broken) {
+        let mut st = self.st.borrow_mut();
+        if st.broken {
+            return;
+        }
+        st.broken = true;
+        tracing::warn!("NBD connection lost: {why}; its requests fail with EIO");
+        // SAFETY: shutdown(2) on the socket this connection owns; it references no memory.
+        unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        for i in 0..st.slots.len() {
+            let s = &mut st.slots[i];
+            if matches!(s.phase, Phase::Queued | Phase::Sent) {
+                s.phase = Phase::Done;
+                s.error.get_or_insert(libc::EIO);
+                if let Some(t) = s.task {
+                    eng.wake(t);
+                }
+                if s.abandoned && !s.lent {
+                    free(&mut st, i);
+                }
+            }
+        }
+        drop(st);
+        self.sending.wake_all(eng);
+    }
+
+    /// Reads one reply (or chunk) and applies it to its request.
+    async fn receive_one(&self, eng: &Engine) -> Result<(), Broken> {
+        let Some(meta) = self.st.borrow_mut().meta.take() else {
+            return Err(Broken::Violation("receiver buffers missing".into()));
+        };
+        let (r, meta) = self.receive_with(eng, meta).await;
+        self.st.borrow_mut().meta = Some(meta);
+        r
+    }
+
+    /// Makes the stream buffer hold at least `want` bytes, receiving at most up to `upto`.
+    async fn fill(&self, eng: &Engine, want: usize, upto: usize) -> Result<(), Broken> {
+        loop {
+            let (buf, have) = {
+                let mut st = self.st.borrow_mut();
+                if st.rx_len >= want {
+                    return Ok(());
+                }
+                let Some(buf) = st.rx.take() else {
+                    return Err(Broken::Violation("receiver buffers missing".into()));
+                };
+                (buf, st.rx_len)
+            };
+            let mut buf = buf;
+            buf.truncate(upto);
+            buf.resize(upto, 0);
+            let t = self.take_timeout();
+            let (r, mut buf, t) = eng.recv_bytes_at(self.fd, buf, have, false, t).await;
+            self.put_timeout(t);
+            buf.resize(RX_CAP, 0);
+            let mut st = self.st.borrow_mut();
+            st.rx = Some(buf);
+            match r {
+                Ok(0) => return Err(Broken::Closed),
+                Ok(n) => st.rx_len = (st.rx_len + n).min(RX_CAP),
+                Err(e) => return Err(check(Err(e), 1).err().unwrap_or(Broken::Closed)),
+            }
+        }
+    }
+
+    /// Moves up to `out.len()` received-but-unused bytes of the stream buffer into `out`;
+    /// returns how many.
+    fn take_rx(&self, out: &mut [u8]) -> usize {
+        let mut st = self.st.borrow_mut();
+        let st = &mut *st;
+        let Some(buf) = st.rx.as_mut() else {
+            return 0;
+        };
+        let have = st.rx_len.min(buf.len());
+        let n = have.min(out.len());
+        out[..n].copy_from_slice(&buf[..n]);
+        buf.copy_within(n..have, 0);
+        st.rx_len = have - n;
+        n
+    }
+
+    /// Exactly `n` bytes into `v` (resized to `n`): first what the stream buffer holds, then from
+    /// the socket.
+    async fn recv_vec(
+        &self,
+        eng: &Engine,
+        mut v: Vec<u8>,
+        n: usize,
+    ) -> (Result<(), Broken>, Vec<u8>) {
+        v.clear();
+        v.resize(n, 0);
+        let k = self.take_rx(&mut v);
+        if k == n {
+            return (Ok(()), v);
+        }
+        let t = self.take_timeout();
+        let (r, v, t) = eng.recv_bytes_at(self.fd, v, k, true, t).await;
+        self.put_timeout(t);
+        (check(r, n - k), v)
+    }
+
+    async fn receive_with(&self, eng: &Engine, mut meta: Vec<u8>) -> (Result<(), Broken>, Vec<u8>) {
+        if let Err(b) = self.fill(eng, HEAD_LEN, RX_CAP).await {
+            return (Err(b), meta);
+        }
+        let mut h = [0u8; HEAD_LEN];
+        self.take_rx(&mut h);
+        let hdr = match ReplyHeader::decode(&h) {
+            Ok(x) => x,
+            Err(e) => return (Err(e.into()), meta),
+        };
+        let idx = match self.slot_of(hdr.cookie()) {
+            Ok(i) => i,
+            Err(b) => return (Err(b), meta),
+        };
+        let (cmd, req_off, req_len) = {
+            let st = self.st.borrow();
+            let s = &st.slots[idx];
+            (s.cmd, s.off, s.len)
+        };
+        let r = match hdr {
+            ReplyHeader::Simple { error, .. } => if error != 0 {
+                self.set_error(idx, nbd::errno_of(error));
+                Ok(())
+            } else if cmd == Command::Read {
+                self.recv_data(eng, idx, 0, req_len).await
+            } else {
+                Ok(())
+            }
+            .map(|()| true),
+            ReplyHeader::Chunk {
+                flags, kind, ty, ..
+            } => {
+                let r;
+                (r, meta) = self
+                    .chunk(eng, idx, kind, ty, cmd, req_off, req_len, meta)
+                    .await;
+                r.map(|()| flags & wire::REPLY_FLAG_DONE != 0)
+            }
+        };
+        match r {
+            Ok(true) => {
+                self.complete(eng, idx);
+                (Ok(()), meta)
+            }
+            Ok(false) => (Ok(()), meta),
+            Err(b) => (Err(b), meta),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn chunk(
+        &self,
+        eng: &Engine,
+        idx: usize,
+        kind: Chunk,
+        ty: u16,
+        cmd: Command,
+        req_off: u64,
+        req_len: u32,
+        meta: Vec<u8>,
+    ) -> (Result<(), Broken>, Vec<u8>) {
+        // A data chunk's length and offset come with its head when the server sent them
+        // together; any valid data chunk has both. An invalid one breaks the connection anyway.
+        let first = if kind == Chunk::OffsetData {
+            wire::CHUNK_LEN_LEN + 8
+        } else {
+            wire::CHUNK_LEN_LEN
+        };
+        if let Err(b) = self.fill(eng, first, first).await {
+            return (Err(b), meta);
+        }
+        let mut meta = meta;
+        meta.clear();
+        meta.resize(first, 0);
+        self.take_rx(&mut meta);
+        let len = wire::chunk_len(&[meta[0], meta[1], meta[2], meta[3]]);
+        let max_data = if cmd == Command::Read { req_len } else { 0 };
+        if let Err(e) = kind.check_len(ty, len, max_data) {
+            return (Err(e.into()), meta);
+        }
+        let allowed = match kind {
+            Chunk::OffsetData | Chunk::OffsetHole => cmd == Command::Read,
+            Chunk::BlockStatus => cmd == Command::BlockStatus,
+            Chunk::None | Chunk::Error => true,
+        };
+        if !allowed {
+            return (
+                Err(Broken::Violation(format!(
+                    "reply chunk type {ty} to a {cmd:?} request"
+                ))),
+                meta,
+            );
+        }
+        match kind {
+            Chunk::None => (Ok(()), meta),
+            Chunk::OffsetData => {
+                let mut o = [0u8; 8];
+                o.copy_from_slice(&meta[wire::CHUNK_LEN_LEN..wire::CHUNK_LEN_LEN + 8]);
+                let n = len - 8;
+                match wire::place(
+                    u64::from_be_bytes(o),
+                    u64::from(n),
+                    req_off,
+                    u64::from(req_len),
+                ) {
+                    Ok(rel) => (self.recv_data(eng, idx, rel as u32, n).await, meta),
+                    Err(e) => (Err(e.into()), meta),
+                }
+            }
+            Chunk::OffsetHole => {
+                let r;
+                (r, meta) = self.recv_vec(eng, meta, 12).await;
+                if let Err(b) = r {
+                    return (Err(b), meta);
+                }
+                let placed = wire::hole(&meta).and_then(|(o, n)| {
+                    wire::place(o, u64::from(n), req_off, u64::from(req_len)).map(|rel| (rel, n))
+                });
+                match placed {
+                    Ok((rel, n)) => {
+                        let mut st = self.st.borrow_mut();
+                        let s = &mut st.slots[idx];
+                        if let Some(w) = s.win.as_mut() {
+                            let (a, b) = (rel as usize, rel as usize + n as usize);
+                            if let Some(z) = w.as_mut_slice().get_mut(a..b) {
+                                z.fill(0);
+                            }
+                        }
+                        s.covered += u64::from(n);
+                        (Ok(()), meta)
+                    }
+                    Err(e) => (Err(e.into()), meta),
+                }
+            }
+            Chunk::BlockStatus => {
+                let r;
+                (r, meta) = self.recv_vec(eng, meta, len as usize).await;
+                if let Err(b) = r {
+                    return (Err(b), meta);
+                }
+                let Some(ctx) = self.export.allocation_context else {
+                    return (
+                        Err(Broken::Violation(
+                            "block status without a negotiated context".into(),
+                        )),
+                        meta,
+                    );
+                };
+                match wire::first_extent(&meta, ctx) {
+                    Ok(e) => {
+                        let mut st = self.st.borrow_mut();
+                        st.slots[idx].extent.get_or_insert(e);
+                        (Ok(()), meta)
+                    }
+                    Err(e) => (Err(e.into()), meta),
+                }
+            }
+            Chunk::Error => {
+                let r;
+                (r, meta) = self.recv_vec(eng, meta, len as usize).await;
+                if let Err(b) = r {
+                    return (Err(b), meta);
+                }
+                match wire::error(&meta) {
+                    Ok((e, msg)) => {
+                        tracing::debug!("NBD server error {e} for {cmd:?} at {req_off}: {msg}");
+                        self.set_error(idx, nbd::errno_of(e));
+                        (Ok(()), meta)
+                    }
+                    Err(e) => (Err(e.into()), meta),
+                }
+            }
+        }
+    }
+
+    /// Receives `n` bytes of READ data into the request's window at `rel`.
+    async fn recv_data(&self, eng: &Engine, idx: usize, rel: u32, n: u32) -> Result<(), Broken> {
+        let win = {
+            let mut st = self.st.borrow_mut();
+            let s = &mut st.slots[idx];
+            let w = s.win.take();
+            s.lent = w.is_some();
+            w
+        };
+        let Some(win) = win else {
+            return Err(Broken::Violation(
+                "READ data for a request without a window".into(),
+            ));
+        };
+        let (start, end) = (win.start(), win.end());
+        let (a, b) = (start + rel as usize, start + rel as usize + n as usize);
+        if b > end {
+            self.restore(eng, idx, win);
+            return Err(Broken::Violation("READ data beyond the request".into()));
+        }
+        // Bytes the stream buffer already holds (at most 12, after a simple reply) are copied.
+        let mut win = win;
+        let k = self.take_rx(&mut win.as_mut_slice()[a - start..b - start]);
+        let mut buf = win.into_inner();
+        let mut r = Ok(());
+        if a + k < b {
+            let t = self.take_timeout();
+            let (got, sub, t) = eng.recv(self.fd, buf.slice(a + k..b), t).await;
+            self.put_timeout(t);
+            buf = sub.into_inner();
+            r = check(got, b - a - k);
+        }
+        self.restore(eng, idx, buf.slice(start..end));
+        r?;
+        self.st.borrow_mut().slots[idx].covered += u64::from(n);
+        Ok(())
+    }
+
+    /// Puts a lent window back; if the request was finished meanwhile (the connection broke), its
+    /// owner may now take it (or, abandoned, the slot is freed).
+    fn restore(&self, eng: &Engine, idx: usize, win: Slice) {
+        let mut st = self.st.borrow_mut();
+        let s = &mut st.slots[idx];
+        s.win = Some(win);
+        s.lent = false;
+        if s.phase == Phase::Done {
+            if s.abandoned {
+                free(&mut st, idx);
+            } else if let Some(t) = s.task {
+                eng.wake(t);
+            }
+        }
+    }
+
+    fn set_error(&self, idx: usize, errno: i32) {
+        self.st.borrow_mut().slots[idx].error.get_or_insert(errno);
+    }
+
+    fn complete(&self, eng: &Engine, idx: usize) {
+        let mut st = self.st.borrow_mut();
+        let s = &mut st.slots[idx];
+        s.phase = Phase::Done;
+        if s.abandoned {
+            free(&mut st, idx);
+        } else if let Some(t) = s.task {
+            eng.wake(t);
+        }
+    }
+
+    fn slot_of(&self, cookie: u64) -> Result<usize, Broken> {
+        let st = self.st.borrow();
+        let idx = (cookie & 0xffff) as usize;
+        match st.slots.get(idx) {
+            Some(s) if s.cookie == cookie && s.phase == Phase::Sent => Ok(idx),
+            _ => Err(Broken::Violation(format!(
+                "reply with unknown cookie {cookie:#x}"
+            ))),
+        }
+    }
+
+    /// A clean goodbye, with blocking I/O (the queue's ring is gone by now): a flush if writes
+    /// are not yet flushed, then `NBD_CMD_DISC`. Bounded by the socket's timeouts.
+    fn goodbye(&mut self) {
+        let st = self.st.get_mut();
+        if st.broken {
+            return;
+        }
+        let mut sock = &self.sock;
+        let mut b = [0u8; REQUEST_LEN];
+        if self.writable && st.dirty && self.export.has(nbd::FLAG_SEND_FLUSH) {
+            wire::encode_request(&mut b, 0, Command::Flush, 1, 0, 0);
+            let mut head = [0u8; HEAD_LEN];
+            let ok = sock.write_all(&b).is_ok() && sock.read_exact(&mut head).is_ok();
+            let flushed = ok
+                && match ReplyHeader::decode(&head) {
+                    Ok(ReplyHeader::Simple { error: 0, .. }) => true,
+                    Ok(ReplyHeader::Chunk {
+                        kind: Chunk::None, ..
+                    }) => {
+                        let mut l = [0u8; 4];
+                        sock.read_exact(&mut l).is_ok() && l == [0; 4]
+                    }
+                    _ => false,
+                };
+            if !flushed {
+                tracing::warn!("NBD: the flush at disconnect failed");
+            }
+        }
+        wire::encode_request(&mut b, 0, Command::Disc, 2, 0, 0);
+        let _ = sock.write_all(&b);
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.goodbye();
+    }
+}
+
+fn free(st: &mut State, idx: usize) {
+    let s = &mut st.slots[idx];
+    if s.phase == Phase::Free {
+        return;
+    }
+    s.phase = Phase::Free;
+    s.win = None;
+    s.task = None;
+    st.free.push(idx as u16);
+}
+
+/// A transfer's result as "all of it moved", or why the connection is broken.
+fn check(r: std::io::Result<usize>, want: usize) -> Result<(), Broken> {
+    match r {
+        Ok(n) if n == want => Ok(()),
+        Ok(_) => Err(Broken::Closed),
+        Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => Err(Broken::Timeout),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
+            Err(Broken::Closed)
+        }
+        Err(e) => Err(Broken::Io(e)),
+    }
+}
+
+/// Releases the send permit; a send cut short (its future dropped) leaves half a request on the
+/// stream, so it breaks the connection.
+struct Permit<'a> {
+    conn: &'a Conn,
+    eng: &'a Engine,
+    clean: bool,
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if !self.clean {
+            self.conn.break_conn(
+                self.eng,
+                Broken::Violation("a request's send was cancelled".into()),
+            );
+        }
+        self.conn.sending.release(self.eng);
+    }
+}
+
+/// The receiver role; dropped mid-reply (its future dropped), the stream position is lost, so
+/// the connection breaks.
+struct Role<'a> {
+    conn: &'a Conn,
+    eng: &'a Engine,
+    clean: bool,
+}
+
+impl Drop for Role<'_> {
+    fn drop(&mut self) {
+        if !self.clean {
+            self.conn.break_conn(
+                self.eng,
+                Broken::Violation("a reply's receipt was cancelled".into()),
+            );
+        }
+        self.conn.st.borrow_mut().receiving = false;
+        if !self.clean {
+            self.conn.hand_off(self.eng);
+        }
+    }
+}
+
+/// A request whose future is dropped before it finished: the slot is freed now if nothing can
+/// arrive for it any more, else when its reply (or the break) comes.
+struct SlotGuard<'a> {
+    conn: &'a Conn,
+    idx: usize,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        let mut st = self.conn.st.borrow_mut();
+        let s = &mut st.slots[self.idx];
+        match s.phase {
+            Phase::Queued => free(&mut st, self.idx),
+            Phase::Done if !s.lent => free(&mut st, self.idx),
+            _ => {
+                s.abandoned = true;
+                s.task = None;
+            }
+        }
+    }
+}
+
+/// Returns `Pending` once (the task is woken by whoever finishes its request), then `Ready`.
+struct YieldOnce(bool);
+
+impl Future for YieldOnce {
+    type Output = ();
+    fn poll(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            Poll::Ready(())
+        } else {
+            self.0 = true;
+            Poll::Pending
+        }
+    }
+}
