@@ -43,7 +43,7 @@ pub enum Command {
     /// Restart the daemon serving MOUNTPOINT without unmounting: a new daemon (this fusex binary,
     /// so also the way to upgrade) takes the live FUSE connection over while applications keep
     /// the file open. Returns once the new daemon serves; on failure the old one keeps serving.
-    /// Legacy /dev/fuse transport only.
+    /// Legacy /dev/fuse transport and image files only (io_uring and NBD exports refuse).
     Restart {
         /// The mounted file.
         mountpoint: PathBuf,
