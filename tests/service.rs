@@ -472,3 +472,47 @@ fn sd_notify_socket_that_does_not_exist_is_one_line() {
     assert!(r.stderr.contains("NOTIFY_SOCKET"), "{}", r.stderr);
     assert!(!is_fuse_mounted(&mp));
 }
+
+/// `fusex restart` as the user who made the export through fusermount3: the new daemon serves
+/// it, and at its end unmounts it through fusermount3 as the old one would have.
+#[test]
+fn unprivileged_restart_keeps_the_export() {
+    let Some(u) = unprivileged() else { return };
+    if std::env::var("FUSEX_E2E_TRANSPORT").is_ok_and(|t| t == "uring") {
+        // io_uring exports refuse restarts (tests/restart.rs); nothing more to see here.
+        return;
+    }
+    let w = WorkDir::new("svc-restart");
+    let (dir, img, model) = user_files(&w, u, MIB, 1207);
+    let mp = dir.join("disk.raw");
+    let pid_file = dir.join("fusex.pid");
+    let (mut m, _) =
+        Mount::start_daemonized_opts(&w, &img, &mp, &pid_file, &["--writable"], &opts(u, &dir))
+            .unwrap_or_else(|f| panic!("--daemonize as {USER} failed: {}", f.stderr));
+    let old = m.pid();
+    let out = as_user(
+        u,
+        &[fusex_bin().as_os_str(), "restart".as_ref(), mp.as_os_str()],
+        b"",
+    );
+    assert!(
+        out.status.success(),
+        "fusex restart as {USER}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let new: i32 = fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_ne!(new, old, "the pid file names the new daemon");
+    m.adopt_pid(new);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !pid_alive(old)),
+        "the old daemon exits"
+    );
+    assert_bytes_eq(&read_as(u, m.path()), &model, 0, "export after the restart");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "{}", st.stderr);
+    assert!(!pid_file.exists(), "pid file removed at exit");
+}

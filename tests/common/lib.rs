@@ -1267,6 +1267,20 @@ impl Mount {
         self.pid
     }
 
+    /// `fusex restart`: a new daemon, `pid`, serves this mount now (and is the one stopped,
+    /// watched and cleaned up after). Only for daemonized mounts, whose pid is all there is.
+    pub fn adopt_pid(&mut self, pid: i32) {
+        assert!(
+            self.daemonized,
+            "adopt_pid: only a daemonized mount changes its daemon"
+        );
+        self.pid = pid;
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.send(());
+        }
+        self.arm_watchdog();
+    }
+
     /// The daemon's stderr so far.
     pub fn stderr(&self) -> String {
         read_lossy(&self.stderr_path)

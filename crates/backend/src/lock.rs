@@ -88,6 +88,8 @@ pub struct Claim {
     pub perm: Perms,
     /// Permissions others may hold at the same time.
     pub shared: Perms,
+    /// Take the locks without testing for other users ([`Locking::Takeover`]).
+    pub untested: bool,
 }
 
 /// How an export locks its image files.
@@ -103,6 +105,12 @@ pub enum Locking {
     /// `--no-locking` (QEMU's `locking=off`): no locks at all, for measurements that export one
     /// image several times at once. Nothing keeps other writers off the image.
     Off,
+    /// `fusex restart`: the [`Locking::Exclusive`] claim, taken without the conflict test. The
+    /// daemon handing over holds the very same locks on its own open file description until the
+    /// new one holds them, so nobody else can have taken a conflicting permission in between; the
+    /// test would only find the predecessor. No window opens in which another writer could
+    /// claim the image.
+    Takeover,
 }
 
 impl Claim {
@@ -117,6 +125,7 @@ impl Claim {
                 .union(Perms::when(writable, Perms::WRITE))
                 .union(Perms::when(writable && growable, Perms::RESIZE)),
             shared: Claim::SHARE_READS,
+            untested: false,
         })
     }
 
@@ -128,6 +137,7 @@ impl Claim {
             perm: Perms::CONSISTENT_READ
                 .union(Perms::when(writable, Perms::WRITE.union(Perms::RESIZE))),
             shared: Claim::SHARE_READS,
+            untested: false,
         })
     }
 
@@ -138,6 +148,7 @@ impl Claim {
         Claim::with(locking, || Claim {
             perm: Perms::CONSISTENT_READ,
             shared: Claim::SHARE_READS,
+            untested: false,
         })
     }
 
@@ -146,9 +157,14 @@ impl Claim {
     fn with(locking: Locking, exclusive: impl FnOnce() -> Claim) -> Option<Claim> {
         match locking {
             Locking::Exclusive => Some(exclusive()),
+            Locking::Takeover => Some(Claim {
+                untested: true,
+                ..exclusive()
+            }),
             Locking::ForceShare => Some(Claim {
                 perm: Perms::CONSISTENT_READ,
                 shared: Perms::ALL,
+                untested: false,
             }),
             Locking::Off => None,
         }
@@ -195,7 +211,13 @@ pub fn lock_file(file: &File, claim: Option<Claim>, subject: &str) -> Result<(),
     } else {
         "stop it, or use --force-share for a read-only export"
     };
-    let r = apply(file, claim).and_then(|()| check(file, claim));
+    let r = apply(file, claim).and_then(|()| {
+        if claim.untested {
+            Ok(())
+        } else {
+            check(file, claim)
+        }
+    });
     match r {
         Ok(()) => Ok(()),
         Err(e) => {
@@ -385,6 +407,7 @@ mod tests {
         let grow = Claim {
             perm: Perms::RESIZE,
             shared: Perms::ALL,
+            untested: false,
         };
         assert_eq!(in_use(lock_file(&c, Some(grow), "C")), "resize");
     }
@@ -396,6 +419,7 @@ mod tests {
         let qemu_io = Claim {
             perm: Perms::CONSISTENT_READ.union(Perms::WRITE),
             shared: Perms::ALL,
+            untested: false,
         };
         lock_file(&a, Some(qemu_io), "qemu-io").unwrap();
         let e = lock_file(&b, Claim::raw(Locking::Exclusive, false, false), "image B").unwrap_err();
@@ -419,5 +443,36 @@ mod tests {
         assert_eq!(held, vec![100, 101, 103, 201, 203]);
         // The locking description does not see its own locks.
         assert!(!locked_elsewhere(&a, 101).unwrap());
+    }
+
+    #[test]
+    fn a_takeover_holds_the_locks_before_the_predecessor_lets_go() {
+        let (f, old, new) = two_descriptions();
+        lock_file(&old, Claim::raw(Locking::Exclusive, true, true), "old").unwrap();
+        // The exclusive claim would find the predecessor; the takeover takes the same bytes.
+        assert_eq!(
+            in_use(lock_file(
+                &new,
+                Claim::raw(Locking::Exclusive, true, true),
+                "new"
+            )),
+            "write"
+        );
+        lock_file(&new, Claim::raw(Locking::Takeover, true, true), "new").unwrap();
+        drop(old);
+        // A third user is refused throughout: first by both, now by the successor alone.
+        let third = File::options()
+            .read(true)
+            .write(true)
+            .open(f.path())
+            .unwrap();
+        assert_eq!(
+            in_use(lock_file(
+                &third,
+                Claim::raw(Locking::Exclusive, true, false),
+                "third"
+            )),
+            "write"
+        );
     }
 }

@@ -40,6 +40,14 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Restart the daemon serving MOUNTPOINT without unmounting: a new daemon (this fusex binary,
+    /// so also the way to upgrade) takes the live FUSE connection over while applications keep
+    /// the file open. Returns once the new daemon serves; on failure the old one keeps serving.
+    /// Legacy /dev/fuse transport and image files only (io_uring and NBD exports refuse).
+    Restart {
+        /// The mounted file.
+        mountpoint: PathBuf,
+    },
     /// Writes the man pages or shell completions, generated from this command line, into DIR
     /// (`make install` runs it).
     #[command(hide = true)]
@@ -194,7 +202,7 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
 }
 
 /// `fusex mount`.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct MountArgs {
     /// Image file or block device (raw or qcow2), null:SIZE (zeroes; drops writes), or an NBD URI
     /// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH; see docs/nbd.md).

@@ -9,6 +9,7 @@ mod notify;
 mod passthrough;
 mod privileges;
 mod queue;
+mod restart;
 mod serve;
 mod timeout;
 mod version;
@@ -57,6 +58,14 @@ fn main() {
             };
             init_logging(cli.verbose);
             ready.and_then(|r| serve::mount(args, r, cli.verbose))
+        }
+        Command::Restart { mountpoint } => {
+            // The new daemon outlives this command: fork it off, as --daemonize does, and
+            // return with its report (exit 1 and one line when the old daemon keeps serving).
+            daemonized = true;
+            let ready = daemon::daemonize();
+            init_logging(cli.verbose);
+            ready.and_then(|r| serve::restart(mountpoint, r))
         }
         Command::Generate { what } => {
             init_logging(cli.verbose);

@@ -16,6 +16,8 @@ use anyhow::{Context, Result};
 /// A connected notification socket, or nothing when fusex was not started by a service manager.
 pub struct Notifier {
     sock: Option<UnixDatagram>,
+    /// The socket's address as `NOTIFY_SOCKET` gave it (handed to a restarted daemon).
+    value: Option<String>,
 }
 
 /// The address `NOTIFY_SOCKET` names: a path, or `@name` for the abstract `\0name`.
@@ -34,9 +36,18 @@ impl Notifier {
     /// Connects to `NOTIFY_SOCKET` if it is set (an empty value counts as unset).
     pub fn from_env() -> Result<Notifier> {
         let Some(value) = std::env::var_os("NOTIFY_SOCKET").filter(|v| !v.is_empty()) else {
-            return Ok(Notifier { sock: None });
+            return Ok(Notifier {
+                sock: None,
+                value: None,
+            });
         };
-        let value = value.to_string_lossy().into_owned();
+        Notifier::connect(&value.to_string_lossy())
+    }
+
+    /// Connects to the service manager's socket `value` (a `NOTIFY_SOCKET` value): how a daemon
+    /// started by `fusex restart` reaches the manager of the daemon it replaces.
+    pub fn connect(value: &str) -> Result<Notifier> {
+        let value = value.to_string();
         let connect = || -> io::Result<UnixDatagram> {
             let sock = UnixDatagram::unbound()?;
             sock.connect_addr(&address(&value)?)?;
@@ -49,7 +60,10 @@ impl Notifier {
             )
         })?;
         tracing::debug!("readiness goes to NOTIFY_SOCKET={value}");
-        Ok(Notifier { sock: Some(sock) })
+        Ok(Notifier {
+            sock: Some(sock),
+            value: Some(value),
+        })
     }
 
     /// Sends `state` (newline-separated `KEY=VALUE` lines). A lost notification must not take the
@@ -69,6 +83,31 @@ impl Notifier {
             "READY=1\nSTATUS={status}\nMAINPID={}",
             std::process::id()
         ));
+    }
+
+    /// The `NOTIFY_SOCKET` value this notifier is connected to, if any.
+    pub fn socket(&self) -> Option<&str> {
+        self.value.as_deref()
+    }
+
+    /// `fusex restart` began: the export is being handed to a new process.
+    pub fn reloading(&self) {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes into `ts`, which lives across the call.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        let usec = ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000;
+        self.send(&format!(
+            "RELOADING=1\nSTATUS=handing the export to a new process\nMONOTONIC_USEC={usec}"
+        ));
+    }
+
+    /// The export is handed over: `pid` is the service's main process from now on (sent by the
+    /// old main process, which the manager still listens to).
+    pub fn main_pid(&self, pid: u32) {
+        self.send(&format!("MAINPID={pid}"));
     }
 
     /// Shutdown has begun (in-flight requests finish, then the unmount).
@@ -102,7 +141,10 @@ mod tests {
         let sock = UnixDatagram::unbound().unwrap();
         sock.connect_addr(&address(&format!("@{name}")).unwrap())
             .unwrap();
-        let n = Notifier { sock: Some(sock) };
+        let n = Notifier {
+            sock: Some(sock),
+            value: None,
+        };
         n.ready("x");
         n.stopping();
         let mut buf = [0u8; 256];

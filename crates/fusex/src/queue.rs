@@ -80,6 +80,12 @@ pub enum Event {
     Signal(i32),
     /// SIGUSR1 arrived: write the statistics as they stand.
     Dump,
+    /// `fusex restart`: process `pid`, reached through `stream`, is ready to serve the export;
+    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`.
+    Release {
+        stream: std::os::unix::net::UnixStream,
+        pid: u32,
+    },
 }
 
 /// What a queue did.

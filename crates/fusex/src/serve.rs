@@ -1,6 +1,6 @@
 //! `fusex mount`: open the image, mount, negotiate, run the queues, and take it all down cleanly.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -32,12 +32,7 @@ pub type Served = Faulty<AnyBackend>;
 pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     // Catch SIGINT/SIGTERM from the start: a signal that lands while mounting must still end in
     // a clean unmount, not in the default action killing the process with the mount in place.
-    let signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGUSR1,
-    ])
-    .context("installing signal handlers")?;
+    let signals = install_signals()?;
     let notifier = match crate::notify::Notifier::from_env() {
         Ok(n) => n,
         Err(e) => {
@@ -45,13 +40,37 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    let (export, mut mnt, neg) = match setup(&args, verbose) {
+    let (export, mnt, neg) = match setup(&args, verbose) {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
             return Err(e);
         }
     };
+    serve_export(&args, export, mnt, neg, ready, &notifier, signals)
+}
+
+/// SIGINT, SIGTERM (stop) and SIGUSR1 (statistics), caught from here on.
+fn install_signals() -> Result<signal_hook::iterator::Signals> {
+    signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGUSR1,
+    ])
+    .context("installing signal handlers")
+}
+
+/// Serves a mounted, negotiated export until it stops or is handed to a successor; then cleans
+/// up what is this process's to clean up.
+fn serve_export(
+    args: &MountArgs,
+    export: Arc<Export<Served>>,
+    mut mnt: Mount,
+    neg: Settled,
+    mut ready: Readiness,
+    notifier: &crate::notify::Notifier,
+    signals: signal_hook::iterator::Signals,
+) -> Result<()> {
     if let Some(p) = &args.pid_file {
         if let Err(e) = write_pid_file(p) {
             let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
@@ -62,19 +81,27 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     }
-    let privileges = Plan::decide(&exit_needs(&args, &export, &mnt));
+    let privileges = Plan::decide(&exit_needs(args, &export, &mnt));
     let result = run_queues(
-        &args,
+        args,
         &export,
         &mut mnt,
         &neg,
         privileges,
-        (&mut ready, &notifier),
+        (&mut ready, notifier),
         signals,
     );
     if let Err(e) = &result {
         // Start-up errors in run_queues (no-op once readiness was reported).
         ready.report(Err(format!("{e:#}")));
+    }
+    if let Ok((_, Some(pid))) = &result {
+        // A successor serves the mount now: leave the mount, its mountpoint file, the watcher
+        // (the successor holds the pipe too) and the pid file (it holds the successor's pid).
+        mnt.disown();
+        drop(neg);
+        tracing::info!("handed the export over to process {pid}; exiting");
+        return Ok(());
     }
     // Normally done at the end of run_queues; again here for the early-return paths.
     let unmounted = mnt.unmount();
@@ -84,7 +111,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     if let Some(p) = &args.pid_file {
         remove_pid_file(p);
     }
-    let stats = result?;
+    let (stats, _) = result?;
     if let Some(p) = &args.stats_file {
         std::fs::write(p, serde_json::to_vec_pretty(&stats)?)
             .with_context(|| format!("writing {}", p.display()))?;
@@ -95,6 +122,10 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
 
 /// What INIT settled that the queues need.
 struct Settled {
+    /// What INIT settled (handed to a successor by `fusex restart`).
+    negotiated: transport::Negotiated,
+    /// The `fusex mount` command line this export was started with (a successor parses it).
+    argv: Vec<String>,
     max_write: u32,
     /// Request buffers per queue and their size.
     plan: MemoryPlan,
@@ -130,66 +161,7 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
     }
-    let io_path = match args.io_path {
-        IoPathArg::Auto => None,
-        IoPathArg::Ring => Some(IoPath::Ring),
-        IoPathArg::Inline => Some(IoPath::Inline),
-        IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
-        IoPathArg::Adaptive => Some(IoPath::Adaptive),
-    };
-    let options = OpenOptions {
-        format: args.format.into(),
-        no_backing: args.no_backing,
-        writable: args.writable,
-        growable: args.growable,
-        locking: if args.no_locking {
-            Locking::Off
-        } else if args.force_share {
-            Locking::ForceShare
-        } else {
-            Locking::Exclusive
-        },
-        direct: args.direct,
-        io_path,
-        nbd: backend::NbdOptions {
-            writable: args.writable,
-            fua: args.writethrough,
-            timeout: Duration::from_secs_f64(args.nbd_timeout),
-            reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
-        },
-    };
-    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
-    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
-    // capabilities, which live as long as the thread. This one ends here, so no such worker
-    // outlives the privilege drop.
-    let backend = std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name("fusex-open".into())
-            .spawn_scoped(s, || backend::open(&args.image, options))
-            .context("starting the thread that opens the image")?
-            .join()
-            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
-            .map_err(anyhow::Error::from)
-    })?;
-    if let AnyBackend::Raw(r) = &backend {
-        tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
-    }
-    let max_size = max_size(args, &backend)?;
-    let pt = crate::passthrough::Plan::new(args, &backend)?;
-    if !args.fault.is_empty() {
-        tracing::info!("fault injection: {:?}", args.fault);
-    }
-    let export = Arc::new(Export::new(
-        Faulty::new(backend, args.fault.clone()),
-        ExportConfig {
-            writable: args.writable,
-            growable: args.growable,
-            kernel_cache: args.kernel_cache,
-            writethrough: args.writethrough,
-            max_size,
-            ..ExportConfig::default()
-        },
-    ));
+    let (export, pt) = open_export(args, false)?;
     let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
     let mut threads = args
         .queues
@@ -347,6 +319,8 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         export,
         mnt,
         Settled {
+            negotiated: neg,
+            argv: std::env::args().collect(),
             max_write: neg.max_write,
             plan,
             queues: if uring {
@@ -359,6 +333,77 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
             _watcher: watcher,
         },
     ))
+}
+
+/// Opens the image (`takeover`: taking the image locks over from the daemon `fusex restart`
+/// replaces) and wraps it in the export; also decides what passthrough to ask for.
+fn open_export(
+    args: &MountArgs,
+    takeover: bool,
+) -> Result<(Arc<Export<Served>>, crate::passthrough::Plan)> {
+    let io_path = match args.io_path {
+        IoPathArg::Auto => None,
+        IoPathArg::Ring => Some(IoPath::Ring),
+        IoPathArg::Inline => Some(IoPath::Inline),
+        IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
+        IoPathArg::Adaptive => Some(IoPath::Adaptive),
+    };
+    let options = OpenOptions {
+        format: args.format.into(),
+        no_backing: args.no_backing,
+        writable: args.writable,
+        growable: args.growable,
+        locking: if args.no_locking {
+            Locking::Off
+        } else if takeover && !args.force_share {
+            Locking::Takeover
+        } else if args.force_share {
+            Locking::ForceShare
+        } else {
+            Locking::Exclusive
+        },
+        direct: args.direct,
+        io_path,
+        nbd: backend::NbdOptions {
+            writable: args.writable,
+            fua: args.writethrough,
+            timeout: Duration::from_secs_f64(args.nbd_timeout),
+            reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
+        },
+    };
+    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
+    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
+    // capabilities, which live as long as the thread. This one ends here, so no such worker
+    // outlives the privilege drop.
+    let backend = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("fusex-open".into())
+            .spawn_scoped(s, || backend::open(&args.image, options))
+            .context("starting the thread that opens the image")?
+            .join()
+            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
+            .map_err(anyhow::Error::from)
+    })?;
+    if let AnyBackend::Raw(r) = &backend {
+        tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
+    }
+    let max_size = max_size(args, &backend)?;
+    let pt = crate::passthrough::Plan::new(args, &backend)?;
+    if !args.fault.is_empty() {
+        tracing::info!("fault injection: {:?}", args.fault);
+    }
+    let export = Arc::new(Export::new(
+        Faulty::new(backend, args.fault.clone()),
+        ExportConfig {
+            writable: args.writable,
+            growable: args.growable,
+            kernel_cache: args.kernel_cache,
+            writethrough: args.writethrough,
+            max_size,
+            ..ExportConfig::default()
+        },
+    ));
+    Ok((export, pt))
 }
 
 /// How large a growable export may grow: `--max-size`, checked against what the image's
@@ -452,7 +497,7 @@ fn run_queues(
     privileges: Plan,
     (ready, notifier): (&mut Readiness, &crate::notify::Notifier),
     mut signals: signal_hook::iterator::Signals,
-) -> Result<serde_json::Value> {
+) -> Result<(serde_json::Value, Option<u32>)> {
     let mut stopping_sent = false;
     let cpus = crate::affinity::allowed_cpus();
     let nq = neg.queues;
@@ -494,6 +539,7 @@ fn run_queues(
             .context("the signal thread ended at its start")?
             .context("cannot drop privileges")?;
     }
+    spawn_restart_listener(args, export, mnt, neg, notifier, privileges, tx.clone())?;
     // The main thread keeps its own fd of the connection to tell the kernel when the image
     // changes size behind the export.
     let notify_fd = match mnt.fd() {
@@ -530,6 +576,9 @@ fn run_queues(
     let mut failure: Option<String> = None;
     let mut per_queue = Vec::new();
     let mut flushed: Option<Result<bool>> = None;
+    // `fusex restart`: the successor waiting for this process to let go, and its pid.
+    let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
+    let mut handed_to: Option<u32> = None;
     let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
         stop.store(true, Ordering::Release);
         for (r, t) in remotes {
@@ -643,15 +692,45 @@ fn run_queues(
                 dumps += 1;
                 dump_live(args, &mut live, dumps, neg.uring);
             }
+            Event::Release { stream, pid } => {
+                if stop.load(Ordering::Acquire) || started < nq {
+                    let _ = crate::restart::send(
+                        &stream,
+                        &serde_json::json!({"op": "refused", "error": "the daemon is stopping"}),
+                        &[],
+                    );
+                } else {
+                    tracing::info!(
+                        "restart: process {pid} takes the export over; finishing in-flight \
+                         requests"
+                    );
+                    notifier.reloading();
+                    // The successor reports ready and stopping from here on.
+                    stopping_sent = true;
+                    successor = Some((stream, pid));
+                    stop_all(&remotes);
+                }
+            }
         }
         if stop.load(Ordering::Acquire) && quiet >= nq {
-            finish(&mut flushed, export, mnt);
+            if let Some((stream, pid)) = successor.take() {
+                if release(&mut flushed, export, &stream, pid, notifier) {
+                    handed_to = Some(pid);
+                } else {
+                    // Nobody took the export: end it as a stop would.
+                    finish(&mut flushed, export, mnt);
+                }
+            } else {
+                finish(&mut flushed, export, mnt);
+            }
         }
     }
     if !stopping_sent {
         notifier.stopping();
     }
-    finish(&mut flushed, export, mnt);
+    if handed_to.is_none() {
+        finish(&mut flushed, export, mnt);
+    }
     sig_handle.close();
     if failure.is_none() {
         for t in threads {
@@ -661,6 +740,13 @@ fn run_queues(
     per_queue.sort_by_key(|q| q["queue"].as_u64());
     tracing::info!("served {} requests", total.requests());
     let flushed = flushed.unwrap_or(Ok(false));
+    if let Some(pid) = handed_to {
+        // The successor serves the mount: an error now must not make this process take it down.
+        if let Some(f) = failure {
+            tracing::error!("after handing over to process {pid}: {f}");
+        }
+        return Ok((total.to_json(), handed_to));
+    }
     if let Some(f) = failure {
         bail!(f);
     }
@@ -671,7 +757,170 @@ fn run_queues(
     flushed?;
     json["queues"] = serde_json::Value::Array(per_queue);
     json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
-    Ok(json)
+    Ok((json, handed_to))
+}
+
+/// `fusex restart`, the old daemon's side once every queue is quiet: flush a writable image, tell
+/// the successor it may serve, and name it the service's main process. The connection is left
+/// alone (the successor holds it). False when the successor could not be told (it is gone).
+fn release(
+    flushed: &mut Option<Result<bool>>,
+    export: &Export<Served>,
+    stream: &std::os::unix::net::UnixStream,
+    pid: u32,
+    notifier: &crate::notify::Notifier,
+) -> bool {
+    let f = final_flush(export);
+    if let Err(e) = &f {
+        // The successor serves the same file through the same page cache; durability is what
+        // its own FLUSH and FSYNC requests decide. Said, not fatal.
+        tracing::error!("restart: {e:#}");
+    }
+    *flushed = Some(f);
+    match crate::restart::send(stream, &serde_json::json!({"op": "released"}), &[]) {
+        Ok(()) => {
+            notifier.main_pid(pid);
+            true
+        }
+        Err(e) => {
+            tracing::error!("restart: cannot tell process {pid} it may serve ({e}); unmounting");
+            false
+        }
+    }
+}
+
+/// Listens for `fusex restart` of this export (see [`crate::restart`]) on a thread of its own,
+/// which hands the connection to a successor that asks and turns its request to serve into an
+/// [`Event::Release`]. Not started for a mount without an identity.
+fn spawn_restart_listener(
+    args: &MountArgs,
+    export: &Export<Served>,
+    mnt: &Mount,
+    neg: &Settled,
+    notifier: &crate::notify::Notifier,
+    privileges: Plan,
+    tx: mpsc::Sender<Event>,
+) -> Result<()> {
+    let Some(handover) = mnt.handover() else {
+        return Ok(());
+    };
+    let listener = match crate::restart::listen(&handover.identity) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!("restart: cannot listen for fusex restart: {e}");
+            return Ok(());
+        }
+    };
+    let refusal = if neg.uring {
+        Some(format!(
+            "{} is served over the io_uring transport, whose requests cannot be handed to a new \
+             process without failing some (docs/design.md, Restart): stop and mount it again, or \
+             mount it with --transport legacy to restart it without unmounting",
+            handover.mountpoint.display()
+        ))
+    } else if matches!(export.backend().inner(), AnyBackend::Nbd(_)) {
+        // The new process would connect while these connections are open, which a server
+        // without multi-conn may not accept, and would not see what they have not flushed.
+        Some(format!(
+            "{} exports an NBD server, whose connections are not handed over: stop and mount it \
+             again",
+            handover.mountpoint.display()
+        ))
+    } else {
+        None
+    };
+    let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
+    let watcher = neg._watcher.as_ref().map(|w| w.dup()).transpose()?;
+    let n = &neg.negotiated;
+    let id = handover.identity;
+    let state = serde_json::json!({
+        "op": "state",
+        "argv": neg.argv,
+        "cwd": std::env::current_dir()?.to_string_lossy(),
+        "minor": n.minor,
+        "kernel_minor": n.kernel_minor,
+        "offered": n.offered,
+        "flags": n.flags,
+        "max_write": n.max_write,
+        "max_readahead": n.max_readahead,
+        "request_timeout": n.request_timeout,
+        "depth": neg.plan.depth,
+        "queues": neg.queues,
+        "mountpoint": handover.mountpoint.to_string_lossy(),
+        "mount_id": id.mount_id(),
+        "unique": id.is_unique(),
+        "dev": [id.dev().0, id.dev().1],
+        "created": handover.created.map(|(a, b, c)| serde_json::json!([a, b, c])),
+        "via_fusermount": handover.via_fusermount,
+        "notify_socket": notifier.socket(),
+        "watcher": watcher.is_some(),
+        "image": args.image,
+    });
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    std::thread::Builder::new()
+        .name("fusex-restart".into())
+        .spawn(move || {
+            if let Err(e) = privileges.apply() {
+                tracing::warn!("restart: cannot drop privileges, not listening: {e}");
+                return;
+            }
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                match hand_over(&stream, euid, refusal.as_deref(), &state, &conn, &watcher) {
+                    Ok(pid) => {
+                        // The main thread answers `released` once the queues are quiet.
+                        let _ = tx.send(Event::Release { stream, pid });
+                        return;
+                    }
+                    Err(e) => tracing::info!("restart: not handed over: {e:#}"),
+                }
+            }
+        })
+        .context("starting the restart listener")?;
+    Ok(())
+}
+
+/// One restart conversation up to the successor's request to serve: checks who asks, sends the
+/// state and descriptors, and waits for `release`. Returns the successor's pid.
+fn hand_over(
+    stream: &std::os::unix::net::UnixStream,
+    euid: u32,
+    refusal: Option<&str>,
+    state: &serde_json::Value,
+    conn: &std::os::fd::OwnedFd,
+    watcher: &Option<std::os::fd::OwnedFd>,
+) -> Result<u32> {
+    use crate::restart::{expect, peer, recv, send};
+    // A peer that stops talking must not keep this thread (and so every later restart) forever;
+    // generous, since the new process opens the image in between.
+    stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let (pid, uid) = peer(stream).context("peer credentials")?;
+    let refuse = |why: &str| {
+        let _ = send(
+            stream,
+            &serde_json::json!({"op": "refused", "error": why}),
+            &[],
+        );
+        anyhow::anyhow!("{why}")
+    };
+    if uid != 0 && uid != euid {
+        return Err(refuse(&format!(
+            "user {uid} may not restart this export: run fusex restart as root or as user {euid}"
+        )));
+    }
+    let (hello, _) = recv(stream).context("reading the request")?;
+    expect(&hello, "hello")?;
+    if let Some(why) = refusal {
+        return Err(refuse(why));
+    }
+    tracing::info!("restart: process {pid} asks for the export; it keeps being served meanwhile");
+    let mut fds = vec![conn.as_raw_fd()];
+    fds.extend(watcher.as_ref().map(|w| w.as_raw_fd()));
+    send(stream, state, &fds).context("sending the state")?;
+    let (msg, _) = recv(stream).context("process went away before taking over")?;
+    expect(&msg, "release")?;
+    Ok(pid)
 }
 
 /// How often the main thread looks at the image's size (the kernel's attribute timeout, so
@@ -812,4 +1061,189 @@ fn remove_pid_file(path: &Path) {
         let _ = std::fs::hard_link(&aside, path);
     }
     let _ = std::fs::remove_file(&aside);
+}
+
+/// `fusex restart MOUNTPOINT`, in the new daemon: takes the export over from the daemon serving
+/// it (see [`crate::restart`]) and serves it until stopped, like `fusex mount`. Any error before
+/// the old daemon let go leaves it serving, and is reported through `ready`.
+pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
+    let signals = install_signals()?;
+    match take_over(&path) {
+        Ok((args, export, mnt, neg, notifier)) => {
+            serve_export(&args, export, mnt, neg, ready, &notifier, signals)
+        }
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            Err(e)
+        }
+    }
+}
+
+type TakenOver = (
+    MountArgs,
+    Arc<Export<Served>>,
+    Mount,
+    Settled,
+    crate::notify::Notifier,
+);
+
+fn take_over(path: &Path) -> Result<TakenOver> {
+    use crate::restart::{connect, expect, identify, recv, send};
+    use serde_json::{json, Value};
+    let shown = path.display();
+    let id = identify(path)?;
+    let sock = connect(&id).map_err(|e| {
+        anyhow::anyhow!(
+            "no fusex daemon takes restarts of {shown} ({e}): it may predate fusex restart"
+        )
+    })?;
+    // Only a daemon of root or of this user is believed (anyone may bind an abstract name).
+    let (_, owner) = crate::restart::peer(&sock).context("restart socket peer")?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if owner != 0 && owner != euid {
+        bail!(
+            "the restart socket of {shown} belongs to user {owner}, not to root or to you: \
+             stop whatever listens there"
+        );
+    }
+    send(&sock, &json!({"op": "hello"}), &[])?;
+    let (state, fds) = recv(&sock).context("reading the export's state from its daemon")?;
+    expect(&state, "state")?;
+    let mut fds = fds.into_iter();
+    let conn = fds.next().context("the daemon sent no connection fd")?;
+    let watcher = if state["watcher"].as_bool() == Some(true) {
+        Some(crate::watcher::Watcher::from_fd(
+            fds.next().context("the daemon sent no watcher pipe")?,
+        ))
+    } else {
+        None
+    };
+    let num = |k: &str| -> Result<u64> {
+        state[k]
+            .as_u64()
+            .with_context(|| format!("the daemon's state lacks {k}"))
+    };
+    let text = |v: &Value| v.as_str().map(str::to_string);
+    // Relative paths on the command line are the old daemon's: resolve them as it did.
+    let cwd = text(&state["cwd"]).context("the daemon's state lacks cwd")?;
+    std::env::set_current_dir(&cwd).with_context(|| format!("entering {cwd}"))?;
+    let argv: Vec<String> = state["argv"]
+        .as_array()
+        .context("the daemon's state lacks argv")?
+        .iter()
+        .filter_map(text)
+        .collect();
+    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(&argv)
+        .map_err(|e| anyhow::anyhow!("the daemon's command line: {}", e.kind()))?;
+    let Some(crate::cli::Command::Mount(args)) = cli.command else {
+        bail!("the daemon's command line is not fusex mount");
+    };
+    let notifier = match text(&state["notify_socket"]) {
+        Some(v) => crate::notify::Notifier::connect(&v)?,
+        None => crate::notify::Notifier::from_env()?,
+    };
+    // A writable qcow2 image's tables change while the old daemon serves it: opened now, this
+    // process would cache stale ones. So it is only tried now (read-only, no locks: can it be
+    // opened at all?) and opened for real once the old daemon has flushed it and let go.
+    let reopen = args.writable
+        && args.format != crate::cli::FormatArg::Raw
+        && !args.image.starts_with("null:")
+        && backend::qcow2::probe(Path::new(&args.image)).unwrap_or(false);
+    let opened = if reopen {
+        let mut trial = args.clone();
+        (trial.writable, trial.growable, trial.max_size) = (false, false, None);
+        (trial.no_locking, trial.force_share) = (true, false);
+        drop(open_export(&trial, false)?);
+        None
+    } else {
+        Some(open_export(&args, true)?)
+    };
+    let max_write = u32::try_from(num("max_write")?).context("max_write")?;
+    let negotiated = transport::Negotiated {
+        minor: num("minor")? as u32,
+        kernel_minor: num("kernel_minor")? as u32,
+        offered: num("offered")?,
+        flags: num("flags")?,
+        max_write,
+        max_readahead: num("max_readahead")? as u32,
+        request_timeout: state["request_timeout"]
+            .as_u64()
+            .and_then(|t| u16::try_from(t).ok()),
+    };
+    if negotiated.has(FUSE_OVER_IO_URING) {
+        bail!("the export uses the io_uring transport, which cannot be handed over");
+    }
+    let mut backing = None;
+    let opened = match opened {
+        Some((export, pt)) => {
+            backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+            Some(export)
+        }
+        None => None,
+    };
+    let queues = usize::try_from(num("queues")?)?.max(1);
+    let depth = usize::try_from(num("depth")?)?.max(1);
+    let possible = crate::affinity::possible_cpus();
+    let plan = MemoryPlan {
+        max_write: max_write as usize,
+        depth,
+        buffer_size: memory::buffer_size(max_write as usize),
+        buffers: depth * queues,
+        budget: memory::budget(possible),
+    };
+    let dev = state["dev"].as_array().context("dev")?;
+    let part = |i: usize| dev.get(i).and_then(Value::as_u64).unwrap_or(0) as u32;
+    let identity = transport::MountIdentity::from_parts(
+        num("mount_id")?,
+        state["unique"] == true,
+        (part(0), part(1)),
+    );
+    let created = state["created"].as_array().map(|c| {
+        let p = |i: usize| c.get(i).and_then(Value::as_u64).unwrap_or(0);
+        (p(0) as u32, p(1) as u32, p(2))
+    });
+    let handover = transport::Handover {
+        mountpoint: PathBuf::from(text(&state["mountpoint"]).context("mountpoint")?),
+        identity,
+        created,
+        via_fusermount: state["via_fusermount"] == true,
+    };
+    // Everything that can fail is done: let the old daemon finish and let go.
+    send(&sock, &json!({"op": "release"}), &[])?;
+    let (msg, _) = recv(&sock).context("the old daemon went away before letting go")?;
+    expect(&msg, "released")?;
+    let export = match opened {
+        // The old daemon may have grown the image since it was opened here.
+        Some(export) => {
+            let _ = export.backend().refresh_size();
+            export
+        }
+        None => {
+            // Past the point of return: the old daemon no longer serves. Failing here ends the
+            // export as a failed start does (the --auto-unmount watcher then unmounts it).
+            let (export, pt) = open_export(&args, true)?;
+            backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+            export
+        }
+    };
+    let mnt = Mount::adopt(handover, conn);
+    tracing::info!(
+        "restart: took over {} at {} (FUSE 7.{}, max_write {} KiB, {queues} legacy queues)",
+        args.image,
+        mnt.mountpoint().display(),
+        negotiated.minor,
+        max_write >> 10
+    );
+    let settled = Settled {
+        negotiated,
+        argv,
+        max_write,
+        plan,
+        queues,
+        uring: false,
+        _passthrough: backing,
+        _watcher: watcher,
+    };
+    Ok((args, export, mnt, settled, notifier))
 }

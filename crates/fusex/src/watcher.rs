@@ -23,6 +23,19 @@ pub struct Watcher {
     _alive: OwnedFd,
 }
 
+impl Watcher {
+    /// A watcher's pipe handed over by the daemon this process replaces (`fusex restart`): the
+    /// watcher stays asleep as long as either process holds it.
+    pub fn from_fd(fd: OwnedFd) -> Watcher {
+        Watcher { _alive: fd }
+    }
+
+    /// Another descriptor of the pipe, to hand to a successor daemon.
+    pub fn dup(&self) -> std::io::Result<OwnedFd> {
+        self._alive.try_clone()
+    }
+}
+
 /// Starts the watcher for the mount `id` at `mountpoint`. `quiet` sends its log to /dev/null
 /// (a daemonized fusex must not keep the caller's stderr open through it).
 pub fn spawn(mountpoint: &Path, id: &MountIdentity, verbose: u8, quiet: bool) -> Result<Watcher> {

@@ -27,6 +27,20 @@ pub struct MountConfig {
     pub max_read: u32,
 }
 
+/// What a process taking over a live mount needs to know of it (see [`Mount::handover`]).
+#[derive(Clone, Debug)]
+pub struct Handover {
+    /// The canonical mountpoint.
+    pub mountpoint: PathBuf,
+    /// Which mount is the export's.
+    pub identity: MountIdentity,
+    /// The mountpoint file the first daemon created (device major, minor, inode), removed at
+    /// the export's end.
+    pub created: Option<(u32, u32, u64)>,
+    /// Whether `fusermount3` made the mount (and so unmounts it).
+    pub via_fusermount: bool,
+}
+
 /// How a mount was made, which decides how it is taken down.
 enum Via {
     /// mount(2) by fusex itself (it has `CAP_SYS_ADMIN`); umount2 at the end.
@@ -267,6 +281,42 @@ impl Mount {
                 })
             }
         }
+    }
+
+    /// What a successor daemon needs to take this mount over (`fusex restart`): the canonical
+    /// mountpoint, which mount it is, the mountpoint file this mount created, and how it was made.
+    pub fn handover(&self) -> Option<Handover> {
+        Some(Handover {
+            mountpoint: self.mountpoint.clone(),
+            identity: self.identity?,
+            created: self.created,
+            via_fusermount: self.via_fusermount(),
+        })
+    }
+
+    /// Takes over a mount another fusex process made and hands over (`fusex restart`), with `fd`
+    /// on its connection. From here on this process cleans it up at its end exactly as the
+    /// predecessor would have: only while the mount at the path is still that one.
+    pub fn adopt(h: Handover, fd: OwnedFd) -> Mount {
+        Mount {
+            fd: Some(fd),
+            mountpoint: h.mountpoint,
+            created: h.created,
+            identity: Some(h.identity),
+            via: if h.via_fusermount {
+                Via::Fusermount
+            } else {
+                Via::Kernel
+            },
+        }
+    }
+
+    /// Lets go of the mount without unmounting it or removing the mountpoint file: a successor
+    /// process serves it now (`fusex restart`).
+    pub fn disown(mut self) {
+        self.identity = None;
+        self.created = None;
+        self.fd = None;
     }
 
     /// Whether `fusermount3` made this mount (fusex has no privilege to mount or unmount).

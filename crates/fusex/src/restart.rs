@@ -1,0 +1,256 @@
+//! `fusex restart`: hands a live export's FUSE connection from the running daemon to a new fusex
+//! process, so the daemon can be upgraded or restarted while applications keep the file open.
+//!
+//! The running daemon listens on an abstract unix socket named after its mount (the FUSE
+//! connection's device number and the unique mount id), accepting only its own user or root.
+//! The protocol, one JSON message per frame (a 4-byte little-endian length, then the text):
+//!
+//! 1. new → old: `{"op":"hello"}`.
+//! 2. old → new: the export's state (command line, working directory, what INIT settled, the
+//!    mount's identity) with the connection's fd and the `--auto-unmount` watcher's pipe attached
+//!    (`SCM_RIGHTS`), or `{"op":"refused","error":…}`. The old daemon keeps serving.
+//! 3. The new process opens the image (taking the image locks over, see
+//!    [`backend::Locking::Takeover`]) and sets its queues up. If anything fails it just goes
+//!    away: the old daemon never stopped.
+//! 4. new → old: `{"op":"release"}`. The old daemon takes no new requests, answers the ones it
+//!    has, flushes a writable image, and answers `{"op":"released"}`; then it exits without
+//!    unmounting. Requests arriving meanwhile wait in the kernel for the new process.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+
+use anyhow::{bail, Context, Result};
+use transport::MountIdentity;
+
+/// The abstract socket name a daemon serving the mount `id` listens on for restarts.
+pub fn socket_name(id: &MountIdentity) -> String {
+    let (maj, min) = id.dev();
+    format!("fusex-restart/{maj}:{min}/{}", id.mount_id())
+}
+
+/// Binds the restart socket of the mount `id`.
+pub fn listen(id: &MountIdentity) -> io::Result<UnixListener> {
+    UnixListener::bind_addr(&SocketAddr::from_abstract_name(socket_name(id).as_bytes())?)
+}
+
+/// Connects to the daemon serving the mount `id`.
+pub fn connect(id: &MountIdentity) -> io::Result<UnixStream> {
+    UnixStream::connect_addr(&SocketAddr::from_abstract_name(socket_name(id).as_bytes())?)
+}
+
+/// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect.
+pub fn peer(sock: &UnixStream) -> io::Result<(u32, u32)> {
+    // SAFETY: ucred is plain old data; all-zero is valid.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which lives across the call.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cred.pid as u32, cred.uid))
+}
+
+/// Largest message accepted (the state is a few hundred bytes).
+const MAX_MESSAGE: usize = 1 << 20;
+/// Descriptors a message may carry.
+const MAX_FDS: usize = 4;
+
+/// Sends `msg` with `fds` attached.
+pub fn send(sock: &UnixStream, msg: &serde_json::Value, fds: &[RawFd]) -> io::Result<()> {
+    let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&body);
+    if fds.is_empty() {
+        return (&*sock).write_all(&frame);
+    }
+    if fds.len() > MAX_FDS {
+        return Err(io::Error::other("too many descriptors"));
+    }
+    let data_len = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: frame.as_mut_ptr().cast(),
+        iov_len: frame.len(),
+    };
+    // SAFETY: msghdr is plain old data; all-zero is valid.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = space;
+    // SAFETY: the control buffer is `space` bytes, enough for one header with `data_len` bytes of
+    // data, so CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it; the fds are copied in.
+    let r = unsafe {
+        let c = libc::CMSG_FIRSTHDR(&mh);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(data_len as u32) as usize;
+        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), data_len);
+        libc::sendmsg(sock.as_raw_fd(), &mh, libc::MSG_NOSIGNAL)
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let sent = r as usize;
+    if sent < frame.len() {
+        (&*sock).write_all(&frame[sent..])?;
+    }
+    Ok(())
+}
+
+/// Receives one message and the descriptors attached to it (owned here from now on).
+pub fn recv(sock: &UnixStream) -> io::Result<(serde_json::Value, Vec<OwnedFd>)> {
+    let mut head = [0u8; 4];
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) };
+    let mut cbuf = vec![0u64; (space as usize).div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: head.as_mut_ptr().cast(),
+        iov_len: head.len(),
+    };
+    // SAFETY: msghdr is plain old data; all-zero is valid.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf.as_mut_ptr().cast();
+    mh.msg_controllen = space as usize;
+    // SAFETY: every pointer in `mh` points at live buffers of the stated sizes.
+    let r = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into `cbuf` with the CMSG macros,
+    // which stay inside `msg_controllen`; each SCM_RIGHTS payload is an array of fds that are
+    // new in this process and owned by nobody else.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&mh);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let n = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
+                let p = libc::CMSG_DATA(c).cast::<RawFd>();
+                for i in 0..n {
+                    fds.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&mh, c);
+        }
+    }
+    let got = r as usize;
+    if got == 0 {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+    }
+    if got < head.len() {
+        (&*sock).read_exact(&mut head[got..])?;
+    }
+    let len = u32::from_le_bytes(head) as usize;
+    if len > MAX_MESSAGE {
+        return Err(io::Error::other("message too large"));
+    }
+    let mut body = vec![0u8; len];
+    (&*sock).read_exact(&mut body)?;
+    let msg = serde_json::from_slice(&body).map_err(io::Error::other)?;
+    Ok((msg, fds))
+}
+
+/// A message's `op`.
+pub fn op(msg: &serde_json::Value) -> &str {
+    msg["op"].as_str().unwrap_or("")
+}
+
+/// Fails with the peer's `error` when the message is a refusal, or when it is not `want`.
+pub fn expect(msg: &serde_json::Value, want: &str) -> Result<()> {
+    match op(msg) {
+        o if o == want => Ok(()),
+        "refused" => bail!("{}", msg["error"].as_str().unwrap_or("refused")),
+        o => bail!("unexpected restart message {o:?} (wanted {want:?})"),
+    }
+}
+
+/// `fusex restart`'s first step: the identity of the fusex export at `path`.
+pub fn identify(path: &std::path::Path) -> Result<MountIdentity> {
+    let shown = path.display();
+    let canon = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+        .canonicalize()
+        .with_context(|| format!("{shown}: parent directory not found"))?
+        .join(path.file_name().context("no file name")?);
+    match transport::fuse_mount_at(&canon) {
+        Some(e) if e.is_fusex() => {}
+        Some(e) => bail!(
+            "{shown} is a FUSE mount of type {}, not a fusex export",
+            e.fstype
+        ),
+        None => bail!("{shown} is not a FUSE mount: give the file a fusex export is mounted on"),
+    }
+    MountIdentity::of_path(&canon).with_context(|| format!("identifying the mount at {shown}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn messages_carry_descriptors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f = tempfile::tempfile().unwrap();
+        let (r, w) = std::io::pipe().unwrap();
+        let fds = [f.as_raw_fd(), w.as_fd().as_raw_fd()];
+        send(&a, &serde_json::json!({"op": "state", "n": 7}), &fds).unwrap();
+        send(&a, &serde_json::json!({"op": "released"}), &[]).unwrap();
+        let (msg, got) = recv(&b).unwrap();
+        assert_eq!(op(&msg), "state");
+        assert_eq!(msg["n"], 7);
+        assert_eq!(got.len(), 2);
+        // The received pipe end is the same pipe.
+        drop(w);
+        let mut wr = std::fs::File::from(got.into_iter().nth(1).unwrap());
+        wr.write_all(b"x").unwrap();
+        drop(wr);
+        let mut s = String::new();
+        (&r).read_to_string(&mut s).unwrap();
+        assert_eq!(s, "x");
+        let (msg, got) = recv(&b).unwrap();
+        expect(&msg, "released").unwrap();
+        assert!(got.is_empty());
+    }
+
+    #[test]
+    fn refusals_and_garbage_are_errors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        send(
+            &a,
+            &serde_json::json!({"op": "refused", "error": "no: because"}),
+            &[],
+        )
+        .unwrap();
+        let (msg, _) = recv(&b).unwrap();
+        assert_eq!(
+            expect(&msg, "state").unwrap_err().to_string(),
+            "no: because"
+        );
+        (&a).write_all(&[3, 0, 0, 0, b'{', b'x', b'}']).unwrap();
+        assert!(recv(&b).is_err());
+        (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
+        assert!(recv(&b).is_err());
+        drop(a);
+        assert!(recv(&b).is_err());
+    }
+}

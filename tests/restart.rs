@@ -1,0 +1,572 @@
+//! `fusex restart MOUNTPOINT`: the live connection goes to a new daemon while applications keep
+//! the export open and busy; a restart that cannot happen leaves the old daemon serving.
+//!
+//! On the legacy transport the export is handed over; on io_uring (`FUSEX_E2E_TRANSPORT=uring`)
+//! the running daemon refuses (docs/design.md, Restart), which these tests check instead.
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use fusex_e2e::*;
+
+/// Whether this run's mounts use the io_uring transport.
+fn uring() -> bool {
+    std::env::var("FUSEX_E2E_TRANSPORT").is_ok_and(|t| t == "uring")
+}
+
+/// How long a condition may take before the test gives up: a hang detector, not a bound.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+fn read_pid(pid_file: &Path) -> i32 {
+    fs::read_to_string(pid_file)
+        .unwrap_or_default()
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+/// The FUSE connection's device number of the mount at `mp` (it must not change).
+fn conn_dev(mp: &Path) -> (u32, u32) {
+    let m = fuse_mounts_at(mp);
+    assert_eq!(m.len(), 1, "one FUSE mount at {}", mp.display());
+    m[0].dev
+}
+
+/// `fusex restart MP`, expected to succeed; returns the new daemon's pid once the old one
+/// has exited, with the mount still in place.
+#[track_caller]
+fn restart_ok(w: &WorkDir, m: &mut Mount, pid_file: &Path) -> i32 {
+    let old = m.pid();
+    let dev = conn_dev(m.path());
+    let r = run_fusex(
+        w,
+        &[Path::new("restart").as_os_str(), m.path().as_os_str()],
+        None,
+    );
+    assert_eq!(
+        r.code,
+        Some(0),
+        "fusex restart failed; stderr:\n{}",
+        r.stderr
+    );
+    assert!(
+        r.stdout.is_empty(),
+        "restart printed to stdout: {:?}",
+        r.stdout
+    );
+    let new = read_pid(pid_file);
+    assert!(
+        new > 0 && new != old,
+        "pid file names the new daemon ({new}, old {old})"
+    );
+    assert!(pid_alive(new), "the new daemon runs");
+    m.adopt_pid(new);
+    assert!(
+        wait_until(Instant::now() + PATIENCE, || !pid_alive(old)),
+        "the old daemon {old} exits after handing over"
+    );
+    assert_eq!(conn_dev(m.path()), dev, "the same mount and connection");
+    new
+}
+
+/// Writers over O_DIRECT, each in its own region of the export, checking every write by reading
+/// it back and, every few operations, an older range against the model.
+struct Writers {
+    stop: Arc<AtomicBool>,
+    ops: Arc<AtomicU64>,
+    errors: Arc<Mutex<Vec<String>>>,
+    handles: Vec<thread::JoinHandle<()>>,
+    model: Arc<Mutex<Vec<u8>>>,
+}
+
+impl Writers {
+    fn start(path: &Path, model: Vec<u8>, threads: u64) -> Writers {
+        let size = model.len() as u64;
+        let model = Arc::new(Mutex::new(model));
+        let stop = Arc::new(AtomicBool::new(false));
+        let ops = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let region = size / threads;
+        let handles = (0..threads)
+            .map(|t| {
+                let (stop, ops, errors, model) =
+                    (stop.clone(), ops.clone(), errors.clone(), model.clone());
+                let f = open_rw_direct(path);
+                thread::spawn(move || {
+                    let mut rng = Rng::new(0x5eed + t);
+                    let base = t * region;
+                    let blocks = region / 4096;
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let len_blocks = 1 + rng.below(32.min(blocks));
+                        let off = base + rng.below(blocks - len_blocks + 1) * 4096;
+                        let len = (len_blocks * 4096) as usize;
+                        let data = AlignedBuf::from_slice(&rng.bytes(len), 4096);
+                        let fail = |what: String| errors.lock().unwrap().push(what);
+                        if let Err(e) = f.write_all_at(data.as_slice(), off) {
+                            fail(format!("write {len} at {off}: {e}"));
+                            break;
+                        }
+                        model.lock().unwrap()[off as usize..off as usize + len]
+                            .copy_from_slice(data.as_slice());
+                        let mut back = AlignedBuf::new(len, 4096);
+                        if let Err(e) = f.read_exact_at(back.as_mut_slice(), off) {
+                            fail(format!("read back {len} at {off}: {e}"));
+                            break;
+                        }
+                        if back.as_slice() != data.as_slice() {
+                            fail(format!("read back {len} at {off}: different bytes"));
+                            break;
+                        }
+                        n += 1;
+                        if n % 4 == 0 {
+                            let off = base + rng.below(blocks - 32.min(blocks) + 1) * 4096;
+                            let len = (32.min(blocks) * 4096) as usize;
+                            let mut got = AlignedBuf::new(len, 4096);
+                            if let Err(e) = f.read_exact_at(got.as_mut_slice(), off) {
+                                fail(format!("read {len} at {off}: {e}"));
+                                break;
+                            }
+                            let want =
+                                model.lock().unwrap()[off as usize..off as usize + len].to_vec();
+                            if got.as_slice() != want.as_slice() {
+                                fail(format!("read {len} at {off}: not what was written"));
+                                break;
+                            }
+                        }
+                        ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        Writers {
+            stop,
+            ops,
+            errors,
+            handles,
+            model,
+        }
+    }
+
+    /// Waits until the writers have done `more` operations beyond what they had done, or failed.
+    #[track_caller]
+    fn wait_for_progress(&self, more: u64) {
+        let target = self.ops.load(Ordering::Relaxed) + more;
+        let ok = wait_until(Instant::now() + PATIENCE, || {
+            self.ops.load(Ordering::Relaxed) >= target || !self.errors.lock().unwrap().is_empty()
+        });
+        assert!(ok, "the writers made no progress");
+        let errors = self.errors.lock().unwrap();
+        assert!(errors.is_empty(), "writer errors: {errors:?}");
+    }
+
+    /// Stops the writers; returns the model of what the export must hold.
+    #[track_caller]
+    fn finish(self) -> Vec<u8> {
+        self.stop.store(true, Ordering::Relaxed);
+        for h in self.handles {
+            h.join().expect("writer thread panicked");
+        }
+        let errors = self.errors.lock().unwrap();
+        assert!(errors.is_empty(), "writer errors: {errors:?}");
+        let model = self.model.lock().unwrap().clone();
+        model
+    }
+}
+
+fn setup(tag: &str, size: u64) -> (WorkDir, PathBuf, PathBuf, PathBuf, Vec<u8>) {
+    let w = WorkDir::new(tag);
+    let img = w.join("disk.img");
+    let model = random_image(&img, size, 7);
+    let mp = w.join("disk.raw");
+    let pid_file = w.join("fusex.pid");
+    (w, img, mp, pid_file, model)
+}
+
+#[test]
+fn ten_restarts_under_verified_writes() {
+    if !require_fuse() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-ten", 16 * MIB);
+    let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let writers = Writers::start(&mp, model, 2);
+    writers.wait_for_progress(20);
+    if uring() {
+        let old = m.pid();
+        let r = run_fusex(
+            &w,
+            &[Path::new("restart").as_os_str(), mp.as_os_str()],
+            None,
+        );
+        r.assert_one_error_line("fusex restart of an io_uring export");
+        assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
+        assert_eq!(
+            read_pid(&pid_file),
+            old,
+            "the old daemon keeps its pid file"
+        );
+        writers.wait_for_progress(20);
+    } else {
+        for _ in 0..10 {
+            restart_ok(&w, &mut m, &pid_file);
+            writers.wait_for_progress(20);
+        }
+    }
+    let model = writers.finish();
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export after the restarts");
+    let st = m.stop();
+    assert!(
+        st.exited && !st.left_mounted,
+        "the last daemon unmounts at SIGTERM"
+    );
+    assert_bytes_eq(&read_all(&img), &model, 0, "image after the restarts");
+    assert!(!pid_file.exists(), "the last daemon removes the pid file");
+    assert!(
+        !mp.exists(),
+        "the mountpoint fusex created is removed at the end"
+    );
+}
+
+#[test]
+fn a_failed_restart_leaves_the_old_daemon_serving() {
+    if !require_fuse() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-fail", 4 * MIB);
+    let (m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let old = m.pid();
+    // The new daemon cannot reopen the image: it is not at its path any more.
+    let moved = w.join("moved.img");
+    fs::rename(&img, &moved).unwrap();
+    let r = run_fusex(
+        &w,
+        &[Path::new("restart").as_os_str(), mp.as_os_str()],
+        None,
+    );
+    r.assert_one_error_line("fusex restart with the image gone");
+    if uring() {
+        assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
+    } else {
+        assert!(
+            r.stderr.contains("disk.img"),
+            "names the image: {}",
+            r.stderr
+        );
+    }
+    fs::rename(&moved, &img).unwrap();
+    assert!(pid_alive(old), "the old daemon still runs");
+    assert_eq!(read_pid(&pid_file), old, "and keeps its pid file");
+    // And still serves, reads and writes.
+    let f = open_rw(&mp);
+    f.write_all_at(b"still here", 4096).unwrap();
+    let mut want = model;
+    want[4096..4106].copy_from_slice(b"still here");
+    assert_bytes_eq(&read_all(&mp), &want, 0, "export after the failed restart");
+    drop(f);
+    // Not mounted with the io_uring transport, a restart with the image back works.
+    if !uring() {
+        let mut m = m;
+        restart_ok(&w, &mut m, &pid_file);
+        assert_bytes_eq(&read_all(&mp), &want, 0, "export after the restart");
+        let st = m.stop();
+        assert!(st.exited && !st.left_mounted);
+    } else {
+        let st = m.stop();
+        assert!(st.exited && !st.left_mounted);
+    }
+}
+
+#[test]
+fn the_auto_unmount_watcher_follows_the_restart() {
+    if !require_fuse() {
+        return;
+    }
+    if uring() {
+        // The io_uring export is not handed over (checked above); nothing to follow.
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-watch", 4 * MIB);
+    let (mut m, _) =
+        Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable", "--auto-unmount"])
+            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let new = restart_ok(&w, &mut m, &pid_file);
+    // The old daemon's exit released its end of the watcher's pipe; the new one holds it.
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export served by the new daemon");
+    assert!(m.is_mounted(), "the mount outlived the old daemon");
+    send_signal(new, libc::SIGKILL);
+    assert!(
+        wait_until(Instant::now() + PATIENCE, || !m.is_mounted()),
+        "the watcher unmounts once the new daemon dies"
+    );
+    let _ = m.wait_exit();
+}
+
+/// Waits for one datagram on `sock` (its read timeout is set by the caller).
+fn datagram(sock: &std::os::unix::net::UnixDatagram) -> String {
+    let mut buf = [0u8; 4096];
+    let n = sock
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("no notification within {TIMEOUT:?}: {e}"));
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn systemd_hears_reloading_the_new_main_pid_and_ready() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    if !require_fuse() || uring() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-notify", 4 * MIB);
+    let name = format!("fusex-e2e-restart-notify-{}", std::process::id());
+    let sock =
+        UnixDatagram::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap();
+    sock.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let opts = SpawnOpts {
+        env: vec![("NOTIFY_SOCKET".into(), format!("@{name}").into())],
+        ..SpawnOpts::default()
+    };
+    let (mut m, _) = Mount::start_daemonized_opts(&w, &img, &mp, &pid_file, &["--writable"], &opts)
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let old = m.pid();
+    let ready = datagram(&sock);
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    assert!(
+        ready.lines().any(|l| l == format!("MAINPID={old}")),
+        "{ready:?}"
+    );
+    // `fusex restart` runs without NOTIFY_SOCKET: the new daemon uses the old one's.
+    let new = restart_ok(&w, &mut m, &pid_file);
+    let reloading = datagram(&sock);
+    assert!(
+        reloading.lines().any(|l| l == "RELOADING=1"),
+        "{reloading:?}"
+    );
+    assert!(
+        reloading.lines().any(|l| l.starts_with("MONOTONIC_USEC=")),
+        "{reloading:?}"
+    );
+    let main = datagram(&sock);
+    assert_eq!(
+        main,
+        format!("MAINPID={new}"),
+        "the old daemon names its successor"
+    );
+    let ready = datagram(&sock);
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    assert!(
+        ready.lines().any(|l| l == format!("MAINPID={new}")),
+        "{ready:?}"
+    );
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export served by the new daemon");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    let stopping = datagram(&sock);
+    assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
+}
+
+#[test]
+fn restarts_of_a_writable_qcow2_export_keep_its_metadata_whole() {
+    if !require_fuse_and_tools(&["qemu-img"]) || uring() {
+        return;
+    }
+    let w = WorkDir::new("restart-qcow2");
+    let img = w.join("disk.qcow2");
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&img)
+            .arg("16M"),
+    );
+    let mp = w.join("disk.raw");
+    let pid_file = w.join("fusex.pid");
+    let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    // Every write allocates clusters while the daemons change hands.
+    let writers = Writers::start(&mp, vec![0u8; 16 * MIB as usize], 2);
+    writers.wait_for_progress(20);
+    for _ in 0..5 {
+        restart_ok(&w, &mut m, &pid_file);
+        writers.wait_for_progress(20);
+    }
+    let model = writers.finish();
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export after the restarts");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["check", "-q"])
+            .arg(&img),
+    );
+    let want = w.join("model.raw");
+    fs::write(&want, &model).unwrap();
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["compare", "-q", "-f", "qcow2", "-F", "raw"])
+            .arg(&img)
+            .arg(&want),
+    );
+}
+
+#[test]
+fn fio_verify_runs_through_ten_restarts() {
+    /// fio's queue depth: at most this many of its requests are in flight at any time.
+    const IODEPTH: u64 = 16;
+    if !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, _) = setup("restart-fio", 16 * MIB);
+    let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let mut writes = WriteWatch::new(&img);
+    let fio_log = w.join("fio.json");
+    let mut filename = std::ffi::OsString::from("--filename=");
+    filename.push(&mp);
+    // Writes with a crc32c in every block, each verified by reading it back soon after
+    // (verify_backlog), pass after pass until stopped.
+    let mut fio = ChildGuard(
+        std::process::Command::new("fio")
+            .args([
+                "--name=v",
+                "--rw=randwrite",
+                "--bs=4k",
+                &format!("--iodepth={IODEPTH}"),
+                "--ioengine=libaio",
+                "--direct=1",
+                "--size=8M",
+                "--loops=1000000",
+                "--verify=crc32c",
+                "--verify_backlog=64",
+                "--verify_fatal=1",
+                "--fallocate=none",
+                "--output-format=json",
+            ])
+            .arg(&filename)
+            .stdin(std::process::Stdio::null())
+            .stdout(fs::File::create(&fio_log).unwrap())
+            .stderr(fs::File::create(w.join("fio.stderr")).unwrap())
+            .spawn()
+            .expect("spawn fio"),
+    );
+    let fio_output = || {
+        format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&fs::read(&fio_log).unwrap_or_default()),
+            String::from_utf8_lossy(&fs::read(w.join("fio.stderr")).unwrap_or_default()),
+        )
+    };
+    let restarts = if uring() { 1 } else { 10 };
+    for _ in 0..restarts {
+        let n = writes.seen();
+        let flowing = writes.wait_for_more_than(n + IODEPTH, &mut fio, Instant::now() + PATIENCE);
+        if let Some(st) = fio.try_wait() {
+            panic!("fio ended during the restarts ({st}):\n{}", fio_output());
+        }
+        assert!(
+            flowing,
+            "fio's writes stopped reaching the image:\n{}",
+            fio_output()
+        );
+        if uring() {
+            let r = run_fusex(
+                &w,
+                &[Path::new("restart").as_os_str(), mp.as_os_str()],
+                None,
+            );
+            r.assert_one_error_line("fusex restart of an io_uring export");
+        } else {
+            restart_ok(&w, &mut m, &pid_file);
+        }
+    }
+    let n = writes.seen();
+    assert!(
+        writes.wait_for_more_than(n + IODEPTH, &mut fio, Instant::now() + PATIENCE),
+        "fio's writes reach the image after the last restart"
+    );
+    // SIGINT: fio finishes what it has in flight and writes its report.
+    send_signal(fio.pid(), libc::SIGINT);
+    let done = wait_until(Instant::now() + PATIENCE, || fio.try_wait().is_some());
+    assert!(done, "fio ends at SIGINT");
+    // fio says "terminating on signal 2" ahead of its report.
+    let out = fs::read(&fio_log).unwrap();
+    let start = out.iter().position(|&b| b == b'{').unwrap_or(0);
+    let report: serde_json::Value = serde_json::from_slice(&out[start..])
+        .unwrap_or_else(|e| panic!("fio's report: {e}\n{}", fio_output()));
+    let job = &report["jobs"][0];
+    assert_eq!(job["error"], 0, "fio saw an error:\n{}", fio_output());
+    assert!(
+        job["write"]["io_bytes"].as_u64().unwrap_or(0) > 0,
+        "fio wrote:\n{}",
+        fio_output()
+    );
+    // The verify reads (verify_backlog) are counted as reads.
+    assert!(
+        job["read"]["io_bytes"].as_u64().unwrap_or(0) > 0,
+        "fio verified:\n{}",
+        fio_output()
+    );
+    let stderr = String::from_utf8_lossy(&fs::read(w.join("fio.stderr")).unwrap()).to_string();
+    assert!(
+        !stderr.contains("verify") && !stderr.to_lowercase().contains("error"),
+        "fio complained:\n{stderr}"
+    );
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+}
+
+#[test]
+fn an_nbd_export_refuses_restart_and_keeps_serving() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-nbd", 4 * MIB);
+    let sock = w.join("s.sock");
+    let mut server = ChildGuard(
+        std::process::Command::new("qemu-nbd")
+            .args(["-t", "-f", "raw", "-k"])
+            .arg(&sock)
+            .arg(&img)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start qemu-nbd"),
+    );
+    assert!(
+        wait_until(Instant::now() + PATIENCE, || {
+            std::os::unix::net::UnixStream::connect(&sock).is_ok() || server.try_wait().is_some()
+        }),
+        "qemu-nbd listens"
+    );
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let (m, _) = Mount::start_daemonized(&w, &uri, &mp, &pid_file, &[])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let old = m.pid();
+    let r = run_fusex(
+        &w,
+        &[Path::new("restart").as_os_str(), mp.as_os_str()],
+        None,
+    );
+    r.assert_one_error_line("fusex restart of an NBD export");
+    assert!(
+        pid_alive(old) && read_pid(&pid_file) == old,
+        "the old daemon serves on"
+    );
+    assert_bytes_eq(
+        &read_all(&mp),
+        &model,
+        0,
+        "export after the refused restart",
+    );
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    server.kill_and_wait();
+}
