@@ -111,14 +111,8 @@ fn man_pages_and_completions_are_generated_with_every_subcommand() {
     }
 }
 
-#[test]
-fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
-    if which("make").is_none() || which("install").is_none() {
-        skip_or_fail("make and install (coreutils) are needed");
-        return;
-    }
-    let w = WorkDir::new("install-prefix");
-    let prefix = w.join("prefix");
+/// `make install PREFIX=prefix` of the binary under test; returns the repository's root.
+fn make_install(prefix: &Path) -> PathBuf {
     let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     run_ok(
         Command::new("make")
@@ -129,6 +123,18 @@ fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
             .arg(format!("PREFIX={}", prefix.display()))
             .arg(format!("INSTALL_BIN={}", fusex_bin().display())),
     );
+    repo
+}
+
+#[test]
+fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
+    if which("make").is_none() || which("install").is_none() {
+        skip_or_fail("make and install (coreutils) are needed");
+        return;
+    }
+    let w = WorkDir::new("install-prefix");
+    let prefix = w.join("prefix");
+    make_install(&prefix);
     let bin = prefix.join("bin/fusex");
     assert_eq!(
         fs::read(&bin).unwrap(),
@@ -165,16 +171,7 @@ fn systemd_unit_verifies_against_an_installed_prefix() {
     }
     let w = WorkDir::new("install-unit");
     let prefix = w.join("prefix");
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    run_ok(
-        Command::new("make")
-            .arg("-s")
-            .arg("-C")
-            .arg(&repo)
-            .arg("install")
-            .arg(format!("PREFIX={}", prefix.display()))
-            .arg(format!("INSTALL_BIN={}", fusex_bin().display())),
-    );
+    let repo = make_install(&prefix);
     let unit = text(&repo.join("contrib/fusex@.service"));
     assert!(unit.contains("Type=notify"), "{unit}");
     assert!(
