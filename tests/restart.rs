@@ -234,6 +234,61 @@ fn ten_restarts_under_verified_writes() {
     );
 }
 
+/// An upgrade: `fusex restart` run by another fusex binary makes that binary the daemon, with
+/// the same mount and the same bytes.
+#[test]
+fn restart_from_another_binary_swaps_the_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-swap", 4 * MIB);
+    let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    // Copied by a child, so this process never holds the new binary open for writing (a fork
+    // elsewhere in the test binary would make executing it fail with ETXTBSY).
+    let upgraded = w.join("fusex-upgraded");
+    run_ok(
+        std::process::Command::new("cp")
+            .arg(fusex_bin())
+            .arg(&upgraded),
+    );
+    let old = m.pid();
+    let dev = conn_dev(&mp);
+    let mut cmd = std::process::Command::new(&upgraded);
+    cmd.arg("restart").arg(&mp);
+    let r = run_with_timeout(&w, cmd, None);
+    if uring() {
+        r.assert_one_error_line("fusex restart of an io_uring export by another binary");
+        assert_eq!(read_pid(&pid_file), old, "the old daemon keeps serving");
+    } else {
+        assert_eq!(
+            r.code,
+            Some(0),
+            "restart by another binary; stderr:\n{}",
+            r.stderr
+        );
+        let new = read_pid(&pid_file);
+        assert!(new > 0 && new != old, "pid file names the new daemon");
+        m.adopt_pid(new);
+        assert!(
+            wait_until(Instant::now() + PATIENCE, || !pid_alive(old)),
+            "the old daemon {old} exits after handing over"
+        );
+        assert_eq!(
+            fs::read_link(format!("/proc/{new}/exe")).expect("the new daemon's executable"),
+            upgraded.canonicalize().unwrap(),
+            "the new daemon runs the upgraded binary"
+        );
+        assert_eq!(conn_dev(&mp), dev, "the same mount and connection");
+    }
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export after the swap");
+    let st = m.stop();
+    assert!(
+        st.exited && !st.left_mounted,
+        "the daemon unmounts at SIGTERM"
+    );
+}
+
 #[test]
 fn a_failed_restart_leaves_the_old_daemon_serving() {
     if !require_fuse() {
