@@ -23,6 +23,11 @@ pub struct QueueState<B> {
     stopping: Cell<bool>,
     /// Requests taken and not yet answered.
     busy: Cell<usize>,
+    /// Legacy slots waiting in their transport for a request. A read the stop cancelled may
+    /// still deliver one (the kernel had copied it out before the cancel), which must be
+    /// answered before the queue counts as quiet: a flush or a handover to another process
+    /// follows quiet, and a request served after it would be lost to both.
+    reading: Cell<usize>,
     /// Requests taken whose reply is not built yet (the engine's load).
     in_service: Cell<u32>,
     /// Woken when the queue should stop or has become quiet.
@@ -40,6 +45,7 @@ impl<B: BlockBackend> QueueState<B> {
             failure: Cell::new(None),
             stopping: Cell::new(false),
             busy: Cell::new(0),
+            reading: Cell::new(0),
             in_service: Cell::new(0),
             watcher: Cell::new(None),
         })
@@ -70,9 +76,9 @@ impl<B: BlockBackend> QueueState<B> {
         self.stopping.get()
     }
 
-    /// Stopping, and every request taken has been answered.
+    /// Stopping, every request taken has been answered, and no read can deliver another.
     pub fn is_quiet(&self) -> bool {
-        self.stopping.get() && self.busy.get() == 0
+        self.stopping.get() && self.busy.get() == 0 && self.reading.get() == 0
     }
 
     /// The error that ended the queue, if one did.
@@ -126,7 +132,11 @@ impl<B: BlockBackend> QueueState<B> {
     /// The request is answered.
     fn leave(&self) {
         self.busy.set(self.busy.get() - 1);
-        if self.stopping.get() && self.busy.get() == 0 {
+        self.wake_if_quiet();
+    }
+
+    fn wake_if_quiet(&self) {
+        if self.is_quiet() {
             self.wake_watcher();
         }
     }
@@ -137,9 +147,12 @@ impl<B: BlockBackend> QueueState<B> {
         let layout = q.layout();
         let mut buf = buf;
         loop {
-            let (b, n) = match q.next_request(&self.eng, buf).await {
+            self.reading.set(self.reading.get() + 1);
+            let read = q.next_request(&self.eng, buf).await;
+            self.reading.set(self.reading.get() - 1);
+            let (b, n) = match read {
                 Ok(ReadOutcome::Request(b, n)) => (b, n),
-                Ok(ReadOutcome::Stopped) => return,
+                Ok(ReadOutcome::Stopped) => return self.wake_if_quiet(),
                 Ok(ReadOutcome::Gone) => return self.end(None),
                 Err(e) => return self.end(Some(format!("reading /dev/fuse: {e}"))),
             };
