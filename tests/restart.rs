@@ -344,14 +344,16 @@ fn the_auto_unmount_watcher_follows_the_restart() {
     if !require_fuse() {
         return;
     }
-    if uring() {
-        // The io_uring export is not handed over (checked above); nothing to follow.
-        return;
-    }
     let (w, img, mp, pid_file, model) = setup("restart-watch", 4 * MIB);
-    let (mut m, _) =
-        Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable", "--auto-unmount"])
-            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    // Handing over is for the legacy transport (io_uring exports refuse, tested above).
+    let (mut m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &pid_file,
+        &["--writable", "--auto-unmount", "--transport", "legacy"],
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let new = restart_ok(&w, &mut m, &pid_file);
     // The old daemon's exit released its end of the watcher's pipe; the new one holds it.
     assert_bytes_eq(&read_all(&mp), &model, 0, "export served by the new daemon");
@@ -377,7 +379,7 @@ fn datagram(sock: &std::os::unix::net::UnixDatagram) -> String {
 fn systemd_hears_reloading_the_new_main_pid_and_ready() {
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixDatagram};
-    if !require_fuse() || uring() {
+    if !require_fuse() {
         return;
     }
     let (w, img, mp, pid_file, model) = setup("restart-notify", 4 * MIB);
@@ -389,8 +391,16 @@ fn systemd_hears_reloading_the_new_main_pid_and_ready() {
         env: vec![("NOTIFY_SOCKET".into(), format!("@{name}").into())],
         ..SpawnOpts::default()
     };
-    let (mut m, _) = Mount::start_daemonized_opts(&w, &img, &mp, &pid_file, &["--writable"], &opts)
-        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    // Handing over is for the legacy transport (io_uring exports refuse, tested above).
+    let (mut m, _) = Mount::start_daemonized_opts(
+        &w,
+        &img,
+        &mp,
+        &pid_file,
+        &["--writable", "--transport", "legacy"],
+        &opts,
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let old = m.pid();
     let ready = datagram(&sock);
     assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
