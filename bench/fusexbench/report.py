@@ -302,7 +302,7 @@ def cpu_roles_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str,
             body.append([f"`{row['workload']}`", t, fmt_sig(client) if client is not None else "-",
                          fmt_sig(server) if server is not None else "-"])
     return ["", f"**CPU per I/O** (median over rounds, {MU}s; client = the FUSE daemon, server = the shared NBD server)",
-            "", table(["workload", "target", "client", "NBD server"], body)]
+            "", table(["workload", "target", "client", "NBD server"], body, ["l", "l", "r", "r"])]
 
 
 def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
