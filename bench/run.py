@@ -11,6 +11,7 @@ Examples::
     python3 bench/run.py --matrix all --runtime 3 --rounds 3
     python3 bench/run.py --matrix multiqueue --image shm,null --workloads aio
     python3 bench/run.py --matrix qcow2 --image qcow2-sparse --workloads write
+    python3 bench/run.py --matrix nbd --rounds 5 --print-table
     python3 bench/run.py --report bench/results/2025-11-23-vm     # re-render
     python3 bench/run.py --list
 
@@ -71,7 +72,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job (default 5)")
     p.add_argument("--ramp", type=float, default=1.0, help="fio ramp seconds before measuring (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing "
+    p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing,nbd,nbd-delay "
                                    "(default: the matrix's own; quick: shm)")
     p.add_argument("--size", default="1G", help="image size for fio matrices (default 1G)")
     p.add_argument("--disk-dir", default="/var/tmp", help="directory for 'disk' images (default /var/tmp)")

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Install what the benchmark suite needs (Debian/Ubuntu):
 #   fio, qemu-storage-daemon (qemu-system-common), qemu-nbd (qemu-utils),
-#   nbdfuse (libnbd-bin), fusermount3 (fuse3), gcc (for bench/fileaccess.c),
+#   nbdfuse (libnbd-bin), nbdkit (the nbd matrix's delay server), fusermount3 (fuse3),
+#   gcc (for bench/fileaccess.c),
 # and bench/.venv with matplotlib for the plots. Idempotent.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
@@ -11,6 +12,7 @@ command -v fio >/dev/null 2>&1 || need="$need fio"
 command -v qemu-storage-daemon >/dev/null 2>&1 || need="$need qemu-system-common"
 command -v qemu-nbd >/dev/null 2>&1 || need="$need qemu-utils"
 command -v nbdfuse >/dev/null 2>&1 || need="$need libnbd-bin"
+command -v nbdkit >/dev/null 2>&1 || need="$need nbdkit"
 command -v fusermount3 >/dev/null 2>&1 || need="$need fuse3"
 command -v gcc >/dev/null 2>&1 || need="$need gcc"
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need="$need python3-venv"

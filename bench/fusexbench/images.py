@@ -37,7 +37,9 @@ from typing import Callable, Optional
 from .fio import format_size
 
 QCOW2_KINDS = ("qcow2-full", "qcow2-sparse", "qcow2-backing")
-IMAGE_KINDS = ("shm", "disk", "null") + QCOW2_KINDS
+# Served by an NBD server the runner starts (see nbdserver.py); the clients connect to its socket.
+NBD_KINDS = ("nbd", "nbd-delay")
+IMAGE_KINDS = ("shm", "disk", "null") + QCOW2_KINDS + NBD_KINDS
 FORMATS = ("raw", "qcow2")
 CHUNK = 16 * 1024 * 1024
 
@@ -63,6 +65,18 @@ class Image:
     fresh: bool = False                 # re-created before a run once a write touched it
     copies: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> {path, format}
     sources: dict[str, str] = field(default_factory=dict, repr=False)  # what copies are made of
+    nbd_socket: Optional[str] = None    # NBD kinds: the running server's unix socket
+    nbd_server_pid: Optional[int] = None  # NBD kinds: the server's pid (its CPU counts for every client)
+
+    @property
+    def nbd(self) -> bool:
+        """True if the clients reach this image through an NBD server (the NBD kinds)."""
+        return self.kind in NBD_KINDS
+
+    @property
+    def nbd_uri(self) -> Optional[str]:
+        """``nbd+unix:///?socket=PATH`` of the running server (None before it runs)."""
+        return f"nbd+unix:///?socket={self.nbd_socket}" if self.nbd_socket else None
 
     @property
     def label(self) -> str:
@@ -92,6 +106,8 @@ class Image:
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"kind": self.kind, "size": self.size, "label": self.label, "path": self.path,
                                   "direct": self.direct, "fs": self.fs, "note": self.note}
+        if self.nbd:
+            out["nbd_socket"] = self.nbd_socket
         if self.per_target:
             out.update({"fresh": self.fresh, "copies": {k: dict(v) for k, v in self.copies.items()},
                         "base": self.sources.get("base")})
@@ -140,7 +156,7 @@ def probe_direct(directory: str) -> bool:
 
 def image_dir(kind: str, disk_dir: str, tag: str) -> Optional[str]:
     """Directory that will hold images of ``kind`` for this run."""
-    if kind == "shm" or kind in QCOW2_KINDS:
+    if kind == "shm" or kind in QCOW2_KINDS or kind in NBD_KINDS:
         return os.path.join("/dev/shm", f"fusexbench-{tag}")
     if kind == "disk":
         return os.path.join(disk_dir, f"fusexbench-{tag}")
@@ -166,7 +182,8 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
     if kind in QCOW2_KINDS:
         img = prepare_qcow2(kind, size, directory, targets or {})
     else:
-        path = os.path.join(directory, name or f"image-{format_size(size)}.raw")
+        default = f"{kind}-{format_size(size)}.raw" if kind in NBD_KINDS else f"image-{format_size(size)}.raw"
+        path = os.path.join(directory, name or default)
         write_random(path, size)
         img = Image(kind=kind, size=size, path=path, fs=fs_type(directory), created=True)
     can_direct = probe_direct(directory)
@@ -179,7 +196,16 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
         img.note = "O_DIRECT on the image for every server"
     if img.per_target:
         img.note = f"{QCOW2_NOTES[kind]}; {img.note}"
+    if img.nbd:
+        img.note = f"{NBD_NOTES[kind]}; {img.note}"
     return img
+
+
+NBD_NOTES = {
+    "nbd": "random bytes on /dev/shm served by one qemu-nbd on a unix socket (multi-conn), shared by every client",
+    "nbd-delay": ("random bytes on /dev/shm served by one nbdkit (file plugin, delay filter: 1 ms per read, write "
+                  "and zero request, --threads 64) on a unix socket, shared by every client"),
+}
 
 
 # --------------------------------------------------------------------------- qcow2

@@ -91,6 +91,7 @@ def tool_versions(fusex: Optional[str] = None, repo: Optional[str] = None) -> di
         "qemu-storage-daemon": first_line(_run(["qemu-storage-daemon", "--version"])),
         "qemu-nbd": first_line(_run(["qemu-nbd", "--version"])),
         "nbdfuse": first_line(_run(["nbdfuse", "--version"])),
+        "nbdkit": first_line(_run(["nbdkit", "--version"])),
         "fusermount3": first_line(_run(["fusermount3", "--version"])),
         "gcc": first_line(_run(["gcc", "--version"])),
         "python": sys.version.split()[0],

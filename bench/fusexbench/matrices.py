@@ -12,6 +12,8 @@ The originals are in ``/work/shared/seeds`` (see its README):
 * ``passthrough-fio`` - the passthrough issue's goals (fio, growable export).
 * ``qcow2``       - the qcow2 issue's goals: fusex on qcow2 vs fusex on the same
                     data as raw vs qemu-storage-daemon on the same qcow2.
+* ``nbd``         - the NBD issue's goals: fusex's NBD client vs nbdfuse, clients of one
+                    qemu-nbd and of one nbdkit with 1 ms injected latency.
 
 A matrix says which fusex configurations it compares (``fusex_variants``):
 when the user asks for ``fusex`` the runner substitutes these; a tuple means
@@ -49,6 +51,9 @@ class Matrix:
     fusex_extra: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
     goals: list[dict[str, Any]] = field(default_factory=list)
+    # One target's IOPS on one workload against another of its workloads (same image):
+    # {"target", "image", "num", "den", "min"}: the median per-round num/den >= min.
+    scaling_goals: list[dict[str, Any]] = field(default_factory=list)
 
     def image_sizes(self, default_size: int, workloads: Optional[list[Workload]] = None) -> list[int]:
         """Image sizes needed: one for fio matrices, one per file size for fileaccess."""
@@ -63,7 +68,8 @@ class Matrix:
                 "fusex_variants": [list(v) if isinstance(v, tuple) else v for v in self.fusex_variants],
                 "backend_direct": self.backend_direct, "fuse_uring": self.fuse_uring,
                 "fusex_extra": list(self.fusex_extra), "notes": list(self.notes),
-                **({"goals": [dict(g) for g in self.goals]} if self.goals else {})}
+                **({"goals": [dict(g) for g in self.goals]} if self.goals else {}),
+                **({"scaling_goals": [dict(g) for g in self.scaling_goals]} if self.scaling_goals else {})}
 
 
 TRANSPORT_NOTE = ("fusex runs with `--passthrough off` here: this matrix measures the request transport, "
@@ -271,6 +277,44 @@ def qcow2() -> Matrix:
     )
 
 
+def nbd() -> Matrix:
+    return Matrix(
+        name="nbd",
+        title="NBD clients",
+        seed="-",
+        reproduces=("4k randread/randwrite QD1 and QD64, 70/30 4k x 4 jobs, 128k sequential read, through fusex's "
+                    "NBD client and through nbdfuse, both clients of one qemu-nbd on a unix socket, and of one "
+                    "nbdkit adding 1 ms per request with 64 threads (the NBD issue's goals)"),
+        workloads=[
+            _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
+            _fio("randread-4k-qd64", "randread", "4k", 64),
+            _fio("randwrite-4k-qd1", "randwrite", "4k", 1, engine="psync"),
+            _fio("randwrite-4k-qd64", "randwrite", "4k", 64),
+            _fio("randrw70-4k-qd64-4j", "randrw", "4k", 64, jobs=4, mix=70),
+            _fio("read-128k-qd16", "read", "128k", 16),
+        ],
+        images=("nbd", "nbd-delay"),
+        fusex_variants=("fusex-nbd",),
+        default_targets=("fusex", "nbdfuse"),
+        goals=[{"a": "fusex-nbd", "b": "nbdfuse", "min": 2.0, "rows": "all"}],
+        scaling_goals=[
+            {"target": "fusex-nbd", "image": "nbd-delay", "num": "randread-4k-qd64", "den": "randread-4k-qd1",
+             "min": 40.0},
+            {"target": "fusex-nbd", "image": "nbd-delay", "num": "randwrite-4k-qd64", "den": "randwrite-4k-qd1",
+             "min": 40.0},
+        ],
+        notes=["One NBD server per image, started by the runner before the clients mount and shared by them: "
+               "`nbd` is qemu-nbd (`--shared=16`, so a writable export advertises multi-conn; O_DIRECT on the "
+               "image), `nbd-delay` is nbdkit's file plugin behind the delay filter (1 ms before every read, "
+               "write and zero request) with `--threads 64`. Only one client does I/O at a time; the server's "
+               "CPU time counts for the client that ran (server CPU = client + NBD server).",
+               "`fusex-nbd` is `fusex mount --writable nbd+unix:///?socket=...` with default options (one "
+               "connection per queue); `nbdfuse` is nbdfuse with its defaults (4 connections).",
+               "Goals (NBD issue): fusex-nbd/nbdfuse >= 2 on every row; on `nbd-delay`, fusex-nbd's 4k QD64 "
+               ">= 40 x its 4k QD1."],
+    )
+
+
 MATRICES: dict[str, Callable[[], Matrix]] = {
     "quick": quick,
     "coroutines": coroutines,
@@ -280,6 +324,7 @@ MATRICES: dict[str, Callable[[], Matrix]] = {
     "passthrough": passthrough,
     "passthrough-fio": passthrough_fio,
     "qcow2": qcow2,
+    "nbd": nbd,
 }
 
 

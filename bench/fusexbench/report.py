@@ -12,7 +12,7 @@ import shlex
 from typing import Any, Optional
 
 from .machine import machine_label
-from .stats import summarize_matrix
+from .stats import median, metric, per_round_ratios, spread_pct, summarize_matrix
 
 MU = "\u00b5"
 
@@ -162,6 +162,10 @@ def targets_section(res: dict[str, Any]) -> str:
                      cmds or ("(not started)" if not t.get("started") else "-")])
     out = ["#### Targets", "", table(["target", "what", "configuration", "command (first image)"], rows,
                                       ["l", "l", "l", "l"])]
+    servers = res.get("servers") or []
+    if servers:
+        out += ["", "NBD servers (one per image, shared by the clients): " + "; ".join(
+            f"`{s['image']}`: `{cmdline(s['command'])}`" for s in servers) + "."]
     images = res.get("images", [])
     if images:
         out += ["", "Images: " + "; ".join(
@@ -246,10 +250,65 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
     return out + [""]
 
 
+def _image_kind(res: dict[str, Any], image: str) -> str:
+    return next((i.get("kind", "") for i in res.get("images", []) if i.get("label") == image), "")
+
+
+def scaling_ratios(res: dict[str, Any], target: str, image: str, num: str, den: str) -> list[float]:
+    """Per-round IOPS ratios of ``target``'s workload ``num`` to its workload ``den`` on ``image``."""
+    by: dict[str, dict[int, float]] = {num: {}, den: {}}
+    for r in res.get("runs", []):
+        if r.get("ok") and r.get("target") == target and r.get("image") == image and r.get("workload") in by:
+            v = metric(r, "iops")
+            if v is not None:
+                by[r["workload"]][r["round"]] = v
+    return per_round_ratios(by[num], by[den])
+
+
+def scaling_table(res: dict[str, Any], image: str) -> list[str]:
+    """Report lines of the matrix's scaling goals (one target, workload vs workload) for one image."""
+    goals = [g for g in res.get("scaling_goals") or [] if g["image"] in (image, _image_kind(res, image))]
+    body = []
+    met = total = 0
+    for g in goals:
+        rr = scaling_ratios(res, g["target"], image, g["num"], g["den"])
+        if not rr:
+            continue
+        med = median(rr)
+        total += 1
+        ok = med is not None and med >= g["min"]
+        met += ok
+        body.append([g["target"], f"`{g['num']}` / `{g['den']}`", f"{med:.1f}" + fmt_spread(spread_pct(rr)),
+                     f"{min(rr):.1f}..{max(rr):.1f}", ("\u2713" if ok else "\u2717") + f" (\u2265 {g['min']:.0f})"])
+    if not body:
+        return []
+    return [f"**Scaling goals**: {met} of {total} met (median per-round IOPS ratio of one target's two rows)", "",
+            table(["target", "rows", "ratio", "rounds", "goal"], body, ["l", "l", "r", "r", "l"]), ""]
+
+
+def cpu_roles_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str, present: list[str]) -> list[str]:
+    """CPU per I/O split into client and shared NBD server (NBD images only)."""
+    runs = [r for r in res.get("runs", []) if r.get("image") == image and r.get("ok") and r.get("cpu_us_per_io_by_role")]
+    if not runs:
+        return []
+    body = []
+    for row in rows:
+        for t in present:
+            rs = [r for r in runs if r["workload"] == row["workload"] and r["target"] == t]
+            if not rs:
+                continue
+            client = median(r["cpu_us_per_io_by_role"].get("client") for r in rs)
+            server = median(r["cpu_us_per_io_by_role"].get("nbd_server") for r in rs)
+            body.append([f"`{row['workload']}`", t, fmt_sig(client) if client is not None else "-",
+                         fmt_sig(server) if server is not None else "-"])
+    return ["", f"**CPU per I/O** (median over rounds, {MU}s; client = the FUSE daemon, server = the shared NBD server)",
+            "", table(["workload", "target", "client", "NBD server"], body, ["l", "l", "r", "r"])]
+
+
 def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
     """Goals (if the matrix has them), IOPS table, ratio table and per-target detail table of one image."""
     targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
-    goals = goals_table(res, rows, image)
+    goals = goals_table(res, rows, image) + scaling_table(res, image)
     rows = [r for r in rows if r["image"] == image]
     present = [t for t in targets if any(t in r["targets"] for r in rows)]
     desc = _workload_desc(res)
@@ -260,6 +319,7 @@ def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> s
     out = goals + [f"**IOPS** (read + write; median \u00b1 spread)", "",
                    table(["workload"] + present, main)]
     out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
+    out += cpu_roles_table(res, rows, image, present)
     det = []
     for r in rows:
         for t in present:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from . import fileaccess as fa
 from . import images as imgs
 from . import machine
+from . import nbdserver
 from .fio import FioWorkload, fio_command, parse_fio_json
 from .matrices import Matrix, Workload, estimate_seconds, expand_targets, select_workloads, with_extra
 from .progress import Progress
@@ -72,7 +73,9 @@ def _now() -> str:
 
 def plan(m: Matrix, opts: Options, tools: Tools) -> tuple[list[TargetSpec], list[str], list[Workload]]:
     """Target configurations, notes and workloads this run will use for ``m``."""
-    probe = imgs.Image(kind="shm", size=opts.size)
+    kinds = opts.images or list(m.images)
+    # NBD images take only NBD clients: probe with one when the run uses them.
+    probe = imgs.Image(kind=next((k for k in kinds if k in imgs.NBD_KINDS), "shm"), size=opts.size)
     requested = opts.targets or list(m.default_targets)
     specs, notes = expand_targets(requested, m, opts.catalogue,
                                   lambda s: unavailable_reason(s, probe, tools))
@@ -106,6 +109,8 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
             result["notes"].append("Could not set enable_uring=Y (needs root): io_uring configurations may fail.")
     result["fuse_enable_uring"] = machine.fuse_uring_enabled()
     created: list[imgs.Image] = []
+    servers: list[nbdserver.NbdServer] = []
+    result["servers"] = []
     dirs: set[str] = set()
     group = TargetGroup(workdir, tools.fusermount)
     try:
@@ -125,6 +130,19 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                                   if unavailable_reason(s, probe, tools) is None}
                     img = imgs.prepare_image(kind, size, d, want_direct=m.backend_direct, targets=copies)
                     created.append(img)
+                    if img.nbd:  # the one server every client target of this image connects to
+                        missing = nbdserver.missing_tool(img, tools.qemu_nbd, tools.nbdkit)
+                        if missing:
+                            result["skipped"].append(f"Skipped image {img.label}: {missing}.")
+                            continue
+                        try:
+                            srv = nbdserver.start_server(img, os.path.join(workdir, m.name, img.label, "server"),
+                                                         tools.qemu_nbd, tools.nbdkit)
+                        except nbdserver.ServerError as e:
+                            result["skipped"].append(f"Skipped image {img.label}: its NBD server did not start: {e}")
+                            continue
+                        servers.append(srv)
+                        result["servers"].append(srv.to_json())
                     images.append(img)
                     result["images"].append(img.to_json())
             # Mounts.
@@ -199,6 +217,8 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
         e.result = result  # type: ignore[attr-defined]
         raise
     finally:
+        for srv in servers:  # after `with group` stopped their clients
+            srv.stop()
         if uring_prev is not None:
             machine.set_fuse_uring(uring_prev)
         for img in created:
@@ -245,11 +265,17 @@ def _workload_json(w: Workload) -> dict[str, Any]:
             "bufsize": w.bufsize, "cache": w.cache, "description": w.describe()}
 
 
-def _server_cpu(t: RunningTarget, a: Optional[float], b: Optional[float], ios: int) -> dict[str, Any]:
+def _server_cpu(t: RunningTarget, a: Optional[dict[str, float]], b: Optional[dict[str, float]],
+                ios: int) -> dict[str, Any]:
+    """CPU time between the two samples, in total and (with a shared NBD server) per role."""
     if a is None or b is None:
         return {"server_cpu_s": None, "server_cpu_us_per_io": None}
-    cpu = max(b - a, 0.0)
-    return {"server_cpu_s": cpu, "server_cpu_us_per_io": cpu * 1e6 / ios if ios else None}
+    parts = {k: max(b[k] - a.get(k, 0.0), 0.0) for k in b}
+    cpu = sum(parts.values())
+    out: dict[str, Any] = {"server_cpu_s": cpu, "server_cpu_us_per_io": cpu * 1e6 / ios if ios else None}
+    if "nbd_server" in parts:
+        out["cpu_us_per_io_by_role"] = {k: v * 1e6 / ios if ios else None for k, v in parts.items()}
+    return out
 
 
 def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, out: str,
@@ -278,7 +304,7 @@ def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, ou
             proc.wait(timeout=ramp if ramp > 0 else 0.01)
         except subprocess.TimeoutExpired:
             pass
-        cpu_a = t.cpu_seconds()
+        cpu_a = t.cpu_parts()
         try:
             proc.wait(timeout=runtime + ramp + FIO_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -287,7 +313,7 @@ def run_fio(w: FioWorkload, img: imgs.Image, t: RunningTarget, opts: Options, ou
             rec["error"] = f"fio did not finish within {runtime + ramp + FIO_GRACE_S:.0f} s (killed)"
             t.check_alive()
             return rec
-        cpu_b = t.cpu_seconds()
+        cpu_b = t.cpu_parts()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -339,13 +365,13 @@ def run_fileaccess(w: fa.FileAccessWorkload, img: imgs.Image, t: RunningTarget, 
         rec["prepare"] = " ".join(warm)
         subprocess.run(warm, capture_output=True, timeout=max(4 * cap, 30) + FIO_GRACE_S)
     t0 = time.monotonic()
-    cpu_a = t.cpu_seconds()
+    cpu_a = t.cpu_parts()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=cap + FIO_GRACE_S)
     except subprocess.TimeoutExpired:
         rec["error"] = "fileaccess timed out"
         return rec
-    cpu_b = t.cpu_seconds()
+    cpu_b = t.cpu_parts()
     rec["elapsed_s"] = round(time.monotonic() - t0, 3)
     if p.returncode != 0:
         rec["error"] = f"fileaccess exit {p.returncode}: {p.stderr.strip()[-300:]}"

@@ -37,6 +37,7 @@ from .images import Image
 KINDS = ("native", "fusex", "qsd", "nbdfuse")
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MOUNT_TIMEOUT_S = 20.0
+NBD_FLAG = "--nbd-timeout"  # a fusex without it has no NBD client
 STOP_TIMEOUT_S = 15.0
 
 
@@ -115,6 +116,8 @@ def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
                    description="qemu-storage-daemon FUSE export, aio=threads"),
         TargetSpec("nbdfuse", "nbdfuse", options={"aio": "io_uring"},
                    description="nbdfuse (multi-conn) over qemu-nbd, aio=io_uring"),
+        TargetSpec("fusex-nbd", "fusex", (), (NBD_FLAG,), {"nbd": True},
+                   "fusex's NBD client (one connection per queue), default options"),
     ]
     return {s.name: s for s in specs}
 
@@ -157,6 +160,7 @@ class Tools:
     qsd: Optional[str] = None
     qemu_nbd: Optional[str] = None
     nbdfuse: Optional[str] = None
+    nbdkit: Optional[str] = None
     fusermount: Optional[str] = None
 
     @classmethod
@@ -166,6 +170,7 @@ class Tools:
             qsd=shutil.which("qemu-storage-daemon"),
             qemu_nbd=shutil.which("qemu-nbd"),
             nbdfuse=shutil.which("nbdfuse"),
+            nbdkit=shutil.which("nbdkit"),
             fusermount=shutil.which("fusermount3") or shutil.which("fusermount"),
         )
         if t.fusex:
@@ -199,6 +204,10 @@ def image_format(spec: TargetSpec, image: Image) -> str:
 
 def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
     """Why ``spec`` cannot run on ``image`` here, or None if it can."""
+    if image.nbd:
+        return _nbd_unavailable(spec, image, tools)
+    if spec.options.get("nbd"):
+        return f"{spec.name} runs on the NBD images only (nbd, nbd-delay)"
     if spec.kind == "native":
         return "native has no null image (nothing to compare against)" if image.kind == "null" else None
     qcow2 = image_format(spec, image) == "qcow2"
@@ -231,6 +240,36 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
             return "qemu-nbd not installed (Debian: qemu-utils)"
         return None
     return f"unknown kind {spec.kind}"
+
+
+def _nbd_unavailable(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
+    """Why ``spec`` cannot be a client of ``image``'s NBD server (None if it can)."""
+    if image.kind == "nbd" and not tools.qemu_nbd:
+        return "qemu-nbd not installed (Debian: qemu-utils)"
+    if image.kind == "nbd-delay" and not tools.nbdkit:
+        return "nbdkit not installed (Debian: nbdkit)"
+    if spec.kind == "nbdfuse":
+        return None if tools.nbdfuse else "nbdfuse not installed (Debian: libnbd-bin)"
+    if spec.kind != "fusex":
+        return f"{spec.kind} has no NBD client"
+    if spec.options.get("binary"):
+        b = spec.options["binary"]
+        if not os.access(b, os.X_OK):
+            return f"fusex binary {b} is not executable"
+        if b not in _help_cache:
+            _help_cache[b] = fusex_help(b)
+        help_text = _help_cache[b]
+    elif not tools.fusex:
+        return "fusex binary not found (cargo build --release -p fusex, or --fusex PATH)"
+    else:
+        help_text = tools.fusex_help
+    flags = set(re.findall(r"(--[a-z][a-z0-9-]*)", help_text))
+    if NBD_FLAG not in flags:
+        return f"`fusex mount --help` has no {NBD_FLAG} (no NBD client)"
+    missing = [r for r in spec.requires if r not in flags]
+    if missing and not spec.options.get("binary"):
+        return f"`fusex mount --help` has no {', '.join(missing)} (feature not implemented yet)"
+    return None
 
 
 # --------------------------------------------------------------------------- mounts
@@ -351,6 +390,7 @@ class RunningTarget:
     logs: list[str] = field(default_factory=list)
     mountpoint: Optional[str] = None
     fusermount: Optional[str] = None
+    shared_pids: list[int] = field(default_factory=list)  # a server shared with other targets (NBD images)
     stopped: bool = False
     dead_reason: Optional[str] = None
     dirty: bool = False            # a write reached the image since it was (re)created
@@ -363,13 +403,26 @@ class RunningTarget:
         return [p.pid for p in self.procs]
 
     def cpu_seconds(self) -> Optional[float]:
-        """Server CPU time (utime+stime, summed over its processes)."""
+        """Server CPU time (utime+stime, summed over its processes and a shared server)."""
+        parts = self.cpu_parts()
+        if parts is None:
+            return None
+        return sum(parts.values())
+
+    def cpu_parts(self) -> Optional[dict[str, float]]:
+        """CPU time per role: ``client`` (the target's own processes) and, on an NBD image,
+        ``nbd_server`` (the shared server); ``server`` for targets without a shared server.
+        None if a process is gone."""
         if not self.procs:
             return None
-        vals = [cpu_seconds(pid) for pid in self.pids()]
-        if any(v is None for v in vals):
+        own = [cpu_seconds(pid) for pid in self.pids()]
+        shared = [cpu_seconds(pid) for pid in self.shared_pids]
+        if any(v is None for v in own + shared):
             return None
-        return sum(v for v in vals if v is not None)
+        if not self.shared_pids:
+            return {"server": sum(v for v in own if v is not None)}
+        return {"client": sum(v for v in own if v is not None),
+                "nbd_server": sum(v for v in shared if v is not None)}
 
     def check_alive(self) -> Optional[str]:
         """None if the target is usable, else why not (and remember it)."""
@@ -440,6 +493,9 @@ def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> lis
     binary = spec.options.get("binary") or tools.fusex
     assert binary
     cmd = [binary, "mount", "--writable"]
+    if image.nbd:  # a client of the image's NBD server: no image file of its own to open or lock
+        assert image.nbd_uri, "the NBD server must run before its clients mount"
+        return cmd + list(spec.args) + [image.nbd_uri, mnt]
     if image.direct:
         cmd.append("--direct")
     if binary == tools.fusex:
@@ -514,7 +570,12 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
         pass  # qemu-storage-daemon and nbdfuse mount over an existing regular file
     t = RunningTarget(spec, image, mnt, workdir, mountpoint=mnt, fusermount=tools.fusermount)
     try:
-        if spec.kind == "fusex":
+        if spec.kind == "fusex" and image.nbd:
+            assert image.nbd_server_pid
+            t.config = {"nbd_server": image.kind, "uri": image.nbd_uri, "writable": True, "args": list(spec.args)}
+            t.shared_pids.append(image.nbd_server_pid)
+            _launch(t, fusex_command(tools, spec, image, mnt), "fusex.log")
+        elif spec.kind == "fusex":
             cmd = fusex_command(tools, spec, image, mnt)
             t.config = {"image_o_direct": image.direct, "writable": True, "args": list(spec.args),
                         **({"image_format": image.format} if image.per_target else {})}
@@ -525,6 +586,11 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
                         "aio": spec.options.get("aio", "io_uring"), "locking": "off",
                         "backend": "null-co read-zeroes=on" if image.kind == "null" else _backend(image)}
             _launch(t, cmd, "qsd.log")
+        elif spec.kind == "nbdfuse" and image.nbd:
+            assert tools.nbdfuse and image.nbd_socket and image.nbd_server_pid
+            t.config = {"nbd_server": image.kind, "nbdfuse_connections": 4, "writable": True}
+            t.shared_pids.append(image.nbd_server_pid)
+            _launch(t, [tools.nbdfuse, mnt, "--unix", image.nbd_socket, *spec.args], "nbdfuse.log")
         elif spec.kind == "nbdfuse":
             sock = os.path.join(workdir, "nbd.sock")
             server = qemu_nbd_command(tools, spec, image, sock)

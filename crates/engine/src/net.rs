@@ -44,20 +44,23 @@ impl Timeout {
 
 const SEND_FLAGS: i32 = libc::MSG_NOSIGNAL | libc::MSG_WAITALL;
 const RECV_FLAGS: i32 = libc::MSG_WAITALL;
+/// The "try" variants: move what the socket takes or holds right now, `EAGAIN` if nothing; no
+/// waiting, so no timeout to link.
+const TRY_SEND_FLAGS: i32 = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+const TRY_RECV_FLAGS: i32 = libc::MSG_DONTWAIT;
 
 impl Engine {
-    fn net_sqe(&self, fd: Fd, send: bool, ptr: *mut u8, len: u32, all: bool) -> Sqe {
+    fn net_sqe(&self, fd: Fd, send: bool, ptr: *mut u8, len: u32, flags: i32) -> Sqe {
         if send {
             with_fd!(self.target(fd), |f| opcode::Send::new(
                 f,
                 ptr.cast_const(),
                 len
             )
-            .flags(SEND_FLAGS)
+            .flags(flags)
             .build()
             .into())
         } else {
-            let flags = if all { RECV_FLAGS } else { 0 };
             with_fd!(self.target(fd), |f| opcode::Recv::new(f, ptr, len)
                 .flags(flags)
                 .build()
@@ -70,9 +73,10 @@ impl Engine {
         fd: Fd,
         send: bool,
         win: Slice,
+        flags: i32,
         timeout: Option<Timeout>,
     ) -> NetSliceOp<'_> {
-        let sqe = self.net_sqe(fd, send, win.ptr(), len32(win.len()), true);
+        let sqe = self.net_sqe(fd, send, win.ptr(), len32(win.len()), flags);
         let op = match timeout {
             // SAFETY: the entry points into `win`, the timespec into `t`; the op owns both
             // until its completion.
@@ -89,12 +93,12 @@ impl Engine {
         send: bool,
         mut b: Vec<u8>,
         from: usize,
-        all: bool,
+        flags: i32,
         timeout: Option<Timeout>,
     ) -> BytesOp<'_> {
         let from = from.min(b.len());
         let ptr = b.as_mut_ptr().wrapping_add(from);
-        let sqe = self.net_sqe(fd, send, ptr, len32(b.len() - from), all);
+        let sqe = self.net_sqe(fd, send, ptr, len32(b.len() - from), flags);
         let op = match timeout {
             // SAFETY: the entry points into `b`'s heap memory (`b[from..]`, which does not move
             // with the vector), the timespec into `t`; the op owns both until its completion.
@@ -108,23 +112,46 @@ impl Engine {
     /// Sends all of `win` on the connected socket `fd` (short only if the peer went away or the
     /// timeout fired). Returns the bytes sent, the window and the timeout.
     pub fn send(&self, fd: Fd, win: Slice, timeout: Option<Timeout>) -> NetSliceOp<'_> {
-        self.net_slice(fd, true, win, timeout)
+        self.net_slice(fd, true, win, SEND_FLAGS, timeout)
     }
 
     /// Receives exactly `win.len()` bytes into `win` from `fd` (short at end of stream or when
     /// the timeout fired).
     pub fn recv(&self, fd: Fd, win: Slice, timeout: Option<Timeout>) -> NetSliceOp<'_> {
-        self.net_slice(fd, false, win, timeout)
+        self.net_slice(fd, false, win, RECV_FLAGS, timeout)
+    }
+
+    /// Receives into `win` what `fd` holds right now (`MSG_DONTWAIT`: short, or `EAGAIN` when
+    /// nothing is there, never waiting), so it needs no timeout.
+    pub fn try_recv(&self, fd: Fd, win: Slice) -> NetSliceOp<'_> {
+        self.net_slice(fd, false, win, TRY_RECV_FLAGS, None)
+    }
+
+    /// Sends what the socket takes right now of `b[from..]` (`MSG_DONTWAIT`: short, or `EAGAIN`
+    /// when its buffer is full, never waiting), so it needs no timeout.
+    pub fn try_send_bytes_at(&self, fd: Fd, b: Vec<u8>, from: usize) -> BytesOp<'_> {
+        self.net_bytes(fd, true, b, from, TRY_SEND_FLAGS, None)
+    }
+
+    /// Sends all of `b[from..]` (`from` clamped to the length) on `fd`.
+    pub fn send_bytes_at(
+        &self,
+        fd: Fd,
+        b: Vec<u8>,
+        from: usize,
+        timeout: Option<Timeout>,
+    ) -> BytesOp<'_> {
+        self.net_bytes(fd, true, b, from, SEND_FLAGS, timeout)
     }
 
     /// Sends all of `b` (its length, not its capacity) on `fd`.
     pub fn send_bytes(&self, fd: Fd, b: Vec<u8>, timeout: Option<Timeout>) -> BytesOp<'_> {
-        self.net_bytes(fd, true, b, 0, true, timeout)
+        self.net_bytes(fd, true, b, 0, SEND_FLAGS, timeout)
     }
 
     /// Receives exactly `b.len()` bytes into `b` from `fd`.
     pub fn recv_bytes(&self, fd: Fd, b: Vec<u8>, timeout: Option<Timeout>) -> BytesOp<'_> {
-        self.net_bytes(fd, false, b, 0, true, timeout)
+        self.net_bytes(fd, false, b, 0, RECV_FLAGS, timeout)
     }
 
     /// Receives into `b[from..]` (`from` clamped to the length): all of it with `all`, else
@@ -139,7 +166,8 @@ impl Engine {
         all: bool,
         timeout: Option<Timeout>,
     ) -> BytesOp<'_> {
-        self.net_bytes(fd, false, b, from, all, timeout)
+        let flags = if all { RECV_FLAGS } else { 0 };
+        self.net_bytes(fd, false, b, from, flags, timeout)
     }
 }
 
@@ -242,6 +270,49 @@ mod tests {
         let mut back = [0u8; 4];
         b.read_exact(&mut back).unwrap();
         assert_eq!(&back, b"back");
+    }
+
+    #[test]
+    fn try_ops_never_wait() {
+        let eng = engine();
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let fd = Fd::Raw(a.as_raw_fd());
+        let buf = eng.take_buffer().unwrap();
+        // Nothing there: EAGAIN at once, the window comes back.
+        let (r, win, t) = eng.block_on(eng.try_recv(fd, buf.slice(0..100))).unwrap();
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EAGAIN));
+        assert!(t.is_none());
+        // Some there: that much, not waiting for the rest.
+        b.write_all(&[9u8; 40]).unwrap();
+        let (r, win, _) = eng.block_on(eng.try_recv(fd, win)).unwrap();
+        assert_eq!(r.unwrap(), 40);
+        assert!(win.as_slice()[..40].iter().all(|&x| x == 9));
+        // Sends from an offset; a full socket buffer takes part of it, then EAGAIN.
+        let (r, v, _) = eng
+            .block_on(eng.try_send_bytes_at(fd, b"xxhello".to_vec(), 2))
+            .unwrap();
+        assert_eq!(r.unwrap(), 5);
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        let big = vec![3u8; 64 << 20];
+        let (r, big, _) = eng.block_on(eng.try_send_bytes_at(fd, big, 0)).unwrap();
+        let n = r.unwrap();
+        assert!(n > 0 && n < big.len(), "{n}");
+        let (r, _, _) = eng.block_on(eng.try_send_bytes_at(fd, big, n)).unwrap();
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EAGAIN));
+        // The waiting variant sends the rest once the peer reads.
+        let reader = std::thread::spawn(move || {
+            let mut sink = vec![0u8; 64 << 20];
+            b.read_exact(&mut sink).unwrap();
+            sink.iter().all(|&x| x == 3)
+        });
+        let (r, _, _) = eng
+            .block_on(eng.send_bytes_at(fd, vec![3u8; 64 << 20], n, None))
+            .unwrap();
+        assert_eq!(r.unwrap(), (64 << 20) - n);
+        assert!(reader.join().unwrap());
+        drop(v);
     }
 
     #[test]

@@ -256,7 +256,8 @@ pub struct MountArgs {
     #[arg(long)]
     pub writethrough: bool,
     /// Requests in flight per queue (io_uring: ring entries per kernel queue) [default: from a
-    /// memory budget of 32 MiB + 1 MiB per possible CPU, at most 64; see docs/design.md]. Every
+    /// memory budget of 32 MiB + 1 MiB per possible CPU, at most 64, aiming at 32 (64 for NBD
+    /// exports); see docs/design.md]. Every
     /// request buffer holds the largest request (max_write, up to 1 MiB, chosen with the depth),
     /// so memory is about depth x queues x max_write.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]

@@ -10,8 +10,9 @@
 //! size(w) = w + 8 KiB                         (a page of headers, the payload, a page of slack)
 //! units   = kernel queues (io_uring: one per possible CPU) or queue threads (legacy)
 //! fixed   = 2 on io_uring (queue 0's /dev/fuse reader for early requests), else 0
-//! w       = the largest of 1 MiB, 512, 256, 128 KiB that gives every unit DEPTH_TARGET (32)
-//!           buffers within budget; failing that, the largest that gives every unit MIN_DEPTH (4);
+//! target  = DEPTH_TARGET (32); MAX_DEPTH (64) for a backend whose requests wait on a server (NBD)
+//! w       = the largest of 1 MiB, 512, 256, 128 KiB that gives every unit `target` buffers
+//!           within budget; failing that, the largest that gives every unit MIN_DEPTH (4);
 //!           with --queue-depth, the largest that gives every unit that depth
 //! depth   = --queue-depth if given, else clamp((budget / size(w) - fixed) / units, MIN_DEPTH, 64)
 //! pinned  = (units × depth + fixed) × size(w)
@@ -21,7 +22,13 @@
 //! the throughput of 16 with 1 MiB on 4k random I/O from 4 jobs (legacy), while a 1 MiB request
 //! split in two costs one more round trip per MiB.
 //!
-//! Here (2 CPUs): budget 34 MiB, 512 KiB requests, depth 32 on io_uring (33 legacy), ~33 MiB. With
+//! An NBD export is latency-bound rather than bandwidth-bound: with 1 ms per request at the server,
+//! one fio job at QD64 is served at most `depth` requests per millisecond (FUSE-over-io_uring hands
+//! a CPU's requests to that CPU's queue only), so depth comes before request size there: 32 in
+//! flight capped 4k QD64 at ~27k IOPS against nbdkit with a 1 ms delay filter.
+//!
+//! Here (2 CPUs): budget 34 MiB, 512 KiB requests, depth 32 on io_uring (33 legacy), ~33 MiB;
+//! for NBD 256 KiB requests, depth 64, ~33 MiB. With
 //! 256 possible CPUs: budget 288 MiB, 256 KiB requests, depth 4, ~265 MiB (the kernel needs one
 //! entry per possible CPU's queue, each as large as `max_write`, whether that CPU is online or not).
 
@@ -51,6 +58,9 @@ pub struct Demand {
     pub possible_cpus: usize,
     /// `--queue-depth`, if given.
     pub depth: Option<usize>,
+    /// The backend's requests wait on a server (NBD): plan for MAX_DEPTH in flight before
+    /// request size.
+    pub latency_bound: bool,
 }
 
 /// The decision: request size, requests in flight per queue, and what it costs.
@@ -96,9 +106,13 @@ pub fn plan(d: Demand) -> Plan {
     };
     let w = match d.depth {
         Some(depth) => largest(depth).unwrap_or(MIN_WRITE),
-        None => largest(DEPTH_TARGET)
-            .or_else(|| largest(MIN_DEPTH))
-            .unwrap_or(MIN_WRITE),
+        None => largest(if d.latency_bound {
+            MAX_DEPTH
+        } else {
+            DEPTH_TARGET
+        })
+        .or_else(|| largest(MIN_DEPTH))
+        .unwrap_or(MIN_WRITE),
     };
     let depth = d.depth.unwrap_or_else(|| {
         let n = budget / buffer_size(w);
@@ -130,7 +144,32 @@ mod tests {
             threads: cpus,
             possible_cpus: cpus,
             depth: None,
+            latency_bound: false,
         })
+    }
+
+    #[test]
+    fn nbd_gets_64_requests_per_queue_within_the_same_budget() {
+        for uring in [true, false] {
+            let p = plan(Demand {
+                uring,
+                threads: 2,
+                possible_cpus: 2,
+                depth: None,
+                latency_bound: true,
+            });
+            assert_eq!((p.depth, p.max_write), (MAX_DEPTH, 256 << 10), "{p:?}");
+            assert!(p.bytes() <= p.budget, "{p:?}");
+        }
+        // Where 64 cannot fit even at the smallest requests, the usual fallback applies.
+        let p = plan(Demand {
+            uring: true,
+            threads: 256,
+            possible_cpus: 256,
+            depth: None,
+            latency_bound: true,
+        });
+        assert!(p.bytes() <= 512 * MIB && p.depth >= MIN_DEPTH, "{p:?}");
     }
 
     #[test]
@@ -184,6 +223,7 @@ mod tests {
             threads: 2,
             possible_cpus: 2,
             depth: Some(64),
+            latency_bound: false,
         });
         assert_eq!((p.depth, p.buffers), (64, 128));
         assert_eq!(
@@ -196,6 +236,7 @@ mod tests {
             threads: 1,
             possible_cpus: 2,
             depth: Some(8),
+            latency_bound: false,
         });
         assert_eq!((p.depth, p.max_write), (8, MAX_WRITE));
     }

@@ -197,6 +197,7 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         threads,
         possible_cpus,
         depth: args.queue_depth.map(usize::from),
+        latency_bound: matches!(export.backend().inner(), AnyBackend::Nbd(_)),
     };
     let planned = memory::plan(demand);
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);

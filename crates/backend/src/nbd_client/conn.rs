@@ -2,7 +2,10 @@
 //!
 //! Many requests are in flight at once, told apart by cookies (a slot index in the low 16 bits,
 //! a generation above it, so a stale or invented cookie is caught). Sends are serialized (one
-//! request's header and data go out whole before the next starts). Replies are read by whichever
+//! request's header and data go out whole before the next starts); the headers of requests
+//! without payload (READ, FLUSH, WRITE_ZEROES, BLOCK_STATUS) are queued in a per-connection
+//! buffer and sent together by whichever of them holds the *header-sender role*: the requests
+//! that arrive while one send is in flight all go out in the next one. Replies are read by whichever
 //! waiting request holds the *receiver role*: it reads one reply, lends the waiting request's own
 //! window to the kernel for READ data (no copy), marks that request done and wakes it; when its
 //! own request is done it hands the role to another waiting request. Reply heads are received
@@ -33,6 +36,10 @@ use nbd::Export;
 /// head is read with up to this many bytes, so at most 12 bytes past a simple reply (the next
 /// reply's head, or a simple READ reply's first data bytes, then copied) land in it.
 const RX_CAP: usize = HEAD_LEN + wire::CHUNK_LEN_LEN + 8;
+
+/// READ data up to this size is first received with a receive that does not wait (it is usually
+/// all there with its reply's head); larger transfers rarely are, and wait at once.
+const TRY_RECV_MAX: usize = 64 * 1024;
 
 /// Slots made up front (more are added, once, if more requests are ever in flight).
 const INITIAL_SLOTS: usize = 64;
@@ -134,6 +141,13 @@ struct State {
     timeouts: Vec<Timeout>,
     /// Writes since the last successful flush.
     dirty: bool,
+    /// Headers of requests without payload (READ, FLUSH, ...) waiting to be sent: appended by
+    /// their requests, sent together by the one request that holds the header-sender role.
+    out: Vec<u8>,
+    /// The header-sender's other buffer (away while its send is in flight).
+    out_spare: Option<Vec<u8>>,
+    /// A request holds the header-sender role (it sends `out` until it is empty).
+    flushing: bool,
 }
 
 /// What a successful request answered beyond "done".
@@ -173,6 +187,9 @@ impl Conn {
                 meta: Some(Vec::with_capacity(wire::MAX_META_PAYLOAD as usize)),
                 timeouts: (0..4).map(|_| Timeout::new(timeout)).collect(),
                 dirty: false,
+                out: Vec::with_capacity(INITIAL_SLOTS * REQUEST_LEN),
+                out_spare: Some(Vec::with_capacity(INITIAL_SLOTS * REQUEST_LEN)),
+                flushing: false,
             }),
             sending: Semaphore::new(1, INITIAL_SLOTS),
         }
@@ -207,7 +224,11 @@ impl Conn {
             self.st.borrow_mut().slots[idx].win = data.take();
         }
         let guard = SlotGuard { conn: self, idx };
-        let (sent, write) = self.send(eng, idx, cmd, flags, off, len, data).await;
+        let (sent, write) = match data {
+            // No payload: the header goes out with those of other requests issued meanwhile.
+            None => (self.send_header(eng, idx, cmd, flags, off, len).await, None),
+            Some(_) => self.send(eng, idx, cmd, flags, off, len, data).await,
+        };
         if sent.is_err() {
             self.fail_slot(eng, idx);
         }
@@ -293,7 +314,7 @@ impl Conn {
             eng,
             clean: false,
         };
-        let (hdr, t) = {
+        let hdr = {
             let mut st = self.st.borrow_mut();
             if st.broken {
                 permit.clean = true;
@@ -307,12 +328,11 @@ impl Conn {
             wire::encode_request(&mut b, flags, cmd, cookie, off, len);
             hdr.clear();
             hdr.extend_from_slice(&b);
-            (hdr, st.timeouts.pop())
+            hdr
         };
-        let (r, hdr, t) = eng.send_bytes(self.fd, hdr, t).await;
+        let (r, hdr) = self.send_vec(eng, hdr).await;
         self.st.borrow_mut().slots[idx].header = Some(hdr);
-        self.put_timeout(t);
-        if let Err(b) = check(r, REQUEST_LEN) {
+        if let Err(b) = r {
             self.break_conn(eng, b);
             permit.clean = true;
             return (Err(Broken::Closed), write);
@@ -334,6 +354,93 @@ impl Conn {
         };
         permit.clean = true;
         (Ok(()), write)
+    }
+
+    /// Queues the header of a request without payload and makes sure it is sent: if no request
+    /// holds the header-sender role, this one takes it and sends every queued header (its own
+    /// and those queued while its sends are in flight) in as few ring operations as there are
+    /// rounds, under the same send permit as writes (a write's header and data stay together).
+    async fn send_header(
+        &self,
+        eng: &Engine,
+        idx: usize,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u32,
+    ) -> Result<(), Broken> {
+        {
+            let mut st = self.st.borrow_mut();
+            if st.broken {
+                return Err(Broken::Closed);
+            }
+            let cookie = st.slots[idx].cookie;
+            // A reply may be read once the header is out, possibly before this task runs again.
+            st.slots[idx].phase = Phase::Sent;
+            let mut b = [0u8; REQUEST_LEN];
+            wire::encode_request(&mut b, flags, cmd, cookie, off, len);
+            // Within capacity unless more requests are in flight than ever before.
+            st.out.extend_from_slice(&b);
+            if st.flushing {
+                return Ok(()); // the header-sender sends it in its next round
+            }
+            st.flushing = true;
+        }
+        let mut role = Sender {
+            conn: self,
+            eng,
+            clean: false,
+        };
+        self.sending.acquire(eng).await;
+        let mut permit = Permit {
+            conn: self,
+            eng,
+            clean: false,
+        };
+        loop {
+            let buf = {
+                let mut st = self.st.borrow_mut();
+                if st.broken || st.out.is_empty() {
+                    break;
+                }
+                let spare = st.out_spare.take().unwrap_or_default();
+                std::mem::replace(&mut st.out, spare)
+            };
+            let (r, mut buf) = self.send_vec(eng, buf).await;
+            buf.clear();
+            self.st.borrow_mut().out_spare = Some(buf);
+            if let Err(b) = r {
+                self.break_conn(eng, b);
+                break;
+            }
+        }
+        permit.clean = true;
+        role.clean = true;
+        drop(permit);
+        drop(role);
+        if self.st.borrow().broken {
+            return Err(Broken::Closed);
+        }
+        Ok(())
+    }
+
+    /// Sends all of `b`: first what the socket takes right away (no timeout to link: the common
+    /// case costs one ring operation), then the rest, if any, waiting with the timeout.
+    async fn send_vec(&self, eng: &Engine, b: Vec<u8>) -> (Result<(), Broken>, Vec<u8>) {
+        let want = b.len();
+        let (r, b, _) = eng.try_send_bytes_at(self.fd, b, 0).await;
+        let done = match r {
+            Ok(n) => n,
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => 0,
+            Err(e) => return (check(Err(e), want), b),
+        };
+        if done >= want {
+            return (Ok(()), b);
+        }
+        let t = self.take_timeout();
+        let (r, b, t) = eng.send_bytes_at(self.fd, b, done, t).await;
+        self.put_timeout(t);
+        (check(r, want - done), b)
     }
 
     fn take_timeout(&self) -> Option<Timeout> {
@@ -718,12 +825,25 @@ impl Conn {
         let k = self.take_rx(&mut win.as_mut_slice()[a - start..b - start]);
         let mut buf = win.into_inner();
         let mut r = Ok(());
-        if a + k < b {
+        let mut have = a + k;
+        if have < b && b - have <= TRY_RECV_MAX {
+            // Usually all there already (sent with the reply's head): one ring operation and no
+            // timeout to link; whatever is missing is waited for below.
+            let (got, sub, _) = eng.try_recv(self.fd, buf.slice(have..b)).await;
+            buf = sub.into_inner();
+            match got {
+                Ok(0) => r = Err(Broken::Closed),
+                Ok(n) => have += n,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {}
+                Err(e) => r = check(Err(e), b - have),
+            }
+        }
+        if r.is_ok() && have < b {
             let t = self.take_timeout();
-            let (got, sub, t) = eng.recv(self.fd, buf.slice(a + k..b), t).await;
+            let (got, sub, t) = eng.recv(self.fd, buf.slice(have..b), t).await;
             self.put_timeout(t);
             buf = sub.into_inner();
-            r = check(got, b - a - k);
+            r = check(got, b - have);
         }
         self.restore(eng, idx, buf.slice(start..end));
         r?;
@@ -853,6 +973,28 @@ impl Drop for Permit<'_> {
             );
         }
         self.conn.sending.release(self.eng);
+    }
+}
+
+/// The header-sender role; dropped before every queued header went out (its future dropped),
+/// requests would wait for replies to headers never sent, so the connection breaks.
+struct Sender<'a> {
+    conn: &'a Conn,
+    eng: &'a Engine,
+    clean: bool,
+}
+
+impl Drop for Sender<'_> {
+    fn drop(&mut self) {
+        if !self.clean {
+            self.conn.break_conn(
+                self.eng,
+                Broken::Violation("a request's send was cancelled".into()),
+            );
+        }
+        let mut st = self.conn.st.borrow_mut();
+        st.flushing = false;
+        st.out.clear();
     }
 }
 
