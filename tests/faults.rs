@@ -12,6 +12,16 @@ use fusex_e2e::*;
 
 const BLOCK: usize = 4096;
 
+/// The tests here run one at a time. Closing a descriptor of a FUSE file sends a FLUSH, and a
+/// child another test thread forks (a daemon, qemu-img) closes its inherited copies of this
+/// process's descriptors at exec: a FLUSH from nowhere that takes the fault meant for the test's
+/// own first flush (seen once in CI).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Writes five blocks with O_DIRECT (one FUSE WRITE each), fsyncs twice, reads three blocks;
 /// the mount fails the 3rd write (EIO), the 1st flush (ENOSPC) and the 2nd read (EIO).
 /// Returns the guest bytes the image must hold afterwards.
@@ -66,6 +76,7 @@ const FAULTS: &[&str] = &[
 
 #[test]
 fn raw_image_one_failed_request_fails_only_that_request() {
+    let _serial = serial();
     if !require_fuse() {
         return;
     }
@@ -85,6 +96,7 @@ fn raw_image_one_failed_request_fails_only_that_request() {
 
 #[test]
 fn qcow2_image_one_failed_request_fails_only_that_request() {
+    let _serial = serial();
     if !require_fuse_and_tools(&["qemu-img"]) {
         return;
     }
@@ -113,6 +125,7 @@ fn qcow2_image_one_failed_request_fails_only_that_request() {
 /// issued after it complete while it still waits, and it then returns the right bytes.
 #[test]
 fn a_delayed_request_does_not_hold_up_the_others() {
+    let _serial = serial();
     if !require_fuse() {
         return;
     }
@@ -174,6 +187,7 @@ fn a_delayed_request_does_not_hold_up_the_others() {
 /// `--fault` rules that do not parse: clap's usage error, nothing mounted.
 #[test]
 fn bad_fault_rule_is_refused() {
+    let _serial = serial();
     if !require_fuse() {
         return;
     }
