@@ -368,11 +368,7 @@ fn the_auto_unmount_watcher_follows_the_restart() {
 
 /// Waits for one datagram on `sock` (its read timeout is set by the caller).
 fn datagram(sock: &std::os::unix::net::UnixDatagram) -> String {
-    let mut buf = [0u8; 4096];
-    let n = sock
-        .recv(&mut buf)
-        .unwrap_or_else(|e| panic!("no notification within {TIMEOUT:?}: {e}"));
-    String::from_utf8_lossy(&buf[..n]).into_owned()
+    recv_datagram(sock)
 }
 
 #[test]

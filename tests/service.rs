@@ -377,11 +377,7 @@ fn unprivileged_daemonize_success_and_failure() {
 
 /// Waits for one datagram on `sock` (read timeout set by the caller).
 fn datagram(sock: &UnixDatagram) -> String {
-    let mut buf = [0u8; 4096];
-    let n = sock
-        .recv(&mut buf)
-        .unwrap_or_else(|e| panic!("no notification within {TIMEOUT:?}: {e}"));
-    String::from_utf8_lossy(&buf[..n]).into_owned()
+    recv_datagram(sock)
 }
 
 /// READY=1 once the export serves, STOPPING=1 at SIGTERM, on a socket at `NOTIFY_SOCKET`.

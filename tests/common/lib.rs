@@ -1919,6 +1919,21 @@ impl Reader {
     }
 }
 
+/// One datagram from `sock` as text (its read timeout set by the caller), the wait retried when
+/// a signal interrupts it: the test process gets SIGCHLD from the daemons and tools its threads
+/// run, and `recv` then fails with EINTR (seen in CI).
+#[track_caller]
+pub fn recv_datagram(sock: &std::os::unix::net::UnixDatagram) -> String {
+    let mut buf = [0u8; 4096];
+    loop {
+        match sock.recv(&mut buf) {
+            Ok(n) => return String::from_utf8_lossy(&buf[..n]).into_owned(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => panic!("no datagram within the socket's read timeout: {e}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
