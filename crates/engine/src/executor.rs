@@ -402,15 +402,7 @@ impl Engine {
             .build()
             .user_data(UD_IGNORE)
             .into();
-        let state = if self.push(&[first, timeout]) {
-            OpState::Pending(idx)
-        } else {
-            OpState::Failed(-libc::EBUSY, self.ops.borrow_mut().unpush(idx))
-        };
-        Op {
-            engine: self,
-            state,
-        }
+        self.pushed_op(idx, &[first, timeout])
     }
 
     /// # Safety
@@ -418,11 +410,19 @@ impl Engine {
     unsafe fn start_after(&self, first: Option<Sqe>, sqe: Sqe, owned: Owned) -> Op<'_> {
         let idx = self.ops.borrow_mut().alloc(self.current_task(), owned);
         let sqe = sqe.user_data(u64::from(idx));
-        let pushed = match first {
-            Some(f) => self.push(&[f.flags(squeue::Flags::IO_LINK).user_data(UD_IGNORE), sqe]),
-            None => self.push(&[sqe]),
-        };
-        let state = if pushed {
+        match first {
+            Some(f) => self.pushed_op(
+                idx,
+                &[f.flags(squeue::Flags::IO_LINK).user_data(UD_IGNORE), sqe],
+            ),
+            None => self.pushed_op(idx, &[sqe]),
+        }
+    }
+
+    /// The op of slot `idx` once `entries` (which complete into it) are pushed as one batch, or
+    /// failed with `EBUSY` and its slot freed if the submission queue cannot take them.
+    fn pushed_op(&self, idx: u32, entries: &[Sqe]) -> Op<'_> {
+        let state = if self.push(entries) {
             OpState::Pending(idx)
         } else {
             OpState::Failed(-libc::EBUSY, self.ops.borrow_mut().unpush(idx))
