@@ -17,7 +17,7 @@
 //!    unmounting. Requests arriving meanwhile wait in the kernel for the new process.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 
@@ -77,34 +77,7 @@ pub fn send(sock: &UnixStream, msg: &serde_json::Value, fds: &[RawFd]) -> io::Re
     if fds.len() > MAX_FDS {
         return Err(io::Error::other("too many descriptors"));
     }
-    let data_len = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec {
-        iov_base: frame.as_mut_ptr().cast(),
-        iov_len: frame.len(),
-    };
-    // SAFETY: msghdr is plain old data; all-zero is valid.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cbuf.as_mut_ptr().cast();
-    mh.msg_controllen = space;
-    // SAFETY: the control buffer is `space` bytes, enough for one header with `data_len` bytes of
-    // data, so CMSG_FIRSTHDR is non-null and CMSG_DATA points inside it; the fds are copied in.
-    let r = unsafe {
-        let c = libc::CMSG_FIRSTHDR(&mh);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(data_len as u32) as usize;
-        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), data_len);
-        libc::sendmsg(sock.as_raw_fd(), &mh, libc::MSG_NOSIGNAL)
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let sent = r as usize;
+    let sent = transport::fdpass::send_with_fds(sock.as_raw_fd(), &frame, fds)?;
     if sent < frame.len() {
         (&*sock).write_all(&frame[sent..])?;
     }
@@ -114,43 +87,7 @@ pub fn send(sock: &UnixStream, msg: &serde_json::Value, fds: &[RawFd]) -> io::Re
 /// Receives one message and the descriptors attached to it (owned here from now on).
 pub fn recv(sock: &UnixStream) -> io::Result<(serde_json::Value, Vec<OwnedFd>)> {
     let mut head = [0u8; 4];
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) };
-    let mut cbuf = vec![0u64; (space as usize).div_ceil(8)];
-    let mut iov = libc::iovec {
-        iov_base: head.as_mut_ptr().cast(),
-        iov_len: head.len(),
-    };
-    // SAFETY: msghdr is plain old data; all-zero is valid.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cbuf.as_mut_ptr().cast();
-    mh.msg_controllen = space as usize;
-    // SAFETY: every pointer in `mh` points at live buffers of the stated sizes.
-    let r = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut mh, libc::MSG_CMSG_CLOEXEC) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel wrote into `cbuf` with the CMSG macros,
-    // which stay inside `msg_controllen`; each SCM_RIGHTS payload is an array of fds that are
-    // new in this process and owned by nobody else.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&mh);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let n = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize)
-                    / std::mem::size_of::<RawFd>();
-                let p = libc::CMSG_DATA(c).cast::<RawFd>();
-                for i in 0..n {
-                    fds.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&mh, c);
-        }
-    }
-    let got = r as usize;
+    let (got, fds) = transport::fdpass::recv_with_fds(sock.as_raw_fd(), &mut head, MAX_FDS)?;
     if got == 0 {
         return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
     }

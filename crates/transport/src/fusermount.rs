@@ -110,51 +110,11 @@ fn memfd() -> io::Result<File> {
 
 /// Receives one fd passed with `SCM_RIGHTS` (close-on-exec); None on EOF without one.
 fn receive_fd(sock: &OwnedFd) -> io::Result<Option<OwnedFd>> {
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // Room for one control message carrying one int, aligned for cmsghdr.
-    let mut control = [0u64; 8];
-    // SAFETY: an all-zero msghdr is a valid value of this plain C struct.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control);
-    let n = loop {
-        // SAFETY: msg points at iov, byte and control, all live across the call and sized as
-        // declared in msg.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    };
+    let (n, fds) = crate::fdpass::recv_with_fds(sock.as_raw_fd(), &mut [0u8; 1], 1)?;
     if n == 0 {
         return Ok(None);
     }
-    let mut received = None;
-    // SAFETY: the CMSG_* macros walk the control buffer recvmsg filled, within msg_controllen;
-    // a SCM_RIGHTS message of our size carries one fd, which is ours to own from now on.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let fd: libc::c_int = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
-                let owned = OwnedFd::from_raw_fd(fd);
-                if received.is_none() {
-                    received = Some(owned);
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
-        }
-    }
-    Ok(received)
+    Ok(fds.into_iter().next())
 }
 
 /// The helper's complaint: its last non-empty stderr line without the `fusermount3: ` prefix.
@@ -303,28 +263,10 @@ mod tests {
         let (a, b) = socketpair().unwrap();
         let file = File::open("/dev/null").unwrap();
         let fd = file.as_raw_fd();
-        let mut byte = [0u8; 1];
-        let mut iov = libc::iovec {
-            iov_base: byte.as_mut_ptr().cast(),
-            iov_len: 1,
-        };
-        let mut control = [0u64; 8];
-        // SAFETY: an all-zero msghdr is a valid value of this plain C struct.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        // SAFETY: CMSG_SPACE/CMSG_FIRSTHDR/CMSG_DATA within the control buffer sized for one int,
-        // and sendmsg reads only what msg describes.
-        unsafe {
-            msg.msg_controllen = libc::CMSG_SPACE(4) as usize;
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>(), fd);
-            assert_eq!(libc::sendmsg(b.as_raw_fd(), &msg, 0), 1);
-        }
+        assert_eq!(
+            crate::fdpass::send_with_fds(b.as_raw_fd(), &[0], &[fd]).unwrap(),
+            1
+        );
         let got = receive_fd(&a).unwrap().expect("an fd");
         assert_ne!(got.as_raw_fd(), fd);
         drop(b);

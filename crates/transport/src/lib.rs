@@ -3,6 +3,7 @@
 //! It mounts (and reliably unmounts), negotiates INIT, and moves request and reply bytes through
 //! the queue's ring. It knows nothing of images: the export decides what a request means.
 
+pub mod fdpass;
 pub mod fusermount;
 mod identity;
 mod init;
