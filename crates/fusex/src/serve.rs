@@ -481,10 +481,18 @@ fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> 
     let qids = crate::affinity::possible_cpus();
     let fd = Arc::new(fd);
     let mut legacy = Some(legacy);
+    let map = std::env::var("FUSEX_QMAP").unwrap_or_default();
     Ok((0..threads)
         .map(|t| Source::Uring {
             fd: fd.clone(),
-            qids: (t..qids).step_by(threads).map(|q| q as u16).collect(),
+            qids: match map.as_str() {
+                "cross" => ((t + 1) % threads..qids)
+                    .step_by(threads)
+                    .map(|q| q as u16)
+                    .collect(),
+                "all" => (0..qids).map(|q| q as u16).collect(),
+                _ => (t..qids).step_by(threads).map(|q| q as u16).collect(),
+            },
             legacy: legacy.take(),
         })
         .collect())
@@ -559,6 +567,7 @@ fn run_queues(
             cpu: pin.then(|| cpus[id % cpus.len()]),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
             fixed_files: args.fixed_files == crate::cli::OnOff::On,
+            splice_min: args.splice_min as usize,
             privileges,
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
