@@ -84,10 +84,11 @@ def ratio_pairs(targets: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def ratio_table(rows: list[dict[str, Any]], present: list[str], title: str) -> list[str]:
-    """Report lines of the per-workload ratio table for every pair of ``present`` targets (none
-    when there is no pair)."""
-    pairs = ratio_pairs(present)
+def ratio_table(rows: list[dict[str, Any]], present: list[str], title: str,
+                pairs: Optional[list[tuple[str, str]]] = None) -> list[str]:
+    """Report lines of the per-workload ratio table for ``pairs`` (default: every pair of ``present``
+    targets; none when there is no pair)."""
+    pairs = ratio_pairs(present) if pairs is None else pairs
     if not pairs:
         return []
     rr = [[f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
@@ -454,7 +455,13 @@ def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> s
                                               for t in present])
     out = goals + [f"**IOPS** (read + write; median \u00b1 spread)", "",
                    table(["workload"] + present, main)]
-    out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
+    if res.get("peer_goals") and "native" in present:
+        # ten targets make 45 pairs: here only each target vs native (the goal table has fusex vs the
+        # peers, the details table every pair)
+        out += ratio_table(rows, present, "**Ratios to native** (median of per-round IOPS ratios)",
+                           [(t, "native") for t in present if t != "native"])
+    else:
+        out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
     out += cpu_roles_table(res, rows, image, present)
     if res.get("peer_goals"):
         out += cpu_table(rows, present)

@@ -111,6 +111,10 @@ class PeerGoalTest(unittest.TestCase):
         self.assertIn("**Goals**: 5 of 8 met", text)
         self.assertIn("**Server CPU per I/O**", text)
         self.assertIn("| workload | fusex | fusex-legacy |", text)
+        # the ratio table keeps to each target vs native (45 pairs would not be readable)
+        ratios = text.split("**Ratios to native**", 1)[1].split("**Server CPU", 1)[0]
+        self.assertIn("| workload | fusex/native | fusex-legacy/native |", ratios)
+        self.assertNotIn("fusex/qsd", ratios)
 
     def test_no_table_without_peer_goals(self):
         res = synthetic()
