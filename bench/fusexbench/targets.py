@@ -208,6 +208,18 @@ def find_passthrough_hp() -> Optional[str]:
     return shutil.which("passthrough_hp")
 
 
+def passthrough_hp_version() -> Optional[str]:
+    """``<binary> (<source package> <version>)`` of the passthrough_hp in use, None without one."""
+    path = find_passthrough_hp()
+    if not path:
+        return None
+    try:
+        with open(path + ".version", encoding="utf-8") as f:
+            return f"{path} (from {f.read().strip()})"
+    except OSError:
+        return path
+
+
 def passthrough_hp_missing() -> str:
     """Why there is no passthrough_hp binary (points at the build log when a build failed)."""
     why = "passthrough_hp not built (bench/setup.sh builds it into bench/.peers/ from the Debian source of the " \
