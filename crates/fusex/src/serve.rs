@@ -481,18 +481,10 @@ fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> 
     let qids = crate::affinity::possible_cpus();
     let fd = Arc::new(fd);
     let mut legacy = Some(legacy);
-    let map = std::env::var("FUSEX_QMAP").unwrap_or_default();
     Ok((0..threads)
         .map(|t| Source::Uring {
             fd: fd.clone(),
-            qids: match map.as_str() {
-                "cross" => ((t + 1) % threads..qids)
-                    .step_by(threads)
-                    .map(|q| q as u16)
-                    .collect(),
-                "all" => (0..qids).map(|q| q as u16).collect(),
-                _ => (t..qids).step_by(threads).map(|q| q as u16).collect(),
-            },
+            qids: (t..qids).step_by(threads).map(|q| q as u16).collect(),
             legacy: legacy.take(),
         })
         .collect())
