@@ -97,14 +97,23 @@ impl RegionLocks {
 
 /// Proof that a write of any width may run: every gate its regions hash onto, entered shared.
 pub struct RangeShared<'a> {
-    _held: Vec<Shared<'a>>,
+    /// At most two regions (any write of a FUSE request): no allocation.
+    _few: Option<RegionsShared<'a>>,
+    /// More (a zeroed range).
+    _many: Vec<Shared<'a>>,
 }
 
 impl RegionLocks {
-    /// Enters the regions of `off..off + len` shared, however many (for a range of more than
-    /// two regions, such as a zeroed range: allocates the list of gates held). Gates are
-    /// entered in ascending order, like [`Self::shared`].
+    /// Enters the regions of `off..off + len` shared, however many: up to two as
+    /// [`Self::shared`] does; more (a zeroed range) allocate the list of gates held. Gates are
+    /// entered in ascending order.
     pub async fn shared_range(&self, off: u64, len: u64) -> RangeShared<'_> {
+        if let Some(few) = self.shared(off, len).await {
+            return RangeShared {
+                _few: Some(few),
+                _many: Vec::new(),
+            };
+        }
         let (first, last) = self.regions(off, len);
         let n = STRIPES as u64;
         let mut held = Vec::new();
@@ -120,7 +129,10 @@ impl RegionLocks {
         for i in low.chain(high) {
             held.push(self.gates[i].shared().await);
         }
-        RangeShared { _held: held }
+        RangeShared {
+            _few: None,
+            _many: held,
+        }
     }
 }
 
