@@ -222,7 +222,7 @@ fn st_blocks_counts_what_block_status_calls_data() {
         f.sync_all().unwrap();
     }
     let before = mapped_data(&img);
-    assert!(before >= MIB && before < 2 * MIB, "{before} bytes of data");
+    assert!((MIB..2 * MIB).contains(&before), "{before} bytes of data");
     let sock = w.join("q.sock");
     let mut c = Command::new("qemu-nbd");
     c.args(["-t", "-f", "raw", "-k"]).arg(&sock).arg(&img);

@@ -364,7 +364,7 @@ fn serve_strict(mut s: UnixStream, mem: Arc<Mutex<Vec<u8>>>, seen: Arc<Mutex<See
             out.extend_from_slice(&cookie.to_be_bytes());
         };
         let mut out = Vec::new();
-        let aligned = off % MIN == 0 && len % MIN == 0;
+        let aligned = off.is_multiple_of(MIN) && len.is_multiple_of(MIN);
         if ty == 1 {
             let mut d = vec![0u8; len];
             s.read_exact(&mut d).unwrap();
@@ -377,7 +377,7 @@ fn serve_strict(mut s: UnixStream, mem: Arc<Mutex<Vec<u8>>>, seen: Arc<Mutex<See
             simple(&mut out, 22);
         } else {
             match ty {
-                0 => out = read_reply(&mem.lock().unwrap(), cookie as u64, off as u64, len as u32),
+                0 => out = read_reply(&mem.lock().unwrap(), cookie, off as u64, len as u32),
                 6 => {
                     mem.lock().unwrap()[off..off + len].fill(0);
                     simple(&mut out, 0);
