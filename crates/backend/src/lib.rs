@@ -18,6 +18,7 @@ pub mod nbd_client;
 mod null;
 pub mod qcow2;
 mod raw;
+mod regions;
 mod ringfile;
 
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
