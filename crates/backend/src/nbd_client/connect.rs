@@ -146,6 +146,12 @@ fn negotiate<S: Read + Write>(
             .map_err(|e| tls_err(tls::explain(&e)))?;
     }
     let mut stream = rustls::Stream::new(&mut *session, s);
-    let e = nbd::negotiate(&mut stream, &uri.export, true).map_err(hs)?;
+    let e = nbd::negotiate(&mut stream, &uri.export, true).map_err(|e| match &e {
+        HandshakeError::Io(io) => match tls::explain_after_handshake(io) {
+            Some(why) => tls_err(why),
+            None => hs(e),
+        },
+        _ => hs(e),
+    })?;
     Ok((e, Some(session)))
 }

@@ -263,10 +263,16 @@ impl ServerCertVerifier for NoVerifier {
 pub(crate) fn explain(e: &io::Error) -> String {
     let inner = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>());
     match inner {
+        Some(rustls::Error::InvalidCertificate(
+            c @ (CertificateError::NotValidForName
+            | CertificateError::NotValidForNameContext { .. }),
+        )) => format!(
+            "the server's certificate was rejected: it is not for this host name ({c:?}): \
+             connect by a name it carries, or set tls-hostname="
+        ),
         Some(rustls::Error::InvalidCertificate(c)) => format!(
-            "the server's certificate was rejected ({c:?}): check that tls-certificates=DIR holds \
-             the CA that signed it in ca-cert.pem and that it names the host (or set \
-             tls-hostname=)"
+            "the server's certificate was rejected ({c:?}): give tls-certificates=DIR with the \
+             CA that signed it in DIR/ca-cert.pem"
         ),
         Some(rustls::Error::AlertReceived(a)) => format!(
             "the server ended the TLS handshake ({a:?}): if it requires a client certificate, \
@@ -274,5 +280,30 @@ pub(crate) fn explain(e: &io::Error) -> String {
         ),
         Some(r) => format!("TLS handshake failed: {r}"),
         None => format!("TLS handshake failed: {e}"),
+    }
+}
+
+/// The NBD handshake failing right after the TLS handshake: with TLS 1.3 a server checks the
+/// client's certificate only after the client considers the handshake done, so a missing or
+/// rejected client certificate shows up as the server hanging up here.
+pub(crate) fn explain_after_handshake(e: &io::Error) -> Option<String> {
+    let hung_up = matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+    );
+    let tls = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>());
+    match tls {
+        Some(rustls::Error::AlertReceived(a)) => Some(format!(
+            "the server ended the TLS session ({a:?}): if it requires a client certificate, put \
+             client-cert.pem and client-key.pem (signed by a CA it trusts) in the \
+             tls-certificates= directory"
+        )),
+        _ if hung_up => Some(
+            "the server hung up right after the TLS handshake: if it requires a client \
+             certificate, put client-cert.pem and client-key.pem (signed by a CA it trusts) in \
+             the tls-certificates= directory"
+                .to_string(),
+        ),
+        _ => None,
     }
 }
