@@ -307,3 +307,62 @@ pub(crate) fn explain_after_handshake(e: &io::Error) -> Option<String> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(uri: &str) -> Result<Option<TlsClient>, String> {
+        client(&NbdUri::parse(uri).unwrap())
+    }
+
+    #[test]
+    fn plain_uris_have_no_tls() {
+        assert!(settings("nbd://h/e").unwrap().is_none());
+        assert!(settings("nbd+unix:///?socket=/s&tls-certificates=/x")
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn server_names() {
+        let t = settings("nbds+unix:///?socket=/s&tls-verify-peer=false")
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.name, ServerName::try_from("localhost").unwrap());
+        let t = settings("nbds://10.1.2.3:99/?tls-verify-peer=false")
+            .unwrap()
+            .unwrap();
+        assert!(matches!(t.name, ServerName::IpAddress(_)));
+        let t = settings("nbds://10.1.2.3/?tls-verify-peer=false&tls-hostname=nbd.example")
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.name, ServerName::try_from("nbd.example").unwrap());
+    }
+
+    #[test]
+    fn missing_files_are_named() {
+        let e = settings("nbds://h/?tls-certificates=/nonexistent/pki").unwrap_err();
+        assert!(e.contains("/nonexistent/pki/ca-cert.pem"), "{e}");
+        assert!(e.contains("tls-certificates=DIR needs the CA"), "{e}");
+        assert!(!e.contains('\n'));
+
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("ca-cert.pem"), "not a certificate\n").unwrap();
+        let u = format!("nbds://h/?tls-certificates={}", dir.path().display());
+        let e = settings(&u).unwrap_err();
+        assert!(e.contains("no usable CA certificate"), "{e}");
+
+        // A client certificate without its key.
+        std::fs::write(dir.path().join("client-cert.pem"), "x\n").unwrap();
+        let u = format!(
+            "nbds://h/?tls-certificates={}&tls-verify-peer=false",
+            dir.path().display()
+        );
+        let e = settings(&u).unwrap_err();
+        assert!(
+            e.contains("needs both client-cert.pem and client-key.pem"),
+            "{e}"
+        );
+    }
+}
