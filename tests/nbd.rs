@@ -829,13 +829,25 @@ fn block_size_constraints_split_and_align() {
 /// certificate (with its key), in `dir`, under the names nbdkit, qemu and libnbd use
 /// (`ca-cert.pem`, `server-cert.pem`, `server-key.pem`, `client-cert.pem`, `client-key.pem`).
 fn make_pki(dir: &Path, ca_name: &str) {
+    make_pki_for(dir, ca_name, "localhost");
+}
+
+/// [`make_pki`] with a server certificate for `server` only (a DNS name).
+fn make_pki_for(dir: &Path, ca_name: &str, server: &str) {
+    let san = if server == "localhost" {
+        "DNS:localhost,IP:127.0.0.1".to_string()
+    } else {
+        format!("DNS:{server}")
+    };
     fs::create_dir_all(dir).unwrap();
     fs::write(
         dir.join("ext.cnf"),
-        "[srv]\nsubjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
-         keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n\
-         [cli]\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
-         extendedKeyUsage=clientAuth\n",
+        format!(
+            "[srv]\nsubjectAltName={san}\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n\
+             [cli]\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
+             extendedKeyUsage=clientAuth\n"
+        ),
     )
     .unwrap();
     let openssl = |args: &[&str]| {
@@ -1136,6 +1148,25 @@ fn tls_refusals_are_one_line() {
         assert!(r.stderr.contains(what), "{image}: {}", r.stderr);
         assert!(!is_fuse_mounted(&mp), "{image}: nothing may be mounted");
     }
+    // A certificate for another name: on a Unix socket (no host name) only its chain is checked,
+    // as libnbd does; with tls-hostname= its names are.
+    let named = w.join("named");
+    make_pki_for(&named, "fusex-test-ca", "nbd.example");
+    let nsock = w.join("n.sock");
+    let _named_server = nbdkit_tls(&nsock, &named, &["memory", "size=1M"]);
+    let m = Mount::start(&w, tls_uri(&nsock, &named), &mp, &[]);
+    assert_eq!(read_all(&mp).len(), MIB as usize);
+    m.stop()
+        .assert_clean("certificate for another name on a Unix socket");
+    let u = format!("{}&tls-hostname=localhost", tls_uri(&nsock, &named));
+    let r = run_fusex(&w, &["mount", u.as_str(), mp.to_str().unwrap()], Some(&mp));
+    r.assert_one_error_line(&u);
+    assert!(r.stderr.contains("not for this host name"), "{}", r.stderr);
+    assert!(!is_fuse_mounted(&mp));
+    let u = format!("{}&tls-hostname=nbd.example", tls_uri(&nsock, &named));
+    let m = Mount::start(&w, &u, &mp, &[]);
+    m.stop()
+        .assert_clean("tls-hostname= naming the certificate");
     // tls-verify-peer=false accepts the unknown CA (with a warning).
     let u = format!("{}&tls-verify-peer=false", tls_uri(&sock, &other));
     let m = Mount::start(&w, &u, &mp, &[]);
