@@ -27,6 +27,11 @@ have python3 || need+=(python3)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)
   have gcc || need+=(gcc)
+  # libfuse's passthrough_hp, a peer that bench/peers.sh builds; valgrind for bench/instructions.sh.
+  have g++ || need+=(g++)
+  have pkg-config || need+=(pkg-config)
+  [ -f /usr/include/fuse3/fuse_lowlevel.h ] || need+=(libfuse3-dev)
+  have valgrind || need+=(valgrind)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

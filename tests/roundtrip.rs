@@ -1,7 +1,7 @@
 //! Data written through the export lands in the image byte for byte, and reads through
 //! the export return what the image holds (the backing file is the oracle).
 
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::{Arc, Barrier};
 use std::thread;
 
@@ -465,4 +465,78 @@ fn tagged_blocks(tag: &str, args: &[&str]) {
         "every 4 KiB write is one WRITE request: {}",
         st.stats()
     );
+}
+
+/// Legacy READs spliced from an image in memory (`--splice-min`): what the reader gets is the
+/// image, byte for byte, also across its end and after the image shrank behind the export
+/// (the splice comes up short and the READ is served the ordinary way).
+#[test]
+fn legacy_spliced_reads_are_the_image() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("rt-splice");
+    // Splicing is for images in memory: the image goes on tmpfs.
+    let shm = tempfile::Builder::new()
+        .prefix("fusex-splice-")
+        .tempdir_in("/dev/shm")
+        .expect("tempdir on /dev/shm");
+    let img = shm.path().join("disk.img");
+    random_image(&img, IMG, 7);
+    let args = [
+        "--transport",
+        "legacy",
+        "--passthrough",
+        "off",
+        "--splice-min",
+        "64K",
+    ];
+    let m = Mount::start(&w, &img, &w.join("export"), &args);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path())
+        .expect("O_DIRECT open of the export");
+    let backing = open_ro(&img);
+    let mut rng = Rng::new(11);
+    for i in 0..300 {
+        let len = 64 * KIB as usize + 4096 * rng.below(240) as usize;
+        let off = 4096 * rng.below((IMG + MIB) / 4096);
+        let mut got = AlignedBuf::new(len, 4096);
+        let n = f.read_at(got.as_mut_slice(), off).unwrap();
+        let want = pread_full(&backing, off, len).unwrap();
+        assert_bytes_eq(
+            &got.as_slice()[..n],
+            &want,
+            off,
+            &format!("spliced read #{i}"),
+        );
+    }
+    // Shrink the image behind the export: reads across the new end come back short.
+    let shrunk = IMG - 3 * MIB - 4096;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(shrunk)
+        .unwrap();
+    let mut got = AlignedBuf::new(MIB as usize, 4096);
+    let off = shrunk - 256 * KIB;
+    let n = f.read_at(got.as_mut_slice(), off).unwrap();
+    assert_eq!(n as u64, shrunk - off, "read across the shrunk end");
+    assert_bytes_eq(
+        &got.as_slice()[..n],
+        &pread_full(&backing, off, n).unwrap(),
+        off,
+        "read across the shrunk end",
+    );
+    drop(f);
+    let st = m.stop();
+    st.assert_clean("rt-splice");
+    assert!(
+        st.stat(&["spliced_bytes"]) >= 100 * 64 * KIB,
+        "READs were spliced: {}",
+        st.stats()
+    );
+    assert_eq!(st.stat(&["copied_bytes"]), 0, "{}", st.stats());
 }

@@ -84,6 +84,12 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _passthrough_hp() -> Optional[str]:
+    from .targets import passthrough_hp_version  # targets does not import machine: no cycle
+
+    return passthrough_hp_version()
+
+
 def tool_versions(fusex: Optional[str] = None, repo: Optional[str] = None) -> dict[str, Optional[str]]:
     """Versions of fio, the peers, the compiler, Python (and matplotlib)."""
     v: dict[str, Optional[str]] = {
@@ -94,6 +100,7 @@ def tool_versions(fusex: Optional[str] = None, repo: Optional[str] = None) -> di
         "nbdkit": first_line(_run(["nbdkit", "--version"])),
         "fusermount3": first_line(_run(["fusermount3", "--version"])),
         "gcc": first_line(_run(["gcc", "--version"])),
+        "passthrough_hp": _passthrough_hp(),
         "python": sys.version.split()[0],
     }
     try:

@@ -14,6 +14,8 @@ The originals are in ``/work/shared/seeds`` (see its README):
                     data as raw vs qemu-storage-daemon on the same qcow2.
 * ``nbd``         - the NBD issue's goals: fusex's NBD client vs nbdfuse, clients of one
                     qemu-nbd and of one nbdkit with 1 ms injected latency.
+* ``side-by-side`` - issue #14's goals: fusex (default, each transport, passthrough on
+                    and off) vs native, qsd, nbdfuse and libfuse's passthrough_hp.
 
 A matrix says which fusex configurations it compares (``fusex_variants``):
 when the user asks for ``fusex`` the runner substitutes these; a tuple means
@@ -54,6 +56,10 @@ class Matrix:
     # One target's IOPS on one workload against another of its workloads (same image):
     # {"target", "image", "num", "den", "min"}: the median per-round num/den >= min.
     scaling_goals: list[dict[str, Any]] = field(default_factory=list)
+    # fusex against the best of several peers, against native, and transport against transport:
+    # {"fusex": [targets], "peers": [targets], "vs_peer_min", "vs_native": {workload: min},
+    #  "balance": [[a, b], ...], "balance_min"} (see report.peer_goal_rows).
+    peer_goals: dict[str, Any] = field(default_factory=dict)
 
     def image_sizes(self, default_size: int, workloads: Optional[list[Workload]] = None) -> list[int]:
         """Image sizes needed: one for fio matrices, one per file size for fileaccess."""
@@ -69,7 +75,8 @@ class Matrix:
                 "backend_direct": self.backend_direct, "fuse_uring": self.fuse_uring,
                 "fusex_extra": list(self.fusex_extra), "notes": list(self.notes),
                 **({"goals": [dict(g) for g in self.goals]} if self.goals else {}),
-                **({"scaling_goals": [dict(g) for g in self.scaling_goals]} if self.scaling_goals else {})}
+                **({"scaling_goals": [dict(g) for g in self.scaling_goals]} if self.scaling_goals else {}),
+                **({"peer_goals": dict(self.peer_goals)} if self.peer_goals else {})}
 
 
 TRANSPORT_NOTE = ("fusex runs with `--passthrough off` here: this matrix measures the request transport, "
@@ -315,6 +322,56 @@ def nbd() -> Matrix:
     )
 
 
+SBS_PEERS = ("qsd", "nbdfuse", "passthrough_hp")
+
+
+def side_by_side() -> Matrix:
+    return Matrix(
+        name="side-by-side",
+        title="Side by side: fusex's configurations, its peers and native",
+        seed="-",
+        reproduces=("4k randread/randwrite psync QD1 and io_uring QD64, 70/30 4k QD64 x 4 jobs, 4k randread libaio "
+                    "QD16 x 4 jobs, 128k sequential read and write QD16, on one 1 GiB image on /dev/shm: fusex "
+                    "with each transport and passthrough setting against native, qemu-storage-daemon, nbdfuse "
+                    "and libfuse's passthrough_hp (issue #14's goals)"),
+        workloads=[
+            _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
+            _fio("randwrite-4k-qd1", "randwrite", "4k", 1, engine="psync"),
+            _fio("randread-4k-qd64", "randread", "4k", 64),
+            _fio("randwrite-4k-qd64", "randwrite", "4k", 64),
+            _fio("randrw70-4k-qd64-4j", "randrw", "4k", 64, jobs=4, mix=70),
+            _fio("randread-4k-libaio-qd16-4j", "randread", "4k", 16, jobs=4, engine="libaio"),
+            _fio("read-128k-qd16", "read", "128k", 16),
+            _fio("write-128k-qd16", "write", "128k", 16),
+        ],
+        fusex_variants=("fusex", "fusex-legacy", "fusex-uring", "fusex-pt-off", "fusex-legacy-pt-off",
+                        "fusex-uring-pt-off"),
+        default_targets=("native", "fusex") + SBS_PEERS,
+        fuse_uring=True,
+        peer_goals={
+            "fusex": ["fusex", "fusex-pt-off"],
+            "peers": list(SBS_PEERS),
+            "vs_peer_min": 1.3,
+            "vs_native": {"randread-4k-qd64": 0.50, "randwrite-4k-qd64": 0.48,
+                          "read-128k-qd16": 0.78, "write-128k-qd16": 0.62},
+            "balance": [["fusex-legacy", "fusex-uring"], ["fusex-legacy-pt-off", "fusex-uring-pt-off"]],
+            "balance_min": 0.95,
+        },
+        notes=["`fusex` runs with the binary's defaults (passthrough auto: reads of the raw image may bypass "
+               "fusex); `-legacy`/`-uring` force the transport, `-pt-off` sends every request through fusex. "
+               "The peers: qemu-storage-daemon's FUSE export (`qsd`), nbdfuse over qemu-nbd, and libfuse 3's "
+               "`passthrough_hp` example (splice on, `--nocache`, its default worker threads), a libfuse server "
+               "without passthrough, mounted over the image's directory (fio opens MNT/<image file>).",
+               "Goals (issue #14), each a median of per-round ratios: fusex/best peer >= 1.3 on every row "
+               "(best peer: the fastest of qsd, nbdfuse and passthrough_hp in that round; for `fusex` and "
+               "`fusex-pt-off`); fusex/native >= 0.50 on randread-4k-qd64, >= 0.48 on randwrite-4k-qd64, "
+               ">= 0.78 on read-128k-qd16, >= 0.62 on write-128k-qd16; legacy vs io_uring transport, slower/"
+               "faster of the pair >= 0.95 on every row (with and without passthrough).",
+               "FUSE-over-io_uring needs enable_uring = Y: with --fuse-uring auto (the default) the runner sets "
+               "it for this matrix only (root) and restores it afterwards."],
+    )
+
+
 MATRICES: dict[str, Callable[[], Matrix]] = {
     "quick": quick,
     "coroutines": coroutines,
@@ -325,6 +382,7 @@ MATRICES: dict[str, Callable[[], Matrix]] = {
     "passthrough-fio": passthrough_fio,
     "qcow2": qcow2,
     "nbd": nbd,
+    "side-by-side": side_by_side,
 }
 
 

@@ -84,10 +84,11 @@ def ratio_pairs(targets: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def ratio_table(rows: list[dict[str, Any]], present: list[str], title: str) -> list[str]:
-    """Report lines of the per-workload ratio table for every pair of ``present`` targets (none
-    when there is no pair)."""
-    pairs = ratio_pairs(present)
+def ratio_table(rows: list[dict[str, Any]], present: list[str], title: str,
+                pairs: Optional[list[tuple[str, str]]] = None) -> list[str]:
+    """Report lines of the per-workload ratio table for ``pairs`` (default: every pair of ``present``
+    targets; none when there is no pair)."""
+    pairs = ratio_pairs(present) if pairs is None else pairs
     if not pairs:
         return []
     rr = [[f"`{r['workload']}`"] + [fmt_ratio(r["targets"].get(a, {}).get("ratios", {}).get(b))
@@ -250,6 +251,133 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
     return out + [""]
 
 
+def iops_by_round(res: dict[str, Any], image: str, workload: str, target: str) -> dict[int, float]:
+    """``target``'s IOPS on one row, by round (successful runs only)."""
+    out: dict[int, float] = {}
+    for r in res.get("runs", []):
+        if (r.get("ok") and r.get("target") == target and r.get("image") == image
+                and r.get("workload") == workload):
+            v = metric(r, "iops")
+            if v is not None:
+                out[r["round"]] = v
+    return out
+
+
+def best_by_round(res: dict[str, Any], image: str, workload: str,
+                  peers: list[str]) -> dict[int, tuple[str, float]]:
+    """Per round, the fastest of ``peers`` on one row and its IOPS."""
+    best: dict[int, tuple[str, float]] = {}
+    for p in peers:
+        for rnd, v in iops_by_round(res, image, workload, p).items():
+            if rnd not in best or v > best[rnd][1]:
+                best[rnd] = (p, v)
+    return best
+
+
+def balance_ratios(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """Per round, the slower of two targets divided by the faster (1 = equal)."""
+    return [min(a[r], b[r]) / max(a[r], b[r]) for r in a if r in b and max(a[r], b[r]) > 0]
+
+
+def _check(ratios: list[float], goal: Optional[float]) -> dict[str, Any]:
+    """Median of per-round ratios, and whether it meets ``goal`` (None: no goal, or no ratio)."""
+    med = median(ratios)
+    return {"median": med, "rounds": len(ratios), "min": goal,
+            "ok": None if goal is None or med is None else med >= goal}
+
+
+def peer_goal_rows(res: dict[str, Any], image: str) -> list[dict[str, Any]]:
+    """The matrix's ``peer_goals`` evaluated on every row of ``image`` (none without them).
+
+    Each row: ``{"workload", "iops": {target: median IOPS}, "best_peer": name, "best_peer_iops",
+    "vs_peer": {fusex target: check}, "vs_native": check, "balance": {"a/b": check + "faster"}}``
+    where a check is the median of per-round ratios with its goal (see :func:`_check`). The best
+    peer of a round is the fastest peer of that round; the row's ``best_peer`` is the one that
+    was fastest in most rounds.
+    """
+    pg = res.get("peer_goals") or {}
+    if not pg:
+        return []
+    fusexes = list(pg.get("fusex", []))
+    peers = list(pg.get("peers", []))
+    out = []
+    workloads = [w["name"] for w in res.get("workloads", [])]
+    for wl in workloads:
+        best = best_by_round(res, image, wl, peers)
+        shown = fusexes + ["native"] + [b for pair in pg.get("balance", []) for b in pair]
+        iops = {t: median(iops_by_round(res, image, wl, t).values()) for t in dict.fromkeys(shown)}
+        if all(v is None for v in iops.values()) and not best:
+            continue
+        wins = [name for name, _ in best.values()]
+        row: dict[str, Any] = {
+            "workload": wl, "iops": iops,
+            "best_peer": max(dict.fromkeys(wins), key=wins.count) if wins else None,
+            "best_peer_iops": median(v for _, v in best.values()),
+            "vs_peer": {}, "balance": {},
+        }
+        for fx in fusexes:
+            fx_r = iops_by_round(res, image, wl, fx)
+            row["vs_peer"][fx] = _check(per_round_ratios(fx_r, {r: v for r, (_, v) in best.items()}),
+                                        pg.get("vs_peer_min"))
+        main = fusexes[0] if fusexes else "fusex"
+        row["vs_native"] = _check(per_round_ratios(iops_by_round(res, image, wl, main),
+                                                   iops_by_round(res, image, wl, "native")),
+                                  (pg.get("vs_native") or {}).get(wl))
+        for a, b in pg.get("balance", []):
+            ra, rb = iops_by_round(res, image, wl, a), iops_by_round(res, image, wl, b)
+            chk = _check(balance_ratios(ra, rb), pg.get("balance_min"))
+            ma, mb = median(ra.values()), median(rb.values())
+            chk["faster"] = None if ma is None or mb is None else (a if ma >= mb else b)
+            row["balance"][f"{a}/{b}"] = chk
+        out.append(row)
+    return out
+
+
+def _verdict(chk: dict[str, Any]) -> str:
+    """``0.83 ✓ (≥ 0.70)``; without a goal just the ratio; ``- (≥ g)`` when there is no ratio."""
+    if chk.get("median") is None:
+        return f"- (\u2265 {chk['min']:.2f})" if chk.get("min") is not None else "-"
+    text = f"{chk['median']:.2f}"
+    if chk.get("ok") is None:
+        return text
+    return text + (" \u2713" if chk["ok"] else " \u2717") + f" (\u2265 {chk['min']:.2f})"
+
+
+def peer_goals_table(res: dict[str, Any], image: str) -> list[str]:
+    """Report lines of the peer goals (fusex vs best peer, vs native, legacy vs io_uring) of one image."""
+    rows = peer_goal_rows(res, image)
+    if not rows:
+        return []
+    pg = res["peer_goals"]
+    fusexes = list(pg.get("fusex", []))
+    main = fusexes[0] if fusexes else "fusex"
+    pairs = [f"{a}/{b}" for a, b in pg.get("balance", [])]
+    body = []
+    met = total = 0
+    for r in rows:
+        checks = [r["vs_peer"][fx] for fx in fusexes] + [r["vs_native"]] + [r["balance"][p] for p in pairs]
+        for c in checks:
+            if c.get("ok") is not None:
+                total += 1
+                met += bool(c["ok"])
+        cells = [f"`{r['workload']}`"] + [fmt_count(r["iops"].get(fx)) for fx in fusexes]
+        cells.append(f"{fmt_count(r['best_peer_iops'])} ({r['best_peer'] or '-'})")
+        cells += [_verdict(r["vs_peer"][fx]) for fx in fusexes]
+        cells.append(_verdict(r["vs_native"]))
+        for p in pairs:
+            c = r["balance"][p]
+            faster = c.get("faster")
+            cells.append(_verdict(c) + (f", {faster} faster" if faster and c.get("median") is not None else ""))
+        body.append(cells)
+    header = (["workload"] + [f"{fx} IOPS" for fx in fusexes] + ["best peer IOPS"]
+              + [f"{fx}/best peer" for fx in fusexes] + [f"{main}/native"]
+              + [f"{p.replace('/', ' vs ')} (slower/faster)" for p in pairs])
+    peers = ", ".join(pg.get("peers", []))
+    return [f"**Goals**: {met} of {total} met (median of per-round IOPS ratios \u2265 the goal in brackets; "
+            f"best peer = the fastest of {peers} in each round, named by the rounds it won)", "",
+            table(header, body), ""]
+
+
 def _image_kind(res: dict[str, Any], image: str) -> str:
     return next((i.get("kind", "") for i in res.get("images", []) if i.get("label") == image), "")
 
@@ -305,10 +433,19 @@ def cpu_roles_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str,
             "", table(["workload", "target", "client", "NBD server"], body, ["l", "l", "r", "r"])]
 
 
+def cpu_table(rows: list[dict[str, Any]], present: list[str]) -> list[str]:
+    """Server CPU per I/O of every target (median over rounds; native has no server)."""
+    shown = [t for t in present if t != "native"]
+    body = [[f"`{r['workload']}`"] + [cell(r["targets"].get(t, {}).get("metrics", {}).get("server_cpu_us_per_io"),
+                                           fmt_sig, False) for t in shown] for r in rows]
+    return ["", f"**Server CPU per I/O** ({MU}s, median over rounds: the daemons' utime+stime in the measured "
+            "window / I/Os)", "", table(["workload"] + shown, body)]
+
+
 def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
     """Goals (if the matrix has them), IOPS table, ratio table and per-target detail table of one image."""
     targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
-    goals = goals_table(res, rows, image) + scaling_table(res, image)
+    goals = goals_table(res, rows, image) + scaling_table(res, image) + peer_goals_table(res, image)
     rows = [r for r in rows if r["image"] == image]
     present = [t for t in targets if any(t in r["targets"] for r in rows)]
     desc = _workload_desc(res)
@@ -318,8 +455,16 @@ def fio_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> s
                                               for t in present])
     out = goals + [f"**IOPS** (read + write; median \u00b1 spread)", "",
                    table(["workload"] + present, main)]
-    out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
+    if res.get("peer_goals") and "native" in present:
+        # ten targets make 45 pairs: here only each target vs native (the goal table has fusex vs the
+        # peers, the details table every pair)
+        out += ratio_table(rows, present, "**Ratios to native** (median of per-round IOPS ratios)",
+                           [(t, "native") for t in present if t != "native"])
+    else:
+        out += ratio_table(rows, present, "**Ratios** (median of per-round IOPS ratios)")
     out += cpu_roles_table(res, rows, image, present)
+    if res.get("peer_goals"):
+        out += cpu_table(rows, present)
     det = []
     for r in rows:
         for t in present:

@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional
 from .fio import format_size
 from .images import Image
 
-KINDS = ("native", "fusex", "qsd", "nbdfuse")
+KINDS = ("native", "fusex", "qsd", "nbdfuse", "passthrough_hp")
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MOUNT_TIMEOUT_S = 20.0
 NBD_FLAG = "--nbd-timeout"  # a fusex without it has no NBD client
@@ -95,6 +95,12 @@ def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
                    {"transport": "uring"}, "fusex, FUSE-over-io_uring transport"),
         TargetSpec("fusex-pt-off", "fusex", ("--passthrough", "off"), ("--passthrough",),
                    {"passthrough": "off"}, "fusex, passthrough off"),
+        TargetSpec("fusex-legacy-pt-off", "fusex", ("--transport", "legacy", "--passthrough", "off"),
+                   ("--transport", "--passthrough"), {"transport": "legacy", "passthrough": "off"},
+                   "fusex, legacy /dev/fuse transport, passthrough off"),
+        TargetSpec("fusex-uring-pt-off", "fusex", ("--transport", "uring", "--passthrough", "off"),
+                   ("--transport", "--passthrough"), {"transport": "uring", "passthrough": "off"},
+                   "fusex, FUSE-over-io_uring transport, passthrough off"),
         TargetSpec("fusex-raw", "fusex", ("--passthrough", "off"), ("--passthrough",),
                    {"passthrough": "off", "format": "raw"},
                    "fusex on a raw file of the same data (qcow2 images), passthrough off"),
@@ -118,6 +124,10 @@ def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
                    description="nbdfuse (multi-conn) over qemu-nbd, aio=io_uring"),
         TargetSpec("fusex-nbd", "fusex", (), (NBD_FLAG,), {"nbd": True},
                    "fusex's NBD client (one connection per queue), default options"),
+        TargetSpec("passthrough_hp", "passthrough_hp", ("--nocache",),
+                   options={"splice": True, "cache": False, "threads": "libfuse default"},
+                   description="libfuse's passthrough_hp example over the image's directory: splice, "
+                               "--nocache, default worker threads"),
     ]
     return {s.name: s for s in specs}
 
@@ -162,6 +172,7 @@ class Tools:
     nbdfuse: Optional[str] = None
     nbdkit: Optional[str] = None
     fusermount: Optional[str] = None
+    passthrough_hp: Optional[str] = None
 
     @classmethod
     def discover(cls, fusex: Optional[str]) -> "Tools":
@@ -172,6 +183,7 @@ class Tools:
             nbdfuse=shutil.which("nbdfuse"),
             nbdkit=shutil.which("nbdkit"),
             fusermount=shutil.which("fusermount3") or shutil.which("fusermount"),
+            passthrough_hp=find_passthrough_hp(),
         )
         if t.fusex:
             t.fusex_help = fusex_help(t.fusex)
@@ -180,6 +192,46 @@ class Tools:
     def fusex_flags(self) -> set[str]:
         """Long flags listed by ``fusex mount --help``."""
         return set(re.findall(r"(--[a-z][a-z0-9-]*)", self.fusex_help))
+
+
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS_DIR = os.path.join(BENCH_DIR, ".peers")  # peers built from source by bench/peers.sh (gitignored)
+PASSTHROUGH_HP_BUILT = os.path.join(PEERS_DIR, "bin", "passthrough_hp")
+PASSTHROUGH_HP_LOG = os.path.join(PEERS_DIR, "passthrough_hp.log")
+
+
+def find_passthrough_hp() -> Optional[str]:
+    """libfuse's passthrough_hp example: ``$PASSTHROUGH_HP``, bench/.peers/bin, or PATH."""
+    for cand in (os.environ.get("PASSTHROUGH_HP"), PASSTHROUGH_HP_BUILT):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return shutil.which("passthrough_hp")
+
+
+def passthrough_hp_version() -> Optional[str]:
+    """``<binary> (<source package> <version>)`` of the passthrough_hp in use, None without one."""
+    path = find_passthrough_hp()
+    if not path:
+        return None
+    try:
+        with open(path + ".version", encoding="utf-8") as f:
+            return f"{path} (from {f.read().strip()})"
+    except OSError:
+        return path
+
+
+def passthrough_hp_missing() -> str:
+    """Why there is no passthrough_hp binary (points at the build log when a build failed)."""
+    why = "passthrough_hp not built (bench/setup.sh builds it into bench/.peers/ from the Debian source of the " \
+          "installed libfuse3; or set $PASSTHROUGH_HP)"
+    if os.path.exists(PASSTHROUGH_HP_LOG):
+        try:
+            with open(PASSTHROUGH_HP_LOG, encoding="utf-8", errors="replace") as f:
+                last = [line.strip() for line in f if line.strip()][-1:]
+        except OSError:
+            last = []
+        why += f"; the last build failed ({PASSTHROUGH_HP_LOG}: {last[0] if last else 'empty'})"
+    return why
 
 
 def fusex_help(binary: str) -> str:
@@ -239,6 +291,12 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
         if not tools.qemu_nbd:
             return "qemu-nbd not installed (Debian: qemu-utils)"
         return None
+    if spec.kind == "passthrough_hp":
+        if image.kind == "null":
+            return "passthrough_hp exports a directory of files: it has no null image"
+        if qcow2:
+            return "passthrough_hp exports files as they are (no qcow2)"
+        return None if tools.passthrough_hp else passthrough_hp_missing()
     return f"unknown kind {spec.kind}"
 
 
@@ -391,6 +449,7 @@ class RunningTarget:
     mountpoint: Optional[str] = None
     fusermount: Optional[str] = None
     shared_pids: list[int] = field(default_factory=list)  # a server shared with other targets (NBD images)
+    unmount_first: bool = False    # stop() unmounts with `fusermount3 -u` before signalling the daemon
     stopped: bool = False
     dead_reason: Optional[str] = None
     dirty: bool = False            # a write reached the image since it was (re)created
@@ -442,6 +501,10 @@ class RunningTarget:
         if self.stopped:
             return
         self.stopped = True
+        if self.unmount_first and self.mountpoint and self.fusermount and is_mounted(self.mountpoint):
+            # libfuse's way: the daemon sees the connection end and exits by itself.
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run([self.fusermount, "-u", self.mountpoint], capture_output=True, timeout=10)
         # Stop in order: the FUSE server first (it unmounts), then backends.
         for proc in self.procs:
             try:
@@ -454,15 +517,16 @@ class RunningTarget:
             force_unmount(self.mountpoint, self.fusermount)
             if not is_mounted(self.mountpoint):
                 with contextlib.suppress(OSError):
-                    os.unlink(self.mountpoint)
+                    (os.rmdir if os.path.isdir(self.mountpoint) else os.unlink)(self.mountpoint)
 
 
 def _wait_mounted(target: RunningTarget, timeout: float = MOUNT_TIMEOUT_S) -> None:
     assert target.mountpoint
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if is_mounted(target.mountpoint) and os.path.getsize(target.mountpoint) > 0:
-            return
+        with contextlib.suppress(OSError):  # target.path: the exported file (below the mount point or it)
+            if is_mounted(target.mountpoint) and os.path.getsize(target.path) > 0:
+                return
         for p, log in zip(target.procs, target.logs):
             if p.poll() is not None:
                 raise TargetError(f"{os.path.basename(p.args[0])} exited with {p.returncode}: {_tail(log)}")
@@ -554,6 +618,32 @@ def qemu_nbd_command(tools: Tools, spec: TargetSpec, image: Image, sock: str) ->
                    f"driver={image.format},file.driver=file,file.filename={image.path},file.locking=off"]
 
 
+def passthrough_hp_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
+    """``passthrough_hp --foreground ARGS IMAGE_DIR MNT``: libfuse's example exports a directory,
+    so it mounts the image's directory and fio opens ``MNT/<image file name>``."""
+    assert tools.passthrough_hp and image.path
+    return [tools.passthrough_hp, "--foreground", *spec.args, os.path.dirname(os.path.abspath(image.path)), mnt]
+
+
+def start_passthrough_hp(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> RunningTarget:
+    """Mount passthrough_hp over ``image``'s directory on ``workdir``/export.d (a directory)."""
+    assert image.path
+    mnt = os.path.join(workdir, "export.d")
+    os.makedirs(mnt, exist_ok=True)
+    t = RunningTarget(spec, image, os.path.join(mnt, os.path.basename(image.path)), workdir, mountpoint=mnt,
+                      fusermount=tools.fusermount, unmount_first=True)
+    t.config = {"exports": os.path.dirname(os.path.abspath(image.path)), "writable": True,
+                "splice": "--nosplice" not in spec.args, "cache": "--nocache" not in spec.args,
+                "threads": "libfuse default" if not {"--num-threads", "--single"} & set(spec.args) else "as in args",
+                "image_open": "with the opener's flags (fio: O_DIRECT)"}
+    try:
+        _launch(t, passthrough_hp_command(tools, spec, image, mnt), "passthrough_hp.log")
+    except BaseException:
+        t.stop()
+        raise
+    return t
+
+
 def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> RunningTarget:
     """Mount ``spec`` over ``image`` (files go to ``workdir``).
 
@@ -565,6 +655,8 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
         assert image.path
         return RunningTarget(spec, image, image.path, workdir,
                              config={"what": "fio opens the image file directly"})
+    if spec.kind == "passthrough_hp":
+        return start_passthrough_hp(spec, image, workdir, tools)
     mnt = os.path.join(workdir, "export")
     with open(mnt, "a", encoding="ascii"):
         pass  # qemu-storage-daemon and nbdfuse mount over an existing regular file

@@ -18,8 +18,8 @@ class MatrixShapeTest(unittest.TestCase):
     def test_all_named(self):
         self.assertEqual(set(matrices.MATRICES),
                          {"quick", "coroutines", "multiqueue", "uring", "zerocopy", "passthrough",
-                          "passthrough-fio", "qcow2", "nbd"})
-        self.assertEqual(len(matrices.resolve("all")), 9)
+                          "passthrough-fio", "qcow2", "nbd", "side-by-side"})
+        self.assertEqual(len(matrices.resolve("all")), 10)
         with self.assertRaises(KeyError):
             matrices.get("nope")
 
@@ -74,6 +74,43 @@ class MatrixShapeTest(unittest.TestCase):
         self.assertIsNone(note)
         self.assertEqual(s.args, ("--passthrough", "on", "--growable"))
         self.assertEqual({w.rw for w in m.workloads}, {"randread", "randwrite", "read", "write"})
+
+    def test_side_by_side(self):
+        m = matrices.get("side-by-side")
+        self.assertEqual([(w.name, w.rw, w.bs, w.ioengine, w.iodepth, w.numjobs, w.rwmixread) for w in m.workloads], [
+            ("randread-4k-qd1", "randread", "4k", "psync", 1, 1, None),
+            ("randwrite-4k-qd1", "randwrite", "4k", "psync", 1, 1, None),
+            ("randread-4k-qd64", "randread", "4k", "io_uring", 64, 1, None),
+            ("randwrite-4k-qd64", "randwrite", "4k", "io_uring", 64, 1, None),
+            ("randrw70-4k-qd64-4j", "randrw", "4k", "io_uring", 64, 4, 70),
+            ("randread-4k-libaio-qd16-4j", "randread", "4k", "libaio", 16, 4, None),
+            ("read-128k-qd16", "read", "128k", "io_uring", 16, 1, None),
+            ("write-128k-qd16", "write", "128k", "io_uring", 16, 1, None),
+        ])
+        self.assertEqual(m.images, ("shm",))
+        self.assertTrue(m.backend_direct)
+        self.assertTrue(m.fuse_uring)  # the uring variants need enable_uring=Y
+        self.assertEqual(m.fusex_extra, ())  # every variant keeps its own passthrough setting
+        cat = catalogue(ncpu=2)
+        specs, notes = matrices.expand_targets(list(m.default_targets), m, cat, lambda s: None)
+        self.assertEqual([s.name for s in specs],
+                         ["native", "fusex", "fusex-legacy", "fusex-uring", "fusex-pt-off", "fusex-legacy-pt-off",
+                          "fusex-uring-pt-off", "qsd", "nbdfuse", "passthrough_hp"])
+        self.assertEqual(notes, [])
+        self.assertEqual(cat["fusex"].args, ())
+        self.assertEqual(cat["fusex-legacy-pt-off"].args, ("--transport", "legacy", "--passthrough", "off"))
+        self.assertEqual(cat["fusex-uring-pt-off"].args, ("--transport", "uring", "--passthrough", "off"))
+        self.assertEqual(cat["fusex-uring-pt-off"].requires, ("--transport", "--passthrough"))
+        pg = m.to_json()["peer_goals"]
+        self.assertEqual(pg["peers"], ["qsd", "nbdfuse", "passthrough_hp"])
+        self.assertEqual(pg["fusex"], ["fusex", "fusex-pt-off"])
+        self.assertEqual(pg["vs_peer_min"], 1.3)
+        self.assertEqual(pg["vs_native"], {"randread-4k-qd64": 0.50, "randwrite-4k-qd64": 0.48,
+                                           "read-128k-qd16": 0.78, "write-128k-qd16": 0.62})
+        self.assertEqual(pg["balance"], [["fusex-legacy", "fusex-uring"], ["fusex-legacy-pt-off", "fusex-uring-pt-off"]])
+        self.assertEqual(pg["balance_min"], 0.95)
+        names = {w.name for w in m.workloads}
+        self.assertLessEqual(set(pg["vs_native"]), names)
 
     def test_unique_names(self):
         for m in matrices.resolve("all"):

@@ -13,8 +13,8 @@ from unittest import mock
 
 from fusexbench import targets
 from fusexbench.images import Image
-from fusexbench.targets import (Tools, catalogue, fusex_command, parse_define, qemu_nbd_command,
-                                qsd_command, unavailable_reason)
+from fusexbench.targets import (Tools, catalogue, fusex_command, parse_define, passthrough_hp_command,
+                                qemu_nbd_command, qsd_command, unavailable_reason)
 
 TOOLS = Tools(fusex="/bin/fusex", fusex_help="  --writable\n  --direct\n  --queues <QUEUES>\n  --kernel-cache",
               qsd="/usr/bin/qemu-storage-daemon", qemu_nbd="/usr/bin/qemu-nbd", nbdfuse="/usr/bin/nbdfuse",
@@ -54,6 +54,52 @@ class CommandTest(unittest.TestCase):
         self.assertIn("--socket=/s", cmd)
         self.assertIn("--cache=writeback", qemu_nbd_command(TOOLS, self.cat["nbdfuse"], BUF, "/s"))
         self.assertIn("driver=null-co,size=1073741824,read-zeroes=on", qemu_nbd_command(TOOLS, self.cat["nbdfuse"], NULL, "/s"))
+
+
+class PassthroughHpTest(unittest.TestCase):
+    def setUp(self):
+        self.cat = catalogue(ncpu=2)
+        self.tools = Tools(passthrough_hp="/p/passthrough_hp", fusermount="/bin/fusermount3")
+
+    def test_command_exports_the_image_directory(self):
+        spec = self.cat["passthrough_hp"]
+        self.assertEqual(spec.kind, "passthrough_hp")
+        self.assertEqual(passthrough_hp_command(self.tools, spec, SHM, "/w/export.d"),
+                         ["/p/passthrough_hp", "--foreground", "--nocache", "/dev/shm/x", "/w/export.d"])
+        s = parse_define("php-nosplice=passthrough_hp:--nocache --nosplice")
+        self.assertEqual(passthrough_hp_command(self.tools, s, SHM, "/m")[1:4],
+                         ["--foreground", "--nocache", "--nosplice"])
+
+    def test_availability(self):
+        spec = self.cat["passthrough_hp"]
+        self.assertIsNone(unavailable_reason(spec, SHM, self.tools))
+        self.assertIn("no null image", unavailable_reason(spec, NULL, self.tools))
+        qcow = Image("qcow2-full", 1 << 20, "/dev/shm/x/a.qcow2", format="qcow2")
+        self.assertIn("no qcow2", unavailable_reason(spec, qcow, self.tools))
+        with mock.patch.object(targets, "PASSTHROUGH_HP_LOG", "/nonexistent/log"):
+            self.assertIn("bench/setup.sh builds it", unavailable_reason(spec, SHM, Tools()))
+        with tempfile.NamedTemporaryFile("w", suffix=".log") as log:
+            log.write("peers.sh: g++ failed on x.cc\n")
+            log.flush()
+            with mock.patch.object(targets, "PASSTHROUGH_HP_LOG", log.name):
+                self.assertIn("g++ failed", unavailable_reason(spec, SHM, Tools()))
+
+    def test_found_through_environment(self):
+        with mock.patch.dict(os.environ, {"PASSTHROUGH_HP": "/bin/true"}):
+            self.assertEqual(targets.find_passthrough_hp(), "/bin/true")
+
+    def test_not_started_when_binary_fails(self):
+        # a "server" that exits at once: start fails with its exit status, nothing stays behind
+        with tempfile.TemporaryDirectory() as d:
+            img = Image("shm", 4096, os.path.join(d, "img", "i.raw"))
+            os.makedirs(os.path.dirname(img.path))
+            with open(img.path, "wb") as f:
+                f.write(b"\0" * 4096)
+            tools = Tools(passthrough_hp="/bin/false")
+            with self.assertRaises(targets.TargetError) as e:
+                targets.start_target(self.cat["passthrough_hp"], img, os.path.join(d, "w"), tools)
+            self.assertIn("exited with 1", str(e.exception))
+            self.assertFalse(os.path.exists(os.path.join(d, "w", "export.d")))
 
 
 class AvailabilityTest(unittest.TestCase):

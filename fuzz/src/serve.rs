@@ -205,8 +205,13 @@ impl Harness {
         let decoded: Decoded = parse(req).map(|r| (r.header, r.op));
         let (buf, len) = self
             .eng
-            .block_on(server.serve_legacy(&self.eng, &l, buf, n))
+            .block_on(server.serve_legacy(&self.eng, &l, buf, n, true))
             .expect("engine");
+        let len = match len {
+            server::LegacyReply::Bytes(n) => Some(n),
+            server::LegacyReply::None => None,
+            s => panic!("{s:?} from a server that does not splice"),
+        };
         let Some(len) = len else {
             assert!(
                 n < fuse_abi::IN_HEADER_LEN

@@ -297,6 +297,12 @@ impl BlockBackend for AnyBackend {
     fn capabilities(&self) -> Capabilities {
         each!(self, b => b.capabilities())
     }
+    fn splice_fd(&self) -> Option<std::os::fd::RawFd> {
+        match self {
+            AnyBackend::Raw(r) => r.splice_fd(),
+            AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => None,
+        }
+    }
     fn durable_writes(&self) -> bool {
         each!(self, b => b.durable_writes())
     }

@@ -171,6 +171,13 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn durable_writes(&self) -> bool {
         self.inner.durable_writes()
     }
+    fn splice_fd(&self) -> Option<std::os::fd::RawFd> {
+        // A spliced READ never calls read_at: with faults planned, every read takes that path.
+        match self.plan {
+            Some(_) => None,
+            None => self.inner.splice_fd(),
+        }
+    }
     async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
         self.inner.attrs(eng).await
     }

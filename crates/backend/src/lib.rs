@@ -18,6 +18,7 @@ pub mod nbd_client;
 mod null;
 pub mod qcow2;
 mod raw;
+mod regions;
 mod ringfile;
 
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
@@ -164,6 +165,14 @@ pub trait BlockBackend: Send + Sync + 'static {
         off: u64,
         whence: Seek,
     ) -> impl Future<Output = Result<Option<u64>>>;
+
+    /// A descriptor READ data can be spliced from at guest offsets, for a transport that moves
+    /// page references rather than bytes (legacy `/dev/fuse`: image → pipe → reply, one copy
+    /// in the kernel instead of two). Only where a splice never waits for a device (the image
+    /// is in memory) and a guest offset is the file offset (raw). The default: none.
+    fn splice_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 
     /// Whether a completed write is already durable (NBD writes sent with FUA for
     /// `--writethrough`), so the export need not follow each write with a flush.

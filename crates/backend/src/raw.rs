@@ -271,6 +271,12 @@ impl BlockBackend for RawBackend {
         self.size.load(Ordering::Acquire)
     }
 
+    fn splice_fd(&self) -> Option<RawFd> {
+        // The buffered descriptor: a splice from an O_DIRECT one would copy into fresh pages.
+        self.memory_fs
+            .then(|| self.buffered.as_ref().unwrap_or(&self.file).as_raw_fd())
+    }
+
     fn refresh_size(&self) -> Result<u64> {
         let _g = self.resize_lock.lock().unwrap_or_else(|e| e.into_inner());
         let len = if self.block_device {

@@ -1,7 +1,11 @@
 //! The NBD backend on one engine, without FUSE, against an in-test server that answers the way
 //! the protocol allows but real servers rarely do: replies out of order, READs split into several
 //! data and hole chunks, error chunks, block status extents. Checks the bytes and errnos each
-//! request gets, and that the connection survives what is legal.
+//! request gets, and that the connection survives what is legal. A second server advertises a
+//! minimum block size of 512 and fails anything not aligned to it: unaligned reads, concurrent
+//! unaligned writes sharing blocks, writes and zeroes with unaligned ends must reach it whole
+//! and lose no update; `st_blocks` comes from one BLOCK_STATUS walk whose reply is longer than
+//! the client's meta buffer.
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -33,6 +37,12 @@ fn opt_reply(s: &mut UnixStream, opt: u32, ty: u32, data: &[u8]) {
 }
 
 fn handshake(s: &mut UnixStream) -> bool {
+    handshake_with(s, None)
+}
+
+/// The handshake, advertising `min_block` (with a preferred size of 4096 and 64 KiB at most)
+/// when given.
+fn handshake_with(s: &mut UnixStream, min_block: Option<u32>) -> bool {
     let mut g = b"NBDMAGICIHAVEOPT".to_vec();
     g.extend_from_slice(&3u16.to_be_bytes());
     s.write_all(&g).unwrap();
@@ -62,6 +72,13 @@ fn handshake(s: &mut UnixStream) -> bool {
                 // HAS_FLAGS | SEND_FLUSH | SEND_WRITE_ZEROES | CAN_MULTI_CONN
                 i.extend_from_slice(&(1u16 | 4 | 64 | 256).to_be_bytes());
                 opt_reply(s, opt, 3, &i);
+                if let Some(m) = min_block {
+                    let mut b = 3u16.to_be_bytes().to_vec();
+                    for v in [m, 4096, 65536] {
+                        b.extend_from_slice(&v.to_be_bytes());
+                    }
+                    opt_reply(s, opt, 3, &b);
+                }
                 opt_reply(s, opt, 1, &[]);
                 return true;
             }
@@ -310,6 +327,235 @@ fn out_of_order_split_replies_errors_and_block_status() {
         .block_on(b.read_at(e, win.into_inner().slice(0..4096), SIZE as u64))
         .unwrap();
     assert_eq!(r.unwrap(), 0);
+}
+
+/// Minimum block size of the strict server below.
+const MIN: usize = 512;
+
+/// What the strict server saw.
+#[derive(Default)]
+struct Seen {
+    /// Requests not aligned to [`MIN`] (answered with EINVAL).
+    misaligned: usize,
+    /// BLOCK_STATUS requests without REQ_ONE.
+    walks: usize,
+}
+
+/// A server with a minimum block size of [`MIN`] that fails every request not aligned to it
+/// (as nbdkit's blocksize-policy filter does), and answers BLOCK_STATUS without REQ_ONE with one
+/// extent per block (thousands per reply: longer than the client's meta buffer).
+fn serve_strict(mut s: UnixStream, mem: Arc<Mutex<Vec<u8>>>, seen: Arc<Mutex<Seen>>) {
+    if !handshake_with(&mut s, Some(MIN as u32)) {
+        return;
+    }
+    loop {
+        let mut rq = [0u8; 28];
+        if s.read_exact(&mut rq).is_err() {
+            return;
+        }
+        let flags = u16::from_be_bytes([rq[4], rq[5]]);
+        let ty = u16::from_be_bytes([rq[6], rq[7]]);
+        let cookie = u64::from_be_bytes(rq[8..16].try_into().unwrap());
+        let off = u64::from_be_bytes(rq[16..24].try_into().unwrap()) as usize;
+        let len = u32::from_be_bytes(rq[24..28].try_into().unwrap()) as usize;
+        let simple = |out: &mut Vec<u8>, err: u32| {
+            out.extend_from_slice(&0x6744_6698u32.to_be_bytes());
+            out.extend_from_slice(&err.to_be_bytes());
+            out.extend_from_slice(&cookie.to_be_bytes());
+        };
+        let mut out = Vec::new();
+        let aligned = off.is_multiple_of(MIN) && len.is_multiple_of(MIN);
+        if ty == 1 {
+            let mut d = vec![0u8; len];
+            s.read_exact(&mut d).unwrap();
+            if aligned {
+                mem.lock().unwrap()[off..off + len].copy_from_slice(&d);
+            }
+        }
+        if matches!(ty, 0 | 1 | 6 | 7) && !aligned {
+            seen.lock().unwrap().misaligned += 1;
+            simple(&mut out, 22);
+        } else {
+            match ty {
+                0 => out = read_reply(&mem.lock().unwrap(), cookie, off as u64, len as u32),
+                6 => {
+                    mem.lock().unwrap()[off..off + len].fill(0);
+                    simple(&mut out, 0);
+                }
+                7 => {
+                    let m = mem.lock().unwrap();
+                    let mut p = CTX.to_be_bytes().to_vec();
+                    let blocks = if flags & 8 != 0 { 1 } else { len / MIN };
+                    if flags & 8 == 0 {
+                        seen.lock().unwrap().walks += 1;
+                    }
+                    for b in 0..blocks {
+                        let at = off + b * MIN;
+                        let zero = m[at..at + MIN].iter().all(|&x| x == 0);
+                        p.extend_from_slice(&(MIN as u32).to_be_bytes());
+                        p.extend_from_slice(&(if zero { 3u32 } else { 0 }).to_be_bytes());
+                    }
+                    chunk(&mut out, 1, 5, cookie, &p);
+                }
+                2 => return,
+                _ => simple(&mut out, 0),
+            }
+        }
+        if !out.is_empty() && s.write_all(&out).is_err() {
+            return;
+        }
+    }
+}
+
+/// Bytes of `mem` in blocks of [`MIN`] that are not all zero.
+fn allocated(mem: &[u8]) -> u64 {
+    mem.chunks(MIN)
+        .filter(|c| c.iter().any(|&x| x != 0))
+        .count() as u64
+        * MIN as u64
+}
+
+#[test]
+fn unaligned_requests_are_made_whole_and_st_blocks_counts_extents() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("strict.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    // Data in the first quarter, zeroes after.
+    let mut init = vec![0u8; SIZE];
+    for (i, b) in init.iter_mut().enumerate().take(SIZE / 4) {
+        *b = pattern(i);
+    }
+    let mem = Arc::new(Mutex::new(init));
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    {
+        let (mem, seen) = (mem.clone(), seen.clone());
+        thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(s) = s else { return };
+                let (mem, seen) = (mem.clone(), seen.clone());
+                thread::spawn(move || serve_strict(s, mem, seen));
+            }
+        });
+    }
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let b = Rc::new(
+        NbdBackend::open(
+            &uri,
+            NbdOptions {
+                writable: true,
+                ..NbdOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    assert_eq!(b.export().min_block, MIN as u32);
+    let eng = Rc::new(
+        Engine::new(&EngineConfig {
+            buffers: 40,
+            buffer_size: 65536,
+            ..EngineConfig::default()
+        })
+        .unwrap(),
+    );
+    let mut model = mem.lock().unwrap().clone();
+
+    // Unaligned reads, within one block, across blocks, across data and holes.
+    for (off, len) in [
+        (100usize, 1000usize),
+        (511, 2),
+        (7, 512),
+        (SIZE / 4 - 300, 5000),
+    ] {
+        let buf = eng.take_buffer().unwrap();
+        let (r, win) = eng
+            .block_on(b.read_at(&eng, buf.slice(3..3 + len), off as u64))
+            .unwrap();
+        assert_eq!(r.unwrap(), len, "read {len} at {off}");
+        assert!(
+            win.as_slice() == &model[off..off + len],
+            "read {len} at {off}"
+        );
+    }
+    // The end of the export, unaligned.
+    let buf = eng.take_buffer().unwrap();
+    let (r, _) = eng
+        .block_on(b.read_at(&eng, buf.slice(0..1000), SIZE as u64 - 300))
+        .unwrap();
+    assert_eq!(r.unwrap(), 300);
+
+    // 32 writes of 37 bytes each, all at once, on disjoint bytes of the same few blocks (and 8
+    // more spanning a block boundary): without the region lock, read-modify-writes interleave and
+    // undo each other.
+    let mut writes: Vec<(usize, usize)> = (0..32).map(|t| (1000 + t * 37, 37)).collect();
+    writes.extend((0..8).map(|t| (SIZE / 2 + t * 4096 + 500, 700)));
+    for (t, &(off, len)) in writes.iter().enumerate() {
+        model[off..off + len].fill(t as u8 + 1);
+        let (b, e) = (b.clone(), eng.clone());
+        eng.spawn(async move {
+            let mut buf = e.take_buffer().unwrap();
+            buf.as_mut_slice()[..len].fill(t as u8 + 1);
+            let (r, _) = b.write_at(&e, buf.slice(0..len), off as u64).await;
+            assert_eq!(r.unwrap(), len, "write {t}");
+        });
+    }
+    eng.run().unwrap();
+    assert!(*mem.lock().unwrap() == model, "concurrent unaligned writes");
+
+    // One write with an unaligned head, whole blocks and an unaligned tail.
+    let (off, len) = (SIZE / 4 + 700, 5000);
+    let mut buf = eng.take_buffer().unwrap();
+    for (i, x) in buf.as_mut_slice()[..len].iter_mut().enumerate() {
+        *x = (i % 251) as u8 | 0x80;
+    }
+    model[off..off + len].copy_from_slice(&buf.as_slice()[..len]);
+    let (r, _) = eng
+        .block_on(b.write_at(&eng, buf.slice(0..len), off as u64))
+        .unwrap();
+    assert_eq!(r.unwrap(), len);
+    // Zeroes (kept allocated, and punched) with unaligned ends.
+    eng.block_on(b.write_zeroes(&eng, 300, 2000))
+        .unwrap()
+        .unwrap();
+    model[300..2300].fill(0);
+    eng.block_on(b.discard(&eng, SIZE as u64 / 4 + 1000, 100))
+        .unwrap()
+        .unwrap();
+    model[SIZE / 4 + 1000..SIZE / 4 + 1100].fill(0);
+    eng.block_on(b.discard(&eng, 5000, 9000)).unwrap().unwrap();
+    model[5000..14000].fill(0);
+    assert!(*mem.lock().unwrap() == model, "write and zeroes");
+    assert_eq!(
+        seen.lock().unwrap().misaligned,
+        0,
+        "misaligned requests sent"
+    );
+
+    // st_blocks: the blocks that are not holes, from one walk (2048 extents in one reply).
+    let alloc = |b: &NbdBackend| eng.block_on(b.attrs(&eng)).unwrap().unwrap().allocated;
+    let t = std::time::Instant::now();
+    assert_eq!(alloc(&b), allocated(&model));
+    let walks = seen.lock().unwrap().walks;
+    assert_eq!(walks, 1);
+    let again = alloc(&b);
+    if t.elapsed() < std::time::Duration::from_secs(1) {
+        // Both within the count's second (it is cached for 1 s): no second walk.
+        assert_eq!(seen.lock().unwrap().walks, walks);
+        assert_eq!(again, allocated(&model));
+    }
+    // A write invalidates the count at once.
+    let mut buf = eng.take_buffer().unwrap();
+    buf.as_mut_slice()[..4096].fill(0x11);
+    let (r, _) = eng
+        .block_on(b.write_at(&eng, buf.slice(0..4096), SIZE as u64 - 8192))
+        .unwrap();
+    assert_eq!(r.unwrap(), 4096);
+    model[SIZE - 8192..SIZE - 4096].fill(0x11);
+    assert_eq!(alloc(&b), allocated(&model));
+    assert_eq!(
+        seen.lock().unwrap().misaligned,
+        0,
+        "misaligned requests sent"
+    );
 }
 
 /// A server that negotiates, reads one request, sends `reply` and hangs up.

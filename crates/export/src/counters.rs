@@ -46,6 +46,8 @@ pub struct Counters {
     /// Data bytes copied in userspace (a WRITE whose data the transport could not place where the
     /// backend reads it). Stays 0 on the zero-copy data path.
     pub bytes_copied: Counter,
+    /// READ bytes the kernel spliced from the image into the reply (never in fusex's memory).
+    pub bytes_spliced: Counter,
 }
 
 impl Default for Counters {
@@ -59,6 +61,7 @@ impl Default for Counters {
             bytes_read: Counter::default(),
             bytes_written: Counter::default(),
             bytes_copied: Counter::default(),
+            bytes_spliced: Counter::default(),
         }
     }
 }
@@ -86,6 +89,12 @@ impl Counters {
         bump(&self.backend_writes, 1);
         bump(&self.bytes_written, bytes as u64);
     }
+    /// Counts a READ answered by splicing `bytes` from the image: a backend read that never
+    /// passed through fusex's memory.
+    pub fn spliced(&self, bytes: usize) {
+        self.read(bytes);
+        bump(&self.bytes_spliced, bytes as u64);
+    }
     /// Counts data bytes copied in userspace.
     pub fn copied(&self, bytes: usize) {
         bump(&self.bytes_copied, bytes as u64);
@@ -106,6 +115,7 @@ impl Counters {
             bytes_read: self.bytes_read.get(),
             bytes_written: self.bytes_written.get(),
             bytes_copied: self.bytes_copied.get(),
+            bytes_spliced: self.bytes_spliced.get(),
         }
     }
 }
@@ -129,6 +139,8 @@ pub struct Snapshot {
     pub bytes_written: u64,
     /// Data bytes copied in userspace.
     pub bytes_copied: u64,
+    /// READ bytes spliced from the image.
+    pub bytes_spliced: u64,
 }
 
 impl Default for Snapshot {
@@ -155,6 +167,7 @@ impl Snapshot {
         self.bytes_read += o.bytes_read;
         self.bytes_written += o.bytes_written;
         self.bytes_copied += o.bytes_copied;
+        self.bytes_spliced += o.bytes_spliced;
     }
 
     /// JSON form: `{"requests": n, "ops": {"READ": n, ...}, "backend": {...}}` (zero ops omitted).
@@ -178,6 +191,7 @@ impl Snapshot {
                 "bytes_written": self.bytes_written,
             },
             "copied_bytes": self.bytes_copied,
+            "spliced_bytes": self.bytes_spliced,
         })
     }
 }
@@ -193,6 +207,7 @@ mod tests {
         c.request(Opcode::Read as u32);
         c.request(Opcode::CuseInit as u32); // out of range: ignored, never panics
         c.read(4096);
+        c.spliced(4096);
         c.flush();
         let mut s = c.snapshot();
         assert_eq!(s.requests(), 2);
@@ -200,7 +215,8 @@ mod tests {
         assert_eq!(s.ops[Opcode::Read as usize], 4);
         let j = s.to_json();
         assert_eq!(j["ops"]["READ"], 4);
-        assert_eq!(j["backend"]["bytes_read"], 8192);
+        assert_eq!(j["backend"]["bytes_read"], 16384);
+        assert_eq!(j["spliced_bytes"], 8192);
         assert_eq!(j["backend"]["flushes"], 2);
     }
 }

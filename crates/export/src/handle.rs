@@ -159,6 +159,28 @@ impl<B: BlockBackend> Export<B> {
         (r.unwrap_or_else(Reply::Error), buf)
     }
 
+    /// Where a READ of the root can be answered by splicing from the image: the descriptor, the
+    /// offset and the length, clamped as [`Export::handle`] clamps a READ into a window of `cap`
+    /// bytes. `None` when the backend cannot splice or nothing is to be read (the normal path
+    /// answers those). The caller counts the bytes with [`Counters::read`] once they are sent.
+    pub fn splice_read(
+        &self,
+        hdr: &InHeader,
+        a: &ReadIn,
+        cap: usize,
+    ) -> Option<(std::os::fd::RawFd, u64, usize)> {
+        if hdr.nodeid != ROOT_ID || a.size == 0 {
+            return None;
+        }
+        let fd = self.backend.splice_fd()?;
+        let size = self.backend.size();
+        if a.offset >= size {
+            return None;
+        }
+        let n = (u64::from(a.size).min(size - a.offset) as usize).min(cap);
+        Some((fd, a.offset, n))
+    }
+
     async fn read(
         &self,
         eng: &Engine,

@@ -301,6 +301,11 @@ pub struct MountArgs {
     /// faster, see docs/design.md).
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     pub fixed_files: OnOff,
+    /// Legacy transport, image in memory: READs of at least this many bytes are answered by
+    /// splicing from the image (0: never). A measurement switch, off by default: measured here
+    /// it saved no server CPU (docs/design.md).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, default_value = "0", hide = true)]
+    pub splice_min: u64,
     /// Seconds a request may go unanswered before the kernel aborts the connection, so that no
     /// application hangs forever on a wedged daemon (Linux 6.14+; 0: none). The kernel raises
     /// values below 15 to 15, checks every 15 s, and caps the value at fs.fuse.max_request_timeout
@@ -336,6 +341,13 @@ pub struct MountArgs {
 }
 
 /// `--max-size`: the same size syntax as `null:SIZE` images.
+fn parse_size_or_zero(s: &str) -> Result<u64, String> {
+    if s == "0" {
+        return Ok(0);
+    }
+    parse_size(s)
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     backend::parse_size(s)
         .map_err(|_| format!("{s:?} is not a size: give bytes or K, M, G, T (powers of 1024)"))

@@ -55,6 +55,8 @@ pub struct QueueSpec {
     pub multishot: bool,
     /// Register the image and /dev/fuse descriptors as fixed files.
     pub fixed_files: bool,
+    /// Legacy READs of at least this many bytes are spliced from the image (0: none).
+    pub splice_min: usize,
     /// Applied once the queue is set up, before it submits anything.
     pub privileges: crate::privileges::Plan,
 }
@@ -191,7 +193,8 @@ fn serve(
             tracing::debug!("queue {}: no fixed files ({e})", spec.id);
         }
     }
-    let st = QueueState::new(eng, QueueServer::new(export), legacy);
+    let server = QueueServer::new(export).with_splice_min(spec.splice_min);
+    let st = QueueState::new(eng, server, legacy);
     let eng = st.engine();
 
     // The watcher turns a stop request (from the main thread, or from a loop that saw the

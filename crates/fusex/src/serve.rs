@@ -559,6 +559,7 @@ fn run_queues(
             cpu: pin.then(|| cpus[id % cpus.len()]),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
             fixed_files: args.fixed_files == crate::cli::OnOff::On,
+            splice_min: args.splice_min as usize,
             privileges,
         };
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());

@@ -12,9 +12,13 @@ pub const REQUEST_LEN: usize = 28;
 pub const HEAD_LEN: usize = 16;
 /// Bytes of a structured chunk's length field, which follows [`HEAD_LEN`].
 pub const CHUNK_LEN_LEN: usize = 4;
-/// Largest payload fusex accepts in a chunk that does not carry READ data (an error with its
-/// 4096-byte message, a block status answer to a `REQ_ONE` query): larger ones are violations.
+/// Largest payload fusex accepts in an error chunk (its message is at most 4096 bytes), and the
+/// most of a block status chunk the client holds at once (it reads longer ones in pieces of at
+/// most this many bytes, see [`Extents`]).
 pub const MAX_META_PAYLOAD: u32 = 8192;
+/// Largest block status chunk fusex accepts: a context id and 2 Mi extents (qemu-nbd sends at
+/// most 128 Ki per reply; the protocol asks servers to stay below 16 MB of descriptors).
+pub const MAX_BLOCK_STATUS_PAYLOAD: u32 = 4 + 8 * (1 << 21);
 
 const REQUEST_MAGIC: u32 = 0x2560_9513;
 const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
@@ -110,14 +114,15 @@ impl Chunk {
     }
 
     /// Checks a chunk's length against its type: data chunks may be up to `max_data` bytes of
-    /// data (plus their offset), everything else at most [`MAX_META_PAYLOAD`].
+    /// data (plus their offset), block status at most [`MAX_BLOCK_STATUS_PAYLOAD`], everything
+    /// else at most [`MAX_META_PAYLOAD`].
     pub fn check_len(self, ty: u16, len: u32, max_data: u32) -> Result<(), WireError> {
         let ok = match self {
             Chunk::None => len == 0,
             Chunk::OffsetData => len > 8 && len - 8 <= max_data,
             Chunk::OffsetHole => len == 12,
             Chunk::BlockStatus => {
-                len >= 12 && (len - 4).is_multiple_of(8) && len <= MAX_META_PAYLOAD
+                len >= 12 && (len - 4).is_multiple_of(8) && len <= MAX_BLOCK_STATUS_PAYLOAD
             }
             Chunk::Error => (6..=MAX_META_PAYLOAD).contains(&len),
         };
@@ -246,6 +251,70 @@ pub fn first_extent(p: &[u8], ctx: u32) -> Result<(u32, u32), WireError> {
     Ok((len, be32(&p[8..12])))
 }
 
+/// Bytes of one block status descriptor (an extent's length and flags).
+pub const EXTENT_LEN: usize = 8;
+
+/// What a block status reply said about the range asked for, summed while its descriptors are
+/// read (in pieces, without holding the whole reply): the first extent (for `REQ_ONE` walks),
+/// how much of the range the extents cover and how much of that is not a hole (for counting
+/// allocated bytes without a request per extent). Extents beyond the range asked for are
+/// ignored (a server may describe a longer first extent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extents {
+    /// Length asked for: extents are counted up to it.
+    pub limit: u64,
+    /// The first extent (length, flags).
+    pub first: Option<(u32, u32)>,
+    /// Bytes from the start of the range the extents describe (at most `limit`).
+    pub covered: u64,
+    /// Of those, bytes in extents without `NBD_STATE_HOLE`.
+    pub allocated: u64,
+}
+
+impl Extents {
+    /// Nothing seen yet, for a request of `limit` bytes.
+    pub fn new(limit: u64) -> Extents {
+        Extents {
+            limit,
+            ..Extents::default()
+        }
+    }
+
+    /// Adds the descriptors in `p` (a whole number of [`EXTENT_LEN`]-byte descriptors, the part
+    /// of a block status chunk after its context id).
+    pub fn add(&mut self, p: &[u8]) -> Result<(), WireError> {
+        if !p.len().is_multiple_of(EXTENT_LEN) {
+            return Err(WireError::Malformed("block status chunk of the wrong size"));
+        }
+        for d in p.chunks_exact(EXTENT_LEN) {
+            let (len, flags) = (be32(&d[0..4]), be32(&d[4..8]));
+            if len == 0 {
+                return Err(WireError::Malformed("block status extent of length 0"));
+            }
+            self.first.get_or_insert((len, flags));
+            let n = u64::from(len).min(self.limit - self.covered);
+            self.covered += n;
+            if flags & crate::STATE_HOLE == 0 {
+                self.allocated += n;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a block status chunk's context id (its first 4 bytes) against the one negotiated.
+pub fn check_context(p: &[u8], ctx: u32) -> Result<(), WireError> {
+    if p.len() < 4 {
+        return Err(WireError::Malformed("block status chunk of the wrong size"));
+    }
+    if be32(&p[0..4]) != ctx {
+        return Err(WireError::Malformed(
+            "block status for a context not asked for",
+        ));
+    }
+    Ok(())
+}
+
 fn be32(b: &[u8]) -> u32 {
     let mut a = [0u8; 4];
     a.copy_from_slice(&b[..4]);
@@ -369,6 +438,39 @@ mod tests {
         assert!(hole(&h[..11]).is_err());
     }
 
+    fn descriptors(ext: &[(u32, u32)]) -> Vec<u8> {
+        let mut p = Vec::new();
+        for (len, flags) in ext {
+            p.extend_from_slice(&len.to_be_bytes());
+            p.extend_from_slice(&flags.to_be_bytes());
+        }
+        p
+    }
+
+    #[test]
+    fn extents_sum_allocated_bytes_within_the_range() {
+        // data 4096, hole 8192, zero-but-allocated 4096, then data running past the range.
+        let p = descriptors(&[(4096, 0), (8192, 3), (4096, 2), (65536, 0)]);
+        let mut e = Extents::new(20480);
+        // Read in two pieces, as the client does with long chunks.
+        e.add(&p[..16]).unwrap();
+        e.add(&p[16..]).unwrap();
+        assert_eq!(e.first, Some((4096, 0)));
+        assert_eq!(e.covered, 20480);
+        assert_eq!(e.allocated, 4096 + 4096 + 4096);
+        assert!(Extents::new(10).add(&p[..7]).is_err());
+        assert!(Extents::new(10).add(&descriptors(&[(0, 0)])).is_err());
+        let mut ctx = 9u32.to_be_bytes().to_vec();
+        assert_eq!(check_context(&ctx, 9), Ok(()));
+        assert!(check_context(&ctx, 8).is_err());
+        ctx.pop();
+        assert!(check_context(&ctx, 9).is_err());
+        assert!(Chunk::BlockStatus.check_len(5, 4 + 8 * 4096, 0).is_ok());
+        assert!(Chunk::BlockStatus
+            .check_len(5, MAX_BLOCK_STATUS_PAYLOAD + 8, 0)
+            .is_err());
+    }
+
     proptest::proptest! {
         #[test]
         fn decoders_never_panic(b in proptest::collection::vec(proptest::num::u8::ANY, 0..64), ctx: u32) {
@@ -379,6 +481,11 @@ mod tests {
             let _ = error(&b);
             let _ = hole(&b);
             let _ = first_extent(&b, ctx);
+            let _ = check_context(&b, ctx);
+            let mut e = Extents::new(u64::from(ctx));
+            if e.add(&b).is_ok() {
+                proptest::prop_assert!(e.allocated <= e.covered && e.covered <= e.limit);
+            }
         }
 
         #[test]

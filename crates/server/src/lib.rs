@@ -12,5 +12,5 @@ pub mod reply;
 mod serve;
 pub mod slots;
 
-pub use serve::QueueServer;
+pub use serve::{LegacyReply, QueueServer};
 pub use slots::QueueState;

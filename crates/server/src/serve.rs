@@ -15,6 +15,29 @@ use crate::reply::reply_parts;
 pub struct QueueServer<B> {
     export: Arc<Export<B>>,
     counters: Arc<Counters>,
+    splice_min: usize,
+}
+
+/// What a legacy request asks of the transport once served.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LegacyReply {
+    /// Nothing (FORGET, INTERRUPT, or bytes too short to name a request).
+    None,
+    /// Write the reply of this many bytes (out header included) from the reply offset.
+    Bytes(usize),
+    /// Answer READ `unique` by splicing `len` bytes of the image descriptor `fd` from `off`
+    /// (see [`QueueServer::with_splice_min`]); if that comes up short, serve it again with
+    /// splicing off.
+    Splice {
+        /// The READ's unique id.
+        unique: u64,
+        /// The image descriptor.
+        fd: std::os::fd::RawFd,
+        /// Image offset.
+        off: u64,
+        /// Bytes to send.
+        len: usize,
+    },
 }
 
 impl<B: BlockBackend> QueueServer<B> {
@@ -23,7 +46,16 @@ impl<B: BlockBackend> QueueServer<B> {
         QueueServer {
             export,
             counters: Arc::new(Counters::default()),
+            splice_min: 0,
         }
+    }
+
+    /// Legacy READs of at least `bytes` (0: none) are answered by splicing from the image when
+    /// its backend allows ([`backend::BlockBackend::splice_fd`]): one copy in the kernel instead
+    /// of a read into the buffer and a write from it.
+    pub fn with_splice_min(mut self, bytes: usize) -> Self {
+        self.splice_min = bytes;
+        self
     }
 
     /// This queue's request and backend counters.
@@ -42,18 +74,18 @@ impl<B: BlockBackend> QueueServer<B> {
     }
 
     /// Legacy framing: the request `read(2)` returned is `buf[l.request..l.request + n]`. Serves it
-    /// and encodes the reply at `buf[l.reply..]`; returns the buffer and the reply's length (out
-    /// header included), or `None` when the request takes no reply (FORGET, INTERRUPT, or bytes
-    /// too short to name a request).
+    /// and encodes the reply at `buf[l.reply..]`; returns the buffer and what to send. `splice`
+    /// allows a [`LegacyReply::Splice`] answer.
     pub async fn serve_legacy(
         &self,
         eng: &Engine,
         l: &Layout,
         buf: Buf,
         n: usize,
-    ) -> (Buf, Option<usize>) {
+        splice: bool,
+    ) -> (Buf, LegacyReply) {
         let Some(raw) = buf.as_slice().get(l.request..l.request.saturating_add(n)) else {
-            return (buf, None);
+            return (buf, LegacyReply::None);
         };
         let decoded = match parse(raw) {
             Ok(r) => Ok((r.header, lower(&r.op, buf.as_slice()))),
@@ -61,6 +93,23 @@ impl<B: BlockBackend> QueueServer<B> {
         };
         let window = l.payload..buf.len();
         let capacity = window.len();
+        if let Ok((hdr, (Request::Read(a), _))) = &decoded {
+            if splice && self.splice_min > 0 && a.size as usize >= self.splice_min {
+                if let Some((fd, off, len)) = self.export.splice_read(hdr, a, capacity) {
+                    self.counters.request(hdr.opcode);
+                    let unique = hdr.unique;
+                    return (
+                        buf,
+                        LegacyReply::Splice {
+                            unique,
+                            fd,
+                            off,
+                            len,
+                        },
+                    );
+                }
+            }
+        }
         let (unique, reply, mut buf) = match decoded {
             Ok((hdr, op)) => {
                 let (reply, buf) = self.dispatch(eng, &hdr, op, buf, window).await;
@@ -69,15 +118,17 @@ impl<B: BlockBackend> QueueServer<B> {
             Err((Some(unique), e)) => (unique, self.malformed(&e), buf),
             Err((None, e)) => {
                 self.malformed(&e);
-                return (buf, None);
+                return (buf, LegacyReply::None);
             }
         };
         let Some((error, len)) = reply_parts(reply, capacity) else {
-            return (buf, None);
+            return (buf, LegacyReply::None);
         };
         let out = &mut buf.as_mut_slice()[l.reply..];
-        let total = write_header(out, unique, error, len).ok();
-        (buf, total)
+        match write_header(out, unique, error, len) {
+            Ok(total) => (buf, LegacyReply::Bytes(total)),
+            Err(_) => (buf, LegacyReply::None),
+        }
     }
 
     /// io_uring framing: the kernel delivered `d` into the entry buffer `buf` (header and

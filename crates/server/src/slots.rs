@@ -10,9 +10,9 @@ use std::rc::Rc;
 
 use backend::BlockBackend;
 use engine::{Buf, Engine, TaskId};
-use transport::{Fetched, LegacyQueue, ReadOutcome, UringQueue};
+use transport::{Fetched, LegacyQueue, ReadOutcome, Spliced, UringQueue};
 
-use crate::QueueServer;
+use crate::{LegacyReply, QueueServer};
 
 /// State the request loops of one queue share (single-threaded).
 pub struct QueueState<B> {
@@ -32,6 +32,8 @@ pub struct QueueState<B> {
     in_service: Cell<u32>,
     /// Woken when the queue should stop or has become quiet.
     watcher: Cell<Option<TaskId>>,
+    /// Large legacy READs may be spliced (off for good once making a pipe failed).
+    splicing: Cell<bool>,
 }
 
 impl<B: BlockBackend> QueueState<B> {
@@ -48,6 +50,7 @@ impl<B: BlockBackend> QueueState<B> {
             reading: Cell::new(0),
             in_service: Cell::new(0),
             watcher: Cell::new(None),
+            splicing: Cell::new(true),
         })
     }
 
@@ -146,6 +149,8 @@ impl<B: BlockBackend> QueueState<B> {
         let Some(q) = &self.legacy else { return };
         let layout = q.layout();
         let mut buf = buf;
+        // Made on this slot's first spliced READ.
+        let mut pipe = None;
         loop {
             self.reading.set(self.reading.get() + 1);
             let read = q.next_request(&self.eng, buf).await;
@@ -157,11 +162,44 @@ impl<B: BlockBackend> QueueState<B> {
                 Err(e) => return self.end(Some(format!("reading /dev/fuse: {e}"))),
             };
             self.enter();
-            let (b, reply) = self.server.serve_legacy(&self.eng, &layout, b, n).await;
+            let splice = self.splicing.get();
+            let (mut b, mut reply) = self
+                .server
+                .serve_legacy(&self.eng, &layout, b, n, splice)
+                .await;
+            if let LegacyReply::Splice {
+                unique,
+                fd,
+                off,
+                len,
+            } = reply
+            {
+                match q.splice_reply(&mut pipe, unique, fd, off, len) {
+                    Ok(Spliced::Sent(n)) => {
+                        self.server.counters().spliced(n);
+                        reply = LegacyReply::None;
+                    }
+                    Ok(Spliced::Short) => {
+                        // The image shrank: the ordinary path clamps to its new end.
+                        (b, reply) = self
+                            .server
+                            .serve_legacy(&self.eng, &layout, b, n, false)
+                            .await;
+                    }
+                    Err(e) => {
+                        tracing::debug!("queue stops splicing READ replies: {e}");
+                        self.splicing.set(false);
+                        (b, reply) = self
+                            .server
+                            .serve_legacy(&self.eng, &layout, b, n, false)
+                            .await;
+                    }
+                }
+            }
             self.served();
             let (sent, b) = match reply {
-                Some(len) => q.send_reply(&self.eng, b, len).await,
-                None => (Ok(()), b),
+                LegacyReply::Bytes(len) => q.send_reply(&self.eng, b, len).await,
+                _ => (Ok(()), b),
             };
             self.leave();
             if let Err(e) = sent {

@@ -12,6 +12,7 @@ mod mount;
 mod mountinfo;
 mod notify;
 pub mod passthrough;
+mod splice;
 mod uring;
 
 pub use identity::{fuse_mount_identity, unmount_if_same};
@@ -20,6 +21,7 @@ pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, Handover, Mount, MountConfig};
 pub use mountinfo::{fuse_mount_at, MountEntry, MountIdentity, FUSEX_FSTYPE};
 pub use notify::notify_inval_inode;
+pub use splice::{SplicePipe, Spliced};
 pub use uring::{
     uring_unavailable_reason, Delivered, Fetched, UringLayout, UringQueue, ENABLE_URING_PARAM,
 };

@@ -113,11 +113,15 @@ struct Slot {
     len: u32,
     /// A READ's destination window (away while `lent`).
     win: Option<Slice>,
+    /// A READ's destination when it is not a window: the backend's bounce buffer for reads
+    /// and read-modify-writes of blocks that are not aligned (away while `lent`).
+    bounce: Option<Vec<u8>>,
     /// The receiver has the window in a ring operation right now.
     lent: bool,
     covered: u64,
     error: Option<i32>,
-    extent: Option<(u32, u32)>,
+    /// BLOCK_STATUS: what the reply's extents said, summed as they are read.
+    extents: wire::Extents,
     /// Its request's future is gone: the slot is freed when the reply (or the break) comes.
     abandoned: bool,
     /// The request header bytes (reused).
@@ -134,10 +138,11 @@ impl Slot {
             off: 0,
             len: 0,
             win: None,
+            bounce: None,
             lent: false,
             covered: 0,
             error: None,
-            extent: None,
+            extents: wire::Extents::default(),
             abandoned: false,
             header: Some(Vec::with_capacity(REQUEST_LEN)),
         }
@@ -174,6 +179,10 @@ struct State {
 pub(crate) struct Outcome {
     /// BLOCK_STATUS: the first extent (length, flags).
     pub extent: Option<(u32, u32)>,
+    /// BLOCK_STATUS: bytes from the request's offset the extents described (at most its length).
+    pub covered: u64,
+    /// BLOCK_STATUS: of those, bytes not in a hole.
+    pub allocated: u64,
 }
 
 /// A connection's TLS session on the ring. The receiver role and the send permit each use their
@@ -301,7 +310,9 @@ impl Conn {
                 Err(libc::EIO)
             }
             _ => Ok(Outcome {
-                extent: slot.extent,
+                extent: slot.extents.first,
+                covered: slot.extents.covered,
+                allocated: slot.extents.allocated,
             }),
         };
         if res.is_ok() {
@@ -313,6 +324,96 @@ impl Conn {
         }
         free(&mut st, idx);
         (res, win)
+    }
+
+    /// A READ into, or a WRITE from, `bytes` (exactly `len` bytes): the backend's bounce buffer
+    /// for requests that are not aligned to the server's minimum block size (a rare path: the
+    /// data is received into a temporary buffer and copied, or sent through [`Self::send_vec`]
+    /// with its header in front). `bytes` comes back whatever happens (empty if it was lost).
+    pub(crate) async fn request_bytes(
+        &self,
+        eng: &Engine,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u32,
+        bytes: Vec<u8>,
+    ) -> (Result<Outcome, i32>, Vec<u8>) {
+        let Some(idx) = self.alloc(cmd, off, len) else {
+            return (Err(libc::EIO), bytes);
+        };
+        let guard = SlotGuard { conn: self, idx };
+        let mut back = None;
+        let sent = if cmd == Command::Read {
+            self.st.borrow_mut().slots[idx].bounce = Some(bytes);
+            self.send_header(eng, idx, cmd, flags, off, len).await
+        } else {
+            // Header and payload in one buffer, sent whole under the send permit.
+            let mut v = Vec::with_capacity(REQUEST_LEN + bytes.len());
+            v.resize(REQUEST_LEN, 0);
+            v.extend_from_slice(&bytes);
+            back = Some(bytes);
+            self.send_whole(eng, idx, cmd, flags, off, len, v).await
+        };
+        if sent.is_err() {
+            self.fail_slot(eng, idx);
+        }
+        self.wait(eng, idx).await;
+        std::mem::forget(guard);
+        let mut st = self.st.borrow_mut();
+        let slot = &mut st.slots[idx];
+        let back = slot.bounce.take().or(back).unwrap_or_default();
+        let res = match slot.error {
+            Some(e) => Err(e),
+            None if cmd == Command::Read && slot.covered != u64::from(slot.len) => Err(libc::EIO),
+            None => Ok(Outcome::default()),
+        };
+        if res.is_ok() && cmd != Command::Read {
+            st.dirty = true;
+        }
+        free(&mut st, idx);
+        (res, back)
+    }
+
+    /// Sends a request whose header space (the first [`REQUEST_LEN`] bytes of `v`) this fills
+    /// in, with whatever payload follows it in `v`.
+    #[allow(clippy::too_many_arguments)]
+    async fn send_whole(
+        &self,
+        eng: &Engine,
+        idx: usize,
+        cmd: Command,
+        flags: u16,
+        off: u64,
+        len: u32,
+        mut v: Vec<u8>,
+    ) -> Result<(), Broken> {
+        self.sending.acquire(eng).await;
+        let mut permit = Permit {
+            conn: self,
+            eng,
+            clean: false,
+        };
+        {
+            let mut st = self.st.borrow_mut();
+            if st.broken {
+                permit.clean = true;
+                return Err(Broken::Closed);
+            }
+            let cookie = st.slots[idx].cookie;
+            // Sent from here on: a reply may be read before this task runs again.
+            st.slots[idx].phase = Phase::Sent;
+            let mut b = [0u8; REQUEST_LEN];
+            wire::encode_request(&mut b, flags, cmd, cookie, off, len);
+            v[..REQUEST_LEN].copy_from_slice(&b);
+        }
+        let (r, _) = self.send_vec(eng, v).await;
+        permit.clean = true;
+        if let Err(b) = r {
+            self.break_conn(eng, b);
+            return Err(Broken::Closed);
+        }
+        Ok(())
     }
 
     fn alloc(&self, cmd: Command, off: u64, len: u32) -> Option<usize> {
@@ -344,7 +445,7 @@ impl Conn {
         s.lent = false;
         s.covered = 0;
         s.error = None;
-        s.extent = None;
+        s.extents = wire::Extents::new(u64::from(len));
         s.abandoned = false;
         Some(idx)
     }
@@ -981,11 +1082,14 @@ impl Conn {
                     Ok((rel, n)) => {
                         let mut st = self.st.borrow_mut();
                         let s = &mut st.slots[idx];
+                        let (a, b) = (rel as usize, rel as usize + n as usize);
                         if let Some(w) = s.win.as_mut() {
-                            let (a, b) = (rel as usize, rel as usize + n as usize);
                             if let Some(z) = w.as_mut_slice().get_mut(a..b) {
                                 z.fill(0);
                             }
+                        }
+                        if let Some(z) = s.bounce.as_mut().and_then(|v| v.get_mut(a..b)) {
+                            z.fill(0);
                         }
                         s.covered += u64::from(n);
                         (Ok(()), meta)
@@ -994,11 +1098,6 @@ impl Conn {
                 }
             }
             Chunk::BlockStatus => {
-                let r;
-                (r, meta) = self.recv_vec(eng, meta, len as usize).await;
-                if let Err(b) = r {
-                    return (Err(b), meta);
-                }
                 let Some(ctx) = self.export.allocation_context else {
                     return (
                         Err(Broken::Violation(
@@ -1007,14 +1106,33 @@ impl Conn {
                         meta,
                     );
                 };
-                match wire::first_extent(&meta, ctx) {
-                    Ok(e) => {
-                        let mut st = self.st.borrow_mut();
-                        st.slots[idx].extent.get_or_insert(e);
-                        (Ok(()), meta)
-                    }
-                    Err(e) => (Err(e.into()), meta),
+                let r;
+                (r, meta) = self.recv_vec(eng, meta, 4).await;
+                if let Err(b) = r {
+                    return (Err(b), meta);
                 }
+                if let Err(e) = wire::check_context(&meta, ctx) {
+                    return (Err(e.into()), meta);
+                }
+                // The descriptors, in pieces the meta buffer holds (a reply without REQ_ONE may
+                // carry many), summed as they come.
+                let piece = wire::MAX_META_PAYLOAD as usize / wire::EXTENT_LEN * wire::EXTENT_LEN;
+                let mut left = len as usize - 4;
+                let mut sum = self.st.borrow().slots[idx].extents;
+                while left > 0 {
+                    let n = left.min(piece);
+                    let r;
+                    (r, meta) = self.recv_vec(eng, meta, n).await;
+                    if let Err(b) = r {
+                        return (Err(b), meta);
+                    }
+                    if let Err(e) = sum.add(&meta) {
+                        return (Err(e.into()), meta);
+                    }
+                    left -= n;
+                }
+                self.st.borrow_mut().slots[idx].extents = sum;
+                (Ok(()), meta)
             }
             Chunk::Error => {
                 let r;
@@ -1044,9 +1162,7 @@ impl Conn {
             w
         };
         let Some(win) = win else {
-            return Err(Broken::Violation(
-                "READ data for a request without a window".into(),
-            ));
+            return self.recv_bounce(eng, idx, rel, n).await;
         };
         let (start, end) = (win.start(), win.end());
         let (a, b) = (start + rel as usize, start + rel as usize + n as usize);
@@ -1098,6 +1214,48 @@ impl Conn {
         r?;
         self.st.borrow_mut().slots[idx].covered += u64::from(n);
         Ok(())
+    }
+
+    /// Receives `n` bytes of READ data into the request's bounce buffer at `rel` (through a
+    /// temporary buffer: a rare path, see [`Self::request_bytes`]).
+    async fn recv_bounce(&self, eng: &Engine, idx: usize, rel: u32, n: u32) -> Result<(), Broken> {
+        let bounce = {
+            let mut st = self.st.borrow_mut();
+            let s = &mut st.slots[idx];
+            let b = s.bounce.take();
+            s.lent = b.is_some();
+            b
+        };
+        let Some(mut bounce) = bounce else {
+            return Err(Broken::Violation(
+                "READ data for a request without a window".into(),
+            ));
+        };
+        let (a, b) = (rel as usize, rel as usize + n as usize);
+        let r = if b > bounce.len() {
+            Err(Broken::Violation("READ data beyond the request".into()))
+        } else {
+            let (r, tmp) = self.recv_vec(eng, Vec::new(), n as usize).await;
+            if r.is_ok() {
+                bounce[a..b].copy_from_slice(&tmp);
+            }
+            r
+        };
+        let mut st = self.st.borrow_mut();
+        let s = &mut st.slots[idx];
+        s.bounce = Some(bounce);
+        s.lent = false;
+        if r.is_ok() {
+            s.covered += u64::from(n);
+        }
+        if s.phase == Phase::Done {
+            if s.abandoned {
+                free(&mut st, idx);
+            } else if let Some(t) = s.task {
+                eng.wake(t);
+            }
+        }
+        r
     }
 
     /// Puts a lent window back; if the request was finished meanwhile (the connection broke), its
@@ -1220,6 +1378,7 @@ fn free(st: &mut State, idx: usize) {
     }
     s.phase = Phase::Free;
     s.win = None;
+    s.bounce = None;
     s.task = None;
     st.free.push(idx as u16);
 }

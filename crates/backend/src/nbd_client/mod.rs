@@ -10,6 +10,18 @@
 //! sees the failure at once instead of hanging). The next request on that queue reconnects; if
 //! that fails, requests fail with `EIO` without trying again until `reconnect_delay` passed, and
 //! the delay doubles per failure up to 30 s (or `reconnect_delay`, if larger).
+//!
+//! A server with a minimum block size above 1 takes only whole blocks: requests that are not
+//! aligned to it are made whole here. A READ reads the covering blocks into a bounce buffer and
+//! copies the asked part; a WRITE (and a zeroed range) reads, modifies and writes back the block
+//! at each unaligned end, and sends the aligned middle as is. A read-modify-write holds its
+//! block's region exclusive and every other write holds its regions shared ([`RegionLocks`],
+//! across queue threads), so no write to a block lands between a read-modify-write's read and
+//! its write (which would undo it). With a minimum block size of 1 none of this runs.
+//!
+//! `st_blocks` counts the bytes `base:allocation` does not call holes, walking the export with
+//! BLOCK_STATUS (many extents per reply), cached for [`ALLOC_TTL`] unless a write, zero or
+//! punched hole went through since.
 
 mod conn;
 mod connect;
@@ -17,7 +29,7 @@ mod tls;
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -25,6 +37,7 @@ use engine::{Engine, Slice};
 use nbd::wire::Command;
 use nbd::{Export, NbdUri};
 
+use crate::regions::RegionLocks;
 use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
 use conn::Conn;
 pub use connect::ConnectError;
@@ -61,6 +74,14 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Largest range one TRIM, WRITE_ZEROES or BLOCK_STATUS request covers.
 const MAX_RANGE: u64 = 1 << 30;
 
+/// How long a count of allocated bytes answers GETATTR (the export's attribute timeout) unless
+/// a write went through since: a burst of `stat`s costs one walk, not one each.
+const ALLOC_TTL: Duration = Duration::from_secs(1);
+/// Most BLOCK_STATUS requests one count makes; past that (a huge export fragmented into more
+/// extents than the server sends per reply) the export reports itself fully allocated, so a
+/// GETATTR cannot stall a queue for long.
+const MAX_COUNT_REQUESTS: u32 = 4096;
+
 static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
 
 /// An export of an NBD server.
@@ -75,6 +96,30 @@ pub struct NbdBackend {
     /// The connection made at open, for the first queue that needs one.
     first: Mutex<Option<Connected>>,
     created: (i64, u32),
+    /// Region locks for read-modify-writes; only with a minimum block size above 1.
+    rmw: Option<RegionLocks>,
+    /// The last count of allocated bytes, for `st_blocks`.
+    alloc: AllocCache,
+}
+
+/// The last count of allocated bytes and whether it still holds.
+#[derive(Default)]
+struct AllocCache {
+    /// A write, zero or punched hole went through since the last count began.
+    stale: AtomicBool,
+    /// A queue is counting right now: others answer with the last count meanwhile.
+    counting: AtomicBool,
+    /// When the last count ended, and what it found.
+    last: Mutex<Option<(Instant, u64)>>,
+}
+
+/// Clears [`AllocCache::counting`] however the count ends (its future may be dropped).
+struct Counting<'a>(&'a AtomicBool);
+
+impl Drop for Counting<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// A queue thread's connection to one backend, and its reconnect schedule.
@@ -112,11 +157,13 @@ impl NbdBackend {
         Ok(NbdBackend {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             uri,
-            export,
             opts,
             tls,
             first: Mutex::new(Some(first)),
             created: (now.as_secs() as i64, now.subsec_nanos()),
+            rmw: (export.min_block > 1).then(|| RegionLocks::new(export.min_block.ilog2())),
+            alloc: AllocCache::default(),
+            export,
         })
     }
 
@@ -227,15 +274,38 @@ impl NbdBackend {
         if self.opts.writable && e.has(nbd::FLAG_READ_ONLY) {
             return Err("the export became read-only".into());
         }
+        if e.min_block != self.export.min_block {
+            // Alignment and the read-modify-write locks are laid out for the first one.
+            return Err(format!(
+                "the export changed its minimum block size ({} -> {} bytes)",
+                self.export.min_block, e.min_block
+            ));
+        }
         Ok(c)
     }
 
-    fn aligned(&self, conn: &Conn, off: u64, len: u64) -> Result<()> {
-        let m = u64::from(conn.export().min_block.max(1));
-        if !off.is_multiple_of(m) || !len.is_multiple_of(m) {
-            return Err(errno(libc::EINVAL));
+    /// The server's minimum block size: requests are multiples of it, at multiples of it.
+    fn min_block(&self) -> u64 {
+        u64::from(self.export.min_block.max(1))
+    }
+
+    /// Whether `off..off + len` is made of whole blocks of the server's minimum size.
+    fn is_aligned(&self, off: u64, len: u64) -> bool {
+        let m = self.min_block();
+        off.is_multiple_of(m) && len.is_multiple_of(m)
+    }
+
+    /// Bytes of a transfer of `len` at `off` inside the export.
+    fn clamp(&self, off: u64, len: usize) -> usize {
+        (self.export.size.saturating_sub(off)).min(len as u64) as usize
+    }
+
+    /// Marks the allocation count stale: called after every write, zero or punched hole (after,
+    /// so a count that began while it ran is not trusted).
+    fn changed(&self) {
+        if !self.alloc.stale.load(Ordering::Relaxed) {
+            self.alloc.stale.store(true, Ordering::Release);
         }
-        Ok(())
     }
 
     /// READ or WRITE of `win` at `off`, split at the server's maximum payload.
@@ -254,9 +324,6 @@ impl NbdBackend {
             Ok(c) => c,
             Err(e) => return (Err(e), win),
         };
-        if let Err(e) = self.aligned(&conn, off, n as u64) {
-            return (Err(e), win);
-        }
         let flags = if cmd == Command::Write && self.fua() {
             nbd::CMD_FLAG_FUA
         } else {
@@ -313,11 +380,259 @@ impl NbdBackend {
         if !self.export.has(nbd::FLAG_SEND_WRITE_ZEROES) {
             return Err(BackendError::Unsupported);
         }
-        let conn = self.conn()?;
-        self.aligned(&conn, off, len)?;
         let fua = if self.fua() { nbd::CMD_FLAG_FUA } else { 0 };
-        self.ranged(eng, Command::WriteZeroes, flags | fua, off, len)
-            .await
+        let end = off.saturating_add(len).min(self.export.size);
+        if off >= end {
+            return Ok(());
+        }
+        let r = self.zero_in(eng, off, end, flags | fua).await;
+        self.changed();
+        r
+    }
+
+    /// Zeroes `off..end` (inside the export): partly covered blocks at either end by
+    /// read-modify-write, the whole blocks between with WRITE_ZEROES (`flags`).
+    async fn zero_in(&self, eng: &Engine, off: u64, end: u64, flags: u16) -> Result<()> {
+        let m = self.min_block();
+        let mut at = off;
+        if !at.is_multiple_of(m) {
+            let block = at - at % m;
+            let k = (end.min(block + m) - at) as usize;
+            self.rmw_block(eng, block, (at - block) as usize, k, None)
+                .await?;
+            at += k as u64;
+        }
+        let mid_end = end - end % m;
+        if mid_end > at {
+            let _shared = match &self.rmw {
+                Some(l) => Some(l.shared_range(at, mid_end - at).await),
+                None => None,
+            };
+            self.ranged(eng, Command::WriteZeroes, flags, at, mid_end - at)
+                .await?;
+            at = mid_end;
+        }
+        if at < end {
+            self.rmw_block(eng, at, 0, (end - at) as usize, None)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Read-modify-write of the block at `block` (of the minimum block size, or what is left of
+    /// the export): `len` bytes at `at` inside it become `data` (zeroes if `None`). Holds the
+    /// block's region exclusive from the read to the write.
+    async fn rmw_block(
+        &self,
+        eng: &Engine,
+        block: u64,
+        at: usize,
+        len: usize,
+        data: Option<&[u8]>,
+    ) -> Result<()> {
+        let Some(locks) = &self.rmw else {
+            return Err(errno(libc::EINVAL)); // unreachable: blocks of 1 byte are never partial
+        };
+        let size = self.min_block().min(self.export.size - block) as usize;
+        let _x = locks.region_of(block).exclusive().await;
+        let (r, mut buf) = self.bytes(eng, Command::Read, block, vec![0; size]).await;
+        r?;
+        let dst = buf.get_mut(at..at + len).ok_or_else(|| errno(libc::EIO))?;
+        match data {
+            Some(d) => dst.copy_from_slice(d),
+            None => dst.fill(0),
+        }
+        self.bytes(eng, Command::Write, block, buf).await.0
+    }
+
+    /// READ into, or WRITE from, `buf` at `off` through a bounce buffer (the unaligned paths),
+    /// split at the server's maximum payload.
+    async fn bytes(
+        &self,
+        eng: &Engine,
+        cmd: Command,
+        off: u64,
+        mut buf: Vec<u8>,
+    ) -> (Result<()>, Vec<u8>) {
+        let conn = match self.conn() {
+            Ok(c) => c,
+            Err(e) => return (Err(e), buf),
+        };
+        let flags = if cmd == Command::Write && self.fua() {
+            nbd::CMD_FLAG_FUA
+        } else {
+            0
+        };
+        let max = conn.export().max_payload.max(conn.export().min_block) as usize;
+        let mut done = 0;
+        while done < buf.len() {
+            let len = (buf.len() - done).min(max);
+            let piece = if cmd == Command::Write {
+                buf[done..done + len].to_vec()
+            } else {
+                vec![0; len]
+            };
+            let (r, piece) = conn
+                .request_bytes(eng, cmd, flags, off + done as u64, len as u32, piece)
+                .await;
+            if let Err(e) = r {
+                return (Err(errno(e)), buf);
+            }
+            if cmd == Command::Read {
+                match buf.get_mut(done..done + len) {
+                    Some(d) if piece.len() == len => d.copy_from_slice(&piece),
+                    _ => return (Err(errno(libc::EIO)), buf),
+                }
+            }
+            done += len;
+        }
+        (Ok(()), buf)
+    }
+
+    /// A READ not aligned to the minimum block size: the covering blocks into a bounce buffer,
+    /// the asked part copied into the window.
+    async fn read_unaligned(
+        &self,
+        eng: &Engine,
+        mut win: Slice,
+        off: u64,
+        n: usize,
+    ) -> (Result<usize>, Slice) {
+        let m = self.min_block();
+        let first = off - off % m;
+        let end = (off + n as u64).next_multiple_of(m).min(self.export.size);
+        let (r, buf) = self
+            .bytes(eng, Command::Read, first, vec![0; (end - first) as usize])
+            .await;
+        if let Err(e) = r {
+            return (Err(e), win);
+        }
+        let at = (off - first) as usize;
+        win.as_mut_slice()[..n].copy_from_slice(&buf[at..at + n]);
+        (Ok(n), win)
+    }
+
+    /// A WRITE not aligned to the minimum block size: read-modify-write of the partly covered
+    /// block at either end, the whole blocks between sent from the window. Bytes are written in
+    /// order, so a failure part-way reports how many were.
+    async fn write_unaligned(
+        &self,
+        eng: &Engine,
+        win: Slice,
+        off: u64,
+        n: usize,
+    ) -> (Result<usize>, Slice) {
+        let m = self.min_block();
+        let end = off + n as u64;
+        let mut done = 0usize;
+        let partial = |done: usize, e: BackendError| if done > 0 { Ok(done) } else { Err(e) };
+        if !off.is_multiple_of(m) {
+            let block = off - off % m;
+            let k = (end.min(block + m) - off) as usize;
+            let r = self
+                .rmw_block(
+                    eng,
+                    block,
+                    (off - block) as usize,
+                    k,
+                    Some(&win.as_slice()[..k]),
+                )
+                .await;
+            if let Err(e) = r {
+                return (partial(done, e), win);
+            }
+            done = k;
+        }
+        let mid_end = end - end % m;
+        let at = off + done as u64;
+        let mut win = win;
+        if mid_end > at {
+            let len = (mid_end - at) as usize;
+            let (start, stop) = (win.start(), win.end());
+            let sub = win.into_inner().slice(start + done..start + done + len);
+            let r;
+            let sub = {
+                let _shared = match &self.rmw {
+                    Some(l) => Some(l.shared_range(at, len as u64).await),
+                    None => None,
+                };
+                let back;
+                (r, back) = self.transfer(eng, Command::Write, sub, at).await;
+                back
+            };
+            win = sub.into_inner().slice(start..stop);
+            match r {
+                Ok(k) if k == len => done += len,
+                Ok(k) => return (Ok(done + k), win),
+                Err(e) => return (partial(done, e), win),
+            }
+        }
+        if done < n {
+            let at = off + done as u64;
+            let r = self
+                .rmw_block(eng, at, 0, n - done, Some(&win.as_slice()[done..n]))
+                .await;
+            if let Err(e) = r {
+                return (partial(done, e), win);
+            }
+        }
+        (Ok(n), win)
+    }
+
+    /// Allocated bytes of the export (for `st_blocks`): the last count while it holds, else a
+    /// new one. Without `base:allocation`, or when counting fails, the whole export.
+    async fn allocated(&self, eng: &Engine) -> u64 {
+        let size = self.export.size;
+        if self.export.allocation_context.is_none() {
+            return size;
+        }
+        let last = *self.alloc.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, n)) = last {
+            let fresh = at.elapsed() < ALLOC_TTL && !self.alloc.stale.load(Ordering::Acquire);
+            if fresh || self.alloc.counting.load(Ordering::Acquire) {
+                return n;
+            }
+        }
+        if self.alloc.counting.swap(true, Ordering::AcqRel) {
+            // Another queue is counting (and there is no count yet to answer with).
+            return last.map_or(size, |(_, n)| n);
+        }
+        let _counting = Counting(&self.alloc.counting);
+        self.alloc.stale.store(false, Ordering::Release);
+        match self.count_allocated(eng).await {
+            Ok(n) => {
+                *self.alloc.last.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((Instant::now(), n));
+                n
+            }
+            Err(e) => {
+                tracing::debug!("NBD: counting allocated bytes failed: {e}");
+                self.alloc.stale.store(true, Ordering::Release);
+                last.map_or(size, |(_, n)| n)
+            }
+        }
+    }
+
+    /// Walks the export with BLOCK_STATUS (without `REQ_ONE`: a reply describes many extents)
+    /// and sums what is not a hole.
+    async fn count_allocated(&self, eng: &Engine) -> Result<u64> {
+        let size = self.export.size;
+        let (mut at, mut total) = (0u64, 0u64);
+        for _ in 0..MAX_COUNT_REQUESTS {
+            if at >= size {
+                return Ok(total);
+            }
+            let want = (size - at).min(MAX_RANGE);
+            let out = self
+                .command(eng, Command::BlockStatus, 0, at, want as u32)
+                .await?;
+            if out.covered == 0 {
+                return Err(errno(libc::EIO));
+            }
+            total += out.allocated;
+            at += out.covered;
+        }
+        Ok(if at >= size { total } else { size })
     }
 
     async fn ranged(
@@ -360,16 +675,14 @@ impl BlockBackend for NbdBackend {
         self.fua()
     }
 
-    async fn attrs(&self, _eng: &Engine) -> Result<Attrs> {
+    async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
         // SAFETY: getuid/getgid cannot fail.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         Ok(Attrs {
             perm: if self.opts.writable { 0o644 } else { 0o444 },
             uid,
             gid,
-            // Counting allocated bytes would walk the whole export with BLOCK_STATUS on every
-            // stat: the export reports itself fully allocated (docs/nbd.md).
-            allocated: self.export.size,
+            allocated: self.allocated(eng).await,
             atime: self.created,
             mtime: self.created,
             ctime: self.created,
@@ -377,6 +690,10 @@ impl BlockBackend for NbdBackend {
     }
 
     async fn read_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        let n = self.clamp(off, win.len());
+        if n > 0 && !self.is_aligned(off, n as u64) {
+            return self.read_unaligned(eng, win, off, n).await;
+        }
         self.transfer(eng, Command::Read, win, off).await
     }
 
@@ -384,7 +701,22 @@ impl BlockBackend for NbdBackend {
         if !self.opts.writable {
             return (Err(errno(libc::EROFS)), win);
         }
-        self.transfer(eng, Command::Write, win, off).await
+        let n = self.clamp(off, win.len());
+        if n == 0 {
+            return (Ok(0), win);
+        }
+        let r = if !self.is_aligned(off, n as u64) {
+            self.write_unaligned(eng, win, off, n).await
+        } else {
+            // Whole blocks: only a read-modify-write of one of them must wait (and keep out).
+            let _shared = match &self.rmw {
+                Some(l) => Some(l.shared_range(off, n as u64).await),
+                None => None,
+            };
+            self.transfer(eng, Command::Write, win, off).await
+        };
+        self.changed();
+        r
     }
 
     async fn flush(&self, eng: &Engine) -> Result<()> {
