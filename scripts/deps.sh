@@ -15,6 +15,10 @@ have qemu-nbd || need+=(qemu-utils)
 have nbdfuse || need+=(libnbd-bin)
 # NBD servers for tests/nbd.rs (nbdkit also brings the delay filter).
 have nbdkit || need+=(nbdkit)
+# openssl: tests/nbd.rs makes a CA and certificates for the NBD-over-TLS tests; nbdcopy (libnbd)
+# reads a TLS server directly as their oracle.
+have openssl || need+=(openssl)
+have nbdcopy || need+=(libnbd-bin)
 # fusermount3: how a normal user mounts (fusex falls back to it without CAP_SYS_ADMIN).
 have fusermount3 || need+=(fuse3)
 # systemd-analyze: tests/install.rs verifies contrib/fusex@.service with it.

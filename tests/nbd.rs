@@ -9,7 +9,12 @@
 //! - a server killed mid-I/O: requests fail with EIO, then succeed once it is back;
 //! - a server sending malformed replies (bad magic, unknown cookie, oversize or misplaced data):
 //!   the request fails with EIO, the daemon lives on and reconnects;
-//! - start-up failures (no server, unknown export, nbds://) are one line, exit 1, no mount.
+//! - start-up failures (no server, unknown export, TLS refused) are one line, exit 1, no mount;
+//! - TLS (`nbds+unix://`, `nbds://`): nbdkit and qemu-nbd requiring TLS, with a CA, server and
+//!   client certificates made here by openssl; data written through the export read back and
+//!   checked against the server read directly (nbdcopy, or the backing file); a wrong CA, a plain
+//!   URI at a TLS-only server and `tls-psk-file=` refused in one line; a TLS server killed and
+//!   restarted (the reconnect makes a new TLS session).
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
@@ -654,7 +659,10 @@ fn startup_failures_are_one_line() {
     let cases: Vec<(String, &str)> = vec![
         (uri(&missing, ""), "cannot connect to NBD server"),
         (uri(&sock, "other"), "no export named \"other\""),
-        ("nbds://127.0.0.1/disk".to_string(), "TLS is not supported"),
+        (
+            format!("nbds+unix:///disk?socket={}", sock.display()),
+            "the server does not offer TLS",
+        ),
         ("nbd+unix:///disk".to_string(), "needs ?socket=PATH"),
     ];
     for (image, what) in cases {
@@ -811,4 +819,412 @@ fn block_size_constraints_split_and_align() {
     assert_bytes_eq(&got, &data[512..1024], MIB + 512, "unaligned read");
     drop(f);
     m.stop().assert_clean("block sizes");
+}
+
+// ---------------------------------------------------------------------------------------
+// TLS
+// ---------------------------------------------------------------------------------------
+
+/// A CA, a server certificate for `localhost` and 127.0.0.1 (with its key), and a client
+/// certificate (with its key), in `dir`, under the names nbdkit, qemu and libnbd use
+/// (`ca-cert.pem`, `server-cert.pem`, `server-key.pem`, `client-cert.pem`, `client-key.pem`).
+fn make_pki(dir: &Path, ca_name: &str) {
+    make_pki_for(dir, ca_name, "localhost");
+}
+
+/// [`make_pki`] with a server certificate for `server` only (a DNS name).
+fn make_pki_for(dir: &Path, ca_name: &str, server: &str) {
+    let san = if server == "localhost" {
+        "DNS:localhost,IP:127.0.0.1".to_string()
+    } else {
+        format!("DNS:{server}")
+    };
+    fs::create_dir_all(dir).unwrap();
+    fs::write(
+        dir.join("ext.cnf"),
+        format!(
+            "[srv]\nsubjectAltName={san}\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n\
+             [cli]\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
+             extendedKeyUsage=clientAuth\n"
+        ),
+    )
+    .unwrap();
+    let openssl = |args: &[&str]| {
+        run_ok(Command::new("openssl").current_dir(dir).args(args));
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let subj = format!("/CN={ca_name}");
+    let mut a = vec!["req", "-x509"];
+    a.extend(ec);
+    a.extend([
+        "-keyout",
+        "ca-key.pem",
+        "-out",
+        "ca-cert.pem",
+        "-days",
+        "2",
+        "-subj",
+        &subj,
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ]);
+    openssl(&a);
+    for (who, cn, ext) in [
+        ("server", "localhost", "srv"),
+        ("client", "fusex-client", "cli"),
+    ] {
+        let (key, csr, cert) = (
+            format!("{who}-key.pem"),
+            format!("{who}.csr"),
+            format!("{who}-cert.pem"),
+        );
+        let subj = format!("/CN={cn}");
+        let mut a = vec!["req"];
+        a.extend(ec);
+        a.extend(["-keyout", &key, "-out", &csr, "-subj", &subj]);
+        openssl(&a);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca-cert.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            &cert,
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-extensions",
+            ext,
+        ]);
+    }
+}
+
+fn tls_uri(sock: &Path, pki: &Path) -> String {
+    format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        sock.display(),
+        pki.display()
+    )
+}
+
+/// nbdkit requiring TLS with the certificates in `pki`, on `sock`.
+fn nbdkit_tls(sock: &Path, pki: &Path, args: &[&str]) -> ChildGuard {
+    let tls = format!("--tls-certificates={}", pki.display());
+    let mut a = vec!["--tls=require", tls.as_str()];
+    a.extend_from_slice(args);
+    nbdkit(sock, &a)
+}
+
+/// The export as the server itself serves it, through a second client (nbdcopy, libnbd's).
+fn read_server(uri: &str, w: &WorkDir) -> Vec<u8> {
+    let out = w.join("oracle.raw");
+    let _ = fs::remove_file(&out);
+    run_ok(Command::new("nbdcopy").arg(uri).arg(&out));
+    fs::read(&out).unwrap()
+}
+
+#[test]
+fn tls_nbdkit_unix_and_tcp_round_trip() {
+    if !require_fuse_and_tools(&["nbdkit", "openssl", "nbdcopy"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-tls");
+    let pki = w.join("pki");
+    make_pki(&pki, "fusex-test-ca");
+    let sock = w.join("s.sock");
+    let _server = nbdkit_tls(&sock, &pki, &["memory", "size=16M"]);
+    let u = tls_uri(&sock, &pki);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &u, &mp, &["--writable", "--queues", "2"]);
+    assert!(m.stderr().contains(", TLS)"), "{}", m.stderr());
+    let mut expected = vec![0u8; 16 * MIB as usize];
+    let f = open_direct_rw(&mp);
+    let mut rng = Rng::new(21);
+    // Large transfers (many TLS records per request) and many small ones.
+    let data = rng.bytes(expected.len());
+    write_direct(&f, &data, 0);
+    expected.copy_from_slice(&data);
+    random_writes(&f, &mut expected, &mut rng, 64);
+    f.sync_all().expect("fsync through the export");
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "export over TLS",
+    );
+    // Reads in flight at once on both queues.
+    let readers: Vec<_> = (0..4)
+        .map(|i| {
+            let (mp, expected) = (mp.clone(), expected.clone());
+            thread::spawn(move || {
+                let f = File::open(&mp).unwrap();
+                let mut rng = Rng::new(200 + i);
+                for _ in 0..200 {
+                    let len = ((rng.below(16) + 1) * 4096) as usize;
+                    let off = rng.below((expected.len() - len) as u64 / 4096 + 1) * 4096;
+                    let got = read_direct(&f, off, len).expect("read over TLS");
+                    assert_bytes_eq(&got, &expected[off as usize..][..len], off, "reader");
+                }
+            })
+        })
+        .collect();
+    for r in readers {
+        r.join().expect("reader thread");
+    }
+    drop(f);
+    // A second client, straight to the server, sees what was written.
+    assert_bytes_eq(
+        &read_server(&u, &w),
+        &expected,
+        0,
+        "the server read by nbdcopy",
+    );
+    let st = m.stop();
+    st.assert_clean("nbds+unix");
+    assert!(st.stat(&["ops", "WRITE"]) >= 64);
+
+    // TCP: nbds://localhost:PORT/ against the same data (nbdkit's memory plugin is per
+    // server, so a second server gets the data through the first export's file).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let img = w.join("img.raw");
+    fs::write(&img, &expected).unwrap();
+    let child = Command::new("nbdkit")
+        .args([
+            "-f",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "--tls=require",
+        ])
+        .arg(format!("--tls-certificates={}", pki.display()))
+        .arg("file")
+        .arg(&img)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nbdkit on TCP");
+    let mut tcp = ChildGuard(child);
+    let deadline = Instant::now() + TIMEOUT;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(tcp.try_wait().is_none(), "nbdkit exited early");
+        assert!(
+            Instant::now() < deadline,
+            "nbdkit does not listen on {port}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let u = format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        pki.display()
+    );
+    let m = Mount::start(&w, &u, &mp, &["--writable"]);
+    let f = open_direct_rw(&mp);
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "export over TLS on TCP",
+    );
+    random_writes(&f, &mut expected, &mut Rng::new(22), 32);
+    f.sync_all().expect("fsync through the export");
+    drop(f);
+    m.stop().assert_clean("nbds over TCP");
+    tcp.kill_and_wait();
+    assert_bytes_eq(&fs::read(&img).unwrap(), &expected, 0, "file behind nbdkit");
+}
+
+#[test]
+fn tls_qemu_nbd_client_certificate_round_trip() {
+    if !require_fuse_and_tools(&["qemu-nbd", "openssl"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-tls-qemu");
+    let pki = w.join("pki");
+    make_pki(&pki, "fusex-test-ca");
+    let img = w.join("img.raw");
+    let mut expected = random_image(&img, 8 * MIB, 23);
+    let sock = w.join("s.sock");
+    // verify-peer (qemu's default for a server): fusex must present its client certificate.
+    let creds = format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
+        pki.display()
+    );
+    let mut server = qemu_nbd(
+        &sock,
+        &["-f", "raw", "--object", &creds, "--tls-creds", "tls0"],
+        &img,
+    );
+    let mp = w.join("export");
+    let m = Mount::start(&w, tls_uri(&sock, &pki), &mp, &["--writable"]);
+    assert_bytes_eq(&read_all(&mp), &expected, 0, "qemu-nbd export over TLS");
+    let f = open_direct_rw(&mp);
+    random_writes(&f, &mut expected, &mut Rng::new(24), 48);
+    f.sync_all().expect("fsync through the export");
+    drop(f);
+    m.stop().assert_clean("qemu-nbd over TLS");
+    server.kill_and_wait();
+    assert_bytes_eq(
+        &read_all(&img),
+        &expected,
+        0,
+        "the image file behind qemu-nbd",
+    );
+
+    // Without the client certificate qemu-nbd ends the handshake: one line saying what to do.
+    let bare = w.join("bare");
+    fs::create_dir_all(&bare).unwrap();
+    fs::copy(pki.join("ca-cert.pem"), bare.join("ca-cert.pem")).unwrap();
+    let _server = qemu_nbd(
+        &sock,
+        &["-f", "raw", "--object", &creds, "--tls-creds", "tls0"],
+        &img,
+    );
+    let u = tls_uri(&sock, &bare);
+    let r = run_fusex(&w, &["mount", u.as_str(), mp.to_str().unwrap()], Some(&mp));
+    r.assert_one_error_line("TLS without a client certificate");
+    assert!(r.stderr.contains("client-cert.pem"), "{}", r.stderr);
+    assert!(!is_fuse_mounted(&mp));
+}
+
+#[test]
+fn tls_refusals_are_one_line() {
+    if !require_fuse_and_tools(&["nbdkit", "openssl"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-tls-fail");
+    let pki = w.join("pki");
+    make_pki(&pki, "fusex-test-ca");
+    let other = w.join("other");
+    make_pki(&other, "some-other-ca");
+    let sock = w.join("s.sock");
+    let _server = nbdkit_tls(&sock, &pki, &["memory", "size=1M"]);
+    let mp = w.join("export");
+    let cases: Vec<(String, &str)> = vec![
+        // The server's certificate is signed by a CA fusex was not given.
+        (tls_uri(&sock, &other), "certificate was rejected"),
+        // A plain URI at a server that requires TLS.
+        (uri(&sock, ""), "the server requires TLS: use nbds://"),
+        (
+            format!("{}&tls-psk-file=/nonexistent", tls_uri(&sock, &pki)),
+            "tls-psk-file= is not supported",
+        ),
+        (
+            tls_uri(&sock, &w.join("missing")),
+            "ca-cert.pem: No such file",
+        ),
+        (
+            format!("{}&tls-verify-peer=perhaps", tls_uri(&sock, &pki)),
+            "tls-verify-peer= takes true or false",
+        ),
+    ];
+    for (image, what) in cases {
+        let r = run_fusex(
+            &w,
+            &["mount", image.as_str(), mp.to_str().unwrap()],
+            Some(&mp),
+        );
+        r.assert_one_error_line(&image);
+        assert!(r.stderr.contains(what), "{image}: {}", r.stderr);
+        assert!(!is_fuse_mounted(&mp), "{image}: nothing may be mounted");
+    }
+    // A certificate for another name: on a Unix socket (no host name) only its chain is checked,
+    // as libnbd does; with tls-hostname= its names are.
+    let named = w.join("named");
+    make_pki_for(&named, "fusex-test-ca", "nbd.example");
+    let nsock = w.join("n.sock");
+    let _named_server = nbdkit_tls(&nsock, &named, &["memory", "size=1M"]);
+    let m = Mount::start(&w, tls_uri(&nsock, &named), &mp, &[]);
+    assert_eq!(read_all(&mp).len(), MIB as usize);
+    m.stop()
+        .assert_clean("certificate for another name on a Unix socket");
+    let u = format!("{}&tls-hostname=localhost", tls_uri(&nsock, &named));
+    let r = run_fusex(&w, &["mount", u.as_str(), mp.to_str().unwrap()], Some(&mp));
+    r.assert_one_error_line(&u);
+    assert!(r.stderr.contains("not for this host name"), "{}", r.stderr);
+    assert!(!is_fuse_mounted(&mp));
+    let u = format!("{}&tls-hostname=nbd.example", tls_uri(&nsock, &named));
+    let m = Mount::start(&w, &u, &mp, &[]);
+    m.stop()
+        .assert_clean("tls-hostname= naming the certificate");
+    // tls-verify-peer=false accepts the unknown CA (with a warning).
+    let u = format!("{}&tls-verify-peer=false", tls_uri(&sock, &other));
+    let m = Mount::start(&w, &u, &mp, &[]);
+    assert_eq!(read_all(&mp).len(), MIB as usize);
+    let st = m.stop();
+    assert_eq!(st.code, Some(0), "{}", st.stderr);
+    assert!(st.stderr.contains("tls-verify-peer=false"), "{}", st.stderr);
+}
+
+#[test]
+fn tls_server_killed_then_back() {
+    if !require_fuse_and_tools(&["nbdkit", "openssl"]) {
+        return;
+    }
+    let w = WorkDir::new("nbd-tls-kill");
+    let pki = w.join("pki");
+    make_pki(&pki, "fusex-test-ca");
+    let img = w.join("img.raw");
+    let expected = random_image(&img, 8 * MIB, 25);
+    let sock = w.join("s.sock");
+    let file = img.to_str().unwrap();
+    let mut server = nbdkit_tls(&sock, &pki, &["file", file]);
+    let mp = w.join("export");
+    let m = Mount::start(
+        &w,
+        tls_uri(&sock, &pki),
+        &mp,
+        &["--reconnect-delay", "0.05", "--queues", "1"],
+    );
+    let f = File::open(&mp).unwrap();
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "before the kill",
+    );
+    server.kill_and_wait();
+    let e = read_direct(&f, 0, 4096).expect_err("a read with the server gone");
+    assert_eq!(errno(&e), libc::EIO);
+    // The next read tries to reconnect, which fails while the server is away.
+    let e = read_direct(&f, 0, 4096).expect_err("a read with the server still gone");
+    assert_eq!(errno(&e), libc::EIO);
+    assert!(m.is_mounted() && pid_alive(m.pid()), "the daemon lives on");
+    // Back on the same socket: the reconnect makes a new TLS session, reads recover.
+    let _server = nbdkit_tls(&sock, &pki, &["file", file]);
+    let deadline = Instant::now() + TIMEOUT;
+    let ok = wait_until(deadline, || read_direct(&f, 0, 4096).is_ok());
+    assert!(ok, "reads did not recover; stderr:\n{}", m.stderr());
+    assert_bytes_eq(
+        &read_direct(&f, 0, expected.len()).unwrap(),
+        &expected,
+        0,
+        "after reconnect",
+    );
+    drop(f);
+    let st = m.stop();
+    assert_eq!(st.code, Some(0), "{}", st.stderr);
+    assert!(st.stderr.contains("NBD connection lost"), "{}", st.stderr);
+    assert!(st.stderr.contains("reconnected"), "{}", st.stderr);
+    assert!(!st.stderr.to_lowercase().contains("panic"), "{}", st.stderr);
 }

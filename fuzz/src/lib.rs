@@ -1,5 +1,6 @@
-//! Fuzz harnesses of fusex: the request decoder of `fuse-abi`, and the whole protocol server over
-//! an in-memory backend in both framings (`/dev/fuse` and FUSE-over-io_uring).
+//! Fuzz harnesses of fusex: the request decoder of `fuse-abi`, the whole protocol server over
+//! an in-memory backend in both framings (`/dev/fuse` and FUSE-over-io_uring), and the NBD
+//! client's parsers of what a server sends (`nbd`).
 //!
 //! The harness logic lives here, not in `fuzz_targets/`, so the stable unit tests below run it
 //! over the seed inputs (`make unit`), and `make fuzz` runs it under libFuzzer on nightly.
@@ -7,6 +8,7 @@
 
 pub mod decode;
 pub mod mem;
+pub mod nbd;
 pub mod seeds;
 pub mod serve;
 

@@ -293,5 +293,162 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
         ("decode", decode()),
         ("serve_legacy", serve_legacy()),
         ("serve_uring", serve_uring()),
+        ("nbd_reply", nbd_reply()),
     ]
+}
+
+/// NBD protocol constants for the seeds (the protocol's `doc/proto.md`).
+mod nbdp {
+    pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+    pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+    pub const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+    pub const SIMPLE_MAGIC: u32 = 0x6744_6698;
+    pub const STRUCTURED_MAGIC: u32 = 0x668e_33ef;
+    pub const OPT_STARTTLS: u32 = 5;
+    pub const OPT_GO: u32 = 7;
+    pub const OPT_STRUCTURED_REPLY: u32 = 8;
+    pub const OPT_SET_META_CONTEXT: u32 = 10;
+    pub const REP_ACK: u32 = 1;
+    pub const REP_INFO: u32 = 3;
+    pub const REP_META_CONTEXT: u32 = 4;
+    pub const REP_ERR_POLICY: u32 = (1 << 31) + 2;
+    pub const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
+}
+
+fn opt_reply(out: &mut Vec<u8>, opt: u32, ty: u32, data: &[u8]) {
+    out.extend_from_slice(&nbdp::OPT_REPLY_MAGIC.to_be_bytes());
+    out.extend_from_slice(&opt.to_be_bytes());
+    out.extend_from_slice(&ty.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(data);
+}
+
+/// The phase byte of [`crate::nbd::run`], then the server's greeting (fixed newstyle, no zeroes).
+fn greeting(mode: u8) -> Vec<u8> {
+    let mut v = vec![mode];
+    v.extend_from_slice(&nbdp::NBDMAGIC.to_be_bytes());
+    v.extend_from_slice(&nbdp::IHAVEOPT.to_be_bytes());
+    v.extend_from_slice(&3u16.to_be_bytes());
+    v
+}
+
+/// A server's answers to fusex's options: structured replies, `base:allocation`, then GO with
+/// the export's size and flags and its block sizes.
+fn negotiation(out: &mut Vec<u8>) {
+    opt_reply(out, nbdp::OPT_STRUCTURED_REPLY, nbdp::REP_ACK, &[]);
+    let mut ctx = crate::nbd::CONTEXT.to_be_bytes().to_vec();
+    ctx.extend_from_slice(b"base:allocation");
+    opt_reply(
+        out,
+        nbdp::OPT_SET_META_CONTEXT,
+        nbdp::REP_META_CONTEXT,
+        &ctx,
+    );
+    opt_reply(out, nbdp::OPT_SET_META_CONTEXT, nbdp::REP_ACK, &[]);
+    let mut info = 0u16.to_be_bytes().to_vec();
+    info.extend_from_slice(&(64u64 << 20).to_be_bytes());
+    info.extend_from_slice(&0x1edu16.to_be_bytes());
+    opt_reply(out, nbdp::OPT_GO, nbdp::REP_INFO, &info);
+    let mut bs = 3u16.to_be_bytes().to_vec();
+    for v in [512u32, 4096, 1 << 20] {
+        bs.extend_from_slice(&v.to_be_bytes());
+    }
+    opt_reply(out, nbdp::OPT_GO, nbdp::REP_INFO, &bs);
+    opt_reply(out, nbdp::OPT_GO, nbdp::REP_ACK, &[]);
+}
+
+fn simple(out: &mut Vec<u8>, error: u32, cookie: u64) {
+    out.extend_from_slice(&nbdp::SIMPLE_MAGIC.to_be_bytes());
+    out.extend_from_slice(&error.to_be_bytes());
+    out.extend_from_slice(&cookie.to_be_bytes());
+}
+
+fn structured(out: &mut Vec<u8>, flags: u16, ty: u16, cookie: u64, payload: &[u8]) {
+    out.extend_from_slice(&nbdp::STRUCTURED_MAGIC.to_be_bytes());
+    out.extend_from_slice(&flags.to_be_bytes());
+    out.extend_from_slice(&ty.to_be_bytes());
+    out.extend_from_slice(&cookie.to_be_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// Seeds of the `nbd_reply` target: handshakes (plain, with STARTTLS accepted and refused, a
+/// server requiring TLS) and transmission-phase streams answering every request of
+/// [`crate::nbd::REQUESTS`] with simple replies and every chunk type.
+pub fn nbd_reply() -> Seeds {
+    let mut seeds = Vec::new();
+    let mut hs = greeting(0);
+    negotiation(&mut hs);
+    seeds.push(("handshake".to_string(), hs));
+
+    let mut tls = greeting(1);
+    opt_reply(&mut tls, nbdp::OPT_STARTTLS, nbdp::REP_ACK, &[]);
+    negotiation(&mut tls);
+    seeds.push(("starttls".to_string(), tls));
+
+    let mut refused = greeting(1);
+    opt_reply(
+        &mut refused,
+        nbdp::OPT_STARTTLS,
+        nbdp::REP_ERR_POLICY,
+        b"no TLS here",
+    );
+    seeds.push(("starttls-refused".to_string(), refused));
+
+    let mut reqd = greeting(0);
+    opt_reply(
+        &mut reqd,
+        nbdp::OPT_STRUCTURED_REPLY,
+        nbdp::REP_ERR_TLS_REQD,
+        &[],
+    );
+    seeds.push(("tls-required".to_string(), reqd));
+
+    // Structured replies to every request.
+    let r = crate::nbd::REQUESTS;
+    let mut t = vec![2u8];
+    // READ 0: data, hole, data (out of order), then NONE with DONE.
+    let mut d = r[0].2.to_be_bytes().to_vec();
+    d.extend_from_slice(&[0xab; 16384]);
+    structured(&mut t, 0, 1, r[0].0, &d);
+    let mut h = (r[0].2 + 49152).to_be_bytes().to_vec();
+    h.extend_from_slice(&16384u32.to_be_bytes());
+    structured(&mut t, 0, 2, r[0].0, &h);
+    let mut d = (r[0].2 + 16384).to_be_bytes().to_vec();
+    d.extend_from_slice(&[0xcd; 32768]);
+    structured(&mut t, 0, 1, r[0].0, &d);
+    structured(&mut t, 1, 0, r[0].0, &[]);
+    // READ 1: an error chunk, then NONE with DONE.
+    let mut e = 5u32.to_be_bytes().to_vec();
+    e.extend_from_slice(&(3u16).to_be_bytes());
+    e.extend_from_slice(b"bad");
+    structured(&mut t, 0, 0x8001, r[1].0, &e);
+    structured(&mut t, 1, 0, r[1].0, &[]);
+    // WRITE, FLUSH, WRITE_ZEROES: NONE with DONE.
+    for i in [3, 4, 6] {
+        structured(&mut t, 1, 0, r[i].0, &[]);
+    }
+    // BLOCK_STATUS: two extents of the context, DONE.
+    let mut b = crate::nbd::CONTEXT.to_be_bytes().to_vec();
+    for (len, fl) in [(65536u32, 3u32), (1 << 19, 0)] {
+        b.extend_from_slice(&len.to_be_bytes());
+        b.extend_from_slice(&fl.to_be_bytes());
+    }
+    structured(&mut t, 1, 5, r[5].0, &b);
+    // READ 2: data covering it all in one chunk, DONE.
+    let mut d = r[2].2.to_be_bytes().to_vec();
+    d.extend_from_slice(&[0x5a; 131072]);
+    structured(&mut t, 1, 1, r[2].0, &d);
+    seeds.push(("structured".to_string(), t));
+
+    // Simple replies (a server without structured replies): READ data follows the head.
+    let mut t = vec![2u8];
+    simple(&mut t, 0, r[1].0);
+    t.extend_from_slice(&[0x11; 4096]);
+    simple(&mut t, 0, r[3].0);
+    simple(&mut t, 28, r[4].0);
+    simple(&mut t, 0, r[0].0);
+    t.extend_from_slice(&[0x22; 65536]);
+    seeds.push(("simple".to_string(), t));
+    seeds
 }

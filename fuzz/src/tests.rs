@@ -91,3 +91,38 @@ fn serve_survives_mangled_seeds() {
         }
     }
 }
+
+#[test]
+fn nbd_reply_seeds_pass() {
+    let seeds = seeds::nbd_reply();
+    let run = |n: &str| {
+        let (_, input) = seeds.iter().find(|(name, _)| name == n).expect("seed");
+        crate::nbd::run(input)
+    };
+    assert!(run("handshake").export, "the handshake seed negotiates");
+    let tls = run("starttls");
+    assert!(
+        tls.tls && tls.export,
+        "STARTTLS accepted, then negotiated ({tls:?})"
+    );
+    let refused = run("starttls-refused");
+    assert!(!refused.tls && !refused.export);
+    assert!(!run("tls-required").export);
+    // Every request answered, every READ byte placed.
+    let s = run("structured");
+    assert_eq!(s.done, 7, "{s:?}");
+    assert_eq!(s.placed, 65536 + 131072, "{s:?}");
+    let s = run("simple");
+    assert_eq!((s.done, s.placed), (4, 4096 + 65536), "{s:?}");
+    // Every seed with one byte flipped (and cut short) at a time: never a panic.
+    for (_, input) in &seeds {
+        for i in 0..input.len().min(600) {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut v = input.clone();
+                v[i] ^= flip;
+                crate::nbd::run(&v);
+            }
+            crate::nbd::run(&input[..i]);
+        }
+    }
+}

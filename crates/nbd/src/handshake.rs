@@ -3,6 +3,11 @@
 //!
 //! It runs when a connection is made (at start-up, and on a queue thread when it reconnects),
 //! before the socket goes to the ring. Every server message is length-checked before it is read.
+//!
+//! With TLS it runs in three steps, because the stream changes in the middle: [`greet`] on the
+//! socket, [`start_tls`] (`NBD_OPT_STARTTLS`) on the socket, then the caller's TLS handshake, then
+//! [`negotiate`] inside the TLS session. Without TLS, [`handshake`] is [`greet`] then
+//! [`negotiate`] on the socket.
 
 use std::io::{self, Read, Write};
 
@@ -15,6 +20,7 @@ const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
 const FLAG_NO_ZEROES: u16 = 1 << 1;
 
 const OPT_ABORT: u32 = 2;
+const OPT_STARTTLS: u32 = 5;
 const OPT_GO: u32 = 7;
 const OPT_STRUCTURED_REPLY: u32 = 8;
 const OPT_SET_META_CONTEXT: u32 = 10;
@@ -77,9 +83,17 @@ pub enum HandshakeError {
     /// The export does not exist.
     #[error("the server has no export named {0:?}")]
     UnknownExport(String),
-    /// The server requires TLS.
-    #[error("the server requires TLS, which fusex does not support")]
+    /// The server requires TLS and the URI did not ask for it.
+    #[error("the server requires TLS: use nbds:// (or nbds+unix://)")]
     TlsRequired,
+    /// The server refused `NBD_OPT_STARTTLS`.
+    #[error("the server does not offer TLS (it refused NBD_OPT_STARTTLS: error {code:#x}{message}): enable TLS on the server (nbdkit --tls=on, qemu-nbd --tls-creds) or use nbd:// (nbd+unix://)")]
+    TlsRefused {
+        /// The NBD_REP_ERR_* code.
+        code: u32,
+        /// The server's message (with a leading ": "), if any.
+        message: String,
+    },
     /// The server refused an option fusex needs.
     #[error("the server refused {option}: error {code:#x}{message}")]
     Refused {
@@ -101,13 +115,20 @@ impl From<io::Error> for HandshakeError {
     }
 }
 
-/// Runs the handshake for export `name` on `s`. With `want_allocation`, asks for the
-/// `base:allocation` context (only if structured replies were agreed: it needs them).
+/// Runs the whole handshake for export `name` on `s`, without TLS: [`greet`], then
+/// [`negotiate`].
 pub fn handshake<S: Read + Write>(
     s: &mut S,
     name: &str,
     want_allocation: bool,
 ) -> Result<Export, HandshakeError> {
+    greet(s)?;
+    negotiate(s, name, want_allocation)
+}
+
+/// Reads the server's greeting and answers with the client flags: the first step of every
+/// handshake, before any option (and before TLS, which is itself an option).
+pub fn greet<S: Read + Write>(s: &mut S) -> Result<(), HandshakeError> {
     if read_u64(s)? != NBDMAGIC {
         return Err(HandshakeError::NotNbd);
     }
@@ -122,7 +143,40 @@ pub fn handshake<S: Read + Write>(
     }
     let cflags = u32::from(FLAG_FIXED_NEWSTYLE | (sflags & FLAG_NO_ZEROES));
     s.write_all(&cflags.to_be_bytes())?;
+    Ok(())
+}
 
+/// Asks the server for TLS (`NBD_OPT_STARTTLS`) right after [`greet`]. On success the next bytes
+/// on the stream are the TLS handshake, which the caller runs; option haggling ([`negotiate`])
+/// then continues inside the TLS session.
+pub fn start_tls<S: Read + Write>(s: &mut S) -> Result<(), HandshakeError> {
+    send_option(s, OPT_STARTTLS, &[])?;
+    for _ in 0..MAX_REPLIES {
+        let (ty, data) = read_reply(s, OPT_STARTTLS)?;
+        match ty {
+            REP_ACK => return Ok(()),
+            t if t & (1 << 31) != 0 => {
+                return Err(HandshakeError::TlsRefused {
+                    code: t,
+                    message: server_message(&data),
+                })
+            }
+            _ => {} // an informational reply: the protocol allows none here, but it is harmless
+        }
+    }
+    Err(HandshakeError::Violation(
+        "endless replies to NBD_OPT_STARTTLS",
+    ))
+}
+
+/// Option haggling after [`greet`] (and, with TLS, [`start_tls`] and the TLS handshake): asks
+/// for the `base:allocation` context with `want_allocation` (only if structured replies were
+/// agreed: it needs them), then `NBD_OPT_GO` for export `name`.
+pub fn negotiate<S: Read + Write>(
+    s: &mut S,
+    name: &str,
+    want_allocation: bool,
+) -> Result<Export, HandshakeError> {
     // Structured replies: required for block status; READ works with simple replies too.
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
     let mut structured = false;
@@ -133,6 +187,8 @@ pub fn handshake<S: Read + Write>(
                 structured = true;
                 break;
             }
+            // A server that requires TLS refuses every option before STARTTLS.
+            REP_ERR_TLS_REQD => return Err(HandshakeError::TlsRequired),
             t if t & (1 << 31) != 0 => break,
             _ => {} // an informational reply we have no use for
         }
@@ -240,21 +296,30 @@ pub fn handshake<S: Read + Write>(
             REP_ERR_UNKNOWN => return Err(HandshakeError::UnknownExport(name.to_string())),
             REP_ERR_TLS_REQD => return Err(HandshakeError::TlsRequired),
             t if t & (1 << 31) != 0 => {
-                let message = if data.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {}", String::from_utf8_lossy(&data))
-                };
                 return Err(HandshakeError::Refused {
                     option: "NBD_OPT_GO",
                     code: t,
-                    message,
+                    message: server_message(&data),
                 });
             }
             _ => {}
         }
     }
     Err(HandshakeError::Violation("endless replies to NBD_OPT_GO"))
+}
+
+/// A server's error message for a one-line error: `": message"` (control characters dropped,
+/// at most 200 characters), or nothing.
+fn server_message(data: &[u8]) -> String {
+    if data.is_empty() {
+        return String::new();
+    }
+    let m: String = String::from_utf8_lossy(data)
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(200)
+        .collect();
+    format!(": {m}")
 }
 
 /// Ends a handshake without using the export (polite; errors ignored).
@@ -467,6 +532,48 @@ mod tests {
         srv.extend_from_slice(&REP_ACK.to_be_bytes());
         srv.extend_from_slice(&u32::MAX.to_be_bytes());
         assert!(matches!(run(srv).0, Err(HandshakeError::Violation(_))));
+    }
+
+    #[test]
+    fn tls_options() {
+        // STARTTLS acknowledged: the caller may start its TLS handshake.
+        let mut srv = greeting();
+        reply(&mut srv, OPT_STARTTLS, REP_ACK, &[]);
+        let mut s = Script {
+            input: io::Cursor::new(srv),
+            output: Vec::new(),
+        };
+        greet(&mut s).unwrap();
+        start_tls(&mut s).unwrap();
+        let mut opt = IHAVEOPT.to_be_bytes().to_vec();
+        opt.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
+        opt.extend_from_slice(&0u32.to_be_bytes());
+        assert_eq!(&s.output[4..], opt.as_slice());
+
+        // Refused (a server without TLS).
+        let mut srv = greeting();
+        reply(
+            &mut srv,
+            OPT_STARTTLS,
+            (1 << 31) + 2,
+            b"TLS not configured\n",
+        );
+        let mut s = Script {
+            input: io::Cursor::new(srv),
+            output: Vec::new(),
+        };
+        greet(&mut s).unwrap();
+        let e = start_tls(&mut s).unwrap_err();
+        assert!(matches!(e, HandshakeError::TlsRefused { .. }));
+        assert!(e.to_string().contains("TLS not configured"), "{e}");
+        assert!(!e.to_string().contains('\n'));
+
+        // A plain client at a server that requires TLS.
+        let mut srv = greeting();
+        reply(&mut srv, OPT_STRUCTURED_REPLY, REP_ERR_TLS_REQD, &[]);
+        let e = run(srv).0.unwrap_err();
+        assert!(matches!(e, HandshakeError::TlsRequired));
+        assert!(e.to_string().contains("use nbds://"));
     }
 
     #[test]

@@ -10,8 +10,8 @@ pub mod handshake;
 pub mod uri;
 pub mod wire;
 
-pub use handshake::{handshake, Export, HandshakeError};
-pub use uri::{NbdUri, Transport, UriError};
+pub use handshake::{greet, handshake, negotiate, start_tls, Export, HandshakeError};
+pub use uri::{NbdUri, Tls, Transport, UriError};
 pub use wire::{Chunk, Command, ReplyHeader, WireError, REQUEST_LEN};
 
 /// `NBD_FLAG_HAS_FLAGS`: transmission flags are valid.

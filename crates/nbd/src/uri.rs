@@ -1,7 +1,9 @@
 //! NBD URIs, as libnbd and QEMU accept them: `nbd://HOST[:PORT]/EXPORT` (TCP, port 10809 by
 //! default) and `nbd+unix:///EXPORT?socket=PATH` (a Unix domain socket). The export name is the
-//! path without its leading `/`, percent-decoded. TLS (`nbds://`, `nbds+unix://`) is refused with
-//! an error that says so: fusex has no TLS client.
+//! path without its leading `/`, percent-decoded. `nbds://` and `nbds+unix://` ask for TLS
+//! (`NBD_OPT_STARTTLS`), with libnbd's query parameters for it: `tls-certificates=DIR`,
+//! `tls-verify-peer=false`, `tls-hostname=NAME`. `tls-psk-file=` is refused: fusex's TLS library
+//! (rustls) has no pre-shared-key authentication.
 
 use std::path::PathBuf;
 
@@ -19,6 +21,20 @@ pub enum Transport {
     Unix(PathBuf),
 }
 
+/// TLS settings of an `nbds://` or `nbds+unix://` URI (libnbd's query parameters).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tls {
+    /// `tls-certificates=DIR`: the CA (`DIR/ca-cert.pem`) and, if present, the client's
+    /// certificate and key (`DIR/client-cert.pem`, `DIR/client-key.pem`), the file names libnbd,
+    /// qemu and nbdkit use. `None`: the system's CA bundle, no client certificate.
+    pub certificates: Option<PathBuf>,
+    /// `tls-verify-peer=false` turns off the check of the server's certificate (default on).
+    pub verify_peer: bool,
+    /// `tls-hostname=NAME`: the name the server's certificate must carry, instead of the URI's
+    /// host (a Unix socket has none: without it only the certificate's chain is checked).
+    pub hostname: Option<String>,
+}
+
 /// A parsed NBD URI.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NbdUri {
@@ -26,16 +42,18 @@ pub struct NbdUri {
     pub transport: Transport,
     /// The export name (may be empty: the server's default export).
     pub export: String,
+    /// TLS (`nbds` schemes): negotiated with `NBD_OPT_STARTTLS` before anything else.
+    pub tls: Option<Tls>,
 }
 
 /// Why a string is not an NBD URI fusex can use. Each message says what to write instead.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum UriError {
-    /// `nbds://` and friends.
-    #[error("{0}: NBD over TLS is not supported by fusex; use an nbd:// or nbd+unix:// URI (e.g. through an stunnel or on a trusted network)")]
-    Tls(String),
-    /// A scheme other than `nbd` and `nbd+unix`.
-    #[error("{0}: unsupported NBD URI scheme; use nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH")]
+    /// `tls-psk-file=`: rustls, fusex's TLS library, has no external pre-shared keys.
+    #[error("{0}: tls-psk-file= is not supported: fusex's TLS (rustls) has no pre-shared-key authentication; use X.509 certificates (tls-certificates=DIR)")]
+    Psk(String),
+    /// A scheme other than `nbd`, `nbd+unix`, `nbds` and `nbds+unix`.
+    #[error("{0}: unsupported NBD URI scheme; use nbd[s]://HOST[:PORT]/EXPORT or nbd[s]+unix:///EXPORT?socket=PATH")]
     Scheme(String),
     /// Something inside the URI does not parse.
     #[error("{uri}: {what}")]
@@ -61,10 +79,11 @@ impl NbdUri {
             what,
         };
         let (scheme, rest) = s.split_once("://").ok_or_else(|| bad("not a URI"))?;
-        let unix = match scheme {
-            "nbd" | "nbd+tcp" => false,
-            "nbd+unix" => true,
-            sc if sc.starts_with("nbds") => return Err(UriError::Tls(s.to_string())),
+        let (unix, tls) = match scheme {
+            "nbd" | "nbd+tcp" => (false, false),
+            "nbd+unix" => (true, false),
+            "nbds" | "nbds+tcp" => (false, true),
+            "nbds+unix" => (true, true),
             _ => return Err(UriError::Scheme(s.to_string())),
         };
         let (rest, query) = match rest.split_once('?') {
@@ -78,25 +97,52 @@ impl NbdUri {
         };
         let export = decode(path).ok_or_else(|| bad("bad percent-encoding in the export name"))?;
         let mut socket = None;
+        let mut settings = Tls {
+            certificates: None,
+            verify_peer: true,
+            hostname: None,
+        };
         for pair in query.into_iter().flat_map(|q| q.split('&')) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            if k == "socket" {
-                socket = Some(decode(v).ok_or_else(|| bad("bad percent-encoding in socket="))?);
+            let value = || decode(v).ok_or_else(|| bad("bad percent-encoding in a query value"));
+            match k {
+                "socket" => socket = Some(value()?),
+                // TLS parameters are ignored without TLS, as libnbd does.
+                "tls-psk-file" if tls => return Err(UriError::Psk(s.to_string())),
+                "tls-certificates" => {
+                    let dir = value()?;
+                    if dir.is_empty() {
+                        return Err(bad("tls-certificates= needs a directory"));
+                    }
+                    settings.certificates = Some(PathBuf::from(dir));
+                }
+                "tls-verify-peer" => {
+                    settings.verify_peer = parse_bool(&value()?)
+                        .ok_or_else(|| bad("tls-verify-peer= takes true or false"))?;
+                }
+                "tls-hostname" => {
+                    let h = value()?;
+                    if h.is_empty() {
+                        return Err(bad("tls-hostname= needs a name"));
+                    }
+                    settings.hostname = Some(h);
+                }
+                _ => {}
             }
         }
         let transport = if unix {
             if !authority.is_empty() {
                 return Err(bad(
-                    "nbd+unix:// takes no host: write nbd+unix:///EXPORT?socket=PATH",
+                    "a Unix-socket URI takes no host: write nbd+unix:///EXPORT?socket=PATH",
                 ));
             }
             match socket {
                 Some(p) if !p.is_empty() => Transport::Unix(PathBuf::from(p)),
-                _ => return Err(bad("nbd+unix:// needs ?socket=PATH")),
+                _ => return Err(bad("a Unix-socket URI needs ?socket=PATH")),
             }
         } else {
             if socket.is_some() {
-                return Err(bad("socket= is for nbd+unix:// URIs"));
+                return Err(bad("socket= is for nbd+unix:// (or nbds+unix://) URIs"));
             }
             let (host, port) = split_host_port(authority).ok_or_else(|| bad("bad host or port"))?;
             if host.is_empty() {
@@ -107,7 +153,20 @@ impl NbdUri {
         if export.len() > 4096 || export.contains('\0') {
             return Err(bad("export name longer than 4096 bytes or containing NUL"));
         }
-        Ok(NbdUri { transport, export })
+        Ok(NbdUri {
+            transport,
+            export,
+            tls: tls.then_some(settings),
+        })
+    }
+}
+
+/// A boolean query value, spelled as libnbd accepts it.
+fn parse_bool(v: &str) -> Option<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
     }
 }
 
@@ -192,12 +251,75 @@ mod tests {
     }
 
     #[test]
-    fn refusals() {
-        assert!(matches!(NbdUri::parse("nbds://h/e"), Err(UriError::Tls(_))));
+    fn tls_uris() {
+        let u = NbdUri::parse("nbd://h/e").unwrap();
+        assert_eq!(u.tls, None);
+        let u = NbdUri::parse("nbds://h:99/e").unwrap();
+        assert_eq!(
+            u.transport,
+            Transport::Tcp {
+                host: "h".into(),
+                port: 99
+            }
+        );
+        assert_eq!(
+            u.tls,
+            Some(Tls {
+                certificates: None,
+                verify_peer: true,
+                hostname: None
+            })
+        );
+        let u = NbdUri::parse(
+            "nbds+unix:///e?socket=/s&tls-certificates=/etc/pki/a%20b&tls-verify-peer=false&tls-hostname=srv.example",
+        )
+        .unwrap();
+        assert_eq!(u.transport, Transport::Unix("/s".into()));
+        assert_eq!(u.export, "e");
+        let t = u.tls.unwrap();
+        assert_eq!(t.certificates, Some(PathBuf::from("/etc/pki/a b")));
+        assert!(!t.verify_peer);
+        assert_eq!(t.hostname.as_deref(), Some("srv.example"));
+        for v in ["1", "TRUE", "yes", "on"] {
+            let u = NbdUri::parse(&format!("nbds://h/?tls-verify-peer={v}")).unwrap();
+            assert!(u.tls.unwrap().verify_peer, "{v}");
+        }
+        // Without TLS the TLS parameters are ignored, as libnbd does.
+        let u = NbdUri::parse("nbd://h/?tls-psk-file=/k&tls-certificates=/c").unwrap();
+        assert_eq!(u.tls, None);
+    }
+
+    #[test]
+    fn tls_refusals() {
         assert!(matches!(
-            NbdUri::parse("nbds+unix:///e?socket=/s"),
-            Err(UriError::Tls(_))
+            NbdUri::parse("nbds://h/e?tls-psk-file=/keys.psk"),
+            Err(UriError::Psk(_))
         ));
+        let e = NbdUri::parse("nbds+unix:///?socket=/s&tls-psk-file=/k").unwrap_err();
+        assert!(
+            e.to_string().contains("tls-psk-file= is not supported"),
+            "{e}"
+        );
+        for bad in [
+            "nbds://h/e?tls-verify-peer=maybe",
+            "nbds://h/e?tls-certificates=",
+            "nbds://h/e?tls-hostname=",
+            "nbds://h/e?tls-certificates=%zz",
+            "nbds+unix:///e",
+            "nbds+unix://h/e?socket=/s",
+            "nbds:///e",
+            "nbds://h/e?socket=/s",
+        ] {
+            assert!(NbdUri::parse(bad).is_err(), "{bad}");
+        }
+        assert!(matches!(
+            NbdUri::parse("nbds+vsock://1/e"),
+            Err(UriError::Scheme(_))
+        ));
+    }
+
+    #[test]
+    fn refusals() {
         assert!(matches!(
             NbdUri::parse("nbd+vsock://1/e"),
             Err(UriError::Scheme(_))
@@ -221,6 +343,8 @@ mod tests {
             let _ = NbdUri::parse(&s);
             let _ = NbdUri::parse(&format!("nbd://{s}"));
             let _ = NbdUri::parse(&format!("nbd+unix://{s}"));
+            let _ = NbdUri::parse(&format!("nbds://h/?{s}"));
+            let _ = NbdUri::parse(&format!("nbds+unix:///?socket=/s&{s}"));
         }
     }
 }

@@ -17,6 +17,14 @@
 //! Anything the server does wrong (bad magic, unknown cookie, impossible length, data outside the
 //! request), a closed socket or a timeout breaks the connection: every request on it fails with
 //! `EIO`, the socket is shut down, and the backend reconnects on a later request.
+//!
+//! With TLS (`nbds` URIs) the same protocol runs through a rustls session ([`TlsWire`]): the
+//! ring moves ciphertext through two per-connection buffers (one for receiving, one for sending),
+//! rustls decrypts from the receive buffer into the destination (the reply stream buffer, or a
+//! READ's own window: one copy, which decryption needs anyway) and encrypts headers and WRITE
+//! data into the send buffer. Only the socket primitives (`send_vec`, the WRITE payload, `fill`,
+//! `recv_data`, `recv_vec`) know which kind of connection they run on; without TLS they are the
+//! plain ring operations, unchanged.
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -44,6 +52,14 @@ const TRY_RECV_MAX: usize = 64 * 1024;
 /// Slots made up front (more are added, once, if more requests are ever in flight).
 const INITIAL_SLOTS: usize = 64;
 
+/// TLS: the ciphertext receive buffer (a few records of up to 16 KiB plus overhead each; one
+/// receive takes what the socket holds, up to this).
+const TLS_RX_CAP: usize = 64 * 1024;
+
+/// TLS: plaintext handed to rustls per round before its records are sent (rustls buffers at most
+/// 64 KiB of outgoing records by default).
+const TLS_TX_CHUNK: usize = 32 * 1024;
+
 /// Why a connection broke (logged once).
 #[derive(Debug)]
 pub(crate) enum Broken {
@@ -55,6 +71,8 @@ pub(crate) enum Broken {
     Io(std::io::Error),
     /// The server broke the protocol.
     Violation(String),
+    /// The TLS session failed (bad record, alert from the server).
+    Tls(String),
 }
 
 impl std::fmt::Display for Broken {
@@ -64,6 +82,7 @@ impl std::fmt::Display for Broken {
             Broken::Timeout => write!(f, "the server did not answer within the timeout"),
             Broken::Io(e) => write!(f, "socket error: {e}"),
             Broken::Violation(w) => write!(f, "protocol violation: {w}"),
+            Broken::Tls(w) => write!(f, "TLS error: {w}"),
         }
     }
 }
@@ -166,6 +185,21 @@ pub(crate) struct Outcome {
     pub allocated: u64,
 }
 
+/// A connection's TLS session on the ring. The receiver role and the send permit each use their
+/// own ciphertext buffer; the rustls session is only borrowed between ring operations, never
+/// across one, so the two never conflict. Records rustls queues while receiving (a key update's
+/// answer, an alert) go out with the next send.
+struct TlsWire {
+    session: Box<rustls::ClientConnection>,
+    /// Ciphertext received and not yet given to rustls: `rx[rx_at..rx_len]` (away while a
+    /// receive fills it).
+    rx: Option<Vec<u8>>,
+    rx_at: usize,
+    rx_len: usize,
+    /// Ciphertext to send (away while a send is in flight).
+    tx: Option<Vec<u8>>,
+}
+
 /// One connection (per queue thread).
 pub(crate) struct Conn {
     sock: File,
@@ -174,13 +208,31 @@ pub(crate) struct Conn {
     writable: bool,
     st: RefCell<State>,
     sending: Semaphore,
+    /// The TLS session (`nbds` URIs); `None`: plain socket operations.
+    tls: Option<RefCell<TlsWire>>,
 }
 
 impl Conn {
-    pub(crate) fn new(sock: OwnedFd, export: Export, timeout: Duration, writable: bool) -> Conn {
+    pub(crate) fn new(
+        sock: OwnedFd,
+        tls: Option<Box<rustls::ClientConnection>>,
+        export: Export,
+        timeout: Duration,
+        writable: bool,
+    ) -> Conn {
         let sock = File::from(sock);
         let fd = Fd::Raw(sock.as_raw_fd());
+        let tls = tls.map(|session| {
+            RefCell::new(TlsWire {
+                session,
+                rx: Some(vec![0; TLS_RX_CAP]),
+                rx_at: 0,
+                rx_len: 0,
+                tx: Some(Vec::with_capacity(TLS_RX_CAP + 1024)),
+            })
+        });
         Conn {
+            tls,
             sock,
             fd,
             export,
@@ -431,6 +483,20 @@ impl Conn {
             hdr.extend_from_slice(&b);
             hdr
         };
+        if self.tls.is_some() {
+            // Header and data encrypted together, sent in as few ring operations as fit.
+            let r = match &write {
+                Some(w) => self.tls_send(eng, &[&hdr, w.as_slice()]).await,
+                None => self.tls_send(eng, &[&hdr]).await,
+            };
+            self.st.borrow_mut().slots[idx].header = Some(hdr);
+            permit.clean = true;
+            if let Err(b) = r {
+                self.break_conn(eng, b);
+                return (Err(Broken::Closed), write);
+            }
+            return (Ok(()), write);
+        }
         let (r, hdr) = self.send_vec(eng, hdr).await;
         self.st.borrow_mut().slots[idx].header = Some(hdr);
         if let Err(b) = r {
@@ -525,9 +591,18 @@ impl Conn {
         Ok(())
     }
 
-    /// Sends all of `b`: first what the socket takes right away (no timeout to link: the common
-    /// case costs one ring operation), then the rest, if any, waiting with the timeout.
+    /// Sends all of `b` (through the TLS session, if any).
     async fn send_vec(&self, eng: &Engine, b: Vec<u8>) -> (Result<(), Broken>, Vec<u8>) {
+        if self.tls.is_some() {
+            let r = self.tls_send(eng, &[&b]).await;
+            return (r, b);
+        }
+        self.send_raw(eng, b).await
+    }
+
+    /// Sends all of `b` on the socket: first what it takes right away (no timeout to link: the
+    /// common case costs one ring operation), then the rest, if any, waiting with the timeout.
+    async fn send_raw(&self, eng: &Engine, b: Vec<u8>) -> (Result<(), Broken>, Vec<u8>) {
         let want = b.len();
         let (r, b, _) = eng.try_send_bytes_at(self.fd, b, 0).await;
         let done = match r {
@@ -542,6 +617,146 @@ impl Conn {
         let (r, b, t) = eng.send_bytes_at(self.fd, b, done, t).await;
         self.put_timeout(t);
         (check(r, want - done), b)
+    }
+
+    /// TLS: encrypts `parts` (in order) and sends the records, a chunk at a time; records rustls
+    /// queued meanwhile (answers to what the receiver processed) go out with them. Called only
+    /// under the send permit, so records leave in the order rustls made them.
+    async fn tls_send(&self, eng: &Engine, parts: &[&[u8]]) -> Result<(), Broken> {
+        let Some(tls) = &self.tls else {
+            return Err(Broken::Violation("TLS send on a plain connection".into()));
+        };
+        let (mut part, mut at) = (0, 0);
+        loop {
+            let tx = {
+                let mut w = tls.borrow_mut();
+                let w = &mut *w;
+                let Some(mut tx) = w.tx.take() else {
+                    return Err(Broken::Violation("TLS send buffer missing".into()));
+                };
+                tx.clear();
+                let mut budget = TLS_TX_CHUNK;
+                while part < parts.len() && budget > 0 {
+                    let p = parts[part];
+                    let end = p.len().min(at + budget);
+                    let n = match w.session.writer().write(&p[at..end]) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            w.tx = Some(tx);
+                            return Err(Broken::Tls(e.to_string()));
+                        }
+                    };
+                    if n == 0 && end > at {
+                        break; // rustls's outgoing buffer is full: send, then go on
+                    }
+                    at += n;
+                    budget = budget.saturating_sub(n);
+                    if at >= p.len() {
+                        part += 1;
+                        at = 0;
+                    }
+                }
+                while w.session.wants_write() {
+                    if let Err(e) = w.session.write_tls(&mut tx) {
+                        w.tx = Some(tx);
+                        return Err(Broken::Tls(e.to_string()));
+                    }
+                }
+                tx
+            };
+            let done = part >= parts.len();
+            if tx.is_empty() {
+                if let Some(tls) = &self.tls {
+                    tls.borrow_mut().tx = Some(tx);
+                }
+                if done {
+                    return Ok(());
+                }
+                return Err(Broken::Tls("rustls accepted no data to send".into()));
+            }
+            let (r, tx) = self.send_raw(eng, tx).await;
+            tls.borrow_mut().tx = Some(tx);
+            r?;
+            if done {
+                return Ok(());
+            }
+        }
+    }
+
+    /// TLS: decrypts at least `min` bytes (at most `dst.len()`) into `dst`, receiving ciphertext
+    /// on the ring as needed (with the timeout). Returns how many bytes it wrote.
+    async fn tls_read(&self, eng: &Engine, dst: &mut [u8], min: usize) -> Result<usize, Broken> {
+        let Some(tls) = &self.tls else {
+            return Err(Broken::Violation(
+                "TLS receive on a plain connection".into(),
+            ));
+        };
+        let min = min.min(dst.len());
+        let mut got = 0;
+        loop {
+            {
+                let mut w = tls.borrow_mut();
+                let w = &mut *w;
+                // Plaintext rustls already holds.
+                while got < dst.len() {
+                    match w.session.reader().read(&mut dst[got..]) {
+                        Ok(0) => {
+                            // close_notify: the server ended the session.
+                            if got >= min {
+                                return Ok(got);
+                            }
+                            return Err(Broken::Closed);
+                        }
+                        Ok(n) => got += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => return Err(Broken::Tls(e.to_string())),
+                    }
+                }
+                if got >= min {
+                    return Ok(got);
+                }
+                // Ciphertext received earlier and not yet processed.
+                if w.rx_at < w.rx_len {
+                    let Some(rx) = w.rx.as_ref() else {
+                        return Err(Broken::Violation("TLS receive buffer missing".into()));
+                    };
+                    let mut pending = &rx[w.rx_at..w.rx_len];
+                    let n = w
+                        .session
+                        .read_tls(&mut pending)
+                        .map_err(|e| Broken::Tls(e.to_string()))?;
+                    if n == 0 {
+                        return Err(Broken::Tls("rustls accepted no received bytes".into()));
+                    }
+                    w.rx_at += n;
+                    w.session
+                        .process_new_packets()
+                        .map_err(|e| Broken::Tls(e.to_string()))?;
+                    continue;
+                }
+            }
+            // More ciphertext from the socket: whatever it holds, up to the buffer.
+            let buf = {
+                let mut w = tls.borrow_mut();
+                w.rx_at = 0;
+                w.rx_len = 0;
+                w.rx.take()
+            };
+            let Some(mut buf) = buf else {
+                return Err(Broken::Violation("TLS receive buffer missing".into()));
+            };
+            buf.resize(TLS_RX_CAP, 0);
+            let t = self.take_timeout();
+            let (r, buf, t) = eng.recv_bytes_at(self.fd, buf, 0, false, t).await;
+            self.put_timeout(t);
+            let mut w = tls.borrow_mut();
+            w.rx = Some(buf);
+            match r {
+                Ok(0) => return Err(Broken::Closed),
+                Ok(n) => w.rx_len = n.min(TLS_RX_CAP),
+                Err(e) => return Err(check(Err(e), 1).err().unwrap_or(Broken::Closed)),
+            }
+        }
     }
 
     fn take_timeout(&self) -> Option<Timeout> {
@@ -674,6 +889,21 @@ impl Conn {
                 (buf, st.rx_len)
             };
             let mut buf = buf;
+            if self.tls.is_some() {
+                buf.resize(RX_CAP, 0);
+                let upto = upto.min(RX_CAP);
+                let r = self
+                    .tls_read(
+                        eng,
+                        &mut buf[have.min(upto)..upto],
+                        want.saturating_sub(have),
+                    )
+                    .await;
+                let mut st = self.st.borrow_mut();
+                st.rx = Some(buf);
+                st.rx_len = (have + r?).min(RX_CAP);
+                continue;
+            }
             buf.truncate(upto);
             buf.resize(upto, 0);
             let t = self.take_timeout();
@@ -719,6 +949,10 @@ impl Conn {
         let k = self.take_rx(&mut v);
         if k == n {
             return (Ok(()), v);
+        }
+        if self.tls.is_some() {
+            let r = self.tls_read(eng, &mut v[k..n], n - k).await.map(drop);
+            return (r, v);
         }
         let t = self.take_timeout();
         let (r, v, t) = eng.recv_bytes_at(self.fd, v, k, true, t).await;
@@ -939,6 +1173,21 @@ impl Conn {
         // Bytes the stream buffer already holds (at most 12, after a simple reply) are copied.
         let mut win = win;
         let k = self.take_rx(&mut win.as_mut_slice()[a - start..b - start]);
+        if self.tls.is_some() {
+            // Decrypted straight into the request's window.
+            let (from, to) = (a - start + k, b - start);
+            let r = if from < to {
+                self.tls_read(eng, &mut win.as_mut_slice()[from..to], to - from)
+                    .await
+                    .map(drop)
+            } else {
+                Ok(())
+            };
+            self.restore(eng, idx, win);
+            r?;
+            self.st.borrow_mut().slots[idx].covered += u64::from(n);
+            return Ok(());
+        }
         let mut buf = win.into_inner();
         let mut r = Ok(());
         let mut have = a + k;
@@ -1058,9 +1307,40 @@ impl Conn {
         if st.broken {
             return;
         }
+        let flush = self.writable && st.dirty && self.export.has(nbd::FLAG_SEND_FLUSH);
         let mut sock = &self.sock;
+        match self.tls.as_mut() {
+            Some(tls) => {
+                let w = tls.get_mut();
+                // Ciphertext received but not yet processed belongs to the session first.
+                if let Some(rx) = w.rx.as_ref() {
+                    let mut pending = rx.get(w.rx_at..w.rx_len).unwrap_or_default();
+                    while !pending.is_empty() {
+                        match w.session.read_tls(&mut pending) {
+                            Ok(n) if n > 0 => {
+                                if w.session.process_new_packets().is_err() {
+                                    return;
+                                }
+                            }
+                            _ => break,
+                        }
+                    }
+                }
+                let mut s = rustls::Stream::new(&mut *w.session, &mut sock);
+                goodbye_on(&mut s, flush);
+                w.session.send_close_notify();
+                let _ = w.session.complete_io(&mut sock);
+            }
+            None => goodbye_on(&mut sock, flush),
+        }
+    }
+}
+
+/// The goodbye's requests on a blocking stream (the socket, or its TLS session).
+fn goodbye_on<S: Read + Write>(sock: &mut S, flush: bool) {
+    {
         let mut b = [0u8; REQUEST_LEN];
-        if self.writable && st.dirty && self.export.has(nbd::FLAG_SEND_FLUSH) {
+        if flush {
             wire::encode_request(&mut b, 0, Command::Flush, 1, 0, 0);
             let mut head = [0u8; HEAD_LEN];
             let ok = sock.write_all(&b).is_ok() && sock.read_exact(&mut head).is_ok();
@@ -1081,6 +1361,7 @@ impl Conn {
         }
         wire::encode_request(&mut b, 0, Command::Disc, 2, 0, 0);
         let _ = sock.write_all(&b);
+        let _ = sock.flush();
     }
 }
 

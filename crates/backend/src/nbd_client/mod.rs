@@ -25,9 +25,9 @@
 
 mod conn;
 mod connect;
+mod tls;
 
 use std::cell::RefCell;
-use std::os::fd::OwnedFd;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -41,6 +41,8 @@ use crate::regions::RegionLocks;
 use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
 use conn::Conn;
 pub use connect::ConnectError;
+use connect::Connected;
+use tls::TlsClient;
 
 /// How to serve an NBD export.
 #[derive(Clone, Copy, Debug)]
@@ -88,8 +90,11 @@ pub struct NbdBackend {
     uri: NbdUri,
     export: Export,
     opts: NbdOptions,
+    /// TLS settings (`nbds` URIs), made once at open: reconnects reuse them (the certificate
+    /// files may not be readable after the privilege drop).
+    tls: Option<TlsClient>,
     /// The connection made at open, for the first queue that needs one.
-    first: Mutex<Option<OwnedFd>>,
+    first: Mutex<Option<Connected>>,
     created: (i64, u32),
     /// Region locks for read-modify-writes; only with a minimum block size above 1.
     rmw: Option<RegionLocks>,
@@ -135,8 +140,11 @@ impl NbdBackend {
     /// Connects to the server `spec` (an NBD URI) names and negotiates its export.
     pub fn open(spec: &str, opts: NbdOptions) -> std::result::Result<NbdBackend, OpenError> {
         let uri = NbdUri::parse(spec).map_err(|e| OpenError::Nbd(e.to_string()))?;
-        let (sock, export) =
-            connect::connect(&uri, opts.timeout).map_err(|e| OpenError::Nbd(e.to_string()))?;
+        let tls = tls::client(&uri)
+            .map_err(|e| OpenError::Nbd(format!("{}: {e}", connect::describe(&uri))))?;
+        let first = connect::connect(&uri, tls.as_ref(), opts.timeout)
+            .map_err(|e| OpenError::Nbd(e.to_string()))?;
+        let export = first.export;
         if opts.writable && export.has(nbd::FLAG_READ_ONLY) {
             return Err(OpenError::Nbd(format!(
                 "{}: the server exports it read-only: drop --writable",
@@ -150,7 +158,8 @@ impl NbdBackend {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             uri,
             opts,
-            first: Mutex::new(Some(sock)),
+            tls,
+            first: Mutex::new(Some(first)),
             created: (now.as_secs() as i64, now.subsec_nanos()),
             rmw: (export.min_block > 1).then(|| RegionLocks::new(export.min_block.ilog2())),
             alloc: AllocCache::default(),
@@ -167,6 +176,11 @@ impl NbdBackend {
     /// The export as negotiated (size, flags, block sizes), for logs.
     pub fn export(&self) -> &Export {
         &self.export
+    }
+
+    /// Whether the connection is TLS (`nbds` URIs), for logs.
+    pub fn tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// The server, as a user would name it.
@@ -212,17 +226,18 @@ impl NbdBackend {
             }
             let first = self.first.lock().map(|mut f| f.take()).unwrap_or(None);
             let made = match first {
-                Some(sock) => Ok((sock, self.export)),
+                Some(c) => Ok(c),
                 None => self.reconnect(),
             };
             match made {
-                Ok((sock, export)) => {
+                Ok(Connected { sock, export, tls }) => {
                     if pt.retry_at.take().is_some() {
                         tracing::info!("NBD: reconnected to {}", self.server());
                     }
                     pt.delay = self.opts.reconnect_delay;
                     let c = Rc::new(Conn::new(
                         sock,
+                        tls,
                         export,
                         self.opts.timeout,
                         self.opts.writable,
@@ -246,9 +261,10 @@ impl NbdBackend {
     }
 
     /// A new connection to the same export, checked to still be the same size and as writable.
-    fn reconnect(&self) -> std::result::Result<(OwnedFd, Export), String> {
-        let (sock, e) =
-            connect::connect(&self.uri, self.opts.timeout).map_err(|e| e.to_string())?;
+    fn reconnect(&self) -> std::result::Result<Connected, String> {
+        let c = connect::connect(&self.uri, self.tls.as_ref(), self.opts.timeout)
+            .map_err(|e| e.to_string())?;
+        let e = c.export;
         if e.size != self.export.size {
             return Err(format!(
                 "the export changed size ({} -> {} bytes)",
@@ -265,7 +281,7 @@ impl NbdBackend {
                 self.export.min_block, e.min_block
             ));
         }
-        Ok((sock, e))
+        Ok(c)
     }
 
     /// The server's minimum block size: requests are multiples of it, at multiples of it.
