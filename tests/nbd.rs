@@ -21,75 +21,13 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use fusex_e2e::*;
-
-fn uri(sock: &Path, export: &str) -> String {
-    format!("nbd+unix:///{export}?socket={}", sock.display())
-}
-
-/// Waits until something accepts connections on `sock`.
-fn wait_listening(sock: &Path, server: &mut ChildGuard) {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if UnixStream::connect(sock).is_ok() {
-            return;
-        }
-        if let Some(st) = server.try_wait() {
-            panic!("the NBD server exited early: {st}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no NBD server on {}",
-            sock.display()
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// `qemu-nbd -t -k SOCK [args] IMAGE`, persistent, ready to accept.
-fn qemu_nbd(sock: &Path, args: &[&str], image: &Path) -> ChildGuard {
-    let _ = fs::remove_file(sock);
-    let child = Command::new("qemu-nbd")
-        .arg("-t")
-        .arg("-k")
-        .arg(sock)
-        .args(args)
-        .arg(image)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        // The readiness probes' bare connects make servers complain; nothing to see there.
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start qemu-nbd");
-    let mut g = ChildGuard(child);
-    wait_listening(sock, &mut g);
-    g
-}
-
-/// `nbdkit -f -U SOCK PLUGIN ARGS...`, ready to accept.
-fn nbdkit(sock: &Path, args: &[&str]) -> ChildGuard {
-    let _ = fs::remove_file(sock);
-    let child = Command::new("nbdkit")
-        .arg("-f")
-        .arg("-U")
-        .arg(sock)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        // The readiness probes' bare connects make servers complain; nothing to see there.
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start nbdkit");
-    let mut g = ChildGuard(child);
-    wait_listening(sock, &mut g);
-    g
-}
 
 /// Connected (not listening) Unix sockets named `sock`: the server's side of each connection.
 fn connections_to(sock: &Path) -> usize {
@@ -150,7 +88,12 @@ fn qemu_nbd_raw_round_trip() {
     let sock = w.join("s.sock");
     let mut server = qemu_nbd(&sock, &["-f", "raw", "-e", "8"], &img);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable", "--queues", "2"]);
+    let m = Mount::start(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &["--writable", "--queues", "2"],
+    );
     assert!(m.stderr().contains("multi-conn yes"), "{}", m.stderr());
     assert_eq!(fs::metadata(&mp).unwrap().len(), 16 * MIB);
     assert_bytes_eq(&read_all(&mp), &expected, 0, "export before writes");
@@ -189,7 +132,12 @@ fn qemu_nbd_qcow2_round_trip() {
     let sock = w.join("s.sock");
     let mut server = qemu_nbd(&sock, &["-f", "qcow2"], &img);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable", "--writethrough"]);
+    let m = Mount::start(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &["--writable", "--writethrough"],
+    );
     assert_bytes_eq(&read_all(&mp), &expected, 0, "qcow2 export");
     let f = open_direct_rw(&mp);
     random_writes(&f, &mut expected, &mut Rng::new(4), 32);
@@ -218,7 +166,7 @@ fn nbdkit_memory_write_trim_zero() {
     let sock = w.join("s.sock");
     let _server = nbdkit(&sock, &["memory", "size=8M"]);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable"]);
+    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &["--writable"]);
     let mut expected = vec![0u8; 8 * MIB as usize];
     let f = open_direct_rw(&mp);
     assert_bytes_eq(
@@ -266,7 +214,12 @@ fn multi_conn_one_connection_per_queue() {
     let sock = w.join("s.sock");
     let _server = nbdkit(&sock, &["memory", "size=32M"]);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable", "--queues", "2"]);
+    let m = Mount::start(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &["--writable", "--queues", "2"],
+    );
     // One fio job per CPU, verified: on io_uring each CPU's requests go to its own queue.
     let out = run_fio(
         &w,
@@ -309,7 +262,12 @@ fn multi_conn_one_connection_per_queue() {
     let sock2 = w.join("q.sock");
     let _q = qemu_nbd(&sock2, &["-f", "raw"], &img);
     let mp2 = w.join("export2");
-    let m = Mount::start(&w, uri(&sock2, ""), &mp2, &["--writable", "--queues", "2"]);
+    let m = Mount::start(
+        &w,
+        nbd_uri(&sock2, ""),
+        &mp2,
+        &["--writable", "--queues", "2"],
+    );
     assert!(
         m.stderr()
             .contains("does not advertise multi-conn: serving with 1 queue"),
@@ -345,7 +303,7 @@ fn block_status_matches_seek_hole() {
     let sock = w.join("s.sock");
     let _server = qemu_nbd(&sock, &["-f", "raw", "-r"], &img);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &[]);
+    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &[]);
     assert!(m.stderr().contains("block status yes"), "{}", m.stderr());
     let exp = m.open_ro();
     let file = open_ro(&img);
@@ -384,7 +342,7 @@ fn server_killed_mid_io_then_back() {
     let mp = w.join("export");
     let m = Mount::start(
         &w,
-        uri(&sock, ""),
+        nbd_uri(&sock, ""),
         &mp,
         &["--reconnect-delay", "0.05", "--queues", "1"],
     );
@@ -600,7 +558,7 @@ fn malformed_replies_fail_the_request_not_the_daemon() {
     let mp = w.join("export");
     let m = Mount::start(
         &w,
-        uri(&sock, ""),
+        nbd_uri(&sock, ""),
         &mp,
         &["--reconnect-delay", "0.01", "--queues", "1"],
     );
@@ -657,8 +615,8 @@ fn startup_failures_are_one_line() {
     let sock = w.join("s.sock");
     let _server = qemu_nbd(&sock, &["-f", "raw", "-x", "disk"], &img);
     let cases: Vec<(String, &str)> = vec![
-        (uri(&missing, ""), "cannot connect to NBD server"),
-        (uri(&sock, "other"), "no export named \"other\""),
+        (nbd_uri(&missing, ""), "cannot connect to NBD server"),
+        (nbd_uri(&sock, "other"), "no export named \"other\""),
         (
             format!("nbds+unix:///disk?socket={}", sock.display()),
             "the server does not offer TLS",
@@ -679,7 +637,7 @@ fn startup_failures_are_one_line() {
     // Writable on a read-only export is refused the same way.
     let ro = w.join("ro.sock");
     let _ro = qemu_nbd(&ro, &["-f", "raw", "-r"], &img);
-    let u = uri(&ro, "");
+    let u = nbd_uri(&ro, "");
     let r = run_fusex(
         &w,
         &["mount", "--writable", u.as_str(), mp.to_str().unwrap()],
@@ -692,7 +650,7 @@ fn startup_failures_are_one_line() {
         r.stderr
     );
     // The right export works.
-    let m = Mount::start(&w, uri(&sock, "disk"), &mp, &[]);
+    let m = Mount::start(&w, nbd_uri(&sock, "disk"), &mp, &[]);
     assert_bytes_eq(&read_all(&mp), &read_all(&img), 0, "named export");
     m.stop().assert_clean("named export");
 }
@@ -709,7 +667,7 @@ fn server_that_stops_answering_times_out() {
     let mp = w.join("export");
     let m = Mount::start(
         &w,
-        uri(&sock, ""),
+        nbd_uri(&sock, ""),
         &mp,
         &["--writable", "--nbd-timeout", "0.3", "--queues", "1"],
     );
@@ -737,40 +695,21 @@ fn qemu_nbd_over_tcp() {
     let w = WorkDir::new("nbd-tcp");
     let img = w.join("img.raw");
     let expected = random_image(&img, 4 * MIB, 9);
-    // A free port on the loopback (qemu-nbd binds it right after; nothing else here races).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new("qemu-nbd")
-        .args([
-            "-t",
-            "-f",
-            "raw",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-x",
-            "disk",
-        ])
-        .arg(&img)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start qemu-nbd");
-    let mut server = ChildGuard(child);
-    let deadline = Instant::now() + TIMEOUT;
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(server.try_wait().is_none(), "qemu-nbd exited early");
-        assert!(
-            Instant::now() < deadline,
-            "qemu-nbd does not listen on {port}"
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
+    let port = free_port();
+    let mut c = Command::new("qemu-nbd");
+    c.args([
+        "-t",
+        "-f",
+        "raw",
+        "-b",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "-x",
+        "disk",
+    ])
+    .arg(&img);
+    let _server = nbd_server_tcp(c, port);
     let mp = w.join("export");
     let m = Mount::start(&w, format!("nbd://127.0.0.1:{port}/disk"), &mp, &[]);
     assert_bytes_eq(&read_all(&mp), &expected, 0, "export over TCP");
@@ -798,7 +737,7 @@ fn block_size_constraints_split_and_align() {
         ],
     );
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock, ""), &mp, &["--writable"]);
+    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &["--writable"]);
     assert!(
         m.stderr().contains("block sizes 4096/4096/65536"),
         "{}",
@@ -1000,40 +939,22 @@ fn tls_nbdkit_unix_and_tcp_round_trip() {
 
     // TCP: nbds://localhost:PORT/ against the same data (nbdkit's memory plugin is per
     // server, so a second server gets the data through the first export's file).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let img = w.join("img.raw");
     fs::write(&img, &expected).unwrap();
-    let child = Command::new("nbdkit")
-        .args([
-            "-f",
-            "-i",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "--tls=require",
-        ])
-        .arg(format!("--tls-certificates={}", pki.display()))
-        .arg("file")
-        .arg(&img)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start nbdkit on TCP");
-    let mut tcp = ChildGuard(child);
-    let deadline = Instant::now() + TIMEOUT;
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(tcp.try_wait().is_none(), "nbdkit exited early");
-        assert!(
-            Instant::now() < deadline,
-            "nbdkit does not listen on {port}"
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
+    let mut c = Command::new("nbdkit");
+    c.args([
+        "-f",
+        "-i",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "--tls=require",
+    ])
+    .arg(format!("--tls-certificates={}", pki.display()))
+    .arg("file")
+    .arg(&img);
+    let mut tcp = nbd_server_tcp(c, port);
     let u = format!(
         "nbds://localhost:{port}/?tls-certificates={}",
         pki.display()
@@ -1124,7 +1045,7 @@ fn tls_refusals_are_one_line() {
         // The server's certificate is signed by a CA fusex was not given.
         (tls_uri(&sock, &other), "certificate was rejected"),
         // A plain URI at a server that requires TLS.
-        (uri(&sock, ""), "the server requires TLS: use nbds://"),
+        (nbd_uri(&sock, ""), "the server requires TLS: use nbds://"),
         (
             format!("{}&tls-psk-file=/nonexistent", tls_uri(&sock, &pki)),
             "tls-psk-file= is not supported",

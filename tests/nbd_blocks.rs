@@ -11,51 +11,12 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
-use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
 
 use fusex_e2e::*;
-
-fn uri(sock: &Path) -> String {
-    format!("nbd+unix:///?socket={}", sock.display())
-}
-
-/// Starts `cmd` (an NBD server listening on `sock`) and waits until it accepts connections.
-fn server(mut cmd: Command, sock: &Path) -> ChildGuard {
-    let _ = fs::remove_file(sock);
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        // The readiness probes' bare connects make servers complain; nothing to see there.
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the NBD server");
-    let mut g = ChildGuard(child);
-    let deadline = Instant::now() + TIMEOUT;
-    while UnixStream::connect(sock).is_err() {
-        if let Some(st) = g.try_wait() {
-            panic!("the NBD server exited early: {st}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no NBD server on {}",
-            sock.display()
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
-    g
-}
-
-/// `nbdkit -f -U SOCK ARGS...`.
-fn nbdkit(sock: &Path, args: &[&str]) -> ChildGuard {
-    let mut c = Command::new("nbdkit");
-    c.arg("-f").arg("-U").arg(sock).args(args);
-    server(c, sock)
-}
 
 const SIZE: usize = 8 << 20;
 const THREADS: usize = 8;
@@ -81,7 +42,7 @@ fn unaligned_io_from_many_threads_against_a_strict_server() {
         ],
     );
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock), &mp, &["--writable"]);
+    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &["--writable"]);
     assert!(
         m.stderr().contains("block sizes 4096/4096/65536"),
         "{}",
@@ -184,7 +145,7 @@ fn unaligned_io_from_many_threads_against_a_strict_server() {
     run_ok(
         Command::new("nbdcopy")
             .arg("--request-size=65536")
-            .arg(uri(&sock))
+            .arg(nbd_uri(&sock, ""))
             .arg(&out),
     );
     assert_bytes_eq(&fs::read(&out).unwrap(), &model, 0, "the server's content");
@@ -226,9 +187,9 @@ fn st_blocks_counts_what_block_status_calls_data() {
     let sock = w.join("q.sock");
     let mut c = Command::new("qemu-nbd");
     c.args(["-t", "-f", "raw", "-k"]).arg(&sock).arg(&img);
-    let _server = server(c, &sock);
+    let _server = nbd_server(c, &sock);
     let mp = w.join("export");
-    let m = Mount::start(&w, uri(&sock), &mp, &["--writable"]);
+    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &["--writable"]);
     let (size, blocks, _) = stat(&mp).unwrap();
     assert_eq!(size, 16 * MIB);
     assert_eq!(blocks * 512, before, "st_blocks against qemu-img map");
@@ -251,7 +212,7 @@ fn st_blocks_counts_what_block_status_calls_data() {
     let sock = w.join("k.sock");
     let _plain = nbdkit(&sock, &["--no-sr", "memory", "size=4M"]);
     let mp = w.join("plain");
-    let m = Mount::start(&w, uri(&sock), &mp, &[]);
+    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &[]);
     let (size, blocks, _) = stat(&mp).unwrap();
     assert_eq!((size, blocks * 512), (4 * MIB, 4 * MIB));
     m.stop().assert_clean("st_blocks without block status");

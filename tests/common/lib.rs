@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 
 pub use serde_json::Value;
 
+mod nbd;
+pub use nbd::{free_port, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd};
+
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;

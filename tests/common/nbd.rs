@@ -1,0 +1,82 @@
+//! NBD servers (qemu-nbd, nbdkit) the NBD tests start, each killed when its guard drops.
+
+use std::fs;
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::{ChildGuard, TIMEOUT};
+
+/// `nbd+unix:///EXPORT?socket=SOCK`.
+pub fn nbd_uri(sock: &Path, export: &str) -> String {
+    format!("nbd+unix:///{export}?socket={}", sock.display())
+}
+
+/// A loopback port nothing listens on now (the server started next binds it; nothing else in
+/// these tests races for it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `cmd`, an NBD server listening on `sock` (removed first), and waits until it accepts.
+pub fn nbd_server(mut cmd: Command, sock: &Path) -> ChildGuard {
+    let _ = fs::remove_file(sock);
+    let mut g = spawn_quiet(&mut cmd);
+    wait_until_listening(&mut g, &sock.display().to_string(), || {
+        UnixStream::connect(sock).is_ok()
+    });
+    g
+}
+
+/// Starts `cmd`, an NBD server listening on 127.0.0.1:`port`, and waits until it accepts.
+pub fn nbd_server_tcp(mut cmd: Command, port: u16) -> ChildGuard {
+    let mut g = spawn_quiet(&mut cmd);
+    wait_until_listening(&mut g, &format!("127.0.0.1:{port}"), || {
+        TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    g
+}
+
+/// `qemu-nbd -t -k SOCK [args] IMAGE`, persistent, ready to accept.
+pub fn qemu_nbd(sock: &Path, args: &[&str], image: &Path) -> ChildGuard {
+    let mut c = Command::new("qemu-nbd");
+    c.arg("-t").arg("-k").arg(sock).args(args).arg(image);
+    nbd_server(c, sock)
+}
+
+/// `nbdkit -f -U SOCK PLUGIN ARGS...`, ready to accept.
+pub fn nbdkit(sock: &Path, args: &[&str]) -> ChildGuard {
+    let mut c = Command::new("nbdkit");
+    c.arg("-f").arg("-U").arg(sock).args(args);
+    nbd_server(c, sock)
+}
+
+fn spawn_quiet(cmd: &mut Command) -> ChildGuard {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        // The readiness probes' bare connects make servers complain; nothing to see there.
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {:?}: {e}", cmd.get_program()));
+    ChildGuard(child)
+}
+
+/// Polls `accepts` until it holds; fails if the server exits first or `TIMEOUT` passes.
+fn wait_until_listening(server: &mut ChildGuard, at: &str, mut accepts: impl FnMut() -> bool) {
+    let deadline = Instant::now() + TIMEOUT;
+    while !accepts() {
+        if let Some(st) = server.try_wait() {
+            panic!("the NBD server exited early: {st}");
+        }
+        assert!(Instant::now() < deadline, "no NBD server on {at}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
