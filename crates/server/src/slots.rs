@@ -179,16 +179,12 @@ impl<B: BlockBackend> QueueState<B> {
                         self.server.counters().spliced(n);
                         reply = LegacyReply::None;
                     }
-                    Ok(Spliced::Short) => {
-                        // The image shrank: the ordinary path clamps to its new end.
-                        (b, reply) = self
-                            .server
-                            .serve_legacy(&self.eng, &layout, b, n, false)
-                            .await;
-                    }
-                    Err(e) => {
-                        tracing::debug!("queue stops splicing READ replies: {e}");
-                        self.splicing.set(false);
+                    // Short: the image shrank, and the ordinary path clamps to its new end.
+                    other => {
+                        if let Err(e) = other {
+                            tracing::debug!("queue stops splicing READ replies: {e}");
+                            self.splicing.set(false);
+                        }
                         (b, reply) = self
                             .server
                             .serve_legacy(&self.eng, &layout, b, n, false)
