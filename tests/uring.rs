@@ -199,6 +199,45 @@ fn queue_depth_128_keeps_data_intact() {
     verify_at_depth("128");
 }
 
+/// `--handoff always`: every request is handed, with its ring entry, to the next queue thread,
+/// which serves it and commits it from its own ring (so the entry's next request arrives there,
+/// and is handed on again). Four fio verify jobs over both threads read back what they wrote,
+/// the image equals the export, every request but the ones the fallback reader took crossed
+/// threads, and nothing was copied in userspace on the way.
+#[test]
+fn requests_handed_between_queue_threads_keep_data_intact() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    if !require_uring() || !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    for extra in [None, Some("--direct")] {
+        let mut args = vec![
+            "--transport",
+            "uring",
+            "--passthrough",
+            "off",
+            "--queues",
+            "2",
+            "--handoff",
+            "always",
+        ];
+        args.extend(extra);
+        let st = verified_fio_run("uring-handoff", 54, &args);
+        let stats = st.stats();
+        assert_eq!(stats["transport"], "io_uring", "{stats}");
+        let handed = st.stat(&["handed_off"]);
+        let requests = st.stat(&["requests"]);
+        assert!(
+            handed > 0 && handed + 64 >= requests,
+            "{extra:?}: every request delivered to a ring entry was handed off ({handed} of \
+             {requests}): {stats}"
+        );
+        assert!(st.stat(&["backend", "bytes_written"]) > 0, "{stats}");
+        assert_eq!(st.stat(&["copied_bytes"]), 0, "{stats}");
+    }
+}
+
 /// READ data is read from the image straight into the ring entry's payload and WRITE data goes
 /// from the payload straight to the image: the userspace copy counter stays 0, on both
 /// transports, with and without O_DIRECT on the image.

@@ -6,12 +6,18 @@
 //! gone. Ring operations that touch a buffer take the `Buf` (or a [`Slice`] of it) by value and
 //! give it back with their result: while the kernel may write into it, no task can reach it.
 //! Dropping a `Buf` returns it to its pool's free list (no allocation: the list is sized once).
+//!
+//! A `Buf` belongs to one thread. To hand a buffer to another queue thread (an io_uring entry
+//! moving to a less busy queue, see `server::slots`) it becomes a [`SendBuf`] for the trip: the
+//! pool's memory is shared through an `Arc`, so it stays allocated for as long as any thread holds
+//! one of its buffers, and an engine uses a buffer as a fixed buffer only if it is its own pool's.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::cell::{Cell, RefCell};
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Alignment of every buffer: a page, which satisfies O_DIRECT on any device fusex will meet.
 pub const BUF_ALIGN: usize = 4096;
@@ -47,15 +53,23 @@ impl Drop for RawBuf {
     }
 }
 
-/// The buffers of one engine: their memory and the free list.
+// SAFETY: a `RawBuf` is an owned heap allocation of plain bytes with no thread affinity; moving
+// the owner to another thread moves nothing but the address.
+unsafe impl Send for RawBuf {}
+// SAFETY: `&RawBuf` exposes only the address and length, never the bytes.
+unsafe impl Sync for RawBuf {}
+
+/// The buffers of one engine: their memory and the free list. Shared (`Arc`) so a buffer on its
+/// way to, or in use by, another thread keeps the memory alive; the free list is touched when a
+/// slot takes or gives back its buffer (at queue start and end), not per request.
 pub(crate) struct Pool {
     bufs: Vec<RawBuf>,
-    free: RefCell<Vec<u16>>,
-    registered: Cell<bool>,
+    free: Mutex<Vec<u16>>,
+    registered: AtomicBool,
 }
 
 impl Pool {
-    pub(crate) fn new(count: usize, size: usize) -> Option<Rc<Pool>> {
+    pub(crate) fn new(count: usize, size: usize) -> Option<Arc<Pool>> {
         if count > usize::from(u16::MAX) {
             return None;
         }
@@ -65,10 +79,10 @@ impl Pool {
         }
         // Handed out lowest index first.
         let free = (0..count as u16).rev().collect();
-        Some(Rc::new(Pool {
+        Some(Arc::new(Pool {
             bufs,
-            free: RefCell::new(free),
-            registered: Cell::new(false),
+            free: Mutex::new(free),
+            registered: AtomicBool::new(false),
         }))
     }
 
@@ -83,42 +97,63 @@ impl Pool {
     }
 
     pub(crate) fn set_registered(&self) {
-        self.registered.set(true);
+        self.registered.store(true, Ordering::Relaxed);
     }
 
     pub(crate) fn registered(&self) -> bool {
-        self.registered.get()
+        self.registered.load(Ordering::Relaxed)
+    }
+
+    fn free_list(&self) -> std::sync::MutexGuard<'_, Vec<u16>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn len(&self) -> usize {
         self.bufs.len()
     }
 
-    pub(crate) fn take(self: &Rc<Self>) -> Option<Buf> {
-        let index = self.free.borrow_mut().pop()?;
+    pub(crate) fn take(self: &Arc<Self>) -> Option<Buf> {
+        let index = self.free_list().pop()?;
         Some(Buf {
-            pool: self.clone(),
-            index,
+            lease: Lease {
+                pool: self.clone(),
+                index,
+            },
+            _thread: PhantomData,
         })
     }
 
     pub(crate) fn available(&self) -> usize {
-        self.free.borrow().len()
+        self.free_list().len()
     }
 }
 
 /// One buffer of an engine's pool, owned: it cannot be used by two owners at once, it keeps the
 /// pool's memory alive, and it goes back to the pool when dropped.
 ///
-/// A `Buf` is `!Send`: it belongs to the queue thread whose engine owns the pool.
+/// A `Buf` is `!Send`: it belongs to the thread that holds it; [`Buf::into_send`] is the one way
+/// across threads.
 pub struct Buf {
-    pool: Rc<Pool>,
+    lease: Lease,
+    _thread: PhantomData<*const ()>,
+}
+
+/// The claim on one index of a pool; giving it up returns the index to the free list.
+struct Lease {
+    pool: Arc<Pool>,
     index: u16,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // The free list was sized for every buffer of the pool: this never allocates.
+        self.pool.free_list().push(self.index);
+    }
 }
 
 impl Buf {
     fn raw(&self) -> &RawBuf {
-        &self.pool.bufs[usize::from(self.index)]
+        &self.lease.pool.bufs[usize::from(self.lease.index)]
     }
 
     /// Length of the whole buffer in bytes (a multiple of [`BUF_ALIGN`]).
@@ -134,12 +169,24 @@ impl Buf {
     /// Index of this buffer in its pool (the fixed-buffer index when registered, the buffer id
     /// when provided to the kernel).
     pub fn index(&self) -> u16 {
-        self.index
+        self.lease.index
     }
 
-    /// Whether the pool is registered with the ring as fixed buffers.
+    /// Whether the pool is registered as fixed buffers with the ring of the engine that made it
+    /// (another engine uses it through its address: see [`Buf::pool_is`]).
     pub fn registered(&self) -> bool {
-        self.pool.registered.get()
+        self.lease.pool.registered()
+    }
+
+    /// Whether this buffer belongs to `pool` (an engine's own buffers may use its fixed-buffer
+    /// indexes; a buffer from another engine's pool may not).
+    pub(crate) fn pool_is(&self, pool: &Arc<Pool>) -> bool {
+        Arc::ptr_eq(&self.lease.pool, pool)
+    }
+
+    /// Readies the buffer to move to another thread (see [`SendBuf`]).
+    pub fn into_send(self) -> SendBuf {
+        SendBuf { lease: self.lease }
     }
 
     /// Start address, for diagnostics and alignment checks (never dereferenced by callers).
@@ -180,17 +227,35 @@ impl Buf {
     }
 }
 
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // The free list was sized for every buffer of the pool: this never allocates.
-        self.pool.free.borrow_mut().push(self.index);
+/// A [`Buf`] on its way to another thread: it owns the buffer (no one else can reach it) and keeps
+/// the pool's memory alive, but gives no access to the bytes until [`SendBuf::into_buf`] on the
+/// receiving thread. Dropped on the way, it returns the buffer to its pool.
+pub struct SendBuf {
+    lease: Lease,
+}
+
+impl SendBuf {
+    /// The buffer, now belonging to the calling thread.
+    pub fn into_buf(self) -> Buf {
+        Buf {
+            lease: self.lease,
+            _thread: PhantomData,
+        }
+    }
+}
+
+impl std::fmt::Debug for SendBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendBuf")
+            .field("index", &self.lease.index)
+            .finish()
     }
 }
 
 impl std::fmt::Debug for Buf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Buf")
-            .field("index", &self.index)
+            .field("index", &self.index())
             .field("len", &self.len())
             .finish()
     }

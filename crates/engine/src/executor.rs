@@ -4,7 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::rc::Rc;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Waker};
@@ -162,13 +162,51 @@ pub struct Engine {
     remote: Arc<RemoteShared>,
     remote_buf: Box<[u8; 8]>,
     remote_armed: Cell<bool>,
-    pool: Rc<Pool>,
+    pub(crate) pool: Arc<Pool>,
     /// Descriptors registered as the ring's fixed files (index = position).
     files: RefCell<Vec<std::os::fd::RawFd>>,
     spin: Duration,
     drop_wait: Duration,
     stats: Cell<EngineStats>,
     load: Cell<u32>,
+    gauge: Arc<Gauge>,
+    window: Cell<GaugeWindow>,
+}
+
+/// How much work an engine's thread has, for other threads deciding whether to hand it more:
+/// the tasks its last loop turn woke (0 while it waits in the ring), and how much local work
+/// (see [`Engine::note_local`]) it counted in its last window of a few milliseconds. Relaxed
+/// stores once per loop turn, no lock.
+#[derive(Debug, Default)]
+pub struct Gauge {
+    ready: std::sync::atomic::AtomicU32,
+    local: std::sync::atomic::AtomicU32,
+}
+
+/// How long [`Gauge::local`] counts over.
+const GAUGE_WINDOW: Duration = Duration::from_millis(2);
+
+impl Gauge {
+    /// Tasks the thread had to run after its last completion reap (0: waiting for work).
+    pub fn get(&self) -> u32 {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Work items the thread counted as local (see [`Engine::note_local`]) in its last window.
+    pub fn local(&self) -> u32 {
+        self.local.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, v: u32) {
+        self.ready.store(v, Ordering::Relaxed);
+    }
+}
+
+/// The engine's side of its [`Gauge`]: local work counted in the current window.
+#[derive(Clone, Copy)]
+struct GaugeWindow {
+    start: Instant,
+    local: u32,
 }
 
 impl Engine {
@@ -250,6 +288,11 @@ impl Engine {
             drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
             load: Cell::new(0),
+            gauge: Arc::new(Gauge::default()),
+            window: Cell::new(GaugeWindow {
+                start: Instant::now(),
+                local: 0,
+            }),
         })
     }
 
@@ -330,6 +373,25 @@ impl Engine {
     /// 2–3× on 4k randrw QD64 (measured).
     pub fn load(&self) -> u32 {
         self.load.get()
+    }
+
+    /// This engine's [`Gauge`], for other threads.
+    pub fn gauge(&self) -> Arc<Gauge> {
+        self.gauge.clone()
+    }
+
+    /// Counts one item of local work for the [`Gauge`] (a queue thread: a request whose
+    /// submitter runs on this thread's CPU).
+    pub fn note_local(&self) {
+        let mut w = self.window.get();
+        w.local = w.local.saturating_add(1);
+        self.window.set(w);
+    }
+
+    /// Tasks woken and waiting for their turn behind the one running now: work this thread has
+    /// queued up.
+    pub fn backlog(&self) -> usize {
+        self.ready.borrow().len()
     }
 
     /// The task being polled right now, if any.
@@ -606,6 +668,9 @@ impl Engine {
             }
         }
         let want = usize::from(block && ring.completion().is_empty());
+        if want > 0 {
+            self.gauge.set(0);
+        }
         if want > 0 || !ring.submission().is_empty() {
             st.enters += 1;
             submit_retry(&ring, want)?;
@@ -617,6 +682,9 @@ impl Engine {
         }
         st.completions += woken;
         self.stats.set(st);
+        self.gauge
+            .set(u32::try_from(self.ready.borrow().len()).unwrap_or(u32::MAX));
+        self.close_window();
         Ok(())
     }
 
@@ -644,6 +712,19 @@ impl Engine {
                     None => {}
                 }
             }
+        }
+    }
+
+    /// Publishes the local work of the gauge's window once the window is over.
+    fn close_window(&self) {
+        let w = self.window.get();
+        let now = Instant::now();
+        if now.saturating_duration_since(w.start) >= GAUGE_WINDOW {
+            self.gauge.local.store(w.local, Ordering::Relaxed);
+            self.window.set(GaugeWindow {
+                start: now,
+                local: 0,
+            });
         }
     }
 
@@ -734,7 +815,7 @@ impl Engine {
     /// what dropping an engine with operations in flight frees.
     #[doc(hidden)]
     pub fn pool_watch(&self) -> PoolWatch {
-        PoolWatch(Rc::downgrade(&self.pool))
+        PoolWatch(Arc::downgrade(&self.pool))
     }
 }
 
@@ -769,7 +850,7 @@ fn current_remote() -> *const RemoteShared {
 
 /// Whether an engine's buffer memory is still allocated (see [`Engine::pool_watch`]).
 #[doc(hidden)]
-pub struct PoolWatch(std::rc::Weak<Pool>);
+pub struct PoolWatch(std::sync::Weak<Pool>);
 
 impl PoolWatch {
     /// True while anything (a [`Buf`], the engine, a deliberate leak) keeps the pool alive.

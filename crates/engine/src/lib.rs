@@ -29,8 +29,8 @@ mod ops;
 pub mod remote;
 pub mod sync;
 
-pub use buf::{Buf, Slice, BUF_ALIGN};
-pub use executor::{Engine, EngineConfig, EngineStats, PoolWatch, TaskId};
+pub use buf::{Buf, SendBuf, Slice, BUF_ALIGN};
+pub use executor::{Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId};
 pub use multishot::{BufGroup, Completion, MultiOp};
 pub use net::{BytesOp, NetSliceOp, Timeout};
 pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};

@@ -87,11 +87,17 @@ fn sqe_with_len(sqe: Sqe, len: u32) -> Sqe {
 }
 
 impl Engine {
+    /// Whether `buf` can be named by its fixed-buffer index on this ring: it is this engine's
+    /// own and the pool is registered (a buffer from another queue's engine goes by address).
+    fn fixed(&self, buf: &Buf) -> bool {
+        buf.registered() && buf.pool_is(&self.pool)
+    }
+
     /// Reads into `win` from `fd` at `off` (`READ_FIXED` when the pool is registered). Returns
     /// the bytes read (short at end of file) and the window.
     pub fn read(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr(), len32(win.len()));
-        let sqe: Sqe = if win.buf().registered() {
+        let sqe: Sqe = if self.fixed(win.buf()) {
             let index = win.buf().index();
             with_fd!(self.target(fd), |f| opcode::ReadFixed::new(
                 f, ptr, len, index
@@ -112,7 +118,7 @@ impl Engine {
     /// Writes `win` to `fd` at `off` (`WRITE_FIXED` when the pool is registered). Returns the
     /// bytes written (possibly short) and the window.
     pub fn write(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
-        let fixed = win.buf().registered();
+        let fixed = self.fixed(win.buf());
         self.write_as(fd, win, off, fixed)
     }
 

@@ -123,6 +123,20 @@ impl Remote {
         self.shared.wake(task);
     }
 
+    /// Schedules `task` like [`Remote::wake`], but from a thread that runs an engine of its own
+    /// the wakeup goes out as an `IORING_OP_MSG_RING` with that thread's next submission (no
+    /// system call, no lock of the target's queue); elsewhere through the eventfd.
+    pub fn wake_by_ring(&self, task: TaskId) {
+        if crate::executor::wake_local(&self.shared, task) {
+            return;
+        }
+        if crate::executor::wake_by_msg_ring(&self.shared, task) {
+            self.shared.wakes.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.wake(task);
+    }
+
     pub(crate) fn waker_for(&self, task: TaskId) -> Waker {
         Waker::from(Arc::new(TaskWaker {
             remote: self.clone(),

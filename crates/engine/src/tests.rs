@@ -394,3 +394,44 @@ fn engine_errors_print_the_os_error_once() {
         assert_eq!(e.to_string().matches("(os error 1)").count(), 1, "{e}");
     }
 }
+
+/// A buffer of one engine's registered pool, sent to another thread, is read into and written
+/// from by that thread's engine by address (its fixed-buffer index means nothing on that ring),
+/// and its memory outlives the engine that made it.
+#[test]
+fn a_buffer_sent_to_another_thread_works_on_that_threads_ring() {
+    let mut f = tempfile::tempfile().unwrap();
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 13 % 251) as u8).collect();
+    f.write_all(&data).unwrap();
+    let raw = f.as_raw_fd();
+    let home = engine(2, true);
+    assert!(home.buffers_registered());
+    let watch = home.pool_watch();
+    // The other thread's pool is registered too, at the same indexes: a fixed READ by index
+    // would land in the wrong memory there.
+    let (tx, rx) = mpsc::channel();
+    let sent = home.take_buffer().unwrap().into_send();
+    drop(home);
+    let t = std::thread::spawn(move || {
+        let other = engine(2, true);
+        let buf = sent.into_buf();
+        let fd = Fd::Raw(raw);
+        let (n, win) = other
+            .block_on(other.read(fd, buf.slice(0..4000), 10))
+            .unwrap();
+        assert_eq!(n.unwrap(), 4000);
+        let (n, win) = other.block_on(other.write(fd, win, 30_000)).unwrap();
+        assert_eq!(n.unwrap(), 4000);
+        tx.send(win.into_inner().into_send()).unwrap();
+    });
+    t.join().unwrap();
+    let back = rx.recv().unwrap().into_buf();
+    assert_eq!(&back.as_slice()[..4000], &data[10..4010]);
+    let mut on_disk = vec![0u8; 4000];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut on_disk, 30_000).unwrap();
+    assert_eq!(on_disk, &data[10..4010]);
+    // The engine that made it is gone; the buffer kept the memory alive until now.
+    assert!(watch.alive());
+    drop(back);
+    assert!(!watch.alive());
+}

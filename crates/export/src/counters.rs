@@ -48,6 +48,8 @@ pub struct Counters {
     pub bytes_copied: Counter,
     /// READ bytes the kernel spliced from the image into the reply (never in fusex's memory).
     pub bytes_spliced: Counter,
+    /// io_uring requests this queue handed, with their entry, to another queue thread.
+    pub handed_off: Counter,
 }
 
 impl Default for Counters {
@@ -62,6 +64,7 @@ impl Default for Counters {
             bytes_written: Counter::default(),
             bytes_copied: Counter::default(),
             bytes_spliced: Counter::default(),
+            handed_off: Counter::default(),
         }
     }
 }
@@ -99,6 +102,10 @@ impl Counters {
     pub fn copied(&self, bytes: usize) {
         bump(&self.bytes_copied, bytes as u64);
     }
+    /// Counts a request handed to another queue thread with its entry.
+    pub fn handed_off(&self) {
+        bump(&self.handed_off, 1);
+    }
     pub(crate) fn flush(&self) {
         bump(&self.backend_flushes, 1);
     }
@@ -116,6 +123,7 @@ impl Counters {
             bytes_written: self.bytes_written.get(),
             bytes_copied: self.bytes_copied.get(),
             bytes_spliced: self.bytes_spliced.get(),
+            handed_off: self.handed_off.get(),
         }
     }
 }
@@ -141,6 +149,8 @@ pub struct Snapshot {
     pub bytes_copied: u64,
     /// READ bytes spliced from the image.
     pub bytes_spliced: u64,
+    /// Requests handed to another queue thread.
+    pub handed_off: u64,
 }
 
 impl Default for Snapshot {
@@ -168,6 +178,7 @@ impl Snapshot {
         self.bytes_written += o.bytes_written;
         self.bytes_copied += o.bytes_copied;
         self.bytes_spliced += o.bytes_spliced;
+        self.handed_off += o.handed_off;
     }
 
     /// JSON form: `{"requests": n, "ops": {"READ": n, ...}, "backend": {...}}` (zero ops omitted).
@@ -192,6 +203,7 @@ impl Snapshot {
             },
             "copied_bytes": self.bytes_copied,
             "spliced_bytes": self.bytes_spliced,
+            "handed_off": self.handed_off,
         })
     }
 }

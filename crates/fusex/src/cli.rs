@@ -160,6 +160,27 @@ pub enum Affinity {
     Off,
 }
 
+/// `--handoff`: when io_uring queue threads hand requests to each other.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum HandoffArg {
+    /// When a queue is backlogged and another is less busy.
+    Auto,
+    /// Never.
+    Off,
+    /// Every request (tests).
+    Always,
+}
+
+impl From<HandoffArg> for server::Handoff {
+    fn from(a: HandoffArg) -> server::Handoff {
+        match a {
+            HandoffArg::Auto => server::Handoff::Auto,
+            HandoffArg::Off => server::Handoff::Off,
+            HandoffArg::Always => server::Handoff::Always,
+        }
+    }
+}
+
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
@@ -306,6 +327,12 @@ pub struct MountArgs {
     /// it saved no server CPU (docs/design.md).
     #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, default_value = "0", hide = true)]
     pub splice_min: u64,
+    /// io_uring with several queues: a queue thread with requests queued up hands some, with
+    /// their ring entries, to a less busy queue thread, and entries go home when their own
+    /// thread is idle (`auto`); `off`: each thread serves the entries it registered; `always`:
+    /// every request moves to the next thread (tests). See docs/uring.md.
+    #[arg(long, value_enum, default_value_t = HandoffArg::Auto)]
+    pub handoff: HandoffArg,
     /// Seconds a request may go unanswered before the kernel aborts the connection, so that no
     /// application hangs forever on a wedged daemon (Linux 6.14+; 0: none). The kernel raises
     /// values below 15 to 15, checks every 15 s, and caps the value at fs.fuse.max_request_timeout

@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use engine::{Engine, EngineConfig, EngineStats, Remote, TaskId};
 use export::{Counters, Export, Snapshot};
-use server::{QueueServer, QueueState};
+use server::{Crew, Handoff, QueueServer, QueueState};
 use transport::{Layout, LegacyQueue, UringLayout, UringQueue};
 
 /// Slots of the legacy reader that an io_uring queue 0 keeps for requests sent before the ring
@@ -29,11 +29,12 @@ pub enum Source {
     /// Read `/dev/fuse` (this fd is the mount's or a clone).
     Legacy(OwnedFd),
     /// FUSE-over-io_uring on the connection `fd` for kernel queues `qids`; `legacy` is a cloned
-    /// fd for queue 0's fallback reader.
+    /// fd for queue 0's fallback reader. The queue threads of one connection form `crew`.
     Uring {
         fd: Arc<OwnedFd>,
         qids: Vec<u16>,
         legacy: Option<OwnedFd>,
+        crew: Arc<Crew>,
     },
 }
 
@@ -113,7 +114,18 @@ pub fn run(
     if let Some(cpu) = spec.cpu {
         crate::affinity::pin_current_thread(cpu);
     }
-    match serve(spec, export, stop, &events) {
+    let crew = match &spec.source {
+        Source::Uring { crew, .. } => Some(crew.clone()),
+        Source::Legacy(_) => None,
+    };
+    let outcome = serve(spec, export, stop, &events);
+    if let Some(crew) = crew {
+        // Normally every entry has ended and the crew closed already. A thread that failed
+        // early (or whose ring failed) closes it so the others' spare carriers, waiting for
+        // entries from it, do not wait forever.
+        crew.close();
+    }
+    match outcome {
         Ok(report) => {
             let _ = events.send(Event::Ended {
                 id,
@@ -139,16 +151,21 @@ fn serve(
     let uring_layout = UringLayout::new(spec.max_write);
     let (legacy_fd, legacy_depth, uring) = match spec.source {
         Source::Legacy(fd) => (Some(fd), spec.depth, None),
-        Source::Uring { fd, qids, legacy } => {
+        Source::Uring {
+            fd,
+            qids,
+            legacy,
+            crew,
+        } => {
             let n = if legacy.is_some() {
                 URING_LEGACY_SLOTS
             } else {
                 0
             };
-            (legacy, n, Some((fd, qids)))
+            (legacy, n, Some((fd, qids, crew)))
         }
     };
-    let uring_slots = uring.as_ref().map_or(0, |(_, q)| q.len() * spec.depth);
+    let uring_slots = uring.as_ref().map_or(0, |(_, q, _)| q.len() * spec.depth);
     let mut cfg = EngineConfig {
         sq_entries: ((legacy_depth + uring_slots) * 2 + 8) as u32,
         buffers: legacy_depth + uring_slots,
@@ -183,7 +200,7 @@ fn serve(
         None => None,
     };
     // The connection fd io_uring commands are issued on stays open for as long as the engine runs.
-    let conn = uring.as_ref().map(|(fd, _)| fd.clone());
+    let conn = uring.as_ref().map(|(fd, _, _)| fd.clone());
     if spec.fixed_files {
         use std::os::fd::AsRawFd;
         // Not the legacy /dev/fuse fd: a multishot READ of it as a fixed file fails with EBADFD.
@@ -237,13 +254,29 @@ fn serve(
             });
         }
     }
-    if let Some((fd, qids)) = uring {
+    if let Some((fd, qids, crew)) = uring {
         use std::os::fd::AsRawFd;
-        for qid in qids {
-            let q = Rc::new(UringQueue::new(fd.as_raw_fd(), qid, uring_layout));
+        // Every kernel queue, since an entry of any of them may be handed to this thread.
+        let queues: Vec<Rc<UringQueue>> = (0..crew.qids())
+            .map(|q| Rc::new(UringQueue::new(fd.as_raw_fd(), q as u16, uring_layout)))
+            .collect();
+        st.join_crew(crew.clone(), spec.id, queues.clone());
+        for &qid in &qids {
+            let q = queues
+                .get(usize::from(qid))
+                .context("kernel queue outside the crew")?;
             for _ in 0..spec.depth {
                 eng.spawn(st.clone().uring_slot(q.clone(), take()?));
             }
+        }
+        if crew.mode() != Handoff::Off {
+            // One carrier per entry of the connection, so this thread can hold them all.
+            let spares = (crew.qids() - qids.len()) * spec.depth;
+            for _ in 0..spares {
+                eng.spawn(st.clone().uring_spare());
+            }
+            let dock = eng.spawn(st.clone().dock());
+            crew.board(spec.id, eng.gauge(), eng.remote(), dock);
         }
     }
     // Everything that needed privileges is done (ring, registered buffers, fixed files); nothing

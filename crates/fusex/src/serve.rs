@@ -466,7 +466,13 @@ fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
 }
 
 /// Request sources for each queue thread.
-fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> {
+fn sources(
+    mnt: &mut Mount,
+    threads: usize,
+    uring: bool,
+    depth: usize,
+    handoff: server::Handoff,
+) -> Result<Vec<Source>> {
     let fd = mnt.take_fd().context("mount fd")?;
     if !uring {
         let mut v = Vec::with_capacity(threads);
@@ -481,11 +487,13 @@ fn sources(mnt: &mut Mount, threads: usize, uring: bool) -> Result<Vec<Source>> 
     let qids = crate::affinity::possible_cpus();
     let fd = Arc::new(fd);
     let mut legacy = Some(legacy);
+    let crew = server::Crew::new(threads, qids, depth, handoff);
     Ok((0..threads)
         .map(|t| Source::Uring {
             fd: fd.clone(),
             qids: (t..qids).step_by(threads).map(|q| q as u16).collect(),
             legacy: legacy.take(),
+            crew: crew.clone(),
         })
         .collect())
 }
@@ -549,7 +557,11 @@ fn run_queues(
     };
     let mut known_size = export.backend().size();
     let mut threads = Vec::with_capacity(nq);
-    for (id, source) in sources(mnt, nq, neg.uring)?.into_iter().enumerate() {
+    let handoff = args.handoff.into();
+    for (id, source) in sources(mnt, nq, neg.uring, neg.plan.depth, handoff)?
+        .into_iter()
+        .enumerate()
+    {
         let spec = QueueSpec {
             id,
             source,

@@ -8,9 +8,11 @@
 //! what the kernel reads. None of this needs a kernel: tests feed bytes in and read bytes out over
 //! a fake backend. [`slots`] runs the per-buffer request loops over the real transports.
 
+pub mod crew;
 pub mod reply;
 mod serve;
 pub mod slots;
 
+pub use crew::{Crew, Handoff};
 pub use serve::{LegacyReply, QueueServer};
 pub use slots::QueueState;

@@ -5,14 +5,34 @@
 //! [`QueueState::is_quiet`] (every request taken has been answered) the owner may end the
 //! connection, which ends the loops still waiting in the kernel.
 
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell, RefCell};
+use std::collections::VecDeque;
+use std::future::poll_fn;
 use std::rc::Rc;
+use std::sync::Arc;
+use std::task::Poll;
 
 use backend::BlockBackend;
 use engine::{Buf, Engine, TaskId};
-use transport::{Fetched, LegacyQueue, ReadOutcome, Spliced, UringQueue};
+use transport::{Fetched, LegacyQueue, ReadOutcome, Spliced, TransportError, UringQueue};
 
+use crate::crew::{Crew, Handoff, Migrant};
 use crate::{LegacyReply, QueueServer};
+
+/// This thread's place in a [`Crew`]: the io_uring queues it may be handed entries of, and the
+/// entries handed to it that wait for a carrier.
+struct Seat {
+    crew: Arc<Crew>,
+    me: usize,
+    /// Every kernel queue, by qid (an entry of any of them may be handed here).
+    queues: Vec<Rc<UringQueue>>,
+    /// Entries taken from the inbox, not yet picked up by a carrier.
+    arrived: RefCell<VecDeque<Migrant>>,
+    /// Carriers waiting for an entry.
+    idle: RefCell<Vec<TaskId>>,
+    /// The dock's scratch list (sized once, reused).
+    scratch: RefCell<Vec<Migrant>>,
+}
 
 /// State the request loops of one queue share (single-threaded).
 pub struct QueueState<B> {
@@ -34,6 +54,8 @@ pub struct QueueState<B> {
     watcher: Cell<Option<TaskId>>,
     /// Large legacy READs may be spliced (off for good once making a pipe failed).
     splicing: Cell<bool>,
+    /// The crew of io_uring queue threads this one hands entries to and takes them from.
+    seat: OnceCell<Seat>,
 }
 
 impl<B: BlockBackend> QueueState<B> {
@@ -51,7 +73,105 @@ impl<B: BlockBackend> QueueState<B> {
             in_service: Cell::new(0),
             watcher: Cell::new(None),
             splicing: Cell::new(true),
+            seat: OnceCell::new(),
         })
+    }
+
+    /// Makes this queue thread member `me` of `crew`, serving any of `queues` (all kernel
+    /// queues, by qid). Call before spawning the carriers and the dock.
+    pub fn join_crew(&self, crew: Arc<Crew>, me: usize, queues: Vec<Rc<UringQueue>>) {
+        let cap = crew.qids() * 64;
+        let _ = self.seat.set(Seat {
+            crew,
+            me,
+            queues,
+            arrived: RefCell::new(VecDeque::with_capacity(cap)),
+            idle: RefCell::new(Vec::with_capacity(cap)),
+            scratch: RefCell::new(Vec::with_capacity(cap)),
+        });
+    }
+
+    /// The task that takes in entries other threads hand this one and wakes idle carriers for
+    /// them; ends when the crew closes (every entry has ended). Its id goes to
+    /// [`Crew::board`].
+    pub async fn dock(self: Rc<Self>) {
+        let Some(seat) = self.seat.get() else { return };
+        poll_fn(|_| {
+            let mut got = seat.scratch.borrow_mut();
+            seat.crew.collect(seat.me, &mut got);
+            let n = got.len();
+            seat.arrived.borrow_mut().extend(got.drain(..));
+            let closed = seat.crew.closed();
+            let mut idle = seat.idle.borrow_mut();
+            let wake = if closed {
+                idle.len()
+            } else {
+                n.min(idle.len())
+            };
+            for t in idle.drain(..wake) {
+                self.eng.wake(t);
+            }
+            if closed {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
+    /// The next entry handed to this thread; `None` once the crew has closed.
+    async fn next_migrant(&self) -> Option<Migrant> {
+        let seat = self.seat.get()?;
+        poll_fn(|_| {
+            if let Some(m) = seat.arrived.borrow_mut().pop_front() {
+                return Poll::Ready(Some(m));
+            }
+            if seat.crew.closed() {
+                return Poll::Ready(None);
+            }
+            if let Some(t) = self.eng.current_task() {
+                let mut idle = seat.idle.borrow_mut();
+                if !idle.contains(&t) {
+                    idle.push(t);
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Hands the request `d` in `buf` (an entry of `qid`) to another queue thread if the crew's
+    /// policy says so; gives the buffer back if it stays here.
+    fn hand_off(&self, qid: u16, d: &transport::Delivered, buf: Buf) -> Option<Buf> {
+        let Some(seat) = self.seat.get() else {
+            return Some(buf);
+        };
+        if self.stopping.get() || seat.crew.mode() == Handoff::Off {
+            return Some(buf);
+        }
+        let Some(to) = seat.crew.target(seat.me, qid, self.eng.backlog()) else {
+            return Some(buf);
+        };
+        let m = Migrant {
+            buf: buf.into_send(),
+            qid,
+            delivered: *d,
+        };
+        match seat.crew.send(to, m) {
+            Ok(()) => {
+                self.server.counters().handed_off();
+                None
+            }
+            Err(m) => Some(m.buf.into_buf()),
+        }
+    }
+
+    /// An entry ended on this thread (no more requests will come through it).
+    fn entry_ended(&self) {
+        if let Some(seat) = self.seat.get() {
+            seat.crew.entry_ended();
+        }
     }
 
     /// The queue's engine.
@@ -206,16 +326,82 @@ impl<B: BlockBackend> QueueState<B> {
     }
 
     /// The loop of one io_uring entry: register `buf`, then serve each request delivered into it
-    /// and commit the reply, which fetches the next.
+    /// and commit the reply, which fetches the next. In a crew the entry may be handed to
+    /// another thread; this task then carries entries handed to this thread (see
+    /// [`QueueState::uring_spare`]).
     pub async fn uring_slot(self: Rc<Self>, q: Rc<UringQueue>, buf: Buf) {
+        let (fetched, buf) = q.register(&self.eng, buf).await;
+        self.carry(Some((q, fetched, buf))).await
+    }
+
+    /// A carrier without an entry of its own: it serves entries other threads hand this one.
+    pub async fn uring_spare(self: Rc<Self>) {
+        self.carry(None).await
+    }
+
+    async fn carry(&self, first: Option<(Rc<UringQueue>, Result<Fetched, TransportError>, Buf)>) {
+        let mut held = first;
+        loop {
+            let (q, fetched, buf, handed) = match held.take() {
+                Some((q, f, b)) => (q, f, b, false),
+                None => {
+                    let Some(m) = self.next_migrant().await else {
+                        return;
+                    };
+                    let q = self
+                        .seat
+                        .get()
+                        .and_then(|s| s.queues.get(usize::from(m.qid)).cloned());
+                    let Some(q) = q else {
+                        // Only a crew built for more kernel queues than this thread knows.
+                        self.entry_ended();
+                        return self.end(Some(format!("entry of unknown queue {}", m.qid)));
+                    };
+                    (q, Ok(Fetched::Request(m.delivered)), m.buf.into_buf(), true)
+                }
+            };
+            if !self.serve_entry(&q, fetched, buf, handed).await {
+                return;
+            }
+        }
+    }
+
+    /// Serves the requests of one entry until it is handed to another thread (returns true) or
+    /// ends (false). A request that was `handed` here is served here: handing it on again could
+    /// bounce it between threads.
+    async fn serve_entry(
+        &self,
+        q: &UringQueue,
+        mut fetched: Result<Fetched, TransportError>,
+        mut buf: Buf,
+        mut handed: bool,
+    ) -> bool {
         let layout = q.layout();
-        let (mut fetched, mut buf) = q.register(&self.eng, buf).await;
         loop {
             let d = match fetched {
                 Ok(Fetched::Request(d)) => d,
-                Ok(Fetched::Gone) => return self.end(None),
-                Err(e) => return self.end(Some(format!("io_uring queue {}: {e}", q.qid()))),
+                Ok(Fetched::Gone) => {
+                    self.entry_ended();
+                    self.end(None);
+                    return false;
+                }
+                Err(e) => {
+                    self.entry_ended();
+                    self.end(Some(format!("io_uring queue {}: {e}", q.qid())));
+                    return false;
+                }
             };
+            if let Some(seat) = self.seat.get() {
+                if seat.crew.home(q.qid()) == seat.me {
+                    self.eng.note_local();
+                }
+            }
+            if !std::mem::take(&mut handed) {
+                buf = match self.hand_off(q.qid(), &d, buf) {
+                    Some(b) => b,
+                    None => return true,
+                };
+            }
             self.enter();
             if self.stopping.get() {
                 // Stopping: take nothing new. The application sees the connection go away.

@@ -1,7 +1,7 @@
 //! Misuse: sending a buffer to another thread.
 //!
-//! A `Buf` shares its pool (free list, memory) with its engine through an `Rc`, and belongs to the
-//! queue thread that owns that engine: it is `!Send`, so `thread::spawn` rejects it (E0277).
+//! A `Buf` belongs to the thread that holds it: it is `!Send`, so `thread::spawn` rejects it
+//! (E0277). The one way across is `Buf::into_send`, which gives no access to the bytes on the way.
 
 use engine::{Engine, EngineConfig};
 

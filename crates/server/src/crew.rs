@@ -1,0 +1,333 @@
+//! Handing io_uring entries between queue threads.
+//!
+//! The kernel delivers a FUSE-over-io_uring request to the queue of the CPU its submitter runs
+//! on, so one busy application keeps one queue thread busy on its own CPU while the other queue
+//! threads idle. But the kernel does not tie an entry to the ring that registered it: the ring
+//! that commits an entry's reply (`COMMIT_AND_FETCH`) gets its next request. So a backlogged
+//! thread can hand a delivered request, with its entry, to an idle sibling, which serves it,
+//! commits it from its own ring and keeps the entry; and an entry abroad goes home once its home
+//! thread is idle again, so a lone request at queue depth 1 is served on the submitter's CPU.
+//!
+//! A [`Crew`] is shared by the queue threads of one export. Each thread has a [`Harbor`] in it:
+//! the entries others handed it, the task that takes them in, and the thread's load
+//! ([`engine::Gauge`]). An entry in transit is a [`Migrant`]: its buffer as a
+//! [`engine::SendBuf`] (the memory stays allocated while any thread holds it), its kernel queue
+//! and the request already in it.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use engine::{Gauge, Remote, SendBuf, TaskId};
+use transport::Delivered;
+
+/// When a queue thread hands requests to another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handoff {
+    /// Never: each thread serves the entries it registered.
+    Off,
+    /// When this thread has requests queued behind the current one and another thread has
+    /// fewer; an entry goes back to its home thread once that one is idle.
+    Auto,
+    /// Every request goes to the next thread (tests: every request crosses threads).
+    Always,
+}
+
+/// An entry in transit between threads: its buffer, its kernel queue, the request it holds.
+#[derive(Debug)]
+pub struct Migrant {
+    /// The entry's buffer (header area and payload).
+    pub buf: SendBuf,
+    /// The kernel queue the entry belongs to.
+    pub qid: u16,
+    /// The request the kernel delivered into it, not yet served.
+    pub delivered: Delivered,
+}
+
+/// One queue thread's place in the crew.
+#[derive(Default)]
+pub struct Harbor {
+    inbox: Mutex<Vec<Migrant>>,
+    /// Entries pushed into `inbox` and not yet taken (read without the lock).
+    queued: AtomicU32,
+    /// The thread's load, once it runs.
+    gauge: OnceLock<Arc<Gauge>>,
+    /// The task that takes entries in, and how to wake it.
+    dock: OnceLock<(Remote, TaskId)>,
+    /// A wakeup of the dock is on its way (saves sending another).
+    woken: AtomicBool,
+}
+
+/// The queue threads of one export that may hand entries to each other.
+pub struct Crew {
+    harbors: Vec<Harbor>,
+    mode: Handoff,
+    /// Kernel queues; queue `qid` was registered by thread `qid % threads`.
+    qids: usize,
+    /// Entries registered and not yet ended: when it drops to 0 every dock closes.
+    alive: AtomicUsize,
+    closed: AtomicBool,
+}
+
+impl Crew {
+    /// A crew of `threads` threads serving `qids` kernel queues with `depth` entries each.
+    pub fn new(threads: usize, qids: usize, depth: usize, mode: Handoff) -> Arc<Crew> {
+        let mode = if threads < 2 { Handoff::Off } else { mode };
+        Arc::new(Crew {
+            harbors: (0..threads).map(|_| Harbor::default()).collect(),
+            mode,
+            qids,
+            alive: AtomicUsize::new(qids * depth),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Threads in the crew.
+    pub fn threads(&self) -> usize {
+        self.harbors.len()
+    }
+
+    /// Kernel queues served.
+    pub fn qids(&self) -> usize {
+        self.qids
+    }
+
+    /// The handoff policy.
+    pub fn mode(&self) -> Handoff {
+        self.mode
+    }
+
+    /// The thread that registered the entries of kernel queue `qid`.
+    pub fn home(&self, qid: u16) -> usize {
+        usize::from(qid) % self.threads().max(1)
+    }
+
+    /// Thread `me` is running: its load and dock task become visible to the others.
+    pub fn board(&self, me: usize, gauge: Arc<Gauge>, remote: Remote, dock: TaskId) {
+        if let Some(h) = self.harbors.get(me) {
+            let _ = h.gauge.set(gauge);
+            let _ = h.dock.set((remote, dock));
+        }
+    }
+
+    /// Load of thread `t`: the work its last loop turn found, plus entries waiting in its inbox.
+    fn load(&self, t: usize) -> u32 {
+        let h = &self.harbors[t];
+        let queued = h.queued.load(Ordering::Relaxed);
+        match h.gauge.get() {
+            Some(g) => g.get().saturating_add(queued),
+            // Not running yet: not a place to send work.
+            None => u32::MAX,
+        }
+    }
+
+    /// Requests thread `t` served from its own kernel queues (submitters on its CPU) in its
+    /// last gauge window.
+    fn local(&self, t: usize) -> u32 {
+        self.harbors[t].gauge.get().map_or(u32::MAX, |g| g.local())
+    }
+
+    /// Where thread `me`, about to serve a request of kernel queue `qid` with `backlog` more
+    /// requests queued behind it, should send it instead: `None` to serve it itself.
+    pub fn target(&self, me: usize, qid: u16, backlog: usize) -> Option<usize> {
+        let n = self.threads();
+        match self.mode {
+            Handoff::Off => None,
+            Handoff::Always => Some((me + 1) % n),
+            Handoff::Auto => auto_target(
+                me,
+                self.home(qid),
+                u32::try_from(backlog).unwrap_or(u32::MAX),
+                n,
+                |t| self.load(t),
+                |t| self.local(t),
+            ),
+        }
+    }
+
+    /// Puts `m` in thread `to`'s inbox and wakes its dock (from a queue thread: the wakeup goes
+    /// out with the caller's next ring submission). Gives `m` back if `to` is not running or the
+    /// crew has closed.
+    pub fn send(&self, to: usize, m: Migrant) -> Result<(), Migrant> {
+        if self.closed() {
+            return Err(m);
+        }
+        let Some(h) = self.harbors.get(to) else {
+            return Err(m);
+        };
+        let Some((remote, dock)) = h.dock.get() else {
+            return Err(m);
+        };
+        h.queued.fetch_add(1, Ordering::Relaxed);
+        h.inbox.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        if !h.woken.swap(true, Ordering::AcqRel) {
+            remote.wake_by_ring(*dock);
+        }
+        Ok(())
+    }
+
+    /// Takes the entries waiting for thread `me` into `into`.
+    pub fn collect(&self, me: usize, into: &mut Vec<Migrant>) {
+        let Some(h) = self.harbors.get(me) else {
+            return;
+        };
+        // Cleared before the inbox is read: a push after this read wakes the dock again.
+        h.woken.store(false, Ordering::Release);
+        let mut inbox = h.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        let n = inbox.len();
+        into.append(&mut inbox);
+        drop(inbox);
+        h.queued
+            .fetch_sub(u32::try_from(n).unwrap_or(u32::MAX), Ordering::Relaxed);
+    }
+
+    /// An entry ended (its connection is gone, or it failed). The last one closes every dock.
+    pub fn entry_ended(&self) {
+        if self.alive.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.close();
+        }
+    }
+
+    /// No entry is left to hand around: every dock and its idle carriers end.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for h in &self.harbors {
+            if let Some((remote, dock)) = h.dock.get() {
+                remote.wake(*dock);
+            }
+        }
+    }
+
+    /// Whether the crew has closed.
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// The `auto` policy, given each thread's load (queued work) and local work (requests from its
+/// own CPU's submitters) in its last window.
+fn auto_target(
+    me: usize,
+    home: usize,
+    backlog: u32,
+    n: usize,
+    load: impl Fn(usize) -> u32,
+    local: impl Fn(usize) -> u32,
+) -> Option<usize> {
+    if home != me {
+        // An entry abroad goes home once home is idle, or once this thread's CPU has comparable
+        // submitters of its own: served away from its submitter's CPU it costs cross-CPU
+        // wakeups, worth paying only for an otherwise idle CPU.
+        let back = (backlog == 0 && load(home) == 0) || local(me).saturating_mul(4) > local(home);
+        return back.then_some(home);
+    }
+    if backlog < 2 {
+        return None;
+    }
+    // To the least loaded thread if it has less queued than this one, and only if its CPU has
+    // far fewer submitters than this one's: between busy CPUs a handoff adds no CPU and costs a
+    // wakeup and the request's cache lines (measured: 4 jobs on 2 queues lost 10-20 % without
+    // this condition).
+    let mine = local(me);
+    let (t, l) = (0..n)
+        .filter(|&t| t != me && local(t).saturating_mul(4) <= mine)
+        .map(|t| (t, load(t)))
+        .min_by_key(|&(_, l)| l)?;
+    (l.saturating_add(1) < backlog).then_some(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::{Engine, EngineConfig};
+
+    fn delivered() -> Delivered {
+        Delivered {
+            header: fuse_abi::InHeader::default(),
+            commit_id: 7,
+            payload_sz: 0,
+        }
+    }
+
+    #[test]
+    fn auto_hands_off_a_backlog_to_an_idle_cpu_only() {
+        let auto = |me, home, backlog, loads: [u32; 2], locals: [u32; 2]| {
+            auto_target(me, home, backlog, 2, |t| loads[t], |t| locals[t])
+        };
+        // One submitter on CPU 0, thread 1 idle: a backlog of 1 stays, of 2 or more moves.
+        assert_eq!(auto(0, 0, 1, [5, 0], [100, 0]), None);
+        assert_eq!(auto(0, 0, 2, [5, 0], [100, 0]), Some(1));
+        // Not to a thread with as much queued.
+        assert_eq!(auto(0, 0, 3, [5, 2], [100, 0]), None);
+        assert_eq!(auto(0, 0, 4, [5, 2], [100, 0]), Some(1));
+        // Not to a CPU with submitters of its own (4 jobs on 2 CPUs), however queued.
+        assert_eq!(auto(0, 0, 30, [5, 0], [100, 30]), None);
+        // Abroad: stays while home is busy and this CPU has no submitters of its own...
+        assert_eq!(auto(1, 0, 0, [5, 0], [100, 0]), None);
+        // ...goes home once home is idle (queue depth 1 after a burst)...
+        assert_eq!(auto(1, 0, 0, [0, 0], [3, 0]), Some(0));
+        // ...or once this CPU has comparable submitters.
+        assert_eq!(auto(1, 0, 3, [5, 1], [100, 30]), Some(0));
+    }
+
+    #[test]
+    fn inbox_counts_as_load_and_buffers_come_through_whole() {
+        let crew = Crew::new(2, 2, 4, Handoff::Auto);
+        let engines: Vec<Engine> = (0..2)
+            .map(|_| {
+                Engine::new(&EngineConfig {
+                    buffers: 2,
+                    buffer_size: 4096,
+                    ..EngineConfig::default()
+                })
+                .unwrap()
+            })
+            .collect();
+        let migrant = |e: &Engine| Migrant {
+            buf: e.take_buffer().unwrap().into_send(),
+            qid: 0,
+            delivered: delivered(),
+        };
+        // Not running yet: nothing is handed to a thread that has not boarded.
+        assert!(crew.send(1, migrant(&engines[0])).is_err());
+        assert_eq!(crew.load(1), u32::MAX);
+        for (t, e) in engines.iter().enumerate() {
+            crew.board(t, e.gauge(), e.remote(), 0);
+        }
+        crew.send(1, migrant(&engines[0])).unwrap();
+        crew.send(1, migrant(&engines[0])).unwrap();
+        assert_eq!(crew.load(1), 2);
+        assert_eq!(engines[0].buffers_available(), 0);
+        let mut got = Vec::new();
+        crew.collect(1, &mut got);
+        assert_eq!(got.len(), 2);
+        assert_eq!(crew.load(1), 0);
+        // Dropped on the receiving side, the buffers go back to their own pool.
+        drop(got);
+        assert_eq!(engines[0].buffers_available(), 2);
+        // A closed crew takes nothing more.
+        crew.close();
+        assert!(crew.send(1, migrant(&engines[0])).is_err());
+    }
+
+    #[test]
+    fn one_thread_never_hands_off_and_the_last_entry_closes_the_crew() {
+        let crew = Crew::new(1, 1, 2, Handoff::Always);
+        assert_eq!(crew.mode(), Handoff::Off);
+        assert_eq!(crew.target(0, 0, 100), None);
+        assert!(!crew.closed());
+        crew.entry_ended();
+        assert!(!crew.closed());
+        crew.entry_ended();
+        assert!(crew.closed());
+    }
+
+    #[test]
+    fn always_sends_every_request_to_the_next_thread() {
+        let crew = Crew::new(3, 3, 1, Handoff::Always);
+        assert_eq!(crew.target(0, 0, 0), Some(1));
+        assert_eq!(crew.target(2, 1, 0), Some(0));
+        assert_eq!(crew.home(4), 1);
+    }
+}
