@@ -95,22 +95,7 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         &["--writable", "--transport", "legacy", "--queues", "4"],
     );
     let mut writes = WriteWatch::new(&img);
-    let mut fio = spawn_fio(
-        &w,
-        &mp,
-        &[
-            "--name=load",
-            "--rw=randrw",
-            "--bs=4k",
-            "--ioengine=libaio",
-            "--iodepth=32",
-            "--numjobs=4",
-            "--time_based",
-            "--runtime=30",
-            "--size=16M",
-        ],
-        1,
-    );
+    let mut fio = spawn_randrw_load(&w, &mp, 32, 4);
     // The signal must land with every queue serving fio's I/O. First the load is on: fio's writes
     // reach the image. Then every queue's live request count (SIGUSR1 dumps) rises past where it
     // stood then. (Thread wake-ups would not do: on the legacy transport every idle clone wakes

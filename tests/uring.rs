@@ -199,6 +199,19 @@ fn queue_depth_128_keeps_data_intact() {
     verify_at_depth("128");
 }
 
+/// Two io_uring queue threads that hand every request on; passthrough off, so reads and writes
+/// both come to fusex.
+const HANDED_ALWAYS: [&str; 8] = [
+    "--transport",
+    "uring",
+    "--passthrough",
+    "off",
+    "--queues",
+    "2",
+    "--handoff",
+    "always",
+];
+
 /// `--handoff always`: every request is handed, with its ring entry, to the next queue thread,
 /// which serves it and commits it from its own ring (so the entry's next request arrives there,
 /// and is handed on again). Four fio verify jobs over both threads read back what they wrote,
@@ -212,16 +225,7 @@ fn requests_handed_between_queue_threads_keep_data_intact() {
         return;
     }
     for extra in [None, Some("--direct")] {
-        let mut args = vec![
-            "--transport",
-            "uring",
-            "--passthrough",
-            "off",
-            "--queues",
-            "2",
-            "--handoff",
-            "always",
-        ];
+        let mut args = HANDED_ALWAYS.to_vec();
         args.extend(extra);
         let st = verified_fio_run("uring-handoff", 54, &args);
         let stats = st.stats();
@@ -236,6 +240,54 @@ fn requests_handed_between_queue_threads_keep_data_intact() {
         assert!(st.stat(&["backend", "bytes_written"]) > 0, "{stats}");
         assert_eq!(st.stat(&["copied_bytes"]), 0, "{stats}");
     }
+}
+
+/// SIGTERM while every request is being handed between the two queue threads: entries are in
+/// inboxes and on foreign rings when the queues stop, yet the daemon answers or refuses each,
+/// flushes, unmounts and exits cleanly (no thread waits forever for an entry).
+#[test]
+fn sigterm_while_requests_are_handed_between_threads_stops_cleanly() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    if !require_uring() || !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let w = WorkDir::new("uring-handoff-stop");
+    let img = w.join("disk.img");
+    random_image(&img, 16 * MIB, 55);
+    let mp = w.join("export");
+    let mut args = vec!["--writable"];
+    args.extend(HANDED_ALWAYS);
+    let m = Mount::start(&w, &img, &mp, &args);
+    let mut writes = WriteWatch::new(&img);
+    let mut fio = spawn_randrw_load(&w, &mp, 32, 2);
+    let deadline = Instant::now() + TIMEOUT;
+    let flowing = writes.wait_for_more_than(0, &mut fio, deadline);
+    assert!(
+        flowing && fio.try_wait().is_none(),
+        "fio's writes did not flow within {TIMEOUT:?}; fusex stderr:\n{}",
+        m.stderr()
+    );
+    let handed = |v: &serde_json::Value| v["handed_off"].as_u64().unwrap_or(0);
+    let before = m.live_stats(deadline).map_or(0, |v| handed(&v));
+    let mut now = before;
+    let moving = wait_until(deadline, || {
+        if let Some(v) = m.live_stats(deadline) {
+            now = handed(&v);
+        }
+        now > before
+    });
+    assert!(
+        moving,
+        "no request was handed between threads within {TIMEOUT:?}: {before} then {now}"
+    );
+    assert!(fio.try_wait().is_none(), "fio ended before the signal");
+    m.signal(libc::SIGTERM);
+    let st = m.wait_exit();
+    fio.kill_and_wait();
+    st.assert_clean("SIGTERM while requests are handed between threads");
+    assert!(!is_fuse_mounted(&mp), "mountpoint is still a FUSE mount");
+    assert!(st.stat(&["handed_off"]) > 0, "{}", st.stats());
 }
 
 /// READ data is read from the image straight into the ring entry's payload and WRITE data goes
@@ -317,21 +369,7 @@ fn unmount_while_fio_runs() {
     let mp = w.join("export");
     let m = Mount::start(&w, &img, &mp, &["--writable", "--transport", "uring"]);
     let mut writes = WriteWatch::new(&img);
-    let mut fio = spawn_fio(
-        &w,
-        &mp,
-        &[
-            "--name=load",
-            "--rw=randrw",
-            "--bs=4k",
-            "--ioengine=libaio",
-            &format!("--iodepth={IODEPTH}"),
-            "--time_based",
-            "--runtime=30",
-            "--size=16M",
-        ],
-        1,
-    );
+    let mut fio = spawn_randrw_load(&w, &mp, IODEPTH as u32, 1);
     // Under load: more of fio's writes reached the image than it keeps in flight, so it is
     // refilling its queue.
     let flowing = writes.wait_for_more_than(IODEPTH, &mut fio, Instant::now() + TIMEOUT);

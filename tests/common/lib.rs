@@ -1714,6 +1714,30 @@ pub fn run_fio(work: &WorkDir, target: &Path, args: &[&str]) -> String {
     text
 }
 
+/// A 30-second 4k random read/write load on `target` with libaio at `iodepth` per job and
+/// `numjobs` jobs, started as [`spawn_fio`] does: the load a test stops, unmounts or signals the
+/// daemon under.
+pub fn spawn_randrw_load(work: &WorkDir, target: &Path, iodepth: u32, numjobs: u32) -> ChildGuard {
+    let iodepth = format!("--iodepth={iodepth}");
+    let numjobs = format!("--numjobs={numjobs}");
+    spawn_fio(
+        work,
+        target,
+        &[
+            "--name=load",
+            "--rw=randrw",
+            "--bs=4k",
+            "--ioengine=libaio",
+            &iodepth,
+            &numjobs,
+            "--time_based",
+            "--runtime=30",
+            "--size=16M",
+        ],
+        1,
+    )
+}
+
 /// Starts fio against `target` in the background and returns once `jobs` processes have the file
 /// open (fio runs its jobs as threads: one process) (so a test can act while I/O is in flight). The guard kills fio when dropped.
 pub fn spawn_fio(work: &WorkDir, target: &Path, args: &[&str], jobs: usize) -> ChildGuard {

@@ -271,7 +271,7 @@ fn serve(
         }
         if crew.mode() != Handoff::Off {
             // One carrier per entry of the connection, so this thread can hold them all.
-            let spares = (crew.qids() - qids.len()) * spec.depth;
+            let spares = crew.entries() - qids.len() * spec.depth;
             for _ in 0..spares {
                 eng.spawn(st.clone().uring_spare());
             }

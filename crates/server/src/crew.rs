@@ -63,6 +63,8 @@ pub struct Crew {
     mode: Handoff,
     /// Kernel queues; queue `qid` was registered by thread `qid % threads`.
     qids: usize,
+    /// Entries of the connection (every kernel queue's).
+    entries: usize,
     /// Entries registered and not yet ended: when it drops to 0 every dock closes.
     alive: AtomicUsize,
     closed: AtomicBool,
@@ -76,6 +78,7 @@ impl Crew {
             harbors: (0..threads).map(|_| Harbor::default()).collect(),
             mode,
             qids,
+            entries: qids * depth,
             alive: AtomicUsize::new(qids * depth),
             closed: AtomicBool::new(false),
         })
@@ -89,6 +92,11 @@ impl Crew {
     /// Kernel queues served.
     pub fn qids(&self) -> usize {
         self.qids
+    }
+
+    /// Entries of the connection: as many as one thread may hold.
+    pub fn entries(&self) -> usize {
+        self.entries
     }
 
     /// The handoff policy.

@@ -80,7 +80,8 @@ impl<B: BlockBackend> QueueState<B> {
     /// Makes this queue thread member `me` of `crew`, serving any of `queues` (all kernel
     /// queues, by qid). Call before spawning the carriers and the dock.
     pub fn join_crew(&self, crew: Arc<Crew>, me: usize, queues: Vec<Rc<UringQueue>>) {
-        let cap = crew.qids() * 64;
+        // Every entry of the connection may end up here at once.
+        let cap = crew.entries();
         let _ = self.seat.set(Seat {
             crew,
             me,
