@@ -170,6 +170,8 @@ pub struct Engine {
     stats: Cell<EngineStats>,
     load: Cell<u32>,
     gauge: Arc<Gauge>,
+    /// Whether anyone took the gauge: until then the loop does not keep it (no clock read).
+    gauge_on: Cell<bool>,
     window: Cell<GaugeWindow>,
 }
 
@@ -289,6 +291,7 @@ impl Engine {
             stats: Cell::new(EngineStats::default()),
             load: Cell::new(0),
             gauge: Arc::new(Gauge::default()),
+            gauge_on: Cell::new(false),
             window: Cell::new(GaugeWindow {
                 start: Instant::now(),
                 local: 0,
@@ -377,6 +380,9 @@ impl Engine {
 
     /// This engine's [`Gauge`], for other threads.
     pub fn gauge(&self) -> Arc<Gauge> {
+        // Kept from now on: a store and a clock read per loop turn, paid only by engines whose
+        // load another thread reads.
+        self.gauge_on.set(true);
         self.gauge.clone()
     }
 
@@ -668,7 +674,7 @@ impl Engine {
             }
         }
         let want = usize::from(block && ring.completion().is_empty());
-        if want > 0 {
+        if want > 0 && self.gauge_on.get() {
             self.gauge.set(0);
         }
         if want > 0 || !ring.submission().is_empty() {
@@ -682,9 +688,11 @@ impl Engine {
         }
         st.completions += woken;
         self.stats.set(st);
-        self.gauge
-            .set(u32::try_from(self.ready.borrow().len()).unwrap_or(u32::MAX));
-        self.close_window();
+        if self.gauge_on.get() {
+            self.gauge
+                .set(u32::try_from(self.ready.borrow().len()).unwrap_or(u32::MAX));
+            self.close_window();
+        }
         Ok(())
     }
 
