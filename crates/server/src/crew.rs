@@ -4,9 +4,10 @@
 //! on, so one busy application keeps one queue thread busy on its own CPU while the other queue
 //! threads idle. But the kernel does not tie an entry to the ring that registered it: the ring
 //! that commits an entry's reply (`COMMIT_AND_FETCH`) gets its next request. So a backlogged
-//! thread can hand a delivered request, with its entry, to an idle sibling, which serves it,
-//! commits it from its own ring and keeps the entry; and an entry abroad goes home once its home
-//! thread is idle again, so a lone request at queue depth 1 is served on the submitter's CPU.
+//! thread can hand a delivered request, with its entry, to a sibling on an idle CPU, which
+//! serves it, commits it from its own ring and keeps the entry; and an entry abroad goes home
+//! once its home thread is idle again, so a lone request at queue depth 1 is served on the
+//! submitter's CPU.
 //!
 //! A [`Crew`] is shared by the queue threads of one export. Each thread has a [`Harbor`] in it:
 //! the entries others handed it, the task that takes them in, and the thread's load
@@ -25,8 +26,9 @@ use transport::Delivered;
 pub enum Handoff {
     /// Never: each thread serves the entries it registered.
     Off,
-    /// When this thread has requests queued behind the current one and another thread has
-    /// fewer; an entry goes back to its home thread once that one is idle.
+    /// When this thread has requests queued behind the current one and a thread with fewer
+    /// queued runs on a CPU with far fewer submitters; an entry goes back to its home thread
+    /// once that one is idle or the CPU holding it gets submitters of its own.
     Auto,
     /// Every request goes to the next thread (tests: every request crosses threads).
     Always,
