@@ -296,34 +296,8 @@ impl Conn {
         self.wait(eng, idx).await;
         std::mem::forget(guard);
         let mut st = self.st.borrow_mut();
-        let slot = &mut st.slots[idx];
-        let win = slot.win.take().or(write);
-        let res = match (slot.error, slot.cmd) {
-            (Some(e), _) => Err(e),
-            (None, Command::Read) if slot.covered != u64::from(slot.len) => {
-                tracing::warn!(
-                    "NBD read of {} bytes at {} answered only {} bytes",
-                    slot.len,
-                    slot.off,
-                    slot.covered
-                );
-                Err(libc::EIO)
-            }
-            _ => Ok(Outcome {
-                extent: slot.extents.first,
-                covered: slot.extents.covered,
-                allocated: slot.extents.allocated,
-            }),
-        };
-        if res.is_ok() {
-            match cmd {
-                Command::Write | Command::Trim | Command::WriteZeroes => st.dirty = true,
-                Command::Flush => st.dirty = false,
-                _ => {}
-            }
-        }
-        free(&mut st, idx);
-        (res, win)
+        let win = st.slots[idx].win.take().or(write);
+        (settle(&mut st, idx), win)
     }
 
     /// A READ into, or a WRITE from, `bytes` (exactly `len` bytes): the backend's bounce buffer
@@ -361,18 +335,8 @@ impl Conn {
         self.wait(eng, idx).await;
         std::mem::forget(guard);
         let mut st = self.st.borrow_mut();
-        let slot = &mut st.slots[idx];
-        let back = slot.bounce.take().or(back).unwrap_or_default();
-        let res = match slot.error {
-            Some(e) => Err(e),
-            None if cmd == Command::Read && slot.covered != u64::from(slot.len) => Err(libc::EIO),
-            None => Ok(Outcome::default()),
-        };
-        if res.is_ok() && cmd != Command::Read {
-            st.dirty = true;
-        }
-        free(&mut st, idx);
-        (res, back)
+        let back = st.slots[idx].bounce.take().or(back).unwrap_or_default();
+        (settle(&mut st, idx), back)
     }
 
     /// Sends a request whose header space (the first [`REQUEST_LEN`] bytes of `v`) this fills
@@ -1369,6 +1333,39 @@ impl Drop for Conn {
     fn drop(&mut self) {
         self.goodbye();
     }
+}
+
+/// The result of the request in slot `idx`, whose reply is complete: its error, `EIO` for a
+/// READ the server answered only in part, else what BLOCK_STATUS found. A successful change
+/// marks the connection dirty, a FLUSH clean. Frees the slot.
+fn settle(st: &mut State, idx: usize) -> Result<Outcome, i32> {
+    let slot = &st.slots[idx];
+    let res = match (slot.error, slot.cmd) {
+        (Some(e), _) => Err(e),
+        (None, Command::Read) if slot.covered != u64::from(slot.len) => {
+            tracing::warn!(
+                "NBD read of {} bytes at {} answered only {} bytes",
+                slot.len,
+                slot.off,
+                slot.covered
+            );
+            Err(libc::EIO)
+        }
+        _ => Ok(Outcome {
+            extent: slot.extents.first,
+            covered: slot.extents.covered,
+            allocated: slot.extents.allocated,
+        }),
+    };
+    if res.is_ok() {
+        match slot.cmd {
+            Command::Write | Command::Trim | Command::WriteZeroes => st.dirty = true,
+            Command::Flush => st.dirty = false,
+            _ => {}
+        }
+    }
+    free(st, idx);
+    res
 }
 
 fn free(st: &mut State, idx: usize) {

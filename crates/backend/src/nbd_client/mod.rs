@@ -192,6 +192,19 @@ impl NbdBackend {
         self.opts.fua && self.export.has(nbd::FLAG_SEND_FUA)
     }
 
+    /// Where a data request `cmd` goes: this thread's connection, the command flags (FUA on a
+    /// write when asked for and offered) and the largest piece one request may carry.
+    fn route(&self, cmd: Command) -> Result<(Rc<Conn>, u16, usize)> {
+        let conn = self.conn()?;
+        let flags = if cmd == Command::Write && self.fua() {
+            nbd::CMD_FLAG_FUA
+        } else {
+            0
+        };
+        let max = conn.export().max_payload.max(conn.export().min_block) as usize;
+        Ok((conn, flags, max))
+    }
+
     /// This thread's connection, made (or remade) if needed.
     fn conn(&self) -> Result<Rc<Conn>> {
         CONNS.with(|c| {
@@ -320,16 +333,10 @@ impl NbdBackend {
         if n == 0 {
             return (Ok(0), win);
         }
-        let conn = match self.conn() {
-            Ok(c) => c,
+        let (conn, flags, max) = match self.route(cmd) {
+            Ok(r) => r,
             Err(e) => return (Err(e), win),
         };
-        let flags = if cmd == Command::Write && self.fua() {
-            nbd::CMD_FLAG_FUA
-        } else {
-            0
-        };
-        let max = conn.export().max_payload.max(conn.export().min_block) as usize;
         let (start, end) = (win.start(), win.end());
         let mut buf = win.into_inner();
         let mut done = 0;
@@ -454,16 +461,10 @@ impl NbdBackend {
         off: u64,
         mut buf: Vec<u8>,
     ) -> (Result<()>, Vec<u8>) {
-        let conn = match self.conn() {
-            Ok(c) => c,
+        let (conn, flags, max) = match self.route(cmd) {
+            Ok(r) => r,
             Err(e) => return (Err(e), buf),
         };
-        let flags = if cmd == Command::Write && self.fua() {
-            nbd::CMD_FLAG_FUA
-        } else {
-            0
-        };
-        let max = conn.export().max_payload.max(conn.export().min_block) as usize;
         let mut done = 0;
         while done < buf.len() {
             let len = (buf.len() - done).min(max);
