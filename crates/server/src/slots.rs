@@ -16,7 +16,7 @@ use backend::BlockBackend;
 use engine::{Buf, Engine, TaskId};
 use transport::{Fetched, LegacyQueue, ReadOutcome, Spliced, TransportError, UringQueue};
 
-use crate::crew::{Crew, Handoff, Migrant};
+use crate::crew::{Crew, Migrant};
 use crate::{LegacyReply, QueueServer};
 
 /// This thread's place in a [`Crew`]: the io_uring queues it may be handed entries of, and the
@@ -148,7 +148,7 @@ impl<B: BlockBackend> QueueState<B> {
         let Some(seat) = self.seat.get() else {
             return Some(buf);
         };
-        if self.stopping.get() || seat.crew.mode() == Handoff::Off {
+        if self.stopping.get() {
             return Some(buf);
         }
         let Some(to) = seat.crew.target(seat.me, qid, self.eng.backlog()) else {
