@@ -28,26 +28,9 @@ fn unaligned_io_from_many_threads_against_a_strict_server() {
     }
     let w = WorkDir::new("nbd-rmw");
     let sock = w.join("s.sock");
-    // Anything not aligned to 4 KiB (or above 64 KiB) fails with EINVAL at the server.
-    let _server = nbdkit(
-        &sock,
-        &[
-            "--filter=blocksize-policy",
-            "memory",
-            "size=8M",
-            "blocksize-minimum=4096",
-            "blocksize-preferred=4096",
-            "blocksize-maximum=65536",
-            "blocksize-error-policy=error",
-        ],
-    );
     let mp = w.join("export");
-    let m = Mount::start(&w, nbd_uri(&sock, ""), &mp, &["--writable"]);
-    assert!(
-        m.stderr().contains("block sizes 4096/4096/65536"),
-        "{}",
-        m.stderr()
-    );
+    // Anything not aligned to 4 KiB (or above 64 KiB) fails with EINVAL at the server.
+    let (_server, m) = strict_blocksize_export(&w, &sock, &mp);
     // Plain descriptors: the export uses direct I/O, so every pwrite/pread reaches the backend
     // with its own offset and length.
     let f = Arc::new(OpenOptions::new().read(true).write(true).open(&mp).unwrap());

@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 pub use serde_json::Value;
 
 mod nbd;
-pub use nbd::{free_port, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd};
+pub use nbd::{
+    free_port, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd, strict_blocksize_export,
+};
 
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{ChildGuard, TIMEOUT};
+use crate::{ChildGuard, Mount, WorkDir, TIMEOUT};
 
 /// `nbd+unix:///EXPORT?socket=SOCK`.
 pub fn nbd_uri(sock: &Path, export: &str) -> String {
@@ -56,6 +56,31 @@ pub fn nbdkit(sock: &Path, args: &[&str]) -> ChildGuard {
     let mut c = Command::new("nbdkit");
     c.arg("-f").arg("-U").arg(sock).args(args);
     nbd_server(c, sock)
+}
+
+/// An 8 MiB nbdkit memory export on `sock` that fails (EINVAL) every request not aligned to
+/// 4 KiB or above 64 KiB, and fusex mounted writable over it at `mp`, having logged the block
+/// sizes it negotiated. The server guard comes first: drop the mount before it.
+pub fn strict_blocksize_export(w: &WorkDir, sock: &Path, mp: &Path) -> (ChildGuard, Mount) {
+    let server = nbdkit(
+        sock,
+        &[
+            "--filter=blocksize-policy",
+            "memory",
+            "size=8M",
+            "blocksize-minimum=4096",
+            "blocksize-preferred=4096",
+            "blocksize-maximum=65536",
+            "blocksize-error-policy=error",
+        ],
+    );
+    let m = Mount::start(w, nbd_uri(sock, ""), mp, &["--writable"]);
+    assert!(
+        m.stderr().contains("block sizes 4096/4096/65536"),
+        "{}",
+        m.stderr()
+    );
+    (server, m)
 }
 
 fn spawn_quiet(cmd: &mut Command) -> ChildGuard {

@@ -27,6 +27,25 @@ fn pattern(off: usize) -> u8 {
     (off % 253) as u8 | 1
 }
 
+/// fusex's NBD backend, writable, on the server listening at `sock`.
+fn open_writable(sock: &std::path::Path) -> Rc<NbdBackend> {
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let opts = NbdOptions {
+        writable: true,
+        ..NbdOptions::default()
+    };
+    Rc::new(NbdBackend::open(&uri, opts).unwrap())
+}
+
+/// A `SIZE`-byte image: [`pattern`] in its first `data` bytes, zeroes after.
+fn image(data: usize) -> Arc<Mutex<Vec<u8>>> {
+    let mut init = vec![0u8; SIZE];
+    for (i, b) in init.iter_mut().enumerate().take(data) {
+        *b = pattern(i);
+    }
+    Arc::new(Mutex::new(init))
+}
+
 fn opt_reply(s: &mut UnixStream, opt: u32, ty: u32, data: &[u8]) {
     let mut r = 0x0003_e889_0455_65a9u64.to_be_bytes().to_vec();
     r.extend_from_slice(&opt.to_be_bytes());
@@ -210,11 +229,7 @@ fn out_of_order_split_replies_errors_and_block_status() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("s.sock");
     let listener = UnixListener::bind(&sock).unwrap();
-    let mut init = vec![0u8; SIZE];
-    for (i, b) in init.iter_mut().enumerate().take(SIZE / 2) {
-        *b = pattern(i);
-    }
-    let mem = Arc::new(Mutex::new(init));
+    let mem = image(SIZE / 2);
     {
         let mem = mem.clone();
         thread::spawn(move || {
@@ -225,17 +240,7 @@ fn out_of_order_split_replies_errors_and_block_status() {
             }
         });
     }
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let b = Rc::new(
-        NbdBackend::open(
-            &uri,
-            NbdOptions {
-                writable: true,
-                ..NbdOptions::default()
-            },
-        )
-        .unwrap(),
-    );
+    let b = open_writable(&sock);
     assert_eq!(b.size(), SIZE as u64);
     assert!(b.multi_conn());
     let eng = Rc::new(
@@ -421,11 +426,7 @@ fn unaligned_requests_are_made_whole_and_st_blocks_counts_extents() {
     let sock = dir.path().join("strict.sock");
     let listener = UnixListener::bind(&sock).unwrap();
     // Data in the first quarter, zeroes after.
-    let mut init = vec![0u8; SIZE];
-    for (i, b) in init.iter_mut().enumerate().take(SIZE / 4) {
-        *b = pattern(i);
-    }
-    let mem = Arc::new(Mutex::new(init));
+    let mem = image(SIZE / 4);
     let seen = Arc::new(Mutex::new(Seen::default()));
     {
         let (mem, seen) = (mem.clone(), seen.clone());
@@ -437,17 +438,7 @@ fn unaligned_requests_are_made_whole_and_st_blocks_counts_extents() {
             }
         });
     }
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let b = Rc::new(
-        NbdBackend::open(
-            &uri,
-            NbdOptions {
-                writable: true,
-                ..NbdOptions::default()
-            },
-        )
-        .unwrap(),
-    );
+    let b = open_writable(&sock);
     assert_eq!(b.export().min_block, MIN as u32);
     let eng = Rc::new(
         Engine::new(&EngineConfig {
