@@ -183,6 +183,19 @@ pub struct Engine {
 pub struct Gauge {
     ready: std::sync::atomic::AtomicU32,
     local: std::sync::atomic::AtomicU32,
+    /// When the thread last counted local work, in [`gauge_clock`] microseconds.
+    local_at: std::sync::atomic::AtomicU64,
+}
+
+/// Microseconds on a clock every thread of the process shares, for [`Gauge::local_age`].
+pub fn gauge_clock() -> u64 {
+    gauge_micros(Instant::now())
+}
+
+fn gauge_micros(t: Instant) -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(t.saturating_duration_since(epoch).as_micros()).unwrap_or(u64::MAX)
 }
 
 /// How long [`Gauge::local`] counts over.
@@ -199,6 +212,13 @@ impl Gauge {
         self.local.load(Ordering::Relaxed)
     }
 
+    /// Microseconds between the thread's last loop turn that counted local work and `now` (a
+    /// [`gauge_clock`] reading): how long its CPU has gone without submitters. The window count
+    /// of [`Gauge::local`] cannot tell that, since a thread asleep in its ring publishes nothing.
+    pub fn local_age(&self, now: u64) -> u64 {
+        now.saturating_sub(self.local_at.load(Ordering::Relaxed))
+    }
+
     fn set(&self, v: u32) {
         self.ready.store(v, Ordering::Relaxed);
     }
@@ -209,6 +229,8 @@ impl Gauge {
 struct GaugeWindow {
     start: Instant,
     local: u32,
+    /// `local` as of the last [`Gauge::local_at`] stamp.
+    stamped: u32,
 }
 
 impl Engine {
@@ -295,6 +317,7 @@ impl Engine {
             window: Cell::new(GaugeWindow {
                 start: Instant::now(),
                 local: 0,
+                stamped: 0,
             }),
         })
     }
@@ -723,17 +746,27 @@ impl Engine {
         }
     }
 
-    /// Publishes the local work of the gauge's window once the window is over.
+    /// Stamps the time if this turn counted local work, and publishes the window's count once
+    /// the window is over.
     fn close_window(&self) {
-        let w = self.window.get();
+        let mut w = self.window.get();
         let now = Instant::now();
+        if w.local != w.stamped {
+            // At least 1: 0 stands for never.
+            self.gauge
+                .local_at
+                .store(gauge_micros(now).max(1), Ordering::Relaxed);
+            w.stamped = w.local;
+        }
         if now.saturating_duration_since(w.start) >= GAUGE_WINDOW {
             self.gauge.local.store(w.local, Ordering::Relaxed);
-            self.window.set(GaugeWindow {
+            w = GaugeWindow {
                 start: now,
                 local: 0,
-            });
+                stamped: 0,
+            };
         }
+        self.window.set(w);
     }
 
     /// Keeps one read of the wakeup eventfd in flight so other threads can interrupt the wait.

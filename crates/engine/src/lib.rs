@@ -30,7 +30,7 @@ pub mod remote;
 pub mod sync;
 
 pub use buf::{Buf, SendBuf, Slice, BUF_ALIGN};
-pub use executor::{Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId};
+pub use executor::{gauge_clock, Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId};
 pub use multishot::{BufGroup, Completion, MultiOp};
 pub use net::{BytesOp, NetSliceOp, Timeout};
 pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};

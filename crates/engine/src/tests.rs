@@ -435,3 +435,22 @@ fn a_buffer_sent_to_another_thread_works_on_that_threads_ring() {
     drop(back);
     assert!(!watch.alive());
 }
+
+#[test]
+fn the_gauge_dates_the_last_turn_that_counted_local_work() {
+    let eng = engine(0, false);
+    let gauge = eng.gauge();
+    let now = crate::gauge_clock();
+    // Never counted any: as old as the clock.
+    assert_eq!(gauge.local_age(now), now);
+    eng.note_local();
+    eng.block_on(eng.sleep(Duration::from_millis(1))).unwrap();
+    let now = crate::gauge_clock();
+    let stamped = now - gauge.local_age(now);
+    assert!(stamped > 0);
+    // Turns without local work leave the date where it was.
+    eng.block_on(eng.sleep(Duration::from_millis(2))).unwrap();
+    let now = crate::gauge_clock();
+    assert!(gauge.local_age(now) >= 2_000);
+    assert_eq!(now - gauge.local_age(now), stamped);
+}
