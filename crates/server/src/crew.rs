@@ -162,9 +162,12 @@ impl Crew {
                     u32::try_from(backlog).unwrap_or(u32::MAX),
                     n,
                     |t| self.load(t),
-                    |t| match t == me {
-                        true => self.local(t),
-                        false => self.local_other(t, *now.get_or_init(engine::gauge_clock)),
+                    |t| {
+                        if t == me {
+                            self.local(t)
+                        } else {
+                            self.local_other(t, *now.get_or_init(engine::gauge_clock))
+                        }
                     },
                 )
             }
