@@ -10,13 +10,16 @@
 //! submitter's CPU.
 //!
 //! A [`Crew`] is shared by the queue threads of one export. Each thread has a [`Harbor`] in it:
-//! the entries others handed it, the task that takes them in, and the thread's load
-//! ([`engine::Gauge`]). An entry in transit is a [`Migrant`]: its buffer as a
+//! the entries others handed it (a lock-free bounded queue with room for every entry of the
+//! connection, so a handoff never takes a lock, allocates or finds it full), the task that takes
+//! them in, and the thread's load ([`engine::Gauge`]). An entry in transit is a [`Migrant`]: its buffer as a
 //! [`engine::SendBuf`] (the memory stays allocated while any thread holds it), its kernel queue
 //! and the request already in it.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crossbeam_queue::ArrayQueue;
 
 use engine::{Gauge, Remote, SendBuf, TaskId};
 use transport::Delivered;
@@ -46,11 +49,10 @@ pub struct Migrant {
 }
 
 /// One queue thread's place in the crew.
-#[derive(Default)]
 pub struct Harbor {
-    inbox: Mutex<Vec<Migrant>>,
-    /// Entries pushed into `inbox` and not yet taken (read without the lock).
-    queued: AtomicU32,
+    /// Entries handed to this thread and not yet taken in; room for every entry of the
+    /// connection, since an entry is in at most one inbox at a time.
+    inbox: ArrayQueue<Migrant>,
     /// The thread's load, once it runs.
     gauge: OnceLock<Arc<Gauge>>,
     /// The task that takes entries in, and how to wake it.
@@ -77,7 +79,14 @@ impl Crew {
     pub fn new(threads: usize, qids: usize, depth: usize, mode: Handoff) -> Arc<Crew> {
         let mode = if threads < 2 { Handoff::Off } else { mode };
         Arc::new(Crew {
-            harbors: (0..threads).map(|_| Harbor::default()).collect(),
+            harbors: (0..threads)
+                .map(|_| Harbor {
+                    inbox: ArrayQueue::new((qids * depth).max(1)),
+                    gauge: OnceLock::new(),
+                    dock: OnceLock::new(),
+                    woken: AtomicBool::new(false),
+                })
+                .collect(),
             mode,
             qids,
             entries: qids * depth,
@@ -122,7 +131,7 @@ impl Crew {
     /// Load of thread `t`: the work its last loop turn found, plus entries waiting in its inbox.
     fn load(&self, t: usize) -> u32 {
         let h = &self.harbors[t];
-        let queued = h.queued.load(Ordering::Relaxed);
+        let queued = u32::try_from(h.inbox.len()).unwrap_or(u32::MAX);
         match h.gauge.get() {
             Some(g) => g.get().saturating_add(queued),
             // Not running yet: not a place to send work.
@@ -187,8 +196,12 @@ impl Crew {
         let Some((remote, dock)) = h.dock.get() else {
             return Err(m);
         };
-        h.queued.fetch_add(1, Ordering::Relaxed);
-        h.inbox.lock().unwrap_or_else(|e| e.into_inner()).push(m);
+        // Full only if more entries were handed around than the connection has: then the
+        // caller keeps it.
+        h.inbox.push(m)?;
+        // Pairs with the fence in `collect`: either the dock's drain sees this entry, or this
+        // swap sees the dock's `false` and wakes it again.
+        fence(Ordering::SeqCst);
         if !h.woken.swap(true, Ordering::AcqRel) {
             remote.wake_by_ring(*dock);
         }
@@ -201,13 +214,11 @@ impl Crew {
             return;
         };
         // Cleared before the inbox is read: a push after this read wakes the dock again.
-        h.woken.store(false, Ordering::Release);
-        let mut inbox = h.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        let n = inbox.len();
-        into.append(&mut inbox);
-        drop(inbox);
-        h.queued
-            .fetch_sub(u32::try_from(n).unwrap_or(u32::MAX), Ordering::Relaxed);
+        h.woken.store(false, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        while let Some(m) = h.inbox.pop() {
+            into.push(m);
+        }
     }
 
     /// An entry ended (its connection is gone, or it failed). The last one closes every dock.
@@ -388,6 +399,83 @@ mod tests {
         assert_eq!(seen_local(10, 0), 10);
         assert_eq!(seen_local(10, QUIET_US), 10);
         assert_eq!(seen_local(10, QUIET_US + 1), 0);
+    }
+
+    #[test]
+    fn entries_handed_from_another_thread_all_arrive_and_wake_the_dock() {
+        // Thread 0 hands bursts of entries to thread 1, and after each burst waits until the
+        // dock took them all in, with nothing more pushed to wake it: an entry pushed just as the
+        // dock drained its inbox, and no wakeup for it, would stay there and stop the count.
+        const BURSTS: usize = 5_000;
+        let crew = Crew::new(2, 2, 4, Handoff::Always);
+        let got = Arc::new(AtomicUsize::new(0));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let receiver = {
+            let (crew, got) = (crew.clone(), got.clone());
+            std::thread::spawn(move || {
+                let eng = Engine::new(&EngineConfig::default()).unwrap();
+                let dock = eng.spawn(async move {
+                    let mut taken = Vec::with_capacity(8);
+                    std::future::poll_fn(|_| {
+                        crew.collect(1, &mut taken);
+                        got.fetch_add(taken.len(), Ordering::Release);
+                        // Dropped here, the buffers go back to the sender's pool.
+                        taken.clear();
+                        if crew.closed() {
+                            std::task::Poll::Ready(())
+                        } else {
+                            std::task::Poll::Pending
+                        }
+                    })
+                    .await;
+                });
+                ready_tx.send((eng.gauge(), eng.remote(), dock)).unwrap();
+                eng.run().unwrap();
+            })
+        };
+        let (gauge, remote, dock) = ready_rx.recv().unwrap();
+        crew.board(1, gauge, remote, dock);
+        let eng = Engine::new(&EngineConfig {
+            buffers: 4,
+            buffer_size: 4096,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let mut sent = 0;
+        let mut stuck = None;
+        for burst in 0..BURSTS {
+            for i in 0..=burst % 3 {
+                if i > 0 {
+                    // Spread the later pushes of a burst over the time the dock takes to wake
+                    // and drain, so some land while it drains.
+                    let pause = Duration::from_nanos((burst as u64 * 7919 + i as u64 * 131) % 4000);
+                    let t = std::time::Instant::now();
+                    while t.elapsed() < pause {
+                        std::hint::spin_loop();
+                    }
+                }
+                let Some(b) = eng.take_buffer() else { break };
+                let m = Migrant {
+                    buf: b.into_send(),
+                    qid: 0,
+                    delivered: delivered(),
+                };
+                crew.send(1, m).unwrap();
+                sent += 1;
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while got.load(Ordering::Acquire) < sent && std::time::Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            if got.load(Ordering::Acquire) < sent {
+                stuck = Some(burst);
+                break;
+            }
+        }
+        crew.close();
+        receiver.join().unwrap();
+        assert_eq!(stuck, None, "entries stayed in the inbox without a wakeup");
+        assert_eq!(got.load(Ordering::Acquire), sent);
     }
 
     #[test]
