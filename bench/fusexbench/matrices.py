@@ -261,7 +261,7 @@ def qcow2() -> Matrix:
         ],
         images=("qcow2-full", "qcow2-sparse", "qcow2-backing"),
         fusex_variants=("fusex", "fusex-raw"),
-        default_targets=("fusex", "qsd"),
+        default_targets=("fusex", "qsd", "native"),
         goals=[
             {"a": "fusex", "b": "fusex-raw", "min": 0.7, "rows": "all"},
             {"a": "fusex", "b": "qsd", "min": 2.0, "rows": "other"},
@@ -269,8 +269,10 @@ def qcow2() -> Matrix:
         ],
         notes=["`fusex` is fusex with its default options on a qcow2 (format auto-detected); `fusex-raw` is fusex "
                "with `--passthrough off` on a raw file holding the same data; `qsd` is qemu-storage-daemon's FUSE "
-               "export of the same qcow2 (`driver=qcow2` over `driver=file,aio=io_uring`). Every target has its "
-               "own copy of the image.",
+               "export of the same qcow2 (`driver=qcow2` over `driver=file,aio=io_uring`); `native` is fio on "
+               "its own raw copy with no FUSE (on `qcow2-sparse` a sparse file, so its writes are a fill; on "
+               "`qcow2-backing` the base's data, so its writes overwrite): what the filesystem itself does for a "
+               "fill and for an overwrite. Every target has its own copy of the image.",
                "`qcow2-sparse` and `qcow2-backing` start every run that follows a write with a new empty image "
                "(overlay), unmounted and mounted again around it. On them a writing workload is a *fill*: each "
                "fio job goes over the whole image once (every block exactly once, in random order for the "

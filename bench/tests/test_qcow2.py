@@ -42,7 +42,7 @@ class MatrixTest(unittest.TestCase):
                                ("write", "128k", 16, 1, None)])
         self.assertEqual(m.images, ("qcow2-full", "qcow2-sparse", "qcow2-backing"))
         specs, notes = matrices.expand_targets(list(m.default_targets), m, catalogue(ncpu=2), lambda s: None)
-        self.assertEqual([s.name for s in specs], ["fusex", "fusex-raw", "qsd"])
+        self.assertEqual([s.name for s in specs], ["fusex", "fusex-raw", "qsd", "native"])
         self.assertEqual(specs[0].args, ())  # qcow2: default flags
         self.assertEqual(specs[1].args, ("--passthrough", "off"))
         self.assertEqual({(g["b"], g["min"], g["rows"]) for g in m.goals},
