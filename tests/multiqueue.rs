@@ -121,18 +121,12 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
             })
             .unwrap_or_default()
     };
-    let before = served(&m.live_stats(deadline).expect("a live stats dump"));
-    assert_eq!(before.len(), 4, "queues in the live stats: {before:?}");
-    let mut now = before.clone();
-    let all_busy = wait_until(deadline, || {
-        if let Some(v) = m.live_stats(deadline) {
-            now = served(&v);
-        }
-        now.len() == 4 && now.iter().zip(&before).all(|(n, b)| n > b)
+    let busy = m.wait_for_stats(deadline, served, |before, now| {
+        before.len() == 4 && now.len() == 4 && now.iter().zip(before).all(|(n, b)| n > b)
     });
     assert!(
-        all_busy,
-        "not every queue served fio within {TIMEOUT:?}: requests {before:?} then {now:?}"
+        busy.moved,
+        "not every queue served fio within {TIMEOUT:?} (requests per queue): {busy:?}"
     );
     assert!(fio.try_wait().is_none(), "fio ended before the signal");
     m.signal(libc::SIGTERM);

@@ -268,18 +268,14 @@ fn sigterm_while_requests_are_handed_between_threads_stops_cleanly() {
         "fio's writes did not flow within {TIMEOUT:?}; fusex stderr:\n{}",
         m.stderr()
     );
-    let handed = |v: &serde_json::Value| v["handed_off"].as_u64().unwrap_or(0);
-    let before = m.live_stats(deadline).map_or(0, |v| handed(&v));
-    let mut now = before;
-    let moving = wait_until(deadline, || {
-        if let Some(v) = m.live_stats(deadline) {
-            now = handed(&v);
-        }
-        now > before
-    });
+    let handed = m.wait_for_stats(
+        deadline,
+        |v| v["handed_off"].as_u64().unwrap_or(0),
+        |before, now| now > before,
+    );
     assert!(
-        moving,
-        "no request was handed between threads within {TIMEOUT:?}: {before} then {now}"
+        handed.moved,
+        "no request was handed between threads within {TIMEOUT:?}: {handed:?}"
     );
     assert!(fio.try_wait().is_none(), "fio ended before the signal");
     m.signal(libc::SIGTERM);

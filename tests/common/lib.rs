@@ -1331,6 +1331,38 @@ impl Mount {
         }
     }
 
+    /// Waits, until `deadline`, for the daemon to make progress that `measure` reads from its
+    /// live stats: takes a first reading, then reads again until `moved(first, latest)`. For tests
+    /// that must see the daemon busy in some way (every queue serving, requests handed between
+    /// threads) before they act. Returns the first and latest readings and whether it moved.
+    pub fn wait_for_stats<T: Clone>(
+        &self,
+        deadline: Instant,
+        measure: impl Fn(&Value) -> T,
+        moved: impl Fn(&T, &T) -> bool,
+    ) -> StatsProgress<T> {
+        let first = self.live_stats(deadline).map(|v| measure(&v));
+        let Some(first) = first else {
+            return StatsProgress {
+                first: None,
+                latest: None,
+                moved: false,
+            };
+        };
+        let mut latest = first.clone();
+        let ok = wait_until(deadline, || {
+            if let Some(v) = self.live_stats(deadline) {
+                latest = measure(&v);
+            }
+            moved(&first, &latest)
+        });
+        StatsProgress {
+            first: Some(first),
+            latest: Some(latest),
+            moved: ok,
+        }
+    }
+
     pub fn open_ro(&self) -> File {
         open_ro(&self.mountpoint)
     }
@@ -2001,4 +2033,13 @@ mod tests {
         d[999] ^= 1;
         assert_ne!(h, hash_bytes(0, &d));
     }
+}
+
+/// What [`Mount::wait_for_stats`] saw: the first and latest readings (None if no live stats dump
+/// came at all) and whether the latest moved past the first in time.
+#[derive(Debug)]
+pub struct StatsProgress<T> {
+    pub first: Option<T>,
+    pub latest: Option<T>,
+    pub moved: bool,
 }
