@@ -1334,18 +1334,16 @@ impl Mount {
     /// Waits, until `deadline`, for the daemon to make progress that `measure` reads from its
     /// live stats: takes a first reading, then reads again until `moved(first, latest)`. For tests
     /// that must see the daemon busy in some way (every queue serving, requests handed between
-    /// threads) before they act. Returns the first and latest readings and whether it moved.
+    /// threads) before they act. Returns both readings and whether it moved.
     pub fn wait_for_stats<T: Clone>(
         &self,
         deadline: Instant,
         measure: impl Fn(&Value) -> T,
         moved: impl Fn(&T, &T) -> bool,
     ) -> StatsProgress<T> {
-        let first = self.live_stats(deadline).map(|v| measure(&v));
-        let Some(first) = first else {
+        let Some(first) = self.live_stats(deadline).map(|v| measure(&v)) else {
             return StatsProgress {
-                first: None,
-                latest: None,
+                readings: None,
                 moved: false,
             };
         };
@@ -1357,8 +1355,7 @@ impl Mount {
             moved(&first, &latest)
         });
         StatsProgress {
-            first: Some(first),
-            latest: Some(latest),
+            readings: Some((first, latest)),
             moved: ok,
         }
     }
@@ -2039,7 +2036,6 @@ mod tests {
 /// came at all) and whether the latest moved past the first in time.
 #[derive(Debug)]
 pub struct StatsProgress<T> {
-    pub first: Option<T>,
-    pub latest: Option<T>,
+    pub readings: Option<(T, T)>,
     pub moved: bool,
 }

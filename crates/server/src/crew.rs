@@ -12,9 +12,9 @@
 //! A [`Crew`] is shared by the queue threads of one export. Each thread has a [`Harbor`] in it:
 //! the entries others handed it (a lock-free bounded queue with room for every entry of the
 //! connection, so a handoff never takes a lock, allocates or finds it full), the task that takes
-//! them in, and the thread's load ([`engine::Gauge`]). An entry in transit is a [`Migrant`]: its buffer as a
-//! [`engine::SendBuf`] (the memory stays allocated while any thread holds it), its kernel queue
-//! and the request already in it.
+//! them in, and the thread's load ([`engine::Gauge`]). An entry in transit is a [`Migrant`]: its
+//! buffer as a [`engine::SendBuf`] (the memory stays allocated while any thread holds it), its
+//! kernel queue and the request already in it.
 
 use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -78,10 +78,11 @@ impl Crew {
     /// A crew of `threads` threads serving `qids` kernel queues with `depth` entries each.
     pub fn new(threads: usize, qids: usize, depth: usize, mode: Handoff) -> Arc<Crew> {
         let mode = if threads < 2 { Handoff::Off } else { mode };
+        let entries = qids * depth;
         Arc::new(Crew {
             harbors: (0..threads)
                 .map(|_| Harbor {
-                    inbox: ArrayQueue::new((qids * depth).max(1)),
+                    inbox: ArrayQueue::new(entries.max(1)),
                     gauge: OnceLock::new(),
                     dock: OnceLock::new(),
                     woken: AtomicBool::new(false),
@@ -89,8 +90,8 @@ impl Crew {
                 .collect(),
             mode,
             qids,
-            entries: qids * depth,
-            alive: AtomicUsize::new(qids * depth),
+            entries,
+            alive: AtomicUsize::new(entries),
             closed: AtomicBool::new(false),
         })
     }
