@@ -1,0 +1,3 @@
+//! Shared helpers for tests.
+
+pub mod mem_storage;
