@@ -10,6 +10,9 @@
 //! mapping another request is writing through), so requests pass an [`IoGate`] shared and a
 //! discard passes it exclusive.
 
+pub mod check;
+pub mod damage;
+
 use std::cell::RefCell;
 use std::fs::File;
 use std::io;
@@ -307,6 +310,39 @@ impl ImplicitOpenGate<RingFile> for Gate {
     }
 }
 
+/// Runs the integrity pass ([`check`]) on an image about to be opened for writing: allocation
+/// and mapping trust its refcounts and tables, so a damaged image is refused, untouched.
+fn integrity(meta: &File, shown: &str) -> std::result::Result<(), OpenError> {
+    let started = std::time::Instant::now();
+    match check::check(meta) {
+        Ok(s) => {
+            tracing::debug!(
+                path = %shown,
+                clusters = s.clusters,
+                windows = s.windows,
+                ms = started.elapsed().as_millis() as u64,
+                "qcow2 integrity pass"
+            );
+            if s.leaked > 0 {
+                tracing::info!(
+                    "{shown}: {} leaked clusters (space only; `qemu-img check -r leaks` reclaims it)",
+                    s.leaked
+                );
+            }
+            Ok(())
+        }
+        Err(check::CheckError::Io(e)) => Err(OpenError::from_io(shown, e)),
+        Err(e @ check::CheckError::Damaged { .. }) => Err(OpenError::Format {
+            path: shown.to_string(),
+            format: "qcow2",
+            reason: format!(
+                "its metadata is damaged, so writing could destroy data: {e}: repair it with \
+                 `qemu-img check -r all {shown}` (on a copy first), or export it read-only"
+            ),
+        }),
+    }
+}
+
 fn format_error(path: &str, e: io::Error) -> OpenError {
     OpenError::Format {
         path: path.to_string(),
@@ -347,6 +383,9 @@ impl Qcow2Backend {
         )?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
         precheck_header(&meta).map_err(|e| format_error(&shown, e))?;
+        if opts.writable {
+            integrity(&meta, &shown)?;
+        }
         let size_limit = guest_size_limit(&meta);
         let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
         let gate = Gate {
