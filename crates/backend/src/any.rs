@@ -104,6 +104,9 @@ pub struct OpenOptions {
     pub format: Format,
     /// Refuse to open files a qcow2 image names (backing and data files).
     pub no_backing: bool,
+    /// Open the files a qcow2 image names with the daemon's credentials even when root serves
+    /// another user's image (see `backend::qcow2::named`).
+    pub trust_backing: bool,
     /// Open for writing.
     pub writable: bool,
     /// Writes past the end will grow the image (a raw export then claims QEMU's resize
@@ -223,6 +226,7 @@ fn open_as(
                 direct: opts.direct,
                 no_backing: opts.no_backing,
                 locking: opts.locking,
+                trust_backing: opts.trust_backing,
             },
         )?)),
         _ => {

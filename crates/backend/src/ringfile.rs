@@ -47,6 +47,11 @@ impl RingFile {
     /// Opens `path` for reading (and writing with `writable`), with O_DIRECT if `direct`.
     pub fn open_path(path: &Path, writable: bool, direct: bool) -> io::Result<RingFile> {
         let file = crate::raw::open_image_file(path, writable, direct)?;
+        RingFile::from_file(file, path, direct)
+    }
+
+    /// Wraps a file already open (as `direct` says) that lives at `path`.
+    pub fn from_file(file: File, path: &Path, direct: bool) -> io::Result<RingFile> {
         let meta = file.metadata()?;
         if !meta.is_file() && !std::os::unix::fs::FileTypeExt::is_block_device(&meta.file_type()) {
             return Err(io::Error::new(

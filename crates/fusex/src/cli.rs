@@ -238,6 +238,11 @@ pub struct MountArgs {
     /// header may name any file).
     #[arg(long)]
     pub no_backing: bool,
+    /// When root serves a qcow2 image another user owns, open the backing and data files it names
+    /// as root. Without it they are opened with the owner's credentials, so the image cannot
+    /// make root serve a file its owner could not read.
+    #[arg(long, conflicts_with = "no_backing")]
+    pub trust_backing: bool,
     /// Allow writes (default: read-only). Backing files of a qcow2 image are never written.
     #[arg(long)]
     pub writable: bool,

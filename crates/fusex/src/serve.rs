@@ -352,6 +352,7 @@ fn open_export(
     let options = OpenOptions {
         format: args.format.into(),
         no_backing: args.no_backing,
+        trust_backing: args.trust_backing,
         writable: args.writable,
         growable: args.growable,
         locking: if args.no_locking {

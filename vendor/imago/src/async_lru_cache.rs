@@ -19,7 +19,7 @@ use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::{io, mem};
-use tracing::{error, instrument, trace};
+use tracing::{instrument, trace};
 
 /// Cache entry structure, wrapping the cached object.
 pub(crate) struct AsyncLruCacheEntry<V> {
@@ -218,10 +218,11 @@ impl<
                 });
 
             let Some(oldest_key) = oldest.1 else {
-                error!("Cannot evict entry from cache; everything is in use");
-                return Err(io::Error::other(
-                    "Cannot evict entry from cache; everything is in use",
-                ));
+                // Every entry is in use: go over the limit rather than fail the request.  Entries
+                // in use are bounded by the requests in flight, and the next insertion after they
+                // are released evicts back down to the limit.
+                trace!("Cache over its limit of {}: everything is in use", self.limit);
+                return Ok(true);
             };
 
             trace!("Removing entry with key {oldest_key:?}, aged {}", oldest.0);
@@ -579,7 +580,8 @@ mod tests {
         assert_eq!(*held, 0);
     }
 
-    /// When all entries are in use, eviction must fail with an error
+    /// When all entries are in use, the cache goes over its limit instead of failing, and evicts
+    /// back down to it once entries are released
     #[maybe_async::test(feature = "sync", async(feature = "async", tokio::test))]
     async fn test_cache_full_all_in_use() {
         const ENTRIES: usize = 23;
@@ -593,8 +595,14 @@ mod tests {
 
         let entry = cache.get_or_insert(ENTRIES, false).await.unwrap();
         assert_eq!(entry, None);
-        let err = cache.get_or_insert(ENTRIES, true).await.unwrap_err();
-        assert!(err.to_string().contains("everything is in use"));
+        let over = cache.get_or_insert(ENTRIES, true).await.unwrap().unwrap();
+        assert_eq!(*over, ENTRIES);
+        assert_eq!(cache.0.map.read().await.len(), ENTRIES + 1);
+
+        drop(held);
+        drop(over);
+        cache.get_or_insert(ENTRIES + 1, true).await.unwrap().unwrap();
+        assert_eq!(cache.0.map.read().await.len(), ENTRIES);
     }
 
     /// `invalidate()` must retain entries that are still in use and evict the rest

@@ -12,6 +12,7 @@
 
 pub mod check;
 pub mod damage;
+pub mod named;
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -36,6 +37,13 @@ use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, 
 
 /// The first four bytes of every qcow2 image.
 pub const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
+
+/// Metadata cache budget of the top image: three quarters L2 tables, one quarter refcount blocks
+/// (at least two of each, at most imago's default 128 and 32). See "Memory" in docs/design.md.
+pub const TOP_CACHE_BYTES: u64 = 16 << 20;
+/// Metadata cache budget of each qcow2 image of the backing chain (read-only: only its L2 share is
+/// ever filled).
+pub const BACKING_CACHE_BYTES: u64 = 4 << 20;
 
 /// Longest backing chain fusex opens (a guard against absurd chains; loops are caught exactly).
 const MAX_CHAIN: usize = 64;
@@ -193,6 +201,9 @@ pub struct Qcow2Options {
     pub no_backing: bool,
     /// How the image and the files it names are locked (see [`crate::lock`]).
     pub locking: Locking,
+    /// When root serves an image another user owns, open the files it names with root's
+    /// credentials rather than the owner's (see [`named`]).
+    pub trust_backing: bool,
 }
 
 /// A qcow2 image (with its backing chain).
@@ -231,6 +242,8 @@ struct Gate {
     opened: Rc<RefCell<Vec<PathBuf>>>,
     image: PathBuf,
     locking: Locking,
+    /// Whose credentials named files are opened with.
+    who: named::OpenAs,
     /// A lock conflict on a named file, kept typed: imago turns the error `open_storage`
     /// returns into its own.
     lock_error: Rc<RefCell<Option<LockError>>>,
@@ -244,14 +257,17 @@ impl Gate {
                 format!(
                     "it names {} (a backing or data file) and --no-backing refuses to open it: \
                      drop --no-backing if the image is trusted",
-                    path.display()
+                    named::shown_path(path)
                 ),
             ));
         }
         let canon = std::fs::canonicalize(path).map_err(|e| {
             io::Error::new(
                 e.kind(),
-                format!("its backing file {} cannot be opened: {e}", path.display()),
+                format!(
+                    "its backing or data file {} cannot be opened: {e}",
+                    named::shown_path(path)
+                ),
             )
         })?;
         let mut opened = self.opened.borrow_mut();
@@ -260,8 +276,8 @@ impl Gate {
                 io::ErrorKind::InvalidData,
                 format!(
                     "backing loop: {} appears twice in the chain of {}: fix it with `qemu-img rebase`",
-                    canon.display(),
-                    self.image.display()
+                    named::shown_path(&canon),
+                    named::shown_path(&self.image)
                 ),
             ));
         }
@@ -294,14 +310,40 @@ impl ImplicitOpenGate<RingFile> for Gate {
             .ok_or_else(|| io::Error::other("an implicit file without a name"))?
             .to_path_buf();
         self.admit(&path)?;
-        let file = RingFile::open_path(&path, false, self.direct || opts.get_direct())?;
+        // Only the top image's external data file is ever opened writable.
+        let writable = opts.get_writable();
+        let direct = self.direct || opts.get_direct();
+        let shown = named::shown_path(&path);
+        let file = named::open(&path, writable, direct, self.who).map_err(|e| {
+            let kind = e.kind();
+            match (self.who, e.raw_os_error()) {
+                (named::OpenAs::Owner(uid, _), Some(libc::EACCES | libc::EPERM)) => io::Error::new(
+                    kind,
+                    format!(
+                        "it names {shown}, which its owner (uid {uid}) may not open, and \
+                             fusex runs as root: pass --trust-backing if the image is trusted"
+                    ),
+                ),
+                _ => io::Error::new(
+                    kind,
+                    format!("its backing or data file {shown} cannot be opened: {e}"),
+                ),
+            }
+        })?;
+        let file = RingFile::from_file(file, &path, direct)?;
         let subject = format!(
-            "backing file {} of image {}",
-            path.display(),
-            self.image.display()
+            "{} file {} of image {}",
+            if writable { "data" } else { "backing" },
+            shown,
+            named::shown_path(&self.image)
         );
+        let claim = if writable {
+            Claim::qcow2(self.locking, true)
+        } else {
+            Claim::backing(self.locking)
+        };
         // Held until imago drops the file, i.e. for the export's lifetime.
-        if let Err(e) = lock_file(file.file(), Claim::backing(self.locking), &subject) {
+        if let Err(e) = lock_file(file.file(), claim, &subject) {
             let msg = e.to_string();
             *self.lock_error.borrow_mut() = Some(e);
             return Err(io::Error::new(io::ErrorKind::ResourceBusy, msg));
@@ -351,9 +393,10 @@ fn format_error(path: &str, e: io::Error) -> OpenError {
     }
 }
 
-/// imago's messages can span lines (context chains); the CLI promises one.
+/// imago's messages can span lines (context chains) and quote names from the image; the CLI
+/// promises one line, with nothing raw from the image in it.
 fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
+    named::escaped(&s.split_whitespace().collect::<Vec<_>>().join(" "))
 }
 
 impl Qcow2Backend {
@@ -394,6 +437,10 @@ impl Qcow2Backend {
             opened: Rc::new(RefCell::new(vec![canon])),
             image: path.to_path_buf(),
             locking: opts.locking,
+            who: named::OpenAs::for_image(
+                &meta.metadata().map_err(|e| OpenError::from_io(&shown, e))?,
+                opts.trust_backing,
+            ),
             lock_error: Rc::default(),
         };
         let lock_error = gate.lock_error.clone();
@@ -407,6 +454,7 @@ impl Qcow2Backend {
         })?;
         let opened = eng.block_on(async {
             let q = Qcow2::<RingFile>::builder(top)
+                .metadata_cache_bytes(TOP_CACHE_BYTES, BACKING_CACHE_BYTES)
                 .write(opts.writable)
                 .open(gate)
                 .await?;

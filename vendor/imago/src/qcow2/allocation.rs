@@ -138,7 +138,18 @@ pub(super) struct Allocator<S: Storage> {
     ///
     /// Shared with [`Qcow2`].
     clusters_to_free: Arc<ClustersToFreeList>,
+
+    /// How many [`Allocator::ensure_rb()`] calls are nested right now (each new refblock may need
+    /// another one to be refcounted); bounded by [`MAX_RB_NESTING`].
+    /// Shared with a guard per nesting level, which counts down when dropped (also when the
+    /// allocating future is cancelled).
+    rb_nesting: Arc<std::sync::atomic::AtomicUsize>,
 }
+
+/// The deepest nesting of refblock allocations: a healthy image needs two or three, a damaged
+/// refcount structure (e.g. a refcount table pointing past the end of the file) could otherwise
+/// recurse until the stack overflows.
+const MAX_RB_NESTING: usize = 16;
 
 #[maybe_async]
 impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
@@ -295,6 +306,7 @@ impl<S: Storage> Allocator<S> {
             header,
             caches,
             clusters_to_free,
+            rb_nesting: Default::default(),
         })
     }
 
@@ -507,6 +519,29 @@ impl<S: Storage> Allocator<S> {
     /// If there already is a refblock at that index, return it.  Otherwise, create one and hook it
     /// up.
     async fn ensure_rb(&mut self, rt_index: usize) -> io::Result<Arc<RefBlock>> {
+        use std::sync::atomic::Ordering;
+
+        /// Counts one nesting level down when dropped.
+        struct Level(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Level {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+
+        if self.rb_nesting.fetch_add(1, Ordering::Relaxed) >= MAX_RB_NESTING {
+            self.rb_nesting.fetch_sub(1, Ordering::Relaxed);
+            return Err(invalid_data(format!(
+                "Refcount structures need more than {MAX_RB_NESTING} nested refcount blocks; the \
+                 image's refcounts are corrupt"
+            )));
+        }
+        let _level = Level(Arc::clone(&self.rb_nesting));
+        self.ensure_rb_nested(rt_index).await
+    }
+
+    /// [`Allocator::ensure_rb()`], with the nesting counted.
+    async fn ensure_rb_nested(&mut self, rt_index: usize) -> io::Result<Arc<RefBlock>> {
         if let Some(rb) = self.get_rb(rt_index).await? {
             return Ok(rb);
         }
@@ -849,6 +884,7 @@ mod tests {
             header: Arc::clone(&header),
             caches: Arc::clone(&caches),
             clusters_to_free: Arc::new(ClustersToFreeList::default()),
+            rb_nesting: Default::default(),
         };
 
         // Trigger reftable growth just one index beyond the current bound.

@@ -26,6 +26,10 @@ pub struct Qcow2OpenBuilder<S: Storage + 'static, F: WrappedFormat<S> + 'static 
     /// `None` to open the file as specified by the image header, `Some(None)` to not open any data
     /// file, and `Some(Some(_))` to use that data file.
     data_file: Option<Option<StorageOrPath<S>>>,
+
+    /// Metadata cache budget in bytes: `(this image, each backing image)`; `None` for the default
+    /// (128 L2 tables and 32 refcount blocks, whatever the cluster size).
+    cache_bytes: Option<(u64, u64)>,
 }
 
 /// Options builder for creating (formatting) a qcow2 image.
@@ -58,8 +62,19 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2OpenBuilder<S, F>
         Qcow2OpenBuilder {
             base,
             backing: None,
+            cache_bytes: None,
             data_file: None,
         }
+    }
+
+    /// Bound the memory of the metadata caches: `own` bytes for this image's L2 tables and
+    /// refcount blocks (three quarters and one quarter), `backing` bytes for each qcow2 image of
+    /// its backing chain (which inherit the same split).  Each cache keeps at least two entries,
+    /// and an entry in use is never evicted, so a cache may briefly hold more than its share
+    /// while more tables than that are in use at once.
+    pub fn metadata_cache_bytes(mut self, own: u64, backing: u64) -> Self {
+        self.cache_bytes = Some((own, backing));
+        self
     }
 
     /// Set a backing image.
@@ -138,7 +153,9 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> FormatDriverBuilder<S>
         let storage_opts = self.base.make_storage_opts();
         let metadata = self.base.open_image(&mut gate).await?;
 
-        let mut qcow2 = Qcow2::<S, F>::do_open(metadata, writable, storage_opts.clone()).await?;
+        let mut qcow2 =
+            Qcow2::<S, F>::do_open(metadata, writable, storage_opts.clone(), self.cache_bytes)
+                .await?;
 
         if let Some(backing) = self.backing {
             let backing = match backing {

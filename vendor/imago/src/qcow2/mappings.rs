@@ -527,9 +527,8 @@ pub(super) struct PreparedMappingState {
     ///
     /// This also occupies an L2 cache entry for as long as it exists, because the cache only
     /// evicts tables that nothing else refers to.  Prepared mappings are held across data I/O, so
-    /// holding several of them can pin the whole L2 cache: If no entry can be evicted, loading
-    /// another L2 table fails with an I/O error (“Cannot evict entry from cache; everything is in
-    /// use”) instead of waiting for an entry to become available.
+    /// holding several of them can pin the whole L2 cache: If no entry can be evicted, the cache
+    /// goes over its limit for the next table until entries are released.
     l2_table: L2TableWriteGuard,
 
     /// What to enter into the L2 table: L2 index, host cluster, and the guard for the host cluster

@@ -77,6 +77,10 @@ pub struct Qcow2<S: Storage + 'static, F: WrappedFormat<S> + 'static = FormatAcc
     /// Is `None` for read-only images.
     allocator: Option<Mutex<Allocator<S>>>,
 
+    /// The metadata cache budget each qcow2 backing image is opened with (see
+    /// [`Qcow2OpenBuilder::metadata_cache_bytes()`]); `None` for the default.
+    backing_cache_bytes: Option<u64>,
+
     /// Allocations that have been removed from the image metadata, but not yet freed.
     ///
     /// Shared with the allocator.  Must be freed via [`Qcow2::process_clusters_to_free()`].
@@ -107,6 +111,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
         metadata: S,
         writable: bool,
         storage_open_options: StorageOpenOptions,
+        cache_bytes: Option<(u64, u64)>,
     ) -> io::Result<Self> {
         let header = Arc::new(Header::load(&metadata, writable).await?);
 
@@ -120,7 +125,17 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
             L1Table::load(&metadata, &header, l1_cluster, header.l1_table_entries()).await?;
 
         let metadata = Arc::new(metadata);
-        let caches = Arc::new(MetadataCaches::new(&metadata, &header, 128, 32));
+        let (l2_entries, rb_entries) = match cache_bytes {
+            None => (128, 32),
+            Some((own, _)) => {
+                let cs = header.cluster_size() as u64;
+                let share = |bytes: u64, max: usize| (bytes / cs).clamp(2, max as u64) as usize;
+                (share(own / 4 * 3, 128), share(own / 4, 32))
+            }
+        };
+        let caches = Arc::new(MetadataCaches::new(
+            &metadata, &header, l2_entries, rb_entries,
+        ));
         let clusters_to_free = Arc::new(ClustersToFreeList::default());
 
         let allocator = if writable {
@@ -152,6 +167,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
 
             caches,
             allocator,
+            backing_cache_bytes: cache_bytes.map(|(_, backing)| backing),
             clusters_to_free,
         })
     }
@@ -169,7 +185,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     /// If you want to use the implicit references given in the image header, use
     /// [`Qcow2::open_implicit_dependencies()`].
     pub async fn open_image(metadata: S, writable: bool) -> io::Result<Self> {
-        Self::do_open(metadata, writable, StorageOpenOptions::new()).await
+        Self::do_open(metadata, writable, StorageOpenOptions::new(), None).await
     }
 
     /// Open a qcow2 file at the given path.
@@ -187,7 +203,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     pub async fn open_path<P: AsRef<Path>>(path: P, writable: bool) -> io::Result<Self> {
         let storage_opts = StorageOpenOptions::new().write(writable).filename(path);
         let metadata = S::open(storage_opts).await?;
-        Self::do_open(metadata, writable, StorageOpenOptions::new()).await
+        Self::do_open(metadata, writable, StorageOpenOptions::new(), None).await
     }
 
     /// Does this qcow2 image require an external data file?
@@ -296,8 +312,11 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
         file: S,
         gate: &mut G,
     ) -> io::Result<F> {
-        let opts =
+        let mut opts =
             Qcow2::<S>::builder(file).storage_open_options(self.storage_open_options.clone());
+        if let Some(bytes) = self.backing_cache_bytes {
+            opts = opts.metadata_cache_bytes(bytes, bytes);
+        }
         // This is recursive, and in async mode, Box::pin is needed for recursion
         #[cfg(feature = "async")]
         let qcow2 = Box::pin(gate.open_format(opts)).await?;
