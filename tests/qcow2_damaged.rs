@@ -1,0 +1,359 @@
+//! Damaged and hostile qcow2 images: fusex never costs their data.
+//!
+//! - Every image of the corpus (`backend::qcow2::damage`: a `qemu-img` image with one planted
+//!   fault: refcounts zeroed or pointing past the end, L1/L2 entries aliasing metadata, a data
+//!   cluster mapped twice) is refused writable in one line naming `qemu-img check -r all`, left
+//!   byte-identical, with the same `qemu-img check` verdict, and still serves reads read-only.
+//! - A chain of eight 2 MiB-cluster images whose L1 tables point into sparse holes keeps the
+//!   daemon's memory within the metadata cache budget while reads walk 60 L2 ranges.
+//! - Files an image names: a FIFO fails start-up at once; control characters in a name never reach
+//!   the terminal; root serving another user's image refuses a backing file that user could not
+//!   read (unless `--trust-backing`); an external data file is written through.
+
+use std::fs::{self, File};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use backend::qcow2::damage::{Damage, Layout, BASE_RECIPE};
+use fusex_e2e::*;
+
+const QEMU: &[&str] = &["qemu-img", "qemu-io"];
+
+/// The corpus's base image at `dir/name`, made as [`BASE_RECIPE`] says.
+fn base_image(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o"])
+            .arg(format!("cluster_size={}", BASE_RECIPE.cluster_size))
+            .arg(&p)
+            .arg(BASE_RECIPE.size.to_string()),
+    );
+    for (off, len, byte) in BASE_RECIPE.writes {
+        run_ok(
+            Command::new("qemu-io")
+                .args(["-f", "qcow2", "-c"])
+                .arg(format!("write -P {byte} {off} {len}"))
+                .arg(&p),
+        );
+    }
+    p
+}
+
+/// `qemu-img check`'s report (its exit status says how damaged, and is part of the verdict).
+fn qemu_check(img: &Path) -> String {
+    let out = run(Command::new("qemu-img")
+        .args(["check", "-f", "qcow2"])
+        .arg(img));
+    format!(
+        "exit {:?}\n{}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn damaged_images_are_refused_writable_left_untouched_and_still_read() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("qcow2-damaged");
+    let clean = base_image(w.path(), "clean.qcow2");
+    for dmg in Damage::ALL {
+        let name = dmg.name();
+        let img = w.join(format!("{name}.qcow2"));
+        fs::copy(&clean, &img).unwrap();
+        dmg.plant(&img).unwrap();
+        let layout = Layout::read(&clean).unwrap();
+        let bytes = fs::read(&img).unwrap();
+        let verdict = qemu_check(&img);
+        let mp = w.join(format!("{name}.raw"));
+
+        let r = run_fusex(
+            &w,
+            &[
+                "mount".as_ref(),
+                "--writable".as_ref(),
+                img.as_os_str(),
+                mp.as_os_str(),
+            ],
+            Some(&mp),
+        );
+        r.assert_one_error_line(name);
+        assert!(
+            r.stderr.contains("is damaged") && r.stderr.contains("qemu-img check -r all"),
+            "{name}: {}",
+            r.stderr
+        );
+        assert!(!is_fuse_mounted(&mp), "{name}: refused but mounted");
+
+        // Read-only, the image serves what its mapping says; guest cluster 0 is intact in every
+        // corpus image, and the damaged range reads (whatever it maps to) or fails, never hangs.
+        let m = Mount::start(&w, &img, &mp, &[]);
+        let f = m.open_ro();
+        let mut head = vec![0u8; 4096];
+        f.read_exact_at(&mut head, 0).unwrap();
+        assert!(head.iter().all(|&b| b == 0x11), "{name}: guest cluster 0");
+        if let Some((off, len)) = dmg.guest_range(&layout) {
+            let mut buf = vec![0u8; len as usize];
+            let _ = f.read_exact_at(&mut buf, off);
+        }
+        drop(f);
+        m.stop().assert_clean(name);
+
+        assert!(
+            fs::read(&img).unwrap() == bytes,
+            "{name}: the image changed"
+        );
+        assert_eq!(qemu_check(&img), verdict, "{name}: qemu-img check changed");
+    }
+}
+
+#[test]
+fn a_healthy_image_still_opens_writable_and_stays_clean() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("qcow2-healthy");
+    let img = base_image(w.path(), "a.qcow2");
+    let mp = w.join("a.raw");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let f = m.open_rw();
+    let data = vec![0x5au8; 192 << 10];
+    // Across an allocated and an unallocated cluster, and into the second L2 table's range.
+    f.write_all_at(&data, 200 << 10).unwrap();
+    f.write_all_at(&data, 700 << 20).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    m.stop().assert_clean("healthy");
+    let guest = qcow2_guest_bytes(&w, &img);
+    assert_bytes_eq(
+        &guest[200 << 10..392 << 10],
+        &data,
+        200 << 10,
+        "first write",
+    );
+    assert_bytes_eq(
+        &guest[700 << 20..(700 << 20) + (192 << 10)],
+        &data,
+        700 << 20,
+        "second",
+    );
+}
+
+/// The daemon's peak resident memory, in bytes.
+fn peak_rss(pid: i32) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+#[test]
+fn a_long_chain_of_2m_cluster_images_stays_within_its_cache_budget() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    const CS: u64 = 2 << 20;
+    // One L2 table maps 2 MiB / 8 clusters of 2 MiB: 512 GiB. 60 L1 entries: 30 TiB (more than
+    // the 16 MiB budget's 6 tables, fewer than the 128 an unbounded cache keeps).
+    const L2_SPAN: u64 = CS / 8 * CS;
+    const TABLES: u64 = 60;
+    let w = WorkDir::new("qcow2-chain-budget");
+    let mut prev: Option<String> = None;
+    let mut top = PathBuf::new();
+    for i in 0..8 {
+        let name = format!("c{i}.qcow2");
+        let mut cmd = Command::new("qemu-img");
+        cmd.current_dir(w.path())
+            .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=2M"]);
+        if let Some(p) = &prev {
+            cmd.args(["-b", p, "-F", "qcow2"]);
+        }
+        run_ok(cmd.arg(&name).arg((TABLES * L2_SPAN).to_string()));
+        // Every L1 entry names an L2 table in a sparse hole past the image's end: each reads as
+        // an empty table, so every read walks the whole chain and loads one table per image.
+        let p = w.join(&name);
+        let l = Layout::read(&p).unwrap();
+        let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+        let end = f.metadata().unwrap().len().next_multiple_of(CS);
+        for k in 0..TABLES {
+            f.write_all_at(&(end + k * CS).to_be_bytes(), l.l1 + k * 8)
+                .unwrap();
+        }
+        f.set_len(end + TABLES * CS).unwrap();
+        prev = Some(name);
+        top = p;
+    }
+    let mp = w.join("chain.raw");
+    let m = Mount::start(&w, &top, &mp, &[]);
+    let f = m.open_ro();
+    let mut b = [0u8; 512];
+    for k in 0..TABLES {
+        f.read_exact_at(&mut b, k * L2_SPAN).unwrap();
+        assert!(b.iter().all(|&x| x == 0));
+    }
+    let peak = peak_rss(m.pid());
+    eprintln!("peak RSS: {} MiB", peak >> 20);
+    drop(f);
+    m.stop().assert_clean("chain");
+    // The plan (docs/design.md, "Memory"): request buffers (34 MiB here) and the metadata caches
+    // (16 MiB for the top image, 4 MiB for each of 7 backing images), plus the program itself.
+    // Unbounded caches held up to 128 tables of 2 MiB per image: 960 MiB for this chain.
+    let plan = (34 + 16 + 7 * 4 + 64) << 20;
+    assert!(
+        peak < plan,
+        "peak RSS {} MiB over the plan's {} MiB",
+        peak >> 20,
+        plan >> 20
+    );
+}
+
+#[test]
+fn a_fifo_backing_file_fails_start_up_in_one_line() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("qcow2-fifo");
+    let fifo = w.join("fifo");
+    run_ok(Command::new("mkfifo").arg(&fifo));
+    let img = w.join("top.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .current_dir(w.path())
+            .args([
+                "create", "-q", "-f", "qcow2", "-u", "-b", "fifo", "-F", "raw",
+            ])
+            .arg(&img)
+            .arg("1M"),
+    );
+    let mp = w.join("top.raw");
+    // run_with_timeout fails the test if fusex hangs waiting for a writer.
+    let r = run_fusex(
+        &w,
+        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
+        Some(&mp),
+    );
+    r.assert_one_error_line("fifo backing");
+    assert!(
+        r.stderr.contains("not a regular file or block device"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn control_characters_in_a_backing_name_never_reach_the_terminal() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("qcow2-escape");
+    let img = w.join("top.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .current_dir(w.path())
+            .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
+            .arg("evil\x1b[2J\x07name")
+            .arg(&img)
+            .arg("1M"),
+    );
+    let mp = w.join("top.raw");
+    let r = run_fusex(
+        &w,
+        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
+        Some(&mp),
+    );
+    r.assert_one_error_line("escaped name");
+    assert!(
+        !r.stderr.bytes().any(|b| b < 0x20 && b != b'\n'),
+        "raw control characters: {:?}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("evil"), "{}", r.stderr);
+}
+
+#[test]
+fn root_never_serves_a_backing_file_the_image_owner_could_not_read() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(!in_ci(), "the e2e suite runs as root in CI");
+        return;
+    }
+    let w = WorkDir::new("qcow2-foreign");
+    // A file only root may read, as /etc/shadow is.
+    let secret = w.join("secret.raw");
+    fs::write(&secret, vec![0x77u8; 1 << 20]).unwrap();
+    fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
+    let img = w.join("user.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+            .arg(&secret)
+            .arg(&img)
+            .arg("1M"),
+    );
+    // The image belongs to nobody: nobody chose the names in it.
+    run_ok(Command::new("chown").arg("65534:65534").arg(&img));
+    let mp = w.join("user.raw");
+    let r = run_fusex(
+        &w,
+        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
+        Some(&mp),
+    );
+    r.assert_one_error_line("foreign backing");
+    assert!(
+        r.stderr.contains("uid 65534") && r.stderr.contains("--trust-backing"),
+        "{}",
+        r.stderr
+    );
+    // Asked for explicitly, root serves it.
+    let m = Mount::start(&w, &img, &mp, &["--trust-backing"]);
+    let mut b = vec![0u8; 4096];
+    m.open_ro().read_exact_at(&mut b, 0).unwrap();
+    assert!(b.iter().all(|&x| x == 0x77));
+    m.stop().assert_clean("trusted");
+}
+
+#[test]
+fn an_external_data_file_is_written_through() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("qcow2-data-file");
+    let img = w.join("ext.qcow2");
+    let data = w.join("ext.data");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o"])
+            .arg(format!("data_file={}", data.display()))
+            .arg(&img)
+            .arg("4M"),
+    );
+    let mp = w.join("ext.raw");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let f = m.open_rw();
+    let payload: Vec<u8> = (0..(128u32 << 10)).map(|i| (i % 251) as u8).collect();
+    f.write_all_at(&payload, 1 << 20).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    m.stop().assert_clean("data file");
+    let guest = qcow2_guest_bytes(&w, &img);
+    assert_bytes_eq(
+        &guest[1 << 20..(1 << 20) + payload.len()],
+        &payload,
+        1 << 20,
+        "guest",
+    );
+    // The data lives in the data file, at its guest offset.
+    let mut raw = vec![0u8; payload.len()];
+    File::open(&data)
+        .unwrap()
+        .read_exact_at(&mut raw, 1 << 20)
+        .unwrap();
+    assert_bytes_eq(&raw, &payload, 1 << 20, "data file");
+}
