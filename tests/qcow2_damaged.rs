@@ -6,6 +6,10 @@
 //!   byte-identical, with the same `qemu-img check` verdict, and still serves reads read-only.
 //! - A chain of eight 2 MiB-cluster images whose L1 tables point into sparse holes keeps the
 //!   daemon's memory within the metadata cache budget while reads walk 60 L2 ranges.
+//! - Damage that appears while an image is served (a refcount block zeroed, an L2 entry turned to
+//!   alias the L1 table, behind the export's back) fails the write with EIO, marks the image
+//!   corrupt (its header's bit, which `qemu-img info` shows), changes no other byte, and leaves
+//!   reads working.
 //! - Files an image names: a FIFO fails start-up at once; control characters in a name never reach
 //!   the terminal; root serving another user's image refuses a backing file that user could not
 //!   read (unless `--trust-backing`); an external data file is written through.
@@ -356,4 +360,126 @@ fn an_external_data_file_is_written_through() {
         .read_exact_at(&mut raw, 1 << 20)
         .unwrap();
     assert_bytes_eq(&raw, &payload, 1 << 20, "data file");
+}
+
+/// The whole image file.
+fn image_bytes(p: &Path) -> Vec<u8> {
+    fs::read(p).unwrap()
+}
+
+/// Asserts `after` is `before` with only the header's corrupt bit (incompatible feature bit 1,
+/// byte 79) added.
+#[track_caller]
+fn only_the_corrupt_bit_changed(before: &[u8], after: &[u8]) {
+    assert_eq!(before.len(), after.len(), "the image changed size");
+    let changed: Vec<usize> = (0..before.len())
+        .filter(|&i| before[i] != after[i])
+        .collect();
+    assert_eq!(changed, [79], "bytes other than the corrupt bit changed");
+    assert_eq!(after[79], before[79] | 2);
+}
+
+#[test]
+fn a_refcount_block_zeroed_while_serving_fails_the_allocating_write_and_marks_the_image_corrupt() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("qcow2-live-refblock");
+    let img = base_image(w.path(), "a.qcow2");
+    let mp = w.join("a.raw");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    // Refcount blocks are read at the first allocation: zero refcount block 0 behind the
+    // export's back, as a damaged disk or another writer ignoring the locks would.
+    let l = Layout::read(&img).unwrap();
+    let raw = fs::OpenOptions::new().write(true).open(&img).unwrap();
+    raw.write_all_at(&vec![0u8; l.cluster_size as usize], l.refblock0)
+        .unwrap();
+    raw.sync_all().unwrap();
+    let before = image_bytes(&img);
+
+    let f = m.open_rw();
+    let block = vec![0xabu8; 65536];
+    // Unallocated clusters: the allocator would hand out cluster 0, the header.
+    for off in [100u64 << 20, 300 << 20] {
+        let e = f.write_all_at(&block, off).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "write at {off}: {e}");
+    }
+    // An allocated cluster: still refused, the image is corrupt now.
+    let e = f.write_all_at(&block, 0).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    // Reads go on.
+    let mut head = vec![0u8; 65536];
+    f.read_exact_at(&mut head, 0).unwrap();
+    assert!(head.iter().all(|&b| b == 0x11));
+    drop(f);
+    let stopped = m.stop();
+    assert!(stopped.exited && !stopped.left_mounted, "{stopped:?}");
+    let log = stopped.stderr;
+    assert_eq!(
+        log.matches("Preventing invalid write on metadata").count(),
+        1,
+        "one log line: {log}"
+    );
+    assert!(log.contains("qemu-img check -r all"), "{log}");
+    only_the_corrupt_bit_changed(&before, &image_bytes(&img));
+    let info = run(Command::new("qemu-img").args(["info", "-U"]).arg(&img));
+    assert!(
+        String::from_utf8_lossy(&info.stdout).contains("corrupt: true"),
+        "{}",
+        String::from_utf8_lossy(&info.stdout)
+    );
+}
+
+#[test]
+fn an_l2_entry_aliasing_the_l1_table_while_serving_never_lets_guest_data_land_there() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    const CS: u64 = 2 << 20;
+    const L2_SPAN: u64 = CS / 8 * CS;
+    let w = WorkDir::new("qcow2-live-alias");
+    let img = w.join("big.qcow2");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=2M"])
+            .arg(&img)
+            .arg((8 * L2_SPAN).to_string()),
+    );
+    // Data under eight L2 tables: more than the top image's cache keeps (six with 2 MiB
+    // clusters), so the first table is read from the file again once the others were used.
+    let mut io = Command::new("qemu-io");
+    io.args(["-f", "qcow2"]);
+    for k in 0..8u64 {
+        io.arg("-c")
+            .arg(format!("write -P {} {} 2M", k + 1, k * L2_SPAN));
+    }
+    run_ok(io.arg(&img));
+    let mp = w.join("big.raw");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let f = m.open_rw();
+    let mut b = vec![0u8; 4096];
+    for k in 1..8u64 {
+        f.read_exact_at(&mut b, k * L2_SPAN).unwrap();
+        assert!(b.iter().all(|&x| x == (k + 1) as u8));
+    }
+    // Guest cluster 0's L2 entry now points at the L1 table ("copied": written in place).
+    let l = Layout::read(&img).unwrap();
+    let raw = fs::OpenOptions::new().write(true).open(&img).unwrap();
+    raw.write_all_at(&((1u64 << 63) | (l.l1 & !(CS - 1))).to_be_bytes(), l.l2[0])
+        .unwrap();
+    raw.sync_all().unwrap();
+    let before = image_bytes(&img);
+
+    let e = f.write_all_at(&vec![0xeeu8; 65536], 0).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    drop(f);
+    let stopped = m.stop();
+    assert!(stopped.exited && !stopped.left_mounted, "{stopped:?}");
+    assert!(
+        stopped.stderr.contains("overlaps L1 metadata"),
+        "{}",
+        stopped.stderr
+    );
+    // The L1 table (and everything else) is as it was: no guest byte landed in it.
+    only_the_corrupt_bit_changed(&before, &image_bytes(&img));
 }

@@ -1,6 +1,7 @@
 //! Fuzz harnesses of fusex: the request decoder of `fuse-abi`, the whole protocol server over
 //! an in-memory backend in both framings (`/dev/fuse` and FUSE-over-io_uring), and the NBD
-//! client's parsers of what a server sends (`nbd`).
+//! client's parsers of what a server sends (`nbd`), and the qcow2 integrity pass over image bytes
+//! (`qcow2`).
 //!
 //! The harness logic lives here, not in `fuzz_targets/`, so the stable unit tests below run it
 //! over the seed inputs (`make unit`), and `make fuzz` runs it under libFuzzer on nightly.
@@ -9,6 +10,7 @@
 pub mod decode;
 pub mod mem;
 pub mod nbd;
+pub mod qcow2;
 pub mod seeds;
 pub mod serve;
 

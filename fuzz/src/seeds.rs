@@ -294,7 +294,69 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
         ("serve_legacy", serve_legacy()),
         ("serve_uring", serve_uring()),
         ("nbd_reply", nbd_reply()),
+        ("qcow2_check", qcow2_check()),
     ]
+}
+
+/// Runs a qemu tool (qemu-img, qemu-io), which `make deps` installs.
+fn qemu(tool: &str, args: &[&str]) {
+    let out = std::process::Command::new(tool)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{tool}: {e} (run `make deps`)"));
+    assert!(
+        out.status.success(),
+        "{tool} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Seeds of the `qcow2_check` target: the damaged-image corpus (`backend::qcow2::damage`), each
+/// kind of damage planted into the 64 KiB-cluster base image and into a small 512-byte-cluster
+/// one, and both healthy bases.
+pub fn qcow2_check() -> Seeds {
+    use backend::qcow2::damage::{BaseRecipe, Damage, BASE_RECIPE, SMALL_RECIPE};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut seeds = Vec::new();
+    let recipes: [(&str, BaseRecipe); 2] = [("small", SMALL_RECIPE), ("base", BASE_RECIPE)];
+    for (tag, r) in recipes {
+        let clean = dir.path().join(format!("{tag}.qcow2"));
+        let path = clean.to_str().unwrap();
+        let o = format!("cluster_size={}", r.cluster_size);
+        qemu(
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                &o,
+                path,
+                &r.size.to_string(),
+            ],
+        );
+        for (off, len, byte) in r.writes {
+            qemu(
+                "qemu-io",
+                &[
+                    "-f",
+                    "qcow2",
+                    "-c",
+                    &format!("write -P {byte} {off} {len}"),
+                    path,
+                ],
+            );
+        }
+        seeds.push((format!("{tag}-clean"), std::fs::read(&clean).unwrap()));
+        for d in Damage::ALL {
+            let p = dir.path().join(format!("{tag}-{}.qcow2", d.name()));
+            std::fs::copy(&clean, &p).unwrap();
+            d.plant(&p).unwrap();
+            seeds.push((format!("{tag}-{}", d.name()), std::fs::read(&p).unwrap()));
+        }
+    }
+    seeds
 }
 
 /// NBD protocol constants for the seeds (the protocol's `doc/proto.md`).

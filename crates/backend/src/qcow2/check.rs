@@ -104,7 +104,7 @@ fn more(count: u64) -> String {
 }
 
 /// What a clean pass saw.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Summary {
     /// Host clusters in the image file.
     pub clusters: u64,
@@ -112,6 +112,10 @@ pub struct Summary {
     pub leaked: u64,
     /// Passes over the metadata (one per window of [`WINDOW_CLUSTERS`]).
     pub windows: u64,
+    /// Metadata imago does not read itself, as `(offset, length)` in the file: the snapshot
+    /// table, the snapshots' L1 tables and the L2 tables only snapshots use (for imago's overlap
+    /// checks, which protect the header, L1, L2 and refcount structures on their own).
+    pub protect: Vec<(u64, u64)>,
 }
 
 /// What a host cluster holds, for the overlap rules.
@@ -352,8 +356,9 @@ pub fn check(src: &(impl Source + ?Sized)) -> Result<Summary, CheckError> {
     check_windowed(src, WINDOW_CLUSTERS)
 }
 
-/// [`check`] with windows of `window` host clusters.
-fn check_windowed(src: &(impl Source + ?Sized), window: u64) -> Result<Summary, CheckError> {
+/// [`check`] with windows of `window` host clusters (for tests and the fuzz target: the verdict
+/// must not depend on the window).
+pub fn check_windowed(src: &(impl Source + ?Sized), window: u64) -> Result<Summary, CheckError> {
     let h = Header::read(src)?;
     let file_len = src.size()?;
     let cb = h.cluster_bits;
@@ -469,6 +474,17 @@ fn check_windowed(src: &(impl Source + ?Sized), window: u64) -> Result<Summary, 
     let rb_bits = cb + 3 - h.refcount_order;
     let mut summary = Summary {
         clusters,
+        protect: fixed
+            .iter()
+            .filter(|e| matches!(e.kind, Kind::Snapshots | Kind::SnapshotL1))
+            .map(|e| (e.offset, e.len))
+            .chain(
+                l2_list
+                    .iter()
+                    .filter(|&&(_, _, active)| !active)
+                    .map(|&(off, _, _)| (off, cs)),
+            )
+            .collect(),
         ..Summary::default()
     };
     let mut l2_buf = vec![0u8; cs as usize];

@@ -19,6 +19,13 @@ pub const BASE_RECIPE: BaseRecipe = BaseRecipe {
     writes: &[(0, 256 << 10, 0x11), (600 << 20, 128 << 10, 0x22)],
 };
 
+/// A small base image for fuzzing (a few KiB): 512-byte clusters, two L2 tables.
+pub const SMALL_RECIPE: BaseRecipe = BaseRecipe {
+    size: 1 << 20,
+    cluster_size: 512,
+    writes: &[(0, 4096, 0x11), (32 << 10, 2048, 0x22)],
+};
+
 /// The base image of the corpus.
 #[derive(Clone, Copy, Debug)]
 pub struct BaseRecipe {
@@ -176,7 +183,8 @@ impl Damage {
         }
     }
 
-    /// Plants this damage into the image at `path` (made by [`BASE_RECIPE`]).
+    /// Plants this damage into the image at `path` (made by [`BASE_RECIPE`] or
+    /// [`SMALL_RECIPE`]).
     pub fn plant(self, path: &Path) -> io::Result<()> {
         let l = Layout::read(path)?;
         if l.l2[1] == 0 || l.data.len() < 2 {

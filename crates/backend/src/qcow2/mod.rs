@@ -224,6 +224,10 @@ pub struct Qcow2Backend {
     /// Copy-on-write ahead of imago (see [`crate::cow`]), for writable images with a backing
     /// file.
     cow: Option<Box<CowAhead>>,
+    /// The image path, for messages.
+    path: PathBuf,
+    /// An overlap check has failed and been logged.
+    corrupt_logged: AtomicBool,
 }
 
 /// What copying backed clusters ahead of imago needs.
@@ -354,7 +358,7 @@ impl ImplicitOpenGate<RingFile> for Gate {
 
 /// Runs the integrity pass ([`check`]) on an image about to be opened for writing: allocation
 /// and mapping trust its refcounts and tables, so a damaged image is refused, untouched.
-fn integrity(meta: &File, shown: &str) -> std::result::Result<(), OpenError> {
+fn integrity(meta: &File, shown: &str) -> std::result::Result<check::Summary, OpenError> {
     let started = std::time::Instant::now();
     match check::check(meta) {
         Ok(s) => {
@@ -371,7 +375,7 @@ fn integrity(meta: &File, shown: &str) -> std::result::Result<(), OpenError> {
                     s.leaked
                 );
             }
-            Ok(())
+            Ok(s)
         }
         Err(check::CheckError::Io(e)) => Err(OpenError::from_io(shown, e)),
         Err(e @ check::CheckError::Damaged { .. }) => Err(OpenError::Format {
@@ -426,9 +430,11 @@ impl Qcow2Backend {
         )?;
         let meta = File::open(path).map_err(|e| OpenError::from_io(&shown, e))?;
         precheck_header(&meta).map_err(|e| format_error(&shown, e))?;
-        if opts.writable {
-            integrity(&meta, &shown)?;
-        }
+        let protect = if opts.writable {
+            integrity(&meta, &shown)?.protect
+        } else {
+            Vec::new()
+        };
         let size_limit = guest_size_limit(&meta);
         let canon = std::fs::canonicalize(path).map_err(|e| OpenError::from_io(&shown, e))?;
         let gate = Gate {
@@ -455,6 +461,7 @@ impl Qcow2Backend {
         let opened = eng.block_on(async {
             let q = Qcow2::<RingFile>::builder(top)
                 .metadata_cache_bytes(TOP_CACHE_BYTES, BACKING_CACHE_BYTES)
+                .protect_metadata(protect)
                 .write(opts.writable)
                 .open(gate)
                 .await?;
@@ -494,6 +501,8 @@ impl Qcow2Backend {
             // Counted on the first GETATTR, not here: a hostile header can make the walk long.
             mapping_changed: AtomicBool::new(true),
             cow,
+            path: path.to_path_buf(),
+            corrupt_logged: AtomicBool::new(false),
         })
     }
 
@@ -608,15 +617,28 @@ async fn count_allocated(img: &FormatAccess<RingFile>) -> io::Result<Option<u64>
     Ok(Some(total))
 }
 
-/// An error of one request: imago's own errors (corrupt metadata, out-of-range cluster
-/// offsets) carry no errno and become EIO.
-fn io_err(e: io::Error) -> BackendError {
-    match e.raw_os_error() {
-        Some(_) => BackendError::Io(e),
-        None => {
-            tracing::warn!("qcow2 request failed: {}", one_line(&e.to_string()));
-            BackendError::Io(io::Error::from_raw_os_error(libc::EIO))
+impl Qcow2Backend {
+    /// An error of one request: imago's own errors (corrupt metadata, out-of-range cluster
+    /// offsets) carry no errno and become EIO. An overlap check's error (a write that would have
+    /// landed on metadata) is logged once: imago has marked the image corrupt and refuses every
+    /// later write, so the export is read-only from then on.
+    fn io_err(&self, e: io::Error) -> BackendError {
+        if e.raw_os_error().is_some() {
+            return BackendError::Io(e);
         }
+        let msg = one_line(&e.to_string());
+        if msg.contains(imago::qcow2::CORRUPTION_PREFIX) {
+            if !self.corrupt_logged.swap(true, Ordering::AcqRel) {
+                tracing::error!(
+                    "{}: {msg}: the export is read-only from now on (writes fail with EIO, \
+                     reads go on): stop it and repair the image with `qemu-img check -r all`",
+                    named::shown_path(&self.path)
+                );
+            }
+        } else {
+            tracing::warn!("qcow2 request failed: {msg}");
+        }
+        BackendError::Io(io::Error::from_raw_os_error(libc::EIO))
     }
 }
 
@@ -679,7 +701,7 @@ impl BlockBackend for Qcow2Backend {
         let g = self.gate.shared().await;
         let r = self.image.read(&mut win.as_mut_slice()[..n], off).await;
         drop(g);
-        (r.map(|()| n).map_err(io_err), win)
+        (r.map(|()| n).map_err(|e| self.io_err(e)), win)
     }
 
     async fn write_at(&self, _eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
@@ -710,13 +732,13 @@ impl BlockBackend for Qcow2Backend {
         };
         drop((shared, alone));
         self.changed();
-        (r.map(|()| n).map_err(io_err), win)
+        (r.map(|()| n).map_err(|e| self.io_err(e)), win)
     }
 
     async fn flush(&self, _eng: &Engine) -> Result<()> {
         let _g = self.gate.shared().await;
-        self.image.flush().await.map_err(io_err)?;
-        self.image.sync().await.map_err(io_err)
+        self.image.flush().await.map_err(|e| self.io_err(e))?;
+        self.image.sync().await.map_err(|e| self.io_err(e))
     }
 
     async fn discard(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
@@ -727,7 +749,7 @@ impl BlockBackend for Qcow2Backend {
         let r = unsafe { self.image.discard_to_zero_unsafe(off, len) }.await;
         drop(g);
         self.changed();
-        r.map_err(io_err)
+        r.map_err(|e| self.io_err(e))
     }
 
     async fn write_zeroes(&self, _eng: &Engine, off: u64, len: u64) -> Result<()> {
@@ -748,7 +770,7 @@ impl BlockBackend for Qcow2Backend {
             }
         };
         self.changed();
-        r.map_err(io_err)
+        r.map_err(|e| self.io_err(e))
     }
 
     async fn allocate(&self, _eng: &Engine, _off: u64, _len: u64) -> Result<()> {
@@ -775,7 +797,7 @@ impl BlockBackend for Qcow2Backend {
                 .image
                 .get_mapping(pos, size - pos)
                 .await
-                .map_err(io_err)?;
+                .map_err(|e| self.io_err(e))?;
             if len == 0 {
                 break;
             }

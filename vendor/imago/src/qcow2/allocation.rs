@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::sync_primitives::MutexGuard;
+use overlap::{MetaKind, Overlap};
 use parking_lot::Mutex as SyncMutex;
 use std::mem;
 use tracing::{event, warn, Level};
@@ -138,6 +139,9 @@ pub(super) struct Allocator<S: Storage> {
     ///
     /// Shared with [`Qcow2`].
     clusters_to_free: Arc<ClustersToFreeList>,
+
+    /// Metadata clusters, which no allocation may hand out (shared with [`Qcow2`]).
+    overlap: Arc<Overlap>,
 
     /// How many [`Allocator::ensure_rb()`] calls are nested right now (each new refblock may need
     /// another one to be refcounted); bounded by [`MAX_RB_NESTING`].
@@ -284,6 +288,7 @@ impl<S: Storage> Allocator<S> {
         header: Arc<Header>,
         caches: Arc<MetadataCaches<S>>,
         clusters_to_free: Arc<ClustersToFreeList>,
+        overlap: Arc<Overlap>,
     ) -> io::Result<Self> {
         let cb = header.cluster_bits();
         let rt_offset = header.reftable_offset();
@@ -299,6 +304,15 @@ impl<S: Storage> Allocator<S> {
         )
         .await?;
 
+        if let Some(c) = reftable.get_cluster() {
+            overlap.insert(c, reftable.cluster_count(), MetaKind::RefTable);
+        }
+        for i in 0..reftable.entries() {
+            if let Some(off) = reftable.get(i).refblock_offset() {
+                overlap.insert(off.cluster(cb), ClusterCount(1), MetaKind::RefBlock);
+            }
+        }
+
         Ok(Allocator {
             file: image,
             reftable,
@@ -306,6 +320,7 @@ impl<S: Storage> Allocator<S> {
             header,
             caches,
             clusters_to_free,
+            overlap,
             rb_nesting: Default::default(),
         })
     }
@@ -347,6 +362,7 @@ impl<S: Storage> Allocator<S> {
         }
 
         for entry in metadata_clusters {
+            self.overlap.remove(entry.first_cluster);
             self.free_clusters(entry.first_cluster, entry.count).await;
         }
 
@@ -398,6 +414,9 @@ impl<S: Storage> Allocator<S> {
 
             let alloc_count = self.allocate_clusters_at(index, count).await?;
             if alloc_count == count {
+                if metadata {
+                    self.overlap.insert(index, count, MetaKind::Other);
+                }
                 let to_free_entry = if metadata {
                     ClustersToFreeEntry::metadata(index, count)
                 } else {
@@ -486,6 +505,19 @@ impl<S: Storage> Allocator<S> {
         let mut rb = rb.lock_write().await;
         let can_allocate = rb.is_zero(rb_index);
         if can_allocate {
+            // A refcount of zero on a metadata cluster: handing it out would overwrite metadata.
+            self.overlap.need_intact()?;
+            if let Some((start, kind)) = self.overlap.find(index.0, 1) {
+                drop(rb);
+                let cb = self.header.cluster_bits();
+                let msg = format!(
+                    "Allocation of host offset {} (refcount 0) overlaps {kind:?} metadata at \
+                     offset {}",
+                    index.0 << cb,
+                    start << cb
+                );
+                return Err(self.overlap.signal(self.file.as_ref(), msg).await);
+            }
             rb.increment(rb_index)?;
         }
 
@@ -579,6 +611,17 @@ impl<S: Storage> Allocator<S> {
         } else {
             // Place the refblock such that it covers itself.  Its refcount is stored only in
             // itself, so until it is referenced, there is nothing that could be leaked.
+            self.overlap
+                .check(
+                    self.file.as_ref(),
+                    self.header.cluster_bits(),
+                    rb_cluster.0,
+                    1,
+                    "Self-describing refcount block",
+                )
+                .await?;
+            self.overlap
+                .insert(rb_cluster, ClusterCount(1), MetaKind::RefBlock);
             new_rb.set_cluster(rb_cluster);
             new_rb.lock_write().await.increment(0)?;
             None
@@ -691,6 +734,24 @@ impl<S: Storage> Allocator<S> {
         // Now set allocation information
         let start_index = free_cluster_index.unwrap();
         let end_index = index + rt_clusters;
+        self.overlap
+            .check(
+                self.file.as_ref(),
+                cb,
+                start_index.0,
+                end_index.0 - start_index.0,
+                "New refcount structures",
+            )
+            .await?;
+        // Each structure on its own, so each is forgotten by its first cluster when freed.
+        for rb in &refblocks {
+            if let Some(c) = rb.get_cluster() {
+                if c >= start_index && c < end_index {
+                    self.overlap.insert(c, ClusterCount(1), MetaKind::RefBlock);
+                }
+            }
+        }
+        self.overlap.insert(index, rt_clusters, MetaKind::RefTable);
 
         for index in start_index.0..end_index.0 {
             let index = HostCluster(index);
@@ -884,6 +945,7 @@ mod tests {
             header: Arc::clone(&header),
             caches: Arc::clone(&caches),
             clusters_to_free: Arc::new(ClustersToFreeList::default()),
+            overlap: Default::default(),
             rb_nesting: Default::default(),
         };
 

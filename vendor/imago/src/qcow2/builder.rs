@@ -30,6 +30,9 @@ pub struct Qcow2OpenBuilder<S: Storage + 'static, F: WrappedFormat<S> + 'static 
     /// Metadata cache budget in bytes: `(this image, each backing image)`; `None` for the default
     /// (128 L2 tables and 32 refcount blocks, whatever the cluster size).
     cache_bytes: Option<(u64, u64)>,
+
+    /// Extra byte ranges of the image file the overlap checks protect, `(offset, length)`.
+    protect: Vec<(u64, u64)>,
 }
 
 /// Options builder for creating (formatting) a qcow2 image.
@@ -63,6 +66,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2OpenBuilder<S, F>
             base,
             backing: None,
             cache_bytes: None,
+            protect: Vec::new(),
             data_file: None,
         }
     }
@@ -74,6 +78,16 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2OpenBuilder<S, F>
     /// while more tables than that are in use at once.
     pub fn metadata_cache_bytes(mut self, own: u64, backing: u64) -> Self {
         self.cache_bytes = Some((own, backing));
+        self
+    }
+
+    /// Protect these byte ranges `(offset, length)` of the image file as metadata, besides the
+    /// header, L1, L2 and refcount structures the image itself names: e.g. the snapshot table,
+    /// snapshots' L1 tables and L2 tables only snapshots use, which this driver does not read.
+    /// A writable image refuses (and marks itself corrupt on) any allocation or guest data write
+    /// that would touch its metadata.
+    pub fn protect_metadata(mut self, ranges: Vec<(u64, u64)>) -> Self {
+        self.protect = ranges;
         self
     }
 
@@ -154,8 +168,14 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> FormatDriverBuilder<S>
         let metadata = self.base.open_image(&mut gate).await?;
 
         let mut qcow2 =
-            Qcow2::<S, F>::do_open(metadata, writable, storage_opts.clone(), self.cache_bytes)
-                .await?;
+            Qcow2::<S, F>::do_open(
+                metadata,
+                writable,
+                storage_opts.clone(),
+                self.cache_bytes,
+                &self.protect,
+            )
+            .await?;
 
         if let Some(backing) = self.backing {
             let backing = match backing {

@@ -10,6 +10,7 @@ mod cow;
 mod io_func;
 mod mappings;
 mod metadata;
+mod overlap;
 mod preallocation;
 #[cfg(feature = "sync-wrappers")]
 mod sync_wrappers;
@@ -32,6 +33,8 @@ use cache::MetadataCaches;
 use mappings::{FixedMapping, PreparedMappingState};
 use maybe_async::maybe_async;
 use metadata::*;
+use overlap::{MetaKind, Overlap};
+pub use overlap::CORRUPTION_PREFIX;
 use std::fmt::{self, Debug, Display, Formatter};
 use std::ops::Range;
 use std::path::Path;
@@ -77,6 +80,10 @@ pub struct Qcow2<S: Storage + 'static, F: WrappedFormat<S> + 'static = FormatAcc
     /// Is `None` for read-only images.
     allocator: Option<Mutex<Allocator<S>>>,
 
+    /// The clusters holding metadata, which no allocation or data write may touch (populated
+    /// for writable images only).
+    overlap: Arc<Overlap>,
+
     /// The metadata cache budget each qcow2 backing image is opened with (see
     /// [`Qcow2OpenBuilder::metadata_cache_bytes()`]); `None` for the default.
     backing_cache_bytes: Option<u64>,
@@ -112,6 +119,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
         writable: bool,
         storage_open_options: StorageOpenOptions,
         cache_bytes: Option<(u64, u64)>,
+        protect: &[(u64, u64)],
     ) -> io::Result<Self> {
         let header = Arc::new(Header::load(&metadata, writable).await?);
 
@@ -138,14 +146,17 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
         ));
         let clusters_to_free = Arc::new(ClustersToFreeList::default());
 
+        let overlap = Arc::new(Overlap::default());
         let allocator = if writable {
             let allocator = Allocator::new(
                 Arc::clone(&metadata),
                 Arc::clone(&header),
                 Arc::clone(&caches),
                 Arc::clone(&clusters_to_free),
+                Arc::clone(&overlap),
             )
             .await?;
+            protect_l1_side(&overlap, &header, &l1_table, protect);
             Some(Mutex::new(allocator))
         } else {
             None
@@ -167,6 +178,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
 
             caches,
             allocator,
+            overlap,
             backing_cache_bytes: cache_bytes.map(|(_, backing)| backing),
             clusters_to_free,
         })
@@ -185,7 +197,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     /// If you want to use the implicit references given in the image header, use
     /// [`Qcow2::open_implicit_dependencies()`].
     pub async fn open_image(metadata: S, writable: bool) -> io::Result<Self> {
-        Self::do_open(metadata, writable, StorageOpenOptions::new(), None).await
+        Self::do_open(metadata, writable, StorageOpenOptions::new(), None, &[]).await
     }
 
     /// Open a qcow2 file at the given path.
@@ -203,7 +215,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     pub async fn open_path<P: AsRef<Path>>(path: P, writable: bool) -> io::Result<Self> {
         let storage_opts = StorageOpenOptions::new().write(writable).filename(path);
         let metadata = S::open(storage_opts).await?;
-        Self::do_open(metadata, writable, StorageOpenOptions::new(), None).await
+        Self::do_open(metadata, writable, StorageOpenOptions::new(), None, &[]).await
     }
 
     /// Does this qcow2 image require an external data file?
@@ -423,7 +435,14 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     fn need_writable(&self) -> io::Result<()> {
         self.writable
             .then_some(())
-            .ok_or_else(|| io::Error::other("Image is read-only"))
+            .ok_or_else(|| io::Error::other("Image is read-only"))?;
+        self.overlap.need_intact()
+    }
+
+    /// Whether an overlap check found the image's metadata damaged (it is then marked corrupt,
+    /// and every write fails).
+    pub fn is_corrupt(&self) -> bool {
+        self.overlap.is_corrupt()
     }
 
     /// Check whether `offset + length` is within the disk size.
@@ -545,6 +564,21 @@ impl<S: Storage, F: WrappedFormat<S>> FormatDriverInstance for Qcow2<S, F> {
         let (host_offset, length, state) = self
             .do_prepare_data_mapping(GuestOffset(offset), length, overwrite, false)
             .await?;
+        if !self.header.external_data_file() && length > 0 {
+            let cb = self.header.cluster_bits();
+            let first = host_offset >> cb;
+            let last = (host_offset + length - 1) >> cb;
+            // On a violation, dropping `state` frees whatever was allocated for it.
+            self.overlap
+                .check(
+                    self.metadata.as_ref(),
+                    cb,
+                    first,
+                    last - first + 1,
+                    "Guest data write",
+                )
+                .await?;
+        }
 
         let pdm = if let Some(state) = state {
             PreparedDataMapping::to_commit(self.storage(), host_offset, length, Box::new(state))
@@ -700,11 +734,13 @@ impl<S: Storage, F: WrappedFormat<S>> FormatDriverInstance for Qcow2<S, F> {
         self.header.update(&new_header)?;
 
         if let Some(allocator) = self.allocator.as_ref() {
+            self.overlap.clear();
             *allocator.lock().await = Allocator::new(
                 Arc::clone(&self.metadata),
                 Arc::clone(&self.header),
                 Arc::clone(&self.caches),
                 Arc::clone(&self.clusters_to_free),
+                Arc::clone(&self.overlap),
             )
             .await?;
         }
@@ -722,6 +758,9 @@ impl<S: Storage, F: WrappedFormat<S>> FormatDriverInstance for Qcow2<S, F> {
             self.header.l1_table_entries(),
         )
         .await?;
+        if self.allocator.is_some() {
+            protect_l1_side(&self.overlap, &self.header, &*self.l1_table.read().await, &[]);
+        }
 
         Ok(())
     }
@@ -853,5 +892,32 @@ impl<S: Storage + 'static, F: WrappedFormat<S>> Debug for Qcow2<S, F> {
 impl<S: Storage + 'static, F: WrappedFormat<S>> Display for Qcow2<S, F> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
         write!(f, "qcow2[{}]", self.metadata)
+    }
+}
+
+/// Records the header, the L1 table, the L2 tables it names, and the caller's extra byte ranges
+/// (e.g. snapshot tables) as metadata no write may touch; the allocator records the refcount
+/// structures.
+fn protect_l1_side(overlap: &Overlap, header: &Header, l1: &L1Table, extra: &[(u64, u64)]) {
+    let cb = header.cluster_bits();
+    overlap.insert(HostCluster(0), ClusterCount(1), MetaKind::Header);
+    if let Some(c) = l1.get_cluster() {
+        overlap.insert(c, l1.cluster_count(), MetaKind::L1);
+    }
+    for i in 0..l1.entries() {
+        if let Some(off) = l1.get(i).l2_offset() {
+            overlap.insert(off.cluster(cb), ClusterCount(1), MetaKind::L2);
+        }
+    }
+    for &(offset, len) in extra {
+        if len > 0 {
+            let first = offset >> cb;
+            let last = (offset + len - 1) >> cb;
+            overlap.insert(
+                HostCluster(first),
+                ClusterCount(last - first + 1),
+                MetaKind::Other,
+            );
+        }
     }
 }
