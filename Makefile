@@ -1,6 +1,9 @@
 # fusex — the two commands a fresh machine needs are `make run` and `make test`.
 SHELL := /bin/bash
 CARGO ?= cargo
+# Every build and test uses the committed lockfiles as they are: one that is out of date fails
+# instead of being rewritten (a clean clone stays clean).
+LOCKED := --locked
 DEMO_DIR := demo
 DEMO_IMG := $(DEMO_DIR)/disk.img
 DEMO_MNT := $(DEMO_DIR)/disk.raw
@@ -22,7 +25,7 @@ build:
 	$(CARGO) build --workspace
 
 release:
-	$(CARGO) build --release -p fusex
+	$(CARGO) build $(LOCKED) --release -p fusex
 
 ## make run: build, create a 256 MiB demo image and export it at ./demo/disk.raw (foreground).
 run: deps release
@@ -46,20 +49,21 @@ FUZZ_MANIFEST := --manifest-path fuzz/Cargo.toml --no-default-features
 check:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(FUZZ_CARGO) clippy $(FUZZ_MANIFEST) --all-targets -- -D warnings
+	$(CARGO) clippy $(LOCKED) --workspace --all-targets -- -D warnings
+	$(FUZZ_CARGO) clippy $(LOCKED) $(FUZZ_MANIFEST) --all-targets -- -D warnings
+	bash scripts/imago-diff.sh --check
 
 unit:
-	$(CARGO) test --workspace --exclude fusex-e2e
-	$(FUZZ_CARGO) test $(FUZZ_MANIFEST)
+	$(CARGO) test $(LOCKED) --workspace --exclude fusex-e2e
+	$(FUZZ_CARGO) test $(LOCKED) $(FUZZ_MANIFEST)
 	python3 -m unittest discover -s bench/tests -t bench
 
 # The end-to-end suite runs once per transport (FUSE-over-io_uring needs enable_uring=Y, which
 # `make deps` sets where it may).
 e2e:
-	$(CARGO) build -p fusex
-	FUSEX_E2E_TRANSPORT=legacy $(CARGO) test -p fusex-e2e -- --test-threads=4
-	FUSEX_E2E_TRANSPORT=uring $(CARGO) test -p fusex-e2e -- --test-threads=4
+	$(CARGO) build $(LOCKED) -p fusex
+	FUSEX_E2E_TRANSPORT=legacy $(CARGO) test $(LOCKED) -p fusex-e2e -- --test-threads=4
+	FUSEX_E2E_TRANSPORT=uring $(CARGO) test $(LOCKED) -p fusex-e2e -- --test-threads=4
 
 ## make stress: long verified fio storms on every transport, read mode and queue count, then the
 ## end-to-end suite a few times (STRESS_SECONDS=60 per storm, STRESS_E2E_ROUNDS=3: ~25 minutes).
