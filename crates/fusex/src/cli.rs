@@ -212,6 +212,11 @@ impl From<FormatArg> for backend::Format {
 /// applications blocked on a wedged daemon get an error in minutes instead of never.
 pub const DEFAULT_REQUEST_TIMEOUT: u16 = 600;
 
+/// `--stop-timeout` default, seconds: a minute for the applications still using the export to
+/// let go after a stop (time to unmount a filesystem on it, say), and still within systemd's
+/// default stop timeout (90 s), after which systemd would kill the daemon outright.
+pub const DEFAULT_STOP_TIMEOUT: u32 = 60;
+
 /// A positive number of seconds, at most a day (fractions allowed: 0.2).
 fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -352,6 +357,12 @@ pub struct MountArgs {
     /// nothing of the connection) removes the mount if it is still this daemon's.
     #[arg(long)]
     pub auto_unmount: bool,
+    /// A stop (SIGTERM, SIGINT, SIGHUP) with files still open on the export (a loop device, a
+    /// filesystem mounted on it, a program) detaches the export and serves those files until
+    /// they are closed; after this many seconds (or at a second signal) it aborts them instead:
+    /// their reads and writes then fail with ENOTCONN. 0: abort at once.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT)]
+    pub stop_timeout: u32,
     /// Fork into the background; return only once the mount is live.
     #[arg(long)]
     pub daemonize: bool,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
@@ -50,14 +50,28 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     serve_export(&args, export, mnt, neg, ready, &notifier, signals)
 }
 
-/// SIGINT, SIGTERM (stop) and SIGUSR1 (statistics), caught from here on.
+/// SIGINT, SIGTERM, SIGHUP (stop), SIGUSR1 (statistics), and SIGUSR2 and SIGALRM (ignored, with a
+/// log line), caught from here on. SIGHUP is a stop because it is what closing the terminal of a
+/// foreground `fusex mount` sends; fusex has no configuration to reload. The default action of
+/// SIGUSR2 and SIGALRM would kill the daemon and leave a dead mount behind.
 fn install_signals() -> Result<signal_hook::iterator::Signals> {
-    signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGUSR1,
-    ])
-    .context("installing signal handlers")
+    use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM])
+        .context("installing signal handlers")
+}
+
+/// A signal's name for log lines.
+fn signal_name(s: i32) -> String {
+    use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    match s {
+        SIGINT => "SIGINT".into(),
+        SIGTERM => "SIGTERM".into(),
+        SIGHUP => "SIGHUP".into(),
+        SIGUSR1 => "SIGUSR1".into(),
+        SIGUSR2 => "SIGUSR2".into(),
+        SIGALRM => "SIGALRM".into(),
+        _ => format!("signal {s}"),
+    }
 }
 
 /// Serves a mounted, negotiated export until it stops or is handed to a successor; then cleans
@@ -532,11 +546,19 @@ fn run_queues(
                 if failed {
                     return;
                 }
+                use signal_hook::consts::{SIGALRM, SIGUSR1, SIGUSR2};
                 for s in signals.forever() {
-                    let ev = if s == signal_hook::consts::SIGUSR1 {
-                        Event::Dump
-                    } else {
-                        Event::Signal(s)
+                    let ev = match s {
+                        SIGUSR1 => Event::Dump,
+                        SIGUSR2 | SIGALRM => {
+                            tracing::info!(
+                                "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 \
+                                 writes statistics)",
+                                signal_name(s)
+                            );
+                            continue;
+                        }
+                        _ => Event::Signal(s),
                     };
                     if tx.send(ev).is_err() {
                         break;
@@ -593,6 +615,12 @@ fn run_queues(
     // `fusex restart`: the successor waiting for this process to let go, and its pid.
     let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
     let mut handed_to: Option<u32> = None;
+    // After a stop with the export detached: when its grace period ends (`--stop-timeout`).
+    let mut draining: Option<Instant> = None;
+    // The export is aborted while applications hold it: once the queues are quiet and the image
+    // is flushed, this process exits, which ends the connection (the detached mount can no longer
+    // be force-unmounted by path).
+    let mut abandon = false;
     let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
         stop.store(true, Ordering::Release);
         for (r, t) in remotes {
@@ -620,7 +648,17 @@ fn run_queues(
             match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
                 Ok(ev) => ev,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    if draining.is_some_and(|d| Instant::now() >= d) && !abandon {
+                        abandon = true;
+                        log_abort(
+                            &format!("--stop-timeout ({} s) passed", args.stop_timeout),
+                            export,
+                        );
+                        // The queues report Quiesced, and the check below ends the export.
+                        stop_all(&remotes);
+                    } else {
+                        follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    }
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -696,18 +734,35 @@ fn run_queues(
                 stop_all(&remotes);
             }
             Event::Signal(s) => {
-                tracing::info!("signal {s}: finishing in-flight requests and unmounting");
+                let name = signal_name(s);
                 if !std::mem::replace(&mut stopping_sent, true) {
                     notifier.stopping();
                 }
-                stop_all(&remotes);
+                if draining.is_some() {
+                    if !abandon {
+                        abandon = true;
+                        log_abort(&format!("{name} again"), export);
+                        stop_all(&remotes);
+                    }
+                } else if started < nq || stop.load(Ordering::Acquire) {
+                    // Still starting, or already ending: nothing can hold the export open yet.
+                    tracing::info!("{name}: finishing in-flight requests and unmounting");
+                    stop_all(&remotes);
+                } else {
+                    draining = Some(detach(&name, export, mnt, args.stop_timeout));
+                    if args.stop_timeout == 0 && export.open_files() > 0 {
+                        abandon = true;
+                        log_abort("--stop-timeout 0", export);
+                        stop_all(&remotes);
+                    }
+                }
             }
             Event::Dump => {
                 dumps += 1;
                 dump_live(args, &mut live, dumps, neg.uring);
             }
             Event::Release { stream, pid } => {
-                if stop.load(Ordering::Acquire) || started < nq {
+                if stop.load(Ordering::Acquire) || started < nq || draining.is_some() {
                     let _ = crate::restart::send(
                         &stream,
                         &serde_json::json!({"op": "refused", "error": "the daemon is stopping"}),
@@ -736,6 +791,11 @@ fn run_queues(
                 }
             } else {
                 finish(&mut flushed, export, mnt);
+                if abandon {
+                    // Every request taken is answered and the image flushed; the connection
+                    // ends as this process exits.
+                    break;
+                }
             }
         }
     }
@@ -746,7 +806,7 @@ fn run_queues(
         finish(&mut flushed, export, mnt);
     }
     sig_handle.close();
-    if failure.is_none() {
+    if failure.is_none() && !abandon {
         for t in threads {
             let _ = t.join();
         }
@@ -791,7 +851,9 @@ fn release(
         tracing::error!("restart: {e:#}");
     }
     *flushed = Some(f);
-    match crate::restart::send(stream, &serde_json::json!({"op": "released"}), &[]) {
+    // The files open now are the successor's to count down as their RELEASEs reach it.
+    let released = serde_json::json!({"op": "released", "open_files": export.open_files()});
+    match crate::restart::send(stream, &released, &[]) {
         Ok(()) => {
             notifier.main_pid(pid);
             true
@@ -997,6 +1059,42 @@ fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, u
     if let Err(e) = written {
         tracing::warn!("cannot write statistics to {}: {e}", path.display());
     }
+}
+
+/// The first stop signal: detaches the export lazily, as `fusex umount` does on a busy export, so
+/// that nothing new can open it while the files open on it are served until they are closed (the
+/// kernel ends the connection after the last one, and the queues with it). Returns when the grace
+/// period ends.
+fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> Instant {
+    if let Err(e) = mnt.unmount() {
+        tracing::warn!("{name}: cannot detach the export: {e}");
+    }
+    match export.open_files() {
+        0 => tracing::info!("{name}: unmounted; finishing in-flight requests"),
+        n if grace > 0 => tracing::info!(
+            "{name}: {n} file{} still open on the export (a loop device, a filesystem mounted on \
+             it, a program): unmounted it and serving {} until closed; a second signal, or \
+             --stop-timeout in {grace} s, aborts {}",
+            if n == 1 { " is" } else { "s are" },
+            if n == 1 { "it" } else { "them" },
+            if n == 1 { "it" } else { "them" },
+        ),
+        _ => {}
+    }
+    Instant::now() + Duration::from_secs(grace.into())
+}
+
+/// Says what aborting the export means for the applications that still hold it open.
+fn log_abort(why: &str, export: &Export<Served>) {
+    let n = export.open_files();
+    tracing::warn!(
+        "{why}: aborting the export with {n} file{} still open: finishing the requests already \
+         taken, flushing the image and exiting; from then on reads and writes on {} fail with \
+         ENOTCONN (Transport endpoint is not connected), and what the applications had not yet \
+         written is lost (a filesystem mounted on the export sees I/O failures)",
+        if n == 1 { "" } else { "s" },
+        if n == 1 { "it" } else { "them" },
+    );
 }
 
 /// Ends the export once every queue answered what it had taken: flush, then abort the
@@ -1227,6 +1325,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     send(&sock, &json!({"op": "release"}), &[])?;
     let (msg, _) = recv(&sock).context("the old daemon went away before letting go")?;
     expect(&msg, "released")?;
+    let open_files = msg["open_files"].as_u64().unwrap_or(0);
     let export = match opened {
         // The old daemon may have grown the image since it was opened here.
         Some(export) => {
@@ -1241,6 +1340,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
             export
         }
     };
+    export.set_open_files(open_files);
     let mnt = Mount::adopt(handover, conn);
     tracing::info!(
         "restart: took over {} at {} (FUSE 7.{}, max_write {} KiB, {queues} legacy queues)",
