@@ -627,8 +627,14 @@ fn run_queues(
             r.wake(*t);
         }
     };
+    // A stop signal that came while queues were starting, acted on once they all serve (so that
+    // the files already open on the export are counted and served, not aborted).
+    let mut deferred: Option<i32> = None;
     while running > 0 {
-        let ev = if flushed.is_some() {
+        let ev = if let Some(s) = deferred.filter(|_| started == nq) {
+            deferred = None;
+            Event::Signal(s)
+        } else if flushed.is_some() {
             match rx.recv_timeout(Duration::from_secs(10)) {
                 Ok(ev) => ev,
                 Err(_) => {
@@ -744,10 +750,12 @@ fn run_queues(
                         log_abort(&format!("{name} again"), export);
                         stop_all(&remotes);
                     }
-                } else if started < nq || stop.load(Ordering::Acquire) {
-                    // Still starting, or already ending: nothing can hold the export open yet.
+                } else if stop.load(Ordering::Acquire) {
+                    // Already ending (a queue failed or ended).
                     tracing::info!("{name}: finishing in-flight requests and unmounting");
                     stop_all(&remotes);
+                } else if started < nq {
+                    deferred = Some(s);
                 } else {
                     draining = Some(detach(&name, export, mnt, args.stop_timeout));
                     if args.stop_timeout == 0 && export.open_files() > 0 {
@@ -809,6 +817,18 @@ fn run_queues(
     if failure.is_none() && !abandon {
         for t in threads {
             let _ = t.join();
+        }
+    }
+    if abandon {
+        // Queues still waiting for the connection to end have not reported: count from the
+        // live counters of every queue instead.
+        live.sort_by_key(|(id, _)| *id);
+        total = Snapshot::default();
+        per_queue.clear();
+        for (id, c) in &live {
+            let s = c.snapshot();
+            total.merge(&s);
+            per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
         }
     }
     per_queue.sort_by_key(|q| q["queue"].as_u64());
