@@ -397,7 +397,12 @@ fn open_export(
             .context("starting the thread that opens the image")?
             .join()
             .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
-            .map_err(anyhow::Error::from)
+            .map_err(|e| match e {
+                backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
+                    in_use_by_a_dead_mount(&args.image, l)
+                }
+                e => anyhow::Error::from(e),
+            })
     })?;
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
@@ -419,6 +424,64 @@ fn open_export(
         },
     ));
     Ok((export, pt))
+}
+
+/// An image lock conflict, explained when the holder may be a fusex export whose daemon died: its
+/// dead mount keeps the image open (the kernel's passthrough file, with its lock bytes) until it is
+/// unmounted, and "another process" would send the user looking for a process that does not
+/// exist. The dead mounts are those no daemon listens on (the `fusex restart` socket is gone).
+fn in_use_by_a_dead_mount(image: &str, e: backend::LockError) -> anyhow::Error {
+    use std::os::unix::fs::MetadataExt;
+    let file_id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let image_id = file_id(Path::new(image));
+    let dead: Vec<(String, bool)> = transport::fusex_mounts()
+        .into_iter()
+        .filter(|m| {
+            transport::MountIdentity::of_path(Path::new(&m.mount_point))
+                .is_ok_and(|id| !crate::restart::is_listening(&id))
+        })
+        .map(|m| {
+            // The source is the image as its daemon was given it (perhaps relative to its
+            // directory then): the same file, or at least the same name.
+            let source = Path::new(&m.source);
+            let same = image_id.is_some() && file_id(source) == image_id
+                || !source.is_absolute() && source.file_name() == Path::new(image).file_name();
+            (m.mount_point, same)
+        })
+        .collect();
+    let holders: Vec<&str> = dead
+        .iter()
+        .filter(|(_, same)| *same)
+        .map(|(p, _)| p.as_str())
+        .collect();
+    let umount = |paths: &[&str]| {
+        paths
+            .iter()
+            .map(|p| format!("fusex umount {p}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match holders.as_slice() {
+        [] if dead.is_empty() => anyhow::Error::from(e),
+        [] => {
+            let all: Vec<&str> = dead.iter().map(|(p, _)| p.as_str()).collect();
+            anyhow::anyhow!(
+                "{e}; fusex exports whose daemon is gone may hold it: {} frees them",
+                umount(&all)
+            )
+        }
+        [one] => anyhow::anyhow!(
+            "{image} is held by the dead fusex mount at {one} (its daemon is gone; the mount \
+             keeps the image open and locked): {} frees it",
+            umount(&[one])
+        ),
+        many => anyhow::anyhow!(
+            "{image} is held by dead fusex mounts at {} (their daemons are gone; the mounts \
+             keep the image open and locked): {} frees them",
+            many.join(", "),
+            umount(many)
+        ),
+    }
 }
 
 /// How large a growable export may grow: `--max-size`, checked against what the image's
