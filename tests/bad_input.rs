@@ -362,3 +362,77 @@ fn os_error_is_printed_once() {
         r.stderr
     );
 }
+
+/// `--pid-file` is the daemon's while it serves: a second daemon given the same pid file refuses
+/// in one line naming the holder, mounts nothing, and the file keeps the first daemon's pid. (It
+/// used to overwrite the file and start.)
+#[test]
+fn pid_file_held_by_a_running_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-pidfile");
+    let img = image(&w);
+    let pid_file = w.join("fusex.pid");
+    let pf = pid_file.to_str().unwrap();
+    let m = Mount::start(&w, &img, &w.join("first"), &["--pid-file", pf]);
+    let first = fs::read_to_string(&pid_file).unwrap();
+    assert_eq!(first.trim(), m.pid().to_string());
+    let r = expect_rejected(
+        &w,
+        "a pid file a running daemon holds",
+        &["--pid-file", pf],
+        img.as_os_str(),
+        &w.join("second"),
+    );
+    assert!(
+        r.stderr
+            .contains(&format!("is held by fusex process {}", m.pid())),
+        "the error names the daemon holding the pid file: {}",
+        r.stderr
+    );
+    assert_eq!(fs::read_to_string(&pid_file).unwrap(), first);
+    m.stop().assert_clean("the first daemon");
+    assert!(!pid_file.exists(), "the first daemon removes its pid file");
+}
+
+/// Files fusex writes at exit are checked before mounting: a missing directory, or a FIFO (whose
+/// open would block the daemon's exit forever) or a symlink at the name, is refused in one line
+/// with nothing mounted.
+#[test]
+fn stats_and_pid_files_that_cannot_be_written_safely() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-statsfile");
+    let img = image(&w);
+    let victim = w.join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+    let fifo = w.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    let link = w.join("link");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let missing = w.join("no-such-dir/stats.json");
+    for (opt, path, says) in [
+        ("--stats-file", &missing, "does not exist"),
+        ("--stats-file", &fifo, "is a FIFO"),
+        ("--stats-file", &link, "is a symlink"),
+        ("--pid-file", &missing, "does not exist"),
+        ("--pid-file", &fifo, "is a FIFO"),
+        ("--pid-file", &link, "is a symlink"),
+    ] {
+        let what = format!("{opt} {}", path.display());
+        let r = expect_rejected(
+            &w,
+            &what,
+            &[opt, path.to_str().unwrap()],
+            img.as_os_str(),
+            &w.join("export"),
+        );
+        assert!(r.stderr.contains(says), "{what}: {}", r.stderr);
+    }
+    assert_eq!(fs::read(&victim).unwrap(), b"precious");
+}

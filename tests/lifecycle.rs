@@ -620,3 +620,51 @@ fn fusex_umount_refuses_other_fuse_filesystems_without_force() {
         "nbdfuse did not exit after its mount went away"
     );
 }
+
+/// Root writes the stats file into a directory others may write: a symlink planted at its name
+/// or at a temporary name after the start is replaced, never followed (the root-owned file it
+/// points to stays as it was), and a FIFO planted at its name does not block the exit.
+#[test]
+fn planted_symlinks_and_fifos_at_the_stats_file() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-planted");
+    let img = w.join("disk.img");
+    sparse_image(&img, MIB);
+    let victim = w.join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+    let plant_link = |p: &std::path::Path| {
+        let _ = fs::remove_file(p);
+        std::os::unix::fs::symlink(&victim, p).unwrap();
+    };
+
+    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let stats = m.stats_path().to_path_buf();
+    plant_link(&stats);
+    let mut tmp = stats.clone().into_os_string();
+    tmp.push(".tmp");
+    plant_link(std::path::Path::new(&tmp));
+    let live = m.live_stats(Instant::now() + TIMEOUT);
+    assert!(live.is_some(), "no live statistics after SIGUSR1");
+    assert_eq!(fs::read(&victim).unwrap(), b"precious", "SIGUSR1 dump");
+    plant_link(&stats);
+    let st = m.stop();
+    st.assert_clean("stop with a symlink at the stats file");
+    assert!(st.stats.is_some(), "the stats are written at exit");
+    assert_eq!(fs::read(&victim).unwrap(), b"precious", "exit dump");
+    assert!(!fs::symlink_metadata(&stats)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+
+    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let stats = m.stats_path().to_path_buf();
+    let c = std::ffi::CString::new(stats.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    let st = m.stop();
+    st.assert_clean("stop with a FIFO at the stats file");
+    assert!(st.stats.is_some(), "the stats replace the FIFO");
+}

@@ -1497,7 +1497,16 @@ impl Mount {
         if let Some(w) = self.watchdog.take() {
             let _ = w.send(());
         }
-        let stats_raw = fs::read_to_string(&self.stats_path).ok();
+        // Non-blocking: a test may have planted a FIFO there.
+        let stats_raw = File::options()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&self.stats_path)
+            .and_then(|mut f| {
+                let mut s = String::new();
+                f.read_to_string(&mut s).map(|_| s)
+            })
+            .ok();
         let stats = stats_raw
             .as_deref()
             .and_then(|s| serde_json::from_str(s).ok());

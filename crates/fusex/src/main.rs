@@ -3,6 +3,7 @@
 mod affinity;
 mod cli;
 mod daemon;
+mod files;
 mod generate;
 mod memory;
 mod notify;

@@ -40,14 +40,48 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    let (export, mnt, neg) = match setup(&args, verbose) {
-        Ok(v) => v,
+    // Claimed before anything is mounted: a second daemon with the same pid file mounts nothing.
+    let claimed = check_files(&args).and_then(|()| {
+        args.pid_file
+            .as_deref()
+            .map(crate::files::PidFile::claim)
+            .transpose()
+    });
+    let pid_file = match claimed {
+        Ok(p) => p,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
             return Err(e);
         }
     };
-    serve_export(&args, export, mnt, neg, ready, &notifier, signals)
+    let (export, mnt, neg) = match setup(&args, verbose) {
+        Ok(v) => v,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            if let Some(p) = pid_file {
+                p.remove();
+            }
+            return Err(e);
+        }
+    };
+    serve_export(
+        &args,
+        export,
+        mnt,
+        neg,
+        ready,
+        &notifier,
+        (signals, pid_file),
+    )
+}
+
+/// The files written at exit or while running, checked before mounting: a missing directory or a
+/// FIFO planted at the name is refused now, in one line, rather than found at exit.
+fn check_files(args: &MountArgs) -> Result<()> {
+    if let Some(p) = &args.stats_file {
+        crate::files::check_target(p, "--stats-file")?;
+    }
+    Ok(())
 }
 
 /// SIGINT, SIGTERM, SIGHUP (stop), SIGUSR1 (statistics), and SIGUSR2 and SIGALRM (ignored, with a
@@ -83,18 +117,11 @@ fn serve_export(
     neg: Settled,
     mut ready: Readiness,
     notifier: &crate::notify::Notifier,
-    signals: signal_hook::iterator::Signals,
+    (signals, pid_file): (
+        signal_hook::iterator::Signals,
+        Option<crate::files::PidFile>,
+    ),
 ) -> Result<()> {
-    if let Some(p) = &args.pid_file {
-        if let Err(e) = write_pid_file(p) {
-            let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
-            ready.report(Err(format!("{e:#}")));
-            // Unmount before the --auto-unmount watcher (in `neg`) is released.
-            drop(mnt);
-            drop(neg);
-            return Err(e);
-        }
-    }
     let privileges = Plan::decide(&exit_needs(args, &export, &mnt));
     let result = run_queues(
         args,
@@ -103,7 +130,7 @@ fn serve_export(
         &neg,
         privileges,
         (&mut ready, notifier),
-        signals,
+        (signals, pid_file.as_ref()),
     );
     if let Err(e) = &result {
         // Start-up errors in run_queues (no-op once readiness was reported).
@@ -114,6 +141,9 @@ fn serve_export(
         // (the successor holds the pipe too) and the pid file (it holds the successor's pid).
         mnt.disown();
         drop(neg);
+        if let Some(p) = pid_file {
+            p.keep();
+        }
         tracing::info!("handed the export over to process {pid}; exiting");
         return Ok(());
     }
@@ -122,12 +152,12 @@ fn serve_export(
     drop(mnt);
     // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
     drop(neg);
-    if let Some(p) = &args.pid_file {
-        remove_pid_file(p);
+    if let Some(p) = pid_file {
+        p.remove();
     }
     let (stats, _) = result?;
     if let Some(p) = &args.stats_file {
-        std::fs::write(p, serde_json::to_vec_pretty(&stats)?)
+        crate::files::replace(p, &serde_json::to_vec_pretty(&stats)?, 0o644)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     unmounted?;
@@ -582,7 +612,10 @@ fn run_queues(
     neg: &Settled,
     privileges: Plan,
     (ready, notifier): (&mut Readiness, &crate::notify::Notifier),
-    mut signals: signal_hook::iterator::Signals,
+    (mut signals, pid_file): (
+        signal_hook::iterator::Signals,
+        Option<&crate::files::PidFile>,
+    ),
 ) -> Result<(serde_json::Value, Option<u32>)> {
     let mut stopping_sent = false;
     let cpus = crate::affinity::allowed_cpus();
@@ -850,6 +883,13 @@ fn run_queues(
                     successor = Some((stream, pid));
                     stop_all(&remotes);
                 }
+            }
+        }
+        if stop.load(Ordering::Acquire) || draining.is_some() {
+            // No longer serving: a new daemon may take the pid file (and before this one's
+            // "released" reaches a `fusex restart` successor, which writes its own).
+            if let Some(p) = pid_file {
+                p.stop_serving();
             }
         }
         if stop.load(Ordering::Acquire) && quiet >= nq {
@@ -1133,12 +1173,9 @@ fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, u
     json["dump"] = dump.into();
     json["queues"] = serde_json::Value::Array(queues);
     json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
-    let mut tmp = path.clone().into_os_string();
-    tmp.push(".tmp");
     let written = serde_json::to_vec_pretty(&json)
         .map_err(std::io::Error::other)
-        .and_then(|bytes| std::fs::write(&tmp, bytes))
-        .and_then(|()| std::fs::rename(&tmp, path));
+        .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
     if let Err(e) = written {
         tracing::warn!("cannot write statistics to {}: {e}", path.display());
     }
@@ -1216,48 +1253,6 @@ pub fn umount(path: PathBuf, force: bool) -> Result<()> {
     Ok(())
 }
 
-/// A name next to the pid file that only this process uses.
-fn beside(path: &Path, what: &str) -> PathBuf {
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    path.with_file_name(format!(".{name}.{what}.{}", std::process::id()))
-}
-
-/// Writes the pid file whole, by rename: a pid file's contents never change once it is in place,
-/// which [`remove_pid_file`] relies on.
-fn write_pid_file(path: &Path) -> std::io::Result<()> {
-    let tmp = beside(path, "new");
-    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
-}
-
-/// Removes the pid file at exit, but only while it still holds this process's pid: after `fusex
-/// umount` the next daemon on the same mountpoint may already have put its own there, possibly
-/// between our look and our removal. So ours is first moved aside (atomic) and checked there; a
-/// file that turns out to be the next daemon's goes back unless yet another one replaced it.
-fn remove_pid_file(path: &Path) {
-    let ours = std::process::id().to_string();
-    let holds_ours = |p: &Path| std::fs::read_to_string(p).is_ok_and(|t| t.trim() == ours);
-    if !holds_ours(path) {
-        tracing::debug!(
-            "pid file {} does not name this process; leaving it",
-            path.display()
-        );
-        return;
-    }
-    let aside = beside(path, "old");
-    if let Err(e) = std::fs::rename(path, &aside) {
-        tracing::warn!("cannot remove pid file {}: {e}", path.display());
-        return;
-    }
-    if !holds_ours(&aside) {
-        // Moved the next daemon's file: put it back without clobbering a newer one.
-        let _ = std::fs::hard_link(&aside, path);
-    }
-    let _ = std::fs::remove_file(&aside);
-}
-
 /// `fusex restart MOUNTPOINT`, in the new daemon: takes the export over from the daemon serving
 /// it (see [`crate::restart`]) and serves it until stopped, like `fusex mount`. Any error before
 /// the old daemon let go leaves it serving, and is reported through `ready`.
@@ -1265,7 +1260,31 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     let signals = install_signals()?;
     match take_over(&path) {
         Ok((args, export, mnt, neg, notifier)) => {
-            serve_export(&args, export, mnt, neg, ready, &notifier, signals)
+            // The old daemon let go of the pid file as it released the export.
+            let claimed = check_files(&args).and_then(|()| {
+                args.pid_file
+                    .as_deref()
+                    .map(crate::files::PidFile::claim)
+                    .transpose()
+            });
+            match claimed {
+                Ok(pid_file) => serve_export(
+                    &args,
+                    export,
+                    mnt,
+                    neg,
+                    ready,
+                    &notifier,
+                    (signals, pid_file),
+                ),
+                Err(e) => {
+                    ready.report(Err(format!("{e:#}")));
+                    // Unmount before the --auto-unmount watcher (in `neg`) is released.
+                    drop(mnt);
+                    drop(neg);
+                    Err(e)
+                }
+            }
         }
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
