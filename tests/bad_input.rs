@@ -436,3 +436,59 @@ fn stats_and_pid_files_that_cannot_be_written_safely() {
     }
     assert_eq!(fs::read(&victim).unwrap(), b"precious");
 }
+
+/// `--queues` and `--queue-depth` far beyond the memory budget (here 34 GiB of request buffers,
+/// which the daemon used to allocate and touch) are refused before mounting, saying how far over
+/// it is and what to pass instead; what it says to pass mounts.
+#[test]
+fn queues_and_depth_far_over_the_memory_budget() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-budget");
+    let mp = w.join("export");
+    let args = [
+        "--transport",
+        "legacy",
+        "--queues",
+        "256",
+        "--queue-depth",
+        "1024",
+    ];
+    let r = expect_rejected(
+        &w,
+        "256 queues x depth 1024",
+        &args,
+        OsStr::new("null:1G"),
+        &mp,
+    );
+    assert!(
+        r.stderr.contains("need 34816 MiB of request buffers")
+            && r.stderr.contains("the memory budget of")
+            && r.stderr.contains("--memory-budget 34816M"),
+        "says how far over and what to pass: {}",
+        r.stderr
+    );
+    // The smaller depth it suggests fits.
+    let depth = r
+        .stderr
+        .split("--queue-depth ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .expect("a --queue-depth to pass")
+        .to_string();
+    let m = Mount::start(
+        &w,
+        "null:1G",
+        &mp,
+        &[
+            "--transport",
+            "legacy",
+            "--queues",
+            "256",
+            "--queue-depth",
+            &depth,
+        ],
+    );
+    m.stop().assert_clean("the suggested queue depth");
+}

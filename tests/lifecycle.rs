@@ -648,12 +648,20 @@ fn planted_symlinks_and_fifos_at_the_stats_file() {
     plant_link(std::path::Path::new(&tmp));
     let live = m.live_stats(Instant::now() + TIMEOUT);
     assert!(live.is_some(), "no live statistics after SIGUSR1");
-    assert_eq!(fs::read(&victim).unwrap(), b"precious", "SIGUSR1 dump");
+    assert_eq!(
+        fs::read_to_string(&victim).unwrap(),
+        "precious",
+        "SIGUSR1 dump"
+    );
     plant_link(&stats);
     let st = m.stop();
     st.assert_clean("stop with a symlink at the stats file");
     assert!(st.stats.is_some(), "the stats are written at exit");
-    assert_eq!(fs::read(&victim).unwrap(), b"precious", "exit dump");
+    assert_eq!(
+        fs::read_to_string(&victim).unwrap(),
+        "precious",
+        "exit dump"
+    );
     assert!(!fs::symlink_metadata(&stats)
         .unwrap()
         .file_type()

@@ -288,6 +288,11 @@ pub struct MountArgs {
     /// so memory is about depth x queues x max_write.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub queue_depth: Option<u16>,
+    /// Memory for request buffers (bytes, or with a K/M/G/T suffix) [default: 32 MiB + 1 MiB per
+    /// possible CPU]. The default queue depth and request size are planned within it, and a plan
+    /// from --queues and --queue-depth that needs more than 4 times as much is refused.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
     /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
     /// io_uring, sharing nothing with the others: on the legacy transport it reads its own clone
     /// of /dev/fuse; on io_uring it serves the kernel's per-CPU queues (qid i goes to queue i mod N).

@@ -242,8 +242,14 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         possible_cpus,
         depth: args.queue_depth.map(usize::from),
         latency_bound: matches!(export.backend().inner(), AnyBackend::Nbd(_)),
+        budget: args
+            .memory_budget
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
     };
     let planned = memory::plan(demand);
+    if let Err(why) = memory::check(&planned, &demand) {
+        bail!("{why}");
+    }
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
     let mnt = Mount::establish(&MountConfig {
         mountpoint: args.mountpoint.clone(),
@@ -1404,7 +1410,9 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         depth,
         buffer_size: memory::buffer_size(max_write as usize),
         buffers: depth * queues,
-        budget: memory::budget(possible),
+        budget: args
+            .memory_budget
+            .map_or_else(|| memory::budget(possible), |b| b as usize),
     };
     let dev = state["dev"].as_array().context("dev")?;
     let part = |i: usize| dev.get(i).and_then(Value::as_u64).unwrap_or(0) as u32;
