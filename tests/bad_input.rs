@@ -492,3 +492,61 @@ fn queues_and_depth_far_over_the_memory_budget() {
     );
     m.stop().assert_clean("the suggested queue depth");
 }
+
+/// Command-line errors are refusals like any other: one line `fusex: error: what: run ... --help`,
+/// exit 1, nothing mounted (clap printed the error, a tip and the usage over several lines and
+/// exited 2). `--help` and `--version` still print to stdout and exit 0.
+#[test]
+fn argument_errors_are_one_line() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-args");
+    let img = image(&w);
+    let mp = w.join("export");
+    let (i, m) = (img.to_str().unwrap(), mp.to_str().unwrap());
+    for (argv, says) in [
+        (
+            vec!["mount", "--no-such-option", i, m],
+            "unexpected argument '--no-such-option'",
+        ),
+        (
+            vec!["mount", i],
+            "required arguments were not provided: <MOUNTPOINT>",
+        ),
+        (
+            vec!["mount", "--queues", "300", i, m],
+            "invalid value '300' for '--queues",
+        ),
+        (
+            vec!["mount", "--format", "vmdk", i, m],
+            "possible values: auto, raw, qcow2, null",
+        ),
+        (vec!["mount", i, m, "extra"], "unexpected argument 'extra'"),
+        (
+            vec!["no-such-command"],
+            "unrecognized subcommand 'no-such-command'",
+        ),
+        (vec!["-v"], "no command given"),
+    ] {
+        let what = format!("fusex {}", argv.join(" "));
+        let r = run_fusex(&w, &argv, Some(&mp));
+        r.assert_one_error_line(&what);
+        assert!(r.stderr.contains(says), "{what}: {}", r.stderr);
+        assert!(
+            r.stderr.trim_end().ends_with("--help"),
+            "{what}: {}",
+            r.stderr
+        );
+        assert!(!mp.exists(), "{what}: a mountpoint file was left behind");
+    }
+    for argv in [vec!["--help"], vec!["mount", "--help"], vec!["--version"]] {
+        let r = run_fusex(&w, &argv, None);
+        assert_eq!(r.code, Some(0), "fusex {argv:?}: {}", r.stderr);
+        assert!(
+            r.stdout.contains("fusex") || r.stdout.contains("Usage"),
+            "{argv:?}"
+        );
+        assert!(r.stderr.is_empty(), "fusex {argv:?}: {}", r.stderr);
+    }
+}

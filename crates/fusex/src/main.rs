@@ -36,8 +36,70 @@ fn init_logging(verbose: u8) {
         .init();
 }
 
+/// A command-line error as the one line every other refusal is (`fusex: error: what: what to
+/// do`, exit 1), instead of clap's error, tip and usage over several lines with exit 2.
+fn argument_error(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    // The message runs until the tip, the usage or the pointer to --help; a list it introduces
+    // (missing arguments, possible values) is on the lines after its first.
+    let end = |l: &&str| {
+        l.starts_with("tip: ") || l.starts_with("Usage: ") || l.starts_with("For more information")
+    };
+    let what = lines
+        .iter()
+        .take_while(|l| !end(l))
+        .map(|l| l.trim_start_matches("error: "))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let tip = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("tip: "))
+        .map(|t| format!(" ({t})"))
+        .unwrap_or_default();
+    // "Usage: fusex mount [OPTIONS] <IMAGE> <MOUNTPOINT>": the command whose --help to point at;
+    // without a usage line, the subcommand given, if it is one.
+    let command = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("Usage: "))
+        .map(|u| {
+            u.split(' ')
+                .take_while(|w| !w.starts_with(['[', '<']))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .or_else(|| {
+            let sub = std::env::args().nth(1)?;
+            ["mount", "umount", "restart"]
+                .contains(&sub.as_str())
+                .then(|| format!("fusex {sub}"))
+        })
+        .unwrap_or_else(|| "fusex".to_string());
+    let what = what.trim_end_matches(':');
+    format!("{what}{tip}: run {command} --help")
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            match e.kind() {
+                // Help and version as clap prints them; a bare `fusex` shows the help too.
+                ErrorKind::DisplayHelp
+                | ErrorKind::DisplayVersion
+                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+                _ => {
+                    eprintln!("fusex: error: {}", argument_error(&e).replace('\n', " "));
+                    std::process::exit(1);
+                }
+            }
+        }
+    };
     let mut daemonized = false;
     if cli.version {
         print!("{}", version::report());
@@ -46,7 +108,7 @@ fn main() {
     let Some(command) = cli.command else {
         // arg_required_else_help covers a bare `fusex`; `fusex -v` lands here.
         eprintln!("fusex: error: no command given: run fusex --help");
-        std::process::exit(2);
+        std::process::exit(1);
     };
     let result = match command {
         Command::Mount(args) => {
