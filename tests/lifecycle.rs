@@ -676,3 +676,41 @@ fn planted_symlinks_and_fifos_at_the_stats_file() {
     st.assert_clean("stop with a FIFO at the stats file");
     assert!(st.stats.is_some(), "the stats replace the FIFO");
 }
+
+/// `--daemonize --log-file PATH`: the daemon's log, from the start to the stop, is appended to the
+/// file (it used to go to /dev/null once the daemon detached, the stop's lines with it).
+#[test]
+fn daemonized_log_goes_to_the_log_file() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-logfile");
+    let img = w.join("disk.img");
+    sparse_image(&img, MIB);
+    let mp = w.join("export");
+    let log = w.join("fusex.log");
+    let (m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &w.join("fusex.pid"),
+        &["--writable", "--log-file", log.to_str().unwrap()],
+    )
+    .unwrap_or_else(|f| panic!("daemonized mount failed: {}", f.stderr));
+    let pid = m.pid();
+    let st = m.stop();
+    st.assert_clean("daemonized with --log-file");
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("INFO mounted "),
+        "the start is logged: {text}"
+    );
+    assert!(
+        text.contains("SIGTERM: unmounted"),
+        "the stop, after the daemon detached, is logged: {text}"
+    );
+    assert!(text.contains("served "), "the end is logged: {text}");
+    assert!(!pid_alive(pid));
+    let mode = fs::metadata(&log).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
+}

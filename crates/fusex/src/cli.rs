@@ -140,6 +140,15 @@ pub enum PassthroughArg {
     Off,
 }
 
+/// `--log`: where log lines go.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum LogArg {
+    /// Standard error (kept when daemonized).
+    Stderr,
+    /// The system log, through /dev/log.
+    Syslog,
+}
+
 /// A plain switch.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum OnOff {
@@ -368,9 +377,18 @@ pub struct MountArgs {
     /// their reads and writes then fail with ENOTCONN. 0: abort at once.
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT)]
     pub stop_timeout: u32,
-    /// Fork into the background; return only once the mount is live.
+    /// Fork into the background; return only once the mount is live. The log then goes to
+    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is not a
+    /// terminal; with none of these it is refused.
     #[arg(long)]
     pub daemonize: bool,
+    /// Where the log goes: stderr, or syslog (datagrams to /dev/log, facility daemon, as
+    /// journald and rsyslog read them) [default: stderr; see --daemonize].
+    #[arg(long, value_enum, value_name = "DEST")]
+    pub log: Option<LogArg>,
+    /// Append the log to this file (created 0640; never through a symlink).
+    #[arg(long, value_name = "PATH")]
+    pub log_file: Option<PathBuf>,
     /// Write the daemon's pid here (removed at exit).
     #[arg(long)]
     pub pid_file: Option<PathBuf>,

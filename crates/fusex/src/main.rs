@@ -5,6 +5,7 @@ mod cli;
 mod daemon;
 mod files;
 mod generate;
+mod logging;
 mod memory;
 mod notify;
 mod passthrough;
@@ -21,6 +22,12 @@ use clap::Parser;
 use cli::{Cli, Command};
 
 fn init_logging(verbose: u8) {
+    init_logging_to(verbose, false);
+}
+
+/// Logging to [`logging::Sink`] (stderr, or syslog once switched there: `syslog` says it is, and
+/// so no colours).
+fn init_logging_to(verbose: u8, syslog: bool) {
     let default = match verbose {
         0 => "info",
         1 => "debug",
@@ -30,9 +37,9 @@ fn init_logging(verbose: u8) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(logging::Sink)
         .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_ansi(!syslog && std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
 
@@ -112,6 +119,14 @@ fn main() {
     };
     let result = match command {
         Command::Mount(args) => {
+            // Chosen (and a --log-file opened) before the fork: a refusal is one line here.
+            let dest = match logging::choose(&args) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("fusex: error: {}", format!("{e:#}").replace('\n', " "));
+                    std::process::exit(1);
+                }
+            };
             daemonized = args.daemonize;
             // Fork before any thread exists (logging starts no threads).
             let ready = if args.daemonize {
@@ -119,8 +134,13 @@ fn main() {
             } else {
                 Ok(daemon::Readiness::foreground())
             };
-            init_logging(cli.verbose);
-            ready.and_then(|r| serve::mount(args, r, cli.verbose))
+            logging::switch(&dest);
+            let syslog = matches!(dest, logging::Dest::Syslog(_));
+            init_logging_to(cli.verbose, syslog);
+            ready.and_then(|mut r| {
+                r.keep_stderr(!syslog);
+                serve::mount(args, r, cli.verbose)
+            })
         }
         Command::Restart { mountpoint } => {
             // The new daemon outlives this command: fork it off, as --daemonize does, and

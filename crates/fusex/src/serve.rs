@@ -1266,6 +1266,18 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     let signals = install_signals()?;
     match take_over(&path) {
         Ok((args, export, mnt, neg, notifier)) => {
+            // The log goes where the old daemon's command line says, as for a daemon.
+            let daemon = MountArgs {
+                daemonize: true,
+                ..args.clone()
+            };
+            match crate::logging::choose(&daemon) {
+                Ok(dest) => {
+                    crate::logging::switch(&dest);
+                    ready.keep_stderr(!matches!(dest, crate::logging::Dest::Syslog(_)));
+                }
+                Err(e) => tracing::warn!("restart: the log is lost once detached: {e:#}"),
+            }
             // The old daemon let go of the pid file as it released the export.
             let claimed = check_files(&args).and_then(|()| {
                 args.pid_file
