@@ -29,7 +29,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C or SIGTERM unmounts).
-    Mount(MountArgs),
+    Mount(Box<MountArgs>),
     /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died. Refuses
     /// other FUSE mounts unless --force.
     Umount {

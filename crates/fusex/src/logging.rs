@@ -46,8 +46,10 @@ pub fn choose(args: &MountArgs) -> Result<Dest> {
         Some(LogArg::Stderr) => Ok(Dest::Stderr),
         Some(LogArg::Syslog) => Syslog::connect(Path::new(DEV_LOG))
             .map(Dest::Syslog)
-            .with_context(|| {
-                format!("--log syslog: cannot send to {DEV_LOG}: give --log-file PATH instead")
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "--log syslog: cannot send to {DEV_LOG} ({e}): give --log-file PATH instead"
+                )
             }),
         None if !args.daemonize => Ok(Dest::Stderr),
         None => {

@@ -139,7 +139,7 @@ fn main() {
             init_logging_to(cli.verbose, syslog);
             ready.and_then(|mut r| {
                 r.keep_stderr(!syslog);
-                serve::mount(args, r, cli.verbose)
+                serve::mount(*args, r, cli.verbose)
             })
         }
         Command::Restart { mountpoint } => {

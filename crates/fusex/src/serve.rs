@@ -1371,6 +1371,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     let Some(crate::cli::Command::Mount(args)) = cli.command else {
         bail!("the daemon's command line is not fusex mount");
     };
+    let args = *args;
     let notifier = match text(&state["notify_socket"]) {
         Some(v) => crate::notify::Notifier::connect(&v)?,
         None => crate::notify::Notifier::from_env()?,
