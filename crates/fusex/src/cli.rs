@@ -28,7 +28,8 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C or SIGTERM unmounts).
+    /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C, SIGTERM or SIGHUP stops,
+    /// serving files still open until they are closed: see --stop-timeout).
     Mount(Box<MountArgs>),
     /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died. Refuses
     /// other FUSE mounts unless --force.
