@@ -168,6 +168,71 @@ fn without_auto_unmount_a_dead_mount_stays_until_fusex_umount() {
         .assert_clean("remount after clearing a dead mount");
 }
 
+/// A killed daemon's mount keeps a writable raw image open and locked (the kernel holds the
+/// passthrough file until the mount goes). The next `fusex mount` of that image used to say "in
+/// use by another process", sending the user looking for a process that does not exist; now one
+/// line names the dead mount and `fusex umount PATH`, which frees the image.
+#[test]
+fn a_dead_mount_holding_the_image_lock_is_named() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-dead-lock");
+    let img = w.join("disk.img");
+    let model = random_image(&img, MIB, 45);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--writable", "--passthrough", "on"]);
+    let pid = m.pid();
+    m.signal(libc::SIGKILL);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)),
+        "daemon {pid} survived SIGKILL"
+    );
+    assert_eq!(fuse_mounts_at(&mp).len(), 1, "the dead mount stays");
+
+    let other = w.join("other");
+    let args = [
+        "mount".as_ref(),
+        "--writable".as_ref(),
+        img.as_os_str(),
+        other.as_os_str(),
+    ];
+    let r = run_fusex(&w, &args, Some(&other));
+    r.assert_one_error_line("fusex mount of an image a dead mount holds");
+    let dead = fs::canonicalize(w.path()).unwrap().join("export");
+    assert!(
+        r.stderr
+            .contains(&format!("dead fusex mount at {}", dead.display()))
+            && r.stderr
+                .contains(&format!("fusex umount {}", dead.display())),
+        "the error should name the dead mount and how to free it: {}",
+        r.stderr
+    );
+    assert!(!other.exists(), "nothing mounted, no mountpoint left");
+
+    let u = run_fusex(&w, &["umount".as_ref(), mp.as_os_str()], None);
+    assert_eq!(
+        u.code,
+        Some(0),
+        "fusex umount of the dead mount: {}",
+        u.stderr
+    );
+    let st = m.wait_exit();
+    assert!(!st.left_mounted);
+    // The kernel lets go of the image as the unmounted connection is torn down.
+    let mut again = None;
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || {
+            again = Mount::try_start(&w, &img, &other, &["--writable"]).ok();
+            again.is_some()
+        }),
+        "the image stayed locked after fusex umount of the dead mount"
+    );
+    let again = again.unwrap();
+    assert_bytes_eq(&read_all(&other), &model, 0, "read after freeing the image");
+    again.stop().assert_clean("mount after freeing the image");
+}
+
 /// Regression: a watcher that only gets to run after its daemon died, the dead mount was cleared
 /// and a new daemon mounted the same path must leave the new mount alone (the kernel usually gives
 /// the new mount the old one's st_dev, so only the unique mount id tells them apart).

@@ -362,3 +362,191 @@ fn os_error_is_printed_once() {
         r.stderr
     );
 }
+
+/// `--pid-file` is the daemon's while it serves: a second daemon given the same pid file refuses
+/// in one line naming the holder, mounts nothing, and the file keeps the first daemon's pid. (It
+/// used to overwrite the file and start.)
+#[test]
+fn pid_file_held_by_a_running_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-pidfile");
+    let img = image(&w);
+    let pid_file = w.join("fusex.pid");
+    let pf = pid_file.to_str().unwrap();
+    let m = Mount::start(&w, &img, &w.join("first"), &["--pid-file", pf]);
+    let first = fs::read_to_string(&pid_file).unwrap();
+    assert_eq!(first.trim(), m.pid().to_string());
+    let r = expect_rejected(
+        &w,
+        "a pid file a running daemon holds",
+        &["--pid-file", pf],
+        img.as_os_str(),
+        &w.join("second"),
+    );
+    assert!(
+        r.stderr
+            .contains(&format!("is held by fusex process {}", m.pid())),
+        "the error names the daemon holding the pid file: {}",
+        r.stderr
+    );
+    assert_eq!(fs::read_to_string(&pid_file).unwrap(), first);
+    m.stop().assert_clean("the first daemon");
+    assert!(!pid_file.exists(), "the first daemon removes its pid file");
+}
+
+/// Files fusex writes at exit are checked before mounting: a missing directory, or a FIFO (whose
+/// open would block the daemon's exit forever) or a symlink at the name, is refused in one line
+/// with nothing mounted.
+#[test]
+fn stats_and_pid_files_that_cannot_be_written_safely() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-statsfile");
+    let img = image(&w);
+    let victim = w.join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+    let fifo = w.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    let link = w.join("link");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let missing = w.join("no-such-dir/stats.json");
+    for (opt, path, says) in [
+        ("--stats-file", &missing, "does not exist"),
+        ("--stats-file", &fifo, "is a FIFO"),
+        ("--stats-file", &link, "is a symlink"),
+        ("--pid-file", &missing, "does not exist"),
+        ("--pid-file", &fifo, "is a FIFO"),
+        ("--pid-file", &link, "is a symlink"),
+    ] {
+        let what = format!("{opt} {}", path.display());
+        let r = expect_rejected(
+            &w,
+            &what,
+            &[opt, path.to_str().unwrap()],
+            img.as_os_str(),
+            &w.join("export"),
+        );
+        assert!(r.stderr.contains(says), "{what}: {}", r.stderr);
+    }
+    assert_eq!(fs::read(&victim).unwrap(), b"precious");
+}
+
+/// `--queues` and `--queue-depth` far beyond the memory budget (here 34 GiB of request buffers,
+/// which the daemon used to allocate and touch) are refused before mounting, saying how far over
+/// it is and what to pass instead; what it says to pass mounts.
+#[test]
+fn queues_and_depth_far_over_the_memory_budget() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-budget");
+    let mp = w.join("export");
+    let args = [
+        "--transport",
+        "legacy",
+        "--queues",
+        "256",
+        "--queue-depth",
+        "1024",
+    ];
+    let r = expect_rejected(
+        &w,
+        "256 queues x depth 1024",
+        &args,
+        OsStr::new("null:1G"),
+        &mp,
+    );
+    assert!(
+        r.stderr.contains("need 34816 MiB of request buffers")
+            && r.stderr.contains("the memory budget of")
+            && r.stderr.contains("--memory-budget 34816M"),
+        "says how far over and what to pass: {}",
+        r.stderr
+    );
+    // The smaller depth it suggests fits.
+    let depth = r
+        .stderr
+        .split("--queue-depth ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .expect("a --queue-depth to pass")
+        .to_string();
+    let m = Mount::start(
+        &w,
+        "null:1G",
+        &mp,
+        &[
+            "--transport",
+            "legacy",
+            "--queues",
+            "256",
+            "--queue-depth",
+            &depth,
+        ],
+    );
+    m.stop().assert_clean("the suggested queue depth");
+}
+
+/// Command-line errors are refusals like any other: one line `fusex: error: what: run ... --help`,
+/// exit 1, nothing mounted (clap printed the error, a tip and the usage over several lines and
+/// exited 2). `--help` and `--version` still print to stdout and exit 0.
+#[test]
+fn argument_errors_are_one_line() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-args");
+    let img = image(&w);
+    let mp = w.join("export");
+    let (i, m) = (img.to_str().unwrap(), mp.to_str().unwrap());
+    for (argv, says) in [
+        (
+            vec!["mount", "--no-such-option", i, m],
+            "unexpected argument '--no-such-option'",
+        ),
+        (
+            vec!["mount", i],
+            "required arguments were not provided: <MOUNTPOINT>",
+        ),
+        (
+            vec!["mount", "--queues", "300", i, m],
+            "invalid value '300' for '--queues",
+        ),
+        (
+            vec!["mount", "--format", "vmdk", i, m],
+            "possible values: auto, raw, qcow2, null",
+        ),
+        (vec!["mount", i, m, "extra"], "unexpected argument 'extra'"),
+        (
+            vec!["no-such-command"],
+            "unrecognized subcommand 'no-such-command'",
+        ),
+        (vec!["-v"], "no command given"),
+    ] {
+        let what = format!("fusex {}", argv.join(" "));
+        let r = run_fusex(&w, &argv, Some(&mp));
+        r.assert_one_error_line(&what);
+        assert!(r.stderr.contains(says), "{what}: {}", r.stderr);
+        assert!(
+            r.stderr.trim_end().ends_with("--help"),
+            "{what}: {}",
+            r.stderr
+        );
+        assert!(!mp.exists(), "{what}: a mountpoint file was left behind");
+    }
+    for argv in [vec!["--help"], vec!["mount", "--help"], vec!["--version"]] {
+        let r = run_fusex(&w, &argv, None);
+        assert_eq!(r.code, Some(0), "fusex {argv:?}: {}", r.stderr);
+        assert!(
+            r.stdout.contains("fusex") || r.stdout.contains("Usage"),
+            "{argv:?}"
+        );
+        assert!(r.stderr.is_empty(), "fusex {argv:?}: {}", r.stderr);
+    }
+}

@@ -165,8 +165,9 @@ fn fusex_umount_of_something_not_mounted_fails_cleanly() {
     assert_eq!(fs::read(&mp).unwrap(), b"x");
 }
 
-/// SIGTERM while fio hammers the export: the daemon finishes, unmounts and exits 0
-/// within the timeout although fio still holds the file open.
+/// SIGTERM while fio hammers the export: the daemon detaches the export and serves fio on; a
+/// second SIGTERM aborts it: the daemon answers what it took, unmounts and exits 0 within the
+/// timeout although fio still holds the file open.
 #[test]
 fn sigterm_under_fio_load() {
     /// fio's queue depth: at most this many of its requests are in flight at any time.
@@ -226,7 +227,9 @@ fn sigterm_under_fio_load() {
         IODEPTH + 1,
         fio_output()
     );
-    m.signal(libc::SIGTERM);
+    // fio holds the export open: the first SIGTERM detaches it and serves fio on, the second
+    // ends it.
+    m.stop_signals_twice();
     let st = m.wait_exit();
     let fio_status = fio.kill_and_wait();
     eprintln!("fio ended with {fio_status} (errors from fio are expected here)");
@@ -616,4 +619,98 @@ fn fusex_umount_refuses_other_fuse_filesystems_without_force() {
         wait_until(deadline, || nbd.child.try_wait().is_some()),
         "nbdfuse did not exit after its mount went away"
     );
+}
+
+/// Root writes the stats file into a directory others may write: a symlink planted at its name
+/// or at a temporary name after the start is replaced, never followed (the root-owned file it
+/// points to stays as it was), and a FIFO planted at its name does not block the exit.
+#[test]
+fn planted_symlinks_and_fifos_at_the_stats_file() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-planted");
+    let img = w.join("disk.img");
+    sparse_image(&img, MIB);
+    let victim = w.join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    fs::set_permissions(&victim, fs::Permissions::from_mode(0o600)).unwrap();
+    let plant_link = |p: &std::path::Path| {
+        let _ = fs::remove_file(p);
+        std::os::unix::fs::symlink(&victim, p).unwrap();
+    };
+
+    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let stats = m.stats_path().to_path_buf();
+    plant_link(&stats);
+    let mut tmp = stats.clone().into_os_string();
+    tmp.push(".tmp");
+    plant_link(std::path::Path::new(&tmp));
+    let live = m.live_stats(Instant::now() + TIMEOUT);
+    assert!(live.is_some(), "no live statistics after SIGUSR1");
+    assert_eq!(
+        fs::read_to_string(&victim).unwrap(),
+        "precious",
+        "SIGUSR1 dump"
+    );
+    plant_link(&stats);
+    let st = m.stop();
+    st.assert_clean("stop with a symlink at the stats file");
+    assert!(st.stats.is_some(), "the stats are written at exit");
+    assert_eq!(
+        fs::read_to_string(&victim).unwrap(),
+        "precious",
+        "exit dump"
+    );
+    assert!(!fs::symlink_metadata(&stats)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+
+    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let stats = m.stats_path().to_path_buf();
+    let c = std::ffi::CString::new(stats.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+    let st = m.stop();
+    st.assert_clean("stop with a FIFO at the stats file");
+    assert!(st.stats.is_some(), "the stats replace the FIFO");
+}
+
+/// `--daemonize --log-file PATH`: the daemon's log, from the start to the stop, is appended to the
+/// file (it used to go to /dev/null once the daemon detached, the stop's lines with it).
+#[test]
+fn daemonized_log_goes_to_the_log_file() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-logfile");
+    let img = w.join("disk.img");
+    sparse_image(&img, MIB);
+    let mp = w.join("export");
+    let log = w.join("fusex.log");
+    let (m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &w.join("fusex.pid"),
+        &["--writable", "--log-file", log.to_str().unwrap()],
+    )
+    .unwrap_or_else(|f| panic!("daemonized mount failed: {}", f.stderr));
+    let pid = m.pid();
+    let st = m.stop();
+    st.assert_clean("daemonized with --log-file");
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("INFO mounted "),
+        "the start is logged: {text}"
+    );
+    assert!(
+        text.contains("SIGTERM: unmounted"),
+        "the stop, after the daemon detached, is logged: {text}"
+    );
+    assert!(text.contains("served "), "the end is logged: {text}");
+    assert!(!pid_alive(pid));
+    let mode = fs::metadata(&log).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
 }

@@ -129,7 +129,9 @@ fn sigterm_with_every_queue_busy_stops_cleanly() {
         "not every queue served fio within {TIMEOUT:?} (requests per queue): {busy:?}"
     );
     assert!(fio.try_wait().is_none(), "fio ended before the signal");
-    m.signal(libc::SIGTERM);
+    // fio holds the export open: the first SIGTERM detaches it and serves fio on, the second
+    // ends it.
+    m.stop_signals_twice();
     let st = m.wait_exit();
     fio.kill_and_wait();
     st.assert_clean("SIGTERM with 4 busy queues");

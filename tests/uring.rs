@@ -278,7 +278,9 @@ fn sigterm_while_requests_are_handed_between_threads_stops_cleanly() {
         "no request was handed between threads within {TIMEOUT:?}: {handed:?}"
     );
     assert!(fio.try_wait().is_none(), "fio ended before the signal");
-    m.signal(libc::SIGTERM);
+    // fio holds the export open: the first SIGTERM detaches it and serves fio on, the second
+    // ends it.
+    m.stop_signals_twice();
     let st = m.wait_exit();
     fio.kill_and_wait();
     st.assert_clean("SIGTERM while requests are handed between threads");

@@ -872,6 +872,10 @@ pub struct MountFailed {
     pub stdout: String,
 }
 
+/// What the daemon logs when a stop finds files still open on the export, which it then serves
+/// until they are closed.
+pub const STILL_OPEN: &str = "still open on the export";
+
 /// A live fusex export. Dropping it stops the daemon (SIGTERM, then `umount -l` and
 /// SIGKILL if needed) and never leaves the mount behind.
 pub struct Mount {
@@ -1405,17 +1409,55 @@ impl Mount {
         }
     }
 
+    /// Whether the daemon, after a stop signal, detached its export and serves files still open
+    /// on it: it logged so (foreground), or its mount left the path while it lives (daemonized,
+    /// whose log is gone).
+    fn serving_open_files(&self) -> bool {
+        if self.daemonized {
+            !self.is_mounted()
+        } else {
+            self.stderr().contains(STILL_OPEN)
+        }
+    }
+
+    /// Waits until `deadline` for the daemon's stderr to contain `needle`.
+    pub fn wait_for_log(&self, needle: &str, deadline: Instant) -> bool {
+        wait_until(deadline, || self.stderr().contains(needle))
+    }
+
+    /// A stop that aborts whatever still uses the export, as two Ctrl-C do: SIGTERM, and once
+    /// the daemon says files are still open (and it serves them on), SIGTERM again. Panics if
+    /// the daemon does not say so within [`TIMEOUT`].
+    #[track_caller]
+    pub fn stop_signals_twice(&self) {
+        self.signal(libc::SIGTERM);
+        assert!(
+            self.wait_for_log(STILL_OPEN, Instant::now() + TIMEOUT),
+            "after SIGTERM the daemon did not say files are still open; stderr:\n{}",
+            self.stderr()
+        );
+        self.signal(libc::SIGTERM);
+    }
+
     fn finish(&mut self, sigterm: bool) -> Stopped {
         self.done = true;
         if sigterm {
             self.signal(libc::SIGTERM);
         }
+        // A stop used to end the export whatever still had it open; now the daemon serves open
+        // files on until they close, and a second signal aborts them. Cleanup (and the tests
+        // that stop an export they still hold open) want the old stop: signal again.
+        let mut escalated = !sigterm;
         let deadline = Instant::now() + TIMEOUT;
         let mut reaped = None;
         loop {
             if let Some(r) = self.try_reap() {
                 reaped = Some(r);
                 break;
+            }
+            if !escalated && self.serving_open_files() {
+                escalated = true;
+                self.signal(libc::SIGTERM);
             }
             if Instant::now() >= deadline {
                 break;
@@ -1455,7 +1497,16 @@ impl Mount {
         if let Some(w) = self.watchdog.take() {
             let _ = w.send(());
         }
-        let stats_raw = fs::read_to_string(&self.stats_path).ok();
+        // Non-blocking: a test may have planted a FIFO there.
+        let stats_raw = File::options()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&self.stats_path)
+            .and_then(|mut f| {
+                let mut s = String::new();
+                f.read_to_string(&mut s).map(|_| s)
+            })
+            .ok();
         let stats = stats_raw
             .as_deref()
             .and_then(|s| serde_json::from_str(s).ok());

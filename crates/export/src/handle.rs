@@ -1,5 +1,6 @@
 //! FUSE operations on the exported file.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -78,6 +79,11 @@ pub struct Export<B> {
     cfg: ExportConfig,
     /// Set once INIT negotiated passthrough and the image is registered, before any OPEN.
     passthrough: OnceLock<Passthrough>,
+    /// Files the kernel holds open on the export: OPENs answered with success minus RELEASEs.
+    /// A stop reads it to tell whether applications (a loop device, a mounted filesystem) still
+    /// use the export. Signed, because RELEASEs of files opened before a `fusex restart` may
+    /// outnumber the OPENs this process saw if the handed-over count was off.
+    open_files: AtomicI64,
 }
 
 type R = Result<Reply, i32>;
@@ -93,7 +99,20 @@ impl<B: BlockBackend> Export<B> {
             backend,
             cfg,
             passthrough: OnceLock::new(),
+            open_files: AtomicI64::new(0),
         }
+    }
+
+    /// How many files the kernel holds open on the export right now (OPEN minus RELEASE).
+    pub fn open_files(&self) -> u64 {
+        u64::try_from(self.open_files.load(Ordering::Relaxed)).unwrap_or(0)
+    }
+
+    /// Starts the open-file count at `n`: the files a predecessor daemon had open when it
+    /// handed the export over (`fusex restart`), whose RELEASEs come here.
+    pub fn set_open_files(&self, n: u64) {
+        self.open_files
+            .store(i64::try_from(n).unwrap_or(i64::MAX), Ordering::Relaxed);
     }
 
     /// Turns passthrough on (once; before the queues start). False if it was already set.
@@ -144,8 +163,17 @@ impl<B: BlockBackend> Export<B> {
             Request::Write(a) => return self.write(eng, a, buf, payload, cap, stats).await,
             Request::Getattr => self.getattr(eng, &mut buf, payload).await,
             Request::Setattr(a) => self.setattr(eng, a, &mut buf, payload).await,
-            Request::Open(a) => self.open(a, &mut buf, payload),
-            Request::Release => Ok(Reply::Data(0)),
+            Request::Open(a) => {
+                let r = self.open(a, &mut buf, payload);
+                if r.is_ok() {
+                    self.open_files.fetch_add(1, Ordering::Relaxed);
+                }
+                r
+            }
+            Request::Release => {
+                self.open_files.fetch_sub(1, Ordering::Relaxed);
+                Ok(Reply::Data(0))
+            }
             Request::Flush | Request::Fsync(_) => self.flush(eng, stats).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
             Request::Lseek(a) => self.lseek(eng, a, &mut buf, payload).await,

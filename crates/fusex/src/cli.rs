@@ -28,8 +28,9 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C or SIGTERM unmounts).
-    Mount(MountArgs),
+    /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C, SIGTERM or SIGHUP stops,
+    /// serving files still open until they are closed: see --stop-timeout).
+    Mount(Box<MountArgs>),
     /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died. Refuses
     /// other FUSE mounts unless --force.
     Umount {
@@ -140,6 +141,15 @@ pub enum PassthroughArg {
     Off,
 }
 
+/// `--log`: where log lines go.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum LogArg {
+    /// Standard error (kept when daemonized).
+    Stderr,
+    /// The system log, through /dev/log.
+    Syslog,
+}
+
 /// A plain switch.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum OnOff {
@@ -211,6 +221,11 @@ impl From<FormatArg> for backend::Format {
 /// a network outage) never trips it, since a trip aborts the whole connection; short enough that
 /// applications blocked on a wedged daemon get an error in minutes instead of never.
 pub const DEFAULT_REQUEST_TIMEOUT: u16 = 600;
+
+/// `--stop-timeout` default, seconds: a minute for the applications still using the export to
+/// let go after a stop (time to unmount a filesystem on it, say), and still within systemd's
+/// default stop timeout (90 s), after which systemd would kill the daemon outright.
+pub const DEFAULT_STOP_TIMEOUT: u32 = 60;
 
 /// A positive number of seconds, at most a day (fractions allowed: 0.2).
 fn parse_seconds(s: &str) -> Result<f64, String> {
@@ -288,6 +303,11 @@ pub struct MountArgs {
     /// so memory is about depth x queues x max_write.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub queue_depth: Option<u16>,
+    /// Memory for request buffers (bytes, or with a K/M/G/T suffix) [default: 32 MiB + 1 MiB per
+    /// possible CPU]. The default queue depth and request size are planned within it, and a plan
+    /// from --queues and --queue-depth that needs more than 4 times as much is refused.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
     /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
     /// io_uring, sharing nothing with the others: on the legacy transport it reads its own clone
     /// of /dev/fuse; on io_uring it serves the kernel's per-CPU queues (qid i goes to queue i mod N).
@@ -357,9 +377,24 @@ pub struct MountArgs {
     /// nothing of the connection) removes the mount if it is still this daemon's.
     #[arg(long)]
     pub auto_unmount: bool,
-    /// Fork into the background; return only once the mount is live.
+    /// A stop (SIGTERM, SIGINT, SIGHUP) with files still open on the export (a loop device, a
+    /// filesystem mounted on it, a program) detaches the export and serves those files until
+    /// they are closed; after this many seconds (or at a second signal) it aborts them instead:
+    /// their reads and writes then fail with ENOTCONN. 0: abort at once.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT)]
+    pub stop_timeout: u32,
+    /// Fork into the background; return only once the mount is live. The log then goes to
+    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is not a
+    /// terminal; with none of these it is refused.
     #[arg(long)]
     pub daemonize: bool,
+    /// Where the log goes: stderr, or syslog (datagrams to /dev/log, facility daemon, as
+    /// journald and rsyslog read them) [default: stderr; see --daemonize].
+    #[arg(long, value_enum, value_name = "DEST")]
+    pub log: Option<LogArg>,
+    /// Append the log to this file (created 0640; never through a symlink).
+    #[arg(long, value_name = "PATH")]
+    pub log_file: Option<PathBuf>,
     /// Write the daemon's pid here (removed at exit).
     #[arg(long)]
     pub pid_file: Option<PathBuf>,

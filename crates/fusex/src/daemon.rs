@@ -9,12 +9,22 @@ use anyhow::{bail, Context, Result};
 /// The child's end of the readiness pipe.
 pub struct Readiness {
     pipe: Option<File>,
+    /// stderr is where the log goes (a `--log-file`, or stderr kept): not sent to /dev/null.
+    keep_stderr: bool,
 }
 
 impl Readiness {
     /// No daemon: reporting readiness does nothing.
     pub fn foreground() -> Readiness {
-        Readiness { pipe: None }
+        Readiness {
+            pipe: None,
+            keep_stderr: true,
+        }
+    }
+
+    /// Whether stderr stays as it is once the daemon detaches (it carries the log).
+    pub fn keep_stderr(&mut self, keep: bool) {
+        self.keep_stderr = keep;
     }
 
     /// Tells the waiting parent how start-up ended; detaches from the terminal on success.
@@ -28,7 +38,7 @@ impl Readiness {
         };
         let _ = p.write_all(msg.as_bytes());
         if outcome.is_ok() {
-            redirect_stdio();
+            redirect_stdio(self.keep_stderr);
         }
     }
 }
@@ -52,6 +62,7 @@ pub fn daemonize() -> Result<Readiness> {
             unsafe { libc::setsid() };
             Ok(Readiness {
                 pipe: Some(File::from(wr)),
+                keep_stderr: false,
             })
         }
         _ => {
@@ -72,10 +83,10 @@ pub fn daemonize() -> Result<Readiness> {
     }
 }
 
-fn redirect_stdio() {
+fn redirect_stdio(keep_stderr: bool) {
     if let Ok(null) = File::options().read(true).write(true).open("/dev/null") {
         use std::os::fd::AsRawFd;
-        for fd in 0..3 {
+        for fd in 0..if keep_stderr { 2 } else { 3 } {
             // SAFETY: dup2 onto the standard descriptors.
             unsafe { libc::dup2(null.as_raw_fd(), fd) };
         }

@@ -61,6 +61,8 @@ pub struct Demand {
     /// The backend's requests wait on a server (NBD): plan for MAX_DEPTH in flight before
     /// request size.
     pub latency_bound: bool,
+    /// `--memory-budget`, if given: replaces [`budget`].
+    pub budget: Option<usize>,
 }
 
 /// The decision: request size, requests in flight per queue, and what it costs.
@@ -90,7 +92,7 @@ pub fn buffer_size(max_write: usize) -> usize {
 
 /// Plans the buffers for `d` (see the module docs for the formula).
 pub fn plan(d: Demand) -> Plan {
-    let budget = budget(d.possible_cpus);
+    let budget = d.budget.unwrap_or_else(|| budget(d.possible_cpus));
     let (units, fixed) = if d.uring {
         (d.possible_cpus.max(d.threads).max(1), URING_LEGACY_SLOTS)
     } else {
@@ -127,6 +129,46 @@ pub fn plan(d: Demand) -> Plan {
     }
 }
 
+/// How far over its budget a plan may go before it is refused: the default plans stay within it
+/// (or, on machines with hundreds of CPUs, at most at the smallest requests and depth), so only an
+/// explicit `--queues`/`--queue-depth` gets this far, and there it is a mistake, not a tuning.
+pub const OVER_BUDGET: usize = 4;
+
+/// Refuses a plan more than [`OVER_BUDGET`] times its budget, saying by how much and what to pass
+/// instead: the deepest `--queue-depth` that fits the budget with these queues, or a
+/// `--memory-budget` that covers the plan. `units` and `fixed` as in [`plan`].
+pub fn check(p: &Plan, d: &Demand) -> Result<(), String> {
+    let bytes = p.buffers * p.buffer_size;
+    if bytes <= OVER_BUDGET * p.budget {
+        return Ok(());
+    }
+    let (units, fixed) = if d.uring {
+        (d.possible_cpus.max(d.threads).max(1), URING_LEGACY_SLOTS)
+    } else {
+        (d.threads.max(1), 0)
+    };
+    let small = buffer_size(MIN_WRITE);
+    let fits = (p.budget / small).saturating_sub(fixed) / units;
+    let instead = if fits >= 1 {
+        format!("--queue-depth {} or less", fits.min(usize::from(u16::MAX)))
+    } else {
+        "fewer --queues".to_string()
+    };
+    Err(format!(
+        "{} queue{} x {} requests in flight x {} KiB buffers need {} MiB of request buffers, {}x \
+         the memory budget of {} MiB: pass {instead}, or raise the budget with --memory-budget \
+         {}M",
+        units,
+        if units == 1 { "" } else { "s" },
+        p.depth,
+        p.buffer_size >> 10,
+        bytes.div_ceil(MIB),
+        bytes.div_ceil(p.budget),
+        p.budget / MIB,
+        bytes.div_ceil(MIB),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,6 +187,7 @@ mod tests {
             possible_cpus: cpus,
             depth: None,
             latency_bound: false,
+            budget: None,
         })
     }
 
@@ -157,6 +200,7 @@ mod tests {
                 possible_cpus: 2,
                 depth: None,
                 latency_bound: true,
+                budget: None,
             });
             assert_eq!((p.depth, p.max_write), (MAX_DEPTH, 256 << 10), "{p:?}");
             assert!(p.bytes() <= p.budget, "{p:?}");
@@ -168,6 +212,7 @@ mod tests {
             possible_cpus: 256,
             depth: None,
             latency_bound: true,
+            budget: None,
         });
         assert!(p.bytes() <= 512 * MIB && p.depth >= MIN_DEPTH, "{p:?}");
     }
@@ -224,6 +269,7 @@ mod tests {
             possible_cpus: 2,
             depth: Some(64),
             latency_bound: false,
+            budget: None,
         });
         assert_eq!((p.depth, p.buffers), (64, 128));
         assert_eq!(
@@ -237,7 +283,74 @@ mod tests {
             possible_cpus: 2,
             depth: Some(8),
             latency_bound: false,
+            budget: None,
         });
         assert_eq!((p.depth, p.max_write), (8, MAX_WRITE));
+    }
+
+    #[test]
+    fn a_plan_far_over_the_budget_is_refused_with_what_to_pass() {
+        // The report: --transport legacy --queues 256 --queue-depth 1024 on this machine.
+        let d = Demand {
+            uring: false,
+            threads: 256,
+            possible_cpus: 2,
+            depth: Some(1024),
+            latency_bound: false,
+            budget: None,
+        };
+        let p = plan(d);
+        assert_eq!(p.buffers * p.buffer_size, 34816 * MIB, "{p:?}");
+        let e = check(&p, &d).unwrap_err();
+        assert!(e.contains("34816 MiB"), "{e}");
+        assert!(e.contains("1024x the memory budget of 34 MiB"), "{e}");
+        assert!(e.contains("--queue-depth 1 or less"), "{e}");
+        assert!(e.contains("--memory-budget 34816M"), "{e}");
+        // What it says to pass is accepted.
+        let raised = Demand {
+            budget: Some(34816 * MIB),
+            ..d
+        };
+        assert!(check(&plan(raised), &raised).is_ok());
+        let shallow = Demand {
+            depth: Some(1),
+            ..d
+        };
+        assert!(
+            check(&plan(shallow), &shallow).is_ok(),
+            "{:?}",
+            plan(shallow)
+        );
+        // Up to 4x the budget is a tuning, and is let through.
+        let d = Demand {
+            uring: false,
+            threads: 2,
+            possible_cpus: 2,
+            depth: Some(400),
+            latency_bound: false,
+            budget: None,
+        };
+        let p = plan(d);
+        assert!(p.buffers * p.buffer_size > p.budget, "{p:?}");
+        assert!(check(&p, &d).is_ok(), "{p:?}");
+    }
+
+    #[test]
+    fn default_plans_are_never_refused() {
+        for cpus in 1..=1024 {
+            for uring in [true, false] {
+                for latency_bound in [true, false] {
+                    let d = Demand {
+                        uring,
+                        threads: cpus,
+                        possible_cpus: cpus,
+                        depth: None,
+                        latency_bound,
+                        budget: None,
+                    };
+                    assert!(check(&plan(d), &d).is_ok(), "{d:?}");
+                }
+            }
+        }
     }
 }

@@ -30,6 +30,19 @@ pub fn socket_name(id: &MountIdentity) -> String {
     format!("fusex-restart/{maj}:{min}/{}", id.mount_id())
 }
 
+/// Whether a daemon listens for restarts of the mount `id`: false once the daemon serving it died.
+/// Read from `/proc/net/unix` (abstract names show with a leading `@`) rather than by connecting,
+/// which would make a live daemon log a restart that never came. True when it cannot be told.
+pub fn is_listening(id: &MountIdentity) -> bool {
+    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
+        return true;
+    };
+    let want = format!("@{}", socket_name(id));
+    table
+        .lines()
+        .any(|l| l.split_whitespace().nth(7) == Some(want.as_str()))
+}
+
 /// Binds the restart socket of the mount `id`.
 pub fn listen(id: &MountIdentity) -> io::Result<UnixListener> {
     UnixListener::bind_addr(&SocketAddr::from_abstract_name(socket_name(id).as_bytes())?)

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
@@ -40,24 +40,72 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    let (export, mnt, neg) = match setup(&args, verbose) {
-        Ok(v) => v,
+    // Claimed before anything is mounted: a second daemon with the same pid file mounts nothing.
+    let claimed = check_files(&args).and_then(|()| {
+        args.pid_file
+            .as_deref()
+            .map(crate::files::PidFile::claim)
+            .transpose()
+    });
+    let pid_file = match claimed {
+        Ok(p) => p,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
             return Err(e);
         }
     };
-    serve_export(&args, export, mnt, neg, ready, &notifier, signals)
+    let (export, mnt, neg) = match setup(&args, verbose) {
+        Ok(v) => v,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            if let Some(p) = pid_file {
+                p.remove();
+            }
+            return Err(e);
+        }
+    };
+    serve_export(
+        &args,
+        export,
+        mnt,
+        neg,
+        ready,
+        &notifier,
+        (signals, pid_file),
+    )
 }
 
-/// SIGINT, SIGTERM (stop) and SIGUSR1 (statistics), caught from here on.
+/// The files written at exit or while running, checked before mounting: a missing directory or a
+/// FIFO planted at the name is refused now, in one line, rather than found at exit.
+fn check_files(args: &MountArgs) -> Result<()> {
+    if let Some(p) = &args.stats_file {
+        crate::files::check_target(p, "--stats-file")?;
+    }
+    Ok(())
+}
+
+/// SIGINT, SIGTERM, SIGHUP (stop), SIGUSR1 (statistics), and SIGUSR2 and SIGALRM (ignored, with a
+/// log line), caught from here on. SIGHUP is a stop because it is what closing the terminal of a
+/// foreground `fusex mount` sends; fusex has no configuration to reload. The default action of
+/// SIGUSR2 and SIGALRM would kill the daemon and leave a dead mount behind.
 fn install_signals() -> Result<signal_hook::iterator::Signals> {
-    signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGUSR1,
-    ])
-    .context("installing signal handlers")
+    use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM])
+        .context("installing signal handlers")
+}
+
+/// A signal's name for log lines.
+fn signal_name(s: i32) -> String {
+    use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    match s {
+        SIGINT => "SIGINT".into(),
+        SIGTERM => "SIGTERM".into(),
+        SIGHUP => "SIGHUP".into(),
+        SIGUSR1 => "SIGUSR1".into(),
+        SIGUSR2 => "SIGUSR2".into(),
+        SIGALRM => "SIGALRM".into(),
+        _ => format!("signal {s}"),
+    }
 }
 
 /// Serves a mounted, negotiated export until it stops or is handed to a successor; then cleans
@@ -69,18 +117,11 @@ fn serve_export(
     neg: Settled,
     mut ready: Readiness,
     notifier: &crate::notify::Notifier,
-    signals: signal_hook::iterator::Signals,
+    (signals, pid_file): (
+        signal_hook::iterator::Signals,
+        Option<crate::files::PidFile>,
+    ),
 ) -> Result<()> {
-    if let Some(p) = &args.pid_file {
-        if let Err(e) = write_pid_file(p) {
-            let e = anyhow::anyhow!("cannot write pid file {}: {e}", p.display());
-            ready.report(Err(format!("{e:#}")));
-            // Unmount before the --auto-unmount watcher (in `neg`) is released.
-            drop(mnt);
-            drop(neg);
-            return Err(e);
-        }
-    }
     let privileges = Plan::decide(&exit_needs(args, &export, &mnt));
     let result = run_queues(
         args,
@@ -89,7 +130,7 @@ fn serve_export(
         &neg,
         privileges,
         (&mut ready, notifier),
-        signals,
+        (signals, pid_file.as_ref()),
     );
     if let Err(e) = &result {
         // Start-up errors in run_queues (no-op once readiness was reported).
@@ -100,6 +141,9 @@ fn serve_export(
         // (the successor holds the pipe too) and the pid file (it holds the successor's pid).
         mnt.disown();
         drop(neg);
+        if let Some(p) = pid_file {
+            p.keep();
+        }
         tracing::info!("handed the export over to process {pid}; exiting");
         return Ok(());
     }
@@ -108,12 +152,12 @@ fn serve_export(
     drop(mnt);
     // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
     drop(neg);
-    if let Some(p) = &args.pid_file {
-        remove_pid_file(p);
+    if let Some(p) = pid_file {
+        p.remove();
     }
     let (stats, _) = result?;
     if let Some(p) = &args.stats_file {
-        std::fs::write(p, serde_json::to_vec_pretty(&stats)?)
+        crate::files::replace(p, &serde_json::to_vec_pretty(&stats)?, 0o644)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     unmounted?;
@@ -198,8 +242,14 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         possible_cpus,
         depth: args.queue_depth.map(usize::from),
         latency_bound: matches!(export.backend().inner(), AnyBackend::Nbd(_)),
+        budget: args
+            .memory_budget
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
     };
     let planned = memory::plan(demand);
+    if let Err(why) = memory::check(&planned, &demand) {
+        bail!("{why}");
+    }
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
     let mnt = Mount::establish(&MountConfig {
         mountpoint: args.mountpoint.clone(),
@@ -384,7 +434,12 @@ fn open_export(
             .context("starting the thread that opens the image")?
             .join()
             .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
-            .map_err(anyhow::Error::from)
+            .map_err(|e| match e {
+                backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
+                    in_use_by_a_dead_mount(&args.image, l)
+                }
+                e => anyhow::Error::from(e),
+            })
     })?;
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
@@ -406,6 +461,64 @@ fn open_export(
         },
     ));
     Ok((export, pt))
+}
+
+/// An image lock conflict, explained when the holder may be a fusex export whose daemon died: its
+/// dead mount keeps the image open (the kernel's passthrough file, with its lock bytes) until it is
+/// unmounted, and "another process" would send the user looking for a process that does not
+/// exist. The dead mounts are those no daemon listens on (the `fusex restart` socket is gone).
+fn in_use_by_a_dead_mount(image: &str, e: backend::LockError) -> anyhow::Error {
+    use std::os::unix::fs::MetadataExt;
+    let file_id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let image_id = file_id(Path::new(image));
+    let dead: Vec<(String, bool)> = transport::fusex_mounts()
+        .into_iter()
+        .filter(|m| {
+            transport::MountIdentity::of_path(Path::new(&m.mount_point))
+                .is_ok_and(|id| !crate::restart::is_listening(&id))
+        })
+        .map(|m| {
+            // The source is the image as its daemon was given it (perhaps relative to its
+            // directory then): the same file, or at least the same name.
+            let source = Path::new(&m.source);
+            let same = image_id.is_some() && file_id(source) == image_id
+                || !source.is_absolute() && source.file_name() == Path::new(image).file_name();
+            (m.mount_point, same)
+        })
+        .collect();
+    let holders: Vec<&str> = dead
+        .iter()
+        .filter(|(_, same)| *same)
+        .map(|(p, _)| p.as_str())
+        .collect();
+    let umount = |paths: &[&str]| {
+        paths
+            .iter()
+            .map(|p| format!("fusex umount {p}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match holders.as_slice() {
+        [] if dead.is_empty() => anyhow::Error::from(e),
+        [] => {
+            let all: Vec<&str> = dead.iter().map(|(p, _)| p.as_str()).collect();
+            anyhow::anyhow!(
+                "{e}; fusex exports whose daemon is gone may hold it: {} frees them",
+                umount(&all)
+            )
+        }
+        [one] => anyhow::anyhow!(
+            "{image} is held by the dead fusex mount at {one} (its daemon is gone; the mount \
+             keeps the image open and locked): {} frees it",
+            umount(&[one])
+        ),
+        many => anyhow::anyhow!(
+            "{image} is held by dead fusex mounts at {} (their daemons are gone; the mounts \
+             keep the image open and locked): {} frees them",
+            many.join(", "),
+            umount(many)
+        ),
+    }
 }
 
 /// How large a growable export may grow: `--max-size`, checked against what the image's
@@ -506,7 +619,10 @@ fn run_queues(
     neg: &Settled,
     privileges: Plan,
     (ready, notifier): (&mut Readiness, &crate::notify::Notifier),
-    mut signals: signal_hook::iterator::Signals,
+    (mut signals, pid_file): (
+        signal_hook::iterator::Signals,
+        Option<&crate::files::PidFile>,
+    ),
 ) -> Result<(serde_json::Value, Option<u32>)> {
     let mut stopping_sent = false;
     let cpus = crate::affinity::allowed_cpus();
@@ -533,11 +649,19 @@ fn run_queues(
                 if failed {
                     return;
                 }
+                use signal_hook::consts::{SIGALRM, SIGUSR1, SIGUSR2};
                 for s in signals.forever() {
-                    let ev = if s == signal_hook::consts::SIGUSR1 {
-                        Event::Dump
-                    } else {
-                        Event::Signal(s)
+                    let ev = match s {
+                        SIGUSR1 => Event::Dump,
+                        SIGUSR2 | SIGALRM => {
+                            tracing::info!(
+                                "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 \
+                                 writes statistics)",
+                                signal_name(s)
+                            );
+                            continue;
+                        }
+                        _ => Event::Signal(s),
                     };
                     if tx.send(ev).is_err() {
                         break;
@@ -594,14 +718,26 @@ fn run_queues(
     // `fusex restart`: the successor waiting for this process to let go, and its pid.
     let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
     let mut handed_to: Option<u32> = None;
+    // After a stop with the export detached: when its grace period ends (`--stop-timeout`).
+    let mut draining: Option<Instant> = None;
+    // The export is aborted while applications hold it: once the queues are quiet and the image
+    // is flushed, this process exits, which ends the connection (the detached mount can no longer
+    // be force-unmounted by path).
+    let mut abandon = false;
     let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
         stop.store(true, Ordering::Release);
         for (r, t) in remotes {
             r.wake(*t);
         }
     };
+    // A stop signal that came while queues were starting, acted on once they all serve (so that
+    // the files already open on the export are counted and served, not aborted).
+    let mut deferred: Option<i32> = None;
     while running > 0 {
-        let ev = if flushed.is_some() {
+        let ev = if let Some(s) = deferred.filter(|_| started == nq) {
+            deferred = None;
+            Event::Signal(s)
+        } else if flushed.is_some() {
             match rx.recv_timeout(Duration::from_secs(10)) {
                 Ok(ev) => ev,
                 Err(_) => {
@@ -621,7 +757,17 @@ fn run_queues(
             match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
                 Ok(ev) => ev,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    if draining.is_some_and(|d| Instant::now() >= d) && !abandon {
+                        abandon = true;
+                        log_abort(
+                            &format!("--stop-timeout ({} s) passed", args.stop_timeout),
+                            export,
+                        );
+                        // The queues report Quiesced, and the check below ends the export.
+                        stop_all(&remotes);
+                    } else {
+                        follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    }
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -697,18 +843,37 @@ fn run_queues(
                 stop_all(&remotes);
             }
             Event::Signal(s) => {
-                tracing::info!("signal {s}: finishing in-flight requests and unmounting");
+                let name = signal_name(s);
                 if !std::mem::replace(&mut stopping_sent, true) {
                     notifier.stopping();
                 }
-                stop_all(&remotes);
+                if draining.is_some() {
+                    if !abandon {
+                        abandon = true;
+                        log_abort(&format!("{name} again"), export);
+                        stop_all(&remotes);
+                    }
+                } else if stop.load(Ordering::Acquire) {
+                    // Already ending (a queue failed or ended).
+                    tracing::info!("{name}: finishing in-flight requests and unmounting");
+                    stop_all(&remotes);
+                } else if started < nq {
+                    deferred = Some(s);
+                } else {
+                    draining = Some(detach(&name, export, mnt, args.stop_timeout));
+                    if args.stop_timeout == 0 && export.open_files() > 0 {
+                        abandon = true;
+                        log_abort("--stop-timeout 0", export);
+                        stop_all(&remotes);
+                    }
+                }
             }
             Event::Dump => {
                 dumps += 1;
                 dump_live(args, &mut live, dumps, neg.uring);
             }
             Event::Release { stream, pid } => {
-                if stop.load(Ordering::Acquire) || started < nq {
+                if stop.load(Ordering::Acquire) || started < nq || draining.is_some() {
                     let _ = crate::restart::send(
                         &stream,
                         &serde_json::json!({"op": "refused", "error": "the daemon is stopping"}),
@@ -727,6 +892,13 @@ fn run_queues(
                 }
             }
         }
+        if stop.load(Ordering::Acquire) || draining.is_some() {
+            // No longer serving: a new daemon may take the pid file (and before this one's
+            // "released" reaches a `fusex restart` successor, which writes its own).
+            if let Some(p) = pid_file {
+                p.stop_serving();
+            }
+        }
         if stop.load(Ordering::Acquire) && quiet >= nq {
             if let Some((stream, pid)) = successor.take() {
                 if release(&mut flushed, export, &stream, pid, notifier) {
@@ -737,6 +909,11 @@ fn run_queues(
                 }
             } else {
                 finish(&mut flushed, export, mnt);
+                if abandon {
+                    // Every request taken is answered and the image flushed; the connection
+                    // ends as this process exits.
+                    break;
+                }
             }
         }
     }
@@ -747,9 +924,21 @@ fn run_queues(
         finish(&mut flushed, export, mnt);
     }
     sig_handle.close();
-    if failure.is_none() {
+    if failure.is_none() && !abandon {
         for t in threads {
             let _ = t.join();
+        }
+    }
+    if abandon {
+        // Queues still waiting for the connection to end have not reported: count from the
+        // live counters of every queue instead.
+        live.sort_by_key(|(id, _)| *id);
+        total = Snapshot::default();
+        per_queue.clear();
+        for (id, c) in &live {
+            let s = c.snapshot();
+            total.merge(&s);
+            per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
         }
     }
     per_queue.sort_by_key(|q| q["queue"].as_u64());
@@ -792,7 +981,9 @@ fn release(
         tracing::error!("restart: {e:#}");
     }
     *flushed = Some(f);
-    match crate::restart::send(stream, &serde_json::json!({"op": "released"}), &[]) {
+    // The files open now are the successor's to count down as their RELEASEs reach it.
+    let released = serde_json::json!({"op": "released", "open_files": export.open_files()});
+    match crate::restart::send(stream, &released, &[]) {
         Ok(()) => {
             notifier.main_pid(pid);
             true
@@ -989,15 +1180,48 @@ fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, u
     json["dump"] = dump.into();
     json["queues"] = serde_json::Value::Array(queues);
     json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
-    let mut tmp = path.clone().into_os_string();
-    tmp.push(".tmp");
     let written = serde_json::to_vec_pretty(&json)
         .map_err(std::io::Error::other)
-        .and_then(|bytes| std::fs::write(&tmp, bytes))
-        .and_then(|()| std::fs::rename(&tmp, path));
+        .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
     if let Err(e) = written {
         tracing::warn!("cannot write statistics to {}: {e}", path.display());
     }
+}
+
+/// The first stop signal: detaches the export lazily, as `fusex umount` does on a busy export, so
+/// that nothing new can open it while the files open on it are served until they are closed (the
+/// kernel ends the connection after the last one, and the queues with it). Returns when the grace
+/// period ends.
+fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> Instant {
+    if let Err(e) = mnt.unmount() {
+        tracing::warn!("{name}: cannot detach the export: {e}");
+    }
+    match export.open_files() {
+        0 => tracing::info!("{name}: unmounted; finishing in-flight requests"),
+        n if grace > 0 => tracing::info!(
+            "{name}: {n} file{} still open on the export (a loop device, a filesystem mounted on \
+             it, a program): unmounted it and serving {} until closed; a second signal, or \
+             --stop-timeout in {grace} s, aborts {}",
+            if n == 1 { " is" } else { "s are" },
+            if n == 1 { "it" } else { "them" },
+            if n == 1 { "it" } else { "them" },
+        ),
+        _ => {}
+    }
+    Instant::now() + Duration::from_secs(grace.into())
+}
+
+/// Says what aborting the export means for the applications that still hold it open.
+fn log_abort(why: &str, export: &Export<Served>) {
+    let n = export.open_files();
+    tracing::warn!(
+        "{why}: aborting the export with {n} file{} still open: finishing the requests already \
+         taken, flushing the image and exiting; from then on reads and writes on {} fail with \
+         ENOTCONN (Transport endpoint is not connected), and what the applications had not yet \
+         written is lost (a filesystem mounted on the export sees I/O failures)",
+        if n == 1 { "" } else { "s" },
+        if n == 1 { "it" } else { "them" },
+    );
 }
 
 /// Ends the export once every queue answered what it had taken: flush, then abort the
@@ -1036,48 +1260,6 @@ pub fn umount(path: PathBuf, force: bool) -> Result<()> {
     Ok(())
 }
 
-/// A name next to the pid file that only this process uses.
-fn beside(path: &Path, what: &str) -> PathBuf {
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    path.with_file_name(format!(".{name}.{what}.{}", std::process::id()))
-}
-
-/// Writes the pid file whole, by rename: a pid file's contents never change once it is in place,
-/// which [`remove_pid_file`] relies on.
-fn write_pid_file(path: &Path) -> std::io::Result<()> {
-    let tmp = beside(path, "new");
-    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
-}
-
-/// Removes the pid file at exit, but only while it still holds this process's pid: after `fusex
-/// umount` the next daemon on the same mountpoint may already have put its own there, possibly
-/// between our look and our removal. So ours is first moved aside (atomic) and checked there; a
-/// file that turns out to be the next daemon's goes back unless yet another one replaced it.
-fn remove_pid_file(path: &Path) {
-    let ours = std::process::id().to_string();
-    let holds_ours = |p: &Path| std::fs::read_to_string(p).is_ok_and(|t| t.trim() == ours);
-    if !holds_ours(path) {
-        tracing::debug!(
-            "pid file {} does not name this process; leaving it",
-            path.display()
-        );
-        return;
-    }
-    let aside = beside(path, "old");
-    if let Err(e) = std::fs::rename(path, &aside) {
-        tracing::warn!("cannot remove pid file {}: {e}", path.display());
-        return;
-    }
-    if !holds_ours(&aside) {
-        // Moved the next daemon's file: put it back without clobbering a newer one.
-        let _ = std::fs::hard_link(&aside, path);
-    }
-    let _ = std::fs::remove_file(&aside);
-}
-
 /// `fusex restart MOUNTPOINT`, in the new daemon: takes the export over from the daemon serving
 /// it (see [`crate::restart`]) and serves it until stopped, like `fusex mount`. Any error before
 /// the old daemon let go leaves it serving, and is reported through `ready`.
@@ -1085,7 +1267,43 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     let signals = install_signals()?;
     match take_over(&path) {
         Ok((args, export, mnt, neg, notifier)) => {
-            serve_export(&args, export, mnt, neg, ready, &notifier, signals)
+            // The log goes where the old daemon's command line says, as for a daemon.
+            let daemon = MountArgs {
+                daemonize: true,
+                ..args.clone()
+            };
+            match crate::logging::choose(&daemon) {
+                Ok(dest) => {
+                    crate::logging::switch(&dest);
+                    ready.keep_stderr(!matches!(dest, crate::logging::Dest::Syslog(_)));
+                }
+                Err(e) => tracing::warn!("restart: the log is lost once detached: {e:#}"),
+            }
+            // The old daemon let go of the pid file as it released the export.
+            let claimed = check_files(&args).and_then(|()| {
+                args.pid_file
+                    .as_deref()
+                    .map(crate::files::PidFile::claim)
+                    .transpose()
+            });
+            match claimed {
+                Ok(pid_file) => serve_export(
+                    &args,
+                    export,
+                    mnt,
+                    neg,
+                    ready,
+                    &notifier,
+                    (signals, pid_file),
+                ),
+                Err(e) => {
+                    ready.report(Err(format!("{e:#}")));
+                    // Unmount before the --auto-unmount watcher (in `neg`) is released.
+                    drop(mnt);
+                    drop(neg);
+                    Err(e)
+                }
+            }
         }
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -1154,6 +1372,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     let Some(crate::cli::Command::Mount(args)) = cli.command else {
         bail!("the daemon's command line is not fusex mount");
     };
+    let args = *args;
     let notifier = match text(&state["notify_socket"]) {
         Some(v) => crate::notify::Notifier::connect(&v)?,
         None => crate::notify::Notifier::from_env()?,
@@ -1205,7 +1424,9 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         depth,
         buffer_size: memory::buffer_size(max_write as usize),
         buffers: depth * queues,
-        budget: memory::budget(possible),
+        budget: args
+            .memory_budget
+            .map_or_else(|| memory::budget(possible), |b| b as usize),
     };
     let dev = state["dev"].as_array().context("dev")?;
     let part = |i: usize| dev.get(i).and_then(Value::as_u64).unwrap_or(0) as u32;
@@ -1228,6 +1449,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     send(&sock, &json!({"op": "release"}), &[])?;
     let (msg, _) = recv(&sock).context("the old daemon went away before letting go")?;
     expect(&msg, "released")?;
+    let open_files = msg["open_files"].as_u64().unwrap_or(0);
     let export = match opened {
         // The old daemon may have grown the image since it was opened here.
         Some(export) => {
@@ -1242,6 +1464,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
             export
         }
     };
+    export.set_open_files(open_files);
     let mnt = Mount::adopt(handover, conn);
     tracing::info!(
         "restart: took over {} at {} (FUSE 7.{}, max_write {} KiB, {queues} legacy queues)",

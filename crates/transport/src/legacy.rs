@@ -211,7 +211,8 @@ impl LegacyQueue {
                     break 'arm ReaderEnd::Failed(libc::EPROTO);
                 }
                 match -c.res {
-                    0 | libc::ENODEV => break 'arm ReaderEnd::Gone,
+                    // ECONNABORTED: the connection ended while a request was being read.
+                    0 | libc::ENODEV | libc::ECONNABORTED => break 'arm ReaderEnd::Gone,
                     // Out of buffers (all requests in service), interrupted or cancelled: re-arm
                     // once a buffer is back (the loop checks for a stop first).
                     libc::ENOBUFS | libc::EAGAIN | libc::EINTR | libc::ECANCELED => {}
@@ -308,7 +309,7 @@ impl LegacyQueue {
                 Ok(0) => return Ok(ReadOutcome::Gone),
                 Ok(n) => return Ok(ReadOutcome::Request(buf, n)),
                 Err(e) => match e.raw_os_error().unwrap_or(libc::EIO) {
-                    libc::ENODEV => return Ok(ReadOutcome::Gone),
+                    libc::ENODEV | libc::ECONNABORTED => return Ok(ReadOutcome::Gone),
                     libc::EAGAIN | libc::EINTR | libc::ECANCELED | libc::ENOENT | libc::EBUSY => {
                         continue
                     }

@@ -19,7 +19,7 @@ pub use identity::{fuse_mount_identity, unmount_if_same};
 pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, Handover, Mount, MountConfig};
-pub use mountinfo::{fuse_mount_at, MountEntry, MountIdentity, FUSEX_FSTYPE};
+pub use mountinfo::{fuse_mount_at, fusex_mounts, MountEntry, MountIdentity, FUSEX_FSTYPE};
 pub use notify::notify_inval_inode;
 pub use splice::{SplicePipe, Spliced};
 pub use uring::{

@@ -82,6 +82,16 @@ pub fn fuse_mount_at(path: &Path) -> Option<MountEntry> {
         .find(|m| m.mount_point == want && (m.fstype == "fuse" || m.fstype.starts_with("fuse.")))
 }
 
+/// Every fusex export (fstype [`FUSEX_FSTYPE`]) in this process's mount namespace, in mount order:
+/// what to look through for the export, perhaps one whose daemon died, that holds an image.
+pub fn fusex_mounts() -> Vec<MountEntry> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    parse(&text)
+        .into_iter()
+        .filter(MountEntry::is_fusex)
+        .collect()
+}
+
 /// Which mount is this one: names one mount instance, not the path it sits on.
 ///
 /// A path changes hands: once an export is unmounted, the next `fusex mount` may put a new export

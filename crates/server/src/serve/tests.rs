@@ -714,6 +714,37 @@ fn open_flags_and_read_only_refusal() {
     }
 }
 
+/// The open-file count a stop waits on: successful OPENs count up, refused ones do not, RELEASEs
+/// count down, and it never reads below zero.
+#[test]
+fn open_files_count_opens_minus_releases() {
+    for f in BOTH {
+        let h = Harness::new(ro(), image(4096));
+        let count = || h.server.export().open_files();
+        assert_eq!(count(), 0, "{f:?}");
+        h.call(f, op::OPEN, open(libc::O_RDONLY).as_bytes(), &[])
+            .ok();
+        h.call(f, op::OPEN, open(libc::O_RDONLY).as_bytes(), &[])
+            .ok();
+        assert_eq!(count(), 2, "{f:?}");
+        let refused = h.call(f, op::OPEN, open(libc::O_RDWR).as_bytes(), &[]);
+        assert_eq!(refused.errno, libc::EROFS, "{f:?}");
+        assert_eq!(count(), 2, "{f:?}: a refused open is not open");
+        let rel = ReleaseIn::default();
+        h.call(f, op::RELEASE, rel.as_bytes(), &[]).ok();
+        assert_eq!(count(), 1, "{f:?}");
+        h.call(f, op::RELEASE, rel.as_bytes(), &[]).ok();
+        h.call(f, op::RELEASE, rel.as_bytes(), &[]).ok();
+        assert_eq!(
+            count(),
+            0,
+            "{f:?}: more releases than opens read as none open"
+        );
+        h.server.export().set_open_files(3);
+        assert_eq!(count(), 3, "{f:?}");
+    }
+}
+
 /// RELEASE and DESTROY succeed with an empty body.
 #[test]
 fn release_and_destroy_reply_empty() {
