@@ -254,7 +254,8 @@ struct Gate {
 }
 
 impl Gate {
-    fn admit(&self, path: &Path) -> io::Result<()> {
+    /// Refuses every named file under `--no-backing`, before anything touches it.
+    fn allowed(&self, path: &Path) -> io::Result<()> {
         if self.no_backing {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
@@ -265,15 +266,12 @@ impl Gate {
                 ),
             ));
         }
-        let canon = std::fs::canonicalize(path).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!(
-                    "its backing or data file {} cannot be opened: {e}",
-                    named::shown_path(path)
-                ),
-            )
-        })?;
+        Ok(())
+    }
+
+    /// Records a file opened for this chain by its canonical path, refusing loops and chains
+    /// longer than [`MAX_CHAIN`].
+    fn admit(&self, canon: PathBuf) -> io::Result<()> {
         let mut opened = self.opened.borrow_mut();
         if opened.contains(&canon) {
             return Err(io::Error::new(
@@ -313,12 +311,12 @@ impl ImplicitOpenGate<RingFile> for Gate {
             .get_filename()
             .ok_or_else(|| io::Error::other("an implicit file without a name"))?
             .to_path_buf();
-        self.admit(&path)?;
+        self.allowed(&path)?;
         // Only the top image's external data file is ever opened writable.
         let writable = opts.get_writable();
         let direct = self.direct || opts.get_direct();
         let shown = named::shown_path(&path);
-        let file = named::open(&path, writable, direct, self.who).map_err(|e| {
+        let (file, canon) = named::open(&path, writable, direct, self.who).map_err(|e| {
             let kind = e.kind();
             match (self.who, e.raw_os_error()) {
                 (named::OpenAs::Owner(uid, _), Some(libc::EACCES | libc::EPERM)) => io::Error::new(
@@ -334,6 +332,7 @@ impl ImplicitOpenGate<RingFile> for Gate {
                 ),
             }
         })?;
+        self.admit(canon)?;
         let file = RingFile::from_file(file, &path, direct)?;
         let subject = format!(
             "{} file {} of image {}",

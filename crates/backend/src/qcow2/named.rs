@@ -84,8 +84,14 @@ impl OpenAs {
 }
 
 /// Opens `path` for reading (and writing if `writable`): non-blocking open, type check, as `who`,
-/// within [`OPEN_TIMEOUT`].
-pub fn open(path: &Path, writable: bool, direct: bool, who: OpenAs) -> io::Result<File> {
+/// within [`OPEN_TIMEOUT`]. Returns the file and its canonical path (resolved on the same thread,
+/// since resolving a name on a hung mount blocks as an open does).
+pub fn open(
+    path: &Path,
+    writable: bool,
+    direct: bool,
+    who: OpenAs,
+) -> io::Result<(File, std::path::PathBuf)> {
     open_within(path, writable, direct, who, OPEN_TIMEOUT)
 }
 
@@ -95,14 +101,18 @@ fn open_within(
     direct: bool,
     who: OpenAs,
     timeout: Duration,
-) -> io::Result<File> {
+) -> io::Result<(File, std::path::PathBuf)> {
     let c = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a name with a NUL byte"))?;
     let (tx, rx) = mpsc::channel();
+    let owned = path.to_path_buf();
     std::thread::Builder::new()
         .name("fusex-open".into())
         .spawn(move || {
-            let r = become_(who).and_then(|()| open_checked(&c, writable, direct));
+            let r = become_(who).and_then(|()| {
+                let f = open_checked(&c, writable, direct)?;
+                Ok((f, std::fs::canonicalize(&owned)?))
+            });
             let _ = tx.send(r);
         })?;
     match rx.recv_timeout(timeout) {
@@ -247,7 +257,8 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("f");
         std::fs::write(&p, b"abc").unwrap();
-        let f = open(&p, false, false, OpenAs::Daemon).unwrap();
+        let (f, canon) = open(&p, false, false, OpenAs::Daemon).unwrap();
+        assert_eq!(canon, p.canonicalize().unwrap());
         // SAFETY: F_GETFL on an open fd.
         let fl = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETFL) };
         assert_eq!(fl & libc::O_NONBLOCK, 0);
