@@ -379,8 +379,8 @@ pub struct MountArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT)]
     pub stop_timeout: u32,
     /// Fork into the background; return only once the mount is live. The log then goes to
-    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is not a
-    /// terminal; with none of these it is refused.
+    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is a file;
+    /// with none of these it is refused.
     #[arg(long)]
     pub daemonize: bool,
     /// Where the log goes: stderr, or syslog (datagrams to /dev/log, facility daemon, as
