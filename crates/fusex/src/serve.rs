@@ -733,6 +733,16 @@ fn run_queues(
     // the files already open on the export are counted and served, not aborted).
     let mut deferred: Option<i32> = None;
     while running > 0 {
+        // Checked at least once a second (the receive below times out that often).
+        if !abandon && draining.is_some_and(|d| Instant::now() >= d) {
+            abandon = true;
+            log_abort(
+                &format!("--stop-timeout ({} s) passed", args.stop_timeout),
+                export,
+            );
+            // The queues report Quiesced, and the check at the end of the loop ends the export.
+            stop_all(&remotes);
+        }
         let ev = if let Some(s) = deferred.filter(|_| started == nq) {
             deferred = None;
             Event::Signal(s)
@@ -756,17 +766,7 @@ fn run_queues(
             match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
                 Ok(ev) => ev,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if draining.is_some_and(|d| Instant::now() >= d) && !abandon {
-                        abandon = true;
-                        log_abort(
-                            &format!("--stop-timeout ({} s) passed", args.stop_timeout),
-                            export,
-                        );
-                        // The queues report Quiesced, and the check below ends the export.
-                        stop_all(&remotes);
-                    } else {
-                        follow_image_size(export, notify_fd.as_ref(), &mut known_size);
-                    }
+                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
