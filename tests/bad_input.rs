@@ -550,3 +550,46 @@ fn argument_errors_are_one_line() {
         assert!(r.stderr.is_empty(), "fusex {argv:?}: {}", r.stderr);
     }
 }
+
+/// `--daemonize` with nowhere to keep the log (no `--log-file`, no syslog at /dev/log, stderr a
+/// pipe, as under `$(...)` or a program collecting the output) is refused in one line with nothing
+/// mounted: every line after the start, the stop's included, used to be thrown away. (Where
+/// /dev/log exists the log goes to syslog instead, and this case cannot be refused.)
+#[test]
+fn daemonize_without_a_kept_log_destination() {
+    if !require_fuse() {
+        return;
+    }
+    if Path::new("/dev/log").exists() {
+        eprintln!("/dev/log exists: a daemon logs to syslog there; nothing to refuse");
+        return;
+    }
+    let w = WorkDir::new("bad-daemon-log");
+    let img = image(&w);
+    let mp = w.join("export");
+    let out = Command::new(fusex_bin())
+        .arg("mount")
+        .arg("--daemonize")
+        .arg(&img)
+        .arg(&mp)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run fusex");
+    let mounted = is_fuse_mounted(&mp);
+    if mounted {
+        run(Command::new(fusex_bin()).arg("umount").arg(&mp));
+    }
+    let r = CmdResult {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    r.assert_one_error_line("--daemonize with stderr a pipe and no syslog");
+    assert!(!mounted, "it mounted");
+    assert!(
+        r.stderr.contains("--log-file PATH"),
+        "says what to give: {}",
+        r.stderr
+    );
+    assert!(!mp.exists(), "a mountpoint file was left behind");
+}

@@ -220,6 +220,28 @@ fn stop_timeout_aborts_the_open_files() {
     holder.close();
 }
 
+/// `--stop-timeout 0`: no grace, the stop aborts the open files at once (the stop as it was
+/// before), and says so.
+#[test]
+fn stop_timeout_0_aborts_at_once() {
+    if !require_fuse() {
+        return;
+    }
+    let (_w, _img, m) = mounted_export("stop-timeout-0", &["--writable", "--stop-timeout", "0"]);
+    let mut holder = Holder::open(m.path(), "x");
+    m.signal(libc::SIGTERM);
+    let st = m.wait_exit();
+    st.assert_clean("SIGTERM with a file open and --stop-timeout 0");
+    assert!(
+        st.stderr
+            .contains("SIGTERM with --stop-timeout 0: aborting the export with 1 file still open"),
+        "{}",
+        st.stderr
+    );
+    assert!(!holder.write(), "a write after the abort succeeded");
+    holder.close();
+}
+
 /// The case that broke users: ext4 loop-mounted on the export, then Ctrl-C. The filesystem keeps
 /// working after the signal (a file written and synced then is in the image), and the daemon
 /// exits 0 once the filesystem is unmounted and the loop device detached.

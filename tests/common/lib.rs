@@ -1392,6 +1392,14 @@ impl Mount {
         self.finish(false)
     }
 
+    /// Waits until `deadline` for the daemon to be gone (a foreground daemon: reaped, so every
+    /// thread has exited and every descriptor it held is closed), touching nothing at the
+    /// mountpoint: the guard still cleans up when dropped. For tests that kill the daemon and
+    /// then look at what it left behind.
+    pub fn wait_gone(&mut self, deadline: Instant) -> bool {
+        wait_until(deadline, || self.try_reap().is_some())
+    }
+
     /// Polls for the daemon's end; Some((code, signal)) once it is gone.
     fn try_reap(&mut self) -> Option<(Option<i32>, Option<i32>)> {
         use std::os::unix::process::ExitStatusExt;

@@ -144,7 +144,7 @@ pub enum PassthroughArg {
 /// `--log`: where log lines go.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum LogArg {
-    /// Standard error (kept when daemonized).
+    /// Standard error (kept by a daemon, which needs it to be a file).
     Stderr,
     /// The system log, through /dev/log.
     Syslog,
@@ -384,8 +384,8 @@ pub struct MountArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT)]
     pub stop_timeout: u32,
     /// Fork into the background; return only once the mount is live. The log then goes to
-    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is not a
-    /// terminal; with none of these it is refused.
+    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is a file;
+    /// with none of these it is refused.
     #[arg(long)]
     pub daemonize: bool,
     /// Where the log goes: stderr, or syslog (datagrams to /dev/log, facility daemon, as
@@ -395,7 +395,8 @@ pub struct MountArgs {
     /// Append the log to this file (created 0640; never through a symlink).
     #[arg(long, value_name = "PATH")]
     pub log_file: Option<PathBuf>,
-    /// Write the daemon's pid here (removed at exit).
+    /// Write the daemon's pid here. Locked while the daemon serves: a second daemon given the same
+    /// file refuses to start. Removed at exit.
     #[arg(long)]
     pub pid_file: Option<PathBuf>,
     /// For testing: make the Nth backend read, write or flush fail or wait, as OP:N:ACTION

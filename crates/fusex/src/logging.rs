@@ -1,8 +1,8 @@
 //! Where the log goes: stderr, a file (`--log-file`), or syslog (`--log syslog`: datagrams to
 //! `/dev/log`, which journald and rsyslog read). A daemonized process keeps a destination after
 //! it detaches from the terminal: the one given, else syslog where `/dev/log` takes messages, else
-//! stderr when it is not a terminal (a file or pipe that outlives the terminal); with none of
-//! those `--daemonize` is refused, since every later line, the stop's included, would be lost.
+//! stderr when it is a file; with none of those `--daemonize` is refused, since every later line,
+//! the stop's included, would be lost.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -43,6 +43,11 @@ pub fn choose(args: &MountArgs) -> Result<Dest> {
         return open_file(p).map(Dest::File);
     }
     match args.log {
+        Some(LogArg::Stderr) if args.daemonize && !stderr_is_a_file() => bail!(
+            "--daemonize --log stderr: stderr is not a file, and a daemon keeping a terminal, pipe \
+             or socket would lose the log or hold its reader: redirect stderr to a file, or give \
+             --log-file PATH"
+        ),
         Some(LogArg::Stderr) => Ok(Dest::Stderr),
         Some(LogArg::Syslog) => Syslog::connect(Path::new(DEV_LOG))
             .map(Dest::Syslog)
@@ -56,14 +61,31 @@ pub fn choose(args: &MountArgs) -> Result<Dest> {
             if let Ok(s) = Syslog::connect(Path::new(DEV_LOG)) {
                 return Ok(Dest::Syslog(s));
             }
-            if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            if stderr_is_a_file() {
                 return Ok(Dest::Stderr);
             }
             bail!(
-                "--daemonize would lose the log once it leaves the terminal (no syslog at \
-                 {DEV_LOG}): give --log-file PATH, or --log stderr with stderr redirected"
+                "--daemonize would lose the log once it detaches (no syslog at {DEV_LOG}, and \
+                 stderr is not a file): give --log-file PATH, or redirect stderr to a file"
             )
         }
+    }
+}
+
+/// Whether stderr is a regular file (or /dev/null): one a daemon may keep writing to. Not a
+/// terminal, which goes away, and not a pipe or socket, whose reader (a shell's `$(...)`, a
+/// program collecting the output) would wait for the daemon to exit before it saw end of file.
+fn stderr_is_a_file() -> bool {
+    // SAFETY: fstat of fd 2 into a zeroed stat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `st` lives across the call.
+    if unsafe { libc::fstat(2, &mut st) } != 0 {
+        return false;
+    }
+    match st.st_mode & libc::S_IFMT {
+        libc::S_IFREG => true,
+        libc::S_IFCHR => st.st_rdev == libc::makedev(1, 3),
+        _ => false,
     }
 }
 

@@ -734,6 +734,16 @@ fn run_queues(
     // the files already open on the export are counted and served, not aborted).
     let mut deferred: Option<i32> = None;
     while running > 0 {
+        // Checked at least once a second (the receive below times out that often).
+        if !abandon && draining.is_some_and(|d| Instant::now() >= d) {
+            abandon = true;
+            log_abort(
+                &format!("--stop-timeout ({} s) passed", args.stop_timeout),
+                export,
+            );
+            // The queues report Quiesced, and the check at the end of the loop ends the export.
+            stop_all(&remotes);
+        }
         let ev = if let Some(s) = deferred.filter(|_| started == nq) {
             deferred = None;
             Event::Signal(s)
@@ -757,17 +767,7 @@ fn run_queues(
             match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
                 Ok(ev) => ev,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if draining.is_some_and(|d| Instant::now() >= d) && !abandon {
-                        abandon = true;
-                        log_abort(
-                            &format!("--stop-timeout ({} s) passed", args.stop_timeout),
-                            export,
-                        );
-                        // The queues report Quiesced, and the check below ends the export.
-                        stop_all(&remotes);
-                    } else {
-                        follow_image_size(export, notify_fd.as_ref(), &mut known_size);
-                    }
+                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -853,19 +853,19 @@ fn run_queues(
                         log_abort(&format!("{name} again"), export);
                         stop_all(&remotes);
                     }
-                } else if stop.load(Ordering::Acquire) {
-                    // Already ending (a queue failed or ended).
-                    tracing::info!("{name}: finishing in-flight requests and unmounting");
-                    stop_all(&remotes);
-                } else if started < nq {
+                } else if started < nq && !stop.load(Ordering::Acquire) {
                     deferred = Some(s);
+                } else if stop.load(Ordering::Acquire) || args.stop_timeout == 0 {
+                    // Already ending (a queue failed or ended), or no grace: end it now, aborting
+                    // the connection (a forced unmount) once the queues answered what they took.
+                    if export.open_files() > 0 && !stop.load(Ordering::Acquire) {
+                        log_abort(&format!("{name} with --stop-timeout 0"), export);
+                    } else {
+                        tracing::info!("{name}: finishing in-flight requests and unmounting");
+                    }
+                    stop_all(&remotes);
                 } else {
                     draining = Some(detach(&name, export, mnt, args.stop_timeout));
-                    if args.stop_timeout == 0 && export.open_files() > 0 {
-                        abandon = true;
-                        log_abort("--stop-timeout 0", export);
-                        stop_all(&remotes);
-                    }
                 }
             }
             Event::Dump => {
@@ -1214,6 +1214,15 @@ fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> I
 /// Says what aborting the export means for the applications that still hold it open.
 fn log_abort(why: &str, export: &Export<Served>) {
     let n = export.open_files();
+    if n == 0 {
+        // Nothing open, yet the connection did not end: the export is mounted elsewhere too (a
+        // bind mount), or a file is being opened right now.
+        tracing::warn!(
+            "{why}: aborting the export: no file is open on it, but its connection has not ended \
+             (is it bind-mounted elsewhere?); what still uses it now gets ENOTCONN"
+        );
+        return;
+    }
     tracing::warn!(
         "{why}: aborting the export with {n} file{} still open: finishing the requests already \
          taken, flushing the image and exiting; from then on reads and writes on {} fail with \
