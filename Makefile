@@ -92,7 +92,8 @@ bench-deps:
 	@bash scripts/deps.sh --bench
 	@bash bench/setup.sh
 
-## make install: the binary, its man pages and bash/zsh/fish completions (generated from the
+## make install: the binary (without its debug info: 6 MB instead of 44; the build keeps it in
+## target/release/fusex), its man pages and bash/zsh/fish completions (generated from the
 ## command line definitions by the binary itself) under $(DESTDIR)$(PREFIX).
 install:
 	@set -euo pipefail; \
@@ -102,7 +103,9 @@ install:
 	gen=$$(mktemp -d); trap 'rm -rf "$$gen"' EXIT; \
 	"$$bin" generate man "$$gen/man"; \
 	for sh in bash zsh fish; do "$$bin" generate completions $$sh "$$gen/completions"; done; \
-	install -Dm755 "$$bin" "$$root/bin/fusex"; \
+	install -d "$$root/bin"; \
+	strip --strip-debug -o "$$root/bin/fusex.tmp" "$$bin"; chmod 755 "$$root/bin/fusex.tmp"; \
+	mv -f "$$root/bin/fusex.tmp" "$$root/bin/fusex"; \
 	install -d "$$root/share/man/man1"; \
 	install -m644 "$$gen"/man/*.1 "$$root/share/man/man1/"; \
 	install -Dm644 "$$gen/completions/fusex.bash" "$$root/share/bash-completion/completions/fusex"; \

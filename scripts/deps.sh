@@ -24,6 +24,8 @@ have fusermount3 || need+=(fuse3)
 # systemd-analyze: tests/install.rs verifies contrib/fusex@.service with it.
 have systemd-analyze || need+=(systemd)
 have python3 || need+=(python3)
+# strip: `make install` installs the binary without its debug info.
+have strip || need+=(binutils)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)
   have gcc || need+=(gcc)

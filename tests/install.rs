@@ -126,6 +126,25 @@ fn make_install(prefix: &Path) -> PathBuf {
     repo
 }
 
+/// The section names of a 64-bit little-endian ELF file (what `readelf -S` lists).
+fn elf_sections(b: &[u8]) -> Vec<String> {
+    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap()) as usize;
+    assert_eq!(&b[..5], b"\x7fELF\x02", "a 64-bit ELF file");
+    let (shoff, shentsize, shnum, shstrndx) =
+        (u64_at(0x28), u16_at(0x3a), u16_at(0x3c), u16_at(0x3e));
+    let header = |i: usize| shoff + i * shentsize;
+    let strtab = u64_at(header(shstrndx) + 0x18);
+    (0..shnum)
+        .map(|i| {
+            let name = strtab + u32_at(header(i));
+            let end = name + b[name..].iter().position(|&c| c == 0).unwrap();
+            String::from_utf8_lossy(&b[name..end]).into_owned()
+        })
+        .collect()
+}
+
 #[test]
 fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
     if which("make").is_none() || which("install").is_none() {
@@ -136,10 +155,23 @@ fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
     let prefix = w.join("prefix");
     make_install(&prefix);
     let bin = prefix.join("bin/fusex");
-    assert_eq!(
-        fs::read(&bin).unwrap(),
-        fs::read(fusex_bin()).unwrap(),
-        "installed binary"
+    // Installed without its debug info (the section names go with it), symbols kept for
+    // backtraces; the same program otherwise.
+    let installed = fs::read(&bin).unwrap();
+    let built = fs::read(fusex_bin()).unwrap();
+    let has = |b: &[u8], name: &str| elf_sections(b).iter().any(|s| s == name);
+    assert!(has(&built, ".debug_info"), "the build carries debug info");
+    assert!(
+        !has(&installed, ".debug_info"),
+        "installed binary still has debug info"
+    );
+    assert!(
+        installed.len() < built.len(),
+        "installed binary not smaller"
+    );
+    assert!(
+        has(&installed, ".symtab"),
+        "installed binary lost its symbols"
     );
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
@@ -156,9 +188,11 @@ fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
     ] {
         assert!(text(&prefix.join(script)).contains("umount"), "{script}");
     }
-    // The installed binary runs.
+    // The installed binary runs, and is the one built.
     let out = run_ok(Command::new(&bin).arg("--version"));
+    let want = run_ok(Command::new(fusex_bin()).arg("--version"));
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("fusex "));
+    assert_eq!(out.stdout, want.stdout);
 }
 
 /// `systemd-analyze verify` accepts `contrib/fusex@.service` without a warning, with its
