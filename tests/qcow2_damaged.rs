@@ -27,22 +27,35 @@ const QEMU: &[&str] = &["qemu-img", "qemu-io"];
 /// The corpus's base image at `dir/name`, made as [`BASE_RECIPE`] says.
 fn base_image(dir: &Path, name: &str) -> PathBuf {
     let p = dir.join(name);
+    BASE_RECIPE.make(&p, "").unwrap();
+    p
+}
+
+/// A 1 MiB overlay at `dir/top.qcow2` naming `backing` (a raw file, not checked at creation).
+fn overlay_naming(dir: &Path, backing: impl AsRef<std::ffi::OsStr>) -> PathBuf {
+    let img = dir.join("top.qcow2");
     run_ok(
         Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-o"])
-            .arg(format!("cluster_size={}", BASE_RECIPE.cluster_size))
-            .arg(&p)
-            .arg(BASE_RECIPE.size.to_string()),
+            .current_dir(dir)
+            .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
+            .arg(backing)
+            .arg(&img)
+            .arg("1M"),
     );
-    for (off, len, byte) in BASE_RECIPE.writes {
-        run_ok(
-            Command::new("qemu-io")
-                .args(["-f", "qcow2", "-c"])
-                .arg(format!("write -P {byte} {off} {len}"))
-                .arg(&p),
-        );
-    }
-    p
+    img
+}
+
+/// `fusex mount IMG MP` (read-only), which must be refused in one line; its stderr.
+#[track_caller]
+fn refused(w: &WorkDir, img: &Path, what: &str) -> String {
+    let mp = w.join("refused.raw");
+    let r = run_fusex(
+        w,
+        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
+        Some(&mp),
+    );
+    r.assert_one_error_line(what);
+    r.stderr
 }
 
 /// `qemu-img check`'s report (its exit status says how damaged, and is part of the verdict).
@@ -223,29 +236,9 @@ fn a_fifo_backing_file_fails_start_up_in_one_line() {
     let w = WorkDir::new("qcow2-fifo");
     let fifo = w.join("fifo");
     run_ok(Command::new("mkfifo").arg(&fifo));
-    let img = w.join("top.qcow2");
-    run_ok(
-        Command::new("qemu-img")
-            .current_dir(w.path())
-            .args([
-                "create", "-q", "-f", "qcow2", "-u", "-b", "fifo", "-F", "raw",
-            ])
-            .arg(&img)
-            .arg("1M"),
-    );
-    let mp = w.join("top.raw");
     // run_with_timeout fails the test if fusex hangs waiting for a writer.
-    let r = run_fusex(
-        &w,
-        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
-        Some(&mp),
-    );
-    r.assert_one_error_line("fifo backing");
-    assert!(
-        r.stderr.contains("not a regular file or block device"),
-        "{}",
-        r.stderr
-    );
+    let err = refused(&w, &overlay_naming(w.path(), "fifo"), "fifo backing");
+    assert!(err.contains("not a regular file or block device"), "{err}");
 }
 
 #[test]
@@ -254,28 +247,16 @@ fn control_characters_in_a_backing_name_never_reach_the_terminal() {
         return;
     }
     let w = WorkDir::new("qcow2-escape");
-    let img = w.join("top.qcow2");
-    run_ok(
-        Command::new("qemu-img")
-            .current_dir(w.path())
-            .args(["create", "-q", "-f", "qcow2", "-u", "-F", "raw", "-b"])
-            .arg("evil\x1b[2J\x07name")
-            .arg(&img)
-            .arg("1M"),
-    );
-    let mp = w.join("top.raw");
-    let r = run_fusex(
+    let err = refused(
         &w,
-        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
-        Some(&mp),
+        &overlay_naming(w.path(), "evil\x1b[2J\x07name"),
+        "escaped name",
     );
-    r.assert_one_error_line("escaped name");
     assert!(
-        !r.stderr.bytes().any(|b| b < 0x20 && b != b'\n'),
-        "raw control characters: {:?}",
-        r.stderr
+        !err.bytes().any(|b| b < 0x20 && b != b'\n'),
+        "raw control characters: {err:?}"
     );
-    assert!(r.stderr.contains("evil"), "{}", r.stderr);
+    assert!(err.contains("evil"), "{err}");
 }
 
 #[test]
@@ -293,30 +274,16 @@ fn root_never_serves_a_backing_file_the_image_owner_could_not_read() {
     let secret = w.join("secret.raw");
     fs::write(&secret, vec![0x77u8; 1 << 20]).unwrap();
     fs::set_permissions(&secret, fs::Permissions::from_mode(0o600)).unwrap();
-    let img = w.join("user.qcow2");
-    run_ok(
-        Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-            .arg(&secret)
-            .arg(&img)
-            .arg("1M"),
-    );
+    let img = overlay_naming(w.path(), &secret);
     // The image belongs to nobody: nobody chose the names in it.
     run_ok(Command::new("chown").arg("65534:65534").arg(&img));
-    let mp = w.join("user.raw");
-    let r = run_fusex(
-        &w,
-        &["mount".as_ref(), img.as_os_str(), mp.as_os_str()],
-        Some(&mp),
-    );
-    r.assert_one_error_line("foreign backing");
+    let err = refused(&w, &img, "foreign backing");
     assert!(
-        r.stderr.contains("uid 65534") && r.stderr.contains("--trust-backing"),
-        "{}",
-        r.stderr
+        err.contains("uid 65534") && err.contains("--trust-backing"),
+        "{err}"
     );
     // Asked for explicitly, root serves it.
-    let m = Mount::start(&w, &img, &mp, &["--trust-backing"]);
+    let m = Mount::start(&w, &img, &w.join("user.raw"), &["--trust-backing"]);
     let mut b = vec![0u8; 4096];
     m.open_ro().read_exact_at(&mut b, 0).unwrap();
     assert!(b.iter().all(|&x| x == 0x77));

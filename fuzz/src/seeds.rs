@@ -298,19 +298,6 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
     ]
 }
 
-/// Runs a qemu tool (qemu-img, qemu-io), which `make deps` installs.
-fn qemu(tool: &str, args: &[&str]) {
-    let out = std::process::Command::new(tool)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{tool}: {e} (run `make deps`)"));
-    assert!(
-        out.status.success(),
-        "{tool} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// Seeds of the `qcow2_check` target: the damaged-image corpus (`backend::qcow2::damage`), each
 /// kind of damage planted into the 64 KiB-cluster base image and into a small 512-byte-cluster
 /// one, and both healthy bases.
@@ -321,33 +308,8 @@ pub fn qcow2_check() -> Seeds {
     let recipes: [(&str, BaseRecipe); 2] = [("small", SMALL_RECIPE), ("base", BASE_RECIPE)];
     for (tag, r) in recipes {
         let clean = dir.path().join(format!("{tag}.qcow2"));
-        let path = clean.to_str().unwrap();
-        let o = format!("cluster_size={}", r.cluster_size);
-        qemu(
-            "qemu-img",
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-o",
-                &o,
-                path,
-                &r.size.to_string(),
-            ],
-        );
-        for (off, len, byte) in r.writes {
-            qemu(
-                "qemu-io",
-                &[
-                    "-f",
-                    "qcow2",
-                    "-c",
-                    &format!("write -P {byte} {off} {len}"),
-                    path,
-                ],
-            );
-        }
+        r.make(&clean, "")
+            .unwrap_or_else(|e| panic!("{e} (qemu-img and qemu-io: run `make deps`)"));
         seeds.push((format!("{tag}-clean"), std::fs::read(&clean).unwrap()));
         for d in Damage::ALL {
             let p = dir.path().join(format!("{tag}-{}.qcow2", d.name()));

@@ -37,6 +37,50 @@ pub struct BaseRecipe {
     pub writes: &'static [(u64, u64, u8)],
 }
 
+impl BaseRecipe {
+    /// Makes the image at `path` with `qemu-img create` (cluster size and `extra` `-o` options,
+    /// e.g. `,refcount_bits=1`) and the recipe's writes with `qemu-io`. A missing tool is
+    /// `ErrorKind::NotFound`; a tool that fails is an error with its output.
+    pub fn make(&self, path: &Path, extra: &str) -> io::Result<()> {
+        let run = |tool: &str, args: &[&std::ffi::OsStr]| -> io::Result<()> {
+            let out = std::process::Command::new(tool).args(args).output()?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(io::Error::other(format!(
+                    "{tool} {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )))
+            }
+        };
+        let opts = format!("cluster_size={}{extra}", self.cluster_size);
+        let size = self.size.to_string();
+        let p = path.as_os_str();
+        run(
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "-o", &opts]
+                .map(std::ffi::OsStr::new)
+                .into_iter()
+                .chain([p, size.as_ref()])
+                .collect::<Vec<_>>(),
+        )?;
+        for (off, len, byte) in self.writes {
+            let cmd = format!("write -P {byte} {off} {len}");
+            run(
+                "qemu-io",
+                &[
+                    "-f".as_ref(),
+                    "qcow2".as_ref(),
+                    "-c".as_ref(),
+                    cmd.as_ref(),
+                    p,
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Where an image's structures are (read from its header and tables).
 #[derive(Clone, Debug)]
 pub struct Layout {
