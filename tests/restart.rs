@@ -639,3 +639,87 @@ fn an_nbd_export_refuses_restart_and_keeps_serving() {
     assert!(st.exited && !st.left_mounted);
     server.kill_and_wait();
 }
+
+/// Unmounts whatever export is left at a mountpoint when dropped (`fusex umount`, then a lazy
+/// unmount): for exports a test handed to daemons it did not start itself.
+struct UnmountOnDrop(PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        if is_fuse_mounted(&self.0) {
+            let _ = std::process::Command::new(fusex_bin())
+                .arg("umount")
+                .arg(&self.0)
+                .output();
+        }
+        if is_fuse_mounted(&self.0) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .output();
+        }
+    }
+}
+
+/// `fusex restart MP`; the one-line result.
+fn restart(w: &WorkDir, mp: &Path) -> CmdResult {
+    run_fusex(w, &[Path::new("restart").as_os_str(), mp.as_os_str()], None)
+}
+
+#[test]
+fn a_restart_right_after_the_mount_appears_waits_or_leaves_the_export_restartable() {
+    if !require_fuse() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-early", 4 * MIB);
+    let pf = pid_file.to_str().unwrap();
+    for round in 0..3 {
+        let _cleanup = UnmountOnDrop(mp.clone());
+        // `Mount::start` returns as soon as the "mounted" line is logged: queues may still be
+        // starting, and the restart listener may not listen yet.
+        let m = Mount::start(&w, &img, &mp, &["--writable", "--pid-file", pf]);
+        let first = m.pid();
+        let early = restart(&w, &mp);
+        if uring() {
+            early.assert_one_error_line("restart of an io_uring export");
+            assert!(early.stderr.contains("io_uring"), "{}", early.stderr);
+            m.stop().assert_clean("uring export");
+            continue;
+        }
+        // The foreground daemon still serving, if the early restart did not take over.
+        let still = if early.code == Some(0) {
+            // Handed over once the queues served.
+            let st = m.wait_exit_handed_over();
+            assert!(st.exited && st.code == Some(0), "round {round}: {st:?}");
+            None
+        } else {
+            early.assert_one_error_line("an early restart");
+            assert!(
+                !early.stderr.contains("stopping"),
+                "round {round}: a starting daemon is not stopping: {}",
+                early.stderr
+            );
+            Some(m)
+        };
+        // Either way the export is still restartable, and serves the image.
+        let serving = read_pid(&pid_file);
+        let again = restart(&w, &mp);
+        assert_eq!(again.code, Some(0), "round {round}: {}", again.stderr);
+        if let Some(m) = still {
+            let st = m.wait_exit_handed_over();
+            assert!(st.exited && st.code == Some(0), "round {round}: {st:?}");
+        }
+        let next = read_pid(&pid_file);
+        assert!(
+            next != serving && next != first,
+            "round {round}: a new daemon serves"
+        );
+        assert!(wait_until(Instant::now() + PATIENCE, || !pid_alive(
+            serving
+        )));
+        assert_bytes_eq(&read_all(&mp), &model, 0, "export after the restarts");
+        let r = run_fusex(&w, &[Path::new("umount").as_os_str(), mp.as_os_str()], None);
+        assert_eq!(r.code, Some(0), "{}", r.stderr);
+        assert!(wait_until(Instant::now() + PATIENCE, || !pid_alive(next)));
+    }
+}

@@ -84,10 +84,13 @@ pub enum Event {
     /// SIGUSR1 arrived: write the statistics as they stand.
     Dump,
     /// `fusex restart`: process `pid`, reached through `stream`, is ready to serve the export;
-    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`.
+    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`. The main
+    /// thread answers `accepted` with whether it took the request: a refused one leaves the
+    /// restart listener listening.
     Release {
         stream: std::os::unix::net::UnixStream,
         pid: u32,
+        accepted: Sender<bool>,
     },
 }
 

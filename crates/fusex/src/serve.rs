@@ -733,6 +733,8 @@ fn run_queues(
     // A stop signal that came while queues were starting, acted on once they all serve (so that
     // the files already open on the export are counted and served, not aborted).
     let mut deferred: Option<i32> = None;
+    // A `fusex restart` that asked while queues were starting, answered once they all serve.
+    let mut early_release: Option<Event> = None;
     while running > 0 {
         // Checked at least once a second (the receive below times out that often).
         if !abandon && draining.is_some_and(|d| Instant::now() >= d) {
@@ -747,6 +749,8 @@ fn run_queues(
         let ev = if let Some(s) = deferred.filter(|_| started == nq) {
             deferred = None;
             Event::Signal(s)
+        } else if let Some(r) = early_release.take_if(|_| started == nq) {
+            r
         } else if flushed.is_some() {
             match rx.recv_timeout(Duration::from_secs(10)) {
                 Ok(ev) => ev,
@@ -872,14 +876,32 @@ fn run_queues(
                 dumps += 1;
                 dump_live(args, &mut live, dumps, neg.uring);
             }
-            Event::Release { stream, pid } => {
-                if stop.load(Ordering::Acquire) || started < nq || draining.is_some() {
+            Event::Release {
+                stream,
+                pid,
+                accepted,
+            } => {
+                if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
                     let _ = crate::restart::send(
                         &stream,
                         &serde_json::json!({"op": "refused", "error": "the daemon is stopping"}),
                         &[],
                     );
+                    let _ = accepted.send(false);
+                } else if started < nq {
+                    // Too early to let go: the queues are still starting. Answered once they
+                    // all serve (or refused then if a stop came first).
+                    tracing::info!(
+                        "restart: process {pid} asked while the queues start; handing over once \
+                         they serve"
+                    );
+                    early_release = Some(Event::Release {
+                        stream,
+                        pid,
+                        accepted,
+                    });
                 } else {
+                    let _ = accepted.send(true);
                     tracing::info!(
                         "restart: process {pid} takes the export over; finishing in-flight \
                          requests"
@@ -1075,9 +1097,17 @@ fn spawn_restart_listener(
                 let Ok(stream) = stream else { continue };
                 match hand_over(&stream, euid, refusal.as_deref(), &state, &conn, &watcher) {
                     Ok(pid) => {
-                        // The main thread answers `released` once the queues are quiet.
-                        let _ = tx.send(Event::Release { stream, pid });
-                        return;
+                        // The main thread answers `released` once the queues are quiet, or
+                        // refuses; after a refusal this export stays restartable.
+                        let (atx, arx) = mpsc::channel();
+                        let release = Event::Release {
+                            stream,
+                            pid,
+                            accepted: atx,
+                        };
+                        if tx.send(release).is_err() || arx.recv() != Ok(false) {
+                            return;
+                        }
                     }
                     Err(e) => tracing::info!("restart: not handed over: {e:#}"),
                 }
