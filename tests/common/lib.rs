@@ -872,6 +872,10 @@ pub struct MountFailed {
     pub stdout: String,
 }
 
+/// How long [`Mount::stop`] lets a daemon that reported files still open end by itself before it
+/// signals again: time for the RELEASE of a file just closed, not a bound on anything measured.
+const RELEASE_GRACE: Duration = Duration::from_secs(2);
+
 /// What the daemon logs when a stop finds files still open on the export, which it then serves
 /// until they are closed.
 pub const STILL_OPEN: &str = "still open on the export";
@@ -1454,8 +1458,13 @@ impl Mount {
         }
         // A stop used to end the export whatever still had it open; now the daemon serves open
         // files on until they close, and a second signal aborts them. Cleanup (and the tests
-        // that stop an export they still hold open) want the old stop: signal again.
+        // that stop an export they still hold open) want the old stop: signal again, but only
+        // once the files stayed open for a while. A file a test has just closed can still count
+        // as open when the first signal lands (the kernel sends RELEASE after close returns),
+        // and its RELEASE then ends the export by itself, with the full final statistics that
+        // an abort would not write.
         let mut escalated = !sigterm;
+        let mut open_since: Option<Instant> = None;
         let deadline = Instant::now() + TIMEOUT;
         let mut reaped = None;
         loop {
@@ -1464,8 +1473,11 @@ impl Mount {
                 break;
             }
             if !escalated && self.serving_open_files() {
-                escalated = true;
-                self.signal(libc::SIGTERM);
+                let since = *open_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= RELEASE_GRACE {
+                    escalated = true;
+                    self.signal(libc::SIGTERM);
+                }
             }
             if Instant::now() >= deadline {
                 break;
