@@ -49,6 +49,14 @@ pub enum Command {
         /// The mounted file.
         mountpoint: PathBuf,
     },
+    /// List the fusex exports of this host (root sees every user's): mountpoint, image, format,
+    /// transport, daemon pid and state (serving, stopping with files still open, or dead: a mount
+    /// whose daemon is gone, which `fusex umount` clears).
+    List {
+        /// One JSON object per export, in an array, for scripts.
+        #[arg(long)]
+        json: bool,
+    },
     /// Writes the man pages or shell completions, generated from this command line, into DIR
     /// (`make install` runs it).
     #[command(hide = true)]

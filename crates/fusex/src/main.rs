@@ -5,6 +5,7 @@ mod cli;
 mod daemon;
 mod files;
 mod generate;
+mod list;
 mod logging;
 mod memory;
 mod notify;
@@ -12,6 +13,7 @@ mod passthrough;
 mod privileges;
 mod queue;
 mod restart;
+mod runtime;
 mod serve;
 mod timeout;
 mod version;
@@ -150,6 +152,7 @@ fn main() {
             init_logging(cli.verbose);
             ready.and_then(|r| serve::restart(mountpoint, r))
         }
+        Command::List { json } => list::run(json),
         Command::Generate { what } => {
             init_logging(cli.verbose);
             generate::run(what)

@@ -1,8 +1,11 @@
 //! `fusex restart`: hands a live export's FUSE connection from the running daemon to a new fusex
 //! process, so the daemon can be upgraded or restarted while applications keep the file open.
 //!
-//! The running daemon listens on an abstract unix socket named after its mount (the FUSE
-//! connection's device number and the unique mount id), accepting only its own user or root.
+//! The running daemon listens on a unix socket named after its mount (the FUSE connection's
+//! device number and the unique mount id) in its user's runtime directory ([`crate::runtime`]),
+//! which only that user can write, so only the daemon can be listening there; it accepts only its
+//! own user or root. `fusex restart` finds the directory from the mount's `user_id=` option,
+//! checks it the same way and believes only a peer of that user or root.
 //! The protocol, one JSON message per frame (a 4-byte little-endian length, then the text):
 //!
 //! 1. new → old: `{"op":"hello"}`.
@@ -18,39 +21,54 @@
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use transport::MountIdentity;
 
-/// The abstract socket name a daemon serving the mount `id` listens on for restarts.
-pub fn socket_name(id: &MountIdentity) -> String {
-    let (maj, min) = id.dev();
-    format!("fusex-restart/{maj}:{min}/{}", id.mount_id())
-}
-
-/// Whether a daemon listens for restarts of the mount `id`: false once the daemon serving it died.
-/// Read from `/proc/net/unix` (abstract names show with a leading `@`) rather than by connecting,
-/// which would make a live daemon log a restart that never came. True when it cannot be told.
-pub fn is_listening(id: &MountIdentity) -> bool {
+/// Whether a daemon listens for restarts on `socket`: false once the daemon that bound it died.
+/// Read from `/proc/net/unix` (bound sockets show their path) rather than by connecting, which
+/// would make a live daemon log a restart that never came. True when it cannot be told.
+pub fn is_listening(socket: &Path) -> bool {
     let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
         return true;
     };
-    let want = format!("@{}", socket_name(id));
+    let want = socket.to_string_lossy();
     table
         .lines()
-        .any(|l| l.split_whitespace().nth(7) == Some(want.as_str()))
+        .any(|l| l.split_whitespace().nth(7) == Some(&*want))
 }
 
-/// Binds the restart socket of the mount `id`.
-pub fn listen(id: &MountIdentity) -> io::Result<UnixListener> {
-    UnixListener::bind_addr(&SocketAddr::from_abstract_name(socket_name(id).as_bytes())?)
+/// Whether a live daemon serves the fusex mount `m`: its restart socket is listening. True when
+/// it cannot be told (the mount cannot be identified, its user is not shown).
+pub fn daemon_listens(m: &transport::MountEntry) -> bool {
+    let (Ok(id), Some(uid)) = (MountIdentity::of_path(Path::new(&m.mount_point)), m.user_id) else {
+        return true;
+    };
+    socket_of(uid, &id).is_some_and(|s| is_listening(&s))
 }
 
-/// Connects to the daemon serving the mount `id`.
-pub fn connect(id: &MountIdentity) -> io::Result<UnixStream> {
-    UnixStream::connect_addr(&SocketAddr::from_abstract_name(socket_name(id).as_bytes())?)
+/// The restart socket of the mount `id` served by user `uid`, in that user's checked runtime
+/// directory (see [`crate::runtime`]): None when the directory cannot be trusted.
+pub fn socket_of(uid: u32, id: &MountIdentity) -> Option<PathBuf> {
+    let dir = crate::runtime::checked(uid, false).ok()?;
+    Some(crate::runtime::socket_path(&dir, id))
+}
+
+/// Binds the restart socket at `path`, replacing what a predecessor (`fusex restart`) left there:
+/// the directory is this user's alone, so nothing else can be at that name.
+pub fn listen(path: &Path) -> io::Result<UnixListener> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    UnixListener::bind(path)
+}
+
+/// Connects to the daemon listening on `path`.
+pub fn connect(path: &Path) -> io::Result<UnixStream> {
+    UnixStream::connect(path)
 }
 
 /// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect.
@@ -131,25 +149,30 @@ pub fn expect(msg: &serde_json::Value, want: &str) -> Result<()> {
     }
 }
 
-/// `fusex restart`'s first step: the identity of the fusex export at `path`.
-pub fn identify(path: &std::path::Path) -> Result<MountIdentity> {
+/// `fusex restart`'s first step: the identity of the fusex export at `path`, and the user whose
+/// daemon serves it.
+pub fn identify(path: &Path) -> Result<(MountIdentity, u32)> {
     let shown = path.display();
     let canon = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."))
+        .unwrap_or(Path::new("."))
         .canonicalize()
         .with_context(|| format!("{shown}: parent directory not found"))?
         .join(path.file_name().context("no file name")?);
-    match transport::fuse_mount_at(&canon) {
-        Some(e) if e.is_fusex() => {}
+    let owner = match transport::fuse_mount_at(&canon) {
+        Some(e) if e.is_fusex() => e
+            .user_id
+            .with_context(|| format!("{shown}: the mount does not say which user serves it"))?,
         Some(e) => bail!(
             "{shown} is a FUSE mount of type {}, not a fusex export",
             e.fstype
         ),
         None => bail!("{shown} is not a FUSE mount: give the file a fusex export is mounted on"),
-    }
-    MountIdentity::of_path(&canon).with_context(|| format!("identifying the mount at {shown}"))
+    };
+    let id = MountIdentity::of_path(&canon)
+        .with_context(|| format!("identifying the mount at {shown}"))?;
+    Ok((id, owner))
 }
 
 #[cfg(test)]

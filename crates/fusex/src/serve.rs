@@ -251,13 +251,27 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         bail!("{why}");
     }
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
-    let mnt = Mount::establish(&MountConfig {
-        mountpoint: args.mountpoint.clone(),
-        source: args.image.clone(),
-        read_only: !args.writable,
-        allow_other: args.allow_other,
-        max_read: max_write,
-    })?;
+    // The --auto-unmount watcher starts once the mount exists and before anything can see it
+    // (through fusermount3: right after it appeared), so no daemon death leaves it behind.
+    let mut watcher = None;
+    let mnt = Mount::establish(
+        &MountConfig {
+            mountpoint: args.mountpoint.clone(),
+            source: args.image.clone(),
+            read_only: !args.writable,
+            allow_other: args.allow_other,
+            max_read: max_write,
+        },
+        &mut |mountpoint, id| {
+            if args.auto_unmount {
+                watcher = Some(
+                    crate::watcher::spawn(mountpoint, id, verbose, args.daemonize)
+                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?,
+                );
+            }
+            Ok(())
+        },
+    )?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
     // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
     // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
@@ -332,31 +346,6 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         (plan.buffers * buffer_size) >> 20,
         plan.budget >> 20
     );
-    // Started before the "mounted" line, the signal that the export is live: from then on a
-    // daemon death is always watched for.
-    let watcher = if args.auto_unmount {
-        let id = transport::fuse_mount_identity(mnt.mountpoint())
-            .with_context(|| {
-                format!(
-                    "--auto-unmount: identifying the mount at {}",
-                    mnt.mountpoint().display()
-                )
-            })?
-            .with_context(|| {
-                format!(
-                    "--auto-unmount: {} is not a FUSE mount root after mounting",
-                    mnt.mountpoint().display()
-                )
-            })?;
-        Some(crate::watcher::spawn(
-            mnt.mountpoint(),
-            &id,
-            verbose,
-            args.daemonize,
-        )?)
-    } else {
-        None
-    };
     tracing::info!(
         "mounted {} at {}, format {}",
         args.image,
@@ -473,10 +462,7 @@ fn in_use_by_a_dead_mount(image: &str, e: backend::LockError) -> anyhow::Error {
     let image_id = file_id(Path::new(image));
     let dead: Vec<(String, bool)> = transport::fusex_mounts()
         .into_iter()
-        .filter(|m| {
-            transport::MountIdentity::of_path(Path::new(&m.mount_point))
-                .is_ok_and(|id| !crate::restart::is_listening(&id))
-        })
+        .filter(|m| !crate::restart::daemon_listens(m))
         .map(|m| {
             // The source is the image as its daemon was given it (perhaps relative to its
             // directory then): the same file, or at least the same name.
@@ -673,7 +659,27 @@ fn run_queues(
             .context("the signal thread ended at its start")?
             .context("cannot drop privileges")?;
     }
-    spawn_restart_listener(args, export, mnt, neg, notifier, privileges, tx.clone())?;
+    let mut runtime =
+        spawn_restart_listener(args, export, mnt, neg, notifier, privileges, tx.clone())?;
+    // What `fusex list` shows of this export, rewritten as it changes state.
+    let mountpoint = mnt.mountpoint().to_string_lossy().into_owned();
+    // The image as a path that means the same from anywhere (an NBD URI or `null:` as given).
+    let image = std::fs::canonicalize(&args.image)
+        .map_or_else(|_| args.image.clone(), |p| p.to_string_lossy().into_owned());
+    let publish = |runtime: &Option<crate::runtime::Entry>, state: &str| {
+        if let Some(r) = runtime {
+            r.write_state(&serde_json::json!({
+                "pid": std::process::id(),
+                "mountpoint": mountpoint,
+                "image": image,
+                "format": export.backend().inner().format_description(false),
+                "transport": if neg.uring { "io_uring" } else { "legacy" },
+                "queues": neg.queues,
+                "writable": args.writable,
+                "state": state,
+            }));
+        }
+    };
     // The main thread keeps its own fd of the connection to tell the kernel when the image
     // changes size behind the export.
     let notify_fd = match mnt.fd() {
@@ -802,6 +808,7 @@ fn run_queues(
                                 );
                             }
                             ready.report(Ok(()));
+                            publish(&runtime, "serving");
                             notifier.ready(&format!(
                                 "exporting {} at {}",
                                 args.image,
@@ -870,6 +877,10 @@ fn run_queues(
                     stop_all(&remotes);
                 } else {
                     draining = Some(detach(&name, export, mnt, args.stop_timeout));
+                    let open = export.open_files();
+                    if open > 0 {
+                        publish(&runtime, &format!("stopping ({open} open)"));
+                    }
                 }
             }
             Event::Dump => {
@@ -925,6 +936,9 @@ fn run_queues(
             if let Some((stream, pid)) = successor.take() {
                 if release(&mut flushed, export, &stream, pid, notifier) {
                     handed_to = Some(pid);
+                    if let Some(r) = &mut runtime {
+                        r.leave();
+                    }
                 } else {
                     // Nobody took the export: end it as a stop would.
                     finish(&mut flushed, export, mnt);
@@ -1019,7 +1033,8 @@ fn release(
 
 /// Listens for `fusex restart` of this export (see [`crate::restart`]) on a thread of its own,
 /// which hands the connection to a successor that asks and turns its request to serve into an
-/// [`Event::Release`]. Not started for a mount without an identity.
+/// [`Event::Release`]. Not started for a mount without an identity. Returns the export's files in
+/// the runtime directory (the socket, and the state `fusex list` reads).
 fn spawn_restart_listener(
     args: &MountArgs,
     export: &Export<Served>,
@@ -1028,15 +1043,30 @@ fn spawn_restart_listener(
     notifier: &crate::notify::Notifier,
     privileges: Plan,
     tx: mpsc::Sender<Event>,
-) -> Result<()> {
+) -> Result<Option<crate::runtime::Entry>> {
     let Some(handover) = mnt.handover() else {
-        return Ok(());
+        return Ok(None);
     };
-    let listener = match crate::restart::listen(&handover.identity) {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let entry = match crate::runtime::checked(euid, true) {
+        Ok(dir) => {
+            crate::runtime::sweep(&dir);
+            crate::runtime::Entry::new(dir, handover.identity)
+        }
+        Err(e) => {
+            tracing::warn!("restart: not listening for fusex restart: {e}");
+            return Ok(None);
+        }
+    };
+    let listener = match crate::restart::listen(&entry.socket()) {
         Ok(l) => l,
         Err(e) => {
-            tracing::warn!("restart: cannot listen for fusex restart: {e}");
-            return Ok(());
+            tracing::warn!(
+                "restart: cannot listen for fusex restart on {}: {e}",
+                entry.socket().display()
+            );
+            return Ok(None);
         }
     };
     let refusal = if neg.uring {
@@ -1084,8 +1114,6 @@ fn spawn_restart_listener(
         "watcher": watcher.is_some(),
         "image": args.image,
     });
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
     std::thread::Builder::new()
         .name("fusex-restart".into())
         .spawn(move || {
@@ -1114,7 +1142,7 @@ fn spawn_restart_listener(
             }
         })
         .context("starting the restart listener")?;
-    Ok(())
+    Ok(Some(entry))
 }
 
 /// One restart conversation up to the successor's request to serve: checks who asks, sends the
@@ -1363,20 +1391,26 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     use crate::restart::{connect, expect, identify, recv, send};
     use serde_json::{json, Value};
     let shown = path.display();
-    let id = identify(path)?;
-    let sock = connect(&id).map_err(|e| {
+    let (id, user) = identify(path)?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 && euid != user {
+        bail!("{shown} is served by user {user}: run fusex restart as root or as user {user}");
+    }
+    // The socket sits in a directory only the serving user can write (checked here too), so only
+    // that user's processes (or root's) can be listening on it.
+    let dir = crate::runtime::checked(user, false)
+        .map_err(|e| anyhow::anyhow!("cannot restart {shown}: {e}"))?;
+    let sock = connect(&crate::runtime::socket_path(&dir, &id)).map_err(|e| {
         anyhow::anyhow!(
             "no fusex daemon takes restarts of {shown} ({e}): it may predate fusex restart"
         )
     })?;
-    // Only a daemon of root or of this user is believed (anyone may bind an abstract name).
-    let (_, owner) = crate::restart::peer(&sock).context("restart socket peer")?;
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    if owner != 0 && owner != euid {
+    let (_, peer) = crate::restart::peer(&sock).context("restart socket peer")?;
+    if peer != 0 && peer != user {
         bail!(
-            "the restart socket of {shown} belongs to user {owner}, not to root or to you: \
-             stop whatever listens there"
+            "the restart socket of {shown} belongs to user {peer}, not to root or to user {user} \
+             who serves it: stop whatever listens there"
         );
     }
     send(&sock, &json!({"op": "hello"}), &[])?;

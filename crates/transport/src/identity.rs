@@ -10,14 +10,14 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use crate::mountinfo::MountIdentity;
 
 /// `statx` of an open fd for `mask`, answered from the cache (no request to a FUSE daemon).
-fn statx_fd(fd: &OwnedFd, mask: u32) -> io::Result<libc::statx> {
+fn statx_fd(fd: BorrowedFd<'_>, mask: u32) -> io::Result<libc::statx> {
     // SAFETY: an all-zero statx is a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: statx on a live fd with an empty path writes into stx, which outlives the call.
@@ -34,6 +34,23 @@ fn statx_fd(fd: &OwnedFd, mask: u32) -> io::Result<libc::statx> {
         return Err(io::Error::last_os_error());
     }
     Ok(stx)
+}
+
+/// The identity of the mount `fd` is on (for a mount's root: that mount), without a path.
+pub(crate) fn identity_of_fd(fd: BorrowedFd<'_>) -> io::Result<MountIdentity> {
+    Ok(crate::mountinfo::identity_from(&statx_fd(
+        fd,
+        libc::STATX_MNT_ID_UNIQUE,
+    )?))
+}
+
+/// Device and inode of the file `fd` names, and its file type bits (`S_IFMT`).
+pub(crate) fn fd_file(fd: BorrowedFd<'_>) -> io::Result<((u32, u32, u64), u32)> {
+    let st = statx_fd(fd, libc::STATX_INO | libc::STATX_TYPE)?;
+    Ok((
+        (st.stx_dev_major, st.stx_dev_minor, st.stx_ino),
+        u32::from(st.stx_mode) & libc::S_IFMT,
+    ))
 }
 
 /// Whether the mountinfo line with mount id `id` (the reusable one, first field) is FUSE.
@@ -68,7 +85,7 @@ fn open_mount(path: &Path) -> io::Result<(OwnedFd, Option<MountIdentity>)> {
     }
     // SAFETY: fd was just returned by open and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let old = statx_fd(&fd, libc::STATX_MNT_ID)?;
+    let old = statx_fd(fd.as_fd(), libc::STATX_MNT_ID)?;
     let root = libc::STATX_ATTR_MOUNT_ROOT as u64;
     let is_root = old.stx_attributes_mask & root != 0 && old.stx_attributes & root != 0;
     if !is_root || old.stx_mask & libc::STATX_MNT_ID == 0 {
@@ -78,7 +95,7 @@ fn open_mount(path: &Path) -> io::Result<(OwnedFd, Option<MountIdentity>)> {
     if !mountinfo_is_fuse(&info, old.stx_mnt_id) {
         return Ok((fd, None));
     }
-    let new = statx_fd(&fd, libc::STATX_MNT_ID_UNIQUE)?;
+    let new = statx_fd(fd.as_fd(), libc::STATX_MNT_ID_UNIQUE)?;
     let unique = new.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0;
     Ok((
         fd,
@@ -101,10 +118,18 @@ pub fn fuse_mount_identity(path: &Path) -> io::Result<Option<MountIdentity>> {
 }
 
 /// Unmounts (lazily) the mount at `path` if it is still the FUSE mount `expected`; says whether it
-/// did. The check and the unmount act on the same opened mount (the unmount goes through the
-/// `/proc/self/fd` link of the fd that was checked), so a mount stacked or swapped in at `path`
-/// meanwhile is never the one removed.
+/// did. See [`unmount_exact`].
 pub fn unmount_if_same(path: &Path, expected: &MountIdentity) -> io::Result<bool> {
+    unmount_exact(path, expected, libc::MNT_DETACH)
+}
+
+/// Unmounts the mount at `path` with umount2 `flags` if it is still the FUSE mount `expected`;
+/// says whether it did (false: nothing there, or another mount). The check and the unmount act
+/// on the same opened mount (the unmount goes through the `/proc/self/fd` link of the fd that was
+/// checked), so a mount stacked or swapped in at `path` meanwhile is never the one removed. The
+/// fd itself keeps the mount busy: a plain unmount fails with `EBUSY` (a forced one still aborts
+/// the connection first), a lazy one succeeds.
+pub(crate) fn unmount_exact(path: &Path, expected: &MountIdentity, flags: i32) -> io::Result<bool> {
     let (fd, id) = match open_mount(path) {
         Ok(v) => v,
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(false),
@@ -116,9 +141,8 @@ pub fn unmount_if_same(path: &Path, expected: &MountIdentity) -> io::Result<bool
     let link = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: link is a valid NUL-terminated path. No UMOUNT_NOFOLLOW: the magic link must be
-    // followed to reach the very mount `fd` holds. MNT_DETACH because `fd` itself (and any
-    // application's open file) keeps the mount busy.
-    if unsafe { libc::umount2(link.as_ptr(), libc::MNT_DETACH) } < 0 {
+    // followed to reach the very mount `fd` holds.
+    if unsafe { libc::umount2(link.as_ptr(), flags) } < 0 {
         let e = io::Error::last_os_error();
         // SAFETY: geteuid has no preconditions.
         if e.raw_os_error() != Some(libc::EPERM) || unsafe { libc::geteuid() } == 0 {

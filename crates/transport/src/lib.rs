@@ -9,6 +9,7 @@ mod identity;
 mod init;
 mod legacy;
 mod mount;
+mod mount_api;
 mod mountinfo;
 mod notify;
 pub mod passthrough;
@@ -18,7 +19,7 @@ mod uring;
 pub use identity::{fuse_mount_identity, unmount_if_same};
 pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
-pub use mount::{clone_fd, open_dev_fuse, unmount, Handover, Mount, MountConfig};
+pub use mount::{clone_fd, open_dev_fuse, unmount, BeforeVisible, Handover, Mount, MountConfig};
 pub use mountinfo::{fuse_mount_at, fusex_mounts, MountEntry, MountIdentity, FUSEX_FSTYPE};
 pub use notify::notify_inval_inode;
 pub use splice::{SplicePipe, Spliced};
@@ -53,6 +54,13 @@ pub enum TransportError {
         "mountpoint {0} is not a regular file: give a regular file path (it is created if missing)"
     )]
     MountpointNotFile(String),
+    /// The mountpoint changed between fusex's check and the mount (another process replaced the
+    /// file, or swapped in a symlink).
+    #[error(
+        "mountpoint {0} changed while fusex mounted on it (replaced by another file or a \
+         symlink): check who else writes its directory, then try again"
+    )]
+    MountpointChanged(String),
     /// Something is already mounted there.
     #[error("mountpoint {0} is already a FUSE mount: unmount it first (fusex umount {0})")]
     AlreadyMounted(String),

@@ -27,6 +27,9 @@ pub struct MountConfig {
     pub max_read: u32,
 }
 
+/// Runs once a new mount exists and before anything can see it (see [`Mount::establish`]).
+pub type BeforeVisible<'a> = &'a mut dyn FnMut(&Path, &MountIdentity) -> io::Result<()>;
+
 /// What a process taking over a live mount needs to know of it (see [`Mount::handover`]).
 #[derive(Clone, Debug)]
 pub struct Handover {
@@ -136,10 +139,17 @@ impl Mount {
     /// Mounts with whatever fusex may use: mount(2) when it can open `/dev/fuse` and mount (root,
     /// `CAP_SYS_ADMIN`); otherwise through `fusermount3` (see [`crate::fusermount`]), which a
     /// normal user may run. The way chosen is logged at debug level and decides the unmount.
-    pub fn establish(cfg: &MountConfig) -> Result<Mount, TransportError> {
+    ///
+    /// `before_visible` runs once the mount exists and before anything else can see it (with
+    /// mount(2) and `fusermount3`: right after it appeared), given the canonical mountpoint and
+    /// the mount's identity; its error undoes the mount.
+    pub fn establish(
+        cfg: &MountConfig,
+        before_visible: BeforeVisible<'_>,
+    ) -> Result<Mount, TransportError> {
         let shown = cfg.mountpoint.display().to_string();
         let why = match open_dev_fuse() {
-            Ok(fd) => match Mount::new(cfg, fd) {
+            Ok(fd) => match Mount::new(cfg, fd, before_visible) {
                 Err(TransportError::NotPermitted(_)) => "mount(2) is not permitted".to_string(),
                 r => return r,
             },
@@ -166,7 +176,17 @@ impl Mount {
                     m.remove_created();
                     return Err(e);
                 }
-                Ok(()) => return Ok(m),
+                Ok(()) => {
+                    if let Some(id) = m.identity {
+                        before_visible(&m.mountpoint, &id).map_err(|error| {
+                            TransportError::Mount {
+                                path: shown.clone(),
+                                error,
+                            }
+                        })?;
+                    }
+                    return Ok(m);
+                }
             }
         }
     }
@@ -195,8 +215,13 @@ impl Mount {
         })
     }
 
-    /// Checks the mountpoint, creates it if missing and mounts `fd` there with mount(2).
-    pub fn new(cfg: &MountConfig, fd: OwnedFd) -> Result<Mount, TransportError> {
+    /// Checks the mountpoint, creates it if missing and mounts `fd` on exactly the file checked
+    /// (see [`crate::mount_api`]); `before_visible` as for [`Mount::establish`].
+    pub fn new(
+        cfg: &MountConfig,
+        fd: OwnedFd,
+        before_visible: BeforeVisible<'_>,
+    ) -> Result<Mount, TransportError> {
         let shown = cfg.mountpoint.display().to_string();
         let mut m = Mount::unmounted(cfg)?;
         m.fd = Some(fd);
@@ -205,7 +230,7 @@ impl Mount {
         let mut attempts = 3;
         loop {
             m.created = m.prepare_mountpoint(&shown)?;
-            match m.mount(cfg) {
+            match m.mount(cfg, &mut *before_visible) {
                 Err(TransportError::Mount { error, .. })
                     if error.raw_os_error() == Some(libc::ENOENT) && attempts > 1 =>
                 {
@@ -274,7 +299,7 @@ impl Mount {
                 Ok(())
             }
             Err(error) => {
-                let _ = self.unmount_path(libc::MNT_DETACH);
+                let _ = unmount_path(&self.mountpoint, libc::MNT_DETACH);
                 Err(TransportError::Mount {
                     path: shown.to_string(),
                     error,
@@ -326,28 +351,142 @@ impl Mount {
 
     /// umount2 with `flags` (mount(2) mounts), or `fusermount3 -u` (lazy for `MNT_DETACH`; a
     /// forced unmount is root's, so it becomes a plain one).
-    fn unmount_path(&self, flags: i32) -> Result<(), TransportError> {
+    fn unmount_path(&self, id: &MountIdentity, flags: i32) -> Result<(), TransportError> {
         match self.via {
-            Via::Kernel => unmount_path(&self.mountpoint, flags),
+            // Through a descriptor of the mount checked to be `id`, never by path alone.
+            Via::Kernel => crate::identity::unmount_exact(&self.mountpoint, id, flags)
+                .map(drop)
+                .map_err(|error| TransportError::Unmount {
+                    path: self.mountpoint.display().to_string(),
+                    error,
+                }),
             Via::Fusermount => {
                 crate::fusermount::unmount(&self.mountpoint, flags & libc::MNT_DETACH != 0)
             }
         }
     }
 
-    fn mount(&mut self, cfg: &MountConfig) -> Result<(), TransportError> {
-        let shown = cfg.mountpoint.display().to_string();
+    /// Opens the mountpoint without following a symlink and checks it is the regular file that
+    /// [`Mount::prepare_mountpoint`] found or made: what gets mounted on is this descriptor.
+    fn open_target(&self, shown: &str) -> Result<OwnedFd, TransportError> {
+        let mount_err = |error| TransportError::Mount {
+            path: shown.to_string(),
+            error,
+        };
+        let c = CString::new(self.mountpoint.as_os_str().as_bytes())
+            .map_err(|_| TransportError::MountpointNotFile(shown.to_string()))?;
+        // SAFETY: c is a valid NUL-terminated path; the returned fd is owned below.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(mount_err(io::Error::last_os_error()));
+        }
+        // SAFETY: fd was just returned by open and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let (id, kind) = crate::identity::fd_file(fd.as_fd()).map_err(mount_err)?;
+        if kind != libc::S_IFREG || self.created.is_some_and(|made| made != id) {
+            return Err(TransportError::MountpointChanged(shown.to_string()));
+        }
+        Ok(fd)
+    }
+
+    /// The mount options, as mount(2) and `fsconfig` both take them.
+    fn options(&self, cfg: &MountConfig) -> Vec<(&'static str, Option<String>)> {
         let fd = self.fd.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1);
         // SAFETY: getuid/getgid cannot fail.
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-        let mut data = format!(
-            "fd={fd},rootmode={:o},user_id={uid},group_id={gid},default_permissions,max_read={}",
-            libc::S_IFREG | 0o644,
-            cfg.max_read
-        );
+        let mut opts = vec![
+            ("fd", Some(fd.to_string())),
+            ("rootmode", Some(format!("{:o}", libc::S_IFREG | 0o644))),
+            ("user_id", Some(uid.to_string())),
+            ("group_id", Some(gid.to_string())),
+            ("default_permissions", None),
+            ("max_read", Some(cfg.max_read.to_string())),
+        ];
         if cfg.allow_other {
-            data.push_str(",allow_other");
+            opts.push(("allow_other", None));
         }
+        opts
+    }
+
+    fn mount(
+        &mut self,
+        cfg: &MountConfig,
+        before_visible: BeforeVisible<'_>,
+    ) -> Result<(), TransportError> {
+        let shown = cfg.mountpoint.display().to_string();
+        let target = self.open_target(&shown)?;
+        let mount_err = |error: io::Error| match error.raw_os_error() {
+            Some(libc::EPERM | libc::EACCES) => TransportError::NotPermitted(shown.clone()),
+            _ => TransportError::Mount {
+                path: shown.clone(),
+                error,
+            },
+        };
+        let detached = match self.mount_detached(cfg) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                return self.mount_legacy(cfg, &target, before_visible);
+            }
+            r => r.map_err(mount_err)?,
+        };
+        let id = crate::identity::identity_of_fd(detached.as_fd()).map_err(mount_err)?;
+        before_visible(&self.mountpoint, &id).map_err(mount_err)?;
+        crate::mount_api::attach(detached.as_fd(), target.as_fd()).map_err(mount_err)?;
+        if !id.is_at(&self.mountpoint) {
+            // The file was renamed away between the open and the attach (a mounted file can no
+            // longer be): the mount sits on it under another name. Take down exactly that mount.
+            let link = CString::new(format!("/proc/self/fd/{}", detached.as_raw_fd()))
+                .map_err(|_| TransportError::MountpointChanged(shown.clone()))?;
+            // SAFETY: link is a valid NUL-terminated path; following it reaches the new mount.
+            unsafe { libc::umount2(link.as_ptr(), libc::MNT_DETACH) };
+            return Err(TransportError::MountpointChanged(shown));
+        }
+        self.identity = Some(id);
+        Ok(())
+    }
+
+    /// A detached mount of this export's connection (`fsopen("fuse")` .. `fsmount`).
+    fn mount_detached(&self, cfg: &MountConfig) -> io::Result<OwnedFd> {
+        let subtype = FUSEX_FSTYPE.strip_prefix("fuse.").unwrap_or(FUSEX_FSTYPE);
+        let ctx = crate::mount_api::Context::open("fuse")?;
+        ctx.set("source", &cfg.source)?;
+        ctx.set("subtype", subtype)?;
+        for (key, value) in self.options(cfg) {
+            match value {
+                Some(v) => ctx.set(key, &v)?,
+                None => ctx.flag(key)?,
+            }
+        }
+        let mut attrs = crate::mount_api::ATTR_NOSUID | crate::mount_api::ATTR_NODEV;
+        if cfg.read_only {
+            ctx.flag("ro")?;
+            attrs |= crate::mount_api::ATTR_RDONLY;
+        }
+        ctx.mount(attrs)
+    }
+
+    /// mount(2), for kernels without the descriptor mount API: still onto the checked file
+    /// (through its `/proc/self/fd` link), identified by path once it is visible.
+    fn mount_legacy(
+        &mut self,
+        cfg: &MountConfig,
+        target: &OwnedFd,
+        before_visible: BeforeVisible<'_>,
+    ) -> Result<(), TransportError> {
+        let shown = cfg.mountpoint.display().to_string();
+        let data = self
+            .options(cfg)
+            .into_iter()
+            .map(|(k, v)| match v {
+                Some(v) => format!("{k}={v}"),
+                None => k.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join(",");
         let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
         if cfg.read_only {
             flags |= libc::MS_RDONLY;
@@ -356,14 +495,14 @@ impl Mount {
             CString::new(s).map_err(|_| TransportError::MountpointNotFile(shown.clone()))
         };
         let source = c(cfg.source.as_bytes())?;
-        let target = c(self.mountpoint.as_os_str().as_bytes())?;
+        let link = c(format!("/proc/self/fd/{}", target.as_raw_fd()).as_bytes())?;
         let fstype = c(FUSEX_FSTYPE.as_bytes())?;
         let data = c(data.as_bytes())?;
         // SAFETY: all pointers are valid NUL-terminated strings that live across the call.
         let r = unsafe {
             libc::mount(
                 source.as_ptr(),
-                target.as_ptr(),
+                link.as_ptr(),
                 fstype.as_ptr(),
                 flags,
                 data.as_ptr().cast(),
@@ -379,7 +518,14 @@ impl Mount {
                 },
             });
         }
-        self.record_identity(&shown)
+        self.record_identity(&shown)?;
+        if let Some(id) = self.identity {
+            if let Err(error) = before_visible(&self.mountpoint, &id) {
+                let _ = self.unmount();
+                return Err(TransportError::Mount { path: shown, error });
+            }
+        }
+        Ok(())
     }
 
     /// The mount's `/dev/fuse` fd (queue 0 reads from it; other queues clone it), until taken.
@@ -428,21 +574,21 @@ impl Mount {
     /// connection dies when fusex closes its fds). Idempotent; a mount already gone is fine, and a
     /// mount that is not ours is never touched.
     pub fn unmount(&mut self) -> Result<(), TransportError> {
-        if self.still_ours().is_none() {
+        let Some(id) = self.still_ours() else {
             return Ok(());
-        }
+        };
         self.identity = None;
-        self.unmount_path(libc::MNT_DETACH)
+        self.unmount_path(&id, libc::MNT_DETACH)
     }
 
     /// Aborts the connection (a forced unmount: every request the kernel still holds fails, every
     /// io_uring entry completes) and then unmounts, lazily if files are still open. The way to end
     /// io_uring queues, whose pending commands keep `/dev/fuse` open. Only ever on our own mount.
     pub fn abort(&mut self) -> Result<(), TransportError> {
-        if self.still_ours().is_none() {
+        let Some(id) = self.still_ours() else {
             return Ok(());
-        }
-        match self.unmount_path(libc::MNT_FORCE) {
+        };
+        match self.unmount_path(&id, libc::MNT_FORCE) {
             Ok(()) => {
                 self.identity = None;
                 Ok(())

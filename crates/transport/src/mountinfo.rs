@@ -20,6 +20,9 @@ pub struct MountEntry {
     pub fstype: String,
     /// Mount source, unescaped (for a fusex export: the image as given on the command line).
     pub source: String,
+    /// For a FUSE mount, the user whose daemon serves it (the `user_id=` super option: the uid
+    /// that mounted it, or the user `fusermount3` mounted it for).
+    pub user_id: Option<u32>,
 }
 
 impl MountEntry {
@@ -63,10 +66,16 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
             let mut post = post.split(' ');
             let fstype = post.next()?;
             let source = post.next().unwrap_or("");
+            let user_id = post
+                .next()
+                .unwrap_or("")
+                .split(',')
+                .find_map(|o| o.strip_prefix("user_id=")?.parse().ok());
             Some(MountEntry {
                 mount_point: unescape(mount_point),
                 fstype: fstype.to_string(),
                 source: unescape(source),
+                user_id,
             })
         })
         .collect()
@@ -119,11 +128,7 @@ impl MountIdentity {
     /// With nothing mounted at `path` it names the mount holding the file itself.
     pub fn of_path(path: &Path) -> io::Result<MountIdentity> {
         let st = statx_nosync(path, libc::STATX_MNT_ID_UNIQUE)?;
-        Ok(MountIdentity {
-            mnt_id: st.stx_mnt_id,
-            unique: st.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0,
-            dev: (st.stx_dev_major, st.stx_dev_minor),
-        })
+        Ok(identity_from(&st))
     }
 
     /// Whether the mount on top of `path` now is this one. False when it cannot be told (the path
@@ -181,6 +186,15 @@ fn statx_nosync(path: &Path, mask: u32) -> io::Result<libc::statx> {
     Ok(unsafe { st.assume_init() })
 }
 
+/// The identity a `statx` for `STATX_MNT_ID_UNIQUE` reports.
+pub(crate) fn identity_from(st: &libc::statx) -> MountIdentity {
+    MountIdentity {
+        mnt_id: st.stx_mnt_id,
+        unique: st.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0,
+        dev: (st.stx_dev_major, st.stx_dev_minor),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,6 +209,8 @@ mod tests {
         assert_eq!(e[1].mount_point, "/tmp/a b/disk.raw");
         assert_eq!(e[1].fstype, "fuse.fusex");
         assert_eq!(e[1].source, "/img");
+        assert_eq!(e[1].user_id, Some(0));
+        assert_eq!(e[0].user_id, None);
         assert!(e[1].is_fusex());
         assert_eq!(e[0].fstype, "ext3");
         assert!(!e[0].is_fusex());

@@ -1,0 +1,196 @@
+//! The runtime directory: where a daemon keeps what other fusex processes look for while it
+//! serves an export (its `fusex restart` socket and the state `fusex list` shows).
+//!
+//! Whatever is there is trusted by whoever finds it (a root `fusex restart` hands its new daemon
+//! to the process answering on the socket), so the directory is one only the daemon's user can
+//! write: `/run/fusex` for root, `/run/user/UID/fusex` for another user when their runtime
+//! directory exists (logind makes it, owned by them, 0700), else `/tmp/fusex-UID`. Each is created
+//! 0700 if missing and checked every time it is used, by the daemon and by a client alike: a
+//! directory (not a symlink), owned by that user, with no access for group or others. One that
+//! fails the check (another user made `/tmp/fusex-UID` first) is refused with a line naming it.
+//!
+//! An export's files are named after its mount ([`transport::MountIdentity`]: the connection's
+//! device number and the never-reused mount id), so a new export never meets an old one's files.
+//! A daemon removes its files when it ends, and leaves them to its successor after `fusex restart`
+//! (which binds the socket anew and writes its own state). Files of a killed daemon stay until the
+//! directory is cleared (tmpfs: at reboot); nothing reads them once the mount is gone.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, Result};
+use transport::MountIdentity;
+
+/// The runtime directory of the user `uid` (not checked: see [`checked`]).
+pub fn dir_for(uid: u32) -> PathBuf {
+    if uid == 0 {
+        return PathBuf::from("/run/fusex");
+    }
+    let user = PathBuf::from(format!("/run/user/{uid}"));
+    match std::fs::symlink_metadata(&user) {
+        Ok(m) if m.is_dir() && m.uid() == uid => user.join("fusex"),
+        _ => PathBuf::from(format!("/tmp/fusex-{uid}")),
+    }
+}
+
+/// The runtime directory of `uid`, checked (see the module doc); `create` makes it first when
+/// missing (the daemon's side; a client only looks).
+pub fn checked(uid: u32, create: bool) -> Result<PathBuf> {
+    let dir = dir_for(uid);
+    let shown = dir.display();
+    if create {
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(anyhow!("runtime directory {shown}: {e}")),
+        }
+    }
+    let meta =
+        std::fs::symlink_metadata(&dir).map_err(|e| anyhow!("runtime directory {shown}: {e}"))?;
+    let what = if !meta.is_dir() {
+        "not a directory".to_string()
+    } else if meta.uid() != uid {
+        format!("owned by user {}", meta.uid())
+    } else if meta.mode() & 0o077 != 0 {
+        format!("open to others (mode {:o})", meta.mode() & 0o777)
+    } else {
+        return Ok(dir);
+    };
+    Err(anyhow!(
+        "runtime directory {shown} is {what}, not a directory only user {uid} can use: remove it \
+         (fusex makes it anew)"
+    ))
+}
+
+/// Removes what daemons that were killed left in `dir`: the files of every socket nobody listens
+/// on any more. Run as a daemon starts, so the directory does not grow with every kill.
+pub fn sweep(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.extension().is_some_and(|x| x == "sock") && !crate::restart::is_listening(&path) {
+            let _ = std::fs::remove_file(path.with_extension("json"));
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
+/// The name an export's files share in the runtime directory.
+pub fn key(id: &MountIdentity) -> String {
+    let (maj, min) = id.dev();
+    format!("{maj}:{min}-{}", id.mount_id())
+}
+
+/// The `fusex restart` socket of the mount `id` in `dir`.
+pub fn socket_path(dir: &Path, id: &MountIdentity) -> PathBuf {
+    dir.join(format!("{}.sock", key(id)))
+}
+
+/// The state file of the mount `id` in `dir` (what `fusex list` shows).
+pub fn state_path(dir: &Path, id: &MountIdentity) -> PathBuf {
+    dir.join(format!("{}.json", key(id)))
+}
+
+/// A serving daemon's files in its runtime directory: removed when dropped, unless the export was
+/// handed to a successor ([`Entry::leave`]).
+pub struct Entry {
+    dir: PathBuf,
+    id: MountIdentity,
+    leave: bool,
+}
+
+impl Entry {
+    /// The files of the mount `id` in the checked directory `dir`.
+    pub fn new(dir: PathBuf, id: MountIdentity) -> Entry {
+        Entry {
+            dir,
+            id,
+            leave: false,
+        }
+    }
+
+    /// The restart socket's path.
+    pub fn socket(&self) -> PathBuf {
+        socket_path(&self.dir, &self.id)
+    }
+
+    /// Writes the state file whole (readers see the old state or the new one).
+    pub fn write_state(&self, state: &serde_json::Value) {
+        let path = state_path(&self.dir, &self.id);
+        let bytes = serde_json::to_vec(state).unwrap_or_default();
+        if let Err(e) = crate::files::replace(&path, &bytes, 0o600) {
+            tracing::debug!("cannot write {}: {e}", path.display());
+        }
+    }
+
+    /// The export went to a successor, which owns these files now.
+    pub fn leave(&mut self) {
+        self.leave = true;
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        if self.leave {
+            return;
+        }
+        for p in [self.socket(), state_path(&self.dir, &self.id)] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn root_and_users_have_separate_directories() {
+        assert_eq!(dir_for(0), Path::new("/run/fusex"));
+        // A uid with no runtime directory of its own falls back to /tmp.
+        assert_eq!(dir_for(4_000_000_123), Path::new("/tmp/fusex-4000000123"));
+        let id = MountIdentity::from_parts(77, true, (0, 52));
+        assert_eq!(
+            socket_path(Path::new("/d"), &id),
+            Path::new("/d/0:52-77.sock")
+        );
+        assert_eq!(
+            state_path(Path::new("/d"), &id),
+            Path::new("/d/0:52-77.json")
+        );
+    }
+
+    #[test]
+    fn a_directory_someone_else_made_first_is_refused() {
+        // Run as root (the test suite is): a /tmp/fusex-UID made by root for another uid, open to
+        // everyone, is what a squatter would leave.
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return;
+        }
+        let uid = 4_000_000_000 + std::process::id() % 1_000_000;
+        let dir = dir_for(uid);
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::DirBuilder::new().mode(0o777).create(&dir).unwrap();
+        let err = checked(uid, true).unwrap_err().to_string();
+        assert!(err.contains("owned by user 0"), "{err}");
+        // Once its owner is right but it is open to others, still refused.
+        std::os::unix::fs::chown(&dir, Some(uid), None).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .unwrap();
+        let err = checked(uid, true).unwrap_err().to_string();
+        assert!(err.contains("open to others (mode 777)"), "{err}");
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .unwrap();
+        assert_eq!(checked(uid, false).unwrap(), dir);
+        std::fs::remove_dir(&dir).unwrap();
+        // A symlink is never taken for the directory.
+        std::os::unix::fs::symlink("/", &dir).unwrap();
+        let err = checked(uid, true).unwrap_err().to_string();
+        assert!(err.contains("not a directory"), "{err}");
+        std::fs::remove_file(&dir).unwrap();
+    }
+}
