@@ -292,3 +292,52 @@ fn the_watcher_leaves_a_newer_mount_at_the_same_path_alone() {
     assert_bytes_eq(&read_all(&mp), &model_b, 0, "the new export still serves");
     b.stop().assert_clean("the newer daemon");
 }
+
+/// Unmounts (lazily) whatever FUSE mount is left at the path when dropped: the test's guard.
+struct LeftBehind<'a>(&'a std::path::Path);
+
+impl Drop for LeftBehind<'_> {
+    fn drop(&mut self) {
+        lazy_umount_fuse(self.0, 0);
+    }
+}
+
+/// The watcher runs before the mount can be seen: a daemon killed the moment its mount shows up
+/// in mountinfo (before INIT, before it logged anything) still has its mount removed. Before,
+/// the watcher started after INIT and such a kill left a dead mount.
+#[test]
+fn a_daemon_killed_as_its_mount_appears_leaves_no_mount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-early");
+    let img = w.join("disk.img");
+    random_image(&img, MIB, 43);
+    let mp = w.join("export");
+    let _guard = LeftBehind(&mp);
+    for round in 0..10 {
+        let log = fs::File::create(w.join(format!("fusex-{round}.log"))).unwrap();
+        let child = std::process::Command::new(fusex_bin())
+            .args(["mount", "--auto-unmount"])
+            .arg(&img)
+            .arg(&mp)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut child = ChildGuard(child);
+        // Spin on mountinfo (no sleep): the kill lands as close to the mount as a reader can see.
+        let deadline = Instant::now() + TIMEOUT;
+        while !is_fuse_mounted(&mp) {
+            assert!(child.try_wait().is_none(), "round {round}: fusex exited");
+            assert!(Instant::now() < deadline, "round {round}: no mount");
+        }
+        child.kill_and_wait();
+        let gone = wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(&mp));
+        assert!(
+            gone,
+            "round {round}: the mount of a daemon killed as it appeared is still there"
+        );
+    }
+}

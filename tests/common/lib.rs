@@ -622,7 +622,7 @@ pub fn mounts_at(path: &Path) -> Vec<MountEntry> {
 }
 
 /// `umount -l` until no FUSE mount beyond `keep` remains on `path`.
-fn lazy_umount_fuse(path: &Path, keep: usize) {
+pub fn lazy_umount_fuse(path: &Path, keep: usize) {
     for _ in 0..8 {
         if fuse_mounts_at(path).len() <= keep {
             return;
