@@ -12,7 +12,7 @@ use std::ffi::OsString;
 use std::fs;
 use std::io::Write;
 use std::os::linux::net::SocketAddrExt;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -511,4 +511,84 @@ fn unprivileged_restart_keeps_the_export() {
     let st = m.stop();
     assert!(st.exited && !st.left_mounted, "{}", st.stderr);
     assert!(!pid_file.exists(), "pid file removed at exit");
+}
+
+/// A normal user's daemon keeps its restart socket and state in its own runtime directory
+/// (`/run/user/UID/fusex`, else `/tmp/fusex-UID`), trusted only while that user owns it and no one
+/// else may enter. One another user made first (here: root, open to all) is refused: the daemon
+/// serves without restart support and says why, `fusex restart` refuses in one line naming it.
+/// Runs as `nobody`, whose runtime directory no other test touches.
+#[test]
+fn a_runtime_directory_someone_else_made_is_never_trusted() {
+    if unprivileged().is_none() {
+        return;
+    }
+    let u = User {
+        uid: 65534,
+        gid: 65534,
+    };
+    if Path::new("/run/user/65534").is_dir() {
+        skip_or_fail("nobody has a logind runtime directory here: the /tmp fallback is not used");
+        return;
+    }
+    let runtime = PathBuf::from("/tmp/fusex-65534");
+    let _ = fs::remove_dir_all(&runtime);
+    fs::create_dir(&runtime).unwrap();
+    fs::set_permissions(&runtime, fs::Permissions::from_mode(0o777)).unwrap();
+    struct Cleanup(PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(runtime.clone());
+
+    let w = WorkDir::new("svc-runtime");
+    let (dir, img, model) = user_files(&w, u, MIB, 1207);
+    let mp = dir.join("disk.raw");
+    let m = Mount::try_start_opts(&w, &img, &mp, &[], &opts(u, &dir))
+        .unwrap_or_else(|f| panic!("mount as nobody failed: {}", f.stderr));
+    assert!(
+        m.wait_for_log(
+            "runtime directory /tmp/fusex-65534 is owned by user 0",
+            Instant::now() + TIMEOUT
+        ),
+        "{}",
+        m.stderr()
+    );
+    let out = as_user(
+        u,
+        &[fusex_bin().as_os_str(), "restart".as_ref(), mp.as_os_str()],
+        b"",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("/tmp/fusex-65534"), "{err}");
+    assert_bytes_eq(&read_as(u, m.path()), &model, 0, "export after the refusal");
+    m.stop()
+        .assert_clean("nobody's export without restart support");
+
+    // Gone, the directory is made anew by the next daemon, the user's alone.
+    fs::remove_dir_all(&runtime).unwrap();
+    let m = Mount::try_start_opts(&w, &img, &mp, &[], &opts(u, &dir))
+        .unwrap_or_else(|f| panic!("mount as nobody failed: {}", f.stderr));
+    let made = wait_until(Instant::now() + TIMEOUT, || {
+        fs::read_dir(&runtime).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.path().extension().is_some_and(|x| x == "json"))
+        })
+    });
+    assert!(made, "{}", m.stderr());
+    let meta = fs::symlink_metadata(&runtime).unwrap();
+    assert_eq!((meta.uid(), meta.mode() & 0o777), (65534, 0o700));
+    let listed = as_user(u, &[fusex_bin().as_os_str(), "list".as_ref()], b"");
+    let table = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&*mp.to_string_lossy()) && l.contains("serving")),
+        "{table}"
+    );
+    m.stop().assert_clean("nobody's export");
 }
