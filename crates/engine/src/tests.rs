@@ -454,3 +454,44 @@ fn the_gauge_dates_the_last_turn_that_counted_local_work() {
     assert!(gauge.local_age(now) >= 2_000);
     assert_eq!(now - gauge.local_age(now), stamped);
 }
+
+/// Borrowed-memory ops cannot be orphaned as owned ones are: the kernel holds a pointer into
+/// memory the future only borrows (a library's `&mut [u8]`), which its owner may free or reuse as
+/// soon as the future is gone. Dropping one in flight therefore cancels it and waits for its
+/// completion: a read the kernel already took finishes into the memory during the drop (had the
+/// drop returned at once, that write would land in memory the caller no longer lends), and a read
+/// the cancellation stops (a pipe with nothing to read) ends at once. Neither aborts.
+#[test]
+fn dropping_a_borrowed_op_waits_for_the_kernel_and_never_aborts() {
+    let eng = engine(1, false);
+    let mut f = tempfile::tempfile().unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8 + 1).collect();
+    f.write_all(&data).unwrap();
+    let (r, _w) = std::io::pipe().unwrap();
+    let mut file_buf = vec![0u8; 4096];
+    let mut pipe_buf = vec![0u8; 8];
+    eng.block_on(async {
+        // SAFETY: both futures are polled and dropped below, never leaked.
+        let mut file_read =
+            Box::pin(unsafe { crate::borrowed::read(Fd::Raw(f.as_raw_fd()), &mut file_buf, 0) });
+        // SAFETY: as above.
+        let mut pipe_read = Box::pin(unsafe {
+            crate::borrowed::read(Fd::Raw(r.as_raw_fd()), &mut pipe_buf, AT_CURSOR)
+        });
+        std::future::poll_fn(|cx| {
+            assert!(file_read.as_mut().poll(cx).is_pending());
+            assert!(pipe_read.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        assert_eq!(eng.in_flight(), 2, "both reads are with the kernel");
+        drop(file_read);
+        drop(pipe_read);
+    })
+    .unwrap();
+    assert_eq!(
+        file_buf, data,
+        "the kernel wrote the borrowed memory before the drop returned"
+    );
+    assert_eq!(pipe_buf, [0u8; 8], "the cancelled read wrote nothing");
+}
