@@ -228,3 +228,129 @@ fn systemd_unit_verifies_against_an_installed_prefix() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `fusex ARGS` with the help wrapped as for a terminal `columns` wide (None: COLUMNS unset), with
+/// no terminal on stdin, stdout or stderr; returns stdout.
+fn help(args: &[&str], columns: Option<&str>) -> String {
+    let mut cmd = Command::new(fusex_bin());
+    cmd.args(args);
+    match columns {
+        Some(c) => cmd.env("COLUMNS", c),
+        None => cmd.env_remove("COLUMNS"),
+    };
+    let out = run_ok(&mut cmd);
+    assert!(
+        out.stderr.is_empty(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn widest(text: &str) -> usize {
+    text.lines().map(|l| l.chars().count()).max().unwrap_or(0)
+}
+
+/// `fusex mount --help` groups its options under headings, `-h` is one short entry per option,
+/// neither shows the switches that exist for tests and benchmarks (which still parse), and help
+/// is wrapped to COLUMNS without a terminal, at most 100 columns wide.
+#[test]
+fn mount_help_is_grouped_wrapped_and_hides_test_switches() {
+    let long = help(&["mount", "--help"], Some("80"));
+    let short = help(&["mount", "-h"], Some("80"));
+    for heading in [
+        "Arguments:",
+        "Image:",
+        "Access:",
+        "Caching and durability:",
+        "Queues and performance:",
+        "Transport:",
+        "NBD:",
+        "Stopping and failures:",
+        "Daemon, logging and statistics:",
+    ] {
+        assert!(
+            long.lines().any(|l| l == heading),
+            "--help lacks {heading}:\n{long}"
+        );
+        assert!(
+            short.lines().any(|l| l == heading),
+            "-h lacks {heading}:\n{short}"
+        );
+    }
+    for option in [
+        "--writable",
+        "--stop-timeout",
+        "--nbd-timeout",
+        "--daemonize",
+        "--queues",
+    ] {
+        assert!(short.contains(option), "-h lacks {option}:\n{short}");
+    }
+    for hidden in [
+        "--fault",
+        "--io-path",
+        "--splice-min",
+        "--fixed-files",
+        "always",
+    ] {
+        assert!(!short.contains(hidden), "-h shows {hidden}:\n{short}");
+        assert!(!long.contains(hidden), "--help shows {hidden}:\n{long}");
+    }
+    // Summaries only: the long explanations and value lists are --help's.
+    assert!(!short.contains("Possible values:"), "{short}");
+    assert!(
+        short.lines().count() * 2 < long.lines().count(),
+        "-h is not a summary: {} lines against --help's {}",
+        short.lines().count(),
+        long.lines().count()
+    );
+    // No measurement in the help (they are in docs/), and no path of the source tree.
+    for figure in ["IOPS", "QD1", "docs/"] {
+        assert!(!long.contains(figure), "--help holds {figure}:\n{long}");
+    }
+    for args in [
+        &["--help"][..],
+        &["mount", "--help"],
+        &["mount", "-h"],
+        &["umount", "--help"],
+        &["restart", "--help"],
+    ] {
+        let text = help(args, Some("80"));
+        assert!(
+            widest(&text) <= 80,
+            "{args:?} wider than 80 columns:\n{text}"
+        );
+        // Wide or unknown terminals: capped at 100 columns.
+        for columns in [Some("300"), None] {
+            let text = help(args, columns);
+            assert!(
+                widest(&text) <= 100,
+                "{args:?} with COLUMNS={columns:?} wider than 100 columns:\n{text}"
+            );
+        }
+    }
+    assert!(widest(&long) > 70, "--help not filling 80 columns:\n{long}");
+
+    // The hidden switches still parse: the refusal is about the missing IMAGE, not about them.
+    let out = run(Command::new(fusex_bin()).args([
+        "mount",
+        "--fault",
+        "write:3:eio",
+        "--io-path",
+        "ring",
+        "--splice-min",
+        "0",
+        "--fixed-files",
+        "off",
+        "--handoff",
+        "always",
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("<IMAGE>"), "{err}");
+    assert!(
+        !err.contains("unexpected") && !err.contains("invalid"),
+        "{err}"
+    );
+}
