@@ -75,8 +75,12 @@ fn man_pages_and_completions_are_generated_with_every_subcommand() {
             .arg(&man),
     );
     let main = text(&man.join("fusex.1"));
-    assert!(main.contains(".TH fusex 1"), "{main}");
-    for sub in ["fusex\\-mount(1)", "fusex\\-umount(1)"] {
+    assert!(main.contains(".TH FUSEX 1"), "{main}");
+    for sub in [
+        "fusex\\-mount (1)",
+        "fusex\\-umount (1)",
+        "fusex\\-restart (1)",
+    ] {
         assert!(main.contains(sub), "fusex.1 lacks {sub}:\n{main}");
     }
     assert!(
@@ -92,6 +96,7 @@ fn man_pages_and_completions_are_generated_with_every_subcommand() {
         assert!(mount.contains(opt), "fusex-mount.1 lacks {opt}");
     }
     text(&man.join("fusex-umount.1"));
+    text(&man.join("fusex-restart.1"));
 
     let comp = w.join("completions");
     for (shell, file) in [
@@ -178,7 +183,12 @@ fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
         fs::metadata(&bin).unwrap().permissions().mode() & 0o777,
         0o755
     );
-    for page in ["fusex.1", "fusex-mount.1", "fusex-umount.1"] {
+    for page in [
+        "fusex.1",
+        "fusex-mount.1",
+        "fusex-umount.1",
+        "fusex-restart.1",
+    ] {
         assert!(text(&prefix.join("share/man/man1").join(page)).contains(".TH"));
     }
     for script in [
@@ -353,4 +363,188 @@ fn mount_help_is_grouped_wrapped_and_hides_test_switches() {
         !err.contains("unexpected") && !err.contains("invalid"),
         "{err}"
     );
+}
+
+/// The sections every installed page has, and those fusex(1) and fusex-mount(1) add.
+const SECTIONS: &[&str] = &[
+    "NAME",
+    "SYNOPSIS",
+    "DESCRIPTION",
+    "OPTIONS",
+    "EXAMPLES",
+    "EXIT STATUS",
+    "SEE ALSO",
+];
+const DAEMON_SECTIONS: &[&str] = &["SIGNALS", "FILES", "ENVIRONMENT"];
+
+/// The `name(section)` references in rendered man page text.
+fn page_refs(text: &str) -> Vec<(String, String)> {
+    let mut refs = Vec::new();
+    for (i, _) in text.match_indices('(') {
+        let name: String = text[..i]
+            .chars()
+            .rev()
+            .take_while(|c| c.is_ascii_alphanumeric() || "-_.@".contains(*c))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        let rest = &text[i + 1..];
+        let Some(end) = rest.find(')') else { continue };
+        let section = &rest[..end];
+        if !name.is_empty() && section.len() == 1 && section.chars().all(|c| c.is_ascii_digit()) {
+            refs.push((name, section.to_string()));
+        }
+    }
+    refs
+}
+
+/// Every page `make install` puts in place renders without a single groff or man warning, at 80
+/// columns, with the sections of a real man page, and every fusex page any of them names is
+/// installed too (there is no fusex-help(1), so none names it).
+#[test]
+fn installed_man_pages_render_cleanly_and_name_only_installed_pages() {
+    for tool in ["make", "install", "man", "groff"] {
+        if which(tool).is_none() {
+            skip_or_fail(&format!(
+                "{tool} is needed (make deps installs man-db and groff-base)"
+            ));
+            return;
+        }
+    }
+    let w = WorkDir::new("install-man");
+    let prefix = w.join("prefix");
+    make_install(&prefix);
+    let man1 = prefix.join("share/man/man1");
+    let mut pages: Vec<String> = fs::read_dir(&man1)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    pages.sort();
+    for want in [
+        "fusex.1",
+        "fusex-mount.1",
+        "fusex-restart.1",
+        "fusex-umount.1",
+    ] {
+        assert!(
+            pages.iter().any(|p| p == want),
+            "{want} not installed: {pages:?}"
+        );
+    }
+    for page in &pages {
+        let path = man1.join(page);
+        // Every groff warning (-ww), formatting for a terminal.
+        let out = run(Command::new("groff")
+            .args(["-ww", "-man", "-Tutf8", "-z"])
+            .arg(&path));
+        assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "groff -ww on {page}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // What a reader sees: man's own checks, 80 columns, plain text (no terminal).
+        let out = run(Command::new("man")
+            .arg("--warnings")
+            .arg("-l")
+            .arg(&path)
+            .env("MANWIDTH", "80")
+            .env("MANPAGER", "cat")
+            .env("PAGER", "cat")
+            .env("LC_ALL", "C"));
+        let rendered = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "man --warnings -l {page}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let sections: &[&str] = if page == "fusex.1" || page == "fusex-mount.1" {
+            &[SECTIONS, DAEMON_SECTIONS].concat()
+        } else {
+            SECTIONS
+        };
+        for section in sections {
+            assert!(
+                rendered.lines().any(|l| l == *section),
+                "{page} lacks the {section} section (write it in crates/fusex/man/):\n{rendered}"
+            );
+        }
+        assert!(
+            widest(&rendered) <= 80,
+            "{page} is wider than 80 columns:\n{rendered}"
+        );
+        // Options and paths are never hyphenated across lines (they would not copy as typed).
+        let hyphenated: Vec<&str> = rendered
+            .lines()
+            .filter(|l| {
+                l.ends_with('-')
+                    && l.trim_end_matches('-')
+                        .ends_with(|c: char| c.is_ascii_alphabetic())
+            })
+            .collect();
+        assert!(hyphenated.is_empty(), "{page} hyphenates: {hyphenated:?}");
+        assert!(
+            !rendered.contains("docs/"),
+            "{page} points into the source tree"
+        );
+        for (name, section) in page_refs(&rendered) {
+            if name.starts_with("fusex") {
+                let named = prefix.join(format!("share/man/man{section}/{name}.{section}"));
+                assert!(
+                    named.is_file(),
+                    "{page} names {name}({section}), which is not installed"
+                );
+            }
+        }
+        assert!(
+            page_refs(&rendered)
+                .iter()
+                .any(|(n, _)| n.starts_with("fusex")),
+            "{page} names no other fusex page"
+        );
+    }
+    // fusex-mount(1) lists the options under the headings --help uses, and none of the hidden
+    // ones.
+    let out = run(Command::new("man")
+        .arg("-l")
+        .arg(man1.join("fusex-mount.1"))
+        .env("MANWIDTH", "80")
+        .env("MANPAGER", "cat")
+        .env("LC_ALL", "C"));
+    let mount = String::from_utf8_lossy(&out.stdout);
+    for heading in [
+        "Image",
+        "Access",
+        "Queues and performance",
+        "Stopping and failures",
+    ] {
+        assert!(
+            mount
+                .lines()
+                .any(|l| l.trim() == heading && l.starts_with("   ")),
+            "fusex-mount(1) lacks the {heading} group:\n{mount}"
+        );
+    }
+    for option in ["--stop-timeout SECONDS", "--writable", "-U, --force-share"] {
+        assert!(mount.contains(option), "fusex-mount(1) lacks {option}");
+    }
+    for hidden in ["--fault", "--io-path", "--splice-min"] {
+        assert!(!mount.contains(hidden), "fusex-mount(1) shows {hidden}");
+    }
+    for signal in ["SIGUSR1", "SIGUSR2, SIGALRM", "SIGTERM, SIGINT, SIGHUP"] {
+        assert!(mount.contains(signal), "fusex-mount(1) lacks {signal}");
+    }
+    for example in [
+        "nbd+unix:///exp?socket=",
+        "fusex@vm1",
+        "vm.qcow2",
+        "~/disk.raw",
+    ] {
+        assert!(
+            mount.contains(example),
+            "fusex-mount(1) lacks the {example} example"
+        );
+    }
 }

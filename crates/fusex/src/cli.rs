@@ -86,7 +86,7 @@ pub enum Command {
 /// What `fusex generate` writes.
 #[derive(Subcommand, Debug)]
 pub enum Generate {
-    /// fusex.1 and a page per subcommand (fusex-mount.1, fusex-umount.1).
+    /// fusex.1 and a page per subcommand (fusex-mount.1, fusex-umount.1, fusex-restart.1).
     Man {
         /// Directory to write the pages into (created if missing).
         dir: PathBuf,
