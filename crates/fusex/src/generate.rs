@@ -322,12 +322,7 @@ mod tests {
         }
         for (name, page) in &pages {
             assert!(!page.contains("fusex\\-help"), "{name} names fusex-help");
-            for hidden in [
-                "\\-\\-fault",
-                "\\-\\-io\\-path",
-                "\\-\\-splice\\-min",
-                "\\-\\-fixed\\-files",
-            ] {
+            for hidden in ["\\-\\-fault", "\\-\\-splice\\-min", "\\-\\-fixed\\-files"] {
                 assert!(!page.contains(hidden), "{name} shows {hidden}");
             }
             assert!(
