@@ -339,8 +339,8 @@ pub struct MountArgs {
     pub kernel_cache: bool,
     /// Flush the image after every write
     ///
-    /// Without it FLUSH and FSYNC are the durability points. NBD exports send every write with FUA
-    /// instead.
+    /// Without it FLUSH and FSYNC are the durability points. On an NBD export whose server
+    /// supports it, every write is sent with FUA instead of being followed by a flush.
     #[arg(long, help_heading = heading::CACHING)]
     pub writethrough: bool,
     /// FUSE passthrough: the kernel serves the image file's I/O itself
