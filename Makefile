@@ -93,8 +93,9 @@ bench-deps:
 	@bash bench/setup.sh
 
 ## make install: the binary (without its debug info: 6 MB instead of 44; the build keeps it in
-## target/release/fusex), its man pages and bash/zsh/fish completions (generated from the
-## command line definitions by the binary itself) under $(DESTDIR)$(PREFIX).
+## target/release/fusex), its man pages (fusex.1 and fusex-SUBCOMMAND.1: crates/fusex/man/*.1.in
+## with the options from the command line definitions) and bash/zsh/fish completions, both
+## written by the binary itself, under $(DESTDIR)$(PREFIX).
 install:
 	@set -euo pipefail; \
 	bin="$(INSTALL_BIN)"; \

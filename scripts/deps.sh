@@ -26,6 +26,9 @@ have systemd-analyze || need+=(systemd)
 have python3 || need+=(python3)
 # strip: `make install` installs the binary without its debug info.
 have strip || need+=(binutils)
+# man and groff: tests/install.rs renders every installed man page and fails on any warning.
+have man || need+=(man-db)
+have groff || need+=(groff-base)
 if [ "${1:-}" = "--bench" ]; then
   have qemu-storage-daemon || need+=(qemu-system-common)
   have gcc || need+=(gcc)

@@ -5,13 +5,16 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 /// Export disk images as regular files through FUSE.
+// Help is wrapped to the terminal on stdout, stderr or stdin, else to COLUMNS, else to 100
+// columns (clap's wrap_help), and never wider than 100: long lines read badly.
 #[derive(Parser, Debug)]
 #[command(
     name = "fusex",
     version,
     about,
     disable_version_flag = true,
-    arg_required_else_help = true
+    arg_required_else_help = true,
+    max_term_width = 100
 )]
 pub struct Cli {
     /// More logging (-v: debug, -vv: trace). RUST_LOG overrides.
@@ -28,11 +31,15 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Export IMAGE as the regular file MOUNTPOINT (foreground; Ctrl-C, SIGTERM or SIGHUP stops,
-    /// serving files still open until they are closed: see --stop-timeout).
+    /// Export IMAGE as the regular file MOUNTPOINT
+    ///
+    /// Runs in the foreground (or in the background with --daemonize) until Ctrl-C, SIGTERM or
+    /// SIGHUP stops it; files still open on the export are served until they are closed (see
+    /// --stop-timeout).
     Mount(Box<MountArgs>),
-    /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died. Refuses
-    /// other FUSE mounts unless --force.
+    /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died
+    ///
+    /// Refuses other FUSE mounts unless --force.
     Umount {
         /// The mounted file.
         mountpoint: PathBuf,
@@ -41,10 +48,12 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Restart the daemon serving MOUNTPOINT without unmounting: a new daemon (this fusex binary,
-    /// so also the way to upgrade) takes the live FUSE connection over while applications keep
-    /// the file open. Returns once the new daemon serves; on failure the old one keeps serving.
-    /// Legacy /dev/fuse transport and image files only (io_uring and NBD exports refuse).
+    /// Restart the daemon serving MOUNTPOINT without unmounting
+    ///
+    /// A new daemon (this fusex binary, so also the way to upgrade) takes the live FUSE
+    /// connection over while applications keep the file open. Returns once the new daemon
+    /// serves; on failure the old one keeps serving. Legacy /dev/fuse transport and image files
+    /// only (io_uring and NBD exports refuse).
     Restart {
         /// The mounted file.
         mountpoint: PathBuf,
@@ -85,7 +94,7 @@ pub enum Command {
 /// What `fusex generate` writes.
 #[derive(Subcommand, Debug)]
 pub enum Generate {
-    /// fusex.1 and a page per subcommand (fusex-mount.1, fusex-umount.1).
+    /// fusex.1 and a page per subcommand (fusex-mount.1, fusex-umount.1, fusex-restart.1).
     Man {
         /// Directory to write the pages into (created if missing).
         dir: PathBuf,
@@ -120,7 +129,8 @@ pub enum IoPathArg {
 pub enum TransportArg {
     /// io_uring when the kernel offers it in INIT, else legacy (one log line says which and why).
     Auto,
-    /// FUSE-over-io_uring (Linux 6.14+, enable_uring=Y); fails if unavailable.
+    /// FUSE-over-io_uring (Linux 6.14+, /sys/module/fuse/parameters/enable_uring = Y); fails if
+    /// unavailable.
     Uring,
     /// read/write on /dev/fuse (through each queue's ring).
     Legacy,
@@ -154,7 +164,8 @@ pub enum PassthroughArg {
 pub enum LogArg {
     /// Standard error (kept by a daemon, which needs it to be a file).
     Stderr,
-    /// The system log, through /dev/log.
+    /// The system log: datagrams to /dev/log, facility daemon, as journald and rsyslog read
+    /// them.
     Syslog,
 }
 
@@ -185,7 +196,8 @@ pub enum HandoffArg {
     Auto,
     /// Never.
     Off,
-    /// Every request (tests).
+    /// Every request moves to the next thread (tests; hidden from help).
+    #[value(hide = true)]
     Always,
 }
 
@@ -245,111 +257,155 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+/// The headings `fusex mount --help` and fusex-mount(1) group the options under, in this order.
+/// Each group answers one question an operator has (what is exported, who may write it, how fast,
+/// what happens at a stop), so the 30-odd options read as eight short lists.
+pub mod heading {
+    pub const IMAGE: &str = "Image";
+    pub const ACCESS: &str = "Access";
+    pub const CACHING: &str = "Caching and durability";
+    pub const PERFORMANCE: &str = "Queues and performance";
+    pub const TRANSPORT: &str = "Transport";
+    pub const NBD: &str = "NBD";
+    pub const STOPPING: &str = "Stopping and failures";
+    pub const DAEMON: &str = "Daemon, logging and statistics";
+}
+
 /// `fusex mount`.
+// Each option's first paragraph is its line in `-h`; `--help` and the man page show all of it.
+// Measurements behind a default belong in docs/, not here. Switches that exist only for tests
+// and benchmarks are hidden (`hide`): docs/design.md lists them.
 #[derive(clap::Args, Clone, Debug)]
 pub struct MountArgs {
-    /// Image file or block device (raw or qcow2), null:SIZE (zeroes; drops writes), or an NBD URI
-    /// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH; see docs/nbd.md).
+    /// Image file or block device (raw or qcow2), null:SIZE, or an NBD URI
+    ///
+    /// null:SIZE reads zeroes and drops writes (null:1G). An NBD export is
+    /// nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH, over TLS nbds://HOST[:PORT]/EXPORT
+    /// or nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR.
     pub image: String,
-    /// Regular file to mount over (created if missing, removed again at exit if fusex created it).
+    /// Regular file to mount over (created if missing, removed again at exit if fusex created it)
     pub mountpoint: PathBuf,
-    /// Image format. Give raw for raw images from untrusted sources: auto would read a raw
-    /// image whose first bytes mimic a qcow2 header as qcow2.
-    #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
+
+    /// Image format
+    ///
+    /// Give raw for raw images from untrusted sources: auto would read a raw image whose first
+    /// bytes mimic a qcow2 header as qcow2.
+    #[arg(long, value_enum, default_value_t = FormatArg::Auto, help_heading = heading::IMAGE)]
     pub format: FormatArg,
-    /// Refuse to open the backing or data files a qcow2 image names (for untrusted images, whose
-    /// header may name any file).
-    #[arg(long)]
+    /// Refuse to open the backing or data files a qcow2 image names
+    ///
+    /// For untrusted images, whose header may name any file.
+    #[arg(long, help_heading = heading::IMAGE)]
     pub no_backing: bool,
+    /// Open the files another user's qcow2 image names as root, not as its owner
+    ///
     /// When root serves a qcow2 image another user owns, open the backing and data files it names
     /// as root. Without it they are opened with the owner's credentials, so the image cannot
     /// make root serve a file its owner could not read.
-    #[arg(long, conflicts_with = "no_backing")]
+    #[arg(long, conflicts_with = "no_backing", help_heading = heading::IMAGE)]
     pub trust_backing: bool,
-    /// Allow writes (default: read-only). Backing files of a qcow2 image are never written.
-    #[arg(long)]
-    pub writable: bool,
-    /// Writes past the end grow the image (needs --writable).
-    #[arg(long)]
-    pub growable: bool,
-    /// With --growable: the largest size the image may grow to (bytes, or with a K/M/G/T
-    /// suffix, powers of 1024). Default: the largest file the image's filesystem holds.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-    pub max_size: Option<u64>,
-    /// Export even while another process writes the image, as `qemu-img -U` does (read-only
-    /// exports only). Without it fusex takes QEMU's image locks: it refuses an image another
-    /// process writes (a writable export also one that a reader keeps writers off, such as
-    /// another fusex export), and QEMU's tools refuse to write or resize an image fusex exports.
-    /// See docs/design.md.
-    #[arg(long, short = 'U')]
-    pub force_share: bool,
-    /// Take no image locks at all (QEMU's locking=off): nothing then keeps other writers off
-    /// the image. For measurements that export one image several times at once.
-    #[arg(long)]
-    pub no_locking: bool,
-    /// Let other users access the export (needs user_allow_other in /etc/fuse.conf for non-root).
-    #[arg(long)]
-    pub allow_other: bool,
-    /// Open the image with O_DIRECT (bypass the host page cache).
-    #[arg(long)]
-    pub direct: bool,
-    /// Let the kernel page-cache the export (default: direct I/O on the FUSE file).
-    #[arg(long)]
-    pub kernel_cache: bool,
-    /// FUSE passthrough (Linux 6.9+, CAP_SYS_ADMIN): the kernel reads, writes and mmaps the image
-    /// file itself; fusex sees only open, getattr, fallocate, lseek and fsync. A fixed-size
-    /// writable export passes only opens for reading (and mmap) through. See docs/passthrough.md.
-    #[arg(long, value_enum, default_value_t = PassthroughArg::Auto)]
-    pub passthrough: PassthroughArg,
-    /// Flush the image after every write.
-    #[arg(long)]
-    pub writethrough: bool,
-    /// Requests in flight per queue (io_uring: ring entries per kernel queue) [default: from a
-    /// memory budget of 32 MiB + 1 MiB per possible CPU, at most 64, aiming at 32 (64 for NBD
-    /// exports); see docs/design.md]. Every
-    /// request buffer holds the largest request (max_write, up to 1 MiB, chosen with the depth),
-    /// so memory is about depth x queues x max_write.
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    pub queue_depth: Option<u16>,
-    /// Memory for request buffers (bytes, or with a K/M/G/T suffix) [default: 32 MiB + 1 MiB per
-    /// possible CPU]. The default queue depth and request size are planned within it, and a plan
-    /// from --queues and --queue-depth that needs more than 4 times as much is refused.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-    pub memory_budget: Option<u64>,
-    /// Number of queues [default: one per online CPU]. Each queue is a thread with its own
-    /// io_uring, sharing nothing with the others: on the legacy transport it reads its own clone
-    /// of /dev/fuse; on io_uring it serves the kernel's per-CPU queues (qid i goes to queue i mod N).
+    /// Export even while another process writes the image (read-only exports only)
     ///
-    /// More queues help when several processes or threads submit I/O at once (fio numjobs > 1,
-    /// a VM with several vCPUs) and when the backend costs CPU per request. On small VMs they
-    /// also help a single synchronous submitter: a queue on the submitter's CPU answers without
-    /// waking another (halted) vCPU (measured here, 4k psync QD1: 1 legacy queue 16k IOPS, 2 queues
-    /// 74-100k). Where one queue already keeps up they cost CPU instead: on the legacy transport
-    /// every idle queue is woken for each request (2 vCPUs, null image, 4 psync jobs: 2 queues
-    /// 0.83-0.91x of one). With io_uring a job's requests all go to its CPU's queue.
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256), verbatim_doc_comment)]
+    /// As qemu-img -U does. Without it fusex takes QEMU's image locks: it refuses an image
+    /// another process writes (a writable export also one that a reader keeps writers off, such
+    /// as another fusex export), and QEMU's tools refuse to write or resize an image fusex
+    /// exports.
+    #[arg(long, short = 'U', help_heading = heading::IMAGE)]
+    pub force_share: bool,
+    /// Take no image locks at all (QEMU's locking=off)
+    ///
+    /// Nothing then keeps other writers off the image. For measurements that export one image
+    /// several times at once.
+    #[arg(long, help_heading = heading::IMAGE)]
+    pub no_locking: bool,
+
+    /// Allow writes (default: read-only)
+    ///
+    /// Backing files of a qcow2 image are never written.
+    #[arg(long, help_heading = heading::ACCESS)]
+    pub writable: bool,
+    /// Writes past the end grow the image (needs --writable)
+    #[arg(long, help_heading = heading::ACCESS)]
+    pub growable: bool,
+    /// With --growable: the largest size the image may grow to
+    ///
+    /// Bytes, or with a K/M/G/T suffix (powers of 1024). Default: the largest file the image's
+    /// filesystem holds.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = heading::ACCESS)]
+    pub max_size: Option<u64>,
+    /// Let other users access the export
+    ///
+    /// A normal user needs a line user_allow_other in /etc/fuse.conf for it.
+    #[arg(long, help_heading = heading::ACCESS)]
+    pub allow_other: bool,
+
+    /// Open the image with O_DIRECT (bypass the host page cache)
+    #[arg(long, help_heading = heading::CACHING)]
+    pub direct: bool,
+    /// Let the kernel page-cache the export (default: direct I/O on the FUSE file)
+    #[arg(long, help_heading = heading::CACHING)]
+    pub kernel_cache: bool,
+    /// Flush the image after every write
+    ///
+    /// Without it FLUSH and FSYNC are the durability points. On an NBD export whose server
+    /// supports it, every write is sent with FUA instead of being followed by a flush.
+    #[arg(long, help_heading = heading::CACHING)]
+    pub writethrough: bool,
+    /// FUSE passthrough: the kernel serves the image file's I/O itself
+    ///
+    /// Linux 6.9+ and CAP_SYS_ADMIN: the kernel reads, writes and mmaps the image file itself;
+    /// fusex sees only open, getattr, fallocate, lseek and fsync. A fixed-size writable export
+    /// passes only opens for reading (and mmap) through.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = PassthroughArg::Auto, help_heading = heading::CACHING)]
+    pub passthrough: PassthroughArg,
+
+    /// Number of queues [default: one per online CPU]
+    ///
+    /// Each queue is a thread with its own io_uring, sharing nothing with the others: on the
+    /// legacy transport it reads its own clone of /dev/fuse; on io_uring it serves the kernel's
+    /// per-CPU queues (qid i goes to queue i mod N).
+    ///
+    /// More queues help when several processes or threads submit I/O at once (fio numjobs > 1, a
+    /// VM with several vCPUs) and when the backend costs CPU per request. On small VMs they also
+    /// help a single synchronous submitter: a queue on the submitter's CPU answers without waking
+    /// another (halted) vCPU. Where one queue already keeps up they cost CPU instead: on the
+    /// legacy transport every idle queue is woken for each request. With io_uring a job's
+    /// requests all go to its CPU's queue.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=256), help_heading = heading::PERFORMANCE)]
     pub queues: Option<u16>,
-    /// Pin queue i to CPU i (mod the CPUs fusex may run on). auto: on when there are exactly as
-    /// many queues as CPUs.
-    #[arg(long, value_enum, default_value_t = Affinity::Auto)]
+    /// Requests in flight per queue [default: planned within --memory-budget]
+    ///
+    /// On io_uring: ring entries per kernel queue. The default aims at 32 (64 for NBD exports), at
+    /// most 64, within the memory budget. Every request buffer holds the largest request
+    /// (max_write, up to 1 MiB, chosen with the depth), so memory is about depth x queues x
+    /// max_write.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), help_heading = heading::PERFORMANCE)]
+    pub queue_depth: Option<u16>,
+    /// Memory for request buffers [default: 32 MiB + 1 MiB per possible CPU]
+    ///
+    /// Bytes, or with a K/M/G/T suffix. The default queue depth and request size are planned
+    /// within it, and a plan from --queues and --queue-depth that needs more than 4 times as much
+    /// is refused.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = heading::PERFORMANCE)]
+    pub memory_budget: Option<u64>,
+    /// Pin queue i to CPU i (mod the CPUs fusex may run on)
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = Affinity::Auto, help_heading = heading::PERFORMANCE)]
     pub cpu_affinity: Affinity,
-    /// Request transport.
-    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
-    pub transport: TransportArg,
-    /// How raw-image I/O is issued.
-    #[arg(long, value_enum, default_value_t = IoPathArg::Auto)]
-    pub io_path: IoPathArg,
-    /// How legacy queues read /dev/fuse. multishot drains every queued request per wakeup with
-    /// no submission per request (4k randread, 4 jobs x QD16: 1.45x poll on one queue, 1.6x on two).
-    #[arg(long, value_enum, default_value_t = LegacyReadArg::Auto)]
-    pub legacy_read: LegacyReadArg,
     /// Busy-poll the ring this many microseconds before sleeping [default: 20 with io_uring, 0
-    /// with legacy]. On small VMs waking a halted vCPU costs more than a request; a short spin
-    /// keeps a queue responsive at queue depth 1. With fewer legacy queues than CPUs a spin pays
-    /// too (1 queue on 2 vCPUs, 4k psync QD1: 14k -> 40k IOPS); with as many queues as CPUs it
-    /// takes CPU from the submitters, hence the legacy default.
-    #[arg(long)]
+    /// with legacy]
+    ///
+    /// On small VMs waking a halted vCPU costs more than a request; a short spin keeps a queue
+    /// responsive at queue depth 1. With fewer legacy queues than CPUs a spin pays too; with as
+    /// many queues as CPUs it takes CPU from the submitters, hence the legacy default.
+    #[arg(long, value_name = "MICROSECONDS", help_heading = heading::PERFORMANCE)]
     pub spin_us: Option<u64>,
+    /// How raw-image I/O is issued (for measurements: auto is the one to use)
+    ///
+    /// auto probes the image file; the others force one path for every request.
+    // Not in -h, which is for operators; in --help, where the benchmark harness looks for the
+    // options its targets need (bench/fusexbench/targets.py: fusex-io-ring, -inline, -nowait).
+    #[arg(long, value_enum, value_name = "PATH", default_value_t = IoPathArg::Auto, hide_short_help = true, help_heading = heading::PERFORMANCE)]
+    pub io_path: IoPathArg,
     /// Register the image descriptors and the io_uring connection fd with each queue's ring as
     /// fixed files (a measurement switch: off by default, since on this machine it measured no
     /// faster, see docs/design.md).
@@ -360,59 +416,82 @@ pub struct MountArgs {
     /// it saved no server CPU (docs/design.md).
     #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, default_value = "0", hide = true)]
     pub splice_min: u64,
-    /// io_uring with several queues: a queue thread with requests queued up hands some, with
-    /// their ring entries, to a less busy queue thread, and entries go home when their own
-    /// thread is idle (`auto`); `off`: each thread serves the entries it registered; `always`:
-    /// every request moves to the next thread (tests). See docs/uring.md.
-    #[arg(long, value_enum, default_value_t = HandoffArg::Auto)]
+
+    /// Request transport
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto, help_heading = heading::TRANSPORT)]
+    pub transport: TransportArg,
+    /// How legacy queues read /dev/fuse
+    ///
+    /// multishot drains every queued request per wakeup with no submission per request.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = LegacyReadArg::Auto, help_heading = heading::TRANSPORT)]
+    pub legacy_read: LegacyReadArg,
+    /// io_uring: a backlogged queue thread hands requests to a less busy one
+    ///
+    /// With several queues a queue thread with requests queued up hands some, with their ring
+    /// entries, to a less busy queue thread, and entries go home when their own thread is idle.
+    #[arg(long, value_enum, value_name = "MODE", default_value_t = HandoffArg::Auto, help_heading = heading::TRANSPORT)]
     pub handoff: HandoffArg,
-    /// Seconds a request may go unanswered before the kernel aborts the connection, so that no
-    /// application hangs forever on a wedged daemon (Linux 6.14+; 0: none). The kernel raises
-    /// values below 15 to 15, checks every 15 s, and caps the value at fs.fuse.max_request_timeout
-    /// if set. The default leaves a slow but alive backend (a flush of a big image) room; see
-    /// docs/design.md.
-    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_REQUEST_TIMEOUT)]
-    pub request_timeout: u16,
-    /// NBD: seconds a connection may make no progress on requests in flight (or take to connect)
+
+    /// NBD: seconds a connection may make no progress before it is dropped
+    ///
+    /// Seconds a connection may make no progress on requests in flight (or take to connect)
     /// before it is dropped and its requests fail with EIO.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = parse_seconds)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = parse_seconds, help_heading = heading::NBD)]
     pub nbd_timeout: f64,
-    /// NBD: seconds to wait after a failed reconnect before trying again (doubling per failure,
-    /// up to 30 s). A lost connection is retried at once on the next request.
-    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = parse_seconds)]
+    /// NBD: seconds to wait after a failed reconnect before trying again
+    ///
+    /// The wait doubles per failure, up to 30 s. A lost connection is retried at once on the next
+    /// request.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = parse_seconds, help_heading = heading::NBD)]
     pub reconnect_delay: f64,
-    /// Unmount the export when the daemon dies, even by SIGKILL: a small watcher process (holding
-    /// nothing of the connection) removes the mount if it is still this daemon's.
-    #[arg(long)]
-    pub auto_unmount: bool,
+
+    /// Seconds to serve files still open after a stop before aborting them (0: at once)
+    ///
     /// A stop (SIGTERM, SIGINT, SIGHUP) with files still open on the export (a loop device, a
     /// filesystem mounted on it, a program) detaches the export and serves those files until
     /// they are closed; after this many seconds (or at a second signal) it aborts them instead:
-    /// their reads and writes then fail with ENOTCONN. 0: abort at once.
-    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT)]
+    /// their reads and writes then fail with ENOTCONN.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STOP_TIMEOUT, help_heading = heading::STOPPING)]
     pub stop_timeout: u32,
-    /// Fork into the background; return only once the mount is live. The log then goes to
-    /// --log-file or --log if given, else to syslog (/dev/log), else to stderr if that is a file;
-    /// with none of these it is refused.
-    #[arg(long)]
-    pub daemonize: bool,
-    /// Where the log goes: stderr, or syslog (datagrams to /dev/log, facility daemon, as
-    /// journald and rsyslog read them) [default: stderr; see --daemonize].
-    #[arg(long, value_enum, value_name = "DEST")]
-    pub log: Option<LogArg>,
-    /// Append the log to this file (created 0640; never through a symlink).
-    #[arg(long, value_name = "PATH")]
-    pub log_file: Option<PathBuf>,
-    /// Write the daemon's pid here. Locked while the daemon serves: a second daemon given the same
-    /// file refuses to start. Removed at exit.
-    #[arg(long)]
-    pub pid_file: Option<PathBuf>,
+    /// Unmount the export when the daemon dies, even by SIGKILL
+    ///
+    /// A small watcher process (holding nothing of the connection) removes the mount if it is
+    /// still this daemon's.
+    #[arg(long, help_heading = heading::STOPPING)]
+    pub auto_unmount: bool,
+    /// Seconds a request may go unanswered before the kernel aborts the connection (0: none)
+    ///
+    /// So that no application hangs forever on a wedged daemon (Linux 6.14+). The kernel raises
+    /// values below 15 to 15, checks every 15 s, and caps the value at
+    /// fs.fuse.max_request_timeout if set. The default leaves a slow but alive backend (a flush
+    /// of a big image) room.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_REQUEST_TIMEOUT, help_heading = heading::STOPPING)]
+    pub request_timeout: u16,
     /// For testing: make the Nth backend read, write or flush fail or wait, as OP:N:ACTION
     /// (e.g. write:3:eio, read:10:delay=200ms, flush:1:enospc; repeatable). Turns passthrough off.
-    #[arg(long, value_name = "OP:N:ACTION")]
+    #[arg(long, value_name = "OP:N:ACTION", hide = true)]
     pub fault: Vec<backend::FaultRule>,
-    /// At exit, write request and backend counters here as JSON (also on SIGUSR1, while running).
-    #[arg(long)]
+
+    /// Fork into the background; return only once the mount is live
+    ///
+    /// The log then goes to --log-file or --log if given, else to syslog (/dev/log), else to
+    /// stderr if that is a file; with none of these it is refused.
+    #[arg(long, help_heading = heading::DAEMON)]
+    pub daemonize: bool,
+    /// Write the daemon's pid here
+    ///
+    /// Locked while the daemon serves: a second daemon given the same file refuses to start.
+    /// Removed at exit.
+    #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
+    pub pid_file: Option<PathBuf>,
+    /// Where the log goes [default: stderr; see --daemonize]
+    #[arg(long, value_enum, value_name = "DEST", help_heading = heading::DAEMON)]
+    pub log: Option<LogArg>,
+    /// Append the log to this file (created 0640; never through a symlink)
+    #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
+    pub log_file: Option<PathBuf>,
+    /// Write request and backend counters here as JSON, at exit and on SIGUSR1
+    #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub stats_file: Option<PathBuf>,
 }
 
