@@ -149,3 +149,34 @@ fn completion_wakes_the_polling_waker() {
     });
     eng.run().unwrap();
 }
+
+/// Why these ops wait on drop instead of being orphaned as owned ops are: the kernel holds a
+/// pointer into memory the future only borrows (a library's `&mut [u8]`), which its owner may free
+/// or reuse the moment the future is gone. A file read the kernel has taken, dropped before its
+/// completion was reaped, still lands in that memory, and it does so before the drop returns;
+/// returning at once would let that write hit memory no longer lent to the kernel.
+#[test]
+fn a_dropped_read_the_kernel_took_fills_the_memory_before_the_drop_returns() {
+    let mut f = tempfile::tempfile().unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8 + 1).collect();
+    f.write_all(&data).unwrap();
+    let eng = Rc::new(engine());
+    let e = eng.clone();
+    eng.spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        {
+            // SAFETY: polled once, then dropped (never leaked); the drop waits.
+            let op = unsafe { borrowed::read(Fd::Raw(f.as_raw_fd()), &mut buf, 0) };
+            let mut op = pin!(op);
+            let pending = poll_fn(|cx| Poll::Ready(op.as_mut().poll(cx).is_pending())).await;
+            assert!(pending, "submitted, not yet reaped");
+            assert_eq!(e.in_flight(), 1);
+        }
+        assert_eq!(e.in_flight(), 0, "the drop waited for the read");
+        assert_eq!(
+            buf, data,
+            "the kernel wrote the borrowed memory during the drop"
+        );
+    });
+    eng.run().unwrap();
+}
