@@ -515,7 +515,7 @@ fn unprivileged_restart_keeps_the_export() {
 
 /// A normal user's daemon keeps its restart socket and state in its own runtime directory
 /// (`/run/user/UID/fusex`, else `/tmp/fusex-UID`), trusted only while that user owns it and no one
-/// else may enter. One another user made first (here: root, open to all) is refused: the daemon
+/// else may write it. One another user made first (here: root, open to all) is refused: the daemon
 /// serves without restart support and says why, `fusex restart` refuses in one line naming it.
 /// Runs as `nobody`, whose runtime directory no other test touches.
 #[test]

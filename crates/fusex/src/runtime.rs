@@ -3,11 +3,14 @@
 //!
 //! Whatever is there is trusted by whoever finds it (a root `fusex restart` hands its new daemon
 //! to the process answering on the socket), so the directory is one only the daemon's user can
-//! write: `/run/fusex` for root, `/run/user/UID/fusex` for another user when their runtime
-//! directory exists (logind makes it, owned by them, 0700), else `/tmp/fusex-UID`. Each is created
-//! 0700 if missing and checked every time it is used, by the daemon and by a client alike: a
-//! directory (not a symlink), owned by that user, with no access for group or others. One that
-//! fails the check (another user made `/tmp/fusex-UID` first) is refused with a line naming it.
+//! write: `/run/fusex` for root (created 0755, as systemd's `RuntimeDirectory=fusex` of
+//! `contrib/fusex@.service` makes it, whose exports live there too), `/run/user/UID/fusex` for
+//! another user when their runtime directory exists (logind makes it, owned by them, 0700), else
+//! `/tmp/fusex-UID` (both created 0700). It is checked every time it is used, by the daemon and
+//! by a client alike: a directory (not a symlink), owned by that user, writable by no one else.
+//! One that fails the check (another user made `/tmp/fusex-UID` first) is refused with a line
+//! naming it. The state files are 0600; a socket needs write permission to connect to, which the
+//! daemon's umask keeps to its user, and the daemon answers only its own user or root anyway.
 //!
 //! An export's files are named after its mount ([`transport::MountIdentity`]: the connection's
 //! device number and the never-reused mount id), so a new export never meets an old one's files.
@@ -40,7 +43,8 @@ pub fn checked(uid: u32, create: bool) -> Result<PathBuf> {
     let dir = dir_for(uid);
     let shown = dir.display();
     if create {
-        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        let mode = if uid == 0 { 0o755 } else { 0o700 };
+        match std::fs::DirBuilder::new().mode(mode).create(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(anyhow!("runtime directory {shown}: {e}")),
@@ -52,8 +56,8 @@ pub fn checked(uid: u32, create: bool) -> Result<PathBuf> {
         "not a directory".to_string()
     } else if meta.uid() != uid {
         format!("owned by user {}", meta.uid())
-    } else if meta.mode() & 0o077 != 0 {
-        format!("open to others (mode {:o})", meta.mode() & 0o777)
+    } else if meta.mode() & 0o022 != 0 {
+        format!("writable by others (mode {:o})", meta.mode() & 0o777)
     } else {
         return Ok(dir);
     };
@@ -177,13 +181,13 @@ mod tests {
         std::fs::DirBuilder::new().mode(0o777).create(&dir).unwrap();
         let err = checked(uid, true).unwrap_err().to_string();
         assert!(err.contains("owned by user 0"), "{err}");
-        // Once its owner is right but it is open to others, still refused.
+        // Once its owner is right but others may write it, still refused.
         std::os::unix::fs::chown(&dir, Some(uid), None).unwrap();
         std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777))
             .unwrap();
         let err = checked(uid, true).unwrap_err().to_string();
-        assert!(err.contains("open to others (mode 777)"), "{err}");
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        assert!(err.contains("writable by others (mode 777)"), "{err}");
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
         assert_eq!(checked(uid, false).unwrap(), dir);
         std::fs::remove_dir(&dir).unwrap();
