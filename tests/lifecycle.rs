@@ -112,7 +112,7 @@ fn external_umount_stops_the_daemon() {
     random_image(&img, MIB, 4);
     let mp = w.join("export");
     let m = Mount::start(&w, &img, &mp, &["--writable"]);
-    run_ok(Command::new("umount").arg(&mp));
+    umount_idle(&mp);
     let st = m.wait_exit();
     st.assert_clean("external umount");
     assert!(

@@ -1207,7 +1207,7 @@ fn exit_flushes_without_fsync() {
         let st = if round == "SIGTERM" {
             m.stop()
         } else {
-            run_ok(Command::new("umount").arg(&mp));
+            umount_idle(&mp);
             m.wait_exit()
         };
         st.assert_clean(round);

@@ -621,6 +621,28 @@ pub fn mounts_at(path: &Path) -> Vec<MountEntry> {
         .collect()
 }
 
+/// `umount PATH` (not lazy), as an administrator would run it on an idle export. A process that
+/// another test thread forks inherits this test's open files of the export until it execs (they
+/// are close-on-exec, not closed at fork), which keeps the mount busy for that moment: "target is
+/// busy" is retried until [`TIMEOUT`].
+#[track_caller]
+pub fn umount_idle(path: &Path) {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let out = run(Command::new("umount").arg(path));
+        if out.status.success() {
+            return;
+        }
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(
+            err.contains("busy") && Instant::now() < deadline,
+            "umount {}: {err}",
+            path.display()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `umount -l` until no FUSE mount beyond `keep` remains on `path`.
 pub fn lazy_umount_fuse(path: &Path, keep: usize) {
     for _ in 0..8 {
