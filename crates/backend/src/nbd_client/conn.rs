@@ -28,10 +28,9 @@
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::fs::File;
 use std::future::Future;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -40,6 +39,8 @@ use engine::sync::Semaphore;
 use engine::{Engine, Fd, Slice, TaskId, Timeout};
 use nbd::wire::{self, Chunk, Command, ReplyHeader, HEAD_LEN, REQUEST_LEN};
 use nbd::Export;
+
+use super::connect::{Deadlined, Sock};
 
 /// Size of the receiver's stream buffer: a reply head plus a data chunk's length and offset. A
 /// head is read with up to this many bytes, so at most 12 bytes past a simple reply (the next
@@ -216,7 +217,7 @@ pub(crate) struct Conn {
     server: String,
     /// How long a request may wait for its complete reply (`--nbd-timeout`).
     timeout: Duration,
-    sock: File,
+    sock: Sock,
     fd: Fd,
     export: Export,
     writable: bool,
@@ -228,14 +229,13 @@ pub(crate) struct Conn {
 
 impl Conn {
     pub(crate) fn new(
-        sock: OwnedFd,
+        sock: Sock,
         tls: Option<Box<rustls::ClientConnection>>,
         export: Export,
         timeout: Duration,
         writable: bool,
         server: String,
     ) -> Conn {
-        let sock = File::from(sock);
         let fd = Fd::Raw(sock.as_raw_fd());
         let tls = tls.map(|session| {
             RefCell::new(TlsWire {
@@ -1369,14 +1369,14 @@ impl Conn {
     }
 
     /// A clean goodbye, with blocking I/O (the queue's ring is gone by now): a flush if writes
-    /// are not yet flushed, then `NBD_CMD_DISC`. Bounded by the socket's timeouts.
+    /// are not yet flushed, then `NBD_CMD_DISC`; all of it by one deadline, the timeout.
     fn goodbye(&mut self) {
         let st = self.st.get_mut();
         if st.broken {
             return;
         }
         let flush = self.writable && st.dirty && self.export.has(nbd::FLAG_SEND_FLUSH);
-        let mut sock = &self.sock;
+        let mut sock = Deadlined::until(&self.sock, Instant::now() + self.timeout);
         match self.tls.as_mut() {
             Some(tls) => {
                 let w = tls.get_mut();

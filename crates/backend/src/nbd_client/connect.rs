@@ -5,7 +5,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Poll, Waker};
@@ -18,8 +18,8 @@ use super::tls::{self, TlsClient};
 
 /// A connection in the transmission phase, ready for the ring.
 pub(crate) struct Connected {
-    /// The socket (blocking, with the timeout as its read and write timeouts).
-    pub(crate) sock: OwnedFd,
+    /// The socket (blocking).
+    pub(crate) sock: Sock,
     /// What the handshake settled.
     pub(crate) export: Export,
     /// The TLS session, for `nbds` URIs (boxed: it is large, and moves between threads).
@@ -76,8 +76,7 @@ pub fn describe(uri: &NbdUri) -> String {
 /// Connects to `uri`'s server and negotiates its export (with TLS when `tls` is given), all of
 /// it (connect, NBD handshake, TLS handshake) done by `timeout` from now: each blocking call gets
 /// the time that is left, so a server that sends a byte at a time cannot stretch the whole past
-/// it. The returned socket is blocking, with `timeout` as its read and write timeout (which only
-/// blocking calls, such as the goodbye at close, observe; ring operations carry their own).
+/// it. The returned socket is blocking (ring operations carry their own timeouts).
 pub(crate) fn connect(
     uri: &NbdUri,
     tls: Option<&TlsClient>,
@@ -115,23 +114,13 @@ pub(crate) fn connect(
             Sock::Tcp(made.ok_or_else(|| conn_err(last))?)
         }
     };
-    let mut s = Deadlined {
-        sock,
-        deadline,
-        expired: false,
-    };
+    let mut s = Deadlined::until(&sock, deadline);
     let negotiated = negotiate(&mut s, uri, tls, &server);
-    if s.expired {
+    if s.expired() {
         return Err(ConnectError::Timeout { server, timeout });
     }
     let (export, tls) = negotiated?;
-    let sock = s.sock;
-    sock.set_timeouts(timeout).map_err(conn_err)?;
-    Ok(Connected {
-        sock: sock.into(),
-        export,
-        tls,
-    })
+    Ok(Connected { sock, export, tls })
 }
 
 /// A connection being made on a connector thread of its own (short-lived: one per attempt), so
@@ -264,18 +253,23 @@ impl AttemptShared {
     }
 }
 
-/// A connected socket of either family (for the handshake's blocking I/O).
-enum Sock {
+/// A connected socket of either family: blocking I/O in the handshake and the goodbye (through
+/// [`Deadlined`]), ring operations on its descriptor in between.
+pub(crate) enum Sock {
     Unix(UnixStream),
     Tcp(TcpStream),
 }
 
-impl Sock {
-    fn set_timeouts(&self, d: Duration) -> io::Result<()> {
-        self.set_read_timeout(d)?;
-        self.set_write_timeout(d)
+impl AsRawFd for Sock {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Sock::Unix(s) => s.as_raw_fd(),
+            Sock::Tcp(s) => s.as_raw_fd(),
+        }
     }
+}
 
+impl Sock {
     fn set_read_timeout(&self, d: Duration) -> io::Result<()> {
         match self {
             Sock::Unix(s) => s.set_read_timeout(Some(d)),
@@ -291,26 +285,32 @@ impl Sock {
     }
 }
 
-impl From<Sock> for OwnedFd {
-    fn from(s: Sock) -> OwnedFd {
-        match s {
-            Sock::Unix(s) => s.into(),
-            Sock::Tcp(s) => s.into(),
-        }
-    }
-}
-
-/// The handshake's stream: every read and write must end by one deadline. Each call gets the
-/// time left as the socket's timeout (a system call more per call; the handshake is a few dozen
-/// small messages), and once it is gone the calls fail with `TimedOut` and `expired` says so, so
-/// the caller reports the deadline rather than whatever the handshake code made of the error.
-struct Deadlined {
-    sock: Sock,
+/// Blocking I/O on a socket that must all end by one deadline (the handshake, the goodbye). Each
+/// call gets the time left as the socket's timeout (a system call more per call; these are a few
+/// dozen small messages), so a server that sends a byte at a time cannot stretch the whole; once
+/// the time is gone the calls fail with `TimedOut` and [`Deadlined::expired`] says so, so the
+/// caller reports the deadline rather than whatever the protocol code made of the error.
+pub(crate) struct Deadlined<'a> {
+    sock: &'a Sock,
     deadline: Instant,
     expired: bool,
 }
 
-impl Deadlined {
+impl<'a> Deadlined<'a> {
+    /// I/O on `sock` until `deadline`.
+    pub(crate) fn until(sock: &'a Sock, deadline: Instant) -> Deadlined<'a> {
+        Deadlined {
+            sock,
+            deadline,
+            expired: false,
+        }
+    }
+
+    /// Whether a call failed because the deadline passed.
+    pub(crate) fn expired(&self) -> bool {
+        self.expired
+    }
+
     /// The time left, or the error that ends the handshake.
     fn left(&mut self) -> io::Result<Duration> {
         let left = self.deadline.saturating_duration_since(Instant::now());
@@ -341,25 +341,37 @@ impl Deadlined {
     }
 }
 
-impl Read for Deadlined {
+impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let left = self.left()?;
         self.sock.set_read_timeout(left)?;
-        let r = match &mut self.sock {
-            Sock::Unix(s) => s.read(buf),
-            Sock::Tcp(s) => s.read(buf),
+        let r = match self.sock {
+            Sock::Unix(s) => {
+                let mut s = s;
+                s.read(buf)
+            }
+            Sock::Tcp(s) => {
+                let mut s = s;
+                s.read(buf)
+            }
         };
         self.checked(r)
     }
 }
 
-impl Write for Deadlined {
+impl Write for Deadlined<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let left = self.left()?;
         self.sock.set_write_timeout(left)?;
-        let r = match &mut self.sock {
-            Sock::Unix(s) => s.write(buf),
-            Sock::Tcp(s) => s.write(buf),
+        let r = match self.sock {
+            Sock::Unix(s) => {
+                let mut s = s;
+                s.write(buf)
+            }
+            Sock::Tcp(s) => {
+                let mut s = s;
+                s.write(buf)
+            }
         };
         self.checked(r)
     }
@@ -409,4 +421,59 @@ fn negotiate<S: Read + Write>(
         _ => hs(e),
     })?;
     Ok((e, Some(session)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A server on a fresh Unix socket: `serve` runs on each accepted connection, on its own
+    /// thread. The directory lives as long as the returned guard.
+    fn server(serve: fn(UnixStream)) -> (tempfile::TempDir, NbdUri) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        let l = UnixListener::bind(&sock).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming().flatten() {
+                std::thread::spawn(move || serve(s));
+            }
+        });
+        let uri = NbdUri::parse(&format!("nbd+unix:///?socket={}", sock.display())).unwrap();
+        (dir, uri)
+    }
+
+    #[test]
+    fn a_dripping_handshake_ends_at_the_deadline() {
+        // The greeting a byte every 50 ms, then the connection closes: no read ever waits
+        // 300 ms, so only a deadline for the whole handshake (18 bytes: 900 ms) ends it first.
+        let (_dir, uri) = server(|mut s| {
+            let mut g = b"NBDMAGICIHAVEOPT".to_vec();
+            g.extend_from_slice(&3u16.to_be_bytes());
+            for b in g {
+                if s.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let e = connect(&uri, None, Duration::from_millis(300))
+            .err()
+            .unwrap();
+        assert!(matches!(e, ConnectError::Timeout { .. }), "{e}");
+        assert!(e.to_string().contains("within 0.3 s"), "{e}");
+    }
+
+    #[test]
+    fn an_attempt_reports_a_silent_server_on_its_thread() {
+        // Accepts, says nothing, keeps the connection open until the client leaves.
+        let (_dir, uri) = server(|mut s| {
+            let _ = s.read(&mut [0u8; 1]);
+        });
+        let a = Attempt::start(&uri, None, Duration::from_millis(200)).unwrap();
+        assert!(a.wait_blocking(), "the attempt outlived its give-up time");
+        let r = a.take().expect("a result");
+        assert!(matches!(r, Err(ConnectError::Timeout { .. })));
+        assert!(a.take().is_none(), "the result is taken once");
+    }
 }
