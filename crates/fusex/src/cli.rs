@@ -365,12 +365,13 @@ pub struct MountArgs {
     /// docs/design.md.
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_REQUEST_TIMEOUT)]
     pub request_timeout: u16,
-    /// NBD: seconds a connection may make no progress on requests in flight (or take to connect)
-    /// before it is dropped and its requests fail with EIO.
+    /// NBD: seconds a request may wait for its whole reply (and connecting, with the NBD and TLS
+    /// handshakes, may take) before the connection is dropped and its requests fail with EIO.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = parse_seconds)]
     pub nbd_timeout: f64,
     /// NBD: seconds to wait after a failed reconnect before trying again (doubling per failure,
-    /// up to 30 s). A lost connection is retried at once on the next request.
+    /// up to 30 s). A lost connection is retried at once on the next request, off the queue
+    /// thread; other requests fail with EIO meanwhile.
     #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = parse_seconds)]
     pub reconnect_delay: f64,
     /// Unmount the export when the daemon dies, even by SIGKILL: a small watcher process (holding

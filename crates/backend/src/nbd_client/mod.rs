@@ -11,6 +11,12 @@
 //! that fails, requests fail with `EIO` without trying again until `reconnect_delay` passed, and
 //! the delay doubles per failure up to 30 s (or `reconnect_delay`, if larger).
 //!
+//! Connections are made on a short-lived connector thread (`connect::Attempt`), never on the
+//! queue thread: a server that accepts and then says nothing must not freeze the queue (with
+//! one queue, the whole export and its stop). The request that starts an attempt waits for it on
+//! the ring; requests arriving meanwhile fail with `EIO` at once, except before a queue's first
+//! connection, when they all wait.
+//!
 //! A server with a minimum block size above 1 takes only whole blocks: requests that are not
 //! aligned to it are made whole here. A READ reads the covering blocks into a bounce buffer and
 //! copies the asked part; a WRITE (and a zeroed range) reads, modifies and writes back the block
@@ -52,8 +58,8 @@ pub struct NbdOptions {
     pub writable: bool,
     /// Writes carry `NBD_CMD_FLAG_FUA` (for `--writethrough`) when the server supports it.
     pub fua: bool,
-    /// How long a connection may make no progress on requests in flight (and how long
-    /// connecting may take) before it is given up.
+    /// How long a request may wait for its whole reply (and connecting, with the NBD and TLS
+    /// handshakes, may take) before the connection is given up.
     pub timeout: Duration,
     /// Wait after a failed reconnect before the next attempt (doubling per failure).
     pub reconnect_delay: Duration,
