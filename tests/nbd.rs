@@ -1221,7 +1221,7 @@ fn dripping_reply_fails_the_read_by_the_timeout() {
         st.stderr
     );
     assert!(
-        !st.stderr.contains("closed the connection"),
+        !st.stderr.contains("the server closed the connection"),
         "{}",
         st.stderr
     );
