@@ -1,7 +1,8 @@
 //! Making a connection: connect the socket (Unix or TCP) and run the handshake with blocking
-//! I/O, bounded by the connection timeout; with TLS, `NBD_OPT_STARTTLS`, the TLS handshake, and
-//! the rest of the NBD handshake inside TLS. Used at start-up and when a queue reconnects (so a
-//! reconnect always makes a new TLS session).
+//! I/O, all of it within one deadline (the connection timeout); with TLS, `NBD_OPT_STARTTLS`, the
+//! TLS handshake, and the rest of the NBD handshake inside TLS. It runs on a connector thread
+//! ([`Attempt`]), at start-up and when a queue reconnects (so a reconnect always makes a new TLS
+//! session), never on a queue thread.
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
