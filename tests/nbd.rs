@@ -400,7 +400,11 @@ fn server_killed_mid_io_then_back() {
     eprintln!("reader errors: {}", errors.load(Ordering::Relaxed));
     let st = m.stop();
     assert_eq!(st.code, Some(0), "{}", st.stderr);
-    assert!(st.stderr.contains("NBD connection lost"), "{}", st.stderr);
+    assert!(
+        st.stderr.contains("NBD connection to ") && st.stderr.contains(" lost: "),
+        "{}",
+        st.stderr
+    );
     assert!(st.stderr.contains("reconnected"), "{}", st.stderr);
     assert!(!st.stderr.to_lowercase().contains("panic"), "{}", st.stderr);
 }
@@ -681,7 +685,8 @@ fn server_that_stops_answering_times_out() {
     let st = m.stop();
     assert_eq!(st.code, Some(0), "{}", st.stderr);
     assert!(
-        st.stderr.contains("did not answer within the timeout"),
+        st.stderr
+            .contains("sent no complete reply within 0.3 s; closing the connection"),
         "{}",
         st.stderr
     );
@@ -1128,7 +1133,173 @@ fn tls_server_killed_then_back() {
     drop(f);
     let st = m.stop();
     assert_eq!(st.code, Some(0), "{}", st.stderr);
-    assert!(st.stderr.contains("NBD connection lost"), "{}", st.stderr);
+    assert!(
+        st.stderr.contains("NBD connection to ") && st.stderr.contains(" lost: "),
+        "{}",
+        st.stderr
+    );
     assert!(st.stderr.contains("reconnected"), "{}", st.stderr);
+    assert!(!st.stderr.to_lowercase().contains("panic"), "{}", st.stderr);
+}
+
+/// Seconds of `--nbd-timeout` in the dripping-server tests; their bounds are multiples of it.
+const DRIP_TIMEOUT: u64 = 3;
+
+#[test]
+fn dripping_handshake_fails_by_the_timeout() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("nbd-drip-hs");
+    let sock = w.join("drip.sock");
+    // Every byte of the handshake a second apart: no single read waits the timeout, so only a
+    // deadline for the whole handshake ends it (it would take minutes).
+    let _server = FakeNbd::start(&sock, |_| FakeMode::DripHandshake);
+    let mp = w.join("export");
+    let t = DRIP_TIMEOUT.to_string();
+    let started = Instant::now();
+    let r = Mount::try_start(&w, nbd_uri(&sock, ""), &mp, &["--nbd-timeout", &t]);
+    let took = started.elapsed();
+    let Err(failed) = r else {
+        panic!("a handshake dripping one byte a second mounted with --nbd-timeout {t}");
+    };
+    assert_eq!(failed.code, Some(1), "{}", failed.stderr);
+    assert!(
+        took < Duration::from_secs(3 * DRIP_TIMEOUT + 5),
+        "the handshake took {took:?} to fail with --nbd-timeout {t}: {}",
+        failed.stderr
+    );
+    assert!(
+        failed
+            .stderr
+            .contains(&format!("did not complete the handshake within {t} s")),
+        "{}",
+        failed.stderr
+    );
+    assert!(!is_fuse_mounted(&mp), "nothing may be mounted");
+}
+
+#[test]
+fn dripping_reply_fails_the_read_by_the_timeout() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("nbd-drip-reply");
+    let sock = w.join("drip.sock");
+    // A handshake at full speed, then replies a byte a second (a 4 KiB READ's reply would take
+    // over an hour; each byte comes well within the timeout).
+    let server = FakeNbd::start(&sock, |_| FakeMode::DripReplies);
+    let mp = w.join("export");
+    let t = DRIP_TIMEOUT.to_string();
+    let m = Mount::start(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &["--nbd-timeout", &t, "--queues", "1"],
+    );
+    let f = File::open(&mp).unwrap();
+    let started = Instant::now();
+    let e = read_direct(&f, 0, 4096).expect_err("a reply dripping one byte a second");
+    let took = started.elapsed();
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    assert!(
+        took < Duration::from_secs(3 * DRIP_TIMEOUT + 5),
+        "the read took {took:?} to fail with --nbd-timeout {t}; stderr:\n{}",
+        m.stderr()
+    );
+    assert!(m.is_mounted() && pid_alive(m.pid()), "the daemon lives on");
+    drop(f);
+    drop(server);
+    let st = m.stop();
+    assert_eq!(st.code, Some(0), "{}", st.stderr);
+    // What happened, not "the server closed the connection": fusex closed it.
+    assert!(
+        st.stderr.contains(&format!(
+            "sent no complete reply within {t} s; closing the connection"
+        )),
+        "{}",
+        st.stderr
+    );
+    assert!(
+        !st.stderr.contains("the server closed the connection"),
+        "{}",
+        st.stderr
+    );
+}
+
+#[test]
+fn hung_reconnect_leaves_the_queue_serving_and_the_stop_prompt() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("nbd-hung-reconnect");
+    let sock = w.join("fake.sock");
+    // The first connection serves; every later one is accepted and then hears nothing, so a
+    // reconnect waits for a handshake until --nbd-timeout.
+    let server = FakeNbd::start(&sock, |i| {
+        if i == 0 {
+            FakeMode::Good
+        } else {
+            FakeMode::Silent
+        }
+    });
+    let mp = w.join("export");
+    // One queue (no multi-conn): before connections were made off the queue thread, that
+    // thread, the whole export with it, waited in the handshake for the full 60 s.
+    let m = Mount::start(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &["--nbd-timeout", "60", "--reconnect-delay", "0.05"],
+    );
+    let f = Arc::new(File::open(&mp).unwrap());
+    let want: Vec<u8> = (0..4096).map(fake_nbd_byte).collect();
+    assert_bytes_eq(
+        &read_direct(&f, 0, 4096).unwrap(),
+        &want,
+        0,
+        "first connection",
+    );
+    server.drop_connections();
+    let e = read_direct(&f, 0, 4096).expect_err("a read on the dropped connection");
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    // The next read starts the reconnect and waits for it.
+    let trigger = {
+        let f = f.clone();
+        thread::spawn(move || read_direct(&f, 4096, 4096).map(drop))
+    };
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || server.accepted() >= 2),
+        "no reconnect came; stderr:\n{}",
+        m.stderr()
+    );
+    // Meanwhile the queue answers: another read fails with EIO at once, a stat is answered.
+    let started = Instant::now();
+    let e = read_direct(&f, 8192, 4096).expect_err("a read while the reconnect hangs");
+    assert_eq!(errno(&e), libc::EIO, "{e}");
+    assert_eq!(fs::metadata(&mp).unwrap().len(), FAKE_NBD_SIZE);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "the queue was frozen for {took:?} during the reconnect; stderr:\n{}",
+        m.stderr()
+    );
+    // A stop (the read waiting for the reconnect keeps the file open: SIGTERM twice) ends the
+    // export without waiting for the handshake's 60 s.
+    let started = Instant::now();
+    m.stop_signals_twice();
+    let st = m.wait_exit();
+    let took = started.elapsed();
+    assert!(st.exited, "the daemon did not exit; stderr:\n{}", st.stderr);
+    assert!(
+        took < Duration::from_secs(20),
+        "the stop took {took:?} during a hung reconnect; stderr:\n{}",
+        st.stderr
+    );
+    let r = trigger.join().expect("trigger thread");
+    assert!(
+        r.is_err(),
+        "the read waiting for the reconnect cannot succeed"
+    );
     assert!(!st.stderr.to_lowercase().contains("panic"), "{}", st.stderr);
 }

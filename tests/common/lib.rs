@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 
 pub use serde_json::Value;
 
+mod fake_nbd;
 mod nbd;
+pub use fake_nbd::{fake_nbd_byte, FakeMode, FakeNbd, FAKE_NBD_SIZE};
 pub use nbd::{
     free_port, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd, strict_blocksize_export,
 };

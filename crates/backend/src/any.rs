@@ -346,6 +346,9 @@ impl BlockBackend for AnyBackend {
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
         each!(self, b => b.set_times(atime, mtime))
     }
+    fn queue_stopping(&self) {
+        each!(self, b => b.queue_stopping())
+    }
 }
 
 #[cfg(test)]

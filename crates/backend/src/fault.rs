@@ -229,6 +229,9 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
         self.inner.set_times(atime, mtime)
     }
+    fn queue_stopping(&self) {
+        self.inner.queue_stopping()
+    }
 }
 
 #[cfg(test)]

@@ -193,4 +193,9 @@ pub trait BlockBackend: Send + Sync + 'static {
 
     /// Sets access/modification times of the image where that means something.
     fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()>;
+
+    /// The queue on the calling thread stops taking requests and waits for the ones it took: a
+    /// backend ends the waits that would only delay that (NBD: a request waiting for a
+    /// connection being made fails with `EIO` now). Default: nothing to end.
+    fn queue_stopping(&self) {}
 }

@@ -608,3 +608,60 @@ proptest::proptest! {
         }
     }
 }
+
+/// A READ whose reply comes a byte every 400 ms fails once the request is 1 s old: the
+/// timeout bounds the whole reply, not each receive (each of which gets its byte in time; the
+/// 4 KiB reply would take half an hour).
+#[test]
+fn a_dripping_reply_fails_by_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("d.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    thread::spawn(move || {
+        let Ok((mut s, _)) = listener.accept() else {
+            return;
+        };
+        if !handshake(&mut s) {
+            return;
+        }
+        let mut rq = [0u8; 28];
+        if s.read_exact(&mut rq).is_err() {
+            return;
+        }
+        let cookie = u64::from_be_bytes(rq[8..16].try_into().unwrap());
+        let mut p = 0u64.to_be_bytes().to_vec();
+        p.extend((0..4096).map(pattern));
+        let mut reply = Vec::new();
+        chunk(&mut reply, 1, 1, cookie, &p);
+        for b in reply {
+            if s.write_all(&[b]).is_err() {
+                return;
+            }
+            thread::sleep(std::time::Duration::from_millis(400));
+        }
+    });
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let b = NbdBackend::open(
+        &uri,
+        NbdOptions {
+            timeout: std::time::Duration::from_secs(1),
+            ..NbdOptions::default()
+        },
+    )
+    .unwrap();
+    let eng = Engine::new(&EngineConfig {
+        buffers: 1,
+        buffer_size: 8192,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let buf = eng.take_buffer().unwrap();
+    let started = std::time::Instant::now();
+    let (r, _) = eng
+        .block_on(b.read_at(&eng, buf.slice(0..4096), 0))
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(r.map_err(|e| e.errno()).err(), Some(libc::EIO));
+    // Bounded by the 1 s timeout (generously); a timeout per receive took 12 s here.
+    assert!(took < std::time::Duration::from_secs(6), "{took:?}");
+}

@@ -37,6 +37,14 @@ impl Timeout {
         ))
     }
 
+    /// Makes it `d` for the next operation it bounds: an owner that keeps one deadline across
+    /// several operations (a reply received in pieces) gives each the time that is left.
+    pub fn set(&mut self, d: Duration) {
+        *self.0 = types::Timespec::new()
+            .sec(d.as_secs())
+            .nsec(d.subsec_nanos());
+    }
+
     fn ptr(&self) -> *const types::Timespec {
         &*self.0
     }

@@ -432,16 +432,16 @@ pub struct MountArgs {
     #[arg(long, value_enum, value_name = "MODE", default_value_t = HandoffArg::Auto, help_heading = heading::TRANSPORT)]
     pub handoff: HandoffArg,
 
-    /// NBD: seconds a connection may make no progress before it is dropped
+    /// NBD: seconds a request may wait for its whole reply before the connection is dropped
     ///
-    /// Seconds a connection may make no progress on requests in flight (or take to connect)
-    /// before it is dropped and its requests fail with EIO.
+    /// Also bounds connecting, with the NBD and TLS handshakes, as a whole. On expiry the
+    /// connection is dropped and its requests fail with EIO.
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = parse_seconds, help_heading = heading::NBD)]
     pub nbd_timeout: f64,
     /// NBD: seconds to wait after a failed reconnect before trying again
     ///
     /// The wait doubles per failure, up to 30 s. A lost connection is retried at once on the next
-    /// request.
+    /// request, off the queue thread; other requests fail with EIO meanwhile.
     #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = parse_seconds, help_heading = heading::NBD)]
     pub reconnect_delay: f64,
 

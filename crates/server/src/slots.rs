@@ -213,6 +213,8 @@ impl<B: BlockBackend> QueueState<B> {
     /// Takes no new requests from here on.
     pub fn begin_stop(&self) {
         self.stopping.set(true);
+        // Requests waiting for something only a live queue needs (an NBD reconnect) give up.
+        self.server.export().backend().queue_stopping();
         if let Some(q) = &self.legacy {
             q.stop(&self.eng);
         }

@@ -27,18 +27,20 @@
 //! plain ring operations, unchanged.
 
 use std::cell::RefCell;
-use std::fs::File;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use engine::sync::Semaphore;
 use engine::{Engine, Fd, Slice, TaskId, Timeout};
 use nbd::wire::{self, Chunk, Command, ReplyHeader, HEAD_LEN, REQUEST_LEN};
 use nbd::Export;
+
+use super::connect::{Deadlined, Sock};
 
 /// Size of the receiver's stream buffer: a reply head plus a data chunk's length and offset. A
 /// head is read with up to this many bytes, so at most 12 bytes past a simple reply (the next
@@ -65,8 +67,10 @@ const TLS_TX_CHUNK: usize = 32 * 1024;
 pub(crate) enum Broken {
     /// The server closed the connection.
     Closed,
-    /// No reply (or no progress sending) within the timeout.
+    /// A request in flight got no complete reply within the timeout of being sent.
     Timeout,
+    /// The server did not take a request's bytes within the timeout (it reads nothing).
+    SendTimeout,
     /// The socket failed.
     Io(std::io::Error),
     /// The server broke the protocol.
@@ -79,7 +83,8 @@ impl std::fmt::Display for Broken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Broken::Closed => write!(f, "the server closed the connection"),
-            Broken::Timeout => write!(f, "the server did not answer within the timeout"),
+            Broken::Timeout => write!(f, "no complete reply within the timeout"),
+            Broken::SendTimeout => write!(f, "the server took no request within the timeout"),
             Broken::Io(e) => write!(f, "socket error: {e}"),
             Broken::Violation(w) => write!(f, "protocol violation: {w}"),
             Broken::Tls(w) => write!(f, "TLS error: {w}"),
@@ -163,6 +168,12 @@ struct State {
     /// Chunk payload bytes (error messages, block status) of the receiver.
     meta: Option<Vec<u8>>,
     timeouts: Vec<Timeout>,
+    /// Requests in flight in the order they were sent, with their deadlines (sent + timeout), so
+    /// the oldest one's deadline bounds every socket operation: a reply (all of its chunks and
+    /// data) must be complete by it, however slowly the bytes come. Entries of requests already
+    /// answered are dropped when they reach the front, or all at once when the queue would
+    /// outgrow twice the slots (so it never grows in steady state).
+    pending: VecDeque<(u16, u64, Instant)>,
     /// Writes since the last successful flush.
     dirty: bool,
     /// Headers of requests without payload (READ, FLUSH, ...) waiting to be sent: appended by
@@ -202,7 +213,11 @@ struct TlsWire {
 
 /// One connection (per queue thread).
 pub(crate) struct Conn {
-    sock: File,
+    /// The server as a user would name it (for the log line when the connection breaks).
+    server: String,
+    /// How long a request may wait for its complete reply (`--nbd-timeout`).
+    timeout: Duration,
+    sock: Sock,
     fd: Fd,
     export: Export,
     writable: bool,
@@ -214,13 +229,13 @@ pub(crate) struct Conn {
 
 impl Conn {
     pub(crate) fn new(
-        sock: OwnedFd,
+        sock: Sock,
         tls: Option<Box<rustls::ClientConnection>>,
         export: Export,
         timeout: Duration,
         writable: bool,
+        server: String,
     ) -> Conn {
-        let sock = File::from(sock);
         let fd = Fd::Raw(sock.as_raw_fd());
         let tls = tls.map(|session| {
             RefCell::new(TlsWire {
@@ -232,6 +247,8 @@ impl Conn {
             })
         });
         Conn {
+            server,
+            timeout,
             tls,
             sock,
             fd,
@@ -247,6 +264,7 @@ impl Conn {
                 rx_len: 0,
                 meta: Some(Vec::with_capacity(wire::MAX_META_PAYLOAD as usize)),
                 timeouts: (0..4).map(|_| Timeout::new(timeout)).collect(),
+                pending: VecDeque::with_capacity(2 * INITIAL_SLOTS + 1),
                 dirty: false,
                 out: Vec::with_capacity(INITIAL_SLOTS * REQUEST_LEN),
                 out_spare: Some(Vec::with_capacity(INITIAL_SLOTS * REQUEST_LEN)),
@@ -367,6 +385,7 @@ impl Conn {
             let cookie = st.slots[idx].cookie;
             // Sent from here on: a reply may be read before this task runs again.
             st.slots[idx].phase = Phase::Sent;
+            note_sent(&mut st, idx, self.timeout);
             let mut b = [0u8; REQUEST_LEN];
             wire::encode_request(&mut b, flags, cmd, cookie, off, len);
             v[..REQUEST_LEN].copy_from_slice(&b);
@@ -440,6 +459,7 @@ impl Conn {
             let cookie = st.slots[idx].cookie;
             // Sent from here on: a reply may be read before this task runs again.
             st.slots[idx].phase = Phase::Sent;
+            note_sent(&mut st, idx, self.timeout);
             let mut hdr = st.slots[idx].header.take().unwrap_or_default();
             let mut b = [0u8; REQUEST_LEN];
             wire::encode_request(&mut b, flags, cmd, cookie, off, len);
@@ -471,10 +491,17 @@ impl Conn {
         let write = match write {
             Some(w) => {
                 let want = w.len();
-                let t = self.take_timeout();
+                let (t, deadline) = match self.timed(true) {
+                    Ok(t) => t,
+                    Err(b) => {
+                        self.break_conn(eng, b);
+                        permit.clean = true;
+                        return (Err(Broken::Closed), Some(w));
+                    }
+                };
                 let (r, w, t) = eng.send(self.fd, w, t).await;
                 self.put_timeout(t);
-                if let Err(b) = check(r, want) {
+                if let Err(b) = check(r, want, Some(deadline), true) {
                     self.break_conn(eng, b);
                     permit.clean = true;
                     return (Err(Broken::Closed), Some(w));
@@ -508,6 +535,7 @@ impl Conn {
             let cookie = st.slots[idx].cookie;
             // A reply may be read once the header is out, possibly before this task runs again.
             st.slots[idx].phase = Phase::Sent;
+            note_sent(&mut st, idx, self.timeout);
             let mut b = [0u8; REQUEST_LEN];
             wire::encode_request(&mut b, flags, cmd, cookie, off, len);
             // Within capacity unless more requests are in flight than ever before.
@@ -572,15 +600,18 @@ impl Conn {
         let done = match r {
             Ok(n) => n,
             Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => 0,
-            Err(e) => return (check(Err(e), want), b),
+            Err(e) => return (check(Err(e), want, None, true), b),
         };
         if done >= want {
             return (Ok(()), b);
         }
-        let t = self.take_timeout();
+        let (t, deadline) = match self.timed(true) {
+            Ok(t) => t,
+            Err(e) => return (Err(e), b),
+        };
         let (r, b, t) = eng.send_bytes_at(self.fd, b, done, t).await;
         self.put_timeout(t);
-        (check(r, want - done), b)
+        (check(r, want - done, Some(deadline), true), b)
     }
 
     /// TLS: encrypts `parts` (in order) and sends the records, a chunk at a time; records rustls
@@ -710,7 +741,13 @@ impl Conn {
                 return Err(Broken::Violation("TLS receive buffer missing".into()));
             };
             buf.resize(TLS_RX_CAP, 0);
-            let t = self.take_timeout();
+            let (t, deadline) = match self.timed(false) {
+                Ok(t) => t,
+                Err(b) => {
+                    tls.borrow_mut().rx = Some(buf);
+                    return Err(b);
+                }
+            };
             let (r, buf, t) = eng.recv_bytes_at(self.fd, buf, 0, false, t).await;
             self.put_timeout(t);
             let mut w = tls.borrow_mut();
@@ -718,13 +755,47 @@ impl Conn {
             match r {
                 Ok(0) => return Err(Broken::Closed),
                 Ok(n) => w.rx_len = n.min(TLS_RX_CAP),
-                Err(e) => return Err(check(Err(e), 1).err().unwrap_or(Broken::Closed)),
+                Err(e) => {
+                    return Err(check(Err(e), 1, Some(deadline), false)
+                        .err()
+                        .unwrap_or(Broken::Closed))
+                }
             }
         }
     }
 
-    fn take_timeout(&self) -> Option<Timeout> {
-        self.st.borrow_mut().timeouts.pop()
+    /// The deadline of the oldest request in flight (its reply, and every send before it, must
+    /// be done by then); a fresh one if none is (unreachable: operations run for requests).
+    fn deadline(&self) -> Instant {
+        let mut st = self.st.borrow_mut();
+        while let Some(&(i, cookie, d)) = st.pending.front() {
+            let s = &st.slots[usize::from(i)];
+            if s.cookie == cookie && s.phase == Phase::Sent {
+                return d;
+            }
+            st.pending.pop_front();
+        }
+        Instant::now() + self.timeout
+    }
+
+    /// A timeout for the next socket operation that waits: the time left until the oldest
+    /// request's deadline (with that deadline), or, once it has passed, why the connection
+    /// breaks (`send`: the operation is a send).
+    fn timed(&self, send: bool) -> Result<(Option<Timeout>, Instant), Broken> {
+        let deadline = self.deadline();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(if send {
+                Broken::SendTimeout
+            } else {
+                Broken::Timeout
+            });
+        }
+        let mut t = self.st.borrow_mut().timeouts.pop();
+        if let Some(t) = t.as_mut() {
+            t.set(left);
+        }
+        Ok((t, deadline))
     }
 
     fn put_timeout(&self, t: Option<Timeout>) {
@@ -809,7 +880,23 @@ impl Conn {
             return;
         }
         st.broken = true;
-        tracing::warn!("NBD connection lost: {why}; its requests fail with EIO");
+        let secs = self.timeout.as_secs_f64();
+        match why {
+            Broken::Timeout => tracing::warn!(
+                "NBD server {} sent no complete reply within {secs} s; closing the connection \
+                 (its requests fail with EIO)",
+                self.server
+            ),
+            Broken::SendTimeout => tracing::warn!(
+                "NBD server {} took no request within {secs} s; closing the connection (its \
+                 requests fail with EIO)",
+                self.server
+            ),
+            why => tracing::warn!(
+                "NBD connection to {} lost: {why}; its requests fail with EIO",
+                self.server
+            ),
+        }
         // SAFETY: shutdown(2) on the socket this connection owns; it references no memory.
         unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
         for i in 0..st.slots.len() {
@@ -868,9 +955,15 @@ impl Conn {
                 st.rx_len = (have + r?).min(RX_CAP);
                 continue;
             }
+            let (t, deadline) = match self.timed(false) {
+                Ok(t) => t,
+                Err(b) => {
+                    self.st.borrow_mut().rx = Some(buf);
+                    return Err(b);
+                }
+            };
             buf.truncate(upto);
             buf.resize(upto, 0);
-            let t = self.take_timeout();
             let (r, mut buf, t) = eng.recv_bytes_at(self.fd, buf, have, false, t).await;
             self.put_timeout(t);
             buf.resize(RX_CAP, 0);
@@ -879,7 +972,11 @@ impl Conn {
             match r {
                 Ok(0) => return Err(Broken::Closed),
                 Ok(n) => st.rx_len = (st.rx_len + n).min(RX_CAP),
-                Err(e) => return Err(check(Err(e), 1).err().unwrap_or(Broken::Closed)),
+                Err(e) => {
+                    return Err(check(Err(e), 1, Some(deadline), false)
+                        .err()
+                        .unwrap_or(Broken::Closed))
+                }
             }
         }
     }
@@ -918,10 +1015,13 @@ impl Conn {
             let r = self.tls_read(eng, &mut v[k..n], n - k).await.map(drop);
             return (r, v);
         }
-        let t = self.take_timeout();
+        let (t, deadline) = match self.timed(false) {
+            Ok(t) => t,
+            Err(b) => return (Err(b), v),
+        };
         let (r, v, t) = eng.recv_bytes_at(self.fd, v, k, true, t).await;
         self.put_timeout(t);
-        (check(r, n - k), v)
+        (check(r, n - k, Some(deadline), false), v)
     }
 
     async fn receive_with(&self, eng: &Engine, mut meta: Vec<u8>) -> (Result<(), Broken>, Vec<u8>) {
@@ -1164,15 +1264,19 @@ impl Conn {
                 Ok(0) => r = Err(Broken::Closed),
                 Ok(n) => have += n,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {}
-                Err(e) => r = check(Err(e), b - have),
+                Err(e) => r = check(Err(e), b - have, None, false),
             }
         }
         if r.is_ok() && have < b {
-            let t = self.take_timeout();
-            let (got, sub, t) = eng.recv(self.fd, buf.slice(have..b), t).await;
-            self.put_timeout(t);
-            buf = sub.into_inner();
-            r = check(got, b - have);
+            match self.timed(false) {
+                Ok((t, deadline)) => {
+                    let (got, sub, t) = eng.recv(self.fd, buf.slice(have..b), t).await;
+                    self.put_timeout(t);
+                    buf = sub.into_inner();
+                    r = check(got, b - have, Some(deadline), false);
+                }
+                Err(e) => r = Err(e),
+            }
         }
         self.restore(eng, idx, buf.slice(start..end));
         r?;
@@ -1265,14 +1369,14 @@ impl Conn {
     }
 
     /// A clean goodbye, with blocking I/O (the queue's ring is gone by now): a flush if writes
-    /// are not yet flushed, then `NBD_CMD_DISC`. Bounded by the socket's timeouts.
+    /// are not yet flushed, then `NBD_CMD_DISC`; all of it by one deadline, the timeout.
     fn goodbye(&mut self) {
         let st = self.st.get_mut();
         if st.broken {
             return;
         }
         let flush = self.writable && st.dirty && self.export.has(nbd::FLAG_SEND_FLUSH);
-        let mut sock = &self.sock;
+        let mut sock = Deadlined::until(&self.sock, Instant::now() + self.timeout);
         match self.tls.as_mut() {
             Some(tls) => {
                 let w = tls.get_mut();
@@ -1380,12 +1484,43 @@ fn free(st: &mut State, idx: usize) {
     st.free.push(idx as u16);
 }
 
-/// A transfer's result as "all of it moved", or why the connection is broken.
-fn check(r: std::io::Result<usize>, want: usize) -> Result<(), Broken> {
+/// Records that the request in slot `idx` (just marked sent) must be answered within `timeout`.
+fn note_sent(st: &mut State, idx: usize, timeout: Duration) {
+    if st.pending.len() >= 2 * st.slots.len() {
+        // Mostly entries of requests answered while an older one waits: keep the live ones.
+        let slots = &st.slots;
+        st.pending.retain(|&(i, cookie, _)| {
+            let s = &slots[usize::from(i)];
+            s.cookie == cookie && s.phase == Phase::Sent
+        });
+    }
+    let cookie = st.slots[idx].cookie;
+    st.pending
+        .push_back((idx as u16, cookie, Instant::now() + timeout));
+}
+
+/// A transfer's result as "all of it moved", or why the connection is broken. A waiting
+/// operation cut short once its `deadline` passed (its linked timeout fired: `MSG_WAITALL`
+/// returns what it moved, or `ECANCELED` if nothing) is the deadline, not the server closing
+/// the connection; `send` tells a send from a receive.
+fn check(
+    r: std::io::Result<usize>,
+    want: usize,
+    deadline: Option<Instant>,
+    send: bool,
+) -> Result<(), Broken> {
+    let late = || {
+        if send {
+            Broken::SendTimeout
+        } else {
+            Broken::Timeout
+        }
+    };
     match r {
         Ok(n) if n == want => Ok(()),
+        Ok(_) if deadline.is_some_and(|d| Instant::now() >= d) => Err(late()),
         Ok(_) => Err(Broken::Closed),
-        Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => Err(Broken::Timeout),
+        Err(e) if e.raw_os_error() == Some(libc::ECANCELED) => Err(late()),
         Err(e) if matches!(e.raw_os_error(), Some(libc::EPIPE | libc::ECONNRESET)) => {
             Err(Broken::Closed)
         }

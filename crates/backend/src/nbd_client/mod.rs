@@ -11,6 +11,12 @@
 //! that fails, requests fail with `EIO` without trying again until `reconnect_delay` passed, and
 //! the delay doubles per failure up to 30 s (or `reconnect_delay`, if larger).
 //!
+//! Connections are made on a short-lived connector thread (`connect::Attempt`), never on the
+//! queue thread: a server that accepts and then says nothing must not freeze the queue (with
+//! one queue, the whole export and its stop). The request that starts an attempt waits for it on
+//! the ring; requests arriving meanwhile fail with `EIO` at once, except before a queue's first
+//! connection, when they all wait.
+//!
 //! A server with a minimum block size above 1 takes only whole blocks: requests that are not
 //! aligned to it are made whole here. A READ reads the covering blocks into a bounce buffer and
 //! copies the asked part; a WRITE (and a zeroed range) reads, modifies and writes back the block
@@ -28,6 +34,7 @@ mod connect;
 mod tls;
 
 use std::cell::RefCell;
+use std::future::Future;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -41,7 +48,7 @@ use crate::regions::RegionLocks;
 use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, Seek};
 use conn::Conn;
 pub use connect::ConnectError;
-use connect::Connected;
+use connect::{Attempt, Connected};
 use tls::TlsClient;
 
 /// How to serve an NBD export.
@@ -51,8 +58,8 @@ pub struct NbdOptions {
     pub writable: bool,
     /// Writes carry `NBD_CMD_FLAG_FUA` (for `--writethrough`) when the server supports it.
     pub fua: bool,
-    /// How long a connection may make no progress on requests in flight (and how long
-    /// connecting may take) before it is given up.
+    /// How long a request may wait for its whole reply (and connecting, with the NBD and TLS
+    /// handshakes, may take) before the connection is given up.
     pub timeout: Duration,
     /// Wait after a failed reconnect before the next attempt (doubling per failure).
     pub reconnect_delay: Duration,
@@ -126,8 +133,25 @@ impl Drop for Counting<'_> {
 struct PerThread {
     backend: usize,
     conn: Option<Rc<Conn>>,
+    /// A connection being made on a connector thread.
+    connecting: Option<Attempt>,
+    /// The thread had a connection once: while it makes a new one, requests fail with `EIO` at
+    /// once (only the request that started the attempt waits for it). Before its first one,
+    /// every request waits, so a fresh queue's first burst is not failed.
+    had_one: bool,
+    /// The queue stops: no new attempt, and nothing waits for one.
+    stopping: bool,
     retry_at: Option<Instant>,
     delay: Duration,
+}
+
+/// What a request does about its thread's connection.
+enum Step {
+    Use(Rc<Conn>),
+    Fail,
+    /// Wait for this attempt, then look again; `mine`: the request started it, and waits at
+    /// most until its waiters give up (the others are woken then).
+    Wait(Attempt, bool),
 }
 
 thread_local! {
@@ -142,8 +166,22 @@ impl NbdBackend {
         let uri = NbdUri::parse(spec).map_err(|e| OpenError::Nbd(e.to_string()))?;
         let tls = tls::client(&uri)
             .map_err(|e| OpenError::Nbd(format!("{}: {e}", connect::describe(&uri))))?;
-        let first = connect::connect(&uri, tls.as_ref(), opts.timeout)
+        // On a connector thread like a reconnect, so even a name lookup that hangs ends the
+        // start-up by the deadline.
+        let attempt = Attempt::start(&uri, tls.as_ref(), opts.timeout)
             .map_err(|e| OpenError::Nbd(e.to_string()))?;
+        let first = match attempt.wait_blocking().then(|| attempt.take()).flatten() {
+            Some(r) => r.map_err(|e| OpenError::Nbd(e.to_string()))?,
+            None => {
+                return Err(OpenError::Nbd(
+                    ConnectError::Timeout {
+                        server: connect::describe(&uri),
+                        timeout: opts.timeout,
+                    }
+                    .to_string(),
+                ))
+            }
+        };
         let export = first.export;
         if opts.writable && export.has(nbd::FLAG_READ_ONLY) {
             return Err(OpenError::Nbd(format!(
@@ -194,8 +232,8 @@ impl NbdBackend {
 
     /// Where a data request `cmd` goes: this thread's connection, the command flags (FUA on a
     /// write when asked for and offered) and the largest piece one request may carry.
-    fn route(&self, cmd: Command) -> Result<(Rc<Conn>, u16, usize)> {
-        let conn = self.conn()?;
+    async fn route(&self, eng: &Engine, cmd: Command) -> Result<(Rc<Conn>, u16, usize)> {
+        let conn = self.conn(eng).await?;
         let flags = if cmd == Command::Write && self.fua() {
             nbd::CMD_FLAG_FUA
         } else {
@@ -205,78 +243,157 @@ impl NbdBackend {
         Ok((conn, flags, max))
     }
 
-    /// This thread's connection, made (or remade) if needed.
-    fn conn(&self) -> Result<Rc<Conn>> {
+    /// This thread's connection, made (or remade) if needed. Connections are made on a
+    /// connector thread ([`Attempt`]); the request that starts one waits for it on the ring (so
+    /// do all requests of a thread that never had a connection), others fail with `EIO` at once.
+    async fn conn(&self, eng: &Engine) -> Result<Rc<Conn>> {
+        let mut mine: Option<Attempt> = None;
+        loop {
+            match CONNS.with(|c| self.step(&mut c.borrow_mut(), mine.as_ref())) {
+                Step::Use(c) => return Ok(c),
+                Step::Fail => return Err(errno(libc::EIO)),
+                Step::Wait(a, false) => a.wait().await,
+                Step::Wait(a, true) => {
+                    // Until the result is in, the queue stops, or the waiters give up.
+                    let left = a.give_up_at().saturating_duration_since(Instant::now());
+                    {
+                        let mut wait = std::pin::pin!(a.wait());
+                        let mut sleep = std::pin::pin!(eng.sleep(left + Duration::from_millis(1)));
+                        std::future::poll_fn(|cx| {
+                            if wait.as_mut().poll(cx).is_ready()
+                                || sleep.as_mut().poll(cx).is_ready()
+                            {
+                                std::task::Poll::Ready(())
+                            } else {
+                                std::task::Poll::Pending
+                            }
+                        })
+                        .await;
+                    }
+                    mine = Some(a);
+                }
+            }
+        }
+    }
+
+    /// This thread's entry for this backend.
+    fn per_thread<'a>(&self, all: &'a mut Vec<PerThread>) -> &'a mut PerThread {
+        let i = match all.iter().position(|p| p.backend == self.id) {
+            Some(i) => i,
+            None => {
+                all.push(PerThread {
+                    backend: self.id,
+                    conn: None,
+                    connecting: None,
+                    had_one: false,
+                    stopping: false,
+                    retry_at: None,
+                    delay: self.opts.reconnect_delay,
+                });
+                all.len() - 1
+            }
+        };
+        &mut all[i]
+    }
+
+    /// Decides what a request does about the connection; `mine` is the attempt it waits for.
+    fn step(&self, all: &mut Vec<PerThread>, mine: Option<&Attempt>) -> Step {
+        let pt = self.per_thread(all);
+        match &pt.conn {
+            Some(c) if !c.broken() => return Step::Use(c.clone()),
+            Some(_) => {
+                // Just broke: try again at once (the server may be back already).
+                pt.conn = None;
+                pt.retry_at = None;
+            }
+            None => {}
+        }
+        if let Some(a) = pt.connecting.clone() {
+            if let Some(r) = a.take() {
+                pt.connecting = None;
+                let r = r.map_err(|e| e.to_string()).and_then(|c| self.check(c));
+                return self.settle(pt, r);
+            }
+            if Instant::now() >= a.give_up_at() {
+                // The connector thread is stuck where its deadline does not reach: leave it.
+                pt.connecting = None;
+                a.wake_waiters();
+                let e = ConnectError::Timeout {
+                    server: self.server(),
+                    timeout: self.opts.timeout,
+                };
+                return self.settle(pt, Err(e.to_string()));
+            }
+            let is_mine = mine.is_some_and(|m| m.is(&a));
+            return if pt.stopping || (pt.had_one && !is_mine) {
+                Step::Fail
+            } else {
+                Step::Wait(a, is_mine)
+            };
+        }
+        if pt.stopping || pt.retry_at.is_some_and(|t| Instant::now() < t) {
+            return Step::Fail;
+        }
+        let first = self.first.lock().map(|mut f| f.take()).unwrap_or(None);
+        if let Some(c) = first {
+            return self.settle(pt, Ok(c));
+        }
+        match Attempt::start(&self.uri, self.tls.as_ref(), self.opts.timeout) {
+            Ok(a) => {
+                pt.connecting = Some(a.clone());
+                Step::Wait(a, true)
+            }
+            Err(e) => self.settle(pt, Err(e.to_string())),
+        }
+    }
+
+    /// Takes a finished attempt: the connection, or the failure and the next attempt's time.
+    fn settle(&self, pt: &mut PerThread, made: std::result::Result<Connected, String>) -> Step {
+        match made {
+            Ok(Connected { sock, export, tls }) => {
+                if pt.retry_at.take().is_some() || pt.had_one {
+                    tracing::info!("NBD: reconnected to {}", self.server());
+                }
+                pt.had_one = true;
+                pt.delay = self.opts.reconnect_delay;
+                let c = Rc::new(Conn::new(
+                    sock,
+                    tls,
+                    export,
+                    self.opts.timeout,
+                    self.opts.writable,
+                    self.server(),
+                ));
+                pt.conn = Some(c.clone());
+                Step::Use(c)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "NBD: reconnecting failed: {e}; next attempt in {:?}",
+                    pt.delay
+                );
+                pt.retry_at = Some(Instant::now() + pt.delay);
+                pt.delay = (pt.delay * 2).min(MAX_BACKOFF.max(self.opts.reconnect_delay));
+                Step::Fail
+            }
+        }
+    }
+
+    /// The queue thread this runs on stops: it starts no connection any more, and requests
+    /// waiting for one being made fail with `EIO` now instead of holding the stop up.
+    fn stop_connecting(&self) {
         CONNS.with(|c| {
             let mut all = c.borrow_mut();
-            let i = match all.iter().position(|p| p.backend == self.id) {
-                Some(i) => i,
-                None => {
-                    all.push(PerThread {
-                        backend: self.id,
-                        conn: None,
-                        retry_at: None,
-                        delay: self.opts.reconnect_delay,
-                    });
-                    all.len() - 1
-                }
-            };
-            let pt = &mut all[i];
-            match &pt.conn {
-                Some(c) if !c.broken() => return Ok(c.clone()),
-                Some(_) => {
-                    // Just broke: try again at once (the server may be back already).
-                    pt.conn = None;
-                    pt.retry_at = None;
-                }
-                None => {}
+            let pt = self.per_thread(&mut all);
+            pt.stopping = true;
+            if let Some(a) = &pt.connecting {
+                a.wake_waiters();
             }
-            let now = Instant::now();
-            if pt.retry_at.is_some_and(|t| now < t) {
-                return Err(BackendError::Io(std::io::Error::from_raw_os_error(
-                    libc::EIO,
-                )));
-            }
-            let first = self.first.lock().map(|mut f| f.take()).unwrap_or(None);
-            let made = match first {
-                Some(c) => Ok(c),
-                None => self.reconnect(),
-            };
-            match made {
-                Ok(Connected { sock, export, tls }) => {
-                    if pt.retry_at.take().is_some() {
-                        tracing::info!("NBD: reconnected to {}", self.server());
-                    }
-                    pt.delay = self.opts.reconnect_delay;
-                    let c = Rc::new(Conn::new(
-                        sock,
-                        tls,
-                        export,
-                        self.opts.timeout,
-                        self.opts.writable,
-                    ));
-                    pt.conn = Some(c.clone());
-                    Ok(c)
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "NBD: reconnecting failed: {e}; next attempt in {:?}",
-                        pt.delay
-                    );
-                    pt.retry_at = Some(now + pt.delay);
-                    pt.delay = (pt.delay * 2).min(MAX_BACKOFF.max(self.opts.reconnect_delay));
-                    Err(BackendError::Io(std::io::Error::from_raw_os_error(
-                        libc::EIO,
-                    )))
-                }
-            }
-        })
+        });
     }
 
     /// A new connection to the same export, checked to still be the same size and as writable.
-    fn reconnect(&self) -> std::result::Result<Connected, String> {
-        let c = connect::connect(&self.uri, self.tls.as_ref(), self.opts.timeout)
-            .map_err(|e| e.to_string())?;
+    fn check(&self, c: Connected) -> std::result::Result<Connected, String> {
         let e = c.export;
         if e.size != self.export.size {
             return Err(format!(
@@ -333,7 +450,7 @@ impl NbdBackend {
         if n == 0 {
             return (Ok(0), win);
         }
-        let (conn, flags, max) = match self.route(cmd) {
+        let (conn, flags, max) = match self.route(eng, cmd).await {
             Ok(r) => r,
             Err(e) => return (Err(e), win),
         };
@@ -375,7 +492,7 @@ impl NbdBackend {
         off: u64,
         len: u32,
     ) -> Result<conn::Outcome> {
-        let conn = self.conn()?;
+        let conn = self.conn(eng).await?;
         let (r, _) = conn.request(eng, cmd, flags, off, len, None).await;
         r.map_err(errno)
     }
@@ -461,7 +578,7 @@ impl NbdBackend {
         off: u64,
         mut buf: Vec<u8>,
     ) -> (Result<()>, Vec<u8>) {
-        let (conn, flags, max) = match self.route(cmd) {
+        let (conn, flags, max) = match self.route(eng, cmd).await {
             Ok(r) => r,
             Err(e) => return (Err(e), buf),
         };
@@ -751,7 +868,7 @@ impl BlockBackend for NbdBackend {
                 Seek::Hole => Some(off),
             });
         }
-        let conn = self.conn()?;
+        let conn = self.conn(eng).await?;
         if conn.export().allocation_context.is_none() {
             // No block status: everything is data, the only hole is the end.
             return Ok(Some(match whence {
@@ -799,5 +916,9 @@ impl BlockBackend for NbdBackend {
 
     fn set_times(&self, _atime: Option<(i64, u32)>, _mtime: Option<(i64, u32)>) -> Result<()> {
         Ok(())
+    }
+
+    fn queue_stopping(&self) {
+        self.stop_connecting();
     }
 }
