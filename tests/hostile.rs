@@ -16,6 +16,10 @@ use std::time::{Duration, Instant};
 use fusex_e2e::*;
 use serde_json::Value;
 
+/// The system's Python, which another user can run (a `python3` earlier on root's PATH, a pyenv
+/// shim say, may not be).
+const SYSTEM_PYTHON: &str = "/usr/bin/python3";
+
 /// `renameat2(a, b, RENAME_EXCHANGE)`: swaps the two names atomically.
 fn exchange(a: &CString, b: &CString) -> bool {
     // SAFETY: both are valid NUL-terminated paths living across the call.
@@ -122,7 +126,7 @@ fn a_mountpoint_swapped_for_a_symlink_never_gets_the_mount() {
 /// there, and `fusex restart` (on the legacy transport) goes through it.
 #[test]
 fn the_restart_socket_sits_where_only_root_can_bind() {
-    if !require_fuse_and_tools(&["setpriv"]) {
+    if !require_fuse_and_tools(&["setpriv", SYSTEM_PYTHON]) {
         return;
     }
     let w = WorkDir::new("rsock");
@@ -169,10 +173,20 @@ fn the_restart_socket_sits_where_only_root_can_bind() {
     let squat = dir.join("squat.sock");
     let r = run(Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .args(["python3", "-c"])
-        .arg("import socket,sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])")
+        .args([SYSTEM_PYTHON, "-c"])
+        .arg(
+            "import socket,sys\n\
+             try: socket.socket(socket.AF_UNIX).bind(sys.argv[1])\n\
+             except PermissionError: print('EACCES'); sys.exit(3)\n",
+        )
         .arg(&squat));
-    assert!(!r.status.success(), "nobody bound {}", squat.display());
+    assert_eq!(
+        (r.status.code(), String::from_utf8_lossy(&r.stdout).trim()),
+        (Some(3), "EACCES"),
+        "nobody's bind of {}: {}",
+        squat.display(),
+        String::from_utf8_lossy(&r.stderr)
+    );
     assert!(!squat.exists());
     let st = m.stop();
     assert!(st.exited && !st.left_mounted, "{st:?}");
@@ -282,4 +296,78 @@ fn fusex_list_shows_serving_stopping_and_dead_exports() {
     assert!(dead["pid"].is_null());
     run_ok(Command::new(fusex_bin()).arg("umount").arg(&mp_qcow));
     assert!(listed(&mp_qcow).is_none());
+}
+
+/// A daemon of a release before the runtime directory listens on the abstract name
+/// `fusex-restart/MAJ:MIN/ID`, which `fusex restart` still tries when the export has no socket
+/// file, so such a daemon can be upgraded in place. Anyone may bind that name: a squatter (here
+/// `nobody`, answering on it while the real socket file is gone) is refused in one line, and the
+/// export serves on.
+#[test]
+fn a_squatter_on_the_earlier_abstract_name_is_refused() {
+    if !require_fuse_and_tools(&["setpriv", SYSTEM_PYTHON]) {
+        return;
+    }
+    let w = WorkDir::new("squat");
+    let img = w.join("disk.img");
+    let model = random_image(&img, MIB, 10);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &["--transport", "legacy"]);
+    let dir = Path::new("/run/fusex");
+    let find = || {
+        fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.extension().is_some_and(|x| x == "sock")
+                    && fs::read_to_string(p.with_extension("json"))
+                        .is_ok_and(|s| s.contains(&format!("\"pid\":{}", m.pid())))
+            })
+    };
+    assert!(wait_until(Instant::now() + TIMEOUT, || find().is_some()));
+    let socket = find().unwrap();
+    let stem = socket.file_stem().unwrap().to_string_lossy().into_owned();
+    let (dev, id) = stem.split_once('-').unwrap();
+    fs::remove_file(&socket).unwrap();
+    // nobody listens on the earlier name and answers whatever comes.
+    let squatter = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            SYSTEM_PYTHON,
+            "-c",
+        ])
+        .arg(
+            "import socket,sys\n\
+             s=socket.socket(socket.AF_UNIX); s.bind('\\0'+sys.argv[1]); s.listen(1)\n\
+             print('ready', flush=True)\n\
+             c,_=s.accept(); c.recv(64)\n\
+             b=b'{\"op\":\"refused\",\"error\":\"squatted\"}'\n\
+             c.sendall(len(b).to_bytes(4,'little')+b)\n",
+        )
+        .arg(format!("fusex-restart/{dev}/{id}"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut squatter = ChildGuard(squatter);
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(squatter.0.stdout.as_mut().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let r = run_fusex(
+        &w,
+        &[Path::new("restart").as_os_str(), mp.as_os_str()],
+        None,
+    );
+    r.assert_one_error_line("a squatter on the abstract name");
+    assert!(r.stderr.contains("belongs to user 65534"), "{}", r.stderr);
+    assert_bytes_eq(&read_all(&mp), &model, 0, "the export serves on");
+    drop(squatter);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "{st:?}");
 }

@@ -25,6 +25,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
 use transport::MountIdentity;
 
 /// Whether a daemon listens for restarts on `socket`: false once the daemon that bound it died.
@@ -66,9 +67,22 @@ pub fn listen(path: &Path) -> io::Result<UnixListener> {
     UnixListener::bind(path)
 }
 
-/// Connects to the daemon listening on `path`.
-pub fn connect(path: &Path) -> io::Result<UnixStream> {
-    UnixStream::connect(path)
+/// Connects to the daemon serving the mount `id` from `dir` (its user's runtime directory). A
+/// daemon of a release before the runtime directory listens on the abstract name
+/// `fusex-restart/MAJ:MIN/ID` instead; that name is tried when the socket file is missing, so such
+/// a daemon can still be upgraded in place. Anyone may bind an abstract name: the caller believes
+/// the peer only if it is root or the mount's user ([`peer`]), so a squatter is refused.
+pub fn connect(dir: &Path, id: &MountIdentity) -> io::Result<UnixStream> {
+    use std::os::linux::net::SocketAddrExt;
+    match UnixStream::connect(crate::runtime::socket_path(dir, id)) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let (maj, min) = id.dev();
+            let name = format!("fusex-restart/{maj}:{min}/{}", id.mount_id());
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+            UnixStream::connect_addr(&addr).map_err(|_| e)
+        }
+        r => r,
+    }
 }
 
 /// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect.
@@ -97,8 +111,97 @@ const MAX_MESSAGE: usize = 1 << 20;
 /// Descriptors a message may carry.
 const MAX_FDS: usize = 4;
 
+/// The version of [`State`] this binary writes. A successor reads any version up to its own (the
+/// unversioned state of earlier fusex releases is version 0, the same fields) and refuses a newer
+/// one in one line instead of misreading it.
+pub const STATE_VERSION: u32 = 1;
+
+/// One message of the conversation. On the wire: a JSON object whose `op` names the variant, the
+/// variant's fields beside it (the format earlier releases spoke, so either side may be older).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+pub enum Message {
+    /// new → old: asks for the export.
+    Hello,
+    /// old → new: the export's state, with the connection's fd (and the watcher's pipe) attached.
+    State(State),
+    /// old → new: not handed over, and why (the old daemon serves on).
+    Refused {
+        /// What to tell the user.
+        error: String,
+    },
+    /// new → old: everything that can fail is done; stop taking requests and let go.
+    Release,
+    /// old → new: quiet and flushed; the new daemon serves from now on.
+    Released {
+        /// Files open on the export at the handover (their RELEASE reaches the new daemon).
+        #[serde(default)]
+        open_files: u64,
+    },
+}
+
+/// What a successor needs of a live export besides its descriptors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    /// [`STATE_VERSION`] of the sender (0: a release before the state had one).
+    #[serde(default)]
+    pub version: u32,
+    /// The `fusex mount` command line the export was started with (the successor parses it).
+    pub argv: Vec<String>,
+    /// The old daemon's working directory: relative paths on `argv` are resolved from it.
+    pub cwd: String,
+    /// What INIT settled (it is not sent again).
+    pub minor: u32,
+    /// The kernel's protocol minor from INIT.
+    pub kernel_minor: u32,
+    /// INIT flags the kernel offered.
+    pub offered: u64,
+    /// INIT flags granted.
+    pub flags: u64,
+    /// `max_write` settled at INIT.
+    pub max_write: u32,
+    /// `max_readahead` settled at INIT.
+    pub max_readahead: u32,
+    /// The request timeout the kernel applies, if any.
+    pub request_timeout: Option<u16>,
+    /// Requests in flight per queue.
+    pub depth: usize,
+    /// Queue threads.
+    pub queues: usize,
+    /// The canonical mountpoint.
+    pub mountpoint: String,
+    /// The mount's id (see [`MountIdentity`]).
+    pub mount_id: u64,
+    /// Whether `mount_id` is the never-reused one.
+    pub unique: bool,
+    /// The FUSE connection's device number.
+    pub dev: (u32, u32),
+    /// The mountpoint file the first daemon created (device major, minor, inode).
+    pub created: Option<(u32, u32, u64)>,
+    /// Whether fusermount3 made the mount.
+    pub via_fusermount: bool,
+    /// systemd's notification socket, if the export is a service.
+    pub notify_socket: Option<String>,
+    /// Whether the `--auto-unmount` watcher's pipe is attached.
+    pub watcher: bool,
+    /// The image as given on the command line.
+    pub image: String,
+}
+
+impl State {
+    /// The mount as [`transport::Mount::adopt`] takes it over.
+    pub fn handover(&self) -> transport::Handover {
+        transport::Handover {
+            mountpoint: PathBuf::from(&self.mountpoint),
+            identity: MountIdentity::from_parts(self.mount_id, self.unique, self.dev),
+            created: self.created,
+            via_fusermount: self.via_fusermount,
+        }
+    }
+}
+
 /// Sends `msg` with `fds` attached.
-pub fn send(sock: &UnixStream, msg: &serde_json::Value, fds: &[RawFd]) -> io::Result<()> {
+pub fn send(sock: &UnixStream, msg: &Message, fds: &[RawFd]) -> io::Result<()> {
     let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
     let mut frame = (body.len() as u32).to_le_bytes().to_vec();
     frame.extend_from_slice(&body);
@@ -115,8 +218,9 @@ pub fn send(sock: &UnixStream, msg: &serde_json::Value, fds: &[RawFd]) -> io::Re
     Ok(())
 }
 
-/// Receives one message and the descriptors attached to it (owned here from now on).
-pub fn recv(sock: &UnixStream) -> io::Result<(serde_json::Value, Vec<OwnedFd>)> {
+/// Receives one message and the descriptors attached to it (owned here from now on). A message
+/// that is not one of [`Message`]'s is an error naming what it lacks.
+pub fn recv(sock: &UnixStream) -> io::Result<(Message, Vec<OwnedFd>)> {
     let mut head = [0u8; 4];
     let (got, fds) = transport::fdpass::recv_with_fds(sock.as_raw_fd(), &mut head, MAX_FDS)?;
     if got == 0 {
@@ -135,17 +239,18 @@ pub fn recv(sock: &UnixStream) -> io::Result<(serde_json::Value, Vec<OwnedFd>)> 
     Ok((msg, fds))
 }
 
-/// A message's `op`.
-pub fn op(msg: &serde_json::Value) -> &str {
-    msg["op"].as_str().unwrap_or("")
-}
-
-/// Fails with the peer's `error` when the message is a refusal, or when it is not `want`.
-pub fn expect(msg: &serde_json::Value, want: &str) -> Result<()> {
-    match op(msg) {
-        o if o == want => Ok(()),
-        "refused" => bail!("{}", msg["error"].as_str().unwrap_or("refused")),
-        o => bail!("unexpected restart message {o:?} (wanted {want:?})"),
+/// Fails with the peer's `error` when the message is a refusal, or names what came instead of
+/// `want` (the variant's name as on the wire).
+pub fn unexpected(msg: &Message, want: &str) -> anyhow::Error {
+    match msg {
+        Message::Refused { error } => anyhow::anyhow!("{error}"),
+        other => {
+            let op = serde_json::to_value(other)
+                .ok()
+                .and_then(|v| v["op"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            anyhow::anyhow!("unexpected restart message {op:?} (wanted {want:?})")
+        }
     }
 }
 
@@ -180,17 +285,47 @@ mod tests {
     use super::*;
     use std::os::fd::AsFd;
 
+    fn state() -> State {
+        State {
+            version: STATE_VERSION,
+            argv: vec![
+                "fusex".into(),
+                "mount".into(),
+                "a.img".into(),
+                "a.raw".into(),
+            ],
+            cwd: "/srv".into(),
+            minor: 45,
+            kernel_minor: 45,
+            offered: 1 << 40 | 3,
+            flags: 3,
+            max_write: 1 << 19,
+            max_readahead: 1 << 17,
+            request_timeout: Some(600),
+            depth: 33,
+            queues: 2,
+            mountpoint: "/srv/a.raw".into(),
+            mount_id: 1 << 33,
+            unique: true,
+            dev: (0, 52),
+            created: Some((8, 1, 77)),
+            via_fusermount: false,
+            notify_socket: None,
+            watcher: true,
+            image: "a.img".into(),
+        }
+    }
+
     #[test]
     fn messages_carry_descriptors() {
         let (a, b) = UnixStream::pair().unwrap();
         let f = tempfile::tempfile().unwrap();
         let (r, w) = std::io::pipe().unwrap();
         let fds = [f.as_raw_fd(), w.as_fd().as_raw_fd()];
-        send(&a, &serde_json::json!({"op": "state", "n": 7}), &fds).unwrap();
-        send(&a, &serde_json::json!({"op": "released"}), &[]).unwrap();
+        send(&a, &Message::State(state()), &fds).unwrap();
+        send(&a, &Message::Released { open_files: 2 }, &[]).unwrap();
         let (msg, got) = recv(&b).unwrap();
-        assert_eq!(op(&msg), "state");
-        assert_eq!(msg["n"], 7);
+        assert_eq!(msg, Message::State(state()));
         assert_eq!(got.len(), 2);
         // The received pipe end is the same pipe.
         drop(w);
@@ -201,8 +336,36 @@ mod tests {
         (&r).read_to_string(&mut s).unwrap();
         assert_eq!(s, "x");
         let (msg, got) = recv(&b).unwrap();
-        expect(&msg, "released").unwrap();
+        assert_eq!(msg, Message::Released { open_files: 2 });
         assert!(got.is_empty());
+    }
+
+    /// The wire format is the one earlier releases spoke (flat fields beside `op`), so a daemon
+    /// of an earlier release can hand over to this one: its state, without `version`, reads as
+    /// version 0.
+    #[test]
+    fn the_state_of_an_earlier_release_still_reads() {
+        let wire = serde_json::to_value(Message::State(state())).unwrap();
+        assert_eq!(wire["op"], "state");
+        assert_eq!(wire["dev"], serde_json::json!([0, 52]));
+        assert_eq!(wire["created"], serde_json::json!([8, 1, 77]));
+        let mut old = wire.clone();
+        old.as_object_mut().unwrap().remove("version");
+        // A field this release does not know is ignored, as earlier releases ignored ours.
+        old["later"] = 1.into();
+        let Message::State(st) = serde_json::from_value(old).unwrap() else {
+            panic!("not a state");
+        };
+        assert_eq!(st.version, 0);
+        assert_eq!(st.handover().identity.mount_id(), 1 << 33);
+        for (op, msg) in [
+            ("hello", Message::Hello),
+            ("release", Message::Release),
+            ("released", Message::Released { open_files: 0 }),
+        ] {
+            let v = serde_json::json!({ "op": op });
+            assert_eq!(serde_json::from_value::<Message>(v).unwrap(), msg);
+        }
     }
 
     #[test]
@@ -210,16 +373,24 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         send(
             &a,
-            &serde_json::json!({"op": "refused", "error": "no: because"}),
+            &Message::Refused {
+                error: "no: because".into(),
+            },
             &[],
         )
         .unwrap();
         let (msg, _) = recv(&b).unwrap();
+        assert_eq!(unexpected(&msg, "state").to_string(), "no: because");
         assert_eq!(
-            expect(&msg, "state").unwrap_err().to_string(),
-            "no: because"
+            unexpected(&Message::Hello, "state").to_string(),
+            "unexpected restart message \"hello\" (wanted \"state\")"
         );
         (&a).write_all(&[3, 0, 0, 0, b'{', b'x', b'}']).unwrap();
+        assert!(recv(&b).is_err());
+        // Well-formed JSON that is no message: an error, not a default.
+        let body = br#"{"op":"state","argv":[]}"#;
+        (&a).write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+        (&a).write_all(body).unwrap();
         assert!(recv(&b).is_err());
         (&a).write_all(&u32::MAX.to_le_bytes()).unwrap();
         assert!(recv(&b).is_err());

@@ -895,7 +895,9 @@ fn run_queues(
                 if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
                     let _ = crate::restart::send(
                         &stream,
-                        &serde_json::json!({"op": "refused", "error": "the daemon is stopping"}),
+                        &crate::restart::Message::Refused {
+                            error: "the daemon is stopping".into(),
+                        },
                         &[],
                     );
                     let _ = accepted.send(false);
@@ -1018,7 +1020,9 @@ fn release(
     }
     *flushed = Some(f);
     // The files open now are the successor's to count down as their RELEASEs reach it.
-    let released = serde_json::json!({"op": "released", "open_files": export.open_files()});
+    let released = crate::restart::Message::Released {
+        open_files: export.open_files(),
+    };
     match crate::restart::send(stream, &released, &[]) {
         Ok(()) => {
             notifier.main_pid(pid);
@@ -1091,29 +1095,29 @@ fn spawn_restart_listener(
     let watcher = neg._watcher.as_ref().map(|w| w.dup()).transpose()?;
     let n = &neg.negotiated;
     let id = handover.identity;
-    let state = serde_json::json!({
-        "op": "state",
-        "argv": neg.argv,
-        "cwd": std::env::current_dir()?.to_string_lossy(),
-        "minor": n.minor,
-        "kernel_minor": n.kernel_minor,
-        "offered": n.offered,
-        "flags": n.flags,
-        "max_write": n.max_write,
-        "max_readahead": n.max_readahead,
-        "request_timeout": n.request_timeout,
-        "depth": neg.plan.depth,
-        "queues": neg.queues,
-        "mountpoint": handover.mountpoint.to_string_lossy(),
-        "mount_id": id.mount_id(),
-        "unique": id.is_unique(),
-        "dev": [id.dev().0, id.dev().1],
-        "created": handover.created.map(|(a, b, c)| serde_json::json!([a, b, c])),
-        "via_fusermount": handover.via_fusermount,
-        "notify_socket": notifier.socket(),
-        "watcher": watcher.is_some(),
-        "image": args.image,
-    });
+    let state = crate::restart::State {
+        version: crate::restart::STATE_VERSION,
+        argv: neg.argv.clone(),
+        cwd: std::env::current_dir()?.to_string_lossy().into_owned(),
+        minor: n.minor,
+        kernel_minor: n.kernel_minor,
+        offered: n.offered,
+        flags: n.flags,
+        max_write: n.max_write,
+        max_readahead: n.max_readahead,
+        request_timeout: n.request_timeout,
+        depth: neg.plan.depth,
+        queues: neg.queues,
+        mountpoint: handover.mountpoint.to_string_lossy().into_owned(),
+        mount_id: id.mount_id(),
+        unique: id.is_unique(),
+        dev: id.dev(),
+        created: handover.created,
+        via_fusermount: handover.via_fusermount,
+        notify_socket: notifier.socket().map(str::to_string),
+        watcher: watcher.is_some(),
+        image: args.image.clone(),
+    };
     std::thread::Builder::new()
         .name("fusex-restart".into())
         .spawn(move || {
@@ -1151,11 +1155,11 @@ fn hand_over(
     stream: &std::os::unix::net::UnixStream,
     euid: u32,
     refusal: Option<&str>,
-    state: &serde_json::Value,
+    state: &crate::restart::State,
     conn: &std::os::fd::OwnedFd,
     watcher: &Option<std::os::fd::OwnedFd>,
 ) -> Result<u32> {
-    use crate::restart::{expect, peer, recv, send};
+    use crate::restart::{peer, recv, send, unexpected, Message};
     // A peer that stops talking must not keep this thread (and so every later restart) forever;
     // generous, since the new process opens the image in between.
     stream.set_read_timeout(Some(Duration::from_secs(300)))?;
@@ -1163,7 +1167,9 @@ fn hand_over(
     let refuse = |why: &str| {
         let _ = send(
             stream,
-            &serde_json::json!({"op": "refused", "error": why}),
+            &Message::Refused {
+                error: why.to_string(),
+            },
             &[],
         );
         anyhow::anyhow!("{why}")
@@ -1173,18 +1179,21 @@ fn hand_over(
             "user {uid} may not restart this export: run fusex restart as root or as user {euid}"
         )));
     }
-    let (hello, _) = recv(stream).context("reading the request")?;
-    expect(&hello, "hello")?;
+    match recv(stream).context("reading the request")? {
+        (Message::Hello, _) => {}
+        (other, _) => return Err(unexpected(&other, "hello")),
+    }
     if let Some(why) = refusal {
         return Err(refuse(why));
     }
     tracing::info!("restart: process {pid} asks for the export; it keeps being served meanwhile");
     let mut fds = vec![conn.as_raw_fd()];
     fds.extend(watcher.as_ref().map(|w| w.as_raw_fd()));
-    send(stream, state, &fds).context("sending the state")?;
-    let (msg, _) = recv(stream).context("process went away before taking over")?;
-    expect(&msg, "release")?;
-    Ok(pid)
+    send(stream, &Message::State(state.clone()), &fds).context("sending the state")?;
+    match recv(stream).context("process went away before taking over")? {
+        (Message::Release, _) => Ok(pid),
+        (other, _) => Err(unexpected(&other, "release")),
+    }
 }
 
 /// How often the main thread looks at the image's size (the kernel's attribute timeout, so
@@ -1388,8 +1397,7 @@ type TakenOver = (
 );
 
 fn take_over(path: &Path) -> Result<TakenOver> {
-    use crate::restart::{connect, expect, identify, recv, send};
-    use serde_json::{json, Value};
+    use crate::restart::{connect, identify, recv, send, unexpected, Message, STATE_VERSION};
     let shown = path.display();
     let (id, user) = identify(path)?;
     // SAFETY: geteuid has no preconditions.
@@ -1401,7 +1409,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     // that user's processes (or root's) can be listening on it.
     let dir = crate::runtime::checked(user, false)
         .map_err(|e| anyhow::anyhow!("cannot restart {shown}: {e}"))?;
-    let sock = connect(&crate::runtime::socket_path(&dir, &id)).map_err(|e| {
+    let sock = connect(&dir, &id).map_err(|e| {
         anyhow::anyhow!(
             "no fusex daemon takes restarts of {shown} ({e}): it may predate fusex restart"
         )
@@ -1413,41 +1421,37 @@ fn take_over(path: &Path) -> Result<TakenOver> {
              who serves it: stop whatever listens there"
         );
     }
-    send(&sock, &json!({"op": "hello"}), &[])?;
-    let (state, fds) = recv(&sock).context("reading the export's state from its daemon")?;
-    expect(&state, "state")?;
+    send(&sock, &Message::Hello, &[])?;
+    let (state, fds) = match recv(&sock).context("reading the export's state from its daemon")? {
+        (Message::State(state), fds) => (state, fds),
+        (other, _) => return Err(unexpected(&other, "state")),
+    };
+    if state.version > STATE_VERSION {
+        bail!(
+            "the daemon serving {shown} is a newer fusex (restart state version {}, this binary \
+             reads up to {STATE_VERSION}): restart it with that fusex",
+            state.version
+        );
+    }
     let mut fds = fds.into_iter();
     let conn = fds.next().context("the daemon sent no connection fd")?;
-    let watcher = if state["watcher"].as_bool() == Some(true) {
+    let watcher = if state.watcher {
         Some(crate::watcher::Watcher::from_fd(
             fds.next().context("the daemon sent no watcher pipe")?,
         ))
     } else {
         None
     };
-    let num = |k: &str| -> Result<u64> {
-        state[k]
-            .as_u64()
-            .with_context(|| format!("the daemon's state lacks {k}"))
-    };
-    let text = |v: &Value| v.as_str().map(str::to_string);
     // Relative paths on the command line are the old daemon's: resolve them as it did.
-    let cwd = text(&state["cwd"]).context("the daemon's state lacks cwd")?;
-    std::env::set_current_dir(&cwd).with_context(|| format!("entering {cwd}"))?;
-    let argv: Vec<String> = state["argv"]
-        .as_array()
-        .context("the daemon's state lacks argv")?
-        .iter()
-        .filter_map(text)
-        .collect();
-    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(&argv)
+    std::env::set_current_dir(&state.cwd).with_context(|| format!("entering {}", state.cwd))?;
+    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(&state.argv)
         .map_err(|e| anyhow::anyhow!("the daemon's command line: {}", e.kind()))?;
     let Some(crate::cli::Command::Mount(args)) = cli.command else {
         bail!("the daemon's command line is not fusex mount");
     };
     let args = *args;
-    let notifier = match text(&state["notify_socket"]) {
-        Some(v) => crate::notify::Notifier::connect(&v)?,
+    let notifier = match &state.notify_socket {
+        Some(v) => crate::notify::Notifier::connect(v)?,
         None => crate::notify::Notifier::from_env()?,
     };
     // A writable qcow2 image's tables change while the old daemon serves it: opened now, this
@@ -1466,17 +1470,15 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     } else {
         Some(open_export(&args, true)?)
     };
-    let max_write = u32::try_from(num("max_write")?).context("max_write")?;
+    let max_write = state.max_write;
     let negotiated = transport::Negotiated {
-        minor: num("minor")? as u32,
-        kernel_minor: num("kernel_minor")? as u32,
-        offered: num("offered")?,
-        flags: num("flags")?,
+        minor: state.minor,
+        kernel_minor: state.kernel_minor,
+        offered: state.offered,
+        flags: state.flags,
         max_write,
-        max_readahead: num("max_readahead")? as u32,
-        request_timeout: state["request_timeout"]
-            .as_u64()
-            .and_then(|t| u16::try_from(t).ok()),
+        max_readahead: state.max_readahead,
+        request_timeout: state.request_timeout,
     };
     if negotiated.has(FUSE_OVER_IO_URING) {
         bail!("the export uses the io_uring transport, which cannot be handed over");
@@ -1489,8 +1491,8 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         }
         None => None,
     };
-    let queues = usize::try_from(num("queues")?)?.max(1);
-    let depth = usize::try_from(num("depth")?)?.max(1);
+    let queues = state.queues.max(1);
+    let depth = state.depth.max(1);
     let possible = crate::affinity::possible_cpus();
     let plan = MemoryPlan {
         max_write: max_write as usize,
@@ -1501,28 +1503,13 @@ fn take_over(path: &Path) -> Result<TakenOver> {
             .memory_budget
             .map_or_else(|| memory::budget(possible), |b| b as usize),
     };
-    let dev = state["dev"].as_array().context("dev")?;
-    let part = |i: usize| dev.get(i).and_then(Value::as_u64).unwrap_or(0) as u32;
-    let identity = transport::MountIdentity::from_parts(
-        num("mount_id")?,
-        state["unique"] == true,
-        (part(0), part(1)),
-    );
-    let created = state["created"].as_array().map(|c| {
-        let p = |i: usize| c.get(i).and_then(Value::as_u64).unwrap_or(0);
-        (p(0) as u32, p(1) as u32, p(2))
-    });
-    let handover = transport::Handover {
-        mountpoint: PathBuf::from(text(&state["mountpoint"]).context("mountpoint")?),
-        identity,
-        created,
-        via_fusermount: state["via_fusermount"] == true,
-    };
+    let handover = state.handover();
     // Everything that can fail is done: let the old daemon finish and let go.
-    send(&sock, &json!({"op": "release"}), &[])?;
-    let (msg, _) = recv(&sock).context("the old daemon went away before letting go")?;
-    expect(&msg, "released")?;
-    let open_files = msg["open_files"].as_u64().unwrap_or(0);
+    send(&sock, &Message::Release, &[])?;
+    let open_files = match recv(&sock).context("the old daemon went away before letting go")? {
+        (Message::Released { open_files }, _) => open_files,
+        (other, _) => return Err(unexpected(&other, "released")),
+    };
     let export = match opened {
         // The old daemon may have grown the image since it was opened here.
         Some(export) => {
@@ -1548,7 +1535,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     );
     let settled = Settled {
         negotiated,
-        argv,
+        argv: state.argv,
         max_write,
         plan,
         queues,
