@@ -95,6 +95,7 @@ impl BlockBackend for Mem {
             writable: true,
             resize: true,
             raw_file: false,
+            ..Capabilities::default()
         }
     }
 

@@ -244,6 +244,29 @@ fn open_as(
 }
 
 impl AnyBackend {
+    /// What was found at open that an operator may want to see (an NBD server's export: size,
+    /// multi-conn, block sizes, block status, structured replies); None when there is nothing
+    /// beyond the format.
+    pub fn details(&self) -> Option<String> {
+        let AnyBackend::Nbd(n) = self else {
+            return None;
+        };
+        let e = n.export();
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        Some(format!(
+            "NBD export {}: {} bytes, multi-conn {}, block sizes {}/{}/{}, block status {}, \
+             structured replies {}",
+            n.server(),
+            e.size,
+            yes(n.multi_conn()),
+            e.min_block,
+            e.preferred_block,
+            e.max_payload,
+            yes(e.allocation_context.is_some()),
+            yes(e.structured)
+        ))
+    }
+
     /// The format being served, and for `--format auto` why it was chosen (logged once the
     /// mount is live, so a refusal stays a single line).
     pub fn format_description(&self, probed: bool) -> &'static str {

@@ -60,6 +60,7 @@ impl BlockBackend for NullBackend {
             writable: self.writable,
             resize: true,
             raw_file: false,
+            ..Capabilities::default()
         }
     }
 

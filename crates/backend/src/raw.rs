@@ -300,6 +300,7 @@ impl BlockBackend for RawBackend {
             writable: self.writable,
             resize: !self.block_device,
             raw_file: !self.block_device,
+            ..Capabilities::default()
         }
     }
 

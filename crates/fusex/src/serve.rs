@@ -166,6 +166,9 @@ fn serve_export(
 
 /// What INIT settled that the queues need.
 struct Settled {
+    /// The "mounted" line, logged once the export can be found by `fusex restart` (a successor
+    /// that took an export over has none).
+    announce: Option<String>,
     /// What INIT settled (handed to a successor by `fusex restart`).
     negotiated: transport::Negotiated,
     /// The `fusex mount` command line this export was started with (a successor parses it).
@@ -210,30 +213,17 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
     let mut threads = args
         .queues
         .map_or(crate::affinity::allowed_cpus().len(), usize::from);
-    if let AnyBackend::Nbd(n) = export.backend().inner() {
-        let e = n.export();
+    let caps = export.backend().capabilities();
+    if let Some(details) = export.backend().inner().details() {
+        tracing::info!("{details}");
+    }
+    if let Some((max, why)) = caps.max_queues.filter(|(max, _)| threads > *max) {
+        // Queues whose connections need not see each other's writes would break flushes.
         tracing::info!(
-            "NBD export {}: {} bytes, multi-conn {}, block sizes {}/{}/{}, block status {}, \
-             structured replies {}",
-            n.server(),
-            e.size,
-            if n.multi_conn() { "yes" } else { "no" },
-            e.min_block,
-            e.preferred_block,
-            e.max_payload,
-            if e.allocation_context.is_some() {
-                "yes"
-            } else {
-                "no"
-            },
-            if e.structured { "yes" } else { "no" }
+            "{why}: serving with {max} queue{}",
+            if max == 1 { "" } else { "s" }
         );
-        if !n.multi_conn() && threads > 1 {
-            // Without multi-conn, writes and flushes on different connections need not see each
-            // other: one queue, one connection.
-            tracing::info!("the NBD server does not advertise multi-conn: serving with 1 queue");
-            threads = 1;
-        }
+        threads = max;
     }
     let possible_cpus = crate::affinity::possible_cpus();
     let demand = Demand {
@@ -241,7 +231,7 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         threads,
         possible_cpus,
         depth: args.queue_depth.map(usize::from),
-        latency_bound: matches!(export.backend().inner(), AnyBackend::Nbd(_)),
+        latency_bound: caps.remote,
         budget: args
             .memory_budget
             .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
@@ -346,7 +336,7 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         (plan.buffers * buffer_size) >> 20,
         plan.budget >> 20
     );
-    tracing::info!(
+    let announce = format!(
         "mounted {} at {}, format {}",
         args.image,
         mnt.mountpoint().display(),
@@ -359,6 +349,7 @@ fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
         export,
         mnt,
         Settled {
+            announce: Some(announce),
             negotiated: neg,
             argv: std::env::args().collect(),
             max_write: neg.max_write,
@@ -661,6 +652,10 @@ fn run_queues(
     }
     let mut runtime =
         spawn_restart_listener(args, export, mnt, neg, notifier, privileges, tx.clone())?;
+    // Only now: a `fusex restart` that follows this line finds the listener.
+    if let Some(line) = &neg.announce {
+        tracing::info!("{line}");
+    }
     // What `fusex list` shows of this export, rewritten as it changes state.
     let mountpoint = mnt.mountpoint().to_string_lossy().into_owned();
     // The image as a path that means the same from anywhere (an NBD URI or `null:` as given).
@@ -1080,12 +1075,9 @@ fn spawn_restart_listener(
              mount it with --transport legacy to restart it without unmounting",
             handover.mountpoint.display()
         ))
-    } else if matches!(export.backend().inner(), AnyBackend::Nbd(_)) {
-        // The new process would connect while these connections are open, which a server
-        // without multi-conn may not accept, and would not see what they have not flushed.
+    } else if let Some(why) = export.backend().capabilities().no_handover {
         Some(format!(
-            "{} exports an NBD server, whose connections are not handed over: stop and mount it \
-             again",
+            "{} cannot be handed over ({why}): stop and mount it again",
             handover.mountpoint.display()
         ))
     } else {
@@ -1316,7 +1308,7 @@ fn final_flush(export: &Export<Served>) -> Result<bool> {
     if !export.config().writable {
         return Ok(false);
     }
-    if let AnyBackend::Nbd(_) = export.backend().inner() {
+    if export.backend().capabilities().flushes_on_close {
         // Each queue's connection flushes what it wrote as it closes (a new connection might
         // not even be accepted while they are open, and without multi-conn would not cover them).
         return Ok(false);
@@ -1534,6 +1526,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         max_write >> 10
     );
     let settled = Settled {
+        announce: None,
         negotiated,
         argv: state.argv,
         max_write,

@@ -222,25 +222,10 @@ impl Mount {
         fd: OwnedFd,
         before_visible: BeforeVisible<'_>,
     ) -> Result<Mount, TransportError> {
-        let shown = cfg.mountpoint.display().to_string();
         let mut m = Mount::unmounted(cfg)?;
         m.fd = Some(fd);
-        // A daemon that just left this mountpoint removes the file if it had created it; when that
-        // lands between the check and mount(2), mount(2) says ENOENT: make the file and mount again.
-        let mut attempts = 3;
-        loop {
-            m.created = m.prepare_mountpoint(&shown)?;
-            match m.mount(cfg, &mut *before_visible) {
-                Err(TransportError::Mount { error, .. })
-                    if error.raw_os_error() == Some(libc::ENOENT) && attempts > 1 =>
-                {
-                    attempts -= 1;
-                    tracing::debug!("mountpoint {shown} vanished before mount(2); again");
-                }
-                Err(e) => return Err(e),
-                Ok(()) => return Ok(m),
-            }
-        }
+        m.mount(cfg, before_visible)?;
+        Ok(m)
     }
 
     /// Checks what is at the mountpoint; creates the file if missing and says so by its identity.
@@ -419,7 +404,6 @@ impl Mount {
         before_visible: BeforeVisible<'_>,
     ) -> Result<(), TransportError> {
         let shown = cfg.mountpoint.display().to_string();
-        let target = self.open_target(&shown)?;
         let mount_err = |error: io::Error| match error.raw_os_error() {
             Some(libc::EPERM | libc::EACCES) => TransportError::NotPermitted(shown.clone()),
             _ => TransportError::Mount {
@@ -427,15 +411,35 @@ impl Mount {
                 error,
             },
         };
+        self.created = self.prepare_mountpoint(&shown)?;
         let detached = match self.mount_detached(cfg) {
             Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                let target = self.open_target(&shown)?;
                 return self.mount_legacy(cfg, &target, before_visible);
             }
             r => r.map_err(mount_err)?,
         };
         let id = crate::identity::identity_of_fd(detached.as_fd()).map_err(mount_err)?;
         before_visible(&self.mountpoint, &id).map_err(mount_err)?;
-        crate::mount_api::attach(detached.as_fd(), target.as_fd()).map_err(mount_err)?;
+        // A daemon that just left this mountpoint removes the file if it had created it; when
+        // that lands between the check and the attach, the file is gone (ENOENT): make it again
+        // and attach the same mount (the connection is bound to it already).
+        let mut attempts = 3;
+        loop {
+            let attached = self.open_target(&shown).and_then(|target| {
+                crate::mount_api::attach(detached.as_fd(), target.as_fd()).map_err(mount_err)
+            });
+            match attached {
+                Err(TransportError::Mount { error, .. })
+                    if error.raw_os_error() == Some(libc::ENOENT) && attempts > 1 =>
+                {
+                    attempts -= 1;
+                    tracing::debug!("mountpoint {shown} vanished before the mount; again");
+                    self.created = self.prepare_mountpoint(&shown)?;
+                }
+                r => break r?,
+            }
+        }
         if !id.is_at(&self.mountpoint) {
             // The file was renamed away between the open and the attach (a mounted file can no
             // longer be): the mount sits on it under another name. Take down exactly that mount.
@@ -470,7 +474,8 @@ impl Mount {
     }
 
     /// mount(2), for kernels without the descriptor mount API: still onto the checked file
-    /// (through its `/proc/self/fd` link), identified by path once it is visible.
+    /// (through its `/proc/self/fd` link), identified by path once it is visible. Not retried:
+    /// mount(2) binds the connection to a superblock before it looks at the target's state.
     fn mount_legacy(
         &mut self,
         cfg: &MountConfig,
@@ -512,6 +517,9 @@ impl Mount {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
                 Some(libc::EPERM | libc::EACCES) => TransportError::NotPermitted(shown),
+                // The file went away after the open: mount(2) may have bound the connection to
+                // a superblock already, so it cannot simply be tried again.
+                Some(libc::ENOENT) => TransportError::MountpointChanged(shown),
                 _ => TransportError::Mount {
                     path: shown,
                     error: e,

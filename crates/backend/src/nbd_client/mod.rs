@@ -786,6 +786,13 @@ impl BlockBackend for NbdBackend {
             writable: self.opts.writable,
             resize: false,
             raw_file: false,
+            remote: true,
+            max_queues: (!self.multi_conn())
+                .then_some((1, "the NBD server does not advertise multi-conn")),
+            // The new process would connect while these connections are open, which a server
+            // without multi-conn may not accept, and would not see what they have not flushed.
+            no_handover: Some("its NBD connections are not handed over"),
+            flushes_on_close: true,
         }
     }
 

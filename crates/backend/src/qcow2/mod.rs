@@ -655,6 +655,7 @@ impl BlockBackend for Qcow2Backend {
             writable: self.writable,
             resize: self.writable,
             raw_file: false,
+            ..Capabilities::default()
         }
     }
 

@@ -159,6 +159,7 @@ mod harness {
                 writable: true,
                 resize: true,
                 raw_file: false,
+                ..Capabilities::default()
             }
         }
 
