@@ -841,6 +841,29 @@ impl Engine {
         }
     }
 
+    /// Drops every task not finished yet, as dropping the engine would. Futures of unfinished
+    /// tasks may own ops: dropping them orphans those ops (their memory stays in the op table
+    /// until their completions), and cancels them; futures on borrowed memory wait on this ring.
+    ///
+    /// Why it is public: tasks often hold an `Rc` of a state that owns the engine (a queue's
+    /// request loops and their `QueueState`). After [`Engine::run`] fails, those tasks are still
+    /// here and the cycle would keep the ring, its fds and its buffers alive for good; the owner
+    /// calls this to break it. Must not be called from inside a task.
+    pub fn drop_tasks(&self) {
+        // The slots stay (task ids index them), empty; a later `run` finds nothing to do.
+        let tasks: Vec<Task> = self
+            .tasks
+            .borrow_mut()
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect();
+        self.ready.borrow_mut().clear();
+        self.live.set(0);
+        // Current while the tasks drop.
+        let _current = self.enter();
+        drop(tasks);
+    }
+
     /// The raw fd of the ring (for diagnostics).
     pub fn ring_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
@@ -922,15 +945,7 @@ fn submit_retry(
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Futures of unfinished tasks may own ops: dropping them orphans those ops (their memory
-        // stays in the op table until their completions), and cancels them.
-        let tasks: Vec<Option<Task>> = std::mem::take(&mut *self.tasks.borrow_mut());
-        {
-            // Current while the tasks drop: futures on borrowed memory wait on this ring.
-            let this: &Engine = self;
-            let _current = this.enter();
-            drop(tasks);
-        }
+        self.drop_tasks();
         // Ask the kernel to end everything else still in flight, then wait (bounded) for it.
         let pending: Vec<u64> = self.ops.borrow().pending().collect();
         for ud in pending {

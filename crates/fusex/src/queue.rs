@@ -216,6 +216,10 @@ fn serve(
     let server = QueueServer::new(export).with_splice_min(spec.splice_min);
     let st = QueueState::new(eng, server, legacy);
     let eng = st.engine();
+    // The request loops hold `st`, which owns the engine that holds them: on any way out before
+    // they all ended (a fatal ring error, a failed start) nothing would ever free the ring, its
+    // fds or its buffers. Dropped first, this drops what tasks are left.
+    let _tasks = TasksOf(eng);
 
     // The watcher turns a stop request (from the main thread, or from a loop that saw the
     // connection end) into a quiet queue, and tells the main thread once it is.
@@ -301,4 +305,13 @@ fn serve(
         error,
         dev_fuse_read,
     })
+}
+
+/// Drops the engine's unfinished tasks when dropped (see [`engine::Engine::drop_tasks`]).
+struct TasksOf<'a>(&'a engine::Engine);
+
+impl Drop for TasksOf<'_> {
+    fn drop(&mut self) {
+        self.0.drop_tasks();
+    }
 }
