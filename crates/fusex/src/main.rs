@@ -11,7 +11,6 @@ mod memory;
 mod notify;
 mod passthrough;
 mod privileges;
-mod queue;
 mod restart;
 mod runtime;
 mod serve;

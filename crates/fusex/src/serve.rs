@@ -19,7 +19,7 @@ use transport::{clone_fd, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
 use crate::daemon::Readiness;
-use crate::queue::{self, Event, QueueSpec, Source};
+use server::queue::{QueueEvent, QueueSpec, Source};
 
 use crate::memory::{self, Demand, Plan as MemoryPlan};
 use crate::privileges::{Access, Needs, Plan};
@@ -162,6 +162,31 @@ fn serve_export(
     }
     unmounted?;
     Ok(())
+}
+
+/// What the main thread of an export waits for.
+enum Event {
+    /// From a queue thread.
+    Queue(QueueEvent),
+    /// SIGINT, SIGTERM or SIGHUP arrived.
+    Signal(i32),
+    /// SIGUSR1 arrived: write the statistics as they stand.
+    Dump,
+    /// `fusex restart`: process `pid`, reached through `stream`, is ready to serve the export;
+    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`. The main
+    /// thread answers `accepted` with whether it took the request: a refused one leaves the
+    /// restart listener listening.
+    Release {
+        stream: std::os::unix::net::UnixStream,
+        pid: u32,
+        accepted: mpsc::Sender<bool>,
+    },
+}
+
+impl From<QueueEvent> for Event {
+    fn from(e: QueueEvent) -> Event {
+        Event::Queue(e)
+    }
 }
 
 /// What INIT settled that the queues need.
@@ -694,17 +719,24 @@ fn run_queues(
             depth: neg.plan.depth,
             max_write: neg.max_write as usize,
             spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
-            cpu: pin.then(|| cpus[id % cpus.len()]),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
-            fixed_files: args.fixed_files == crate::cli::OnOff::On,
+            fixed_files: (args.fixed_files == crate::cli::OnOff::On)
+                .then(|| export.backend().inner().io_fds()),
             splice_min: args.splice_min as usize,
-            privileges,
+            fallback_slots: memory::URING_LEGACY_SLOTS,
+            before_serving: Box::new(move || privileges.apply()),
         };
+        let cpu = pin.then(|| cpus[id % cpus.len()]);
         let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
         threads.push(
             std::thread::Builder::new()
                 .name(format!("fusex-q{id}"))
-                .spawn(move || queue::run(spec, export, stop, tx))?,
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        crate::affinity::pin_current_thread(cpu);
+                    }
+                    server::queue::run(spec, export, stop, tx)
+                })?,
         );
     }
     drop(tx);
@@ -779,12 +811,12 @@ fn run_queues(
             }
         };
         match ev {
-            Event::Started {
+            Event::Queue(QueueEvent::Started {
                 id,
                 remote,
                 task,
                 counters,
-            } => {
+            }) => {
                 remotes.push((remote, task));
                 live.push((id, counters));
                 if stop.load(Ordering::Acquire) {
@@ -819,7 +851,7 @@ fn run_queues(
                     }
                 }
             }
-            Event::Failed { id, error } => {
+            Event::Queue(QueueEvent::Failed { id, error }) => {
                 running -= 1;
                 quiet += 1;
                 let msg = format!("queue {id} failed to start: {error}");
@@ -829,8 +861,8 @@ fn run_queues(
                 failure.get_or_insert(msg);
                 stop_all(&remotes);
             }
-            Event::Quiesced => quiet += 1,
-            Event::Ended { id, report } => {
+            Event::Queue(QueueEvent::Quiesced) => quiet += 1,
+            Event::Queue(QueueEvent::Ended { id, report }) => {
                 running -= 1;
                 total.merge(&report.counters);
                 per_queue.push(serde_json::json!({

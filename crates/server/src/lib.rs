@@ -6,13 +6,16 @@
 //! payload). [`QueueServer`] decodes it, hands it to the [`export::Export`], and encodes the reply
 //! in the same buffer; [`reply::reply_parts`] is the one place either framing turns a reply into
 //! what the kernel reads. None of this needs a kernel: tests feed bytes in and read bytes out over
-//! a fake backend. [`slots`] runs the per-buffer request loops over the real transports.
+//! a fake backend. [`slots`] runs the per-buffer request loops over the real transports, and
+//! [`queue`] a whole queue thread (its engine, transports and loops, from start to report).
 
 pub mod crew;
+pub mod queue;
 pub mod reply;
 mod serve;
 pub mod slots;
 
 pub use crew::{Crew, Handoff};
+pub use queue::{QueueError, QueueEvent, QueueReport, QueueSpec, Source};
 pub use serve::{LegacyReply, QueueServer};
 pub use slots::QueueState;

@@ -13,16 +13,13 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
-use engine::{Engine, EngineConfig, EngineStats, Remote, TaskId};
+use backend::BlockBackend;
+use engine::{Engine, EngineConfig, EngineError, EngineStats, Remote, TaskId};
 use export::{Counters, Export, Snapshot};
-use server::{Crew, Handoff, QueueServer, QueueState};
-use transport::{Layout, LegacyQueue, UringLayout, UringQueue};
+use thiserror::Error;
+use transport::{Layout, LegacyQueue, TransportError, UringLayout, UringQueue};
 
-/// Slots of the legacy reader that an io_uring queue 0 keeps for requests sent before the ring
-/// is ready (and anything else the kernel still sends through `/dev/fuse`).
-use crate::memory::URING_LEGACY_SLOTS;
-use crate::serve::Served;
+use crate::{Crew, Handoff, QueueServer, QueueState};
 
 /// Where a queue gets its requests.
 pub enum Source {
@@ -50,20 +47,44 @@ pub struct QueueSpec {
     pub max_write: usize,
     /// Busy-poll before sleeping.
     pub spin: Duration,
-    /// CPU to pin the queue thread to.
-    pub cpu: Option<usize>,
     /// Read `/dev/fuse` with a multishot read where the kernel has it.
     pub multishot: bool,
-    /// Register the image and /dev/fuse descriptors as fixed files.
-    pub fixed_files: bool,
+    /// The image's descriptors to register as the ring's fixed files, with the io_uring
+    /// connection's (None: no fixed files).
+    pub fixed_files: Option<Vec<std::os::fd::RawFd>>,
     /// Legacy READs of at least this many bytes are spliced from the image (0: none).
     pub splice_min: usize,
-    /// Applied once the queue is set up, before it submits anything.
-    pub privileges: crate::privileges::Plan,
+    /// Slots of the legacy reader an io_uring queue keeps (on its `legacy` fd) for requests sent
+    /// before the ring is ready, and anything else the kernel still sends through `/dev/fuse`.
+    pub fallback_slots: usize,
+    /// Run once the queue is set up, before it submits anything (dropping privileges: every
+    /// io-wq worker the kernel forks from the thread later inherits what this leaves).
+    pub before_serving: Box<dyn FnOnce() -> std::io::Result<()> + Send>,
 }
 
-/// Messages from queue threads to the main thread.
-pub enum Event {
+/// Why a queue could not start or ended early.
+#[derive(Debug, Error)]
+pub enum QueueError {
+    /// The queue's ring failed.
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+    /// The queue's `/dev/fuse` fd could not be set up.
+    #[error("queue fd: {0}")]
+    Transport(#[from] TransportError),
+    /// The pool had fewer buffers than slots (a sizing bug).
+    #[error("buffer pool: fewer buffers than slots")]
+    NoBuffer,
+    /// A kernel queue id the crew does not have.
+    #[error("kernel queue {0} outside the crew")]
+    Qid(u16),
+    /// `before_serving` failed.
+    #[error("cannot drop privileges: {0}")]
+    Privileges(std::io::Error),
+}
+
+/// Messages from a queue thread to whoever runs the export (which wraps them in its own events
+/// through `From`).
+pub enum QueueEvent {
     /// The queue runs; wake `task` through `remote` to make it stop. `counters` are the
     /// queue's, readable live.
     Started {
@@ -79,19 +100,6 @@ pub enum Event {
     Quiesced,
     /// The queue ended (stop requested, connection gone, or an error, logged).
     Ended { id: usize, report: Box<QueueReport> },
-    /// SIGINT or SIGTERM arrived.
-    Signal(i32),
-    /// SIGUSR1 arrived: write the statistics as they stand.
-    Dump,
-    /// `fusex restart`: process `pid`, reached through `stream`, is ready to serve the export;
-    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`. The main
-    /// thread answers `accepted` with whether it took the request: a refused one leaves the
-    /// restart listener listening.
-    Release {
-        stream: std::os::unix::net::UnixStream,
-        pid: u32,
-        accepted: Sender<bool>,
-    },
 }
 
 /// What a queue did.
@@ -106,17 +114,15 @@ pub struct QueueReport {
     pub dev_fuse_read: &'static str,
 }
 
-/// Runs a queue to its end on the calling thread, reporting through `events`.
-pub fn run(
+/// Runs a queue to its end on the calling thread, reporting through `events`. `stop` set (and
+/// the `Started` task woken) makes it stop taking requests.
+pub fn run<B: BlockBackend, E: From<QueueEvent> + 'static>(
     spec: QueueSpec,
-    export: Arc<Export<Served>>,
+    export: Arc<Export<B>>,
     stop: Arc<AtomicBool>,
-    events: Sender<Event>,
+    events: Sender<E>,
 ) {
     let id = spec.id;
-    if let Some(cpu) = spec.cpu {
-        crate::affinity::pin_current_thread(cpu);
-    }
     let crew = match &spec.source {
         Source::Uring { crew, .. } => Some(crew.clone()),
         Source::Legacy(_) => None,
@@ -130,26 +136,32 @@ pub fn run(
     }
     match outcome {
         Ok(report) => {
-            let _ = events.send(Event::Ended {
-                id,
-                report: Box::new(report),
-            });
+            let _ = events.send(
+                QueueEvent::Ended {
+                    id,
+                    report: Box::new(report),
+                }
+                .into(),
+            );
         }
         Err(e) => {
-            let _ = events.send(Event::Failed {
-                id,
-                error: format!("{e:#}"),
-            });
+            let _ = events.send(
+                QueueEvent::Failed {
+                    id,
+                    error: e.to_string(),
+                }
+                .into(),
+            );
         }
     }
 }
 
-fn serve(
+fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
     spec: QueueSpec,
-    export: Arc<Export<Served>>,
+    export: Arc<Export<B>>,
     stop: Arc<AtomicBool>,
-    events: &Sender<Event>,
-) -> Result<QueueReport> {
+    events: &Sender<E>,
+) -> Result<QueueReport, QueueError> {
     let legacy_layout = Layout::new(spec.max_write);
     let uring_layout = UringLayout::new(spec.max_write);
     let (legacy_fd, legacy_depth, uring) = match spec.source {
@@ -161,7 +173,7 @@ fn serve(
             crew,
         } => {
             let n = if legacy.is_some() {
-                URING_LEGACY_SLOTS
+                spec.fallback_slots
             } else {
                 0
             };
@@ -192,8 +204,7 @@ fn serve(
     };
     let legacy = match legacy_fd {
         Some(fd) => {
-            let mut q =
-                LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1)).context("queue fd")?;
+            let mut q = LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1))?;
             if spec.multishot {
                 q.use_multishot(&eng, cfg.buffers);
             }
@@ -204,10 +215,9 @@ fn serve(
     };
     // The connection fd io_uring commands are issued on stays open for as long as the engine runs.
     let conn = uring.as_ref().map(|(fd, _, _)| fd.clone());
-    if spec.fixed_files {
+    if let Some(mut fds) = spec.fixed_files {
         use std::os::fd::AsRawFd;
         // Not the legacy /dev/fuse fd: a multishot READ of it as a fixed file fails with EBADFD.
-        let mut fds = export.backend().inner().io_fds();
         fds.extend(conn.as_ref().map(|fd| fd.as_raw_fd()));
         if let Err(e) = eng.register_files(&fds) {
             tracing::debug!("queue {}: no fixed files ({e})", spec.id);
@@ -243,11 +253,11 @@ fn serve(
                 }
             })
             .await;
-            let _ = events.send(Event::Quiesced);
+            let _ = events.send(QueueEvent::Quiesced.into());
         })
     };
     st.set_watcher(w);
-    let take = || eng.take_buffer().context("buffer pool");
+    let take = || eng.take_buffer().ok_or(QueueError::NoBuffer);
     if let Some(q) = st.legacy() {
         for _ in 0..legacy_depth {
             eng.spawn(st.clone().legacy_slot(take()?));
@@ -269,9 +279,7 @@ fn serve(
             .collect();
         st.join_crew(crew.clone(), spec.id, queues.clone());
         for &qid in &qids {
-            let q = queues
-                .get(usize::from(qid))
-                .context("kernel queue outside the crew")?;
+            let q = queues.get(usize::from(qid)).ok_or(QueueError::Qid(qid))?;
             for _ in 0..spec.depth {
                 eng.spawn(st.clone().uring_slot(q.clone(), take()?));
             }
@@ -289,13 +297,16 @@ fn serve(
     // Everything that needed privileges is done (ring, registered buffers, fixed files); nothing
     // is submitted yet, so every io-wq worker the kernel forks from this thread from here on gets
     // the reduced set too.
-    spec.privileges.apply().context("cannot drop privileges")?;
-    let _ = events.send(Event::Started {
-        id: spec.id,
-        remote: eng.remote(),
-        task: w,
-        counters: st.server().shared_counters(),
-    });
+    (spec.before_serving)().map_err(QueueError::Privileges)?;
+    let _ = events.send(
+        QueueEvent::Started {
+            id: spec.id,
+            remote: eng.remote(),
+            task: w,
+            counters: st.server().shared_counters(),
+        }
+        .into(),
+    );
     eng.run()?;
     let error = st.take_failure();
     let dev_fuse_read = st.legacy().map_or("none", LegacyQueue::read_mode);
@@ -307,8 +318,8 @@ fn serve(
     })
 }
 
-/// Drops the engine's unfinished tasks when dropped (see [`engine::Engine::drop_tasks`]).
-struct TasksOf<'a>(&'a engine::Engine);
+/// Drops the engine's unfinished tasks when dropped (see [`Engine::drop_tasks`]).
+struct TasksOf<'a>(&'a Engine);
 
 impl Drop for TasksOf<'_> {
     fn drop(&mut self) {
