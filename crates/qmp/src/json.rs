@@ -1,6 +1,6 @@
 //! JSON input as QMP reads it: duplicate keys are errors (QEMU refuses them; serde_json would
 //! let the last one win, so `{"execute": "a", "execute": "b"}` would run a command the client
-//! may not have meant), and the input is a stream of values cut into lines ([`Framer`]).
+//! may not have meant), and the input is a stream of values with no delimiter ([`Framer`]).
 
 use std::fmt;
 
@@ -99,17 +99,38 @@ pub enum Frame {
     TooLong,
 }
 
-/// Cuts a byte stream into JSON values. Values may share a line or span lines (QEMU's reader
-/// is a streaming lexer and accepts both), but parsing only happens on complete lines, so a
-/// number cut by a read boundary is never taken for a smaller one.
+/// Cuts a byte stream into JSON values as QEMU's streaming parser does: no delimiter is needed
+/// (QEMU's own Python client sends none), values may share a line or span lines. A top-level
+/// number that ends where the input ends waits for more bytes, as it may continue.
+///
+/// After a syntax error the input is skipped to the next `{` or newline, so the requests that
+/// follow still get answers (QEMU resyncs at a similar point, token by token).
 #[derive(Debug)]
 pub struct Framer {
     buf: Vec<u8>,
     limit: usize,
 }
 
+/// The byte index in `region` of serde_json's 1-based (line, column) error position.
+fn offset_of(region: &[u8], line: usize, column: usize) -> usize {
+    let mut line_start = 0;
+    if line > 1 {
+        let mut seen = 1;
+        for (i, &b) in region.iter().enumerate() {
+            if b == b'\n' {
+                seen += 1;
+                if seen == line {
+                    line_start = i + 1;
+                    break;
+                }
+            }
+        }
+    }
+    (line_start + column.saturating_sub(1)).min(region.len())
+}
+
 impl Framer {
-    /// A framer that gives up on a value (or a line) longer than `limit` bytes.
+    /// A framer that gives up on a value longer than `limit` bytes.
     pub fn new(limit: usize) -> Self {
         Framer {
             buf: Vec::new(),
@@ -121,46 +142,33 @@ impl Framer {
     pub fn push(&mut self, bytes: &[u8]) -> Vec<Frame> {
         self.buf.extend_from_slice(bytes);
         let mut out = Vec::new();
-        let Some(last_nl) = self.buf.iter().rposition(|&b| b == b'\n') else {
-            if self.buf.len() > self.limit {
-                out.push(Frame::TooLong);
-            }
-            return out;
-        };
-        let complete = last_nl + 1;
         let mut start = 0;
-        while start < complete {
-            let region = &self.buf[start..complete];
+        while start < self.buf.len() {
+            let region = &self.buf[start..];
             let mut stream =
                 serde_json::Deserializer::from_slice(region).into_iter::<StrictValue>();
             match stream.next() {
                 None => {
-                    start = complete;
+                    start = self.buf.len();
                 }
                 Some(Ok(StrictValue(v))) => {
-                    start += stream.byte_offset();
+                    let end = stream.byte_offset();
+                    if v.is_number() && region[end..].is_empty() {
+                        break;
+                    }
+                    start += end;
                     out.push(Frame::Value(v));
                 }
-                Some(Err(e)) if e.is_eof() => {
-                    // A value continues past the last newline: keep it for the next read.
-                    break;
-                }
+                Some(Err(e)) if e.is_eof() => break,
                 Some(Err(e)) => {
                     out.push(Frame::ParseError(message_of(&e)));
-                    // Drop the bad value's line: from where the error was found to its end.
-                    let err_line = e.line().max(1);
-                    let mut line = 1;
-                    let mut skip_to = complete;
-                    for (i, &b) in region.iter().enumerate() {
-                        if b == b'\n' {
-                            if line == err_line {
-                                skip_to = start + i + 1;
-                                break;
-                            }
-                            line += 1;
-                        }
-                    }
-                    start = skip_to;
+                    let at = offset_of(region, e.line(), e.column());
+                    let resume = region
+                        .iter()
+                        .skip(at + 1)
+                        .position(|&b| b == b'{' || b == b'\n')
+                        .map_or(region.len(), |i| at + 1 + i);
+                    start += resume;
                 }
             }
         }
@@ -215,15 +223,21 @@ mod tests {
     }
 
     #[test]
-    fn one_value_per_line_and_split_reads() {
+    fn no_delimiter_needed_and_split_reads() {
         let mut f = Framer::new(1024);
         assert!(f.push(br#"{"execute":"#).is_empty());
-        assert!(
-            f.push(br#""a"}"#).is_empty(),
-            "nothing is parsed before the newline"
+        assert_eq!(
+            values(f.push(br#""a"}"#)),
+            vec![json!({"execute": "a"})],
+            "complete without a newline"
         );
-        assert_eq!(values(f.push(b"\n")), vec![json!({"execute": "a"})]);
         assert_eq!(f.pending(), 0);
+        assert!(
+            f.push(b"12").is_empty(),
+            "a number at the end of the input may continue"
+        );
+        assert_eq!(values(f.push(b"3 ")), vec![json!(123)]);
+        assert_eq!(values(f.push(b"true")), vec![json!(true)]);
     }
 
     #[test]
@@ -233,26 +247,43 @@ mod tests {
             values(f.push(b"{\"a\":1} {\"b\":2}\n")),
             vec![json!({"a":1}), json!({"b":2})]
         );
+        assert_eq!(
+            values(f.push(b"{\"a\":1}{\"b\":2}")),
+            vec![json!({"a":1}), json!({"b":2})]
+        );
         assert!(f.push(b"{\"a\":\n").is_empty());
         assert_eq!(values(f.push(b"3}\n")), vec![json!({"a":3})]);
         assert!(f.push(b"\n   \n").is_empty(), "blank lines produce nothing");
     }
 
     #[test]
-    fn a_bad_line_is_reported_and_dropped() {
+    fn after_bad_input_the_next_request_is_found() {
         let mut f = Framer::new(1024);
         let out = f.push(b"{\"a\":1} xyz {\"b\":2}\n{\"c\":3}\n");
-        assert_eq!(out.len(), 3);
+        assert_eq!(out.len(), 4, "{out:?}");
         assert_eq!(out[0], Frame::Value(json!({"a":1})));
         assert!(matches!(out[1], Frame::ParseError(_)));
-        assert_eq!(out[2], Frame::Value(json!({"c":3})));
+        assert_eq!(out[2], Frame::Value(json!({"b":2})));
+        assert_eq!(out[3], Frame::Value(json!({"c":3})));
         assert_eq!(f.pending(), 0);
+        let out = f.push(b"{\"a\":1,\"a\":2}\n{\"c\":3}");
+        assert_eq!(
+            out,
+            vec![
+                Frame::ParseError("duplicate key".into()),
+                Frame::Value(json!({"c":3}))
+            ]
+        );
+        let out = f.push(b"xyz");
+        assert!(matches!(out[..], [Frame::ParseError(_)]));
+        assert_eq!(f.pending(), 0, "garbage without a delimiter is dropped");
+        assert_eq!(offset_of(b"ab\ncd", 2, 2), 4);
     }
 
     #[test]
-    fn too_long_with_or_without_newline() {
+    fn unfinished_values_over_the_limit() {
         let mut f = Framer::new(16);
-        assert_eq!(f.push(&[b'x'; 17]), vec![Frame::TooLong]);
+        assert_eq!(f.push(b"\"an unfinished string"), vec![Frame::TooLong]);
         let mut f = Framer::new(16);
         let out = f.push(b"{\"a\":\n\"0123456789abcdef\"\n");
         assert_eq!(

@@ -21,6 +21,9 @@ use crate::events::EventBus;
 use crate::protocol::ServerInfo;
 use crate::session::{Session, DEFAULT_MAX_REQUEST};
 
+/// How long a shutdown waits for clients to take the replies already queued for them.
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How the server behaves; [`ServerConfig::default`] is what fusex uses.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -75,7 +78,8 @@ pub struct Server {
 }
 
 /// Stops a running [`Server`] from any thread: the accept loop ends, every client connection is
-/// shut down, their threads are joined and the socket file is removed.
+/// shut down (after the replies already queued for it are sent, up to a second), their threads
+/// are joined and the socket file is removed.
 #[derive(Clone, Debug)]
 pub struct ShutdownHandle {
     wake_tx: Arc<UnixStream>,
@@ -321,6 +325,17 @@ impl Server {
                 }
             }
         };
+        // Stop reading first, so replies already queued (`quit`'s own) still go out; a client
+        // that does not read them within a second is cut off.
+        for s in clients.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+        let deadline = std::time::Instant::now() + DRAIN_TIME;
+        while !clients.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         for s in clients.lock().unwrap_or_else(|p| p.into_inner()).values() {
             let _ = s.shutdown(Shutdown::Both);
         }
