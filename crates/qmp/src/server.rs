@@ -342,13 +342,20 @@ impl Server {
         for t in threads {
             let _ = t.join();
         }
+        tracing::info!(path = %self.path.display(), "QMP server stopped");
+        result
+    }
+}
+
+impl Drop for Server {
+    /// Removes the socket file, if it is still this server's (a later server may have replaced
+    /// it), whether or not [`Server::run`] ever ran.
+    fn drop(&mut self) {
         if let Ok(m) = fs::symlink_metadata(&self.path) {
             if (m.dev(), m.ino()) == self.ident {
                 let _ = fs::remove_file(&self.path);
             }
         }
-        tracing::info!(path = %self.path.display(), "QMP server stopped");
-        result
     }
 }
 

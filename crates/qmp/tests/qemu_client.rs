@@ -6,6 +6,7 @@
 //! message, except under `CI=true`, where `scripts/deps.sh` installs both and a missing one is a
 //! failure.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -71,11 +72,39 @@ fn wait_for_socket(path: &Path, child: &mut Child) {
 /// Runs the check script; returns its JSON report (it asserts its own expectations).
 fn run_script(py: &Path, args: &[&str]) -> Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/qmp_client.py");
-    let out = Command::new(py)
+    let mut child = Command::new(py)
         .arg(&script)
         .args(args)
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("run python");
+    let pipe = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let stdout = pipe(Box::new(child.stdout.take().unwrap()));
+    let stderr = pipe(Box::new(child.stderr.take().unwrap()));
+    // A hung script fails the test instead of hanging it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = std::process::Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    };
     assert!(
         out.status.success(),
         "qmp_client.py {args:?} failed: {}\nstdout:\n{}\nstderr:\n{}",
