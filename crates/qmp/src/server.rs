@@ -104,9 +104,9 @@ fn bind_0600(path: &Path) -> Result<(UnixListener, (u64, u64)), ServerError> {
         what,
         err,
     };
-    let name = path
-        .file_name()
-        .ok_or_else(|| ServerError::BadPath(path.to_owned()))?;
+    if path.file_name().is_none() {
+        return Err(ServerError::BadPath(path.to_owned()));
+    }
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         Some(_) => Path::new("."),
@@ -122,9 +122,10 @@ fn bind_0600(path: &Path) -> Result<(UnixListener, (u64, u64)), ServerError> {
         Err(e) => return Err(io_err("stat", e)),
     }
     static SEQ: AtomicU64 = AtomicU64::new(0);
+    // A short name: the temporary socket path must fit sun_path (108 bytes) whenever the final
+    // one does, or nearly.
     let tmp_dir = parent.join(format!(
-        ".{}.{}.{}.tmp",
-        name.to_string_lossy(),
+        ".qmp{}.{}",
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     ));
