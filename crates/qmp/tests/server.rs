@@ -20,7 +20,7 @@ impl Dispatcher for Toy {
     }
     fn dispatch(&self, name: &str, arguments: Value) -> Result<Value, QmpError> {
         if name == "toy-sleep" {
-            std::thread::sleep(Duration::from_millis(300));
+            std::thread::sleep(Duration::from_millis(1500));
         }
         Ok(arguments)
     }
