@@ -74,6 +74,34 @@ impl EventBus {
         SubscriberId(id)
     }
 
+    /// Queues `first` (the reply that ended the client's negotiation) and adds the client's
+    /// queue in one step under the bus's lock, so the client gets no event before that reply and
+    /// misses none emitted after it. While the queue is full (the client is not reading) this
+    /// waits, as queueing any reply does; a queue whose reader is gone is not added.
+    pub fn subscribe_after(
+        &self,
+        queue: SyncSender<Arc<str>>,
+        kick: Box<dyn Fn() + Send>,
+        first: Arc<str>,
+    ) -> Option<SubscriberId> {
+        let mut first = first;
+        loop {
+            {
+                let mut subs = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+                match queue.try_send(first) {
+                    Ok(()) => {
+                        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                        subs.push(Subscriber { id, queue, kick });
+                        return Some(SubscriberId(id));
+                    }
+                    Err(TrySendError::Disconnected(_)) => return None,
+                    Err(TrySendError::Full(back)) => first = back,
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
     /// Removes a client's queue (it disconnected).
     pub fn unsubscribe(&self, id: SubscriberId) {
         let mut subs = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -117,6 +145,22 @@ mod tests {
         bus.unsubscribe(id2);
         assert_eq!(bus.emit("F", None), 1);
         assert!(rx2.try_recv().is_err());
+    }
+
+    #[test]
+    fn subscribe_after_queues_the_reply_first() {
+        let bus = EventBus::new();
+        let (tx, rx) = sync_channel(2);
+        let id = bus.subscribe_after(tx, Box::new(|| {}), Arc::from("reply\n"));
+        assert!(id.is_some());
+        bus.emit("E", None);
+        assert_eq!(&*rx.try_recv().unwrap(), "reply\n");
+        assert!(rx.try_recv().unwrap().contains("\"event\":\"E\""));
+        let (tx, rx) = sync_channel(1);
+        drop(rx);
+        assert!(bus
+            .subscribe_after(tx, Box::new(|| {}), Arc::from("x"))
+            .is_none());
     }
 
     #[test]

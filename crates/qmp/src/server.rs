@@ -413,29 +413,37 @@ pub fn serve_stream<R, W>(
     let Ok(writer_thread) = writer_thread else {
         return;
     };
-    let send = |v: &serde_json::Value| tx.send(Arc::from(format!("{v}\n"))).is_ok();
+    let line = |v: &serde_json::Value| -> Arc<str> { Arc::from(format!("{v}\n")) };
     let mut subscription = None;
     let mut kick = Some(kick);
     let mut buf = vec![0u8; 64 * 1024];
-    if send(&session.greeting()) {
-        loop {
-            let n = match reader.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
-            };
-            let out = session.feed(&buf[..n]);
-            if !out.replies.iter().all(&send) {
-                break;
-            }
-            if session.command_mode() && subscription.is_none() {
-                if let Some(k) = kick.take() {
-                    subscription = Some(config.events.subscribe(tx.clone(), k));
+    let mut open = tx.send(line(&session.greeting())).is_ok();
+    while open {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        session.push(&buf[..n]);
+        while let Some((reply, close)) = session.next_reply() {
+            match kick.take() {
+                // The reply that ended negotiation: queued together with the subscription, so
+                // events start right after it, before the client's next request runs.
+                Some(k) if session.command_mode() => {
+                    subscription = config.events.subscribe_after(tx.clone(), k, line(&reply));
+                    open = subscription.is_some();
+                }
+                k => {
+                    kick = k;
+                    open = tx.send(line(&reply)).is_ok();
                 }
             }
-            if out.close {
+            if close {
                 tracing::warn!("QMP client sent an oversized request: closing the connection");
+                open = false;
+            }
+            if !open {
                 break;
             }
         }

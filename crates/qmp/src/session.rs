@@ -1,6 +1,7 @@
 //! One client's protocol state machine, without I/O: bytes in, replies out. The server runs one
 //! per connection; tests drive it directly.
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
@@ -32,6 +33,7 @@ pub struct Session {
     info: Arc<ServerInfo>,
     command_mode: bool,
     framer: Framer,
+    pending: VecDeque<Frame>,
     max_request: usize,
 }
 
@@ -43,6 +45,7 @@ impl Session {
             info,
             command_mode: false,
             framer: Framer::new(max_request),
+            pending: VecDeque::new(),
             max_request,
         }
     }
@@ -59,28 +62,42 @@ impl Session {
 
     /// Takes bytes from the client and answers every request they complete.
     pub fn feed(&mut self, bytes: &[u8]) -> Output {
+        self.push(bytes);
         let mut out = Output::default();
-        for frame in self.framer.push(bytes) {
-            match frame {
-                Frame::Value(v) => out.replies.push(self.handle_value(v)),
-                Frame::ParseError(msg) => {
-                    out.replies.push(reply_err(
-                        &QmpError::generic(format!("JSON parse error, {msg}")),
-                        None,
-                    ));
-                }
-                Frame::TooLong => {
-                    let e = QmpError::generic(format!(
-                        "JSON parse error, input exceeds the limit of {} bytes",
-                        self.max_request
-                    ));
-                    out.replies.push(reply_err(&e, None));
-                    out.close = true;
-                    break;
-                }
-            }
+        while let Some((reply, close)) = self.next_reply() {
+            out.replies.push(reply);
+            out.close |= close;
         }
         out
+    }
+
+    /// Takes bytes from the client without running anything yet: [`Session::next_reply`] runs
+    /// the requests one at a time, so the caller can act between them (the server subscribes the
+    /// client to events right after the reply that ends negotiation, before the next request
+    /// runs and perhaps emits one).
+    pub fn push(&mut self, bytes: &[u8]) {
+        let frames = self.framer.push(bytes);
+        self.pending.extend(frames);
+    }
+
+    /// Runs the next complete request and returns its reply, and whether the connection must
+    /// close after it (input over the size limit).
+    pub fn next_reply(&mut self) -> Option<(Value, bool)> {
+        match self.pending.pop_front()? {
+            Frame::Value(v) => Some((self.handle_value(v), false)),
+            Frame::ParseError(msg) => Some((
+                reply_err(&QmpError::generic(format!("JSON parse error, {msg}")), None),
+                false,
+            )),
+            Frame::TooLong => {
+                self.pending.clear();
+                let e = QmpError::generic(format!(
+                    "JSON parse error, input exceeds the limit of {} bytes",
+                    self.max_request
+                ));
+                Some((reply_err(&e, None), true))
+            }
+        }
     }
 
     /// Answers one parsed JSON value.

@@ -50,7 +50,27 @@ impl Drop for Running {
     }
 }
 
+/// Emits `TOY_EVENT` from a command, as a daemon's commands will.
+struct Emitter(EventBus);
+
+impl Dispatcher for Emitter {
+    fn commands(&self) -> Vec<String> {
+        vec!["toy-emit".into()]
+    }
+    fn dispatch(&self, _: &str, _: Value) -> Result<Value, QmpError> {
+        self.0.emit("TOY_EVENT", None);
+        Ok(json!({}))
+    }
+}
+
 fn start(tweak: impl FnOnce(&mut ServerConfig)) -> Running {
+    start_with(|_| Arc::new(Toy), tweak)
+}
+
+fn start_with(
+    dispatcher: impl FnOnce(EventBus) -> Arc<dyn Dispatcher>,
+    tweak: impl FnOnce(&mut ServerConfig),
+) -> Running {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("qmp.sock");
     let events = EventBus::new();
@@ -59,7 +79,7 @@ fn start(tweak: impl FnOnce(&mut ServerConfig)) -> Running {
         ..ServerConfig::default()
     };
     tweak(&mut config);
-    let server = Server::bind(&path, Arc::new(Toy), config).unwrap();
+    let server = Server::bind(&path, dispatcher(events.clone()), config).unwrap();
     let stop = server.shutdown_handle();
     let thread = Some(std::thread::spawn(move || server.run()));
     Running {
@@ -170,7 +190,7 @@ fn idle_and_slow_clients_do_not_stall_others() {
         json!({"return": {"a": 1}, "id": 1})
     );
     assert!(
-        t.elapsed() < Duration::from_millis(250),
+        t.elapsed() < Duration::from_millis(1000),
         "waited for another client's command"
     );
     assert_eq!(slow.recv(), json!({"return": {}}));
@@ -319,4 +339,22 @@ fn serve_stream_over_pipes() {
     );
     c.w.shutdown(std::net::Shutdown::Write).unwrap();
     t.join().unwrap();
+}
+
+#[test]
+fn pipelined_negotiation_then_event_command() {
+    // Both requests in one write: the event the second one emits must reach this client, after
+    // the first one's reply (the subscription happens between the two).
+    for _ in 0..20 {
+        let s = start_with(|bus| Arc::new(Emitter(bus)), |_| {});
+        let mut c = Client::connect(&s.path);
+        c.recv();
+        c.w.write_all(
+            br#"{"execute": "qmp_capabilities", "id": 1}{"execute": "toy-emit", "id": 2}"#,
+        )
+        .unwrap();
+        assert_eq!(c.recv(), json!({"return": {}, "id": 1}));
+        assert_eq!(c.recv()["event"], "TOY_EVENT");
+        assert_eq!(c.recv(), json!({"return": {}, "id": 2}));
+    }
 }
