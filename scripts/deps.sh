@@ -24,13 +24,17 @@ have fusermount3 || need+=(fuse3)
 # systemd-analyze: tests/install.rs verifies contrib/fusex@.service with it.
 have systemd-analyze || need+=(systemd)
 have python3 || need+=(python3)
+# python3-venv: the venv for qemu.qmp below (Debian's python3 has no ensurepip without it).
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# qemu-storage-daemon: crates/qmp/tests/qemu_client.rs compares fusex's QMP answers with QEMU's
+# (and bench/ measures it as a peer).
+have qemu-storage-daemon || need+=(qemu-system-common)
 # strip: `make install` installs the binary without its debug info.
 have strip || need+=(binutils)
 # man and groff: tests/install.rs renders every installed man page and fails on any warning.
 have man || need+=(man-db)
 have groff || need+=(groff-base)
 if [ "${1:-}" = "--bench" ]; then
-  have qemu-storage-daemon || need+=(qemu-system-common)
   have gcc || need+=(gcc)
   # libfuse's passthrough_hp, a peer that bench/peers.sh builds; valgrind for bench/instructions.sh.
   have g++ || need+=(g++)
@@ -43,6 +47,18 @@ if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# qemu.qmp, QEMU's own QMP client library, in a venv under target/ (ignored by git; `cargo clean`
+# removes it and the next run makes it again): crates/qmp/tests/qemu_client.rs drives fusex's QMP
+# server with it.
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="$root/target/qmp-venv"
+if ! "$venv/bin/python3" -c 'import qemu.qmp' >/dev/null 2>&1; then
+  echo "installing qemu.qmp into target/qmp-venv"
+  mkdir -p "$root/target"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'qemu.qmp==0.0.6'
 fi
 
 if ! have cargo; then
