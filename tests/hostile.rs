@@ -121,6 +121,28 @@ fn a_mountpoint_swapped_for_a_symlink_never_gets_the_mount() {
     assert!(mounted + refused > 0);
 }
 
+/// The restart socket of root's daemon `pid` in `/run/fusex`, once its state (written when every
+/// queue serves) names that pid.
+#[track_caller]
+fn root_daemon_socket(pid: i32) -> std::path::PathBuf {
+    let find = || {
+        fs::read_dir("/run/fusex")
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.extension().is_some_and(|x| x == "sock")
+                    && fs::read_to_string(p.with_extension("json"))
+                        .is_ok_and(|s| s.contains(&format!("\"pid\":{pid}")))
+            })
+    };
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || find().is_some()),
+        "no socket and state of daemon {pid} in /run/fusex"
+    );
+    find().unwrap()
+}
+
 /// A root daemon's restart socket is a file in `/run/fusex`, a directory only root may write:
 /// no abstract name another user could bind first, nothing an unprivileged user can create
 /// there, and `fusex restart` (on the legacy transport) goes through it.
@@ -143,20 +165,7 @@ fn the_restart_socket_sits_where_only_root_can_bind() {
         0,
         "no one but root may write /run/fusex"
     );
-    // The state is written once every queue serves.
-    let find = || {
-        fs::read_dir(dir)
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| {
-                p.extension().is_some_and(|x| x == "sock")
-                    && fs::read_to_string(p.with_extension("json"))
-                        .is_ok_and(|s| s.contains(&format!("\"pid\":{}", m.pid())))
-            })
-    };
-    assert!(wait_until(Instant::now() + TIMEOUT, || find().is_some()));
-    let socket = find().expect("the daemon's socket and state in /run/fusex");
+    let socket = root_daemon_socket(m.pid());
     let unix = fs::read_to_string("/proc/net/unix").unwrap();
     assert!(
         unix.lines()
@@ -313,20 +322,7 @@ fn a_squatter_on_the_earlier_abstract_name_is_refused() {
     let model = random_image(&img, MIB, 10);
     let mp = w.join("export");
     let m = Mount::start(&w, &img, &mp, &["--transport", "legacy"]);
-    let dir = Path::new("/run/fusex");
-    let find = || {
-        fs::read_dir(dir)
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| {
-                p.extension().is_some_and(|x| x == "sock")
-                    && fs::read_to_string(p.with_extension("json"))
-                        .is_ok_and(|s| s.contains(&format!("\"pid\":{}", m.pid())))
-            })
-    };
-    assert!(wait_until(Instant::now() + TIMEOUT, || find().is_some()));
-    let socket = find().unwrap();
+    let socket = root_daemon_socket(m.pid());
     let stem = socket.file_stem().unwrap().to_string_lossy().into_owned();
     let (dev, id) = stem.split_once('-').unwrap();
     fs::remove_file(&socket).unwrap();

@@ -150,20 +150,9 @@ pub struct State {
     pub argv: Vec<String>,
     /// The old daemon's working directory: relative paths on `argv` are resolved from it.
     pub cwd: String,
-    /// What INIT settled (it is not sent again).
-    pub minor: u32,
-    /// The kernel's protocol minor from INIT.
-    pub kernel_minor: u32,
-    /// INIT flags the kernel offered.
-    pub offered: u64,
-    /// INIT flags granted.
-    pub flags: u64,
-    /// `max_write` settled at INIT.
-    pub max_write: u32,
-    /// `max_readahead` settled at INIT.
-    pub max_readahead: u32,
-    /// The request timeout the kernel applies, if any.
-    pub request_timeout: Option<u16>,
+    /// What INIT settled (it is not sent again), its fields beside the others on the wire.
+    #[serde(flatten)]
+    pub init: transport::Negotiated,
     /// Requests in flight per queue.
     pub depth: usize,
     /// Queue threads.
@@ -295,13 +284,15 @@ mod tests {
                 "a.raw".into(),
             ],
             cwd: "/srv".into(),
-            minor: 45,
-            kernel_minor: 45,
-            offered: 1 << 40 | 3,
-            flags: 3,
-            max_write: 1 << 19,
-            max_readahead: 1 << 17,
-            request_timeout: Some(600),
+            init: transport::Negotiated {
+                minor: 45,
+                kernel_minor: 45,
+                offered: 1 << 40 | 3,
+                flags: 3,
+                max_write: 1 << 19,
+                max_readahead: 1 << 17,
+                request_timeout: Some(600),
+            },
             depth: 33,
             queues: 2,
             mountpoint: "/srv/a.raw".into(),

@@ -1117,19 +1117,12 @@ fn spawn_restart_listener(
     };
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
     let watcher = neg._watcher.as_ref().map(|w| w.dup()).transpose()?;
-    let n = &neg.negotiated;
     let id = handover.identity;
     let state = crate::restart::State {
         version: crate::restart::STATE_VERSION,
         argv: neg.argv.clone(),
         cwd: std::env::current_dir()?.to_string_lossy().into_owned(),
-        minor: n.minor,
-        kernel_minor: n.kernel_minor,
-        offered: n.offered,
-        flags: n.flags,
-        max_write: n.max_write,
-        max_readahead: n.max_readahead,
-        request_timeout: n.request_timeout,
+        init: neg.negotiated,
         depth: neg.plan.depth,
         queues: neg.queues,
         mountpoint: handover.mountpoint.to_string_lossy().into_owned(),
@@ -1494,16 +1487,8 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     } else {
         Some(open_export(&args, true)?)
     };
-    let max_write = state.max_write;
-    let negotiated = transport::Negotiated {
-        minor: state.minor,
-        kernel_minor: state.kernel_minor,
-        offered: state.offered,
-        flags: state.flags,
-        max_write,
-        max_readahead: state.max_readahead,
-        request_timeout: state.request_timeout,
-    };
+    let negotiated = state.init;
+    let max_write = negotiated.max_write;
     if negotiated.has(FUSE_OVER_IO_URING) {
         bail!("the export uses the io_uring transport, which cannot be handed over");
     }

@@ -27,7 +27,9 @@ pub struct InitParams {
 }
 
 /// What was agreed.
-#[derive(Clone, Copy, Debug)]
+///
+/// Serializable, so that `fusex restart` hands it to the successor as is (INIT is not sent again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Negotiated {
     /// Protocol minor version in use.
     pub minor: u32,
