@@ -551,8 +551,17 @@ fn unaligned_requests_are_made_whole_and_st_blocks_counts_extents() {
 
 /// A server that negotiates, reads one request, sends `reply` and hangs up.
 fn one_shot_server(reply: Vec<u8>) -> (tempfile::TempDir, String) {
+    scripted_server(move |s, _| {
+        let _ = s.write_all(&reply);
+    })
+}
+
+/// A server that negotiates, reads one request and hands the stream and the request to `answer`.
+fn scripted_server(
+    answer: impl FnOnce(&mut UnixStream, [u8; 28]) + Send + 'static,
+) -> (tempfile::TempDir, String) {
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("h.sock");
+    let sock = dir.path().join("s.sock");
     let listener = UnixListener::bind(&sock).unwrap();
     thread::spawn(move || {
         let Ok((mut s, _)) = listener.accept() else {
@@ -563,7 +572,7 @@ fn one_shot_server(reply: Vec<u8>) -> (tempfile::TempDir, String) {
         }
         let mut rq = [0u8; 28];
         if s.read_exact(&mut rq).is_ok() {
-            let _ = s.write_all(&reply);
+            answer(&mut s, rq);
         }
     });
     let uri = format!("nbd+unix:///?socket={}", sock.display());
@@ -614,20 +623,7 @@ proptest::proptest! {
 /// 4 KiB reply would take half an hour).
 #[test]
 fn a_dripping_reply_fails_by_the_timeout() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("d.sock");
-    let listener = UnixListener::bind(&sock).unwrap();
-    thread::spawn(move || {
-        let Ok((mut s, _)) = listener.accept() else {
-            return;
-        };
-        if !handshake(&mut s) {
-            return;
-        }
-        let mut rq = [0u8; 28];
-        if s.read_exact(&mut rq).is_err() {
-            return;
-        }
+    let (_dir, uri) = scripted_server(|s, rq| {
         let cookie = u64::from_be_bytes(rq[8..16].try_into().unwrap());
         let mut p = 0u64.to_be_bytes().to_vec();
         p.extend((0..4096).map(pattern));
@@ -640,7 +636,6 @@ fn a_dripping_reply_fails_by_the_timeout() {
             thread::sleep(std::time::Duration::from_millis(400));
         }
     });
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
     let b = NbdBackend::open(
         &uri,
         NbdOptions {
