@@ -67,21 +67,6 @@ pub fn checked(uid: u32, create: bool) -> Result<PathBuf> {
     ))
 }
 
-/// Removes what daemons that were killed left in `dir`: the files of every socket nobody listens
-/// on any more. Run as a daemon starts, so the directory does not grow with every kill.
-pub fn sweep(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let path = e.path();
-        if path.extension().is_some_and(|x| x == "sock") && !crate::restart::is_listening(&path) {
-            let _ = std::fs::remove_file(path.with_extension("json"));
-            let _ = std::fs::remove_file(&path);
-        }
-    }
-}
-
 /// The name an export's files share in the runtime directory.
 pub fn key(id: &MountIdentity) -> String {
     let (maj, min) = id.dev();

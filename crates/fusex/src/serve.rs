@@ -1081,10 +1081,7 @@ fn spawn_restart_listener(
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     let entry = match crate::runtime::checked(euid, true) {
-        Ok(dir) => {
-            crate::runtime::sweep(&dir);
-            crate::runtime::Entry::new(dir, handover.identity)
-        }
+        Ok(dir) => crate::runtime::Entry::new(dir, handover.identity),
         Err(e) => {
             tracing::warn!("restart: not listening for fusex restart: {e}");
             return Ok(None);
