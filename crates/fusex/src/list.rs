@@ -49,6 +49,7 @@ fn users(mounts: &[transport::MountEntry]) -> BTreeSet<u32> {
 /// Every export: live daemons' states, then fusex mounts no live daemon accounts for.
 fn collect() -> Vec<Value> {
     let mounts = transport::fusex_mounts();
+    let listening = crate::restart::Listening::read();
     let mut rows = Vec::new();
     let mut served = BTreeSet::new();
     for uid in users(&mounts) {
@@ -64,7 +65,7 @@ fn collect() -> Vec<Value> {
                 continue;
             }
             let socket = path.with_extension("sock");
-            if !crate::restart::is_listening(&socket) {
+            if !listening.has(&socket) {
                 continue;
             }
             let Some(mut state) = crate::files::read_regular(&path)
@@ -88,7 +89,7 @@ fn collect() -> Vec<Value> {
         if key.as_ref().is_some_and(|k| served.contains(k)) {
             continue;
         }
-        let state = if crate::restart::daemon_listens(&m) {
+        let state = if listening.daemon_of(&m) {
             // A daemon listens but published no state this user may read (or none at all).
             "serving (no state published)".to_string()
         } else {

@@ -28,26 +28,39 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use transport::MountIdentity;
 
-/// Whether a daemon listens for restarts on `socket`: false once the daemon that bound it died.
-/// Read from `/proc/net/unix` (bound sockets show their path) rather than by connecting, which
-/// would make a live daemon log a restart that never came. True when it cannot be told.
-pub fn is_listening(socket: &Path) -> bool {
-    let Ok(table) = std::fs::read_to_string("/proc/net/unix") else {
-        return true;
-    };
-    let want = socket.to_string_lossy();
-    table
-        .lines()
-        .any(|l| l.split_whitespace().nth(7) == Some(&*want))
-}
+/// The paths unix sockets are bound to, from `/proc/net/unix` (bound sockets show their path):
+/// whether a daemon listens for restarts on a socket, false once the daemon that bound it died.
+/// Read rather than connecting, which would make a live daemon log a restart that never came;
+/// read once for every socket a caller asks about.
+pub struct Listening(Option<std::collections::HashSet<String>>);
 
-/// Whether a live daemon serves the fusex mount `m`: its restart socket is listening. True when
-/// it cannot be told (the mount cannot be identified, its user is not shown).
-pub fn daemon_listens(m: &transport::MountEntry) -> bool {
-    let (Ok(id), Some(uid)) = (MountIdentity::of_path(Path::new(&m.mount_point)), m.user_id) else {
-        return true;
-    };
-    socket_of(uid, &id).is_some_and(|s| is_listening(&s))
+impl Listening {
+    /// The table as it is now.
+    pub fn read() -> Listening {
+        Listening(std::fs::read_to_string("/proc/net/unix").ok().map(|table| {
+            table
+                .lines()
+                .filter_map(|l| l.split_whitespace().nth(7).map(str::to_string))
+                .collect()
+        }))
+    }
+
+    /// Whether a socket is bound at `socket`; true when the table could not be read.
+    pub fn has(&self, socket: &Path) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|paths| paths.contains(&*socket.to_string_lossy()))
+    }
+
+    /// Whether a live daemon serves the fusex mount `m`: its restart socket is listening. True
+    /// when it cannot be told (the mount cannot be identified, its user is not shown).
+    pub fn daemon_of(&self, m: &transport::MountEntry) -> bool {
+        let (Ok(id), Some(uid)) = (MountIdentity::of_path(Path::new(&m.mount_point)), m.user_id)
+        else {
+            return true;
+        };
+        socket_of(uid, &id).is_some_and(|s| self.has(&s))
+    }
 }
 
 /// The restart socket of the mount `id` served by user `uid`, in that user's checked runtime

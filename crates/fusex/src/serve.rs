@@ -476,9 +476,10 @@ fn in_use_by_a_dead_mount(image: &str, e: backend::LockError) -> anyhow::Error {
     use std::os::unix::fs::MetadataExt;
     let file_id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
     let image_id = file_id(Path::new(image));
+    let listening = crate::restart::Listening::read();
     let dead: Vec<(String, bool)> = transport::fusex_mounts()
         .into_iter()
-        .filter(|m| !crate::restart::daemon_listens(m))
+        .filter(|m| !listening.daemon_of(m))
         .map(|m| {
             // The source is the image as its daemon was given it (perhaps relative to its
             // directory then): the same file, or at least the same name.

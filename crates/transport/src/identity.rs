@@ -53,6 +53,37 @@ pub(crate) fn fd_file(fd: BorrowedFd<'_>) -> io::Result<((u32, u32, u64), u32)> 
     ))
 }
 
+/// `path` opened `O_PATH | O_NOFOLLOW`: what is there now (the top mount's root on a mountpoint),
+/// never what a final symlink names, and without opening the file (no request to a FUSE daemon).
+pub(crate) fn open_path(path: &Path) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: c is a valid NUL-terminated path; the returned fd is owned below.
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by open and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// umount2 with `flags` of exactly the mount whose root `fd` holds, through its `/proc/self/fd`
+/// link (followed: no `UMOUNT_NOFOLLOW`), whatever the path shows meanwhile.
+pub(crate) fn umount_through(fd: BorrowedFd<'_>, flags: i32) -> io::Result<()> {
+    let link = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: link is a valid NUL-terminated path.
+    if unsafe { libc::umount2(link.as_ptr(), flags) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether the mountinfo line with mount id `id` (the reusable one, first field) is FUSE.
 fn mountinfo_is_fuse(text: &str, id: u64) -> bool {
     text.lines().any(|line| {
@@ -71,20 +102,7 @@ fn mountinfo_is_fuse(text: &str, id: u64) -> bool {
 /// wedged): `O_PATH` does not open the file, `statx` asks only for mount ids, which FUSE answers
 /// from its cache, and whether the mount is FUSE comes from mountinfo, not from `statfs`.
 fn open_mount(path: &Path) -> io::Result<(OwnedFd, Option<MountIdentity>)> {
-    let c = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: c is a valid NUL-terminated path; the returned fd is owned below.
-    let fd = unsafe {
-        libc::open(
-            c.as_ptr(),
-            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just returned by open and is owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = open_path(path)?;
     let old = statx_fd(fd.as_fd(), libc::STATX_MNT_ID)?;
     let root = libc::STATX_ATTR_MOUNT_ROOT as u64;
     let is_root = old.stx_attributes_mask & root != 0 && old.stx_attributes & root != 0;
@@ -111,12 +129,6 @@ fn open_mount(path: &Path) -> io::Result<(OwnedFd, Option<MountIdentity>)> {
     ))
 }
 
-/// The identity of the FUSE mount at `path` (canonical), or `None` if `path` is not the root of
-/// a FUSE mount. Does not talk to the daemon.
-pub fn fuse_mount_identity(path: &Path) -> io::Result<Option<MountIdentity>> {
-    open_mount(path).map(|(_, id)| id)
-}
-
 /// Unmounts (lazily) the mount at `path` if it is still the FUSE mount `expected`; says whether it
 /// did. See [`unmount_exact`].
 pub fn unmount_if_same(path: &Path, expected: &MountIdentity) -> io::Result<bool> {
@@ -138,12 +150,7 @@ pub(crate) fn unmount_exact(path: &Path, expected: &MountIdentity, flags: i32) -
     if id.as_ref() != Some(expected) {
         return Ok(false);
     }
-    let link = CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: link is a valid NUL-terminated path. No UMOUNT_NOFOLLOW: the magic link must be
-    // followed to reach the very mount `fd` holds.
-    if unsafe { libc::umount2(link.as_ptr(), flags) } < 0 {
-        let e = io::Error::last_os_error();
+    if let Err(e) = umount_through(fd.as_fd(), flags) {
         // SAFETY: geteuid has no preconditions.
         if e.raw_os_error() != Some(libc::EPERM) || unsafe { libc::geteuid() } == 0 {
             return Err(e);

@@ -16,7 +16,7 @@ pub mod passthrough;
 mod splice;
 mod uring;
 
-pub use identity::{fuse_mount_identity, unmount_if_same};
+pub use identity::unmount_if_same;
 pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
 pub use mount::{clone_fd, open_dev_fuse, unmount, BeforeVisible, Handover, Mount, MountConfig};

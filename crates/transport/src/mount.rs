@@ -358,20 +358,7 @@ impl Mount {
             path: shown.to_string(),
             error,
         };
-        let c = CString::new(self.mountpoint.as_os_str().as_bytes())
-            .map_err(|_| TransportError::MountpointNotFile(shown.to_string()))?;
-        // SAFETY: c is a valid NUL-terminated path; the returned fd is owned below.
-        let fd = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(mount_err(io::Error::last_os_error()));
-        }
-        // SAFETY: fd was just returned by open and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = crate::identity::open_path(&self.mountpoint).map_err(mount_err)?;
         let (id, kind) = crate::identity::fd_file(fd.as_fd()).map_err(mount_err)?;
         if kind != libc::S_IFREG || self.created.is_some_and(|made| made != id) {
             return Err(TransportError::MountpointChanged(shown.to_string()));
@@ -443,10 +430,7 @@ impl Mount {
         if !id.is_at(&self.mountpoint) {
             // The file was renamed away between the open and the attach (a mounted file can no
             // longer be): the mount sits on it under another name. Take down exactly that mount.
-            let link = CString::new(format!("/proc/self/fd/{}", detached.as_raw_fd()))
-                .map_err(|_| TransportError::MountpointChanged(shown.clone()))?;
-            // SAFETY: link is a valid NUL-terminated path; following it reaches the new mount.
-            unsafe { libc::umount2(link.as_ptr(), libc::MNT_DETACH) };
+            let _ = crate::identity::umount_through(detached.as_fd(), libc::MNT_DETACH);
             return Err(TransportError::MountpointChanged(shown));
         }
         self.identity = Some(id);
