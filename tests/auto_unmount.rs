@@ -293,15 +293,6 @@ fn the_watcher_leaves_a_newer_mount_at_the_same_path_alone() {
     b.stop().assert_clean("the newer daemon");
 }
 
-/// Unmounts (lazily) whatever FUSE mount is left at the path when dropped: the test's guard.
-struct LeftBehind<'a>(&'a std::path::Path);
-
-impl Drop for LeftBehind<'_> {
-    fn drop(&mut self) {
-        lazy_umount_fuse(self.0, 0);
-    }
-}
-
 /// The watcher runs before the mount can be seen: a daemon killed the moment its mount shows up
 /// in mountinfo (before INIT, before it logged anything) still has its mount removed. Before,
 /// the watcher started after INIT and such a kill left a dead mount.
@@ -314,7 +305,7 @@ fn a_daemon_killed_as_its_mount_appears_leaves_no_mount() {
     let img = w.join("disk.img");
     random_image(&img, MIB, 43);
     let mp = w.join("export");
-    let _guard = LeftBehind(&mp);
+    let _guard = UnmountOnDrop(mp.clone());
     for round in 0..10 {
         let log = fs::File::create(w.join(format!("fusex-{round}.log"))).unwrap();
         let child = std::process::Command::new(fusex_bin())

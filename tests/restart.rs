@@ -640,27 +640,6 @@ fn an_nbd_export_refuses_restart_and_keeps_serving() {
     server.kill_and_wait();
 }
 
-/// Unmounts whatever export is left at a mountpoint when dropped (`fusex umount`, then a lazy
-/// unmount): for exports a test handed to daemons it did not start itself.
-struct UnmountOnDrop(PathBuf);
-
-impl Drop for UnmountOnDrop {
-    fn drop(&mut self) {
-        if is_fuse_mounted(&self.0) {
-            let _ = std::process::Command::new(fusex_bin())
-                .arg("umount")
-                .arg(&self.0)
-                .output();
-        }
-        if is_fuse_mounted(&self.0) {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .output();
-        }
-    }
-}
-
 /// `fusex restart MP`; the one-line result.
 fn restart(w: &WorkDir, mp: &Path) -> CmdResult {
     run_fusex(w, &[Path::new("restart").as_os_str(), mp.as_os_str()], None)

@@ -645,8 +645,30 @@ pub fn umount_idle(path: &Path) {
     }
 }
 
+/// Unmounts whatever export is left at a mountpoint when dropped (`fusex umount`, then a lazy
+/// unmount): for exports of daemons a test did not start through [`Mount`] (handed over, or
+/// started and killed by hand).
+pub struct UnmountOnDrop(pub PathBuf);
+
+impl Drop for UnmountOnDrop {
+    fn drop(&mut self) {
+        if is_fuse_mounted(&self.0) {
+            let _ = std::process::Command::new(fusex_bin())
+                .arg("umount")
+                .arg(&self.0)
+                .output();
+        }
+        if is_fuse_mounted(&self.0) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .output();
+        }
+    }
+}
+
 /// `umount -l` until no FUSE mount beyond `keep` remains on `path`.
-pub fn lazy_umount_fuse(path: &Path, keep: usize) {
+fn lazy_umount_fuse(path: &Path, keep: usize) {
     for _ in 0..8 {
         if fuse_mounts_at(path).len() <= keep {
             return;
