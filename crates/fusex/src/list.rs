@@ -69,8 +69,8 @@ fn collect() -> Vec<Value> {
                 continue;
             }
             let Some(mut state) = crate::files::read_regular(&path)
-                .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-                .filter(Value::is_object)
+                .and_then(|t| serde_json::from_str::<crate::runtime::ExportState>(&t).ok())
+                .and_then(|s| serde_json::to_value(s).ok())
             else {
                 continue;
             };

@@ -5,6 +5,7 @@ mod cli;
 mod daemon;
 mod files;
 mod generate;
+mod lifecycle;
 mod list;
 mod logging;
 mod memory;

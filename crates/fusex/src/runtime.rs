@@ -83,6 +83,23 @@ pub fn state_path(dir: &Path, id: &MountIdentity) -> PathBuf {
     dir.join(format!("{}.json", key(id)))
 }
 
+/// What a serving daemon publishes of an export in its state file, for `fusex list`.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct ExportState {
+    /// The daemon serving it.
+    pub pid: u32,
+    pub mountpoint: String,
+    /// The image as a path that means the same from anywhere (an NBD URI or `null:` as given).
+    pub image: String,
+    pub format: String,
+    /// `io_uring` or `legacy`.
+    pub transport: String,
+    pub queues: usize,
+    pub writable: bool,
+    /// `serving`, or `stopping (N open)`.
+    pub state: String,
+}
+
 /// A serving daemon's files in its runtime directory: removed when dropped, unless the export was
 /// handed to a successor ([`Entry::leave`]).
 pub struct Entry {
@@ -107,7 +124,7 @@ impl Entry {
     }
 
     /// Writes the state file whole (readers see the old state or the new one).
-    pub fn write_state(&self, state: &serde_json::Value) {
+    pub fn write_state(&self, state: &ExportState) {
         let path = state_path(&self.dir, &self.id);
         let bytes = serde_json::to_vec(state).unwrap_or_default();
         if let Err(e) = crate::files::replace(&path, &bytes, 0o600) {

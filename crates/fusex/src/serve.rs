@@ -1,32 +1,22 @@
-//! `fusex mount`: open the image, mount, negotiate, run the queues, and take it all down cleanly.
+//! `fusex mount` and `fusex restart`: one export served by the whole process. The export's own
+//! lifecycle is [`crate::lifecycle`]'s; this is what belongs to the process around it: signals,
+//! the pid file, readiness (the `--daemonize` pipe, systemd), and the `fusex restart` socket.
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
-use engine::{Engine, EngineConfig};
-use export::{Counters, Export, ExportConfig, Snapshot};
-use fuse_abi::{
-    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
-    FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
-};
-use transport::{clone_fd, InitParams, Mount, MountConfig};
+use backend::BlockBackend;
+use fuse_abi::FUSE_OVER_IO_URING;
+use transport::{clone_fd, Mount};
 
-use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
+use crate::cli::MountArgs;
 use crate::daemon::Readiness;
-use server::queue::{QueueEvent, QueueSpec, Source};
-
-use crate::memory::{self, Demand, Plan as MemoryPlan};
-use crate::privileges::{Access, Needs, Plan};
-
-/// The backend the queues serve: the opened image, with `--fault` rules (none: a plain
-/// pass-through).
-pub type Served = Faulty<AnyBackend>;
+use crate::lifecycle::{self, signal_name, Event, Owner, Prepared, Settled, Stop, Supervision};
+use crate::memory::{self, Plan as MemoryPlan};
+use crate::privileges::Plan;
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
 pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
@@ -54,7 +44,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    let (export, mnt, neg) = match setup(&args, verbose) {
+    let prepared = match lifecycle::setup(&args, std::env::args().collect(), verbose) {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -64,15 +54,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    serve_export(
-        &args,
-        export,
-        mnt,
-        neg,
-        ready,
-        &notifier,
-        (signals, pid_file),
-    )
+    serve_export(prepared, ready, &notifier, (signals, pid_file))
 }
 
 /// The files written at exit or while running, checked before mounting: a missing directory or a
@@ -94,27 +76,64 @@ fn install_signals() -> Result<signal_hook::iterator::Signals> {
         .context("installing signal handlers")
 }
 
-/// A signal's name for log lines.
-fn signal_name(s: i32) -> String {
-    use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-    match s {
-        SIGINT => "SIGINT".into(),
-        SIGTERM => "SIGTERM".into(),
-        SIGHUP => "SIGHUP".into(),
-        SIGUSR1 => "SIGUSR1".into(),
-        SIGUSR2 => "SIGUSR2".into(),
-        SIGALRM => "SIGALRM".into(),
-        _ => format!("signal {s}"),
+/// The process around a `fusex mount` export: readiness, systemd, the pid file and the state
+/// file `fusex list` reads.
+struct MountOwner<'a> {
+    ready: Readiness,
+    notifier: &'a crate::notify::Notifier,
+    pid_file: Option<&'a crate::files::PidFile>,
+    runtime: Option<crate::runtime::Entry>,
+    /// What `fusex list` shows, without the state.
+    shown: crate::runtime::ExportState,
+    /// What systemd's status line says once serving.
+    status: String,
+}
+
+impl Owner for MountOwner<'_> {
+    fn serving(&mut self) {
+        self.ready.report(Ok(()));
+        self.notifier.ready(&self.status);
+    }
+
+    fn failed(&mut self, why: &str) {
+        self.ready.report(Err(why.to_string()));
+    }
+
+    fn state(&mut self, state: &str) {
+        if let Some(r) = &self.runtime {
+            self.shown.state = state.to_string();
+            r.write_state(&self.shown);
+        }
+    }
+
+    fn stopping(&mut self) {
+        self.notifier.stopping();
+    }
+
+    fn not_serving(&mut self) {
+        // A new daemon may take the pid file (and before this one's "released" reaches a `fusex
+        // restart` successor, which writes its own).
+        if let Some(p) = self.pid_file {
+            p.stop_serving();
+        }
+    }
+
+    fn reloading(&mut self) {
+        self.notifier.reloading();
+    }
+
+    fn handed_over(&mut self, pid: u32) {
+        self.notifier.main_pid(pid);
+        if let Some(r) = &mut self.runtime {
+            r.leave();
+        }
     }
 }
 
 /// Serves a mounted, negotiated export until it stops or is handed to a successor; then cleans
 /// up what is this process's to clean up.
 fn serve_export(
-    args: &MountArgs,
-    export: Arc<Export<Served>>,
-    mut mnt: Mount,
-    neg: Settled,
+    mut p: Prepared,
     mut ready: Readiness,
     notifier: &crate::notify::Notifier,
     (signals, pid_file): (
@@ -122,945 +141,107 @@ fn serve_export(
         Option<crate::files::PidFile>,
     ),
 ) -> Result<()> {
-    let privileges = Plan::decide(&exit_needs(args, &export, &mnt));
-    let result = run_queues(
-        args,
-        &export,
-        &mut mnt,
-        &neg,
-        privileges,
-        (&mut ready, notifier),
-        (signals, pid_file.as_ref()),
-    );
-    if let Err(e) = &result {
-        // Start-up errors in run_queues (no-op once readiness was reported).
-        ready.report(Err(format!("{e:#}")));
-    }
-    if let Ok((_, Some(pid))) = &result {
-        // A successor serves the mount now: leave the mount, its mountpoint file, the watcher
-        // (the successor holds the pipe too) and the pid file (it holds the successor's pid).
-        mnt.disown();
-        drop(neg);
-        if let Some(p) = pid_file {
-            p.keep();
-        }
-        tracing::info!("handed the export over to process {pid}; exiting");
-        return Ok(());
-    }
-    // Normally done at the end of run_queues; again here for the early-return paths.
-    let unmounted = mnt.unmount();
-    drop(mnt);
-    // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
-    drop(neg);
-    if let Some(p) = pid_file {
-        p.remove();
-    }
-    let (stats, _) = result?;
-    if let Some(p) = &args.stats_file {
-        crate::files::replace(p, &serde_json::to_vec_pretty(&stats)?, 0o644)
-            .with_context(|| format!("writing {}", p.display()))?;
-    }
-    unmounted?;
-    Ok(())
-}
-
-/// What the main thread of an export waits for.
-enum Event {
-    /// From a queue thread.
-    Queue(QueueEvent),
-    /// SIGINT, SIGTERM or SIGHUP arrived.
-    Signal(i32),
-    /// SIGUSR1 arrived: write the statistics as they stand.
-    Dump,
-    /// `fusex restart`: process `pid`, reached through `stream`, is ready to serve the export;
-    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`. The main
-    /// thread answers `accepted` with whether it took the request: a refused one leaves the
-    /// restart listener listening.
-    Release {
-        stream: std::os::unix::net::UnixStream,
-        pid: u32,
-        accepted: mpsc::Sender<bool>,
-    },
-}
-
-impl From<QueueEvent> for Event {
-    fn from(e: QueueEvent) -> Event {
-        Event::Queue(e)
-    }
-}
-
-/// What INIT settled that the queues need.
-struct Settled {
-    /// The "mounted" line, logged once the export can be found by `fusex restart` (a successor
-    /// that took an export over has none).
-    announce: Option<String>,
-    /// What INIT settled (handed to a successor by `fusex restart`).
-    negotiated: transport::Negotiated,
-    /// The `fusex mount` command line this export was started with (a successor parses it).
-    argv: Vec<String>,
-    max_write: u32,
-    /// Request buffers per queue and their size.
-    plan: MemoryPlan,
-    /// Queue threads (the count the plan was made for; on io_uring at most one per possible CPU).
-    queues: usize,
-    uring: bool,
-    /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
-    _passthrough: Option<transport::passthrough::Backing>,
-    /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
-    /// (closing it early would make the watcher unmount a live export).
-    _watcher: Option<crate::watcher::Watcher>,
-}
-
-type Setup = (Arc<Export<Served>>, Mount, Settled);
-
-fn setup(args: &MountArgs, verbose: u8) -> Result<Setup> {
-    if args.growable && !args.writable {
-        bail!("--growable needs --writable: add --writable or drop --growable");
-    }
-    if args.max_size.is_some() && !args.growable {
-        bail!("--max-size needs --growable: add --growable or drop --max-size");
-    }
-    if args.force_share && args.writable {
-        bail!(
-            "--force-share is for read-only exports (a writer must own the image): drop \
-             --force-share, or drop --writable"
-        );
-    }
-    if args.force_share && args.no_locking {
-        bail!("--force-share and --no-locking exclude each other: give one of them");
-    }
-    let uring_blocked = transport::uring_unavailable_reason();
-    if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
-        bail!("--transport uring is unavailable: {why}; or use --transport auto");
-    }
-    let (export, pt) = open_export(args, false)?;
-    let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
-    let mut threads = args
-        .queues
-        .map_or(crate::affinity::allowed_cpus().len(), usize::from);
-    let caps = export.backend().capabilities();
-    if let Some(details) = export.backend().inner().details() {
-        tracing::info!("{details}");
-    }
-    if let Some((max, why)) = caps.max_queues.filter(|(max, _)| threads > *max) {
-        // Queues whose connections need not see each other's writes would break flushes.
-        tracing::info!(
-            "{why}: serving with {max} queue{}",
-            if max == 1 { "" } else { "s" }
-        );
-        threads = max;
-    }
-    let possible_cpus = crate::affinity::possible_cpus();
-    let demand = Demand {
-        uring: may_uring,
-        threads,
-        possible_cpus,
-        depth: args.queue_depth.map(usize::from),
-        latency_bound: caps.remote,
-        budget: args
-            .memory_budget
-            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
-    };
-    let planned = memory::plan(demand);
-    if let Err(why) = memory::check(&planned, &demand) {
-        bail!("{why}");
-    }
-    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
-    // The --auto-unmount watcher starts once the mount exists and before anything can see it
-    // (through fusermount3: right after it appeared), so no daemon death leaves it behind.
-    let mut watcher = None;
-    let mnt = Mount::establish(
-        &MountConfig {
-            mountpoint: args.mountpoint.clone(),
-            source: args.image.clone(),
-            read_only: !args.writable,
-            allow_other: args.allow_other,
-            max_read: max_write,
-        },
-        &mut |mountpoint, id| {
-            if args.auto_unmount {
-                watcher = Some(
-                    crate::watcher::spawn(mountpoint, id, verbose, args.daemonize)
-                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?,
-                );
-            }
-            Ok(())
-        },
-    )?;
-    // The mount exists from here on: any error below drops `mnt`, which unmounts.
-    // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
-    // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
-    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES | FUSE_DIRECT_IO_ALLOW_MMAP;
-    if may_uring {
-        want |= FUSE_OVER_IO_URING;
-    }
-    let neg = pt.negotiate_init(
-        mnt.fd().context("mount fd")?,
-        &InitParams {
-            want,
-            max_write,
-            max_pages: (max_write / 4096) as u16,
-            max_background: 1024,
-            request_timeout: args.request_timeout,
-        },
-    )?;
-    let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
-    let uring = neg.has(FUSE_OVER_IO_URING);
-    if uring && neg.kernel_has_uring_zero_copy() {
-        tracing::info!(
-            "kernel FUSE protocol 7.{} offers io_uring zero copy; fusex 7.{} does not use it yet (docs/uring.md)",
-            neg.kernel_minor,
-            neg.minor
-        );
-    }
-    let why = match (&args.transport, &uring_blocked) {
-        _ if uring => "FUSE_OVER_IO_URING negotiated".to_string(),
-        (TransportArg::Legacy, _) => "--transport legacy".to_string(),
-        (_, Some(why)) => why.clone(),
-        (TransportArg::Uring, None) => {
-            bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto")
-        }
-        (TransportArg::Auto, None) => {
-            "the kernel did not offer FUSE_OVER_IO_URING in INIT".to_string()
-        }
-    };
-    // Logged once nothing can refuse the mount any more: a refusal stays one stderr line.
-    crate::timeout::log(
-        args.request_timeout,
-        neg.request_timeout,
-        neg.offered & FUSE_REQUEST_TIMEOUT != 0,
-    );
-    if mnt.via_fusermount() {
-        tracing::info!(
-            "mounted through {} (fusex may not mount itself)",
-            transport::fusermount::FUSERMOUNT
-        );
-    }
-    tracing::info!(
-        "transport: {} ({why})",
-        if uring {
-            "io_uring"
-        } else {
-            "legacy /dev/fuse"
-        }
-    );
-    // Planned for io_uring's per-CPU queues; the legacy transport needs buffers per thread only.
-    let plan = if uring || !may_uring {
-        planned
-    } else {
-        memory::plan(Demand {
-            uring: false,
-            ..demand
-        })
-    };
-    let buffer_size = memory::buffer_size(neg.max_write as usize);
-    tracing::info!(
-        "request buffers: {} requests in flight per queue, {} KiB each, {} MiB in all (budget {} MiB)",
-        plan.depth,
-        buffer_size >> 10,
-        (plan.buffers * buffer_size) >> 20,
-        plan.budget >> 20
-    );
-    let announce = format!(
-        "mounted {} at {}, format {}",
-        args.image,
-        mnt.mountpoint().display(),
-        export
-            .backend()
-            .inner()
-            .format_description(args.format == crate::cli::FormatArg::Auto)
-    );
-    Ok((
-        export,
-        mnt,
-        Settled {
-            announce: Some(announce),
-            negotiated: neg,
-            argv: std::env::args().collect(),
-            max_write: neg.max_write,
-            plan,
-            queues: if uring {
-                threads.min(possible_cpus)
-            } else {
-                threads
-            },
-            uring,
-            _passthrough: backing,
-            _watcher: watcher,
-        },
-    ))
-}
-
-/// Opens the image (`takeover`: taking the image locks over from the daemon `fusex restart`
-/// replaces) and wraps it in the export; also decides what passthrough to ask for.
-fn open_export(
-    args: &MountArgs,
-    takeover: bool,
-) -> Result<(Arc<Export<Served>>, crate::passthrough::Plan)> {
-    let io_path = match args.io_path {
-        IoPathArg::Auto => None,
-        IoPathArg::Ring => Some(IoPath::Ring),
-        IoPathArg::Inline => Some(IoPath::Inline),
-        IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
-        IoPathArg::Adaptive => Some(IoPath::Adaptive),
-    };
-    let options = OpenOptions {
-        format: args.format.into(),
-        no_backing: args.no_backing,
-        trust_backing: args.trust_backing,
-        writable: args.writable,
-        growable: args.growable,
-        locking: if args.no_locking {
-            Locking::Off
-        } else if takeover && !args.force_share {
-            Locking::Takeover
-        } else if args.force_share {
-            Locking::ForceShare
-        } else {
-            Locking::Exclusive
-        },
-        direct: args.direct,
-        io_path,
-        nbd: backend::NbdOptions {
-            writable: args.writable,
-            fua: args.writethrough,
-            timeout: Duration::from_secs_f64(args.nbd_timeout),
-            reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
-        },
-    };
-    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
-    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
-    // capabilities, which live as long as the thread. This one ends here, so no such worker
-    // outlives the privilege drop.
-    let backend = std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name("fusex-open".into())
-            .spawn_scoped(s, || backend::open(&args.image, options))
-            .context("starting the thread that opens the image")?
-            .join()
-            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
-            .map_err(|e| match e {
-                backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
-                    in_use_by_a_dead_mount(&args.image, l)
-                }
-                e => anyhow::Error::from(e),
-            })
-    })?;
-    if let AnyBackend::Raw(r) = &backend {
-        tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
-    }
-    let max_size = max_size(args, &backend)?;
-    let pt = crate::passthrough::Plan::new(args, &backend)?;
-    if !args.fault.is_empty() {
-        tracing::info!("fault injection: {:?}", args.fault);
-    }
-    let export = Arc::new(Export::new(
-        Faulty::new(backend, args.fault.clone()),
-        ExportConfig {
-            writable: args.writable,
-            growable: args.growable,
-            kernel_cache: args.kernel_cache,
-            writethrough: args.writethrough,
-            max_size,
-            ..ExportConfig::default()
-        },
-    ));
-    Ok((export, pt))
-}
-
-/// An image lock conflict, explained when the holder may be a fusex export whose daemon died: its
-/// dead mount keeps the image open (the kernel's passthrough file, with its lock bytes) until it is
-/// unmounted, and "another process" would send the user looking for a process that does not
-/// exist. The dead mounts are those no daemon listens on (the `fusex restart` socket is gone).
-fn in_use_by_a_dead_mount(image: &str, e: backend::LockError) -> anyhow::Error {
-    use std::os::unix::fs::MetadataExt;
-    let file_id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    let image_id = file_id(Path::new(image));
-    let listening = crate::restart::Listening::read();
-    let dead: Vec<(String, bool)> = transport::fusex_mounts()
-        .into_iter()
-        .filter(|m| !listening.daemon_of(m))
-        .map(|m| {
-            // The source is the image as its daemon was given it (perhaps relative to its
-            // directory then): the same file, or at least the same name.
-            let source = Path::new(&m.source);
-            let same = image_id.is_some() && file_id(source) == image_id
-                || !source.is_absolute() && source.file_name() == Path::new(image).file_name();
-            (m.mount_point, same)
-        })
-        .collect();
-    let holders: Vec<&str> = dead
-        .iter()
-        .filter(|(_, same)| *same)
-        .map(|(p, _)| p.as_str())
-        .collect();
-    let umount = |paths: &[&str]| {
-        paths
-            .iter()
-            .map(|p| format!("fusex umount {p}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    match holders.as_slice() {
-        [] if dead.is_empty() => anyhow::Error::from(e),
-        [] => {
-            let all: Vec<&str> = dead.iter().map(|(p, _)| p.as_str()).collect();
-            anyhow::anyhow!(
-                "{e}; fusex exports whose daemon is gone may hold it: {} frees them",
-                umount(&all)
-            )
-        }
-        [one] => anyhow::anyhow!(
-            "{image} is held by the dead fusex mount at {one} (its daemon is gone; the mount \
-             keeps the image open and locked): {} frees it",
-            umount(&[one])
-        ),
-        many => anyhow::anyhow!(
-            "{image} is held by dead fusex mounts at {} (their daemons are gone; the mounts \
-             keep the image open and locked): {} frees them",
-            many.join(", "),
-            umount(many)
-        ),
-    }
-}
-
-/// How large a growable export may grow: `--max-size`, checked against what the image's
-/// filesystem (or format) can hold and against the image's current size.
-fn max_size(args: &MountArgs, backend: &AnyBackend) -> Result<u64> {
-    let limit = backend.size_limit();
-    let Some(want) = args.max_size else {
-        return Ok(limit);
-    };
-    if want > limit {
-        bail!(
-            "--max-size {want} is more than {} can grow to ({limit} bytes): give at most that",
-            args.image
-        );
-    }
-    if want < backend.size() {
-        bail!(
-            "--max-size {want} is less than {}'s current size ({} bytes): give at least that",
-            args.image,
-            backend.size()
-        );
-    }
-    Ok(want)
-}
-
-/// What the rest of the daemon's life needs privileges for (see [`crate::privileges`]): the
-/// paths its exit path acts on, and whether SETATTR sets times on an image another user owns.
-fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
-    let mut paths = Vec::new();
-    let mountpoint_dir = Needs::parent(mnt.mountpoint());
-    if mnt.created_mountpoint() {
-        paths.push((mountpoint_dir, Access::Modify));
-    } else {
-        paths.push((mountpoint_dir, Access::Search));
-    }
-    if let Some(p) = &args.pid_file {
-        paths.push((Needs::parent(p), Access::Modify));
-        paths.push((p.clone(), Access::Read));
-    }
-    if let Some(p) = &args.stats_file {
-        paths.push((Needs::parent(p), Access::Modify));
-        if p.exists() {
-            paths.push((p.clone(), Access::Write));
-        }
-    }
-    let foreign_image_owner = if export.config().writable {
-        export.backend().inner().owner().filter(|&uid| {
-            // SAFETY: geteuid has no preconditions.
-            uid != unsafe { libc::geteuid() }
-        })
-    } else {
-        None
-    };
-    Needs {
-        paths,
-        foreign_image_owner,
-        exits_through_setuid_helper: mnt.via_fusermount(),
-    }
-}
-
-/// Request sources for each queue thread.
-fn sources(
-    mnt: &mut Mount,
-    threads: usize,
-    uring: bool,
-    depth: usize,
-    handoff: server::Handoff,
-) -> Result<Vec<Source>> {
-    let fd = mnt.take_fd().context("mount fd")?;
-    if !uring {
-        let mut v = Vec::with_capacity(threads);
-        for _ in 1..threads {
-            v.push(Source::Legacy(clone_fd(fd.as_raw_fd())?));
-        }
-        v.insert(0, Source::Legacy(fd));
-        return Ok(v);
-    }
-    // One kernel queue per possible CPU; thread t serves qids t, t+threads, ...
-    let legacy = clone_fd(fd.as_raw_fd())?;
-    let qids = crate::affinity::possible_cpus();
-    let fd = Arc::new(fd);
-    let mut legacy = Some(legacy);
-    let crew = server::Crew::new(threads, qids, depth, handoff);
-    Ok((0..threads)
-        .map(|t| Source::Uring {
-            fd: fd.clone(),
-            qids: (t..qids).step_by(threads).map(|q| q as u16).collect(),
-            legacy: legacy.take(),
-            crew: crew.clone(),
-        })
-        .collect())
-}
-
-fn run_queues(
-    args: &MountArgs,
-    export: &Arc<Export<Served>>,
-    mnt: &mut Mount,
-    neg: &Settled,
-    privileges: Plan,
-    (ready, notifier): (&mut Readiness, &crate::notify::Notifier),
-    (mut signals, pid_file): (
-        signal_hook::iterator::Signals,
-        Option<&crate::files::PidFile>,
-    ),
-) -> Result<(serde_json::Value, Option<u32>)> {
-    let mut stopping_sent = false;
-    let cpus = crate::affinity::allowed_cpus();
-    let nq = neg.queues;
-    let pin = match args.cpu_affinity {
-        Affinity::On => true,
-        Affinity::Off => false,
-        Affinity::Auto => nq == cpus.len(),
-    };
-    tracing::debug!(queues = nq, pinned = pin, "starting queues");
+    let privileges = Plan::decide(&lifecycle::exit_needs(&p.args, &p.export, &p.mnt));
     let (tx, rx) = mpsc::channel::<Event>();
-    let stop = Arc::new(AtomicBool::new(false));
-    let sig_handle = signals.handle();
-    {
-        let tx = tx.clone();
-        let (dropped_tx, dropped) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("fusex-signals".into())
-            .spawn(move || {
-                // It needs no privilege at all; drops them before it handles anything.
-                let outcome = privileges.apply();
-                let failed = outcome.is_err();
-                let _ = dropped_tx.send(outcome);
-                if failed {
-                    return;
-                }
-                use signal_hook::consts::{SIGALRM, SIGUSR1, SIGUSR2};
-                for s in signals.forever() {
-                    let ev = match s {
-                        SIGUSR1 => Event::Dump,
-                        SIGUSR2 | SIGALRM => {
-                            tracing::info!(
-                                "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 \
-                                 writes statistics)",
-                                signal_name(s)
-                            );
-                            continue;
-                        }
-                        _ => Event::Signal(s),
-                    };
-                    if tx.send(ev).is_err() {
-                        break;
-                    }
-                }
-            })?;
-        dropped
-            .recv()
-            .context("the signal thread ended at its start")?
-            .context("cannot drop privileges")?;
-    }
-    let mut runtime =
-        spawn_restart_listener(args, export, mnt, neg, notifier, privileges, tx.clone())?;
-    // Only now: a `fusex restart` that follows this line finds the listener.
-    if let Some(line) = &neg.announce {
-        tracing::info!("{line}");
-    }
-    // What `fusex list` shows of this export, rewritten as it changes state.
-    let mountpoint = mnt.mountpoint().to_string_lossy().into_owned();
-    // The image as a path that means the same from anywhere (an NBD URI or `null:` as given).
-    let image = std::fs::canonicalize(&args.image)
-        .map_or_else(|_| args.image.clone(), |p| p.to_string_lossy().into_owned());
-    let publish = |runtime: &Option<crate::runtime::Entry>, state: &str| {
-        if let Some(r) = runtime {
-            r.write_state(&serde_json::json!({
-                "pid": std::process::id(),
-                "mountpoint": mountpoint,
-                "image": image,
-                "format": export.backend().inner().format_description(false),
-                "transport": if neg.uring { "io_uring" } else { "legacy" },
-                "queues": neg.queues,
-                "writable": args.writable,
-                "state": state,
-            }));
-        }
-    };
-    // The main thread keeps its own fd of the connection to tell the kernel when the image
-    // changes size behind the export.
-    let notify_fd = match mnt.fd() {
-        Some(fd) => Some(clone_fd(fd.as_raw_fd())?),
-        None => None,
-    };
-    let mut known_size = export.backend().size();
-    let mut threads = Vec::with_capacity(nq);
-    let handoff = args.handoff.into();
-    for (id, source) in sources(mnt, nq, neg.uring, neg.plan.depth, handoff)?
-        .into_iter()
-        .enumerate()
-    {
-        let spec = QueueSpec {
-            id,
-            source,
-            depth: neg.plan.depth,
-            max_write: neg.max_write as usize,
-            spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
-            multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
-            fixed_files: (args.fixed_files == crate::cli::OnOff::On)
-                .then(|| export.backend().inner().io_fds()),
-            splice_min: args.splice_min as usize,
-            fallback_slots: memory::URING_LEGACY_SLOTS,
-            before_serving: Box::new(move || privileges.apply()),
-        };
-        let cpu = pin.then(|| cpus[id % cpus.len()]);
-        let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("fusex-q{id}"))
-                .spawn(move || {
-                    if let Some(cpu) = cpu {
-                        crate::affinity::pin_current_thread(cpu);
-                    }
-                    server::queue::run(spec, export, stop, tx)
-                })?,
-        );
-    }
-    drop(tx);
-    let mut remotes = Vec::new();
-    let mut live: Vec<(usize, Arc<Counters>)> = Vec::new();
-    let mut dumps = 0u64;
-    let (mut running, mut started, mut quiet) = (nq, 0, 0);
-    let mut total = Snapshot::default();
-    let mut failure: Option<String> = None;
-    let mut per_queue = Vec::new();
-    let mut flushed: Option<Result<bool>> = None;
-    // `fusex restart`: the successor waiting for this process to let go, and its pid.
-    let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
-    let mut handed_to: Option<u32> = None;
-    // After a stop with the export detached: when its grace period ends (`--stop-timeout`).
-    let mut draining: Option<Instant> = None;
-    // The export is aborted while applications hold it: once the queues are quiet and the image
-    // is flushed, this process exits, which ends the connection (the detached mount can no longer
-    // be force-unmounted by path).
-    let mut abandon = false;
-    let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
-        stop.store(true, Ordering::Release);
-        for (r, t) in remotes {
-            r.wake(*t);
-        }
-    };
-    // A stop signal that came while queues were starting, acted on once they all serve (so that
-    // the files already open on the export are counted and served, not aborted).
-    let mut deferred: Option<i32> = None;
-    // A `fusex restart` that asked while queues were starting, answered once they all serve.
-    let mut early_release: Option<Event> = None;
-    while running > 0 {
-        // Checked at least once a second (the receive below times out that often).
-        if !abandon && draining.is_some_and(|d| Instant::now() >= d) {
-            abandon = true;
-            log_abort(
-                &format!("--stop-timeout ({} s) passed", args.stop_timeout),
-                export,
-            );
-            // The queues report Quiesced, and the check at the end of the loop ends the export.
-            stop_all(&remotes);
-        }
-        let ev = if let Some(s) = deferred.filter(|_| started == nq) {
-            deferred = None;
-            Event::Signal(s)
-        } else if let Some(r) = early_release.take_if(|_| started == nq) {
-            r
-        } else if flushed.is_some() {
-            match rx.recv_timeout(Duration::from_secs(10)) {
-                Ok(ev) => ev,
-                Err(_) => {
-                    failure.get_or_insert(if mnt.via_fusermount() {
-                        // fusermount3 -u could only detach a mount applications hold open.
-                        "queues did not end after the unmount: applications still hold the \
-                         export open, and without CAP_SYS_ADMIN fusex cannot abort the \
-                         connection (it ends as fusex exits now)"
-                            .into()
-                    } else {
-                        "queues did not end after the connection was aborted".into()
-                    });
-                    break;
-                }
+    let started = spawn_signal_thread(signals, privileges, tx.clone()).and_then(|sig| {
+        let runtime = spawn_restart_listener(&p, notifier, privileges, tx.clone())?;
+        Ok((sig, runtime))
+    });
+    let result = match started {
+        Ok((sig_handle, runtime)) => {
+            // Only now: a `fusex restart` that follows this line finds the listener.
+            if let Some(line) = &p.settled.announce {
+                tracing::info!("{line}");
             }
-        } else {
-            match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
-                Ok(ev) => ev,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
-                    continue;
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            let mut owner = MountOwner {
+                ready,
+                notifier,
+                pid_file: pid_file.as_ref(),
+                runtime,
+                shown: p.describe(""),
+                status: format!(
+                    "exporting {} at {}",
+                    p.args.image,
+                    p.mnt.mountpoint().display()
+                ),
+            };
+            let result =
+                lifecycle::supervise(&mut p, Supervision { privileges, tx, rx }, &mut owner);
+            sig_handle.close();
+            if let Err(e) = &result {
+                // Start-up errors (no-op once readiness was reported).
+                owner.ready.report(Err(format!("{e:#}")));
             }
-        };
-        match ev {
-            Event::Queue(QueueEvent::Started {
-                id,
-                remote,
-                task,
-                counters,
-            }) => {
-                remotes.push((remote, task));
-                live.push((id, counters));
-                if stop.load(Ordering::Acquire) {
-                    stop_all(&remotes);
-                }
-                started += 1;
-                if started == nq {
-                    // Every queue thread has dropped its privileges before it reported; the
-                    // signal thread did at its start. This thread is the last one.
-                    match privileges.apply() {
-                        Ok(()) => {
-                            if let Some(kept) = privileges.kept() {
-                                tracing::info!(
-                                    "privileges: every thread keeps only {kept} (the rest is \
-                                     dropped, no_new_privs is set)"
-                                );
-                            }
-                            ready.report(Ok(()));
-                            publish(&runtime, "serving");
-                            notifier.ready(&format!(
-                                "exporting {} at {}",
-                                args.image,
-                                mnt.mountpoint().display()
-                            ));
-                        }
-                        Err(e) => {
-                            let msg = format!("cannot drop privileges: {e}");
-                            ready.report(Err(msg.clone()));
-                            failure.get_or_insert(msg);
-                            stop_all(&remotes);
-                        }
-                    }
-                }
-            }
-            Event::Queue(QueueEvent::Failed { id, error }) => {
-                running -= 1;
-                quiet += 1;
-                let msg = format!("queue {id} failed to start: {error}");
-                if started < nq {
-                    ready.report(Err(msg.clone()));
-                }
-                failure.get_or_insert(msg);
-                stop_all(&remotes);
-            }
-            Event::Queue(QueueEvent::Quiesced) => quiet += 1,
-            Event::Queue(QueueEvent::Ended { id, report }) => {
-                running -= 1;
-                total.merge(&report.counters);
-                per_queue.push(serde_json::json!({
-                    "queue": id,
-                    "requests": report.counters.requests(),
-                    "enters": report.engine.enters,
-                    "completions": report.engine.completions,
-                    "polls": report.engine.polls,
-                    "remote_wakes": report.engine.remote_wakes,
-                    "dev_fuse_read": report.dev_fuse_read,
-                }));
-                if let Some(e) = report.error {
-                    failure.get_or_insert(format!("queue {id}: {e}"));
-                }
-                // One queue ending (connection gone, or an error) ends the export.
-                stop_all(&remotes);
-            }
-            Event::Signal(s) => {
-                let name = signal_name(s);
-                if !std::mem::replace(&mut stopping_sent, true) {
-                    notifier.stopping();
-                }
-                if draining.is_some() {
-                    if !abandon {
-                        abandon = true;
-                        log_abort(&format!("{name} again"), export);
-                        stop_all(&remotes);
-                    }
-                } else if started < nq && !stop.load(Ordering::Acquire) {
-                    deferred = Some(s);
-                } else if stop.load(Ordering::Acquire) || args.stop_timeout == 0 {
-                    // Already ending (a queue failed or ended), or no grace: end it now, aborting
-                    // the connection (a forced unmount) once the queues answered what they took.
-                    if export.open_files() > 0 && !stop.load(Ordering::Acquire) {
-                        log_abort(&format!("{name} with --stop-timeout 0"), export);
-                    } else {
-                        tracing::info!("{name}: finishing in-flight requests and unmounting");
-                    }
-                    stop_all(&remotes);
-                } else {
-                    draining = Some(detach(&name, export, mnt, args.stop_timeout));
-                    let open = export.open_files();
-                    if open > 0 {
-                        publish(&runtime, &format!("stopping ({open} open)"));
-                    }
-                }
-            }
-            Event::Dump => {
-                dumps += 1;
-                dump_live(args, &mut live, dumps, neg.uring);
-            }
-            Event::Release {
-                stream,
-                pid,
-                accepted,
-            } => {
-                if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
-                    let _ = crate::restart::send(
-                        &stream,
-                        &crate::restart::Message::Refused {
-                            error: "the daemon is stopping".into(),
-                        },
-                        &[],
-                    );
-                    let _ = accepted.send(false);
-                } else if started < nq {
-                    // Too early to let go: the queues are still starting. Answered once they
-                    // all serve (or refused then if a stop came first).
-                    tracing::info!(
-                        "restart: process {pid} asked while the queues start; handing over once \
-                         they serve"
-                    );
-                    early_release = Some(Event::Release {
-                        stream,
-                        pid,
-                        accepted,
-                    });
-                } else {
-                    let _ = accepted.send(true);
-                    tracing::info!(
-                        "restart: process {pid} takes the export over; finishing in-flight \
-                         requests"
-                    );
-                    notifier.reloading();
-                    // The successor reports ready and stopping from here on.
-                    stopping_sent = true;
-                    successor = Some((stream, pid));
-                    stop_all(&remotes);
-                }
-            }
-        }
-        if stop.load(Ordering::Acquire) || draining.is_some() {
-            // No longer serving: a new daemon may take the pid file (and before this one's
-            // "released" reaches a `fusex restart` successor, which writes its own).
-            if let Some(p) = pid_file {
-                p.stop_serving();
-            }
-        }
-        if stop.load(Ordering::Acquire) && quiet >= nq {
-            if let Some((stream, pid)) = successor.take() {
-                if release(&mut flushed, export, &stream, pid, notifier) {
-                    handed_to = Some(pid);
-                    if let Some(r) = &mut runtime {
-                        r.leave();
-                    }
-                } else {
-                    // Nobody took the export: end it as a stop would.
-                    finish(&mut flushed, export, mnt);
-                }
-            } else {
-                finish(&mut flushed, export, mnt);
-                if abandon {
-                    // Every request taken is answered and the image flushed; the connection
-                    // ends as this process exits.
-                    break;
-                }
-            }
-        }
-    }
-    if !stopping_sent {
-        notifier.stopping();
-    }
-    if handed_to.is_none() {
-        finish(&mut flushed, export, mnt);
-    }
-    sig_handle.close();
-    if failure.is_none() && !abandon {
-        for t in threads {
-            let _ = t.join();
-        }
-    }
-    if abandon {
-        // Queues still waiting for the connection to end have not reported: count from the
-        // live counters of every queue instead.
-        live.sort_by_key(|(id, _)| *id);
-        total = Snapshot::default();
-        per_queue.clear();
-        for (id, c) in &live {
-            let s = c.snapshot();
-            total.merge(&s);
-            per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
-        }
-    }
-    per_queue.sort_by_key(|q| q["queue"].as_u64());
-    tracing::info!("served {} requests", total.requests());
-    let flushed = flushed.unwrap_or(Ok(false));
-    if let Some(pid) = handed_to {
-        // The successor serves the mount: an error now must not make this process take it down.
-        if let Some(f) = failure {
-            tracing::error!("after handing over to process {pid}: {f}");
-        }
-        return Ok((total.to_json(), handed_to));
-    }
-    if let Some(f) = failure {
-        bail!(f);
-    }
-    let mut json = total.to_json();
-    // The exit flush is reported on its own, so `backend.flushes` counts exactly the flushes that
-    // requests (FLUSH, FSYNC, --writethrough) caused.
-    json["exit_flush"] = (*flushed.as_ref().unwrap_or(&false)).into();
-    flushed?;
-    json["queues"] = serde_json::Value::Array(per_queue);
-    json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
-    Ok((json, handed_to))
-}
-
-/// `fusex restart`, the old daemon's side once every queue is quiet: flush a writable image, tell
-/// the successor it may serve, and name it the service's main process. The connection is left
-/// alone (the successor holds it). False when the successor could not be told (it is gone).
-fn release(
-    flushed: &mut Option<Result<bool>>,
-    export: &Export<Served>,
-    stream: &std::os::unix::net::UnixStream,
-    pid: u32,
-    notifier: &crate::notify::Notifier,
-) -> bool {
-    let f = final_flush(export);
-    if let Err(e) = &f {
-        // The successor serves the same file through the same page cache; durability is what
-        // its own FLUSH and FSYNC requests decide. Said, not fatal.
-        tracing::error!("restart: {e:#}");
-    }
-    *flushed = Some(f);
-    // The files open now are the successor's to count down as their RELEASEs reach it.
-    let released = crate::restart::Message::Released {
-        open_files: export.open_files(),
-    };
-    match crate::restart::send(stream, &released, &[]) {
-        Ok(()) => {
-            notifier.main_pid(pid);
-            true
+            result
         }
         Err(e) => {
-            tracing::error!("restart: cannot tell process {pid} it may serve ({e}); unmounting");
-            false
+            ready.report(Err(format!("{e:#}")));
+            Err(e)
+        }
+    };
+    if let Ok(ended) = &result {
+        if let Some(pid) = ended.handed_to {
+            // A successor serves the mount now: leave the mount, its mountpoint file, the
+            // watcher (the successor holds the pipe too) and the pid file (it holds the
+            // successor's pid).
+            p.mnt.disown();
+            drop(p.settled);
+            if let Some(f) = pid_file {
+                f.keep();
+            }
+            tracing::info!("handed the export over to process {pid}; exiting");
+            return Ok(());
         }
     }
+    let concluded = lifecycle::conclude(p, result);
+    if let Some(f) = pid_file {
+        f.remove();
+    }
+    concluded
+}
+
+/// The signal thread of a one-export process: stops, statistics, and a log line for the signals
+/// fusex ignores. It needs no privilege at all and drops them before it handles anything.
+fn spawn_signal_thread(
+    mut signals: signal_hook::iterator::Signals,
+    privileges: Plan,
+    tx: mpsc::Sender<Event>,
+) -> Result<signal_hook::iterator::Handle> {
+    let handle = signals.handle();
+    let (dropped_tx, dropped) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("fusex-signals".into())
+        .spawn(move || {
+            let outcome = privileges.apply();
+            let failed = outcome.is_err();
+            let _ = dropped_tx.send(outcome);
+            if failed {
+                return;
+            }
+            use signal_hook::consts::{SIGALRM, SIGUSR1, SIGUSR2};
+            for s in signals.forever() {
+                let ev = match s {
+                    SIGUSR1 => Event::Dump,
+                    SIGUSR2 | SIGALRM => {
+                        tracing::info!(
+                            "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 writes \
+                             statistics)",
+                            signal_name(s)
+                        );
+                        continue;
+                    }
+                    _ => Event::Stop(Stop::Signal(s)),
+                };
+                if tx.send(ev).is_err() {
+                    break;
+                }
+            }
+        })?;
+    dropped
+        .recv()
+        .context("the signal thread ended at its start")?
+        .context("cannot drop privileges")?;
+    Ok(handle)
 }
 
 /// Listens for `fusex restart` of this export (see [`crate::restart`]) on a thread of its own,
@@ -1068,14 +249,12 @@ fn release(
 /// [`Event::Release`]. Not started for a mount without an identity. Returns the export's files in
 /// the runtime directory (the socket, and the state `fusex list` reads).
 fn spawn_restart_listener(
-    args: &MountArgs,
-    export: &Export<Served>,
-    mnt: &Mount,
-    neg: &Settled,
+    p: &Prepared,
     notifier: &crate::notify::Notifier,
     privileges: Plan,
     tx: mpsc::Sender<Event>,
 ) -> Result<Option<crate::runtime::Entry>> {
+    let (args, export, mnt, neg) = (&p.args, &p.export, &p.mnt, &p.settled);
     let Some(handover) = mnt.handover() else {
         return Ok(None);
     };
@@ -1114,7 +293,7 @@ fn spawn_restart_listener(
         None
     };
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
-    let watcher = neg._watcher.as_ref().map(|w| w.dup()).transpose()?;
+    let watcher = neg.watcher.as_ref().map(|w| w.dup()).transpose()?;
     let id = handover.identity;
     let state = crate::restart::State {
         version: crate::restart::STATE_VERSION,
@@ -1211,140 +390,6 @@ fn hand_over(
     }
 }
 
-/// How often the main thread looks at the image's size (the kernel's attribute timeout, so
-/// `stat` through the export is never staler than it would be anyway).
-const SIZE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
-
-/// Re-reads the image's size; when another program changed it, logs that and tells the kernel
-/// to drop its cached attributes and pages, so applications see the new size at once. A
-/// fixed-size export's writes then stop at the new end (ENOSPC past it).
-fn follow_image_size(
-    export: &Export<Served>,
-    notify_fd: Option<&std::os::fd::OwnedFd>,
-    known: &mut u64,
-) {
-    use std::os::fd::AsFd;
-    let Ok(now) = export.backend().refresh_size() else {
-        return;
-    };
-    if now == *known {
-        return;
-    }
-    if !export.config().growable || now < *known {
-        tracing::info!("the image changed size: {} -> {now} bytes", *known);
-    }
-    *known = now;
-    if let Some(fd) = notify_fd {
-        if let Err(e) = transport::notify_inval_inode(fd.as_fd(), fuse_abi::ROOT_ID) {
-            tracing::debug!("cannot tell the kernel the new size: {e}");
-        }
-    }
-}
-
-/// SIGUSR1: the counters as they stand, written to `--stats-file` (replaced whole, so a reader
-/// never sees half a file) or, without one, logged. `dump` numbers the dumps so a reader can tell
-/// a fresh one from the last.
-fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, uring: bool) {
-    live.sort_by_key(|(id, _)| *id);
-    let mut total = Snapshot::default();
-    let mut queues = Vec::with_capacity(live.len());
-    for (id, c) in live.iter() {
-        let s = c.snapshot();
-        total.merge(&s);
-        queues.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
-    }
-    let Some(path) = &args.stats_file else {
-        tracing::info!("statistics: {} requests so far", total.requests());
-        return;
-    };
-    let mut json = total.to_json();
-    json["live"] = true.into();
-    json["dump"] = dump.into();
-    json["queues"] = serde_json::Value::Array(queues);
-    json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
-    let written = serde_json::to_vec_pretty(&json)
-        .map_err(std::io::Error::other)
-        .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
-    if let Err(e) = written {
-        tracing::warn!("cannot write statistics to {}: {e}", path.display());
-    }
-}
-
-/// The first stop signal: detaches the export lazily, as `fusex umount` does on a busy export, so
-/// that nothing new can open it while the files open on it are served until they are closed (the
-/// kernel ends the connection after the last one, and the queues with it). Returns when the grace
-/// period ends.
-fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> Instant {
-    if let Err(e) = mnt.unmount() {
-        tracing::warn!("{name}: cannot detach the export: {e}");
-    }
-    match export.open_files() {
-        0 => tracing::info!("{name}: unmounted; finishing in-flight requests"),
-        n if grace > 0 => tracing::info!(
-            "{name}: {n} file{} still open on the export (a loop device, a filesystem mounted on \
-             it, a program): unmounted it and serving {} until closed; a second signal, or \
-             --stop-timeout in {grace} s, aborts {}",
-            if n == 1 { " is" } else { "s are" },
-            if n == 1 { "it" } else { "them" },
-            if n == 1 { "it" } else { "them" },
-        ),
-        _ => {}
-    }
-    Instant::now() + Duration::from_secs(grace.into())
-}
-
-/// Says what aborting the export means for the applications that still hold it open.
-fn log_abort(why: &str, export: &Export<Served>) {
-    let n = export.open_files();
-    if n == 0 {
-        // Nothing open, yet the connection did not end: the export is mounted elsewhere too (a
-        // bind mount), or a file is being opened right now.
-        tracing::warn!(
-            "{why}: aborting the export: no file is open on it, but its connection has not ended \
-             (is it bind-mounted elsewhere?); what still uses it now gets ENOTCONN"
-        );
-        return;
-    }
-    tracing::warn!(
-        "{why}: aborting the export with {n} file{} still open: finishing the requests already \
-         taken, flushing the image and exiting; from then on reads and writes on {} fail with \
-         ENOTCONN (Transport endpoint is not connected), and what the applications had not yet \
-         written is lost (a filesystem mounted on the export sees I/O failures)",
-        if n == 1 { "" } else { "s" },
-        if n == 1 { "it" } else { "them" },
-    );
-}
-
-/// Ends the export once every queue answered what it had taken: flush, then abort the
-/// connection and unmount (which also ends io_uring queues, whose entries then complete).
-fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut Mount) {
-    if flushed.is_none() {
-        *flushed = Some(final_flush(export));
-        if let Err(e) = mnt.abort() {
-            tracing::error!("{e}");
-        }
-    }
-}
-
-/// Flushes a writable export's image once every queue has ended; says whether it flushed.
-fn final_flush(export: &Export<Served>) -> Result<bool> {
-    if !export.config().writable {
-        return Ok(false);
-    }
-    if export.backend().capabilities().flushes_on_close {
-        // Each queue's connection flushes what it wrote as it closes (a new connection might
-        // not even be accepted while they are open, and without multi-conn would not cover them).
-        return Ok(false);
-    }
-    let eng = Engine::new(&EngineConfig {
-        sq_entries: 8,
-        ..EngineConfig::default()
-    })?;
-    eng.block_on(export.backend().flush(&eng))?
-        .context("flushing the image")?;
-    Ok(true)
-}
-
 /// `fusex umount`.
 pub fn umount(path: PathBuf, force: bool) -> Result<()> {
     transport::unmount(&path, force)?;
@@ -1357,7 +402,8 @@ pub fn umount(path: PathBuf, force: bool) -> Result<()> {
 pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     let signals = install_signals()?;
     match take_over(&path) {
-        Ok((args, export, mnt, neg, notifier)) => {
+        Ok((prepared, notifier)) => {
+            let args = prepared.args.clone();
             // The log goes where the old daemon's command line says, as for a daemon.
             let daemon = MountArgs {
                 daemonize: true,
@@ -1378,20 +424,11 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
                     .transpose()
             });
             match claimed {
-                Ok(pid_file) => serve_export(
-                    &args,
-                    export,
-                    mnt,
-                    neg,
-                    ready,
-                    &notifier,
-                    (signals, pid_file),
-                ),
+                Ok(pid_file) => serve_export(prepared, ready, &notifier, (signals, pid_file)),
                 Err(e) => {
                     ready.report(Err(format!("{e:#}")));
-                    // Unmount before the --auto-unmount watcher (in `neg`) is released.
-                    drop(mnt);
-                    drop(neg);
+                    // Unmounts before the --auto-unmount watcher is released.
+                    drop(prepared);
                     Err(e)
                 }
             }
@@ -1403,13 +440,7 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     }
 }
 
-type TakenOver = (
-    MountArgs,
-    Arc<Export<Served>>,
-    Mount,
-    Settled,
-    crate::notify::Notifier,
-);
+type TakenOver = (Prepared, crate::notify::Notifier);
 
 fn take_over(path: &Path) -> Result<TakenOver> {
     use crate::restart::{connect, identify, recv, send, unexpected, Message, STATE_VERSION};
@@ -1480,10 +511,10 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         let mut trial = args.clone();
         (trial.writable, trial.growable, trial.max_size) = (false, false, None);
         (trial.no_locking, trial.force_share) = (true, false);
-        drop(open_export(&trial, false)?);
+        drop(lifecycle::open_export(&trial, false)?);
         None
     } else {
-        Some(open_export(&args, true)?)
+        Some(lifecycle::open_export(&args, true)?)
     };
     let negotiated = state.init;
     let max_write = negotiated.max_write;
@@ -1526,7 +557,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         None => {
             // Past the point of return: the old daemon no longer serves. Failing here ends the
             // export as a failed start does (the --auto-unmount watcher then unmounts it).
-            let (export, pt) = open_export(&args, true)?;
+            let (export, pt) = lifecycle::open_export(&args, true)?;
             backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
             export
         }
@@ -1540,16 +571,14 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         negotiated.minor,
         max_write >> 10
     );
-    let settled = Settled {
-        announce: None,
-        negotiated,
-        argv: state.argv,
-        max_write,
-        plan,
-        queues,
-        uring: false,
-        _passthrough: backing,
-        _watcher: watcher,
-    };
-    Ok((args, export, mnt, settled, notifier))
+    let settled = Settled::adopted(negotiated, state.argv, plan, queues, backing, watcher);
+    Ok((
+        Prepared {
+            args,
+            export,
+            mnt,
+            settled,
+        },
+        notifier,
+    ))
 }

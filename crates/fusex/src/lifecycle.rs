@@ -1,0 +1,1213 @@
+//! One export's lifecycle, whoever drives it (`fusex mount`, `fusex restart`, `fusex serve`):
+//! open the image ([`open_export`]), mount and negotiate ([`setup`]), serve until stopped
+//! ([`supervise`]), then flush and unmount, or hand the connection to a successor. What belongs to
+//! the process (signals, pid files, readiness, the restart socket) is the driver's: it reaches the
+//! export through [`Event`]s and hears back through its [`Owner`].
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
+use engine::{Engine, EngineConfig};
+use export::{Counters, Export, ExportConfig, Snapshot};
+use fuse_abi::{
+    FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
+    FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
+};
+use server::queue::{QueueEvent, QueueSpec, Source};
+use transport::{clone_fd, InitParams, Mount, MountConfig};
+
+use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
+use crate::memory::{self, Demand, Plan as MemoryPlan};
+use crate::privileges::{Access, Needs, Plan};
+
+/// The backend the queues serve: the opened image, with `--fault` rules (none: a plain
+/// pass-through).
+pub type Served = Faulty<AnyBackend>;
+
+/// What an export's supervisor waits for.
+pub enum Event {
+    /// From a queue thread.
+    Queue(QueueEvent),
+    /// Stop the export (a signal, or a removal over the control socket).
+    Stop(Stop),
+    /// SIGUSR1 arrived: write the statistics as they stand.
+    Dump,
+    /// `fusex restart`: process `pid`, reached through `stream`, is ready to serve the export;
+    /// stop taking requests, answer the ones taken, flush, and tell it on `stream`. The
+    /// supervisor answers `accepted` with whether it took the request: a refused one leaves the
+    /// restart listener listening.
+    Release {
+        stream: std::os::unix::net::UnixStream,
+        pid: u32,
+        accepted: mpsc::Sender<bool>,
+    },
+}
+
+impl From<QueueEvent> for Event {
+    fn from(e: QueueEvent) -> Event {
+        Event::Queue(e)
+    }
+}
+
+/// How to stop an export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGINT, SIGTERM or SIGHUP (`fusex mount`): detach the export lazily, so nothing new can
+    /// open it, and serve the files still open until they are closed or `--stop-timeout` passes.
+    /// A second one aborts them.
+    Signal(i32),
+    /// A removal in `safe` mode: files still open stay served, the export stays mounted, until
+    /// they are closed or `--stop-timeout` passes; then it is unmounted.
+    Safe,
+    /// A removal in `hard` mode: finish what the queues took, flush, and abort the connection
+    /// (applications still using the export get ENOTCONN).
+    Hard,
+}
+
+impl Stop {
+    /// What asked for the stop, for log lines.
+    fn name(self) -> String {
+        match self {
+            Stop::Signal(s) => signal_name(s),
+            Stop::Safe => "removal".into(),
+            Stop::Hard => "forced removal".into(),
+        }
+    }
+}
+
+/// A signal's name for log lines.
+pub fn signal_name(s: i32) -> String {
+    use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    match s {
+        SIGINT => "SIGINT".into(),
+        SIGTERM => "SIGTERM".into(),
+        SIGHUP => "SIGHUP".into(),
+        SIGUSR1 => "SIGUSR1".into(),
+        SIGUSR2 => "SIGUSR2".into(),
+        SIGALRM => "SIGALRM".into(),
+        _ => format!("signal {s}"),
+    }
+}
+
+/// Whoever drives an export hears from its supervisor through this: readiness, the state `fusex
+/// list` shows, and the steps of a stop or a hand-over. `fusex mount` answers with the process's
+/// readiness pipe, systemd and pid file; `fusex serve` with its export table.
+pub trait Owner {
+    /// Every queue serves.
+    fn serving(&mut self);
+    /// The export could not start (ignored once `serving` was said).
+    fn failed(&mut self, why: &str);
+    /// The state as `fusex list` shows it changed ("serving", "stopping (2 open)").
+    fn state(&mut self, state: &str);
+    /// A stop was asked for (once).
+    fn stopping(&mut self);
+    /// The export no longer takes new work: a stop or a failure (once).
+    fn not_serving(&mut self);
+    /// `fusex restart`: a successor takes the export over.
+    fn reloading(&mut self);
+    /// The successor `pid` serves the export now.
+    fn handed_over(&mut self, pid: u32);
+}
+
+/// What INIT settled that the queues need.
+pub struct Settled {
+    /// The "mounted" line, logged once the export can be found by `fusex restart` (a successor
+    /// that took an export over has none).
+    pub announce: Option<String>,
+    /// What INIT settled (handed to a successor by `fusex restart`).
+    pub negotiated: transport::Negotiated,
+    /// The `fusex mount` command line this export was started with (a successor parses it).
+    pub argv: Vec<String>,
+    max_write: u32,
+    /// Request buffers per queue and their size.
+    pub plan: MemoryPlan,
+    /// Queue threads (the count the plan was made for; on io_uring at most one per possible CPU).
+    pub queues: usize,
+    pub uring: bool,
+    /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
+    _passthrough: Option<transport::passthrough::Backing>,
+    /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
+    /// (closing it early would make the watcher unmount a live export).
+    pub watcher: Option<crate::watcher::Watcher>,
+}
+
+impl Settled {
+    /// What a `fusex restart` successor settles from the state its predecessor sent (the legacy
+    /// transport: an io_uring export is never handed over).
+    pub fn adopted(
+        negotiated: transport::Negotiated,
+        argv: Vec<String>,
+        plan: MemoryPlan,
+        queues: usize,
+        passthrough: Option<transport::passthrough::Backing>,
+        watcher: Option<crate::watcher::Watcher>,
+    ) -> Settled {
+        Settled {
+            announce: None,
+            negotiated,
+            argv,
+            max_write: negotiated.max_write,
+            plan,
+            queues,
+            uring: false,
+            _passthrough: passthrough,
+            watcher,
+        }
+    }
+}
+
+/// An export opened, mounted and negotiated: what [`supervise`] serves. Dropping it unmounts.
+pub struct Prepared {
+    /// Its options (`fusex mount`'s command line, or what `fusex serve` made of a request).
+    pub args: MountArgs,
+    pub export: Arc<Export<Served>>,
+    pub mnt: Mount,
+    pub settled: Settled,
+}
+
+impl Prepared {
+    /// What `fusex list` and `query-block-exports` show of it.
+    pub fn describe(&self, state: &str) -> crate::runtime::ExportState {
+        crate::runtime::ExportState {
+            pid: std::process::id(),
+            mountpoint: self.mnt.mountpoint().to_string_lossy().into_owned(),
+            // The image as a path that means the same from anywhere (an NBD URI or `null:`
+            // as given).
+            image: std::fs::canonicalize(&self.args.image).map_or_else(
+                |_| self.args.image.clone(),
+                |p| p.to_string_lossy().into_owned(),
+            ),
+            format: self
+                .export
+                .backend()
+                .inner()
+                .format_description(false)
+                .into(),
+            transport: if self.settled.uring {
+                "io_uring"
+            } else {
+                "legacy"
+            }
+            .into(),
+            queues: self.settled.queues,
+            writable: self.args.writable,
+            state: state.into(),
+        }
+    }
+}
+
+/// Opens the image, mounts it and negotiates INIT: the export is mounted but not yet served.
+pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepared> {
+    if args.growable && !args.writable {
+        bail!("--growable needs --writable: add --writable or drop --growable");
+    }
+    if args.max_size.is_some() && !args.growable {
+        bail!("--max-size needs --growable: add --growable or drop --max-size");
+    }
+    if args.force_share && args.writable {
+        bail!(
+            "--force-share is for read-only exports (a writer must own the image): drop \
+             --force-share, or drop --writable"
+        );
+    }
+    if args.force_share && args.no_locking {
+        bail!("--force-share and --no-locking exclude each other: give one of them");
+    }
+    let uring_blocked = transport::uring_unavailable_reason();
+    if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
+        bail!("--transport uring is unavailable: {why}; or use --transport auto");
+    }
+    let (export, pt) = open_export(args, false)?;
+    let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
+    let mut threads = args
+        .queues
+        .map_or(crate::affinity::allowed_cpus().len(), usize::from);
+    let caps = export.backend().capabilities();
+    if let Some(details) = export.backend().inner().details() {
+        tracing::info!("{details}");
+    }
+    if let Some((max, why)) = caps.max_queues.filter(|(max, _)| threads > *max) {
+        // Queues whose connections need not see each other's writes would break flushes.
+        tracing::info!(
+            "{why}: serving with {max} queue{}",
+            if max == 1 { "" } else { "s" }
+        );
+        threads = max;
+    }
+    let possible_cpus = crate::affinity::possible_cpus();
+    let demand = Demand {
+        uring: may_uring,
+        threads,
+        possible_cpus,
+        depth: args.queue_depth.map(usize::from),
+        latency_bound: caps.remote,
+        budget: args
+            .memory_budget
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+    };
+    let planned = memory::plan(demand);
+    if let Err(why) = memory::check(&planned, &demand) {
+        bail!("{why}");
+    }
+    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
+    // The --auto-unmount watcher starts once the mount exists and before anything can see it
+    // (through fusermount3: right after it appeared), so no daemon death leaves it behind.
+    let mut watcher = None;
+    let mnt = Mount::establish(
+        &MountConfig {
+            mountpoint: args.mountpoint.clone(),
+            source: args.image.clone(),
+            read_only: !args.writable,
+            allow_other: args.allow_other,
+            max_read: max_write,
+        },
+        &mut |mountpoint, id| {
+            if args.auto_unmount {
+                watcher = Some(
+                    crate::watcher::spawn(mountpoint, id, verbose, args.daemonize)
+                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?,
+                );
+            }
+            Ok(())
+        },
+    )?;
+    // The mount exists from here on: any error below drops `mnt`, which unmounts.
+    // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
+    // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
+    let mut want = FUSE_ASYNC_READ | FUSE_ASYNC_DIO | FUSE_BIG_WRITES | FUSE_DIRECT_IO_ALLOW_MMAP;
+    if may_uring {
+        want |= FUSE_OVER_IO_URING;
+    }
+    let neg = pt.negotiate_init(
+        mnt.fd().context("mount fd")?,
+        &InitParams {
+            want,
+            max_write,
+            max_pages: (max_write / 4096) as u16,
+            max_background: 1024,
+            request_timeout: args.request_timeout,
+        },
+    )?;
+    let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
+    let uring = neg.has(FUSE_OVER_IO_URING);
+    if uring && neg.kernel_has_uring_zero_copy() {
+        tracing::info!(
+            "kernel FUSE protocol 7.{} offers io_uring zero copy; fusex 7.{} does not use it yet (docs/uring.md)",
+            neg.kernel_minor,
+            neg.minor
+        );
+    }
+    let why = match (&args.transport, &uring_blocked) {
+        _ if uring => "FUSE_OVER_IO_URING negotiated".to_string(),
+        (TransportArg::Legacy, _) => "--transport legacy".to_string(),
+        (_, Some(why)) => why.clone(),
+        (TransportArg::Uring, None) => {
+            bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto")
+        }
+        (TransportArg::Auto, None) => {
+            "the kernel did not offer FUSE_OVER_IO_URING in INIT".to_string()
+        }
+    };
+    // Logged once nothing can refuse the mount any more: a refusal stays one stderr line.
+    crate::timeout::log(
+        args.request_timeout,
+        neg.request_timeout,
+        neg.offered & FUSE_REQUEST_TIMEOUT != 0,
+    );
+    if mnt.via_fusermount() {
+        tracing::info!(
+            "mounted through {} (fusex may not mount itself)",
+            transport::fusermount::FUSERMOUNT
+        );
+    }
+    tracing::info!(
+        "transport: {} ({why})",
+        if uring {
+            "io_uring"
+        } else {
+            "legacy /dev/fuse"
+        }
+    );
+    // Planned for io_uring's per-CPU queues; the legacy transport needs buffers per thread only.
+    let plan = if uring || !may_uring {
+        planned
+    } else {
+        memory::plan(Demand {
+            uring: false,
+            ..demand
+        })
+    };
+    let buffer_size = memory::buffer_size(neg.max_write as usize);
+    tracing::info!(
+        "request buffers: {} requests in flight per queue, {} KiB each, {} MiB in all (budget {} MiB)",
+        plan.depth,
+        buffer_size >> 10,
+        (plan.buffers * buffer_size) >> 20,
+        plan.budget >> 20
+    );
+    let announce = format!(
+        "mounted {} at {}, format {}",
+        args.image,
+        mnt.mountpoint().display(),
+        export
+            .backend()
+            .inner()
+            .format_description(args.format == crate::cli::FormatArg::Auto)
+    );
+    let settled = Settled {
+        announce: Some(announce),
+        negotiated: neg,
+        argv,
+        max_write: neg.max_write,
+        plan,
+        queues: if uring {
+            threads.min(possible_cpus)
+        } else {
+            threads
+        },
+        uring,
+        _passthrough: backing,
+        watcher,
+    };
+    Ok(Prepared {
+        args: args.clone(),
+        export,
+        mnt,
+        settled,
+    })
+}
+
+/// Opens the image (`takeover`: taking the image locks over from the daemon `fusex restart`
+/// replaces) and wraps it in the export; also decides what passthrough to ask for.
+pub fn open_export(
+    args: &MountArgs,
+    takeover: bool,
+) -> Result<(Arc<Export<Served>>, crate::passthrough::Plan)> {
+    let io_path = match args.io_path {
+        IoPathArg::Auto => None,
+        IoPathArg::Ring => Some(IoPath::Ring),
+        IoPathArg::Inline => Some(IoPath::Inline),
+        IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
+        IoPathArg::Adaptive => Some(IoPath::Adaptive),
+    };
+    let options = OpenOptions {
+        format: args.format.into(),
+        no_backing: args.no_backing,
+        trust_backing: args.trust_backing,
+        writable: args.writable,
+        growable: args.growable,
+        locking: if args.no_locking {
+            Locking::Off
+        } else if takeover && !args.force_share {
+            Locking::Takeover
+        } else if args.force_share {
+            Locking::ForceShare
+        } else {
+            Locking::Exclusive
+        },
+        direct: args.direct,
+        io_path,
+        nbd: backend::NbdOptions {
+            writable: args.writable,
+            fua: args.writethrough,
+            timeout: Duration::from_secs_f64(args.nbd_timeout),
+            reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
+        },
+    };
+    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
+    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
+    // capabilities, which live as long as the thread. This one ends here, so no such worker
+    // outlives the privilege drop.
+    let backend = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("fusex-open".into())
+            .spawn_scoped(s, || backend::open(&args.image, options))
+            .context("starting the thread that opens the image")?
+            .join()
+            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
+            .map_err(|e| match e {
+                backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
+                    in_use_by_a_dead_mount(&args.image, l)
+                }
+                e => anyhow::Error::from(e),
+            })
+    })?;
+    if let AnyBackend::Raw(r) = &backend {
+        tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
+    }
+    let max_size = max_size(args, &backend)?;
+    let pt = crate::passthrough::Plan::new(args, &backend)?;
+    if !args.fault.is_empty() {
+        tracing::info!("fault injection: {:?}", args.fault);
+    }
+    let export = Arc::new(Export::new(
+        Faulty::new(backend, args.fault.clone()),
+        ExportConfig {
+            writable: args.writable,
+            growable: args.growable,
+            kernel_cache: args.kernel_cache,
+            writethrough: args.writethrough,
+            max_size,
+            ..ExportConfig::default()
+        },
+    ));
+    Ok((export, pt))
+}
+
+/// An image lock conflict, explained when the holder may be a fusex export whose daemon died: its
+/// dead mount keeps the image open (the kernel's passthrough file, with its lock bytes) until it is
+/// unmounted, and "another process" would send the user looking for a process that does not
+/// exist. The dead mounts are those no daemon listens on (the `fusex restart` socket is gone).
+fn in_use_by_a_dead_mount(image: &str, e: backend::LockError) -> anyhow::Error {
+    use std::os::unix::fs::MetadataExt;
+    let file_id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let image_id = file_id(Path::new(image));
+    let listening = crate::restart::Listening::read();
+    let dead: Vec<(String, bool)> = transport::fusex_mounts()
+        .into_iter()
+        .filter(|m| !listening.daemon_of(m))
+        .map(|m| {
+            // The source is the image as its daemon was given it (perhaps relative to its
+            // directory then): the same file, or at least the same name.
+            let source = Path::new(&m.source);
+            let same = image_id.is_some() && file_id(source) == image_id
+                || !source.is_absolute() && source.file_name() == Path::new(image).file_name();
+            (m.mount_point, same)
+        })
+        .collect();
+    let holders: Vec<&str> = dead
+        .iter()
+        .filter(|(_, same)| *same)
+        .map(|(p, _)| p.as_str())
+        .collect();
+    let umount = |paths: &[&str]| {
+        paths
+            .iter()
+            .map(|p| format!("fusex umount {p}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match holders.as_slice() {
+        [] if dead.is_empty() => anyhow::Error::from(e),
+        [] => {
+            let all: Vec<&str> = dead.iter().map(|(p, _)| p.as_str()).collect();
+            anyhow::anyhow!(
+                "{e}; fusex exports whose daemon is gone may hold it: {} frees them",
+                umount(&all)
+            )
+        }
+        [one] => anyhow::anyhow!(
+            "{image} is held by the dead fusex mount at {one} (its daemon is gone; the mount \
+             keeps the image open and locked): {} frees it",
+            umount(&[one])
+        ),
+        many => anyhow::anyhow!(
+            "{image} is held by dead fusex mounts at {} (their daemons are gone; the mounts \
+             keep the image open and locked): {} frees them",
+            many.join(", "),
+            umount(many)
+        ),
+    }
+}
+
+/// How large a growable export may grow: `--max-size`, checked against what the image's
+/// filesystem (or format) can hold and against the image's current size.
+fn max_size(args: &MountArgs, backend: &AnyBackend) -> Result<u64> {
+    let limit = backend.size_limit();
+    let Some(want) = args.max_size else {
+        return Ok(limit);
+    };
+    if want > limit {
+        bail!(
+            "--max-size {want} is more than {} can grow to ({limit} bytes): give at most that",
+            args.image
+        );
+    }
+    if want < backend.size() {
+        bail!(
+            "--max-size {want} is less than {}'s current size ({} bytes): give at least that",
+            args.image,
+            backend.size()
+        );
+    }
+    Ok(want)
+}
+
+/// What the rest of the daemon's life needs privileges for (see [`crate::privileges`]): the
+/// paths its exit path acts on, and whether SETATTR sets times on an image another user owns.
+pub fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
+    let mut paths = Vec::new();
+    let mountpoint_dir = Needs::parent(mnt.mountpoint());
+    if mnt.created_mountpoint() {
+        paths.push((mountpoint_dir, Access::Modify));
+    } else {
+        paths.push((mountpoint_dir, Access::Search));
+    }
+    if let Some(p) = &args.pid_file {
+        paths.push((Needs::parent(p), Access::Modify));
+        paths.push((p.clone(), Access::Read));
+    }
+    if let Some(p) = &args.stats_file {
+        paths.push((Needs::parent(p), Access::Modify));
+        if p.exists() {
+            paths.push((p.clone(), Access::Write));
+        }
+    }
+    let foreign_image_owner = if export.config().writable {
+        export.backend().inner().owner().filter(|&uid| {
+            // SAFETY: geteuid has no preconditions.
+            uid != unsafe { libc::geteuid() }
+        })
+    } else {
+        None
+    };
+    Needs {
+        paths,
+        foreign_image_owner,
+        exits_through_setuid_helper: mnt.via_fusermount(),
+    }
+}
+
+/// Request sources for each queue thread.
+fn sources(
+    mnt: &mut Mount,
+    threads: usize,
+    uring: bool,
+    depth: usize,
+    handoff: server::Handoff,
+) -> Result<Vec<Source>> {
+    let fd = mnt.take_fd().context("mount fd")?;
+    if !uring {
+        let mut v = Vec::with_capacity(threads);
+        for _ in 1..threads {
+            v.push(Source::Legacy(clone_fd(fd.as_raw_fd())?));
+        }
+        v.insert(0, Source::Legacy(fd));
+        return Ok(v);
+    }
+    // One kernel queue per possible CPU; thread t serves qids t, t+threads, ...
+    let legacy = clone_fd(fd.as_raw_fd())?;
+    let qids = crate::affinity::possible_cpus();
+    let fd = Arc::new(fd);
+    let mut legacy = Some(legacy);
+    let crew = server::Crew::new(threads, qids, depth, handoff);
+    Ok((0..threads)
+        .map(|t| Source::Uring {
+            fd: fd.clone(),
+            qids: (t..qids).step_by(threads).map(|q| q as u16).collect(),
+            legacy: legacy.take(),
+            crew: crew.clone(),
+        })
+        .collect())
+}
+
+/// What a supervised export ended with.
+pub struct Ended {
+    /// The counters (`--stats-file`'s content).
+    pub stats: serde_json::Value,
+    /// The process a `fusex restart` handed the export to.
+    pub handed_to: Option<u32>,
+}
+
+/// How the supervisor's driver sets it up.
+pub struct Supervision {
+    /// What every thread of the export keeps of the process's privileges (applied by each queue
+    /// thread before it serves, and by the supervisor once they all do).
+    pub privileges: Plan,
+    /// The sending side of the supervisor's events, which the driver hands out (signals, the
+    /// restart listener, a control socket); the queues get clones.
+    pub tx: mpsc::Sender<Event>,
+    pub rx: mpsc::Receiver<Event>,
+}
+
+/// Serves `p` until it stops (asked to, by an [`Event::Stop`], or because its connection or a
+/// queue ended) or is handed to a successor; on the way out the image is flushed and the
+/// connection aborted (unless handed over). Returns once every queue has ended.
+pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> Result<Ended> {
+    let Supervision { privileges, tx, rx } = sup;
+    let (args, export, mnt, neg) = (&p.args, &p.export, &mut p.mnt, &p.settled);
+    let mut stopping_sent = false;
+    let mut not_serving_sent = false;
+    let cpus = crate::affinity::allowed_cpus();
+    let nq = neg.queues;
+    let pin = match args.cpu_affinity {
+        Affinity::On => true,
+        Affinity::Off => false,
+        Affinity::Auto => nq == cpus.len(),
+    };
+    tracing::debug!(queues = nq, pinned = pin, "starting queues");
+    let stop = Arc::new(AtomicBool::new(false));
+    // The supervisor keeps its own fd of the connection to tell the kernel when the image
+    // changes size behind the export.
+    let notify_fd = match mnt.fd() {
+        Some(fd) => Some(clone_fd(fd.as_raw_fd())?),
+        None => None,
+    };
+    let mut known_size = export.backend().size();
+    let mut threads = Vec::with_capacity(nq);
+    let handoff = args.handoff.into();
+    for (id, source) in sources(mnt, nq, neg.uring, neg.plan.depth, handoff)?
+        .into_iter()
+        .enumerate()
+    {
+        let spec = QueueSpec {
+            id,
+            source,
+            depth: neg.plan.depth,
+            max_write: neg.max_write as usize,
+            spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
+            multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
+            fixed_files: (args.fixed_files == crate::cli::OnOff::On)
+                .then(|| export.backend().inner().io_fds()),
+            splice_min: args.splice_min as usize,
+            fallback_slots: memory::URING_LEGACY_SLOTS,
+            before_serving: Box::new(move || privileges.apply()),
+        };
+        let cpu = pin.then(|| cpus[id % cpus.len()]);
+        let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("fusex-q{id}"))
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        crate::affinity::pin_current_thread(cpu);
+                    }
+                    server::queue::run(spec, export, stop, tx)
+                })?,
+        );
+    }
+    drop(tx);
+    let mut remotes = Vec::new();
+    let mut live: Vec<(usize, Arc<Counters>)> = Vec::new();
+    let mut dumps = 0u64;
+    let (mut running, mut started, mut quiet) = (nq, 0, 0);
+    let mut total = Snapshot::default();
+    let mut failure: Option<String> = None;
+    let mut per_queue = Vec::new();
+    let mut flushed: Option<Result<bool>> = None;
+    // `fusex restart`: the successor waiting for this process to let go, and its pid.
+    let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
+    let mut handed_to: Option<u32> = None;
+    // After a stop that leaves open files served: when their grace period ends
+    // (`--stop-timeout`), and whether the export was detached (a signal) or stays mounted (a
+    // safe removal, which ends as soon as the last file is closed).
+    let mut draining: Option<(Instant, bool)> = None;
+    // A detached export is aborted while applications hold it: once the queues are quiet and
+    // the image is flushed, the supervisor returns and the process exits, which ends the
+    // connection (the detached mount can no longer be force-unmounted by path).
+    let mut abandon = false;
+    let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
+        stop.store(true, Ordering::Release);
+        for (r, t) in remotes {
+            r.wake(*t);
+        }
+    };
+    // A stop that came while queues were starting, acted on once they all serve (so that the
+    // files already open on the export are counted and served, not aborted).
+    let mut deferred: Option<Stop> = None;
+    // A `fusex restart` that asked while queues were starting, answered once they all serve.
+    let mut early_release: Option<Event> = None;
+    while running > 0 {
+        if !abandon {
+            match draining {
+                Some((deadline, detached)) if Instant::now() >= deadline => {
+                    log_abort(
+                        &format!("--stop-timeout ({} s) passed", args.stop_timeout),
+                        export,
+                    );
+                    // The queues report Quiesced, and the check at the end of the loop ends the
+                    // export.
+                    abandon = detached;
+                    draining = None;
+                    stop_all(&remotes);
+                }
+                Some((_, false)) if export.open_files() == 0 => {
+                    tracing::info!("the last file open on the export was closed; unmounting");
+                    draining = None;
+                    stop_all(&remotes);
+                }
+                _ => {}
+            }
+        }
+        let ev = if let Some(s) = deferred.filter(|_| started == nq) {
+            deferred = None;
+            Event::Stop(s)
+        } else if let Some(r) = early_release.take_if(|_| started == nq) {
+            r
+        } else if flushed.is_some() {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(ev) => ev,
+                Err(_) => {
+                    failure.get_or_insert(if mnt.via_fusermount() {
+                        // fusermount3 -u could only detach a mount applications hold open.
+                        "queues did not end after the unmount: applications still hold the \
+                         export open, and without CAP_SYS_ADMIN fusex cannot abort the \
+                         connection (it ends as fusex exits now)"
+                            .into()
+                    } else {
+                        "queues did not end after the connection was aborted".into()
+                    });
+                    break;
+                }
+            }
+        } else {
+            // A safe removal waits for the last file to close: looked at often.
+            let wait = if matches!(draining, Some((_, false))) {
+                CLOSE_CHECK_INTERVAL
+            } else {
+                SIZE_CHECK_INTERVAL
+            };
+            match rx.recv_timeout(wait) {
+                Ok(ev) => ev,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        };
+        match ev {
+            Event::Queue(QueueEvent::Started {
+                id,
+                remote,
+                task,
+                counters,
+            }) => {
+                remotes.push((remote, task));
+                live.push((id, counters));
+                if stop.load(Ordering::Acquire) {
+                    stop_all(&remotes);
+                }
+                started += 1;
+                if started == nq {
+                    // Every queue thread has dropped its privileges before it reported; the
+                    // driver's threads did at their start. This thread is the last one.
+                    match privileges.apply() {
+                        Ok(()) => {
+                            if let Some(kept) = privileges.kept() {
+                                tracing::info!(
+                                    "privileges: every thread keeps only {kept} (the rest is \
+                                     dropped, no_new_privs is set)"
+                                );
+                            }
+                            owner.serving();
+                            owner.state("serving");
+                        }
+                        Err(e) => {
+                            let msg = format!("cannot drop privileges: {e}");
+                            owner.failed(&msg);
+                            failure.get_or_insert(msg);
+                            stop_all(&remotes);
+                        }
+                    }
+                }
+            }
+            Event::Queue(QueueEvent::Failed { id, error }) => {
+                running -= 1;
+                quiet += 1;
+                let msg = format!("queue {id} failed to start: {error}");
+                if started < nq {
+                    owner.failed(&msg);
+                }
+                failure.get_or_insert(msg);
+                stop_all(&remotes);
+            }
+            Event::Queue(QueueEvent::Quiesced) => quiet += 1,
+            Event::Queue(QueueEvent::Ended { id, report }) => {
+                running -= 1;
+                total.merge(&report.counters);
+                per_queue.push(serde_json::json!({
+                    "queue": id,
+                    "requests": report.counters.requests(),
+                    "enters": report.engine.enters,
+                    "completions": report.engine.completions,
+                    "polls": report.engine.polls,
+                    "remote_wakes": report.engine.remote_wakes,
+                    "dev_fuse_read": report.dev_fuse_read,
+                }));
+                if let Some(e) = report.error {
+                    failure.get_or_insert(format!("queue {id}: {e}"));
+                }
+                // One queue ending (connection gone, or an error) ends the export.
+                stop_all(&remotes);
+            }
+            Event::Stop(how) => {
+                let name = how.name();
+                if !std::mem::replace(&mut stopping_sent, true) {
+                    owner.stopping();
+                }
+                let stopped = stop.load(Ordering::Acquire);
+                if let Some((_, detached)) = draining.filter(|_| how != Stop::Safe) {
+                    // A second signal, or a forced removal: abort the files still open.
+                    if !abandon {
+                        abandon = detached;
+                        draining = None;
+                        log_abort(&name, export);
+                        stop_all(&remotes);
+                    }
+                } else if draining.is_some() {
+                    // Already waiting for the files to close.
+                } else if started < nq && !stopped {
+                    deferred = Some(how);
+                } else if stopped
+                    || how == Stop::Hard
+                    || args.stop_timeout == 0
+                    || export.open_files() == 0
+                {
+                    // Already ending (a queue failed or ended), nothing open, forced, or no
+                    // grace: end it now, aborting the connection (a forced unmount) once the
+                    // queues answered what they took.
+                    if export.open_files() > 0 && !stopped {
+                        let why = match how {
+                            Stop::Hard => name,
+                            _ => format!("{name} with --stop-timeout 0"),
+                        };
+                        log_abort(&why, export);
+                    } else {
+                        tracing::info!("{name}: finishing in-flight requests and unmounting");
+                    }
+                    stop_all(&remotes);
+                } else {
+                    let detached = matches!(how, Stop::Signal(_));
+                    let deadline = if detached {
+                        detach(&name, export, mnt, args.stop_timeout)
+                    } else {
+                        keep_serving(&name, export, args.stop_timeout)
+                    };
+                    draining = Some((deadline, detached));
+                    let open = export.open_files();
+                    if open > 0 {
+                        owner.state(&format!("stopping ({open} open)"));
+                    }
+                }
+            }
+            Event::Dump => {
+                dumps += 1;
+                dump_live(args, &mut live, dumps, neg.uring);
+            }
+            Event::Release {
+                stream,
+                pid,
+                accepted,
+            } => {
+                if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
+                    let _ = crate::restart::send(
+                        &stream,
+                        &crate::restart::Message::Refused {
+                            error: "the daemon is stopping".into(),
+                        },
+                        &[],
+                    );
+                    let _ = accepted.send(false);
+                } else if started < nq {
+                    // Too early to let go: the queues are still starting. Answered once they
+                    // all serve (or refused then if a stop came first).
+                    tracing::info!(
+                        "restart: process {pid} asked while the queues start; handing over once \
+                         they serve"
+                    );
+                    early_release = Some(Event::Release {
+                        stream,
+                        pid,
+                        accepted,
+                    });
+                } else {
+                    let _ = accepted.send(true);
+                    tracing::info!(
+                        "restart: process {pid} takes the export over; finishing in-flight \
+                         requests"
+                    );
+                    owner.reloading();
+                    // The successor reports ready and stopping from here on.
+                    stopping_sent = true;
+                    successor = Some((stream, pid));
+                    stop_all(&remotes);
+                }
+            }
+        }
+        if (stop.load(Ordering::Acquire) || draining.is_some())
+            && !std::mem::replace(&mut not_serving_sent, true)
+        {
+            owner.not_serving();
+        }
+        if stop.load(Ordering::Acquire) && quiet >= nq {
+            if let Some((stream, pid)) = successor.take() {
+                if release(&mut flushed, export, &stream, pid) {
+                    handed_to = Some(pid);
+                    owner.handed_over(pid);
+                } else {
+                    // Nobody took the export: end it as a stop would.
+                    finish(&mut flushed, export, mnt);
+                }
+            } else {
+                finish(&mut flushed, export, mnt);
+                if abandon {
+                    // Every request taken is answered and the image flushed; the connection
+                    // ends as this process exits.
+                    break;
+                }
+            }
+        }
+    }
+    if !stopping_sent {
+        owner.stopping();
+    }
+    if !not_serving_sent {
+        owner.not_serving();
+    }
+    if handed_to.is_none() {
+        finish(&mut flushed, export, mnt);
+    }
+    if failure.is_none() && !abandon {
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+    if abandon {
+        // Queues still waiting for the connection to end have not reported: count from the
+        // live counters of every queue instead.
+        live.sort_by_key(|(id, _)| *id);
+        total = Snapshot::default();
+        per_queue.clear();
+        for (id, c) in &live {
+            let s = c.snapshot();
+            total.merge(&s);
+            per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
+        }
+    }
+    per_queue.sort_by_key(|q| q["queue"].as_u64());
+    tracing::info!("served {} requests", total.requests());
+    let flushed = flushed.unwrap_or(Ok(false));
+    if let Some(pid) = handed_to {
+        // The successor serves the mount: an error now must not make this process take it down.
+        if let Some(f) = failure {
+            tracing::error!("after handing over to process {pid}: {f}");
+        }
+        return Ok(Ended {
+            stats: total.to_json(),
+            handed_to,
+        });
+    }
+    if let Some(f) = failure {
+        bail!(f);
+    }
+    let mut json = total.to_json();
+    // The exit flush is reported on its own, so `backend.flushes` counts exactly the flushes that
+    // requests (FLUSH, FSYNC, --writethrough) caused.
+    json["exit_flush"] = (*flushed.as_ref().unwrap_or(&false)).into();
+    flushed?;
+    json["queues"] = serde_json::Value::Array(per_queue);
+    json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
+    Ok(Ended {
+        stats: json,
+        handed_to,
+    })
+}
+
+/// Ends a supervised export that was not handed over: unmounts (again, for the early-return
+/// paths), releases the `--auto-unmount` watcher only then, and writes `--stats-file`.
+pub fn conclude(p: Prepared, result: Result<Ended>) -> Result<()> {
+    let Prepared {
+        args,
+        mut mnt,
+        settled,
+        ..
+    } = p;
+    let unmounted = mnt.unmount();
+    drop(mnt);
+    // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
+    drop(settled);
+    let ended = result?;
+    if let Some(p) = &args.stats_file {
+        crate::files::replace(p, &serde_json::to_vec_pretty(&ended.stats)?, 0o644)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    unmounted?;
+    Ok(())
+}
+
+/// `fusex restart`, the old daemon's side once every queue is quiet: flush a writable image, tell
+/// the successor it may serve, and name it the service's main process. The connection is left
+/// alone (the successor holds it). False when the successor could not be told (it is gone).
+fn release(
+    flushed: &mut Option<Result<bool>>,
+    export: &Export<Served>,
+    stream: &std::os::unix::net::UnixStream,
+    pid: u32,
+) -> bool {
+    let f = final_flush(export);
+    if let Err(e) = &f {
+        // The successor serves the same file through the same page cache; durability is what
+        // its own FLUSH and FSYNC requests decide. Said, not fatal.
+        tracing::error!("restart: {e:#}");
+    }
+    *flushed = Some(f);
+    // The files open now are the successor's to count down as their RELEASEs reach it.
+    let released = crate::restart::Message::Released {
+        open_files: export.open_files(),
+    };
+    match crate::restart::send(stream, &released, &[]) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::error!("restart: cannot tell process {pid} it may serve ({e}); unmounting");
+            false
+        }
+    }
+}
+
+/// How often the supervisor looks at the image's size (the kernel's attribute timeout, so
+/// `stat` through the export is never staler than it would be anyway).
+const SIZE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often a safe removal looks whether the last file open on the export was closed.
+const CLOSE_CHECK_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Re-reads the image's size; when another program changed it, logs that and tells the kernel
+/// to drop its cached attributes and pages, so applications see the new size at once. A
+/// fixed-size export's writes then stop at the new end (ENOSPC past it).
+fn follow_image_size(
+    export: &Export<Served>,
+    notify_fd: Option<&std::os::fd::OwnedFd>,
+    known: &mut u64,
+) {
+    use std::os::fd::AsFd;
+    let Ok(now) = export.backend().refresh_size() else {
+        return;
+    };
+    if now == *known {
+        return;
+    }
+    if !export.config().growable || now < *known {
+        tracing::info!("the image changed size: {} -> {now} bytes", *known);
+    }
+    *known = now;
+    if let Some(fd) = notify_fd {
+        if let Err(e) = transport::notify_inval_inode(fd.as_fd(), fuse_abi::ROOT_ID) {
+            tracing::debug!("cannot tell the kernel the new size: {e}");
+        }
+    }
+}
+
+/// SIGUSR1: the counters as they stand, written to `--stats-file` (replaced whole, so a reader
+/// never sees half a file) or, without one, logged. `dump` numbers the dumps so a reader can tell
+/// a fresh one from the last.
+fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, uring: bool) {
+    live.sort_by_key(|(id, _)| *id);
+    let mut total = Snapshot::default();
+    let mut queues = Vec::with_capacity(live.len());
+    for (id, c) in live.iter() {
+        let s = c.snapshot();
+        total.merge(&s);
+        queues.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
+    }
+    let Some(path) = &args.stats_file else {
+        tracing::info!("statistics: {} requests so far", total.requests());
+        return;
+    };
+    let mut json = total.to_json();
+    json["live"] = true.into();
+    json["dump"] = dump.into();
+    json["queues"] = serde_json::Value::Array(queues);
+    json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
+    let written = serde_json::to_vec_pretty(&json)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
+    if let Err(e) = written {
+        tracing::warn!("cannot write statistics to {}: {e}", path.display());
+    }
+}
+
+/// The first stop signal: detaches the export lazily, as `fusex umount` does on a busy export, so
+/// that nothing new can open it while the files open on it are served until they are closed (the
+/// kernel ends the connection after the last one, and the queues with it). Returns when the grace
+/// period ends.
+fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> Instant {
+    if let Err(e) = mnt.unmount() {
+        tracing::warn!("{name}: cannot detach the export: {e}");
+    }
+    match export.open_files() {
+        0 => tracing::info!("{name}: unmounted; finishing in-flight requests"),
+        n if grace > 0 => tracing::info!(
+            "{name}: {n} file{} still open on the export (a loop device, a filesystem mounted on \
+             it, a program): unmounted it and serving {} until closed; a second signal, or \
+             --stop-timeout in {grace} s, aborts {}",
+            if n == 1 { " is" } else { "s are" },
+            if n == 1 { "it" } else { "them" },
+            if n == 1 { "it" } else { "them" },
+        ),
+        _ => {}
+    }
+    Instant::now() + Duration::from_secs(grace.into())
+}
+
+/// A safe removal with files still open: the export stays mounted and served until the last one
+/// is closed. Returns when the grace period ends.
+fn keep_serving(name: &str, export: &Export<Served>, grace: u32) -> Instant {
+    let n = export.open_files();
+    tracing::info!(
+        "{name}: {n} file{} still open on the export: serving {} until closed, then unmounting; \
+         --stop-timeout ({grace} s) or a forced removal aborts {}",
+        if n == 1 { " is" } else { "s are" },
+        if n == 1 { "it" } else { "them" },
+        if n == 1 { "it" } else { "them" },
+    );
+    Instant::now() + Duration::from_secs(grace.into())
+}
+
+/// Says what aborting the export means for the applications that still hold it open.
+fn log_abort(why: &str, export: &Export<Served>) {
+    let n = export.open_files();
+    if n == 0 {
+        // Nothing open, yet the connection did not end: the export is mounted elsewhere too (a
+        // bind mount), or a file is being opened right now.
+        tracing::warn!(
+            "{why}: aborting the export: no file is open on it, but its connection has not ended \
+             (is it bind-mounted elsewhere?); what still uses it now gets ENOTCONN"
+        );
+        return;
+    }
+    tracing::warn!(
+        "{why}: aborting the export with {n} file{} still open: finishing the requests already \
+         taken, flushing the image and exiting; from then on reads and writes on {} fail with \
+         ENOTCONN (Transport endpoint is not connected), and what the applications had not yet \
+         written is lost (a filesystem mounted on the export sees I/O failures)",
+        if n == 1 { "" } else { "s" },
+        if n == 1 { "it" } else { "them" },
+    );
+}
+
+/// Ends the export once every queue answered what it had taken: flush, then abort the
+/// connection and unmount (which also ends io_uring queues, whose entries then complete).
+fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut Mount) {
+    if flushed.is_none() {
+        *flushed = Some(final_flush(export));
+        if let Err(e) = mnt.abort() {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+/// Flushes a writable export's image once every queue has ended; says whether it flushed.
+fn final_flush(export: &Export<Served>) -> Result<bool> {
+    if !export.config().writable {
+        return Ok(false);
+    }
+    if export.backend().capabilities().flushes_on_close {
+        // Each queue's connection flushes what it wrote as it closes (a new connection might
+        // not even be accepted while they are open, and without multi-conn would not cover them).
+        return Ok(false);
+    }
+    let eng = Engine::new(&EngineConfig {
+        sq_entries: 8,
+        ..EngineConfig::default()
+    })?;
+    eng.block_on(export.backend().flush(&eng))?
+        .context("flushing the image")?;
+    Ok(true)
+}
