@@ -37,6 +37,13 @@ pub enum Command {
     /// SIGHUP stops it; files still open on the export are served until they are closed (see
     /// --stop-timeout).
     Mount(Box<MountArgs>),
+    /// Serve any number of exports in one daemon, added and removed over QMP
+    ///
+    /// Takes qemu-storage-daemon's command line for what fusex supports (--blockdev, --export
+    /// type=fuse, --chardev socket with --monitor, --pidfile, --daemonize), and its QMP commands
+    /// on the control socket (blockdev-add, block-export-add, block-export-del, ...). SIGINT,
+    /// SIGTERM and SIGHUP stop every export as they stop fusex mount; QMP's quit removes them.
+    Serve(Box<ServeArgs>),
     /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died
     ///
     /// Refuses other FUSE mounts unless --force.
@@ -493,6 +500,96 @@ pub struct MountArgs {
     /// Write request and backend counters here as JSON, at exit and on SIGUSR1
     #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub stats_file: Option<PathBuf>,
+}
+
+/// A command-line error as the one line every other refusal is (`fusex: error: what: what to
+/// do`, exit 1), instead of clap's error, tip and usage over several lines with exit 2.
+/// `command` names the command whose `--help` to point at when the error has no usage line
+/// ("": the subcommand given on this process's command line).
+pub fn one_line(e: &clap::Error, command: &str) -> String {
+    let text = e.render().to_string();
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    // The message runs until the tip, the usage or the pointer to --help; a list it introduces
+    // (missing arguments, possible values) is on the lines after its first.
+    let end = |l: &&str| {
+        l.starts_with("tip: ") || l.starts_with("Usage: ") || l.starts_with("For more information")
+    };
+    let what = lines
+        .iter()
+        .take_while(|l| !end(l))
+        .map(|l| l.trim_start_matches("error: "))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let tip = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("tip: "))
+        .map(|t| format!(" ({t})"))
+        .unwrap_or_default();
+    // "Usage: fusex mount [OPTIONS] <IMAGE> <MOUNTPOINT>": the command whose --help to point at;
+    // without a usage line, the subcommand given, if it is one.
+    let command = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("Usage: "))
+        .map(|u| {
+            u.split(' ')
+                .take_while(|w| !w.starts_with(['[', '<']))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .or_else(|| (!command.is_empty()).then(|| command.to_string()))
+        .or_else(|| {
+            let sub = std::env::args().nth(1)?;
+            ["mount", "umount", "restart"]
+                .contains(&sub.as_str())
+                .then(|| format!("fusex {sub}"))
+        })
+        .unwrap_or_else(|| "fusex".to_string());
+    let what = what.trim_end_matches(':');
+    format!("{what}{tip}: run {command} --help")
+}
+
+/// `fusex serve`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeArgs {
+    /// Listen for QMP on this unix socket (created 0600; only its owner and root may connect)
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// A block node, as qemu-storage-daemon takes it (repeatable)
+    ///
+    /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
+    /// raw, qcow2, nbd and null-co, e.g. driver=qcow2,node-name=disk,file.driver=file,
+    /// file.filename=disk.qcow2.
+    #[arg(long, value_name = "OPTIONS")]
+    pub blockdev: Vec<String>,
+    /// An export, as qemu-storage-daemon takes it (repeatable)
+    ///
+    /// The arguments of QMP's block-export-add: type=fuse,id=ID,node-name=NODE,mountpoint=PATH
+    /// [,writable=on][,growable=on][,writethrough=on][,allow-other=on|off|auto]; any fusex mount
+    /// option as __org.fusex_OPTION=VALUE (__org.fusex_transport=legacy,__org.fusex_queues=2).
+    #[arg(long, value_name = "OPTIONS")]
+    pub export: Vec<String>,
+    /// A character device for --monitor: socket,id=ID,path=PATH,server=on,wait=off (repeatable)
+    #[arg(long, value_name = "OPTIONS")]
+    pub chardev: Vec<String>,
+    /// A QMP monitor on a --chardev: chardev=ID (repeatable)
+    #[arg(long, value_name = "OPTIONS")]
+    pub monitor: Vec<String>,
+    /// Write the daemon's pid here (locked while it serves, removed at exit)
+    #[arg(long, value_name = "PATH", alias = "pid-file")]
+    pub pidfile: Option<PathBuf>,
+    /// Fork into the background; return once every export given serves
+    #[arg(long)]
+    pub daemonize: bool,
+    /// Where the log goes [default: stderr; with --daemonize syslog, else stderr if a file]
+    #[arg(long, value_enum, value_name = "DEST")]
+    pub log: Option<LogArg>,
+    /// Append the log to this file (created 0640; never through a symlink)
+    #[arg(long, value_name = "PATH")]
+    pub log_file: Option<PathBuf>,
 }
 
 /// `--max-size`: the same size syntax as `null:SIZE` images.

@@ -62,11 +62,12 @@ pub enum Stop {
     /// open it, and serve the files still open until they are closed or `--stop-timeout` passes.
     /// A second one aborts them.
     Signal(i32),
-    /// A removal in `safe` mode: files still open stay served, the export stays mounted, until
-    /// they are closed or `--stop-timeout` passes; then it is unmounted.
+    /// A removal in `safe` mode (QMP's `block-export-del`, as qemu-storage-daemon does it):
+    /// answer the requests the queues took, flush, and end the connection; files still open
+    /// then get ENOTCONN.
     Safe,
-    /// A removal in `hard` mode: finish what the queues took, flush, and abort the connection
-    /// (applications still using the export get ENOTCONN).
+    /// A removal in `hard` mode: abort the connection at once (requests in flight fail with
+    /// ENOTCONN), then flush.
     Hard,
 }
 
@@ -694,10 +695,8 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     // `fusex restart`: the successor waiting for this process to let go, and its pid.
     let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
     let mut handed_to: Option<u32> = None;
-    // After a stop that leaves open files served: when their grace period ends
-    // (`--stop-timeout`), and whether the export was detached (a signal) or stays mounted (a
-    // safe removal, which ends as soon as the last file is closed).
-    let mut draining: Option<(Instant, bool)> = None;
+    // After a signal with the export detached: when its grace period ends (`--stop-timeout`).
+    let mut draining: Option<Instant> = None;
     // A detached export is aborted while applications hold it: once the queues are quiet and
     // the image is flushed, the supervisor returns and the process exits, which ends the
     // connection (the detached mount can no longer be force-unmounted by path).
@@ -714,26 +713,15 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     // A `fusex restart` that asked while queues were starting, answered once they all serve.
     let mut early_release: Option<Event> = None;
     while running > 0 {
-        if !abandon {
-            match draining {
-                Some((deadline, detached)) if Instant::now() >= deadline => {
-                    log_abort(
-                        &format!("--stop-timeout ({} s) passed", args.stop_timeout),
-                        export,
-                    );
-                    // The queues report Quiesced, and the check at the end of the loop ends the
-                    // export.
-                    abandon = detached;
-                    draining = None;
-                    stop_all(&remotes);
-                }
-                Some((_, false)) if export.open_files() == 0 => {
-                    tracing::info!("the last file open on the export was closed; unmounting");
-                    draining = None;
-                    stop_all(&remotes);
-                }
-                _ => {}
-            }
+        // Checked at least once a second (the receive below times out that often).
+        if !abandon && draining.is_some_and(|d| Instant::now() >= d) {
+            abandon = true;
+            log_abort(
+                &format!("--stop-timeout ({} s) passed", args.stop_timeout),
+                export,
+            );
+            // The queues report Quiesced, and the check at the end of the loop ends the export.
+            stop_all(&remotes);
         }
         let ev = if let Some(s) = deferred.filter(|_| started == nq) {
             deferred = None;
@@ -757,13 +745,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                 }
             }
         } else {
-            // A safe removal waits for the last file to close: looked at often.
-            let wait = if matches!(draining, Some((_, false))) {
-                CLOSE_CHECK_INTERVAL
-            } else {
-                SIZE_CHECK_INTERVAL
-            };
-            match rx.recv_timeout(wait) {
+            match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
                 Ok(ev) => ev,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     follow_image_size(export, notify_fd.as_ref(), &mut known_size);
@@ -843,30 +825,35 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                     owner.stopping();
                 }
                 let stopped = stop.load(Ordering::Acquire);
-                if let Some((_, detached)) = draining.filter(|_| how != Stop::Safe) {
-                    // A second signal, or a forced removal: abort the files still open.
+                if draining.is_some() {
+                    // A second signal, or a removal: abort the files still open.
                     if !abandon {
-                        abandon = detached;
-                        draining = None;
+                        abandon = true;
                         log_abort(&name, export);
                         stop_all(&remotes);
                     }
-                } else if draining.is_some() {
-                    // Already waiting for the files to close.
                 } else if started < nq && !stopped {
                     deferred = Some(how);
-                } else if stopped
-                    || how == Stop::Hard
-                    || args.stop_timeout == 0
-                    || export.open_files() == 0
-                {
-                    // Already ending (a queue failed or ended), nothing open, forced, or no
-                    // grace: end it now, aborting the connection (a forced unmount) once the
-                    // queues answered what they took.
+                } else if how == Stop::Hard {
+                    // Abort the connection first: what the queues have taken is answered into
+                    // a connection that is gone, and waits for nothing.
+                    if export.open_files() > 0 {
+                        log_abort(&name, export);
+                    } else {
+                        tracing::info!("{name}: aborting the connection and unmounting");
+                    }
+                    if let Err(e) = mnt.abort() {
+                        tracing::error!("{e}");
+                    }
+                    stop_all(&remotes);
+                } else if stopped || how == Stop::Safe || args.stop_timeout == 0 {
+                    // Already ending (a queue failed or ended), a removal, or no grace: end it
+                    // now, aborting the connection (a forced unmount) once the queues answered
+                    // what they took.
                     if export.open_files() > 0 && !stopped {
                         let why = match how {
-                            Stop::Hard => name,
-                            _ => format!("{name} with --stop-timeout 0"),
+                            Stop::Signal(_) => format!("{name} with --stop-timeout 0"),
+                            _ => name,
                         };
                         log_abort(&why, export);
                     } else {
@@ -874,13 +861,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                     }
                     stop_all(&remotes);
                 } else {
-                    let detached = matches!(how, Stop::Signal(_));
-                    let deadline = if detached {
-                        detach(&name, export, mnt, args.stop_timeout)
-                    } else {
-                        keep_serving(&name, export, args.stop_timeout)
-                    };
-                    draining = Some((deadline, detached));
+                    draining = Some(detach(&name, export, mnt, args.stop_timeout));
                     let open = export.open_files();
                     if open > 0 {
                         owner.state(&format!("stopping ({open} open)"));
@@ -1065,9 +1046,6 @@ fn release(
 /// `stat` through the export is never staler than it would be anyway).
 const SIZE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
-/// How often a safe removal looks whether the last file open on the export was closed.
-const CLOSE_CHECK_INTERVAL: Duration = Duration::from_millis(50);
-
 /// Re-reads the image's size; when another program changed it, logs that and tells the kernel
 /// to drop its cached attributes and pages, so applications see the new size at once. A
 /// fixed-size export's writes then stop at the new end (ENOSPC past it).
@@ -1143,20 +1121,6 @@ fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> I
         ),
         _ => {}
     }
-    Instant::now() + Duration::from_secs(grace.into())
-}
-
-/// A safe removal with files still open: the export stays mounted and served until the last one
-/// is closed. Returns when the grace period ends.
-fn keep_serving(name: &str, export: &Export<Served>, grace: u32) -> Instant {
-    let n = export.open_files();
-    tracing::info!(
-        "{name}: {n} file{} still open on the export: serving {} until closed, then unmounting; \
-         --stop-timeout ({grace} s) or a forced removal aborts {}",
-        if n == 1 { " is" } else { "s are" },
-        if n == 1 { "it" } else { "them" },
-        if n == 1 { "it" } else { "them" },
-    );
     Instant::now() + Duration::from_secs(grace.into())
 }
 

@@ -36,7 +36,26 @@ pub enum Dest {
 /// Picks and opens the log destination of `fusex mount` (see the module docs); refuses in one
 /// line what cannot be kept.
 pub fn choose(args: &MountArgs) -> Result<Dest> {
-    if let Some(p) = &args.log_file {
+    choose_for(args.log, args.log_file.as_ref(), args.daemonize)
+}
+
+/// [`choose`] for any command with `--log`, `--log-file` and `--daemonize`.
+pub fn choose_for(
+    log: Option<LogArg>,
+    log_file: Option<&PathBuf>,
+    daemonize: bool,
+) -> Result<Dest> {
+    struct Args<'a> {
+        log: Option<LogArg>,
+        log_file: Option<&'a PathBuf>,
+        daemonize: bool,
+    }
+    let args = Args {
+        log,
+        log_file,
+        daemonize,
+    };
+    if let Some(p) = args.log_file {
         if args.log == Some(LogArg::Syslog) {
             bail!("--log-file and --log syslog exclude each other: give one of them");
         }

@@ -15,6 +15,7 @@ mod privileges;
 mod restart;
 mod runtime;
 mod serve;
+mod service;
 mod timeout;
 mod version;
 mod watcher;
@@ -45,53 +46,6 @@ fn init_logging_to(verbose: u8, syslog: bool) {
         .init();
 }
 
-/// A command-line error as the one line every other refusal is (`fusex: error: what: what to
-/// do`, exit 1), instead of clap's error, tip and usage over several lines with exit 2.
-fn argument_error(e: &clap::Error) -> String {
-    let text = e.render().to_string();
-    let lines: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect();
-    // The message runs until the tip, the usage or the pointer to --help; a list it introduces
-    // (missing arguments, possible values) is on the lines after its first.
-    let end = |l: &&str| {
-        l.starts_with("tip: ") || l.starts_with("Usage: ") || l.starts_with("For more information")
-    };
-    let what = lines
-        .iter()
-        .take_while(|l| !end(l))
-        .map(|l| l.trim_start_matches("error: "))
-        .collect::<Vec<_>>()
-        .join(" ");
-    let tip = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("tip: "))
-        .map(|t| format!(" ({t})"))
-        .unwrap_or_default();
-    // "Usage: fusex mount [OPTIONS] <IMAGE> <MOUNTPOINT>": the command whose --help to point at;
-    // without a usage line, the subcommand given, if it is one.
-    let command = lines
-        .iter()
-        .find_map(|l| l.strip_prefix("Usage: "))
-        .map(|u| {
-            u.split(' ')
-                .take_while(|w| !w.starts_with(['[', '<']))
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .or_else(|| {
-            let sub = std::env::args().nth(1)?;
-            ["mount", "umount", "restart"]
-                .contains(&sub.as_str())
-                .then(|| format!("fusex {sub}"))
-        })
-        .unwrap_or_else(|| "fusex".to_string());
-    let what = what.trim_end_matches(':');
-    format!("{what}{tip}: run {command} --help")
-}
-
 fn main() {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -103,7 +57,7 @@ fn main() {
                 | ErrorKind::DisplayVersion
                 | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
                 _ => {
-                    eprintln!("fusex: error: {}", argument_error(&e).replace('\n', " "));
+                    eprintln!("fusex: error: {}", cli::one_line(&e, "").replace('\n', " "));
                     std::process::exit(1);
                 }
             }
@@ -142,6 +96,28 @@ fn main() {
             ready.and_then(|mut r| {
                 r.keep_stderr(!syslog);
                 serve::mount(*args, r, cli.verbose)
+            })
+        }
+        Command::Serve(args) => {
+            let dest = match logging::choose_for(args.log, args.log_file.as_ref(), args.daemonize) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("fusex: error: {}", format!("{e:#}").replace('\n', " "));
+                    std::process::exit(1);
+                }
+            };
+            daemonized = args.daemonize;
+            let ready = if args.daemonize {
+                daemon::daemonize()
+            } else {
+                Ok(daemon::Readiness::foreground())
+            };
+            logging::switch(&dest);
+            let syslog = matches!(dest, logging::Dest::Syslog(_));
+            init_logging_to(cli.verbose, syslog);
+            ready.and_then(|mut r| {
+                r.keep_stderr(!syslog);
+                service::daemon::run(*args, r, cli.verbose)
             })
         }
         Command::Restart { mountpoint } => {

@@ -16,8 +16,9 @@
 //!   be an object without duplicate keys; its values keep their JSON types.
 //!
 //! Key fragments are QAPI names (a letter, then letters, digits, `-` and `_`, at most 127
-//! characters) or, after the first, list indexes. QEMU's `help`/`?` and downstream `__RFQDN_`
-//! prefixes are not supported.
+//! characters) or, after the first, list indexes; a downstream name (`__org.fusex_transport`,
+//! QMP's convention for a vendor's own members) is one fragment, dots and all. QEMU's `help`/`?`
+//! is not supported.
 
 use serde_json::{Map, Value};
 
@@ -98,11 +99,53 @@ pub fn parse(input: &str, implied_key: Option<&str>) -> Result<Map<String, Value
     }
 }
 
+/// A key's fragments: split at dots, except inside a downstream name (`__RFQDN_name`, QMP's
+/// convention for a vendor's extensions: `__org.fusex_transport` is one fragment), whose dots
+/// belong to the domain up to the `_` that ends it.
+fn fragments(key: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = key;
+    loop {
+        let end = match rest.strip_prefix("__") {
+            // The name ends at the first dot after the `_` that ends the domain.
+            Some(tail) => tail
+                .find('_')
+                .and_then(|u| tail[u..].find('.').map(|d| 2 + u + d)),
+            None => rest.find('.'),
+        };
+        match end {
+            Some(e) => {
+                out.push(&rest[..e]);
+                rest = &rest[e + 1..];
+            }
+            None => {
+                out.push(rest);
+                return out;
+            }
+        }
+    }
+}
+
+/// A downstream name: `__`, a reverse domain name, `_`, a QAPI name.
+fn is_downstream_name(s: &str) -> bool {
+    let Some(tail) = s.strip_prefix("__") else {
+        return false;
+    };
+    let Some((domain, name)) = tail.split_once('_') else {
+        return false;
+    };
+    !domain.is_empty()
+        && domain
+            .split('.')
+            .all(|l| !l.is_empty() && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'))
+        && (is_qapi_name(name) || name.chars().next().is_some_and(|c| c.is_ascii_digit()))
+}
+
 /// Stores `value` at the dotted `key`, creating the objects on the way.
 fn put(root: &mut Map<String, Value>, key: &str, value: String) -> Result<(), KeyvalError> {
-    let frags: Vec<&str> = key.split('.').collect();
+    let frags = fragments(key);
     for (i, f) in frags.iter().enumerate() {
-        let ok = is_qapi_name(f) || (i > 0 && is_index(f));
+        let ok = is_qapi_name(f) || is_downstream_name(f) || (i > 0 && is_index(f));
         if !ok {
             return err(format!("Invalid parameter '{key}'"));
         }
@@ -307,6 +350,17 @@ mod tests {
 
     fn e(s: &str) -> String {
         parse(s, None).unwrap_err().0
+    }
+
+    #[test]
+    fn downstream_names_keep_their_dots() {
+        assert_eq!(
+            p("type=fuse,__org.fusex_transport=legacy,a.__org.fusex_q=1"),
+            json!({"type": "fuse", "__org.fusex_transport": "legacy",
+                   "a": {"__org.fusex_q": "1"}})
+        );
+        assert_eq!(p("__org.fusex_x.y=1"), json!({"__org.fusex_x": {"y": "1"}}));
+        assert_eq!(e("__org.fusex=1"), "Invalid parameter '__org.fusex'");
     }
 
     #[test]

@@ -1,0 +1,207 @@
+//! qemu-storage-daemon's command line, for what fusex supports: `--blockdev` and `--export` (as
+//! QEMU's `key=value` options or JSON) become the QMP commands they stand for, `--chardev socket`
+//! with `--monitor` a control socket. A documented qemu-storage-daemon FUSE invocation runs with
+//! only the program name changed.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use qmp::keyval::{self, Kind};
+#[cfg(test)]
+use serde_json::Map;
+use serde_json::Value;
+
+/// The types `--blockdev` values convert to (every value is a string in `key=value` form).
+const BLOCKDEV_TYPES: &[(&str, Kind)] = &[
+    ("read-only", Kind::Bool),
+    ("auto-read-only", Kind::Bool),
+    ("force-share", Kind::Bool),
+    ("cache.direct", Kind::Bool),
+    ("cache.no-flush", Kind::Bool),
+    ("read-zeroes", Kind::Bool),
+    ("size", Kind::Size),
+    ("file.read-only", Kind::Bool),
+    ("file.auto-read-only", Kind::Bool),
+    ("file.force-share", Kind::Bool),
+    ("file.cache.direct", Kind::Bool),
+    ("file.cache.no-flush", Kind::Bool),
+    ("file.read-zeroes", Kind::Bool),
+    ("file.size", Kind::Size),
+];
+
+/// The types `--export` values convert to.
+const EXPORT_TYPES: &[(&str, Kind)] = &[
+    ("writable", Kind::Bool),
+    ("writethrough", Kind::Bool),
+    ("growable", Kind::Bool),
+    ("fixed-iothread", Kind::Bool),
+];
+
+/// `--blockdev OPTIONS`: the `blockdev-add` arguments.
+pub fn blockdev(arg: &str) -> Result<Value, String> {
+    let mut m = keyval::parse(arg, None).map_err(|e| format!("--blockdev {arg}: {e}"))?;
+    keyval::convert(&mut m, BLOCKDEV_TYPES).map_err(|e| format!("--blockdev {arg}: {e}"))?;
+    Ok(Value::Object(m))
+}
+
+/// `--export OPTIONS`: the `block-export-add` arguments. fusex's own members
+/// (`__org.fusex_queues=2`) stay strings, which the `fusex mount` parser reads.
+pub fn export(arg: &str) -> Result<Value, String> {
+    let mut m = keyval::parse(arg, Some("type")).map_err(|e| format!("--export {arg}: {e}"))?;
+    keyval::convert(&mut m, EXPORT_TYPES).map_err(|e| format!("--export {arg}: {e}"))?;
+    // An extension switch given as `on`/`off` is a boolean, as QEMU's own are.
+    for (k, v) in m.iter_mut() {
+        if k.starts_with(super::options::EXTENSION) {
+            match v.as_str() {
+                Some("on") => *v = Value::Bool(true),
+                Some("off") => *v = Value::Bool(false),
+                _ => {}
+            }
+        }
+    }
+    Ok(Value::Object(m))
+}
+
+/// `--chardev socket,id=ID,path=PATH,server=on[,wait=off]`: the socket a `--monitor` serves.
+pub fn chardev(arg: &str) -> Result<(String, PathBuf), String> {
+    let m = keyval::parse(arg, Some("backend")).map_err(|e| format!("--chardev {arg}: {e}"))?;
+    let get = |k: &str| m.get(k).and_then(Value::as_str);
+    if get("backend") != Some("socket") {
+        return Err(format!(
+            "--chardev {arg}: fusex supports only socket chardevs (a unix socket for --monitor)"
+        ));
+    }
+    let id = get("id").ok_or_else(|| format!("--chardev {arg}: Parameter 'id' is missing"))?;
+    let path = get("path").ok_or_else(|| {
+        format!("--chardev {arg}: fusex supports only unix sockets here: give path=PATH")
+    })?;
+    for (k, v) in &m {
+        let on = |v: &Value| matches!(v.as_str(), Some("on" | "yes" | "true"));
+        match k.as_str() {
+            "backend" | "id" | "path" => {}
+            "server" if on(v) => {}
+            "server" => {
+                return Err(format!(
+                    "--chardev {arg}: fusex listens on the socket: give server=on"
+                ))
+            }
+            // fusex never waits for a client before it serves.
+            "wait" => {}
+            other => {
+                return Err(format!(
+                    "--chardev {arg}: fusex does not support '{other}' on a chardev"
+                ))
+            }
+        }
+    }
+    Ok((id.to_string(), PathBuf::from(path)))
+}
+
+/// `--monitor [chardev=]ID[,mode=control]`: the chardev's id.
+pub fn monitor(arg: &str) -> Result<String, String> {
+    let m = keyval::parse(arg, Some("chardev")).map_err(|e| format!("--monitor {arg}: {e}"))?;
+    for (k, v) in &m {
+        match (k.as_str(), v.as_str()) {
+            ("chardev", _) | ("mode", Some("control")) | ("pretty", Some("off")) => {}
+            ("mode", _) => {
+                return Err(format!(
+                    "--monitor {arg}: fusex has only QMP monitors: give mode=control or leave \
+                     mode out"
+                ))
+            }
+            (other, _) => {
+                return Err(format!(
+                    "--monitor {arg}: fusex does not support '{other}' on a monitor"
+                ))
+            }
+        }
+    }
+    m.get("chardev")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| format!("--monitor {arg}: Parameter 'chardev' is missing"))
+}
+
+/// The control sockets `--chardev` and `--monitor` ask for, in order.
+pub fn monitor_sockets(chardevs: &[String], monitors: &[String]) -> Result<Vec<PathBuf>, String> {
+    let mut by_id = BTreeMap::new();
+    for c in chardevs {
+        let (id, path) = chardev(c)?;
+        if by_id.insert(id.clone(), path).is_some() {
+            return Err(format!(
+                "--chardev: attempt to add duplicate chardev '{id}'"
+            ));
+        }
+    }
+    let mut out = Vec::new();
+    for m in monitors {
+        let id = monitor(m)?;
+        let path = by_id
+            .remove(&id)
+            .ok_or_else(|| format!("--monitor {m}: chardev \"{id}\" not found"))?;
+        out.push(path);
+    }
+    if let Some(id) = by_id.keys().next() {
+        return Err(format!(
+            "--chardev id={id}: no --monitor uses it (fusex's chardevs are monitor sockets only)"
+        ));
+    }
+    Ok(out)
+}
+
+/// A JSON object from a map (for tests).
+#[cfg(test)]
+fn obj(v: Value) -> Map<String, Value> {
+    v.as_object().cloned().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn qsd_documented_fuse_invocation() {
+        assert_eq!(
+            blockdev("driver=file,node-name=file0,filename=/a,,b.img").unwrap(),
+            json!({"driver": "file", "node-name": "file0", "filename": "/a,b.img"})
+        );
+        assert_eq!(
+            blockdev("driver=qcow2,node-name=q,file.driver=file,file.filename=/q,read-only=on")
+                .unwrap(),
+            json!({"driver": "qcow2", "node-name": "q", "read-only": true,
+                   "file": {"driver": "file", "filename": "/q"}})
+        );
+        assert_eq!(
+            obj(export("type=fuse,id=e,node-name=n,mountpoint=/m,writable=on,__org.fusex_transport=legacy,__org.fusex_auto-unmount=on").unwrap()),
+            obj(json!({"type": "fuse", "id": "e", "node-name": "n", "mountpoint": "/m",
+                       "writable": true, "__org.fusex_transport": "legacy",
+                       "__org.fusex_auto-unmount": true}))
+        );
+        assert_eq!(
+            monitor_sockets(
+                &["socket,id=mon0,path=/q.sock,server=on,wait=off".into()],
+                &["chardev=mon0".into()]
+            )
+            .unwrap(),
+            [PathBuf::from("/q.sock")]
+        );
+    }
+
+    #[test]
+    fn what_fusex_lacks_is_named() {
+        assert!(chardev("stdio,id=x").unwrap_err().contains("only socket"));
+        assert!(chardev("socket,id=x,host=h,port=1")
+            .unwrap_err()
+            .contains("path=PATH"));
+        assert!(monitor("chardev=x,mode=readline")
+            .unwrap_err()
+            .contains("mode=control"));
+        assert!(monitor_sockets(&[], &["chardev=x".into()])
+            .unwrap_err()
+            .contains("\"x\" not found"));
+        assert!(blockdev("driver=null-co,size=lots")
+            .unwrap_err()
+            .contains("'size'"));
+    }
+}

@@ -1,0 +1,742 @@
+//! `fusex serve`: many exports in one daemon, added and removed while it runs. [`Service`] holds
+//! the block nodes and exports and runs the QMP commands qemu-storage-daemon has for them
+//! (`blockdev-add`, `block-export-add`, ...), with its argument names and error texts, so its
+//! clients work unchanged; each export is a [`crate::lifecycle`] export supervised on a thread
+//! of its own. The command line ([`cmdline`]), the config file and the control socket all go
+//! through the same commands.
+
+pub mod cmdline;
+pub mod daemon;
+pub mod node;
+pub mod options;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use qmp::{parse_args, Dispatcher, EventBus, QmpError};
+
+use crate::lifecycle::{self, Event, Owner, Stop, Supervision};
+use crate::privileges::Plan;
+use node::Node;
+
+/// The event fusex sends when an export ends on its own (its image failed, its NBD server is
+/// gone, it was unmounted from outside), before `BLOCK_EXPORT_DELETED`; named by QMP's
+/// convention for a vendor's own events.
+pub const EXPORT_FAILED_EVENT: &str = "__org.fusex_BLOCK_EXPORT_FAILED";
+
+/// What the daemon's main thread is asked to do.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Control {
+    /// `quit`: remove every export and exit.
+    Quit,
+    /// SIGINT, SIGTERM or SIGHUP: stop every export as `fusex mount` stops on it, and exit.
+    Signal(i32),
+    /// SIGUSR1: every export writes its statistics.
+    Dump,
+}
+
+/// One export in the table.
+struct Entry {
+    /// Tells this entry from an earlier export of the same id.
+    serial: u64,
+    node: String,
+    /// The supervisor's events (None while the export starts).
+    tx: Option<mpsc::Sender<Event>>,
+    shutting_down: bool,
+    /// What `fusex ctl list` shows.
+    state: crate::runtime::ExportState,
+}
+
+#[derive(Default)]
+struct Table {
+    nodes: BTreeMap<String, Node>,
+    exports: BTreeMap<String, Entry>,
+    /// No new export once the daemon quits.
+    quitting: bool,
+}
+
+impl Table {
+    fn node(&self, name: &str) -> Option<Node> {
+        self.nodes.get(name).cloned()
+    }
+
+    /// The export using `node`, directly or through a format node over it.
+    fn user_of(&self, node: &str) -> Option<String> {
+        if let Some((id, _)) = self.exports.iter().find(|(_, e)| e.node == node) {
+            return Some(id.clone());
+        }
+        self.nodes
+            .values()
+            .find(|n| n.file.as_deref() == Some(node))
+            .map(|n| n.name.clone())
+    }
+}
+
+/// An export that ended, from its supervisor thread.
+struct Finished {
+    id: String,
+    serial: u64,
+    error: Option<String>,
+}
+
+/// The daemon's exports and nodes, and the commands that change them.
+pub struct Service {
+    table: Mutex<Table>,
+    events: EventBus,
+    control: mpsc::Sender<Control>,
+    finished: mpsc::Sender<Finished>,
+    serial: AtomicU64,
+    /// Numbers the nodes made for inline children (`#block1`, ...).
+    implicit: AtomicU64,
+    verbose: u8,
+}
+
+/// The commands, in the order `query-commands` lists them.
+const COMMANDS: &[&str] = &[
+    "blockdev-add",
+    "blockdev-del",
+    "block-export-add",
+    "block-export-del",
+    "query-block-exports",
+    "query-named-block-nodes",
+    "quit",
+];
+
+impl Service {
+    /// A service with nothing in it; `control` receives `quit`. The reaper thread it starts
+    /// removes ended exports from the table and sends their events.
+    pub fn new(events: EventBus, control: mpsc::Sender<Control>, verbose: u8) -> Arc<Service> {
+        let (finished, ended) = mpsc::channel();
+        let service = Arc::new(Service {
+            table: Mutex::new(Table::default()),
+            events,
+            control,
+            finished,
+            serial: AtomicU64::new(0),
+            implicit: AtomicU64::new(0),
+            verbose,
+        });
+        let weak = Arc::downgrade(&service);
+        std::thread::Builder::new()
+            .name("fusex-reaper".into())
+            .spawn(move || {
+                for f in ended {
+                    match weak.upgrade() {
+                        Some(s) => s.reap(f),
+                        None => return,
+                    }
+                }
+            })
+            .expect("starting the reaper thread");
+        service
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        // A panic while holding the lock leaves the table as consistent as any command leaves
+        // it (each change is one insert or remove).
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An export's supervisor ended: it leaves the table, and clients hear of it.
+    fn reap(&self, f: Finished) {
+        let mut t = self.table();
+        let ours = t
+            .exports
+            .get(&f.id)
+            .is_some_and(|e| e.serial == f.serial && e.tx.is_some());
+        if !ours {
+            // It never started: the command that added it answered with the error.
+            return;
+        }
+        let entry = t.exports.remove(&f.id);
+        drop(t);
+        match (&f.error, entry) {
+            (Some(e), Some(entry)) if !entry.shutting_down => {
+                tracing::error!("export {}: {e}", f.id);
+                self.events
+                    .emit(EXPORT_FAILED_EVENT, Some(json!({"id": f.id, "error": e})));
+            }
+            (Some(e), _) => tracing::warn!("export {}: {e}", f.id),
+            (None, _) => {}
+        }
+        tracing::info!("export {} removed", f.id);
+        self.events
+            .emit("BLOCK_EXPORT_DELETED", Some(json!({"id": f.id})));
+    }
+
+    /// How many exports there are (starting, serving or stopping).
+    pub fn export_count(&self) -> usize {
+        self.table().exports.len()
+    }
+
+    /// Stops every export (`how`) and refuses new ones.
+    pub fn stop_all(&self, how: Stop) {
+        let mut t = self.table();
+        t.quitting = true;
+        for e in t.exports.values_mut() {
+            e.shutting_down = true;
+            if let Some(tx) = &e.tx {
+                let _ = tx.send(Event::Stop(how));
+            }
+        }
+    }
+
+    /// SIGUSR1: every export writes its statistics.
+    pub fn dump_all(&self) {
+        for e in self.table().exports.values() {
+            if let Some(tx) = &e.tx {
+                let _ = tx.send(Event::Dump);
+            }
+        }
+    }
+
+    fn blockdev_add(&self, args: Value) -> Result<Value, QmpError> {
+        let nodes = {
+            let t = self.table();
+            let lookup = |n: &str| t.node(n);
+            node::parse(
+                args,
+                "",
+                &mut || {
+                    format!(
+                        "#block{}",
+                        self.implicit.fetch_add(1, Ordering::Relaxed) + 1
+                    )
+                },
+                &lookup,
+            )?
+        };
+        let mut checked = Vec::with_capacity(nodes.len());
+        for mut n in nodes {
+            if self.table().nodes.contains_key(&n.name)
+                || checked.iter().any(|c: &Node| c.name == n.name)
+            {
+                return Err(QmpError::generic(format!(
+                    "Duplicate nodes with node-name='{}'",
+                    n.name
+                )));
+            }
+            n.size = self.probe(&n, &checked)?;
+            checked.push(n);
+        }
+        let mut t = self.table();
+        if let Some(dup) = checked.iter().find(|n| t.nodes.contains_key(&n.name)) {
+            return Err(QmpError::generic(format!(
+                "Duplicate nodes with node-name='{}'",
+                dup.name
+            )));
+        }
+        for n in checked {
+            tracing::debug!(node = %n.name, driver = n.driver.name(), "node added");
+            t.nodes.insert(n.name.clone(), n);
+        }
+        Ok(json!({}))
+    }
+
+    /// Opens a new node's image as an export of it would (read-only, without locks), to refuse
+    /// one that cannot be opened now, as QEMU does, and to learn its size.
+    fn probe(&self, n: &Node, earlier: &[Node]) -> Result<u64, QmpError> {
+        let lookup = |name: &str| {
+            earlier
+                .iter()
+                .find(|c| c.name == name)
+                .cloned()
+                .or_else(|| self.table().node(name))
+        };
+        let Some((image, format)) = n.image(&lookup) else {
+            return Err(QmpError::generic(format!(
+                "node '{}' has no image under it",
+                n.name
+            )));
+        };
+        if let node::Driver::File { filename, .. } = &n.driver {
+            // QEMU's text for a file that cannot be opened.
+            if let Err(e) = std::fs::File::open(filename) {
+                return Err(QmpError::generic(format!(
+                    "Could not open '{filename}': {}",
+                    strerror(&e)
+                )));
+            }
+        }
+        let mut words = vec!["--no-locking".to_string(), "--no-backing".to_string()];
+        words.extend(format.map(|f| format!("--format={f}")));
+        let (args, _) = options::mount_args(&image, std::path::Path::new("/"), &words)
+            .map_err(QmpError::generic)?;
+        let mut args = args;
+        // A qcow2 image's backing file is opened by the export (with --no-backing off unless
+        // `backing: null`); here only the image itself is checked.
+        args.no_backing = true;
+        let (export, _) = lifecycle::open_export(&args, false)
+            .map_err(|e| QmpError::generic(format!("{e:#}")))?;
+        let size = {
+            use backend::BlockBackend;
+            export.backend().size()
+        };
+        Ok(size)
+    }
+
+    fn blockdev_del(&self, args: Value) -> Result<Value, QmpError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields, rename_all = "kebab-case")]
+        struct A {
+            node_name: String,
+        }
+        let a: A = parse_args(args)?;
+        let mut t = self.table();
+        let Some(n) = t.nodes.get(&a.node_name) else {
+            return Err(QmpError::generic(format!(
+                "Failed to find node with node-name='{}'",
+                a.node_name
+            )));
+        };
+        if n.implicit || t.user_of(&a.node_name).is_some() {
+            return Err(QmpError::generic(format!("Node {} is in use", a.node_name)));
+        }
+        let child = n.file.clone();
+        t.nodes.remove(&a.node_name);
+        // An inline child goes with its parent.
+        if let Some(c) = child.filter(|c| t.nodes.get(c).is_some_and(|c| c.implicit)) {
+            t.nodes.remove(&c);
+        }
+        Ok(json!({}))
+    }
+
+    fn export_add(&self, args: Value) -> Result<Value, QmpError> {
+        let Value::Object(mut map) = args else {
+            return Err(QmpError::generic("arguments must be an object"));
+        };
+        // fusex's own members, as `fusex mount` options.
+        let mut words = Vec::new();
+        let extensions: Vec<String> = map
+            .keys()
+            .filter(|k| k.starts_with(options::EXTENSION))
+            .cloned()
+            .collect();
+        for k in extensions {
+            let v = map.remove(&k).unwrap_or(Value::Null);
+            let name = &k[options::EXTENSION.len()..];
+            words.extend(options::words(name, &v, &k).map_err(QmpError::generic)?);
+        }
+        let a: ExportArgs = parse_export(map)?;
+        let mut t = self.table();
+        if t.quitting {
+            return Err(QmpError::generic("fusex is shutting down"));
+        }
+        if t.exports.contains_key(&a.id) {
+            return Err(QmpError::generic(format!(
+                "Block export id '{}' is already in use",
+                a.id
+            )));
+        }
+        let Some(n) = t.node(&a.node_name) else {
+            return Err(QmpError::generic(format!(
+                "Cannot find device='' nor node-name='{}'",
+                a.node_name
+            )));
+        };
+        let mountpoint = PathBuf::from(&a.mountpoint);
+        if let Err(e) = std::fs::metadata(&mountpoint) {
+            return Err(QmpError::generic(format!(
+                "Failed to stat '{}': {}",
+                a.mountpoint,
+                strerror(&e)
+            )));
+        }
+        let writable = a.writable.unwrap_or(false);
+        if writable && n.read_only {
+            return Err(QmpError::generic(format!(
+                "Cannot export read-only node '{}' as writable",
+                n.name
+            )));
+        }
+        let lookup = |name: &str| t.node(name);
+        let Some((image, format)) = n.image(&lookup) else {
+            return Err(QmpError::generic(format!(
+                "node '{}' has no image under it",
+                n.name
+            )));
+        };
+        let mut all: Vec<String> = format
+            .map(|f| format!("--format={f}"))
+            .into_iter()
+            .collect();
+        let protocol = n.file.as_deref().and_then(&lookup).unwrap_or(n.clone());
+        for (on, flag) in [
+            (writable, "--writable"),
+            (a.growable.unwrap_or(false), "--growable"),
+            (a.writethrough.unwrap_or(false), "--writethrough"),
+            (n.direct || protocol.direct, "--direct"),
+            (protocol.no_locking, "--no-locking"),
+            (n.force_share && !writable, "--force-share"),
+            (n.no_backing, "--no-backing"),
+            (allow_other(a.allow_other), "--allow-other"),
+        ] {
+            if on {
+                all.push(flag.to_string());
+            }
+        }
+        all.extend(words);
+        let (margs, argv) =
+            options::mount_args(&image, &mountpoint, &all).map_err(QmpError::generic)?;
+        let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        t.exports.insert(
+            a.id.clone(),
+            Entry {
+                serial,
+                node: a.node_name.clone(),
+                tx: None,
+                shutting_down: false,
+                state: crate::runtime::ExportState {
+                    state: "starting".into(),
+                    ..Default::default()
+                },
+            },
+        );
+        drop(t);
+        // Mounting takes a while (an NBD server may be slow to answer): other commands run
+        // meanwhile; the table holds the id.
+        match self.start(&a.id, serial, margs, argv) {
+            Ok(tx) => {
+                let mut t = self.table();
+                if let Some(e) = t.exports.get_mut(&a.id).filter(|e| e.serial == serial) {
+                    e.tx = Some(tx.clone());
+                    if t.quitting {
+                        let _ = tx.send(Event::Stop(Stop::Safe));
+                    }
+                }
+                Ok(json!({}))
+            }
+            Err(e) => {
+                let mut t = self.table();
+                if t.exports.get(&a.id).is_some_and(|e| e.serial == serial) {
+                    t.exports.remove(&a.id);
+                }
+                Err(QmpError::generic(e))
+            }
+        }
+    }
+
+    /// Mounts an export and starts its supervisor; returns once it serves (or could not).
+    fn start(
+        &self,
+        id: &str,
+        serial: u64,
+        args: crate::cli::MountArgs,
+        argv: Vec<String>,
+    ) -> Result<mpsc::Sender<Event>, String> {
+        let mut prepared =
+            lifecycle::setup(&args, argv, self.verbose).map_err(|e| format!("{e:#}"))?;
+        tracing::info!(
+            "export {id}: {}",
+            prepared.settled.announce.as_deref().unwrap_or("mounted")
+        );
+        let (tx, rx) = mpsc::channel();
+        let (ready_tx, ready) = mpsc::sync_channel(1);
+        let finished = self.finished.clone();
+        let state = prepared.describe("serving");
+        let sup_tx = tx.clone();
+        let id2 = id.to_string();
+        std::thread::Builder::new()
+            .name(format!("fusex-x{serial}"))
+            .spawn(move || {
+                let mut owner = ServiceOwner {
+                    ready: Some(ready_tx),
+                };
+                let sup = Supervision {
+                    privileges: Plan::none(),
+                    tx: sup_tx,
+                    rx,
+                };
+                let result = lifecycle::supervise(&mut prepared, sup, &mut owner);
+                if let Err(e) = &result {
+                    owner.failed(&format!("{e:#}"));
+                }
+                owner.failed("the export ended before it served");
+                let error = lifecycle::conclude(prepared, result)
+                    .err()
+                    .map(|e| format!("{e:#}"));
+                let _ = finished.send(Finished {
+                    id: id2,
+                    serial,
+                    error,
+                });
+            })
+            .map_err(|e| format!("starting the export's thread: {e}"))?;
+        ready
+            .recv()
+            .unwrap_or_else(|_| Err("the export's thread ended".into()))?;
+        let mut t = self.table();
+        if let Some(e) = t.exports.get_mut(id).filter(|e| e.serial == serial) {
+            e.state = state;
+        }
+        Ok(tx)
+    }
+
+    fn export_del(&self, args: Value) -> Result<Value, QmpError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields, rename_all = "kebab-case")]
+        struct A {
+            id: String,
+            mode: Option<Mode>,
+        }
+        #[derive(Deserialize, Clone, Copy)]
+        #[serde(rename_all = "kebab-case")]
+        enum Mode {
+            Safe,
+            Hard,
+        }
+        let a: A = parse_args(args)?;
+        let mut t = self.table();
+        let Some(e) = t.exports.get_mut(&a.id) else {
+            return Err(QmpError::generic(format!("Export '{}' is not found", a.id)));
+        };
+        let Some(tx) = &e.tx else {
+            return Err(QmpError::generic(format!(
+                "Export '{}' is still starting: try again once block-export-add returned",
+                a.id
+            )));
+        };
+        let how = match a.mode.unwrap_or(Mode::Safe) {
+            Mode::Safe => Stop::Safe,
+            Mode::Hard => Stop::Hard,
+        };
+        if e.shutting_down && how == Stop::Safe {
+            return Err(QmpError::generic(format!(
+                "Export '{}' is already shutting down",
+                a.id
+            )));
+        }
+        e.shutting_down = true;
+        let _ = tx.send(Event::Stop(how));
+        Ok(json!({}))
+    }
+
+    fn query_exports(&self) -> Value {
+        let t = self.table();
+        Value::Array(
+            t.exports
+                .iter()
+                .map(|(id, e)| {
+                    json!({
+                        "type": "fuse",
+                        "id": id,
+                        "node-name": e.node,
+                        "shutting-down": e.shutting_down,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    fn query_nodes(&self) -> Value {
+        let t = self.table();
+        let lookup = |name: &str| t.node(name);
+        Value::Array(
+            t.nodes
+                .values()
+                .map(|n| {
+                    let file = match &n.driver {
+                        node::Driver::Null { size } => {
+                            format!("json:{{\"driver\": \"null-co\", \"size\": {size}}}")
+                        }
+                        _ => n.shown_file(&lookup),
+                    };
+                    let format = n.driver.name();
+                    json!({
+                        "node-name": n.name,
+                        "drv": format,
+                        "ro": n.read_only,
+                        "file": file,
+                        "encrypted": false,
+                        "detect_zeroes": "off",
+                        "backing_file_depth": 0,
+                        "bps": 0, "bps_rd": 0, "bps_wr": 0,
+                        "iops": 0, "iops_rd": 0, "iops_wr": 0,
+                        "write_threshold": 0,
+                        "cache": {"writeback": true, "direct": n.direct, "no-flush": n.no_flush},
+                        "image": {
+                            "filename": file,
+                            "format": if format == "host_device" { "host_device" } else { format },
+                            "virtual-size": n.size,
+                            "dirty-flag": false,
+                        },
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// The table as `fusex ctl list` shows it: every export with its node and state.
+    fn list(&self) -> Value {
+        let t = self.table();
+        Value::Array(
+            t.exports
+                .iter()
+                .map(|(id, e)| {
+                    let mut v = serde_json::to_value(&e.state).unwrap_or(Value::Null);
+                    v["id"] = id.clone().into();
+                    v["node-name"] = e.node.clone().into();
+                    if e.shutting_down {
+                        v["state"] = "stopping".into();
+                    }
+                    v
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The export members of `block-export-add` (QEMU's `BlockExportOptions` with its `fuse`
+/// variant).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct ExportArgs {
+    id: String,
+    node_name: String,
+    mountpoint: String,
+    writable: Option<bool>,
+    writethrough: Option<bool>,
+    growable: Option<bool>,
+    allow_other: Option<AllowOther>,
+}
+
+#[derive(Deserialize, Clone, Copy, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+enum AllowOther {
+    On,
+    Off,
+    Auto,
+}
+
+/// `allow-other`: `auto` (the default) lets other users in where fusex may (as root).
+fn allow_other(a: Option<AllowOther>) -> bool {
+    match a.unwrap_or(AllowOther::Auto) {
+        AllowOther::On => true,
+        AllowOther::Off => false,
+        // SAFETY: geteuid has no preconditions.
+        AllowOther::Auto => (unsafe { libc::geteuid() }) == 0,
+    }
+}
+
+/// Checks `type` first, as QEMU's union does, then the fuse export's members.
+fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
+    #[derive(Deserialize)]
+    #[serde(rename_all = "kebab-case")]
+    enum Kind {
+        Nbd,
+        VhostUserBlk,
+        Fuse,
+        Vduse,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "kebab-case")]
+    #[allow(dead_code)] // read for their types and presence only
+    struct Common {
+        r#type: Kind,
+        id: String,
+        node_name: String,
+        iothread: Option<String>,
+        fixed_iothread: Option<bool>,
+    }
+    let common: Common = parse_args(Value::Object(map.clone()))?;
+    match common.r#type {
+        Kind::Fuse => {}
+        Kind::Nbd => return Err(QmpError::generic("NBD server not running")),
+        _ => {
+            return Err(QmpError::generic(
+                "fusex exports only type 'fuse': give type fuse",
+            ))
+        }
+    }
+    if common.iothread.is_some() {
+        return Err(QmpError::generic(
+            "fusex does not support 'iothread': each export has its own queue threads; leave it out",
+        ));
+    }
+    map.remove("type");
+    map.remove("fixed-iothread");
+    parse_args(Value::Object(map))
+}
+
+/// An I/O error as QEMU words it (`strerror`, without Rust's " (os error N)").
+fn strerror(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+impl Dispatcher for Service {
+    fn commands(&self) -> Vec<String> {
+        let mut v: Vec<String> = COMMANDS.iter().map(|c| c.to_string()).collect();
+        v.push(format!("{}list", options::EXTENSION));
+        v
+    }
+
+    fn dispatch(&self, name: &str, arguments: Value) -> Result<Value, QmpError> {
+        let no_args = |a: &Value| match a.as_object().and_then(|m| m.keys().next()) {
+            Some(k) => Err(QmpError::generic(format!("Parameter '{k}' is unexpected"))),
+            None => Ok(()),
+        };
+        match name {
+            "blockdev-add" => self.blockdev_add(arguments),
+            "blockdev-del" => self.blockdev_del(arguments),
+            "block-export-add" => self.export_add(arguments),
+            "block-export-del" => self.export_del(arguments),
+            "query-block-exports" => no_args(&arguments).map(|()| self.query_exports()),
+            "query-named-block-nodes" => {
+                // QEMU's optional `flat` changes only what a backing chain shows.
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                #[allow(dead_code)]
+                struct A {
+                    flat: Option<bool>,
+                }
+                parse_args::<A>(arguments).map(|_| self.query_nodes())
+            }
+            "quit" => no_args(&arguments).map(|()| {
+                let _ = self.control.send(Control::Quit);
+                json!({})
+            }),
+            n if n == format!("{}list", options::EXTENSION) => {
+                no_args(&arguments).map(|()| self.list())
+            }
+            _ => Err(QmpError::command_not_found(name)),
+        }
+    }
+}
+
+/// A `fusex serve` export's supervisor reports readiness to the command that added it.
+struct ServiceOwner {
+    ready: Option<mpsc::SyncSender<Result<(), String>>>,
+}
+
+impl Owner for ServiceOwner {
+    fn serving(&mut self) {
+        if let Some(r) = self.ready.take() {
+            let _ = r.send(Ok(()));
+        }
+    }
+
+    fn failed(&mut self, why: &str) {
+        if let Some(r) = self.ready.take() {
+            let _ = r.send(Err(why.to_string()));
+        }
+    }
+
+    fn state(&mut self, _state: &str) {}
+
+    fn stopping(&mut self) {}
+
+    fn not_serving(&mut self) {}
+
+    fn reloading(&mut self) {}
+
+    fn handed_over(&mut self, _pid: u32) {}
+}

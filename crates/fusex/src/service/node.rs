@@ -1,0 +1,605 @@
+//! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`). fusex serves an image by
+//! its path (or URI), so a node is what it takes to name that image and how to open it; the
+//! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
+//! and again by each export of it.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use qmp::{parse_args, QmpError};
+
+/// What kind of node, with what only that kind has.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Driver {
+    /// An image file (`file`) or block device (`host_device`).
+    File { filename: String, device: bool },
+    /// An export of an NBD server, as a URI fusex's NBD client takes.
+    Nbd { uri: String },
+    /// Reads zeroes, drops writes.
+    Null { size: u64 },
+    /// A raw format node over its `file` child.
+    Raw,
+    /// A qcow2 format node over its `file` child.
+    Qcow2,
+}
+
+impl Driver {
+    /// QEMU's name of the driver.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Driver::File { device: false, .. } => "file",
+            Driver::File { device: true, .. } => "host_device",
+            Driver::Nbd { .. } => "nbd",
+            Driver::Null { .. } => "null-co",
+            Driver::Raw => "raw",
+            Driver::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// One node.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub name: String,
+    pub driver: Driver,
+    pub read_only: bool,
+    /// `cache.direct`: O_DIRECT on the image.
+    pub direct: bool,
+    /// `cache.no-flush`.
+    pub no_flush: bool,
+    /// `locking: off` on a file node.
+    pub no_locking: bool,
+    /// `force-share`.
+    pub force_share: bool,
+    /// A format node's `file` child.
+    pub file: Option<String>,
+    /// `backing: null` on a qcow2 node: the backing file the image names is not opened.
+    pub no_backing: bool,
+    /// Made by fusex for an object given inline as another node's child (named `#blockN`): it
+    /// goes when that node goes.
+    pub implicit: bool,
+    /// The image's virtual size in bytes, learnt when the node was added.
+    pub size: u64,
+}
+
+/// The members every driver takes (QAPI's `BlockdevOptionsBase`, as QEMU 7.2 has them).
+const BASE: &[&str] = &[
+    "driver",
+    "node-name",
+    "discard",
+    "cache",
+    "read-only",
+    "auto-read-only",
+    "force-share",
+    "detect-zeroes",
+];
+
+/// Members QEMU's drivers have that fusex does not act on: named in a refusal, where a member no
+/// driver has is "unexpected", as QEMU says.
+const UNSUPPORTED: &[(&str, &[&str])] = &[
+    (
+        "file",
+        &[
+            "pr-manager",
+            "aio",
+            "aio-max-batch",
+            "drop-cache",
+            "x-check-cache-dropped",
+        ],
+    ),
+    ("raw", &["offset", "size"]),
+    (
+        "qcow2",
+        &[
+            "lazy-refcounts",
+            "pass-discard-request",
+            "pass-discard-snapshot",
+            "pass-discard-other",
+            "overlap-check",
+            "cache-size",
+            "l2-cache-size",
+            "l2-cache-entry-size",
+            "refcount-cache-size",
+            "cache-clean-interval",
+            "encrypt",
+            "data-file",
+        ],
+    ),
+    (
+        "nbd",
+        &[
+            "tls-creds",
+            "tls-hostname",
+            "x-dirty-bitmap",
+            "reconnect-delay",
+            "open-timeout",
+        ],
+    ),
+    ("null-co", &["latency-ns"]),
+];
+
+/// The members a driver takes besides [`BASE`] that fusex acts on.
+fn own_members(driver: &str) -> &'static [&'static str] {
+    match driver {
+        "file" | "host_device" => &["filename", "locking"],
+        "raw" => &["file"],
+        "qcow2" => &["file", "backing"],
+        "nbd" => &["server", "export"],
+        "null-co" => &["size", "read-zeroes"],
+        _ => &[],
+    }
+}
+
+/// The drivers QEMU's schema has that fusex does not serve, so that naming one is refused as
+/// unsupported rather than as unknown.
+const OTHER_DRIVERS: &[&str] = &[
+    "blkdebug",
+    "blklogwrites",
+    "blkverify",
+    "blkreplay",
+    "bochs",
+    "cloop",
+    "compress",
+    "copy-before-write",
+    "copy-on-read",
+    "dmg",
+    "snapshot-access",
+    "ftp",
+    "ftps",
+    "gluster",
+    "host_cdrom",
+    "http",
+    "https",
+    "io_uring",
+    "iscsi",
+    "luks",
+    "nfs",
+    "null-aio",
+    "nvme",
+    "parallels",
+    "preallocate",
+    "qcow",
+    "qed",
+    "quorum",
+    "rbd",
+    "replication",
+    "ssh",
+    "throttle",
+    "vdi",
+    "vhdx",
+    "virtio-blk-vfio-pci",
+    "vmdk",
+    "vpc",
+    "vvfat",
+];
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct Cache {
+    #[serde(default)]
+    direct: bool,
+    #[serde(default)]
+    no_flush: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[allow(dead_code)] // members QEMU takes and fusex accepts, checked for their type only
+struct Base {
+    driver: String,
+    node_name: Option<String>,
+    discard: Option<Discard>,
+    cache: Option<Cache>,
+    #[serde(default)]
+    read_only: bool,
+    auto_read_only: Option<bool>,
+    #[serde(default)]
+    force_share: bool,
+    detect_zeroes: Option<DetectZeroes>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Discard {
+    Ignore,
+    Unmap,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum DetectZeroes {
+    Off,
+    On,
+    Unmap,
+}
+
+#[derive(Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+enum OnOffAuto {
+    On,
+    Off,
+    Auto,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct FileMembers {
+    filename: String,
+    locking: Option<OnOffAuto>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct NullMembers {
+    size: Option<u64>,
+    #[allow(dead_code)] // fusex's null node always reads zeroes
+    read_zeroes: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case", deny_unknown_fields)]
+enum SocketAddress {
+    Unix {
+        path: String,
+    },
+    Inet {
+        host: String,
+        port: String,
+    },
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct NbdMembers {
+    server: SocketAddress,
+    export: Option<String>,
+}
+
+/// Reads one `blockdev-add` argument object into nodes: the node itself last, after the nodes it
+/// defines inline as children (each named by `auto_name`). `exists` says whether a node name is
+/// taken already; `node_of` finds a referenced child.
+pub fn parse(
+    args: Value,
+    path: &str,
+    auto_name: &mut dyn FnMut() -> String,
+    node_of: &dyn Fn(&str) -> Option<Node>,
+) -> Result<Vec<Node>, QmpError> {
+    let Value::Object(map) = args else {
+        return Err(QmpError::generic(format!(
+            "Invalid parameter type for '{path}', expected: object"
+        )));
+    };
+    let named = |m: &str| {
+        if path.is_empty() {
+            m.to_string()
+        } else {
+            format!("{path}.{m}")
+        }
+    };
+    let base: Base = parse_args(Value::Object(map.clone())).map_err(|e| prefix(e, path))?;
+    let driver = base.driver.as_str();
+    let own = own_members(driver);
+    if own.is_empty() {
+        if OTHER_DRIVERS.contains(&driver) {
+            return Err(QmpError::generic(format!(
+                "fusex does not support driver '{driver}': it serves file, host_device, raw, \
+                 qcow2, nbd and null-co nodes"
+            )));
+        }
+        return Err(QmpError::generic(format!(
+            "Parameter '{}' does not accept value '{driver}'",
+            named("driver")
+        )));
+    }
+    let unsupported = UNSUPPORTED
+        .iter()
+        .find(|(d, _)| *d == driver || (*d == "file" && driver == "host_device"))
+        .map_or(&[][..], |(_, m)| *m);
+    let mut members = Map::new();
+    for (k, v) in &map {
+        if BASE.contains(&k.as_str()) {
+            continue;
+        }
+        if own.contains(&k.as_str()) {
+            members.insert(k.clone(), v.clone());
+        } else if unsupported.contains(&k.as_str()) {
+            return Err(QmpError::generic(format!(
+                "fusex does not support '{}' on {driver} nodes: leave it out",
+                named(k)
+            )));
+        } else {
+            return Err(QmpError::generic(format!(
+                "Parameter '{}' is unexpected",
+                named(k)
+            )));
+        }
+    }
+    let cache = base.cache.unwrap_or(Cache {
+        direct: false,
+        no_flush: false,
+    });
+    let mut out = Vec::new();
+    let mut node = Node {
+        name: String::new(),
+        driver: Driver::Raw,
+        read_only: base.read_only,
+        direct: cache.direct,
+        no_flush: cache.no_flush,
+        no_locking: false,
+        force_share: base.force_share,
+        file: None,
+        no_backing: false,
+        implicit: !path.is_empty(),
+        size: 0,
+    };
+    node.driver = match driver {
+        "file" | "host_device" => {
+            let m: FileMembers = parse_args(Value::Object(members)).map_err(|e| prefix(e, path))?;
+            node.no_locking = m.locking == Some(OnOffAuto::Off);
+            Driver::File {
+                filename: m.filename,
+                device: driver == "host_device",
+            }
+        }
+        "null-co" => {
+            let m: NullMembers = parse_args(Value::Object(members)).map_err(|e| prefix(e, path))?;
+            Driver::Null {
+                size: m.size.unwrap_or(1 << 30),
+            }
+        }
+        "nbd" => {
+            let m: NbdMembers = parse_args(Value::Object(members)).map_err(|e| prefix(e, path))?;
+            Driver::Nbd {
+                uri: nbd_uri(&m, &named("server"))?,
+            }
+        }
+        "raw" | "qcow2" => {
+            let Some(file) = members.get("file").cloned() else {
+                return Err(QmpError::generic(format!(
+                    "Parameter '{}' is missing",
+                    named("file")
+                )));
+            };
+            node.file = Some(match file {
+                Value::String(r) => {
+                    if node_of(&r).is_none() {
+                        return Err(QmpError::generic(format!(
+                            "Cannot find device='' nor node-name='{r}'"
+                        )));
+                    }
+                    r
+                }
+                Value::Object(_) => {
+                    let children = parse(file, &named("file"), auto_name, node_of)?;
+                    let child = children.last().map(|c| c.name.clone()).unwrap_or_default();
+                    out.extend(children);
+                    child
+                }
+                _ => {
+                    return Err(QmpError::generic(format!(
+                        "Invalid parameter type for '{}', expected: object",
+                        named("file")
+                    )))
+                }
+            });
+            match members.get("backing") {
+                None => {}
+                Some(Value::Null) => node.no_backing = true,
+                Some(_) => {
+                    return Err(QmpError::generic(format!(
+                        "fusex does not support '{}' as a node: a qcow2 image's backing file is \
+                         the one its header names (or give null for none)",
+                        named("backing")
+                    )))
+                }
+            }
+            if driver == "raw" {
+                Driver::Raw
+            } else {
+                Driver::Qcow2
+            }
+        }
+        _ => unreachable!("own_members covers these"),
+    };
+    node.name = match base.node_name {
+        Some(n) => n,
+        None if !path.is_empty() => auto_name(),
+        None => {
+            return Err(QmpError::generic(
+                "A block device must be given a name (node-name)",
+            ))
+        }
+    };
+    out.push(node);
+    Ok(out)
+}
+
+/// An error about a nested object's member, named by its full path.
+fn prefix(e: QmpError, path: &str) -> QmpError {
+    if path.is_empty() {
+        return e;
+    }
+    let desc = e
+        .desc
+        .replacen("Parameter '", &format!("Parameter '{path}."), 1)
+        .replacen("type for '", &format!("type for '{path}."), 1);
+    QmpError::generic(desc)
+}
+
+/// The URI fusex's NBD client opens for a `server` and `export`.
+fn nbd_uri(m: &NbdMembers, what: &str) -> Result<String, QmpError> {
+    let export = m.export.as_deref().unwrap_or("");
+    match &m.server {
+        SocketAddress::Unix { path } => Ok(format!("nbd+unix:///{export}?socket={path}")),
+        SocketAddress::Inet { host, port } => {
+            if host.contains(':') {
+                Ok(format!("nbd://[{host}]:{port}/{export}"))
+            } else {
+                Ok(format!("nbd://{host}:{port}/{export}"))
+            }
+        }
+        SocketAddress::Other => Err(QmpError::generic(format!(
+            "fusex does not support this '{what}' type: give type unix or inet"
+        ))),
+    }
+}
+
+impl Node {
+    /// The image behind a node and its format, as `fusex mount` takes them: (IMAGE, --format),
+    /// no format for images that have none (NBD, null),
+    /// following a format node to its `file` child.
+    pub fn image(
+        &self,
+        node_of: &dyn Fn(&str) -> Option<Node>,
+    ) -> Option<(String, Option<&'static str>)> {
+        let protocol = |n: &Node| match &n.driver {
+            Driver::File { filename, .. } => Some(filename.clone()),
+            Driver::Nbd { uri } => Some(uri.clone()),
+            Driver::Null { size } => Some(format!("null:{size}")),
+            Driver::Raw | Driver::Qcow2 => None,
+        };
+        // NBD and null images have no format of their own: fusex mount takes them as they are.
+        match self.driver {
+            Driver::Raw => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("raw"))),
+            Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
+            Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
+            Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
+        }
+    }
+
+    /// The `file` member QEMU's `query-named-block-nodes` shows: the protocol node's file name.
+    pub fn shown_file(&self, node_of: &dyn Fn(&str) -> Option<Node>) -> String {
+        match &self.driver {
+            Driver::File { filename, .. } => filename.clone(),
+            Driver::Nbd { uri } => uri.clone(),
+            Driver::Null { .. } => "null-co://".into(),
+            Driver::Raw | Driver::Qcow2 => self
+                .file
+                .as_deref()
+                .and_then(node_of)
+                .map(|c| c.shown_file(node_of))
+                .unwrap_or_default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn nodes(args: Value) -> Result<Vec<Node>, String> {
+        let mut n = 0;
+        let file0 = Node {
+            name: "file0".into(),
+            driver: Driver::File {
+                filename: "/a".into(),
+                device: false,
+            },
+            read_only: false,
+            direct: false,
+            no_flush: false,
+            no_locking: false,
+            force_share: false,
+            file: None,
+            no_backing: false,
+            implicit: false,
+            size: 0,
+        };
+        let lookup = move |name: &str| (name == "file0").then(|| file0.clone());
+        parse(
+            args,
+            "",
+            &mut || {
+                n += 1;
+                format!("#block{n}")
+            },
+            &lookup,
+        )
+        .map_err(|e| e.desc)
+    }
+
+    #[test]
+    fn a_format_node_over_an_inline_file_node_makes_two() {
+        let v = nodes(json!({"driver": "qcow2", "node-name": "q",
+                             "file": {"driver": "file", "filename": "/b.qcow2"}}))
+        .unwrap();
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[0].name, "#block1");
+        assert!(v[0].implicit);
+        assert_eq!(v[1].file.as_deref(), Some("#block1"));
+        assert_eq!(v[1].driver, Driver::Qcow2);
+    }
+
+    #[test]
+    fn errors_name_the_member_as_qemu_does() {
+        assert_eq!(
+            nodes(json!({"node-name": "x"})).unwrap_err(),
+            "Parameter 'driver' is missing"
+        );
+        assert_eq!(
+            nodes(json!({"driver": "vmdkx", "node-name": "x"})).unwrap_err(),
+            "Parameter 'driver' does not accept value 'vmdkx'"
+        );
+        assert_eq!(
+            nodes(json!({"driver": "file", "node-name": "x", "filename": "/a", "bogus": 1}))
+                .unwrap_err(),
+            "Parameter 'bogus' is unexpected"
+        );
+        assert_eq!(
+            nodes(json!({"driver": "raw", "node-name": "x",
+                         "file": {"driver": "file", "filename": 3}}))
+            .unwrap_err(),
+            "Invalid parameter type for 'file.filename', expected: string"
+        );
+        assert_eq!(
+            nodes(json!({"driver": "raw", "node-name": "x", "file": "nope"})).unwrap_err(),
+            "Cannot find device='' nor node-name='nope'"
+        );
+        assert!(nodes(json!({"driver": "vmdk", "node-name": "x"}))
+            .unwrap_err()
+            .contains("does not support driver 'vmdk'"));
+        assert!(
+            nodes(json!({"driver": "qcow2", "node-name": "x", "file": "file0",
+                             "lazy-refcounts": true}))
+            .unwrap_err()
+            .contains("'lazy-refcounts'")
+        );
+    }
+
+    #[test]
+    fn nbd_servers_become_uris() {
+        let v = nodes(json!({"driver": "nbd", "node-name": "n", "export": "e",
+                             "server": {"type": "unix", "path": "/s"}}))
+        .unwrap();
+        assert_eq!(
+            v[0].driver,
+            Driver::Nbd {
+                uri: "nbd+unix:///e?socket=/s".into()
+            }
+        );
+        let v = nodes(json!({"driver": "nbd", "node-name": "n",
+                             "server": {"type": "inet", "host": "::1", "port": "10809"}}))
+        .unwrap();
+        assert_eq!(
+            v[0].driver,
+            Driver::Nbd {
+                uri: "nbd://[::1]:10809/".into()
+            }
+        );
+    }
+
+    #[test]
+    fn images_follow_the_file_child() {
+        let v = nodes(json!({"driver": "raw", "node-name": "r", "file": "file0"})).unwrap();
+        let file0 = nodes(json!({"driver": "file", "node-name": "file0", "filename": "/a"}))
+            .unwrap()
+            .remove(0);
+        let lookup = |n: &str| (n == "file0").then(|| file0.clone());
+        assert_eq!(v[0].image(&lookup), Some(("/a".into(), Some("raw"))));
+        assert_eq!(v[0].shown_file(&lookup), "/a");
+    }
+}

@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""Drive a QMP-controlled storage daemon (qemu-storage-daemon, or `fusex serve` as its drop-in)
+through one fixed scenario and print a normalized JSON transcript on stdout.
+
+    qmp_service.py PROGRAM WORKDIR
+
+PROGRAM is the daemon's argv prefix as one string split on spaces ("qemu-storage-daemon",
+"/path/fusex serve"); WORKDIR is an empty directory the script fills. Run as root. The transcript
+printed for qemu-storage-daemon is kept in tests/qmp_service_qsd.json: the same script run against
+fusex must print the same text. Every path is written with WORKDIR replaced by "$W", and QEMU's
+generated node names ("#block123") as "#block". Every wait is bounded: what does not happen in
+time is recorded as "timeout". Exits 0 if the scenario ran to its end, else 1 with a one-line
+reason on stderr (the transcript so far is still printed). Needs only the stdlib, qemu.qmp
+(scripts/deps.sh installs it into target/qmp-venv), qemu-img and qemu-io.
+"""
+
+import asyncio
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+
+from qemu.qmp import ConnectError, EventListener, ExecuteError, QMPClient
+
+MiB = 1 << 20
+TIMEOUT = 5  # seconds, for any QMP command, file I/O or event that should be quick
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def pattern(n):
+    """Deterministic contents of a.raw: a byte ramp that shifts every 4 KiB."""
+    return bytes((i * 7 + (i >> 12)) & 0xFF for i in range(n))
+
+
+class Scenario:
+    def __init__(self, program, workdir):
+        self.program = program.split()
+        self.w = os.path.realpath(workdir)
+        self.transcript = []
+        self.proc = None
+        self.qmp = None
+        self.quit_sent = False
+        self.events = EventListener(names="BLOCK_EXPORT_DELETED")
+
+    def p(self, name):
+        return os.path.join(self.w, name)
+
+    # --- recording -----------------------------------------------------------------------------
+
+    def norm(self, v):
+        """Replace WORKDIR by "$W" and generated node names by "#block" in every string, and
+        sort object members by key (their order in a QMP answer carries no meaning)."""
+        if isinstance(v, str):
+            return re.sub(r"#block\d+", "#block", v.replace(self.w, "$W"))
+        if isinstance(v, list):
+            return [self.norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: self.norm(v[k]) for k in sorted(v)}
+        return v
+
+    def record(self, step, **kv):
+        entry = {"step": step}
+        entry.update(self.norm(kv))
+        self.transcript.append(entry)
+        log("step:", json.dumps(entry))
+        return entry
+
+    async def cmd(self, cmd, args=None):
+        """Run one QMP command; returns ("return", value), ("error", {class, desc}) or
+        ("timeout", True)."""
+        try:
+            r = await asyncio.wait_for(self.qmp.execute(cmd, args), TIMEOUT)
+            return "return", r
+        except ExecuteError as e:
+            err = e.received["error"]
+            return "error", {"class": err["class"], "desc": err["desc"]}
+        except asyncio.TimeoutError:
+            return "timeout", True
+
+    async def step(self, name, cmd, args=None, post=None):
+        """Run a command and record it as a step; `post` reshapes a successful return. A command
+        that times out is recorded, then ends the scenario: QMP answers in order, so every later
+        command would wait behind it."""
+        kind, v = await self.cmd(cmd, args)
+        if kind == "return" and post:
+            v = post(v)
+        self.record(name, **{kind: v})
+        if kind == "timeout":
+            raise RuntimeError(f"{cmd} got no answer in {TIMEOUT} s")
+        return kind, v
+
+    async def event(self, timeout):
+        """The next BLOCK_EXPORT_DELETED as {event, data} (no timestamp), or "timeout"."""
+        try:
+            ev = await asyncio.wait_for(self.events.get(), timeout)
+            return {"event": ev["event"], "data": ev.get("data")}
+        except asyncio.TimeoutError:
+            return "timeout"
+
+    async def io(self, fn, *args):
+        """Blocking file I/O (possibly on a FUSE mount) in a thread, bounded by TIMEOUT. Returns
+        the result, {"errno": NAME} or "timeout" (a killed daemon later unblocks the thread)."""
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), TIMEOUT)
+        except asyncio.TimeoutError:  # first: since Python 3.11 it is a subclass of OSError
+            return "timeout"
+        except OSError as e:
+            return {"errno": errno.errorcode.get(e.errno, str(e.errno))}
+
+    # --- setup and teardown --------------------------------------------------------------------
+
+    def make_images(self):
+        with open(self.p("a.raw"), "wb") as f:
+            f.write(pattern(4 * MiB))
+        for argv in (["qemu-img", "create", "-q", "-f", "qcow2", self.p("b.qcow2"), "8M"],
+                     ["qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", self.p("b.qcow2")]):
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt"):  # mountpoints are regular files
+            open(self.p(m), "wb").close()
+
+    async def start(self):
+        sock = self.p("qmp.sock")
+        if os.path.lexists(sock):  # left by an earlier run in the same WORKDIR
+            os.unlink(sock)
+        argv = self.program + [
+            "--chardev", f"socket,id=mon0,path={sock},server=on,wait=off",
+            "--monitor", "chardev=mon0",
+            "--blockdev", f"driver=file,node-name=file0,filename={self.p('a.raw')}",
+            "--blockdev", "driver=raw,node-name=fmt0,file=file0",
+            "--export", f"type=fuse,id=exp0,node-name=fmt0,mountpoint={self.p('a.mnt')},writable=on",
+        ]
+        log("starting:", " ".join(argv))
+        self.daemon_log = open(self.p("daemon.log"), "wb")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.daemon_log,
+                                     stderr=subprocess.STDOUT)
+        self.qmp = QMPClient("qmp_service")
+        self.qmp.register_listener(self.events)
+        for _ in range(100):  # up to 10 s for the socket to appear and accept
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited early with status {self.proc.returncode}")
+            if os.path.exists(sock):
+                try:
+                    await asyncio.wait_for(self.qmp.connect(sock), TIMEOUT)
+                    return
+                except (ConnectError, OSError, asyncio.TimeoutError) as e:
+                    log("connect:", repr(e))
+                    self.qmp = QMPClient("qmp_service")
+                    self.qmp.register_listener(self.events)
+            await asyncio.sleep(0.1)
+        raise RuntimeError("QMP socket never became ready")
+
+    def mounts(self):
+        """Mount points under WORKDIR, from /proc/self/mountinfo."""
+        out = []
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                mp = line.split()[4].replace("\\040", " ")
+                if mp.startswith(self.w + "/"):
+                    out.append(mp)
+        return sorted(out)
+
+    async def cleanup(self):
+        if self.qmp is not None:
+            try:
+                await asyncio.wait_for(self.qmp.disconnect(), TIMEOUT)
+            except Exception as e:  # after quit the daemon has closed the connection first
+                if not self.quit_sent:
+                    log("disconnect:", repr(e))
+        if self.proc is not None and self.proc.poll() is None:
+            log("daemon still running: killing it")
+            self.proc.kill()
+            self.proc.wait()
+        for mp in self.mounts():
+            log("unmounting leftover", mp)
+            subprocess.run(["umount", "-l", mp], check=False)
+        if self.proc is not None:
+            self.daemon_log.close()
+            with open(self.p("daemon.log"), "rb") as f:
+                text = f.read().decode(errors="replace").strip()
+            if text:
+                log("--- daemon output ---\n" + text)
+
+    # --- the scenario --------------------------------------------------------------------------
+
+    async def run(self):
+        sort_exports = lambda r: sorted(r, key=lambda e: e["id"])
+
+        # 1. The export given on the command line.
+        await self.step("query-block-exports", "query-block-exports", post=sort_exports)
+
+        def same(got, want):
+            """{"bytes-equal": bool}, or the failed I/O's {"result": errno or "timeout"}."""
+            return {"bytes-equal": got == want} if isinstance(got, bytes) else {"result": got}
+
+        # 2. Data through the command-line export matches the image, both ways.
+        expect = bytearray(pattern(4 * MiB))
+
+        def read_mnt(path, n, off=0):
+            with open(path, "rb") as f:
+                return os.pread(f.fileno(), n, off)
+
+        got = await self.io(read_mnt, self.p("a.mnt"), 64 * 1024)
+        self.record("read a.mnt", **same(got, bytes(expect[:64 * 1024])))
+        data = bytes([0xC3]) * 4096
+
+        def write_mnt():
+            fd = os.open(self.p("a.mnt"), os.O_RDWR)
+            try:
+                n = os.pwrite(fd, data, 8192)
+                os.fsync(fd)
+                return n
+            finally:
+                os.close(fd)
+
+        n = await self.io(write_mnt)
+        expect[8192:8192 + 4096] = data
+        with open(self.p("a.raw"), "rb") as f:
+            raw = f.read()
+        self.record("write a.mnt", written=n, **same(raw, bytes(expect)))
+
+        # 3. Nodes and exports added at run time.
+        await self.step("blockdev-add null0", "blockdev-add",
+                        {"driver": "null-co", "node-name": "null0", "size": 1 << 30})
+        await self.step("blockdev-add q0", "blockdev-add",
+                        {"driver": "qcow2", "node-name": "q0",
+                         "file": {"driver": "file", "filename": self.p("b.qcow2")}})
+        await self.step("block-export-add exp1", "block-export-add",
+                        {"type": "fuse", "id": "exp1", "node-name": "q0",
+                         "mountpoint": self.p("b.mnt")})
+        got = await self.io(read_mnt, self.p("b.mnt"), 64 * 1024)
+        self.record("read b.mnt", **same(got, b"\x5a" * 64 * 1024))
+        st = await self.io(os.stat, self.p("b.mnt"))
+        self.record("stat b.mnt", size=st.st_size if isinstance(st, os.stat_result) else st)
+        await self.step("block-export-add exp2", "block-export-add",
+                        {"type": "fuse", "id": "exp2", "node-name": "null0",
+                         "mountpoint": self.p("e.mnt"), "writable": True})
+        await self.step("query-block-exports", "query-block-exports", post=sort_exports)
+
+        # 4. The node graph, reduced to fields a drop-in must agree on.
+        def nodes(r):
+            named = [n for n in r if not n["node-name"].startswith("#")]
+            return {
+                "implicit-nodes": len(r) - len(named),
+                "nodes": [{"node-name": n["node-name"], "drv": n["drv"], "ro": n["ro"],
+                           "file": n["file"],
+                           "virtual-size": n.get("image", {}).get("virtual-size"),
+                           "format": n.get("image", {}).get("format")}
+                          for n in sorted(named, key=lambda n: n["node-name"])],
+            }
+
+        await self.step("query-named-block-nodes", "query-named-block-nodes", post=nodes)
+
+        # 5. Errors: each request is valid but for one fault.
+        fuse = lambda **kv: dict({"type": "fuse", "id": "exp9", "node-name": "null0",
+                                  "mountpoint": self.p("d.mnt")}, **kv)
+        errors = [
+            ("export: duplicate id", "block-export-add", fuse(id="exp1")),
+            ("export: unknown node", "block-export-add", fuse(**{"node-name": "nonode"})),
+            ("export: missing mountpoint file", "block-export-add",
+             fuse(mountpoint=self.p("missing.mnt"))),
+            ("export: unknown argument", "block-export-add", fuse(bogus=1)),
+            ("export: writable wrong type", "block-export-add", fuse(writable="yes")),
+            ("export: no mountpoint", "block-export-add",
+             {"type": "fuse", "id": "exp9", "node-name": "null0"}),
+            ("export: nbd without server", "block-export-add",
+             {"type": "nbd", "id": "exp9", "node-name": "null0"}),
+            ("blockdev-add: duplicate node-name", "blockdev-add",
+             {"driver": "null-co", "node-name": "null0"}),
+            ("blockdev-add: missing file", "blockdev-add",
+             {"driver": "file", "node-name": "f9", "filename": self.p("missing.img")}),
+            ("blockdev-add: unknown driver", "blockdev-add",
+             {"driver": "vmdkx", "node-name": "v9"}),
+            ("blockdev-del: node in use", "blockdev-del", {"node-name": "fmt0"}),
+            ("blockdev-del: unknown node", "blockdev-del", {"node-name": "nonode"}),
+            ("block-export-del: unknown id", "block-export-del", {"id": "nope"}),
+            ("block-export-del: bad mode", "block-export-del", {"id": "exp1", "mode": "bogus"}),
+        ]
+        for name, cmd, args in errors:
+            await self.step(name, cmd, args)
+
+        # 6. Removal of exports and nodes.
+        await self.step("block-export-del exp2", "block-export-del", {"id": "exp2"})
+        self.record("event after exp2", event=await self.event(TIMEOUT))
+        await self.step("query-block-exports", "query-block-exports", post=sort_exports)
+        await self.step("blockdev-del null0", "blockdev-del", {"node-name": "null0"})
+        await self.step("block-export-del exp1 hard", "block-export-del",
+                        {"id": "exp1", "mode": "hard"})
+        self.record("event after exp1", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del q0", "blockdev-del", {"node-name": "q0"})
+        await self.step("query-named-block-nodes names", "query-named-block-nodes",
+                        post=lambda r: sorted(n["node-name"] for n in r))
+
+        # 7. Safe removal of an export whose file is held open.
+        await self.step("blockdev-add null1", "blockdev-add",
+                        {"driver": "null-co", "node-name": "null1", "size": 64 * MiB})
+        await self.step("block-export-add exp3", "block-export-add",
+                        {"type": "fuse", "id": "exp3", "node-name": "null1",
+                         "mountpoint": self.p("c.mnt"), "writable": True})
+        fd = await self.io(os.open, self.p("c.mnt"), os.O_RDWR)
+        if not isinstance(fd, int):
+            raise RuntimeError(f"cannot open c.mnt: {fd}")
+        # null-co returns unspecified bytes (read-zeroes is off): record only the length.
+        plen = lambda r: {"len": len(r)} if isinstance(r, bytes) else r
+        self.record("pread c.mnt", result=plen(await self.io(os.pread, fd, 4096, 0)))
+        kind, _ = await self.step("block-export-del exp3 safe", "block-export-del",
+                                  {"id": "exp3", "mode": "safe"})
+        ev = "not waited"
+        if kind == "return":
+            ev = await self.event(2)
+            self.record("event within 2 s", event=ev)
+            # Not the range read before: qemu-storage-daemon lets the kernel page-cache it and
+            # fusex serves with direct I/O, so only a range never read (32 MiB), which has to
+            # reach the daemon, tells the same thing of both.
+            self.record("pread kept fd, unread range",
+                        result=plen(await self.io(os.pread, fd, 4096, 32 * MiB)))
+        self.record("close fd", result=await self.io(os.close, fd))
+        if kind == "return" and ev == "timeout":
+            self.record("event after close", event=await self.event(TIMEOUT))
+        await self.step("query-block-exports", "query-block-exports", post=sort_exports)
+
+        # No BLOCK_EXPORT_DELETED beyond the ones waited for above (e.g. none twice).
+        self.record("unclaimed events",
+                    events=[{"event": e["event"], "data": e.get("data")} for e in self.events.clear()])
+
+        # 8. quit: the daemon exits and leaves nothing mounted.
+        self.quit_sent = True
+        await self.step("quit", "quit")
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 10)
+        except asyncio.TimeoutError:
+            code = "timeout"
+        self.record("exit", code=code, **{"still-mounted": self.mounts()})
+
+
+async def main():
+    if len(sys.argv) != 3:
+        print("usage: qmp_service.py PROGRAM WORKDIR", file=sys.stderr)
+        return 2
+    s = Scenario(sys.argv[1], sys.argv[2])
+    reason = None
+    try:
+        s.make_images()
+        await s.start()
+        await s.run()
+    except Exception as e:  # report any failure in one line, after printing what we have
+        reason = f"{type(e).__name__}: {e}"
+    finally:
+        await s.cleanup()
+    print(json.dumps(s.transcript, indent=2))
+    if reason:
+        print(f"qmp_service.py: scenario did not finish: {reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
