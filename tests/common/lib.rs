@@ -30,10 +30,12 @@ pub use serde_json::Value;
 
 mod fake_nbd;
 mod nbd;
+mod serve;
 pub use fake_nbd::{fake_nbd_byte, FakeMode, FakeNbd, FAKE_NBD_SIZE};
 pub use nbd::{
     free_port, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd, strict_blocksize_export,
 };
+pub use serve::{unmount_under, Qmp, Serve};
 
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;

@@ -46,6 +46,7 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("fusex-umount", include_str!("../man/fusex-umount.1.in")),
     ("fusex-restart", include_str!("../man/fusex-restart.1.in")),
     ("fusex-list", include_str!("../man/fusex-list.1.in")),
+    ("fusex-serve", include_str!("../man/fusex-serve.1.in")),
 ];
 
 /// The line of a template that the OPTIONS section replaces.

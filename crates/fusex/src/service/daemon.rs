@@ -158,6 +158,12 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
                 .dispatch("blockdev-add", v)
                 .map_err(|e| anyhow!("--blockdev {text}: {}", e.desc))?;
         }
+        // Every export is checked before the first is mounted: a mistake in the last one
+        // mounts nothing.
+        let requests: Vec<_> = exports.iter().map(|(_, v)| v.clone()).collect();
+        if let Err((i, e)) = service.check_exports(&requests) {
+            return Err(anyhow!("--export {}: {}", exports[i].0, e.desc));
+        }
         for (text, v) in exports {
             service
                 .dispatch("block-export-add", v)

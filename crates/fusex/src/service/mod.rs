@@ -155,14 +155,21 @@ impl Service {
         }
         let entry = t.exports.remove(&f.id);
         drop(t);
-        match (&f.error, entry) {
-            (Some(e), Some(entry)) if !entry.shutting_down => {
-                tracing::error!("export {}: {e}", f.id);
+        let asked = entry.is_some_and(|e| e.shutting_down);
+        match (&f.error, asked) {
+            (e, false) => {
+                // Nobody removed it: its image failed, or its mount went away.
+                let why = e.clone().unwrap_or_else(|| {
+                    "its connection ended: the export was unmounted from outside, or its \
+                     connection aborted"
+                        .into()
+                });
+                tracing::error!("export {}: {why}", f.id);
                 self.events
-                    .emit(EXPORT_FAILED_EVENT, Some(json!({"id": f.id, "error": e})));
+                    .emit(EXPORT_FAILED_EVENT, Some(json!({"id": f.id, "error": why})));
             }
-            (Some(e), _) => tracing::warn!("export {}: {e}", f.id),
-            (None, _) => {}
+            (Some(e), true) => tracing::warn!("export {}: {e}", f.id),
+            (None, true) => {}
         }
         tracing::info!("export {} removed", f.id);
         self.events
@@ -306,7 +313,9 @@ impl Service {
         Ok(json!({}))
     }
 
-    fn export_add(&self, args: Value) -> Result<Value, QmpError> {
+    /// Checks a `block-export-add` request against the table, without mounting anything: its
+    /// id, node and the `fusex mount` options it stands for.
+    fn plan_export(&self, args: Value) -> Result<Planned, QmpError> {
         let Value::Object(mut map) = args else {
             return Err(QmpError::generic("arguments must be an object"));
         };
@@ -323,7 +332,7 @@ impl Service {
             words.extend(options::words(name, &v, &k).map_err(QmpError::generic)?);
         }
         let a: ExportArgs = parse_export(map)?;
-        let mut t = self.table();
+        let t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
         }
@@ -383,12 +392,53 @@ impl Service {
         all.extend(words);
         let (margs, argv) =
             options::mount_args(&image, &mountpoint, &all).map_err(QmpError::generic)?;
+        Ok(Planned {
+            id: a.id,
+            node: a.node_name,
+            args: margs,
+            argv,
+        })
+    }
+
+    /// Checks `block-export-add` requests given together (the command line) against the table
+    /// and each other, so that none is mounted when one is wrong.
+    pub fn check_exports(&self, requests: &[Value]) -> Result<(), (usize, QmpError)> {
+        let mut ids = std::collections::BTreeSet::new();
+        for (i, r) in requests.iter().enumerate() {
+            let p = self.plan_export(r.clone()).map_err(|e| (i, e))?;
+            if !ids.insert(p.id.clone()) {
+                return Err((
+                    i,
+                    QmpError::generic(format!("Block export id '{}' is already in use", p.id)),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn export_add(&self, args: Value) -> Result<Value, QmpError> {
+        let Planned {
+            id,
+            node,
+            args: margs,
+            argv,
+        } = self.plan_export(args)?;
+        let mut t = self.table();
+        if t.quitting {
+            return Err(QmpError::generic("fusex is shutting down"));
+        }
+        // Checked again under this lock: another client may have taken the id meanwhile.
+        if t.exports.contains_key(&id) {
+            return Err(QmpError::generic(format!(
+                "Block export id '{id}' is already in use"
+            )));
+        }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         t.exports.insert(
-            a.id.clone(),
+            id.clone(),
             Entry {
                 serial,
-                node: a.node_name.clone(),
+                node,
                 tx: None,
                 shutting_down: false,
                 state: crate::runtime::ExportState {
@@ -400,10 +450,10 @@ impl Service {
         drop(t);
         // Mounting takes a while (an NBD server may be slow to answer): other commands run
         // meanwhile; the table holds the id.
-        match self.start(&a.id, serial, margs, argv) {
+        match self.start(&id, serial, margs, argv) {
             Ok(tx) => {
                 let mut t = self.table();
-                if let Some(e) = t.exports.get_mut(&a.id).filter(|e| e.serial == serial) {
+                if let Some(e) = t.exports.get_mut(&id).filter(|e| e.serial == serial) {
                     e.tx = Some(tx.clone());
                     if t.quitting {
                         let _ = tx.send(Event::Stop(Stop::Safe));
@@ -413,8 +463,8 @@ impl Service {
             }
             Err(e) => {
                 let mut t = self.table();
-                if t.exports.get(&a.id).is_some_and(|e| e.serial == serial) {
-                    t.exports.remove(&a.id);
+                if t.exports.get(&id).is_some_and(|e| e.serial == serial) {
+                    t.exports.remove(&id);
                 }
                 Err(QmpError::generic(e))
             }
@@ -589,6 +639,14 @@ impl Service {
                 .collect(),
         )
     }
+}
+
+/// A checked `block-export-add` request.
+struct Planned {
+    id: String,
+    node: String,
+    args: crate::cli::MountArgs,
+    argv: Vec<String>,
 }
 
 /// The export members of `block-export-add` (QEMU's `BlockExportOptions` with its `fuse`

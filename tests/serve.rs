@@ -1,0 +1,456 @@
+//! `fusex serve`: many exports in one daemon, driven over QMP. QEMU's own client (`qemu.qmp`)
+//! runs one script against qemu-storage-daemon and against fusex and both must answer the same;
+//! the rest adds and removes exports while another serves verified I/O, removes exports with
+//! I/O in flight, sends what a hostile or broken client would, and checks the command line's
+//! refusals. Every daemon is a [`Serve`] guard, which stops it and unmounts what it left.
+
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fusex_e2e::*;
+use serde_json::json;
+
+/// The venv's Python with `qemu.qmp` (made by scripts/deps.sh).
+fn qmp_python() -> Option<PathBuf> {
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/qmp-venv/bin/python3");
+    let ok = Command::new(&py)
+        .args(["-c", "import qemu.qmp"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(py)
+}
+
+/// Runs tests/qmp_service.py against PROGRAM; its transcript.
+fn transcript(py: &Path, program: &str, dir: &Path) -> Value {
+    fs::create_dir_all(dir).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("qmp_service.py");
+    let out = Command::new(py)
+        .arg(&script)
+        .arg(program)
+        .arg(dir)
+        .output()
+        .expect("running qmp_service.py");
+    unmount_under(dir);
+    assert!(
+        out.status.success(),
+        "qmp_service.py against {program} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the transcript is JSON")
+}
+
+/// The same script, through QEMU's Python client, gets the same answers from
+/// qemu-storage-daemon and from fusex: exports on the command line and added live (raw, qcow2,
+/// null), the bytes through them, the queries, every error for the same mistakes, the events,
+/// safe and hard removal, quit.
+#[test]
+fn qemu_qmp_gets_the_same_answers_as_from_qemu_storage_daemon() {
+    if !require_fuse_and_tools(&["qemu-storage-daemon", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let Some(py) = qmp_python() else {
+        skip_or_fail("target/qmp-venv with qemu.qmp (run scripts/deps.sh)");
+        return;
+    };
+    let w = WorkDir::new("serve-compat");
+    let qsd = transcript(&py, "qemu-storage-daemon", &w.join("qsd"));
+    let fusex = format!("{} serve", fusex_bin().display());
+    let ours = transcript(&py, &fusex, &w.join("fusex"));
+    let (a, b) = (qsd.as_array().unwrap(), ours.as_array().unwrap());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x, y, "qemu-storage-daemon and fusex differ at this step");
+    }
+    assert_eq!(a.len(), b.len(), "the transcripts differ in length");
+}
+
+/// A busy export under fio with verification keeps serving while other exports are added and
+/// removed around it, in both modes; afterwards its image holds what fio wrote.
+#[test]
+fn exports_come_and_go_while_a_busy_export_serves_verified_io() {
+    if !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-churn");
+    let img = w.join("busy.img");
+    sparse_image(&img, 64 * MIB);
+    let mp = w.join("busy.mnt");
+    fs::write(&mp, b"").unwrap();
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "raw", "node-name": "busy",
+               "file": {"driver": "file", "filename": img}}),
+    );
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "busy", "node-name": "busy", "mountpoint": mp,
+               "writable": true}),
+    );
+    let mut fio = ChildGuard(
+        Command::new("fio")
+            .args([
+                "--name=busy",
+                "--ioengine=libaio",
+                "--direct=1",
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=16",
+                "--size=32M",
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_fatal=1",
+            ])
+            .arg(format!("--filename={}", mp.display()))
+            .arg(format!("--output={}", w.join("fio.out").display()))
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(w.join("fio.err")).unwrap())
+            .spawn()
+            .expect("fio"),
+    );
+    let mut rounds = 0;
+    while fio.try_wait().is_none() || rounds < 4 {
+        let id = format!("e{rounds}");
+        let m = w.join(format!("{id}.mnt"));
+        q.add_null_export(&id, &m, json!({}));
+        let f = fs::File::open(&m).unwrap();
+        let mut buf = vec![1u8; 4096];
+        f.read_exact_at(&mut buf, 4096).unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "a null export reads zeroes");
+        drop(f);
+        q.remove_null_export(&id, if rounds % 2 == 0 { "safe" } else { "hard" });
+        assert!(!is_fuse_mounted(&m), "{id} is unmounted once deleted");
+        rounds += 1;
+    }
+    let status = fio.try_wait().expect("fio ended");
+    assert!(
+        status.success(),
+        "fio on the busy export failed while {rounds} exports came and went: {}{}",
+        fs::read_to_string(w.join("fio.out")).unwrap_or_default(),
+        fs::read_to_string(w.join("fio.err")).unwrap_or_default()
+    );
+    let exports = q.ok("query-block-exports", json!({}));
+    assert_eq!(exports.as_array().unwrap().len(), 1, "{exports}");
+    // The oracle: the image file and the export agree byte for byte.
+    assert_eq!(
+        chunk_hashes(&open_ro(&mp), 32 * MIB, 1 << 20),
+        chunk_hashes(&open_ro(&img), 32 * MIB, 1 << 20),
+        "the export and its image differ"
+    );
+    assert!(q.pending_events().is_empty(), "{:?}", q.pending_events());
+}
+
+/// A removal with a read in flight: `safe` lets the read finish with its bytes, `hard` fails it
+/// at once; either way the event follows and the other export serves on.
+#[test]
+fn removal_with_io_in_flight_safe_waits_hard_aborts() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-inflight");
+    let img = w.join("other.img");
+    let data = random_image(&img, 4 * MIB, 7);
+    let other = w.join("other.mnt");
+    fs::write(&other, b"").unwrap();
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "file", "node-name": "other", "filename": img}),
+    );
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "other", "node-name": "other", "mountpoint": other}),
+    );
+    for mode in ["safe", "hard"] {
+        let m = w.join(format!("{mode}.mnt"));
+        // Every backend read waits 1.5 s: the read below is in flight when the removal comes.
+        q.add_null_export(
+            mode,
+            &m,
+            json!({"__org.fusex_fault": ["read:1:delay=1500ms"], "__org.fusex_transport": "legacy"}),
+        );
+        let f = open_ro(&m);
+        let reader = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            let t = Instant::now();
+            let r = f.read_exact_at(&mut buf, 0).map(|()| buf);
+            (r, t.elapsed())
+        });
+        // The read reaches the daemon (and waits there) before the removal.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        q.ok("block-export-del", json!({"id": mode, "mode": mode}));
+        q.event("BLOCK_EXPORT_DELETED", mode, TIMEOUT);
+        let gone = t.elapsed();
+        let (read, took) = reader.join().unwrap();
+        match mode {
+            "safe" => {
+                let buf = read.unwrap_or_else(|e| panic!("safe removal failed the read: {e}"));
+                assert!(buf.iter().all(|&b| b == 0));
+                assert!(
+                    took >= Duration::from_millis(1400),
+                    "the read was answered: {took:?}"
+                );
+            }
+            _ => {
+                let e = read.expect_err("hard removal must fail the read in flight");
+                // ECONNABORTED for the request the abort caught, ENOTCONN for one after it.
+                assert!(
+                    [libc::ECONNABORTED, libc::ENOTCONN].contains(&errno(&e)),
+                    "{e}"
+                );
+                assert!(gone < TIMEOUT, "hard removal never hangs");
+            }
+        }
+        assert!(!is_fuse_mounted(&m));
+        q.ok("blockdev-del", json!({"node-name": format!("n-{mode}")}));
+        assert_bytes_eq(&read_all(&other), &data, 0, "the other export");
+    }
+}
+
+/// What a broken or hostile client sends gets an error or is refused, and the export serving
+/// meanwhile never notices: malformed JSON, unknown commands and arguments, wrong types, a line
+/// of megabytes, a client that never speaks, many clients at once, a client of another user.
+#[test]
+fn bad_clients_get_errors_and_no_export_notices() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-clients");
+    let img = w.join("a.img");
+    let data = random_image(&img, 2 * MIB, 3);
+    let mp = w.join("a.mnt");
+    fs::write(&mp, b"").unwrap();
+    let serve = Serve::start(
+        w.path(),
+        &[
+            "--blockdev",
+            &format!("driver=file,node-name=a,filename={}", img.display()),
+            "--export",
+            &format!("type=fuse,id=a,node-name=a,mountpoint={}", mp.display()),
+        ],
+    );
+    let silent = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+    let mut q = serve.qmp();
+    q.send_raw(b"{\"execute\": \"query-block-exports\",,}\n");
+    let r = q.reply();
+    assert!(
+        r["error"]["desc"]
+            .as_str()
+            .unwrap()
+            .starts_with("JSON parse error"),
+        "{r}"
+    );
+    assert_eq!(
+        q.execute("no-such-command", json!({})).unwrap_err(),
+        (
+            "CommandNotFound".to_string(),
+            "The command no-such-command has not been found".to_string()
+        )
+    );
+    assert_eq!(
+        q.err("block-export-add", json!({"type": "fuse", "id": 1})),
+        "Invalid parameter type for 'id', expected: string"
+    );
+    assert_eq!(
+        q.err("blockdev-del", json!({"node-name": "a", "force": true})),
+        "Parameter 'force' is unexpected"
+    );
+    assert!(q
+        .err(
+            "block-export-add",
+            json!({"type": "fuse", "id": "x", "node-name": "a",
+                                         "mountpoint": mp, "__org.fusex_pid-file": "/x"})
+        )
+        .contains("whole daemon"));
+    assert!(q
+        .err(
+            "block-export-add",
+            json!({"type": "fuse", "id": "x", "node-name": "a",
+                                         "mountpoint": mp, "__org.fusex_queues": 0})
+        )
+        .contains("--queues"));
+    // A line of 4 MiB: an error, and this client is disconnected.
+    let mut big = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
+    let huge = format!("{{\"execute\": \"{}\"}}\n", "x".repeat(4 << 20));
+    {
+        use std::io::Write;
+        let _ = big.write_all(huge.as_bytes());
+    }
+    // Many clients at once.
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let path = serve.socket.clone();
+            std::thread::spawn(move || {
+                let mut c = Qmp::connect(&path);
+                for _ in 0..20 {
+                    let v = c.ok("query-block-exports", json!({}));
+                    assert_eq!(v[0]["id"], "a");
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    // A client of another user is closed without a greeting.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c"])
+        .arg(
+            "import socket,sys\ns=socket.socket(socket.AF_UNIX)\n\
+             try:\n s.connect(sys.argv[1])\nexcept OSError as e:\n print('refused', e.errno); sys.exit(0)\n\
+             print('got', repr(s.recv(100)))",
+        )
+        .arg(&serve.socket)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.starts_with("refused") || said.trim() == "got b''",
+        "another user reached the control socket: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(silent);
+    assert_bytes_eq(
+        &read_all(&mp),
+        &data,
+        0,
+        "the export, after the bad clients",
+    );
+    let v = q.ok("query-block-exports", json!({}));
+    assert_eq!(v[0]["shutting-down"], false);
+    assert!(q.pending_events().is_empty());
+}
+
+/// An export unmounted from outside ends on its own: the daemon says so (the failure event,
+/// then BLOCK_EXPORT_DELETED) and the others serve on.
+#[test]
+fn an_export_that_ends_on_its_own_is_reported() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-ends");
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    let (a, b) = (w.join("a.mnt"), w.join("b.mnt"));
+    q.add_null_export("a", &a, json!({}));
+    q.add_null_export("b", &b, json!({}));
+    run_ok(Command::new("umount").arg(&a));
+    let failed = q.event("__org.fusex_BLOCK_EXPORT_FAILED", "a", TIMEOUT);
+    assert!(
+        failed["data"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("unmounted"),
+        "{failed}"
+    );
+    q.event("BLOCK_EXPORT_DELETED", "a", TIMEOUT);
+    let v = q.ok("query-block-exports", json!({}));
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(read_all(&b)[..4096], [0u8; 4096]);
+    // Its node is free again: a new export of it works.
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "a2", "node-name": "n-a", "mountpoint": a}),
+    );
+    assert_eq!(fs::metadata(&a).unwrap().len(), 64 * MIB);
+}
+
+/// The command line: a node or export that cannot be set up is one line and exit 1, and the
+/// exports set up before it are removed (nothing stays mounted); `--daemonize --pidfile` returns
+/// once the exports serve, and `quit` ends the daemon and its pid file.
+#[test]
+fn command_line_refusals_mount_nothing_and_daemonize_returns_serving() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-cmdline");
+    let img = w.join("a.img");
+    let data = random_image(&img, MIB, 5);
+    let mp = w.join("a.mnt");
+    fs::write(&mp, b"").unwrap();
+    let node = format!("driver=file,node-name=a,filename={}", img.display());
+    let export = format!("type=fuse,id=a,node-name=a,mountpoint={}", mp.display());
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "--blockdev".into(),
+                "driver=file,node-name=x,filename=/nonexistent".into(),
+            ],
+            "Could not open '/nonexistent'",
+        ),
+        (
+            vec![
+                "--blockdev".into(),
+                node.clone(),
+                "--export".into(),
+                export.clone(),
+                "--export".into(),
+                format!("type=fuse,id=b,node-name=nope,mountpoint={}", mp.display()),
+            ],
+            "node-name='nope'",
+        ),
+        (vec!["--chardev".into(), "stdio,id=c".into()], "only socket"),
+        (
+            vec!["--nbd-server".into(), "addr.type=unix".into()],
+            "--nbd-server",
+        ),
+        (
+            vec!["--export".into(), "type=fuse,writable=maybe".into()],
+            "'writable' expects 'on' or 'off'",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut cmd = Command::new(fusex_bin());
+        cmd.arg("serve").args(&args);
+        let r = run_with_timeout(&w, cmd, Some(&mp));
+        assert_eq!(r.code, Some(1), "{args:?}: {}", r.stderr);
+        r.assert_one_error_line(&format!("{args:?}"));
+        assert!(r.stderr.contains(want), "{args:?}: {}", r.stderr);
+        assert!(!is_fuse_mounted(&mp), "{args:?} left a mount");
+    }
+    let pid_file = w.join("serve.pid");
+    let sock = w.join("qmp.sock");
+    let mut cmd = Command::new(fusex_bin());
+    cmd.args(["serve", "--daemonize", "--log-file"])
+        .arg(w.join("serve.log"))
+        .arg("--pidfile")
+        .arg(&pid_file)
+        .args(["--blockdev", &node, "--export", &export])
+        .arg("--chardev")
+        .arg(format!(
+            "socket,id=m,path={},server=on,wait=off",
+            sock.display()
+        ))
+        .args(["--monitor", "chardev=m"]);
+    let _unmount = UnmountOnDrop(mp.clone());
+    let r = run_with_timeout(&w, cmd, Some(&mp));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    // Serving as the command returns.
+    assert_bytes_eq(
+        &read_all(&mp),
+        &data,
+        0,
+        "the export of a daemonized fusex serve",
+    );
+    let pid: i32 = fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(pid_alive(pid));
+    let mut q = Qmp::connect(&sock);
+    q.ok("quit", json!({}));
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)),
+        "quit did not end it"
+    );
+    assert!(!is_fuse_mounted(&mp));
+    assert!(!pid_file.exists(), "the pid file is removed at exit");
+    assert!(!sock.exists(), "the control socket is removed at exit");
+}
