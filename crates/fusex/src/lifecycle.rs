@@ -829,7 +829,11 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                     // A second signal, or a removal: abort the files still open.
                     if !abandon {
                         abandon = true;
-                        log_abort(&name, export);
+                        let why = match how {
+                            Stop::Signal(_) => format!("{name} again"),
+                            _ => name,
+                        };
+                        log_abort(&why, export);
                         stop_all(&remotes);
                     }
                 } else if started < nq && !stopped {
