@@ -454,3 +454,123 @@ fn command_line_refusals_mount_nothing_and_daemonize_returns_serving() {
     assert!(!pid_file.exists(), "the pid file is removed at exit");
     assert!(!sock.exists(), "the control socket is removed at exit");
 }
+
+/// `--config`: its exports serve at launch; a changed file applied by SIGHUP and by `fusex ctl
+/// reload` adds, removes and re-creates exports and says what it did to each; `fusex ctl` adds,
+/// lists, shows and removes exports, as tables and as JSON.
+#[test]
+fn config_file_reload_and_ctl() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-config");
+    let a = random_image(&w.join("a.img"), MIB, 11);
+    sparse_image(&w.join("b.img"), 2 * MIB);
+    for m in ["a.raw", "b.raw", "c.raw", "n.raw"] {
+        fs::write(w.join(m), b"").unwrap();
+    }
+    let config = w.join("exports.toml");
+    let write_config = |text: &str| fs::write(&config, text).unwrap();
+    write_config(
+        "[[export]]\nid = \"a\"\nimage = \"a.img\"\nmountpoint = \"a.raw\"\n\
+         [[export]]\nid = \"b\"\nimage = \"b.img\"\nmountpoint = \"b.raw\"\nwritable = true\n",
+    );
+    let serve = Serve::start(w.path(), &["--config", config.to_str().unwrap()]);
+    let ctl = |args: &[&str]| {
+        let mut cmd = Command::new(fusex_bin());
+        cmd.arg("ctl")
+            .arg("--control")
+            .arg(&serve.socket)
+            .args(args);
+        run(&mut cmd)
+    };
+    assert_bytes_eq(&read_all(&w.join("a.raw")), &a, 0, "config export a");
+    let list = ctl(&["list", "--json"]);
+    assert!(
+        list.status.success(),
+        "{}",
+        String::from_utf8_lossy(&list.stderr)
+    );
+    let v: Value = serde_json::from_slice(&list.stdout).unwrap();
+    let ids: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert_eq!(v[1]["writable"], true);
+    // b becomes read-only, a goes, c comes: SIGHUP.
+    write_config(
+        "[[export]]\nid = \"b\"\nimage = \"b.img\"\nmountpoint = \"b.raw\"\n\
+         [[export]]\nid = \"c\"\nimage = \"null:4M\"\nmountpoint = \"c.raw\"\n",
+    );
+    let mut q = serve.qmp();
+    send_signal(serve.pid(), libc::SIGHUP);
+    q.event("BLOCK_EXPORT_DELETED", "a", TIMEOUT);
+    assert!(wait_until(Instant::now() + TIMEOUT, || is_fuse_mounted(
+        &w.join("c.raw")
+    )));
+    assert!(!is_fuse_mounted(&w.join("a.raw")));
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || serve
+            .log_text()
+            .contains("reload: export b: recreated")),
+        "{}",
+        serve.log_text()
+    );
+    let err = fs::OpenOptions::new()
+        .write(true)
+        .open(w.join("b.raw"))
+        .unwrap_err();
+    assert_eq!(errno(&err), libc::EROFS, "b is read-only after the reload");
+    // An unchanged file: `fusex ctl reload` reports every export unchanged.
+    let r = ctl(&["reload", "--json"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let report: Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert!(
+        report
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["action"] == "unchanged"),
+        "{report}"
+    );
+    // A broken file is refused whole and changes nothing.
+    write_config("[[export]]\nid = \"x\"\n");
+    let r = ctl(&["reload"]);
+    assert!(!r.status.success());
+    assert!(String::from_utf8_lossy(&r.stderr).contains("'x' has no image"));
+    // ctl add / show / remove.
+    let n = w.join("n.raw");
+    let r = ctl(&[
+        "add",
+        "n",
+        "null:8M",
+        n.to_str().unwrap(),
+        "--",
+        "--transport",
+        "legacy",
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert_eq!(fs::metadata(&n).unwrap().len(), 8 * MIB);
+    let show = ctl(&["show", "n"]);
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(text.contains("transport: legacy"), "{text}");
+    let r = ctl(&[
+        "add",
+        "n2",
+        "null:8M",
+        n.to_str().unwrap(),
+        "--",
+        "--pid-file",
+        "/x",
+    ]);
+    assert!(String::from_utf8_lossy(&r.stderr).contains("whole daemon"));
+    let r = ctl(&["remove", "n"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(!is_fuse_mounted(&n));
+    let table = String::from_utf8_lossy(&ctl(&["list"]).stdout).into_owned();
+    assert!(table.starts_with("ID "), "{table}");
+    assert_eq!(table.lines().count(), 3, "b and c remain: {table}");
+}

@@ -44,6 +44,11 @@ pub enum Command {
     /// on the control socket (blockdev-add, block-export-add, block-export-del, ...). SIGINT,
     /// SIGTERM and SIGHUP stop every export as they stop fusex mount; QMP's quit removes them.
     Serve(Box<ServeArgs>),
+    /// Add, remove and list the exports of a running fusex serve
+    ///
+    /// Talks QMP to the daemon's control socket (by default control.sock in the runtime
+    /// directory, /run/fusex for root). Tables for people, --json for scripts.
+    Ctl(CtlArgs),
     /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died
     ///
     /// Refuses other FUSE mounts unless --force.
@@ -552,24 +557,79 @@ pub fn one_line(e: &clap::Error, command: &str) -> String {
     format!("{what}{tip}: run {command} --help")
 }
 
+/// `fusex ctl`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CtlArgs {
+    /// The daemon's control socket [default: control.sock in the runtime directory]
+    #[arg(long, value_name = "PATH", global = true)]
+    pub control: Option<PathBuf>,
+    /// Print JSON instead of a table
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+/// What `fusex ctl` does.
+#[derive(Subcommand, Clone, Debug)]
+pub enum CtlCommand {
+    /// Export IMAGE at MOUNTPOINT as export ID; fusex mount options follow after --
+    Add {
+        /// The export's name.
+        id: String,
+        /// Image file, null:SIZE or NBD URI, as fusex mount takes it.
+        image: String,
+        /// Regular file to mount over.
+        mountpoint: PathBuf,
+        /// fusex mount options for this export (after --), e.g. -- --writable --queues 2.
+        #[arg(last = true, allow_hyphen_values = true)]
+        options: Vec<String>,
+    },
+    /// Remove export ID: in-flight requests are answered and the image flushed; files still
+    /// open on it get ENOTCONN. Returns once it is gone.
+    Remove {
+        id: String,
+        /// Abort the connection at once (in-flight requests fail).
+        #[arg(long)]
+        force: bool,
+    },
+    /// List the exports: id, mountpoint, image, format, transport, state.
+    List,
+    /// Everything about export ID.
+    Show { id: String },
+    /// Apply the daemon's config file again; prints what happened to each export.
+    Reload,
+}
+
 /// `fusex serve`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
     /// Listen for QMP on this unix socket (created 0600; only its owner and root may connect)
+    ///
+    /// Without it, and without --monitor: control.sock in the user's runtime directory
+    /// (/run/fusex/control.sock for root), where fusex ctl looks.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
+    /// Start the exports in this TOML file; SIGHUP or fusex ctl reload applies its changes
+    ///
+    /// One [[export]] table per export: id, image and mountpoint, and any fusex mount option by
+    /// its name (writable = true, transport = "legacy"). Relative paths are from the file's
+    /// directory.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// A block node, as qemu-storage-daemon takes it (repeatable)
     ///
     /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
-    /// raw, qcow2, nbd and null-co, e.g. driver=qcow2,node-name=disk,file.driver=file,
-    /// file.filename=disk.qcow2.
+    /// raw, qcow2, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
+    /// file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,
     /// An export, as qemu-storage-daemon takes it (repeatable)
     ///
-    /// The arguments of QMP's block-export-add: type=fuse,id=ID,node-name=NODE,mountpoint=PATH
-    /// [,writable=on][,growable=on][,writethrough=on][,allow-other=on|off|auto]; any fusex mount
-    /// option as __org.fusex_OPTION=VALUE (__org.fusex_transport=legacy,__org.fusex_queues=2).
+    /// The arguments of QMP's block-export-add, comma-separated: type=fuse, id=ID,
+    /// node-name=NODE, mountpoint=PATH, and optionally writable=on, growable=on,
+    /// writethrough=on, allow-other=on|off|auto. Any fusex mount option goes as
+    /// __org.fusex_OPTION=VALUE, e.g. __org.fusex_transport=legacy.
     #[arg(long, value_name = "OPTIONS")]
     pub export: Vec<String>,
     /// A character device for --monitor: socket,id=ID,path=PATH,server=on,wait=off (repeatable)

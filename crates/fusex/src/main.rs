@@ -2,6 +2,7 @@
 
 mod affinity;
 mod cli;
+mod ctl;
 mod daemon;
 mod files;
 mod generate;
@@ -129,6 +130,10 @@ fn main() {
             ready.and_then(|r| serve::restart(mountpoint, r))
         }
         Command::List { json } => list::run(json),
+        Command::Ctl(args) => {
+            init_logging(cli.verbose);
+            ctl::run(args)
+        }
         Command::Generate { what } => {
             init_logging(cli.verbose);
             generate::run(what)

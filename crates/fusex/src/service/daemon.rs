@@ -47,6 +47,14 @@ pub fn run(args: ServeArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     loop {
         match ctl.recv() {
             Ok(Control::Dump) => service.dump_all(),
+            Ok(Control::Reload) => {
+                tracing::info!("SIGHUP: reloading the config file");
+                notifier.reloading();
+                if let Err(e) = service.reload() {
+                    tracing::error!("reload: {}", e.desc);
+                }
+                notifier.ready(&format!("serving {} exports", service.export_count()));
+            }
             Ok(Control::Quit) => {
                 tracing::info!("quit: removing every export");
                 service.stop_all(Stop::Safe);
@@ -100,6 +108,15 @@ type Started = (
     crate::notify::Notifier,
 );
 
+/// The control socket of a `fusex serve` given none: `control.sock` in the user's runtime
+/// directory (`/run/fusex` for root), which `fusex ctl` uses by default.
+pub fn default_control() -> Result<std::path::PathBuf> {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let dir = crate::runtime::checked(uid, true)?;
+    Ok(dir.join("control.sock"))
+}
+
 fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
     use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let mut signals =
@@ -110,6 +127,14 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
     let mut sockets =
         cmdline::monitor_sockets(&args.chardev, &args.monitor).map_err(|e| anyhow!(e))?;
     sockets.extend(args.control.iter().cloned());
+    if sockets.is_empty() {
+        // Nothing asked for a socket: the default one, where `fusex ctl` looks.
+        sockets.push(default_control()?);
+    }
+    if let Some(c) = &args.config {
+        // Read now, so a mistake in it is refused before anything is mounted.
+        super::config::read(c).map_err(|e| anyhow!(e))?;
+    }
     let blockdevs = args
         .blockdev
         .iter()
@@ -131,6 +156,7 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
     let (ctl_tx, ctl) = mpsc::channel();
     let service = Service::new(events.clone(), ctl_tx.clone(), verbose);
     let handle = signals.handle();
+    let reloads = args.config.is_some();
     std::thread::Builder::new()
         .name("fusex-signals".into())
         .spawn(move || {
@@ -145,6 +171,7 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
                         );
                         continue;
                     }
+                    SIGHUP if reloads => Control::Reload,
                     _ => Control::Signal(s),
                 };
                 if ctl_tx.send(c).is_err() {
@@ -168,6 +195,9 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
             service
                 .dispatch("block-export-add", v)
                 .map_err(|e| anyhow!("--export {text}: {}", e.desc))?;
+        }
+        if let Some(c) = &args.config {
+            service.load_config(c).map_err(|e| anyhow!(e))?;
         }
         let mut servers = Vec::new();
         for path in sockets {

@@ -6,6 +6,7 @@
 //! through the same commands.
 
 pub mod cmdline;
+pub mod config;
 pub mod daemon;
 pub mod node;
 pub mod options;
@@ -34,8 +35,11 @@ pub const EXPORT_FAILED_EVENT: &str = "__org.fusex_BLOCK_EXPORT_FAILED";
 pub enum Control {
     /// `quit`: remove every export and exit.
     Quit,
-    /// SIGINT, SIGTERM or SIGHUP: stop every export as `fusex mount` stops on it, and exit.
+    /// SIGINT, SIGTERM, or SIGHUP without `--config`: stop every export as `fusex mount` stops
+    /// on it, and exit.
     Signal(i32),
+    /// SIGHUP with `--config`: apply the config file again.
+    Reload,
     /// SIGUSR1: every export writes its statistics.
     Dump,
 }
@@ -50,6 +54,9 @@ struct Entry {
     shutting_down: bool,
     /// What `fusex ctl list` shows.
     state: crate::runtime::ExportState,
+    /// The config file's table this export was made from (None: added over QMP or `fusex
+    /// ctl`), which a reload compares.
+    config: Option<Value>,
 }
 
 #[derive(Default)]
@@ -94,6 +101,8 @@ pub struct Service {
     /// Numbers the nodes made for inline children (`#block1`, ...).
     implicit: AtomicU64,
     verbose: u8,
+    /// `--config`, which a reload reads again.
+    config_path: Mutex<Option<PathBuf>>,
 }
 
 /// The commands, in the order `query-commands` lists them.
@@ -106,6 +115,9 @@ const COMMANDS: &[&str] = &[
     "query-named-block-nodes",
     "quit",
 ];
+
+/// fusex's own commands, after [`options::EXTENSION`].
+const EXTENSION_COMMANDS: &[&str] = &["export-add", "list", "reload"];
 
 impl Service {
     /// A service with nothing in it; `control` receives `quit`. The reaper thread it starts
@@ -120,6 +132,7 @@ impl Service {
             serial: AtomicU64::new(0),
             implicit: AtomicU64::new(0),
             verbose,
+            config_path: Mutex::new(None),
         });
         let weak = Arc::downgrade(&service);
         std::thread::Builder::new()
@@ -154,6 +167,11 @@ impl Service {
             return;
         }
         let entry = t.exports.remove(&f.id);
+        // A node made for this export alone goes with it.
+        let own = own_node(&f.id);
+        if t.nodes.get(&own).is_some_and(|n| n.implicit) {
+            t.nodes.remove(&own);
+        }
         drop(t);
         let asked = entry.is_some_and(|e| e.shutting_down);
         match (&f.error, asked) {
@@ -423,6 +441,71 @@ impl Service {
             args: margs,
             argv,
         } = self.plan_export(args)?;
+        self.launch(id, node, None, margs, argv)?;
+        Ok(json!({}))
+    }
+
+    /// `__org.fusex_export-add` (what `fusex ctl add` and the config file use): an export of
+    /// IMAGE at MOUNTPOINT with `fusex mount` options, on a node of its own (`#ID`).
+    fn own_export_add(&self, args: Value, config: Option<Value>) -> Result<Value, QmpError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields, rename_all = "kebab-case")]
+        struct A {
+            id: String,
+            image: String,
+            mountpoint: String,
+            #[serde(default)]
+            options: Map<String, Value>,
+            #[serde(default)]
+            args: Vec<String>,
+        }
+        let a: A = parse_args(args)?;
+        let mut words = Vec::new();
+        for (k, v) in &a.options {
+            words.extend(options::words(k, v, k).map_err(QmpError::generic)?);
+        }
+        for w in &a.args {
+            options::check_word(w).map_err(QmpError::generic)?;
+        }
+        words.extend(a.args.iter().cloned());
+        let mountpoint = PathBuf::from(&a.mountpoint);
+        let (margs, argv) =
+            options::mount_args(&a.image, &mountpoint, &words).map_err(QmpError::generic)?;
+        let node = own_node(&a.id);
+        {
+            let mut t = self.table();
+            if t.exports.contains_key(&a.id) {
+                return Err(QmpError::generic(format!(
+                    "Block export id '{}' is already in use",
+                    a.id
+                )));
+            }
+            if t.nodes.contains_key(&node) {
+                return Err(QmpError::generic(format!(
+                    "Duplicate nodes with node-name='{node}'"
+                )));
+            }
+            t.nodes.insert(node.clone(), Node::of_image(&node, &margs));
+        }
+        let launched = self.launch(a.id.clone(), node.clone(), config, margs, argv);
+        if launched.is_err() {
+            let mut t = self.table();
+            if !t.exports.contains_key(&a.id) {
+                t.nodes.remove(&node);
+            }
+        }
+        launched.map(|()| json!({}))
+    }
+
+    /// Enters a checked export in the table and mounts it; returns once it serves.
+    fn launch(
+        &self,
+        id: String,
+        node: String,
+        config: Option<Value>,
+        margs: crate::cli::MountArgs,
+        argv: Vec<String>,
+    ) -> Result<(), QmpError> {
         let mut t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
@@ -445,6 +528,7 @@ impl Service {
                     state: "starting".into(),
                     ..Default::default()
                 },
+                config,
             },
         );
         drop(t);
@@ -459,7 +543,7 @@ impl Service {
                         let _ = tx.send(Event::Stop(Stop::Safe));
                     }
                 }
-                Ok(json!({}))
+                Ok(())
             }
             Err(e) => {
                 let mut t = self.table();
@@ -721,6 +805,11 @@ fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
     parse_args(Value::Object(map))
 }
 
+/// The node made for an export that names its image itself (`fusex ctl add`, the config file).
+fn own_node(id: &str) -> String {
+    format!("#{id}")
+}
+
 /// An I/O error as QEMU words it (`strerror`, without Rust's " (os error N)").
 fn strerror(e: &std::io::Error) -> String {
     let s = e.to_string();
@@ -733,7 +822,11 @@ fn strerror(e: &std::io::Error) -> String {
 impl Dispatcher for Service {
     fn commands(&self) -> Vec<String> {
         let mut v: Vec<String> = COMMANDS.iter().map(|c| c.to_string()).collect();
-        v.push(format!("{}list", options::EXTENSION));
+        v.extend(
+            EXTENSION_COMMANDS
+                .iter()
+                .map(|c| format!("{}{c}", options::EXTENSION)),
+        );
         v
     }
 
@@ -762,10 +855,12 @@ impl Dispatcher for Service {
                 let _ = self.control.send(Control::Quit);
                 json!({})
             }),
-            n if n == format!("{}list", options::EXTENSION) => {
-                no_args(&arguments).map(|()| self.list())
-            }
-            _ => Err(QmpError::command_not_found(name)),
+            n => match n.strip_prefix(options::EXTENSION) {
+                Some("list") => no_args(&arguments).map(|()| self.list()),
+                Some("export-add") => self.own_export_add(arguments, None),
+                Some("reload") => no_args(&arguments).and_then(|()| self.reload()),
+                _ => Err(QmpError::command_not_found(name)),
+            },
         }
     }
 }

@@ -448,6 +448,38 @@ fn nbd_uri(m: &NbdMembers, what: &str) -> Result<String, QmpError> {
 }
 
 impl Node {
+    /// The node of an export that names its image itself: the image's protocol node, named
+    /// `name` and removed with the export.
+    pub fn of_image(name: &str, args: &crate::cli::MountArgs) -> Node {
+        let driver = if nbd::uri::is_nbd_uri(&args.image) {
+            Driver::Nbd {
+                uri: args.image.clone(),
+            }
+        } else if let Some(size) = args.image.strip_prefix("null:") {
+            Driver::Null {
+                size: backend::parse_size(size).unwrap_or(0),
+            }
+        } else {
+            Driver::File {
+                filename: args.image.clone(),
+                device: false,
+            }
+        };
+        Node {
+            name: name.to_string(),
+            driver,
+            read_only: !args.writable,
+            direct: args.direct,
+            no_flush: false,
+            no_locking: args.no_locking,
+            force_share: args.force_share,
+            file: None,
+            no_backing: args.no_backing,
+            implicit: true,
+            size: 0,
+        }
+    }
+
     /// The image behind a node and its format, as `fusex mount` takes them: (IMAGE, --format),
     /// no format for images that have none (NBD, null),
     /// following a format node to its `file` child.

@@ -45,6 +45,18 @@ pub fn words(key: &str, value: &Value, shown: &str) -> Result<Vec<String>, Strin
     })
 }
 
+/// Refuses a `fusex mount` word that names a process-wide option (`--pid-file=/x`).
+pub fn check_word(word: &str) -> Result<(), String> {
+    let name = word.trim_start_matches('-');
+    let name = name.split_once('=').map_or(name, |(n, _)| n);
+    if word.starts_with("--") && PROCESS_WIDE.contains(&name) {
+        return Err(format!(
+            "{word} applies to the whole daemon, not to one export: give it to fusex serve"
+        ));
+    }
+    Ok(())
+}
+
 /// Parses `fusex mount IMAGE MOUNTPOINT WORDS...` into its options; also returns the command
 /// line (a `fusex restart` successor parses it again). Errors are one line, as `fusex mount`'s.
 pub fn mount_args(
