@@ -205,7 +205,8 @@ fn make_install_puts_binary_man_pages_and_completions_under_prefix() {
     assert_eq!(out.stdout, want.stdout);
 }
 
-/// `systemd-analyze verify` accepts `contrib/fusex@.service` without a warning, with its
+/// `systemd-analyze verify` accepts `contrib/fusex@.service` and `contrib/fusex-serve.service`
+/// without a warning, with its
 /// `ExecStart` and `Documentation=man:fusex(1)` pointing at a `make install` prefix.
 #[test]
 fn systemd_unit_verifies_against_an_installed_prefix() {
@@ -222,21 +223,36 @@ fn systemd_unit_verifies_against_an_installed_prefix() {
         unit.contains("ExecStart=/usr/local/bin/fusex mount "),
         "{unit}"
     );
+    let serve = text(&repo.join("contrib/fusex-serve.service"));
+    assert!(serve.contains("Type=notify"), "{serve}");
+    assert!(
+        serve.contains("ExecReload=/bin/kill -HUP $MAINPID"),
+        "{serve}"
+    );
+    assert!(
+        serve.contains("ExecStart=/usr/local/bin/fusex serve --config "),
+        "{serve}"
+    );
     let installed = prefix.join("bin/fusex");
-    let unit = unit.replace("/usr/local/bin/fusex", installed.to_str().unwrap());
     let units = w.join("units");
     fs::create_dir(&units).unwrap();
-    fs::write(units.join("fusex@.service"), unit).unwrap();
-    let out = run(Command::new("systemd-analyze")
-        .arg("verify")
-        .arg(units.join("fusex@vm1.service"))
-        .env("MANPATH", prefix.join("share/man")));
-    assert!(
-        out.status.success() && out.stderr.is_empty(),
-        "systemd-analyze verify: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for (name, unit, instance) in [
+        ("fusex@.service", unit, "fusex@vm1.service"),
+        ("fusex-serve.service", serve, "fusex-serve.service"),
+    ] {
+        let unit = unit.replace("/usr/local/bin/fusex", installed.to_str().unwrap());
+        fs::write(units.join(name), unit).unwrap();
+        let out = run(Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(units.join(instance))
+            .env("MANPATH", prefix.join("share/man")));
+        assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "systemd-analyze verify {name}: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 /// `fusex ARGS` with the help wrapped as for a terminal `columns` wide (None: COLUMNS unset), with
@@ -426,6 +442,8 @@ fn installed_man_pages_render_cleanly_and_name_only_installed_pages() {
         "fusex-mount.1",
         "fusex-restart.1",
         "fusex-umount.1",
+        "fusex-serve.1",
+        "fusex-ctl.1",
     ] {
         assert!(
             pages.iter().any(|p| p == want),
