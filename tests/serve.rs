@@ -500,6 +500,27 @@ fn config_file_reload_and_ctl() {
         .collect();
     assert_eq!(ids, ["a", "b"]);
     assert_eq!(v[1]["writable"], true);
+    // `fusex list` sees the daemon's exports as serving (not as dead mounts to clear), and
+    // `fusex restart` of one of them is refused in one line.
+    let all = run(Command::new(fusex_bin()).args(["list", "--json"]));
+    let all: Value = serde_json::from_slice(&all.stdout).unwrap();
+    for m in ["a.raw", "b.raw"] {
+        let path = w.join(m);
+        let row = all
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["mountpoint"] == path.to_str().unwrap())
+            .unwrap_or_else(|| panic!("fusex list lacks {m}: {all}"));
+        assert_eq!(row["state"], "serving", "{row}");
+        assert_eq!(row["pid"], serve.pid(), "{row}");
+    }
+    let mut cmd = Command::new(fusex_bin());
+    cmd.arg("restart").arg(w.join("a.raw"));
+    let r = run_with_timeout(&w, cmd, None);
+    assert_eq!(r.code, Some(1));
+    r.assert_one_error_line("fusex restart of a fusex serve export");
+    assert!(r.stderr.contains("served by fusex serve"), "{}", r.stderr);
     // b becomes read-only, a goes, c comes: SIGHUP.
     write_config(
         "[[export]]\nid = \"b\"\nimage = \"b.img\"\nmountpoint = \"b.raw\"\n\
