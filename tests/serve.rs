@@ -500,8 +500,7 @@ fn config_file_reload_and_ctl() {
         .collect();
     assert_eq!(ids, ["a", "b"]);
     assert_eq!(v[1]["writable"], true);
-    // `fusex list` sees the daemon's exports as serving (not as dead mounts to clear), and
-    // `fusex restart` of one of them is refused in one line.
+    // `fusex list` sees the daemon's exports as serving (not as dead mounts to clear).
     let all = run(Command::new(fusex_bin()).args(["list", "--json"]));
     let all: Value = serde_json::from_slice(&all.stdout).unwrap();
     for m in ["a.raw", "b.raw"] {
@@ -515,12 +514,6 @@ fn config_file_reload_and_ctl() {
         assert_eq!(row["state"], "serving", "{row}");
         assert_eq!(row["pid"], serve.pid(), "{row}");
     }
-    let mut cmd = Command::new(fusex_bin());
-    cmd.arg("restart").arg(w.join("a.raw"));
-    let r = run_with_timeout(&w, cmd, None);
-    assert_eq!(r.code, Some(1));
-    r.assert_one_error_line("fusex restart of a fusex serve export");
-    assert!(r.stderr.contains("served by fusex serve"), "{}", r.stderr);
     // b becomes read-only, a goes, c comes: SIGHUP.
     write_config(
         "[[export]]\nid = \"b\"\nimage = \"b.img\"\nmountpoint = \"b.raw\"\n\
@@ -594,4 +587,176 @@ fn config_file_reload_and_ctl() {
     let table = String::from_utf8_lossy(&ctl(&["list"]).stdout).into_owned();
     assert!(table.starts_with("ID "), "{table}");
     assert_eq!(table.lines().count(), 3, "b and c remain: {table}");
+}
+
+/// Kills the daemon whose pid a pid file names when dropped (a `fusex restart` successor is no
+/// child of the test), then unmounts what is left under `dir`.
+struct PidGuard(PathBuf, PathBuf);
+
+impl Drop for PidGuard {
+    fn drop(&mut self) {
+        if let Ok(pid) = fs::read_to_string(&self.0)
+            .unwrap_or_default()
+            .trim()
+            .parse::<i32>()
+        {
+            send_signal(pid, libc::SIGINT);
+            if !wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)) {
+                send_signal(pid, libc::SIGKILL);
+            }
+        }
+        unmount_under(&self.1);
+    }
+}
+
+/// `fusex restart` of any export of a `fusex serve` daemon hands every export to a new process:
+/// files held open across it keep working, the control socket, node names, config file and pid
+/// file carry on, and the qcow2 image stays consistent. With one export the kernel cannot hand
+/// over (io_uring), the restart is refused and the old daemon serves on.
+#[test]
+fn restart_hands_every_export_to_a_new_daemon() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-restart");
+    let a = random_image(&w.join("a.img"), 4 * MIB, 21);
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(w.join("b.qcow2"))
+            .arg("8M"),
+    );
+    for m in ["a.raw", "b.raw", "n.raw", "u.raw"] {
+        fs::write(w.join(m), b"").unwrap();
+    }
+    let config = w.join("exports.toml");
+    fs::write(
+        &config,
+        "[[export]]\nid = \"a\"\nimage = \"a.img\"\nmountpoint = \"a.raw\"\nwritable = true\n\
+         transport = \"legacy\"\n\
+         [[export]]\nid = \"b\"\nimage = \"b.qcow2\"\nmountpoint = \"b.raw\"\nwritable = true\n\
+         transport = \"legacy\"\n",
+    )
+    .unwrap();
+    let pid_file = w.join("serve.pid");
+    let mut serve = Serve::start(
+        w.path(),
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--pidfile",
+            pid_file.to_str().unwrap(),
+        ],
+    );
+    let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
+    let old = serve.pid();
+    let mut q = serve.qmp();
+    q.add_null_export(
+        "n",
+        &w.join("n.raw"),
+        json!({"__org.fusex_transport": "legacy"}),
+    );
+    // Held open across the restart, with a write before and after it.
+    let held = open_rw(&w.join("b.raw"));
+    held.write_all_at(b"before", 0).unwrap();
+    // An io_uring export cannot be handed over: the restart is refused, nothing changes.
+    q.add_null_export(
+        "u",
+        &w.join("u.raw"),
+        json!({"__org.fusex_transport": "uring"}),
+    );
+    let restart = |mp: &Path| {
+        let mut cmd = Command::new(fusex_bin());
+        cmd.arg("restart").arg(mp);
+        run_with_timeout(&w, cmd, None)
+    };
+    let uring_on = fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .is_ok_and(|v| v.trim() == "Y");
+    if uring_on {
+        let r = restart(&w.join("a.raw"));
+        assert_eq!(r.code, Some(1), "{}", r.stderr);
+        r.assert_one_error_line("restart with an io_uring export");
+        assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
+        assert!(pid_alive(old));
+        assert_eq!(
+            q.ok("query-block-exports", json!({}))
+                .as_array()
+                .unwrap()
+                .len(),
+            4
+        );
+    }
+    q.remove_null_export("u", "safe");
+    drop(q);
+    let r = restart(&w.join("a.raw"));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_eq!(serve.wait(), Some(0), "the old daemon exits once it let go");
+    let new: i32 = fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_ne!(new, old);
+    assert!(pid_alive(new));
+    // Everything still serves, through the same mounts.
+    held.write_all_at(b"after!", 6).unwrap();
+    held.sync_all().unwrap();
+    assert_bytes_eq(
+        &read_all(&w.join("a.raw")),
+        &a,
+        0,
+        "export a after the restart",
+    );
+    let list = run(Command::new(fusex_bin()).args(["list", "--json"]));
+    let list: Value = serde_json::from_slice(&list.stdout).unwrap();
+    for m in ["a.raw", "b.raw", "n.raw"] {
+        let p = w.join(m);
+        let row = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["mountpoint"] == p.to_str().unwrap())
+            .unwrap_or_else(|| panic!("{m} missing: {list}"));
+        assert_eq!(row["pid"], new, "{row}");
+    }
+    // The control socket and the table came along.
+    let mut q = Qmp::connect(&serve.socket);
+    let ids: Vec<String> = q
+        .ok("query-block-exports", json!({}))
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["a", "b", "n"]);
+    q.ok("block-export-del", json!({"id": "n"}));
+    q.event("BLOCK_EXPORT_DELETED", "n", TIMEOUT);
+    q.ok("blockdev-del", json!({"node-name": "n-n"}));
+    let r = run(Command::new(fusex_bin())
+        .arg("ctl")
+        .arg("--control")
+        .arg(&serve.socket)
+        .args(["reload", "--json"]));
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    drop(held);
+    q.ok("quit", json!({}));
+    assert!(
+        wait_until(Instant::now() + TIMEOUT * 3, || !pid_alive(new)),
+        "quit ends the new daemon"
+    );
+    for m in ["a.raw", "b.raw", "n.raw"] {
+        assert!(!is_fuse_mounted(&w.join(m)), "{m} left mounted");
+    }
+    let check = run(Command::new("qemu-img").arg("check").arg(w.join("b.qcow2")));
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    let out = run(Command::new("qemu-img")
+        .args(["convert", "-O", "raw"])
+        .arg(w.join("b.qcow2"))
+        .arg(w.join("b.out")));
+    assert!(out.status.success());
+    assert_eq!(&read_all(&w.join("b.out"))[..12], b"beforeafter!");
 }

@@ -43,6 +43,33 @@ impl Readiness {
     }
 }
 
+/// Closes every descriptor above stderr that the process inherited, before it opens any of its
+/// own: a daemon outliving its launcher must not keep what the launcher had open. A shell's
+/// descriptor on the very export `fusex restart` is run on kept the export busy forever (its
+/// files never all closed), and an inherited pipe keeps its reader waiting for EOF.
+pub fn close_inherited() {
+    // SAFETY: close_range takes plain integers and only closes descriptors; nothing of this
+    // process is open above 2 yet (the caller runs it first thing).
+    let r = unsafe { libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32) };
+    if r == 0 {
+        return;
+    }
+    // Before Linux 5.9: one by one.
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    let fds: Vec<i32> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|&fd| fd > 2)
+        .collect();
+    for fd in fds {
+        // SAFETY: closing an inherited descriptor nothing in this process uses (the directory
+        // read's own descriptor is closed already, or fails harmlessly with EBADF).
+        unsafe { libc::close(fd) };
+    }
+}
+
 /// Forks. In the parent this never returns: it waits for the child's report and exits with it.
 /// Must run before any thread is started.
 pub fn daemonize() -> Result<Readiness> {

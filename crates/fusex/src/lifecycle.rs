@@ -43,10 +43,19 @@ pub enum Event {
     /// supervisor answers `accepted` with whether it took the request: a refused one leaves the
     /// restart listener listening.
     Release {
-        stream: std::os::unix::net::UnixStream,
+        to: ReleaseTo,
         pid: u32,
         accepted: mpsc::Sender<bool>,
     },
+}
+
+/// Where an export that let go says so, with the files open on it then (their RELEASEs reach
+/// the successor, which counts them down).
+pub enum ReleaseTo {
+    /// `fusex mount`: the successor itself, as `Message::Released`.
+    Stream(std::os::unix::net::UnixStream),
+    /// `fusex serve`: the daemon, which tells the successor once every export let go.
+    Channel(mpsc::SyncSender<u64>),
 }
 
 impl From<QueueEvent> for Event {
@@ -161,6 +170,75 @@ impl Settled {
             watcher,
         }
     }
+}
+
+/// What `fusex restart` hands a successor of one export: its state, its connection (a clone)
+/// and `--auto-unmount` watcher pipe, or why it cannot be handed over.
+pub struct Handing {
+    pub state: crate::restart::State,
+    pub conn: std::os::fd::OwnedFd,
+    pub watcher: Option<std::os::fd::OwnedFd>,
+    /// Why this export cannot be handed over (it serves on).
+    pub refusal: Option<String>,
+}
+
+impl Handing {
+    /// The descriptors sent with the state: the connection, then the watcher's pipe.
+    pub fn fds(&self) -> Vec<std::os::fd::RawFd> {
+        let mut v = vec![self.conn.as_raw_fd()];
+        v.extend(self.watcher.as_ref().map(|w| w.as_raw_fd()));
+        v
+    }
+}
+
+/// What a successor would need of `p` (None: a mount without an identity, which cannot be
+/// found again).
+pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Handing>> {
+    let (args, export, mnt, neg) = (&p.args, &p.export, &p.mnt, &p.settled);
+    let Some(handover) = mnt.handover() else {
+        return Ok(None);
+    };
+    let refusal = if neg.uring {
+        Some(format!(
+            "{} is served over the io_uring transport, whose requests cannot be handed to a new \
+             process without failing some (docs/design.md, Restart): stop and mount it again, or \
+             mount it with --transport legacy to restart it without unmounting",
+            handover.mountpoint.display()
+        ))
+    } else {
+        export.backend().capabilities().no_handover.map(|why| {
+            format!(
+                "{} cannot be handed over ({why}): stop and mount it again",
+                handover.mountpoint.display()
+            )
+        })
+    };
+    let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
+    let watcher = neg.watcher.as_ref().map(|w| w.dup()).transpose()?;
+    let id = handover.identity;
+    let state = crate::restart::State {
+        version: crate::restart::STATE_VERSION,
+        argv: neg.argv.clone(),
+        cwd: std::env::current_dir()?.to_string_lossy().into_owned(),
+        init: neg.negotiated,
+        depth: neg.plan.depth,
+        queues: neg.queues,
+        mountpoint: handover.mountpoint.to_string_lossy().into_owned(),
+        mount_id: id.mount_id(),
+        unique: id.is_unique(),
+        dev: id.dev(),
+        created: handover.created,
+        via_fusermount: handover.via_fusermount,
+        notify_socket,
+        watcher: watcher.is_some(),
+        image: args.image.clone(),
+    };
+    Ok(Some(Handing {
+        state,
+        conn,
+        watcher,
+        refusal,
+    }))
 }
 
 /// An export opened, mounted and negotiated: what [`supervise`] serves. Dropping it unmounts.
@@ -692,8 +770,8 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     let mut failure: Option<String> = None;
     let mut per_queue = Vec::new();
     let mut flushed: Option<Result<bool>> = None;
-    // `fusex restart`: the successor waiting for this process to let go, and its pid.
-    let mut successor: Option<(std::os::unix::net::UnixStream, u32)> = None;
+    // `fusex restart`: the successor waiting for this export to let go, and its pid.
+    let mut successor: Option<(ReleaseTo, u32)> = None;
     let mut handed_to: Option<u32> = None;
     // After a signal with the export detached: when its grace period ends (`--stop-timeout`).
     let mut draining: Option<Instant> = None;
@@ -876,19 +954,17 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                 dumps += 1;
                 dump_live(args, &mut live, dumps, neg.uring);
             }
-            Event::Release {
-                stream,
-                pid,
-                accepted,
-            } => {
+            Event::Release { to, pid, accepted } => {
                 if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
-                    let _ = crate::restart::send(
-                        &stream,
-                        &crate::restart::Message::Refused {
-                            error: "the daemon is stopping".into(),
-                        },
-                        &[],
-                    );
+                    if let ReleaseTo::Stream(stream) = &to {
+                        let _ = crate::restart::send(
+                            stream,
+                            &crate::restart::Message::Refused {
+                                error: "the daemon is stopping".into(),
+                            },
+                            &[],
+                        );
+                    }
                     let _ = accepted.send(false);
                 } else if started < nq {
                     // Too early to let go: the queues are still starting. Answered once they
@@ -897,11 +973,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                         "restart: process {pid} asked while the queues start; handing over once \
                          they serve"
                     );
-                    early_release = Some(Event::Release {
-                        stream,
-                        pid,
-                        accepted,
-                    });
+                    early_release = Some(Event::Release { to, pid, accepted });
                 } else {
                     let _ = accepted.send(true);
                     tracing::info!(
@@ -911,7 +983,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                     owner.reloading();
                     // The successor reports ready and stopping from here on.
                     stopping_sent = true;
-                    successor = Some((stream, pid));
+                    successor = Some((to, pid));
                     stop_all(&remotes);
                 }
             }
@@ -922,8 +994,8 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
             owner.not_serving();
         }
         if stop.load(Ordering::Acquire) && quiet >= nq {
-            if let Some((stream, pid)) = successor.take() {
-                if release(&mut flushed, export, &stream, pid) {
+            if let Some((to, pid)) = successor.take() {
+                if release(&mut flushed, export, to, pid) {
                     handed_to = Some(pid);
                     owner.handed_over(pid);
                 } else {
@@ -1023,7 +1095,7 @@ pub fn conclude(p: Prepared, result: Result<Ended>) -> Result<()> {
 fn release(
     flushed: &mut Option<Result<bool>>,
     export: &Export<Served>,
-    stream: &std::os::unix::net::UnixStream,
+    to: ReleaseTo,
     pid: u32,
 ) -> bool {
     let f = final_flush(export);
@@ -1034,10 +1106,16 @@ fn release(
     }
     *flushed = Some(f);
     // The files open now are the successor's to count down as their RELEASEs reach it.
-    let released = crate::restart::Message::Released {
-        open_files: export.open_files(),
+    let open_files = export.open_files();
+    let told = match to {
+        ReleaseTo::Stream(stream) => crate::restart::send(
+            &stream,
+            &crate::restart::Message::Released { open_files },
+            &[],
+        ),
+        ReleaseTo::Channel(tx) => tx.send(open_files).map_err(std::io::Error::other),
     };
-    match crate::restart::send(stream, &released, &[]) {
+    match told {
         Ok(()) => true,
         Err(e) => {
             tracing::error!("restart: cannot tell process {pid} it may serve ({e}); unmounting");

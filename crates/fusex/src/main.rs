@@ -15,7 +15,7 @@ mod passthrough;
 mod privileges;
 mod restart;
 mod runtime;
-mod serve;
+pub mod serve;
 mod service;
 mod timeout;
 mod version;
@@ -74,6 +74,16 @@ fn main() {
         eprintln!("fusex: error: no command given: run fusex --help");
         std::process::exit(1);
     };
+    // A daemon closes what its launcher left open before it opens anything of its own.
+    let detaches = match &command {
+        Command::Mount(a) => a.daemonize,
+        Command::Serve(a) => a.daemonize,
+        Command::Restart { .. } => true,
+        _ => false,
+    };
+    if detaches {
+        daemon::close_inherited();
+    }
     let result = match command {
         Command::Mount(args) => {
             // Chosen (and a --log-file opened) before the fork: a refusal is one line here.

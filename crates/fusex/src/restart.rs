@@ -151,6 +151,50 @@ pub enum Message {
         #[serde(default)]
         open_files: u64,
     },
+    /// old → new, from a `fusex serve` daemon, instead of `state`: the daemon as a whole. Its
+    /// exports follow, one `export` message each with its descriptors, then `serveend`.
+    Serve(ServeState),
+    /// old → new: one export of a `fusex serve` daemon, with its connection's fd (and the
+    /// watcher's pipe) attached.
+    Export(ExportHanding),
+    /// old → new: the last export was sent.
+    ServeEnd,
+    /// old → new: every export of a `fusex serve` daemon is quiet and flushed; files open on
+    /// each, by export id.
+    ServeReleased {
+        open_files: std::collections::BTreeMap<String, u64>,
+    },
+}
+
+/// What a successor of a `fusex serve` daemon needs besides its exports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServeState {
+    /// [`STATE_VERSION`] of the sender.
+    pub version: u32,
+    /// The `fusex serve` command line (the successor parses it: sockets, config file, pid
+    /// file).
+    pub argv: Vec<String>,
+    /// Its working directory.
+    pub cwd: String,
+    /// systemd's notification socket, if the daemon is a service.
+    pub notify_socket: Option<String>,
+    /// The block nodes added with `blockdev-add` (or `--blockdev`), in order: their arguments.
+    pub nodes: Vec<serde_json::Value>,
+}
+
+/// One export of a `fusex serve` daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExportHanding {
+    /// Its QMP id.
+    pub id: String,
+    /// Its node; an export that named its image itself (`fusex ctl add`, the config file) has
+    /// a node of its own, which the successor makes again.
+    pub node: String,
+    pub own_node: bool,
+    /// The config file's table it came from.
+    pub config: Option<serde_json::Value>,
+    /// The export as `fusex mount` hands it over.
+    pub state: State,
 }
 
 /// What a successor needs of a live export besides its descriptors.

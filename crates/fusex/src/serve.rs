@@ -2,19 +2,21 @@
 //! lifecycle is [`crate::lifecycle`]'s; this is what belongs to the process around it: signals,
 //! the pid file, readiness (the `--daemonize` pipe, systemd), and the `fusex restart` socket.
 
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use backend::BlockBackend;
 use fuse_abi::FUSE_OVER_IO_URING;
-use transport::{clone_fd, Mount};
+use transport::Mount;
 
 use crate::cli::MountArgs;
 use crate::daemon::Readiness;
-use crate::lifecycle::{self, signal_name, Event, Owner, Prepared, Settled, Stop, Supervision};
+use crate::lifecycle::{
+    self, signal_name, Event, Owner, Prepared, ReleaseTo, Settled, Stop, Supervision,
+};
 use crate::memory::{self, Plan as MemoryPlan};
 use crate::privileges::Plan;
 
@@ -254,8 +256,7 @@ fn spawn_restart_listener(
     privileges: Plan,
     tx: mpsc::Sender<Event>,
 ) -> Result<Option<crate::runtime::Entry>> {
-    let (args, export, mnt, neg) = (&p.args, &p.export, &p.mnt, &p.settled);
-    let Some(handover) = mnt.handover() else {
+    let Some(handover) = p.mnt.handover() else {
         return Ok(None);
     };
     // SAFETY: geteuid has no preconditions.
@@ -277,40 +278,8 @@ fn spawn_restart_listener(
             return Ok(None);
         }
     };
-    let refusal = if neg.uring {
-        Some(format!(
-            "{} is served over the io_uring transport, whose requests cannot be handed to a new \
-             process without failing some (docs/design.md, Restart): stop and mount it again, or \
-             mount it with --transport legacy to restart it without unmounting",
-            handover.mountpoint.display()
-        ))
-    } else if let Some(why) = export.backend().capabilities().no_handover {
-        Some(format!(
-            "{} cannot be handed over ({why}): stop and mount it again",
-            handover.mountpoint.display()
-        ))
-    } else {
-        None
-    };
-    let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
-    let watcher = neg.watcher.as_ref().map(|w| w.dup()).transpose()?;
-    let id = handover.identity;
-    let state = crate::restart::State {
-        version: crate::restart::STATE_VERSION,
-        argv: neg.argv.clone(),
-        cwd: std::env::current_dir()?.to_string_lossy().into_owned(),
-        init: neg.negotiated,
-        depth: neg.plan.depth,
-        queues: neg.queues,
-        mountpoint: handover.mountpoint.to_string_lossy().into_owned(),
-        mount_id: id.mount_id(),
-        unique: id.is_unique(),
-        dev: id.dev(),
-        created: handover.created,
-        via_fusermount: handover.via_fusermount,
-        notify_socket: notifier.socket().map(str::to_string),
-        watcher: watcher.is_some(),
-        image: args.image.clone(),
+    let Some(handing) = lifecycle::handing(p, notifier.socket().map(str::to_string))? else {
+        return Ok(None);
     };
     std::thread::Builder::new()
         .name("fusex-restart".into())
@@ -321,13 +290,13 @@ fn spawn_restart_listener(
             }
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                match hand_over(&stream, euid, refusal.as_deref(), &state, &conn, &watcher) {
+                match hand_over(&stream, euid, &handing) {
                     Ok(pid) => {
                         // The main thread answers `released` once the queues are quiet, or
                         // refuses; after a refusal this export stays restartable.
                         let (atx, arx) = mpsc::channel();
                         let release = Event::Release {
-                            stream,
+                            to: ReleaseTo::Stream(stream),
                             pid,
                             accepted: atx,
                         };
@@ -348,10 +317,7 @@ fn spawn_restart_listener(
 fn hand_over(
     stream: &std::os::unix::net::UnixStream,
     euid: u32,
-    refusal: Option<&str>,
-    state: &crate::restart::State,
-    conn: &std::os::fd::OwnedFd,
-    watcher: &Option<std::os::fd::OwnedFd>,
+    handing: &lifecycle::Handing,
 ) -> Result<u32> {
     use crate::restart::{peer, recv, send, unexpected, Message};
     // A peer that stops talking must not keep this thread (and so every later restart) forever;
@@ -377,13 +343,16 @@ fn hand_over(
         (Message::Hello, _) => {}
         (other, _) => return Err(unexpected(&other, "hello")),
     }
-    if let Some(why) = refusal {
+    if let Some(why) = &handing.refusal {
         return Err(refuse(why));
     }
     tracing::info!("restart: process {pid} asks for the export; it keeps being served meanwhile");
-    let mut fds = vec![conn.as_raw_fd()];
-    fds.extend(watcher.as_ref().map(|w| w.as_raw_fd()));
-    send(stream, &Message::State(state.clone()), &fds).context("sending the state")?;
+    send(
+        stream,
+        &Message::State(handing.state.clone()),
+        &handing.fds(),
+    )
+    .context("sending the state")?;
     match recv(stream).context("process went away before taking over")? {
         (Message::Release, _) => Ok(pid),
         (other, _) => Err(unexpected(&other, "release")),
@@ -402,7 +371,11 @@ pub fn umount(path: PathBuf, force: bool) -> Result<()> {
 pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     let signals = install_signals()?;
     match take_over(&path) {
-        Ok((prepared, notifier)) => {
+        Ok(TakenOver::Serve(sock, state)) => {
+            crate::service::takeover::run(sock, state, ready, &path)
+        }
+        Ok(TakenOver::Mount(prepared, notifier)) => {
+            let prepared = *prepared;
             let args = prepared.args.clone();
             // The log goes where the old daemon's command line says, as for a daemon.
             let daemon = MountArgs {
@@ -440,10 +413,17 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     }
 }
 
-type TakenOver = (Prepared, crate::notify::Notifier);
+/// What `fusex restart` found serving the mountpoint.
+enum TakenOver {
+    /// A `fusex mount` daemon's export, taken over.
+    Mount(Box<Prepared>, crate::notify::Notifier),
+    /// A `fusex serve` daemon, which hands over every export: the conversation goes on in
+    /// [`crate::service::takeover`].
+    Serve(std::os::unix::net::UnixStream, crate::restart::ServeState),
+}
 
 fn take_over(path: &Path) -> Result<TakenOver> {
-    use crate::restart::{connect, identify, recv, send, unexpected, Message, STATE_VERSION};
+    use crate::restart::{connect, identify, recv, send, unexpected, Message};
     let shown = path.display();
     let (id, user) = identify(path)?;
     // SAFETY: geteuid has no preconditions.
@@ -470,115 +450,170 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     send(&sock, &Message::Hello, &[])?;
     let (state, fds) = match recv(&sock).context("reading the export's state from its daemon")? {
         (Message::State(state), fds) => (state, fds),
+        (Message::Serve(serve), _) => return Ok(TakenOver::Serve(sock, serve)),
         (other, _) => return Err(unexpected(&other, "state")),
     };
-    if state.version > STATE_VERSION {
-        bail!(
-            "the daemon serving {shown} is a newer fusex (restart state version {}, this binary \
-             reads up to {STATE_VERSION}): restart it with that fusex",
-            state.version
-        );
-    }
-    let mut fds = fds.into_iter();
-    let conn = fds.next().context("the daemon sent no connection fd")?;
-    let watcher = if state.watcher {
-        Some(crate::watcher::Watcher::from_fd(
-            fds.next().context("the daemon sent no watcher pipe")?,
-        ))
-    } else {
-        None
-    };
-    // Relative paths on the command line are the old daemon's: resolve them as it did.
-    std::env::set_current_dir(&state.cwd).with_context(|| format!("entering {}", state.cwd))?;
-    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(&state.argv)
-        .map_err(|e| anyhow::anyhow!("the daemon's command line: {}", e.kind()))?;
-    let Some(crate::cli::Command::Mount(args)) = cli.command else {
-        bail!("the daemon's command line is not fusex mount");
-    };
-    let args = *args;
     let notifier = match &state.notify_socket {
         Some(v) => crate::notify::Notifier::connect(v)?,
         None => crate::notify::Notifier::from_env()?,
     };
-    // A writable qcow2 image's tables change while the old daemon serves it: opened now, this
-    // process would cache stale ones. So it is only tried now (read-only, no locks: can it be
-    // opened at all?) and opened for real once the old daemon has flushed it and let go.
-    let reopen = args.writable
-        && args.format != crate::cli::FormatArg::Raw
-        && !args.image.starts_with("null:")
-        && backend::qcow2::probe(Path::new(&args.image)).unwrap_or(false);
-    let opened = if reopen {
-        let mut trial = args.clone();
-        (trial.writable, trial.growable, trial.max_size) = (false, false, None);
-        (trial.no_locking, trial.force_share) = (true, false);
-        drop(lifecycle::open_export(&trial, false)?);
-        None
-    } else {
-        Some(lifecycle::open_export(&args, true)?)
-    };
-    let negotiated = state.init;
-    let max_write = negotiated.max_write;
-    if negotiated.has(FUSE_OVER_IO_URING) {
-        bail!("the export uses the io_uring transport, which cannot be handed over");
-    }
-    let mut backing = None;
-    let opened = match opened {
-        Some((export, pt)) => {
-            backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
-            Some(export)
-        }
-        None => None,
-    };
-    let queues = state.queues.max(1);
-    let depth = state.depth.max(1);
-    let possible = crate::affinity::possible_cpus();
-    let plan = MemoryPlan {
-        max_write: max_write as usize,
-        depth,
-        buffer_size: memory::buffer_size(max_write as usize),
-        buffers: depth * queues,
-        budget: args
-            .memory_budget
-            .map_or_else(|| memory::budget(possible), |b| b as usize),
-    };
-    let handover = state.handover();
+    let adoption = Adoption::begin(state, fds, &shown.to_string())?;
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
     let open_files = match recv(&sock).context("the old daemon went away before letting go")? {
         (Message::Released { open_files }, _) => open_files,
         (other, _) => return Err(unexpected(&other, "released")),
     };
-    let export = match opened {
-        // The old daemon may have grown the image since it was opened here.
-        Some(export) => {
-            let _ = export.backend().refresh_size();
-            export
+    Ok(TakenOver::Mount(
+        Box::new(adoption.complete(open_files)?),
+        notifier,
+    ))
+}
+
+/// One export being taken over from its daemon: checked and opened as far as it may be while
+/// the old daemon still serves it; [`Adoption::complete`] finishes once it let go.
+pub struct Adoption {
+    args: MountArgs,
+    state: crate::restart::State,
+    opened: Option<Arc<export::Export<lifecycle::Served>>>,
+    conn: std::os::fd::OwnedFd,
+    watcher: Option<crate::watcher::Watcher>,
+    backing: Option<transport::passthrough::Backing>,
+    plan: MemoryPlan,
+    queues: usize,
+}
+
+impl Adoption {
+    /// Reads the export's state and descriptors and opens its image (`shown`: the mountpoint as
+    /// the user named it, for messages). Changes the working directory to the old daemon's.
+    pub fn begin(
+        state: crate::restart::State,
+        fds: Vec<std::os::fd::OwnedFd>,
+        shown: &str,
+    ) -> Result<Adoption> {
+        use crate::restart::STATE_VERSION;
+        if state.version > STATE_VERSION {
+            bail!(
+                "the daemon serving {shown} is a newer fusex (restart state version {}, this \
+                 binary reads up to {STATE_VERSION}): restart it with that fusex",
+                state.version
+            );
         }
-        None => {
-            // Past the point of return: the old daemon no longer serves. Failing here ends the
-            // export as a failed start does (the --auto-unmount watcher then unmounts it).
-            let (export, pt) = lifecycle::open_export(&args, true)?;
-            backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
-            export
+        let mut fds = fds.into_iter();
+        let conn = fds.next().context("the daemon sent no connection fd")?;
+        let watcher = if state.watcher {
+            Some(crate::watcher::Watcher::from_fd(
+                fds.next().context("the daemon sent no watcher pipe")?,
+            ))
+        } else {
+            None
+        };
+        // Relative paths on the command line are the old daemon's: resolve them as it did.
+        std::env::set_current_dir(&state.cwd).with_context(|| format!("entering {}", state.cwd))?;
+        let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(&state.argv)
+            .map_err(|e| anyhow::anyhow!("the daemon's command line: {}", e.kind()))?;
+        let Some(crate::cli::Command::Mount(args)) = cli.command else {
+            bail!("the daemon's command line is not fusex mount");
+        };
+        let args = *args;
+        // A writable qcow2 image's tables change while the old daemon serves it: opened now,
+        // this process would cache stale ones. So it is only tried now (read-only, no locks: can
+        // it be opened at all?) and opened for real once the old daemon has flushed it and let
+        // go.
+        let reopen = args.writable
+            && args.format != crate::cli::FormatArg::Raw
+            && !args.image.starts_with("null:")
+            && backend::qcow2::probe(Path::new(&args.image)).unwrap_or(false);
+        let opened = if reopen {
+            let mut trial = args.clone();
+            (trial.writable, trial.growable, trial.max_size) = (false, false, None);
+            (trial.no_locking, trial.force_share) = (true, false);
+            drop(lifecycle::open_export(&trial, false)?);
+            None
+        } else {
+            Some(lifecycle::open_export(&args, true)?)
+        };
+        let negotiated = state.init;
+        let max_write = negotiated.max_write;
+        if negotiated.has(FUSE_OVER_IO_URING) {
+            bail!("the export uses the io_uring transport, which cannot be handed over");
         }
-    };
-    export.set_open_files(open_files);
-    let mnt = Mount::adopt(handover, conn);
-    tracing::info!(
-        "restart: took over {} at {} (FUSE 7.{}, max_write {} KiB, {queues} legacy queues)",
-        args.image,
-        mnt.mountpoint().display(),
-        negotiated.minor,
-        max_write >> 10
-    );
-    let settled = Settled::adopted(negotiated, state.argv, plan, queues, backing, watcher);
-    Ok((
-        Prepared {
+        let mut backing = None;
+        let opened = match opened {
+            Some((export, pt)) => {
+                backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+                Some(export)
+            }
+            None => None,
+        };
+        let queues = state.queues.max(1);
+        let depth = state.depth.max(1);
+        let possible = crate::affinity::possible_cpus();
+        let plan = MemoryPlan {
+            max_write: max_write as usize,
+            depth,
+            buffer_size: memory::buffer_size(max_write as usize),
+            buffers: depth * queues,
+            budget: args
+                .memory_budget
+                .map_or_else(|| memory::budget(possible), |b| b as usize),
+        };
+        Ok(Adoption {
+            args,
+            state,
+            opened,
+            conn,
+            watcher,
+            backing,
+            plan,
+            queues,
+        })
+    }
+
+    /// The old daemon let go with `open_files` files open on the export: the export, ready to
+    /// be supervised.
+    pub fn complete(self, open_files: u64) -> Result<Prepared> {
+        let Adoption {
+            args,
+            state,
+            opened,
+            conn,
+            watcher,
+            mut backing,
+            plan,
+            queues,
+        } = self;
+        let negotiated = state.init;
+        let export = match opened {
+            // The old daemon may have grown the image since it was opened here.
+            Some(export) => {
+                let _ = export.backend().refresh_size();
+                export
+            }
+            None => {
+                // Past the point of return: the old daemon no longer serves. Failing here ends
+                // the export as a failed start does (the --auto-unmount watcher then unmounts
+                // it).
+                let (export, pt) = lifecycle::open_export(&args, true)?;
+                backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+                export
+            }
+        };
+        export.set_open_files(open_files);
+        let mnt = Mount::adopt(state.handover(), conn);
+        tracing::info!(
+            "restart: took over {} at {} (FUSE 7.{}, max_write {} KiB, {queues} legacy queues)",
+            args.image,
+            mnt.mountpoint().display(),
+            negotiated.minor,
+            negotiated.max_write >> 10
+        );
+        let settled = Settled::adopted(negotiated, state.argv, plan, queues, backing, watcher);
+        Ok(Prepared {
             args,
             export,
             mnt,
             settled,
-        },
-        notifier,
-    ))
+        })
+    }
 }

@@ -109,6 +109,13 @@ impl Service {
         Ok(())
     }
 
+    /// Remembers the config file for reloads without starting its exports (a `fusex restart`
+    /// successor took them over).
+    pub fn remember_config(&self, path: &Path) {
+        let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        *self.config_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(path);
+    }
+
     /// Applies the config file as it is now; per export what happened.
     pub fn reload(&self) -> Result<Value, QmpError> {
         let Some(path) = self

@@ -1,6 +1,8 @@
 //! The `fusex serve` process: its nodes and exports from the command line, its control sockets,
-//! its signals, and an orderly end (every export removed, then the sockets).
+//! its signals, and an orderly end (every export removed, then the sockets), or its hand-over to
+//! a `fusex restart` successor.
 
+use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -12,151 +14,42 @@ use crate::cli::ServeArgs;
 use crate::daemon::Readiness;
 use crate::lifecycle::{signal_name, Stop};
 
-/// Runs `fusex serve` until `quit` or a stop signal. Errors before it serves are reported
-/// through `ready` too.
-pub fn run(args: ServeArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
-    let result = start(&args, verbose);
-    let (service, ctl, servers, pid_file, signals, notifier) = match result {
-        Ok(v) => v,
-        Err(e) => {
-            ready.report(Err(format!("{e:#}")));
-            return Err(e);
-        }
-    };
-    let count = service.export_count();
-    ready.report(Ok(()));
-    notifier.ready(&format!(
-        "serving {count} export{}",
-        if count == 1 { "" } else { "s" }
-    ));
-    tracing::info!(
-        "serving {count} export{}{}",
-        if count == 1 { "" } else { "s" },
-        match servers.len() {
-            0 => String::new(),
-            _ => format!(
-                "; QMP on {}",
-                servers
-                    .iter()
-                    .map(|(p, _, _)| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        }
-    );
-    loop {
-        match ctl.recv() {
-            Ok(Control::Dump) => service.dump_all(),
-            Ok(Control::Reload) => {
-                tracing::info!("SIGHUP: reloading the config file");
-                notifier.reloading();
-                if let Err(e) = service.reload() {
-                    tracing::error!("reload: {}", e.desc);
-                }
-                notifier.ready(&format!("serving {} exports", service.export_count()));
-            }
-            Ok(Control::Quit) => {
-                tracing::info!("quit: removing every export");
-                service.stop_all(Stop::Safe);
-                break;
-            }
-            Ok(Control::Signal(s)) => {
-                tracing::info!("{}: stopping every export", signal_name(s));
-                service.stop_all(Stop::Signal(s));
-                break;
-            }
-            Err(_) => break,
-        }
-    }
-    notifier.stopping();
-    // A second signal aborts what still waits for open files (`fusex mount`'s rule).
-    let mut second = false;
-    while service.export_count() > 0 {
-        match ctl.recv_timeout(Duration::from_millis(20)) {
-            Ok(Control::Signal(s)) if !second => {
-                second = true;
-                tracing::info!("{}: aborting the exports still stopping", signal_name(s));
-                service.stop_all(Stop::Hard);
-            }
-            _ => {}
-        }
-    }
-    signals.close();
-    for (_, handle, thread) in servers {
-        handle.shutdown();
-        let _ = thread.join();
-    }
-    if let Some(p) = pid_file {
-        p.remove();
-    }
-    tracing::info!("every export removed; exiting");
-    Ok(())
+/// One QMP socket being served.
+struct QmpThread {
+    path: PathBuf,
+    handle: qmp::ShutdownHandle,
+    thread: std::thread::JoinHandle<()>,
 }
 
-type QmpThread = (
-    std::path::PathBuf,
-    qmp::ShutdownHandle,
-    std::thread::JoinHandle<()>,
-);
-
-type Started = (
-    Arc<Service>,
-    mpsc::Receiver<Control>,
-    Vec<QmpThread>,
-    Option<crate::files::PidFile>,
-    signal_hook::iterator::Handle,
-    crate::notify::Notifier,
-);
-
-/// The control socket of a `fusex serve` given none: `control.sock` in the user's runtime
-/// directory (`/run/fusex` for root), which `fusex ctl` uses by default.
-pub fn default_control() -> Result<std::path::PathBuf> {
-    // SAFETY: geteuid has no preconditions.
-    let uid = unsafe { libc::geteuid() };
-    let dir = crate::runtime::checked(uid, true)?;
-    Ok(dir.join("control.sock"))
+/// A `fusex serve` daemon that serves, however it started (fresh, or by `fusex restart`).
+pub struct Running {
+    pub service: Arc<Service>,
+    ctl: mpsc::Receiver<Control>,
+    servers: Vec<QmpThread>,
+    pid_file: Option<crate::files::PidFile>,
+    signals: signal_hook::iterator::Handle,
+    notifier: crate::notify::Notifier,
 }
 
-fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
+/// The pieces every start makes first: the signal handling (as early as possible) and the
+/// service, whose `quit` and signals arrive on the returned receiver.
+pub struct Base {
+    pub service: Arc<Service>,
+    ctl: mpsc::Receiver<Control>,
+    signals: signal_hook::iterator::Handle,
+    events: qmp::EventBus,
+}
+
+/// Installs the signal handling and makes an empty service.
+pub fn base(reloads: bool, verbose: u8) -> Result<Base> {
     use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM])
             .context("installing signal handlers")?;
-    let notifier = crate::notify::Notifier::from_env()?;
-    // Every argument is checked before anything is mounted.
-    let mut sockets =
-        cmdline::monitor_sockets(&args.chardev, &args.monitor).map_err(|e| anyhow!(e))?;
-    sockets.extend(args.control.iter().cloned());
-    if sockets.is_empty() {
-        // Nothing asked for a socket: the default one, where `fusex ctl` looks.
-        sockets.push(default_control()?);
-    }
-    if let Some(c) = &args.config {
-        // Read now, so a mistake in it is refused before anything is mounted.
-        super::config::read(c).map_err(|e| anyhow!(e))?;
-    }
-    let blockdevs = args
-        .blockdev
-        .iter()
-        .map(|b| cmdline::blockdev(b).map(|v| (b, v)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| anyhow!(e))?;
-    let exports = args
-        .export
-        .iter()
-        .map(|e| cmdline::export(e).map(|v| (e, v)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| anyhow!(e))?;
-    let pid_file = args
-        .pidfile
-        .as_deref()
-        .map(crate::files::PidFile::claim)
-        .transpose()?;
     let events = qmp::EventBus::new();
     let (ctl_tx, ctl) = mpsc::channel();
     let service = Service::new(events.clone(), ctl_tx.clone(), verbose);
     let handle = signals.handle();
-    let reloads = args.config.is_some();
     std::thread::Builder::new()
         .name("fusex-signals".into())
         .spawn(move || {
@@ -179,7 +72,265 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
                 }
             }
         })?;
-    let added = (|| -> Result<Vec<QmpThread>> {
+    Ok(Base {
+        service,
+        ctl,
+        signals: handle,
+        events,
+    })
+}
+
+/// The control sockets the command line asks for (`--chardev` with `--monitor`, `--control`),
+/// or the default one.
+pub fn sockets(args: &ServeArgs) -> Result<Vec<PathBuf>> {
+    let mut sockets =
+        cmdline::monitor_sockets(&args.chardev, &args.monitor).map_err(|e| anyhow!(e))?;
+    sockets.extend(args.control.iter().cloned());
+    if sockets.is_empty() {
+        // Nothing asked for a socket: the default one, where `fusex ctl` looks.
+        sockets.push(default_control()?);
+    }
+    Ok(sockets)
+}
+
+impl Base {
+    /// Binds the control sockets and serves QMP on them: the daemon runs. On an error the
+    /// start is abandoned (nothing stays mounted).
+    pub fn serve(
+        self,
+        sockets: Vec<PathBuf>,
+        pid_file: Option<crate::files::PidFile>,
+        notifier: crate::notify::Notifier,
+    ) -> Result<Running> {
+        match self.bind(sockets) {
+            Ok(servers) => Ok(Running {
+                service: self.service,
+                ctl: self.ctl,
+                servers,
+                pid_file,
+                signals: self.signals,
+                notifier,
+            }),
+            Err(e) => {
+                self.abandon(pid_file);
+                Err(e)
+            }
+        }
+    }
+
+    fn bind(&self, sockets: Vec<PathBuf>) -> Result<Vec<QmpThread>> {
+        let mut servers: Vec<QmpThread> = Vec::new();
+        for path in sockets {
+            let config = qmp::ServerConfig {
+                info: qmp::ServerInfo::default(),
+                events: self.events.clone(),
+                ..Default::default()
+            };
+            let server = match qmp::Server::bind(&path, self.service.clone(), config) {
+                Ok(s) => s,
+                Err(e) => {
+                    for s in servers {
+                        s.handle.shutdown();
+                        let _ = s.thread.join();
+                    }
+                    return Err(anyhow!("QMP socket {}: {e}", path.display()));
+                }
+            };
+            let handle = server.shutdown_handle();
+            let shown = path.clone();
+            let thread = std::thread::Builder::new()
+                .name("fusex-qmp".into())
+                .spawn(move || {
+                    if let Err(e) = server.run() {
+                        tracing::error!("QMP on {}: {e}", shown.display());
+                    }
+                })?;
+            servers.push(QmpThread {
+                path,
+                handle,
+                thread,
+            });
+        }
+        Ok(servers)
+    }
+
+    /// A start that failed: the exports already added are removed, nothing stays mounted.
+    pub fn abandon(self, pid_file: Option<crate::files::PidFile>) {
+        self.service.stop_all(Stop::Safe);
+        while self.service.export_count() > 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.signals.close();
+        if let Some(p) = pid_file {
+            p.remove();
+        }
+    }
+}
+
+/// Runs `fusex serve` until `quit` or a stop signal. Errors before it serves are reported
+/// through `ready` too.
+pub fn run(args: ServeArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
+    match start(&args, verbose) {
+        Ok(running) => running.serve_until_done(ready),
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            Err(e)
+        }
+    }
+}
+
+impl Running {
+    /// Says the daemon is ready, then handles `quit`, signals, reloads and a hand-over until
+    /// the last export is gone.
+    pub fn serve_until_done(self, mut ready: Readiness) -> Result<()> {
+        let Running {
+            service,
+            ctl,
+            servers,
+            pid_file,
+            signals,
+            notifier,
+        } = self;
+        let count = service.export_count();
+        ready.report(Ok(()));
+        notifier.ready(&format!(
+            "serving {count} export{}",
+            if count == 1 { "" } else { "s" }
+        ));
+        tracing::info!(
+            "serving {count} export{}; QMP on {}",
+            if count == 1 { "" } else { "s" },
+            servers
+                .iter()
+                .map(|s| s.path.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let shut_down = |servers: Vec<QmpThread>| {
+            for s in servers {
+                s.handle.shutdown();
+                let _ = s.thread.join();
+            }
+        };
+        let mut handed = false;
+        let mut servers = Some(servers);
+        loop {
+            match ctl.recv() {
+                Ok(Control::Dump) => service.dump_all(),
+                Ok(Control::Reload) => {
+                    tracing::info!("SIGHUP: reloading the config file");
+                    notifier.reloading();
+                    if let Err(e) = service.reload() {
+                        tracing::error!("reload: {}", e.desc);
+                    }
+                    notifier.ready(&format!("serving {} exports", service.export_count()));
+                }
+                Ok(Control::Quit) => {
+                    tracing::info!("quit: removing every export");
+                    service.stop_all(Stop::Safe);
+                    break;
+                }
+                Ok(Control::Signal(s)) => {
+                    tracing::info!("{}: stopping every export", signal_name(s));
+                    service.stop_all(Stop::Signal(s));
+                    break;
+                }
+                Ok(Control::HandOver { stream, pid }) => {
+                    tracing::info!(
+                        "restart: process {pid} takes every export over; finishing in-flight \
+                         requests"
+                    );
+                    notifier.reloading();
+                    // The successor binds the same sockets; and may claim the pid file.
+                    shut_down(servers.take().unwrap_or_default());
+                    if let Some(p) = &pid_file {
+                        p.stop_serving();
+                    }
+                    let open_files = service.release_all(pid);
+                    let released = crate::restart::Message::ServeReleased { open_files };
+                    match crate::restart::send(&stream, &released, &[]) {
+                        Ok(()) => notifier.main_pid(pid),
+                        Err(e) => tracing::error!(
+                            "restart: cannot tell process {pid} it may serve ({e}); its exports \
+                             are let go"
+                        ),
+                    }
+                    handed = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        if !handed {
+            notifier.stopping();
+        }
+        // A second signal aborts what still waits for open files (`fusex mount`'s rule).
+        let mut second = false;
+        while service.export_count() > 0 {
+            match ctl.recv_timeout(Duration::from_millis(20)) {
+                Ok(Control::Signal(s)) if !second && !handed => {
+                    second = true;
+                    tracing::info!("{}: aborting the exports still stopping", signal_name(s));
+                    service.stop_all(Stop::Hard);
+                }
+                _ => {}
+            }
+        }
+        signals.close();
+        shut_down(servers.take().unwrap_or_default());
+        if handed {
+            if let Some(p) = pid_file {
+                p.keep();
+            }
+            tracing::info!("handed every export over; exiting");
+            return Ok(());
+        }
+        if let Some(p) = pid_file {
+            p.remove();
+        }
+        tracing::info!("every export removed; exiting");
+        Ok(())
+    }
+}
+
+/// The control socket of a `fusex serve` given none: `control.sock` in the user's runtime
+/// directory (`/run/fusex` for root), which `fusex ctl` uses by default.
+pub fn default_control() -> Result<PathBuf> {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let dir = crate::runtime::checked(uid, true)?;
+    Ok(dir.join("control.sock"))
+}
+
+fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
+    let base = base(args.config.is_some(), verbose)?;
+    let notifier = crate::notify::Notifier::from_env()?;
+    // Every argument is checked before anything is mounted.
+    let sockets = sockets(args)?;
+    if let Some(c) = &args.config {
+        super::config::read(c).map_err(|e| anyhow!(e))?;
+    }
+    let blockdevs = args
+        .blockdev
+        .iter()
+        .map(|b| cmdline::blockdev(b).map(|v| (b, v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!(e))?;
+    let exports = args
+        .export
+        .iter()
+        .map(|e| cmdline::export(e).map(|v| (e, v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!(e))?;
+    let pid_file = args
+        .pidfile
+        .as_deref()
+        .map(crate::files::PidFile::claim)
+        .transpose()?;
+    base.service
+        .set_notify_socket(notifier.socket().map(str::to_string));
+    let service = base.service.clone();
+    let added = (|| -> Result<()> {
         for (text, v) in blockdevs {
             service
                 .dispatch("blockdev-add", v)
@@ -199,41 +350,11 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Started> {
         if let Some(c) = &args.config {
             service.load_config(c).map_err(|e| anyhow!(e))?;
         }
-        let mut servers = Vec::new();
-        for path in sockets {
-            let config = qmp::ServerConfig {
-                info: qmp::ServerInfo::default(),
-                events: events.clone(),
-                ..Default::default()
-            };
-            let server = qmp::Server::bind(&path, service.clone(), config)
-                .with_context(|| format!("QMP socket {}", path.display()))?;
-            let handle = server.shutdown_handle();
-            let shown = path.clone();
-            let thread = std::thread::Builder::new()
-                .name("fusex-qmp".into())
-                .spawn(move || {
-                    if let Err(e) = server.run() {
-                        tracing::error!("QMP on {}: {e}", shown.display());
-                    }
-                })?;
-            servers.push((path, handle, thread));
-        }
-        Ok(servers)
+        Ok(())
     })();
-    match added {
-        Ok(servers) => Ok((service, ctl, servers, pid_file, handle, notifier)),
-        Err(e) => {
-            // Nothing half-started stays: the exports already added are removed.
-            service.stop_all(Stop::Safe);
-            while service.export_count() > 0 {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            handle.close();
-            if let Some(p) = pid_file {
-                p.remove();
-            }
-            Err(e)
-        }
+    if let Err(e) = added {
+        base.abandon(pid_file);
+        return Err(e);
     }
+    base.serve(sockets, pid_file, notifier)
 }

@@ -10,6 +10,8 @@ pub mod config;
 pub mod daemon;
 pub mod node;
 pub mod options;
+pub mod published;
+pub mod takeover;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -31,7 +33,7 @@ use node::Node;
 pub const EXPORT_FAILED_EVENT: &str = "__org.fusex_BLOCK_EXPORT_FAILED";
 
 /// What the daemon's main thread is asked to do.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Control {
     /// `quit`: remove every export and exit.
     Quit,
@@ -42,6 +44,12 @@ pub enum Control {
     Reload,
     /// SIGUSR1: every export writes its statistics.
     Dump,
+    /// `fusex restart`: process `pid`, reached through `stream`, has every export open and
+    /// asks the daemon to let go of them all.
+    HandOver {
+        stream: std::os::unix::net::UnixStream,
+        pid: u32,
+    },
 }
 
 /// One export in the table.
@@ -57,6 +65,8 @@ struct Entry {
     /// The config file's table this export was made from (None: added over QMP or `fusex
     /// ctl`), which a reload compares.
     config: Option<Value>,
+    /// What a `fusex restart` successor gets of it.
+    handing: Option<lifecycle::Handing>,
 }
 
 #[derive(Default)]
@@ -65,6 +75,10 @@ struct Table {
     exports: BTreeMap<String, Entry>,
     /// No new export once the daemon quits.
     quitting: bool,
+    /// A `fusex restart` successor is taking every export: nothing may change meanwhile.
+    handing_over: bool,
+    /// Numbers the nodes in the order they were added (a successor adds them again in it).
+    next_order: u64,
 }
 
 impl Table {
@@ -89,6 +103,8 @@ struct Finished {
     id: String,
     serial: u64,
     error: Option<String>,
+    /// Handed to a `fusex restart` successor, which serves it now.
+    handed: bool,
 }
 
 /// The daemon's exports and nodes, and the commands that change them.
@@ -103,6 +119,10 @@ pub struct Service {
     verbose: u8,
     /// `--config`, which a reload reads again.
     config_path: Mutex<Option<PathBuf>>,
+    /// Publishes each export for `fusex list` (None: the runtime directory is unusable).
+    publisher: Option<published::Publisher>,
+    /// systemd's notification socket, handed to a `fusex restart` successor.
+    notify_socket: Mutex<Option<String>>,
 }
 
 /// The commands, in the order `query-commands` lists them.
@@ -124,7 +144,7 @@ impl Service {
     /// removes ended exports from the table and sends their events.
     pub fn new(events: EventBus, control: mpsc::Sender<Control>, verbose: u8) -> Arc<Service> {
         let (finished, ended) = mpsc::channel();
-        let service = Arc::new(Service {
+        let service = Arc::new_cyclic(|me: &std::sync::Weak<Service>| Service {
             table: Mutex::new(Table::default()),
             events,
             control,
@@ -133,6 +153,16 @@ impl Service {
             implicit: AtomicU64::new(0),
             verbose,
             config_path: Mutex::new(None),
+            publisher: {
+                let me = me.clone();
+                published::Publisher::start(Box::new(move |stream| match me.upgrade() {
+                    Some(s) => s.hand_over(stream),
+                    None => drop(stream),
+                }))
+                .map_err(|e| tracing::warn!("fusex list will not show the exports: {e}"))
+                .ok()
+            },
+            notify_socket: Mutex::new(None),
         });
         let weak = Arc::downgrade(&service);
         std::thread::Builder::new()
@@ -167,6 +197,9 @@ impl Service {
             return;
         }
         let entry = t.exports.remove(&f.id);
+        if f.handed {
+            return;
+        }
         // A node made for this export alone goes with it.
         let own = own_node(&f.id);
         if t.nodes.get(&own).is_some_and(|n| n.implicit) {
@@ -221,7 +254,8 @@ impl Service {
     }
 
     fn blockdev_add(&self, args: Value) -> Result<Value, QmpError> {
-        let nodes = {
+        let given = args.clone();
+        let mut nodes = {
             let t = self.table();
             let lookup = |n: &str| t.node(n);
             node::parse(
@@ -236,6 +270,9 @@ impl Service {
                 &lookup,
             )?
         };
+        if let Some(top) = nodes.last_mut() {
+            top.args = Some(given);
+        }
         let mut checked = Vec::with_capacity(nodes.len());
         for mut n in nodes {
             if self.table().nodes.contains_key(&n.name)
@@ -256,8 +293,10 @@ impl Service {
                 dup.name
             )));
         }
-        for n in checked {
+        for mut n in checked {
             tracing::debug!(node = %n.name, driver = n.driver.name(), "node added");
+            n.order = t.next_order;
+            t.next_order += 1;
             t.nodes.insert(n.name.clone(), n);
         }
         Ok(json!({}))
@@ -529,6 +568,7 @@ impl Service {
                     ..Default::default()
                 },
                 config,
+                handing: None,
             },
         );
         drop(t);
@@ -563,16 +603,35 @@ impl Service {
         args: crate::cli::MountArgs,
         argv: Vec<String>,
     ) -> Result<mpsc::Sender<Event>, String> {
-        let mut prepared =
-            lifecycle::setup(&args, argv, self.verbose).map_err(|e| format!("{e:#}"))?;
+        let prepared = lifecycle::setup(&args, argv, self.verbose).map_err(|e| format!("{e:#}"))?;
         tracing::info!(
             "export {id}: {}",
             prepared.settled.announce.as_deref().unwrap_or("mounted")
         );
+        self.supervise(id, serial, prepared)
+    }
+
+    /// Starts the supervisor of a mounted export; returns once it serves (or could not).
+    fn supervise(
+        &self,
+        id: &str,
+        serial: u64,
+        mut prepared: lifecycle::Prepared,
+    ) -> Result<mpsc::Sender<Event>, String> {
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let finished = self.finished.clone();
         let state = prepared.describe("serving");
+        let published = self
+            .publisher
+            .as_ref()
+            .and_then(|p| p.publish(&prepared.mnt, prepared.describe("starting")));
+        let notify_socket = self
+            .notify_socket
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let handing = lifecycle::handing(&prepared, notify_socket).map_err(|e| format!("{e:#}"))?;
         let sup_tx = tx.clone();
         let id2 = id.to_string();
         std::thread::Builder::new()
@@ -580,6 +639,7 @@ impl Service {
             .spawn(move || {
                 let mut owner = ServiceOwner {
                     ready: Some(ready_tx),
+                    published,
                 };
                 let sup = Supervision {
                     privileges: Plan::none(),
@@ -591,13 +651,32 @@ impl Service {
                     owner.failed(&format!("{e:#}"));
                 }
                 owner.failed("the export ended before it served");
+                if result.as_ref().is_ok_and(|e| e.handed_to.is_some()) {
+                    // A successor serves the mount: leave it, its mountpoint file, the watcher
+                    // (the successor holds the pipe too) and the runtime files (it took them).
+                    prepared.mnt.disown();
+                    drop(prepared.settled);
+                    if let Some(p) = owner.published.take() {
+                        p.leave();
+                    }
+                    let _ = finished.send(Finished {
+                        id: id2,
+                        serial,
+                        error: None,
+                        handed: true,
+                    });
+                    return;
+                }
                 let error = lifecycle::conclude(prepared, result)
                     .err()
                     .map(|e| format!("{e:#}"));
+                // Its files in the runtime directory go once it is unmounted.
+                drop(owner);
                 let _ = finished.send(Finished {
                     id: id2,
                     serial,
                     error,
+                    handed: false,
                 });
             })
             .map_err(|e| format!("starting the export's thread: {e}"))?;
@@ -607,6 +686,7 @@ impl Service {
         let mut t = self.table();
         if let Some(e) = t.exports.get_mut(id).filter(|e| e.serial == serial) {
             e.state = state;
+            e.handing = handing;
         }
         Ok(tx)
     }
@@ -835,6 +915,13 @@ impl Dispatcher for Service {
             Some(k) => Err(QmpError::generic(format!("Parameter '{k}' is unexpected"))),
             None => Ok(()),
         };
+        let changes = !name.starts_with("query-") && name != format!("{}list", options::EXTENSION);
+        if changes && self.table().handing_over {
+            return Err(QmpError::generic(
+                "fusex serve is handing its exports to a new process (fusex restart): try again \
+                 once it serves",
+            ));
+        }
         match name {
             "blockdev-add" => self.blockdev_add(arguments),
             "blockdev-del" => self.blockdev_del(arguments),
@@ -868,6 +955,7 @@ impl Dispatcher for Service {
 /// A `fusex serve` export's supervisor reports readiness to the command that added it.
 struct ServiceOwner {
     ready: Option<mpsc::SyncSender<Result<(), String>>>,
+    published: Option<published::Published>,
 }
 
 impl Owner for ServiceOwner {
@@ -883,7 +971,11 @@ impl Owner for ServiceOwner {
         }
     }
 
-    fn state(&mut self, _state: &str) {}
+    fn state(&mut self, state: &str) {
+        if let Some(p) = &mut self.published {
+            p.set_state(state);
+        }
+    }
 
     fn stopping(&mut self) {}
 
@@ -892,4 +984,209 @@ impl Owner for ServiceOwner {
     fn reloading(&mut self) {}
 
     fn handed_over(&mut self, _pid: u32) {}
+}
+
+impl Service {
+    /// `fusex restart` of any export of this daemon (a connection on its socket): checks who
+    /// asks, sends the daemon's state and every export's, and waits for the successor's
+    /// `release`, then passes the conversation to the main thread ([`Control::HandOver`]).
+    /// Refused (the daemon serves on) when an export cannot be handed over.
+    fn hand_over(&self, stream: std::os::unix::net::UnixStream) {
+        use crate::restart::{peer, recv, send, Message};
+        let refuse = |why: &str| {
+            tracing::info!("restart: not handed over: {why}");
+            let _ = send(
+                &stream,
+                &Message::Refused {
+                    error: why.to_string(),
+                },
+                &[],
+            );
+        };
+        // Generous: the new process opens every image meanwhile.
+        let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(300)));
+        let Ok((pid, uid)) = peer(&stream) else {
+            return;
+        };
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if uid != 0 && uid != euid {
+            return refuse(&format!(
+                "user {uid} may not restart this daemon: run fusex restart as root or as user \
+                 {euid}"
+            ));
+        }
+        match recv(&stream) {
+            Ok((Message::Hello, _)) => {}
+            _ => return,
+        }
+        let sent = {
+            let mut t = self.table();
+            if t.quitting || t.handing_over {
+                return refuse("the daemon is stopping, or already being restarted");
+            }
+            let mut why = None;
+            for (id, e) in &t.exports {
+                why = match (&e.tx, &e.handing) {
+                    (None, _) => Some(format!("export {id} is still starting")),
+                    _ if e.shutting_down => Some(format!("export {id} is being removed")),
+                    (_, None) => Some(format!("export {id} cannot be found again by a successor")),
+                    (_, Some(h)) => h.refusal.clone(),
+                };
+                if why.is_some() {
+                    break;
+                }
+            }
+            if let Some(why) = why {
+                return refuse(&format!(
+                    "{why}; fusex serve hands over every export or none"
+                ));
+            }
+            t.handing_over = true;
+            self.send_state(&stream, &t)
+        };
+        tracing::info!(
+            "restart: process {pid} asks for every export; they keep being served meanwhile"
+        );
+        let released = sent.and_then(|()| match recv(&stream) {
+            Ok((Message::Release, _)) => Ok(()),
+            Ok((other, _)) => Err(crate::restart::unexpected(&other, "release").to_string()),
+            Err(e) => Err(format!("process {pid} went away before taking over ({e})")),
+        });
+        match released {
+            Ok(()) => {
+                let _ = self.control.send(Control::HandOver { stream, pid });
+            }
+            Err(e) => {
+                tracing::info!("restart: not handed over: {e}");
+                self.table().handing_over = false;
+            }
+        }
+    }
+
+    /// The daemon's state, then every export's with its descriptors, then the end.
+    fn send_state(&self, stream: &std::os::unix::net::UnixStream, t: &Table) -> Result<(), String> {
+        use crate::restart::{send, ExportHanding, Message, ServeState, STATE_VERSION};
+        let mut nodes: Vec<&Node> = t.nodes.values().filter(|n| n.args.is_some()).collect();
+        nodes.sort_by_key(|n| n.order);
+        let state = ServeState {
+            version: STATE_VERSION,
+            argv: std::env::args().collect(),
+            cwd: std::env::current_dir()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            notify_socket: self
+                .notify_socket
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            nodes: nodes.iter().filter_map(|n| n.args.clone()).collect(),
+        };
+        let io = |e: std::io::Error| format!("sending the state: {e}");
+        send(stream, &Message::Serve(state), &[]).map_err(io)?;
+        for (id, e) in &t.exports {
+            let Some(h) = &e.handing else { continue };
+            let own = t
+                .nodes
+                .get(&e.node)
+                .is_some_and(|n| n.args.is_none() && n.implicit)
+                && e.node == own_node(id);
+            let msg = Message::Export(ExportHanding {
+                id: id.clone(),
+                node: e.node.clone(),
+                own_node: own,
+                config: e.config.clone(),
+                state: h.state.clone(),
+            });
+            send(stream, &msg, &h.fds()).map_err(io)?;
+        }
+        send(stream, &Message::ServeEnd, &[]).map_err(io)
+    }
+
+    /// Lets go of every export for the successor `pid`: each answers what its queues took,
+    /// flushes and leaves its mount. The files open on each, by id.
+    pub fn release_all(&self, pid: u32) -> BTreeMap<String, u64> {
+        let asked: Vec<(String, mpsc::Receiver<u64>, mpsc::Receiver<bool>)> = {
+            let t = self.table();
+            t.exports
+                .iter()
+                .filter_map(|(id, e)| {
+                    let tx = e.tx.as_ref()?;
+                    let (otx, orx) = mpsc::sync_channel(1);
+                    let (atx, arx) = mpsc::channel();
+                    tx.send(Event::Release {
+                        to: lifecycle::ReleaseTo::Channel(otx),
+                        pid,
+                        accepted: atx,
+                    })
+                    .ok()?;
+                    Some((id.clone(), orx, arx))
+                })
+                .collect()
+        };
+        let mut open = BTreeMap::new();
+        for (id, orx, arx) in asked {
+            if arx.recv() != Ok(true) {
+                tracing::error!("restart: export {id} would not let go; the successor lacks it");
+                continue;
+            }
+            match orx.recv() {
+                Ok(n) => {
+                    open.insert(id, n);
+                }
+                Err(_) => tracing::error!("restart: export {id} ended before it let go"),
+            }
+        }
+        open
+    }
+
+    /// The successor's side: an export taken over from the old daemon, served as if added.
+    pub fn adopt(
+        &self,
+        id: &str,
+        node: Option<Node>,
+        node_name: &str,
+        config: Option<Value>,
+        prepared: lifecycle::Prepared,
+    ) -> Result<(), String> {
+        let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut t = self.table();
+            if let Some(n) = node {
+                t.nodes.insert(n.name.clone(), n);
+            }
+            t.exports.insert(
+                id.to_string(),
+                Entry {
+                    serial,
+                    node: node_name.to_string(),
+                    tx: None,
+                    shutting_down: false,
+                    state: crate::runtime::ExportState {
+                        state: "starting".into(),
+                        ..Default::default()
+                    },
+                    config,
+                    handing: None,
+                },
+            );
+        }
+        match self.supervise(id, serial, prepared) {
+            Ok(tx) => {
+                if let Some(e) = self.table().exports.get_mut(id) {
+                    e.tx = Some(tx);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.table().exports.remove(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Tells a `fusex restart` successor systemd's socket.
+    pub fn set_notify_socket(&self, socket: Option<String>) {
+        *self.notify_socket.lock().unwrap_or_else(|p| p.into_inner()) = socket;
+    }
 }

@@ -61,6 +61,11 @@ pub struct Node {
     pub implicit: bool,
     /// The image's virtual size in bytes, learnt when the node was added.
     pub size: u64,
+    /// The `blockdev-add` arguments that made it (None: an inline child, or an export's own
+    /// node), which a `fusex restart` successor runs again.
+    pub args: Option<Value>,
+    /// When it was added, among the daemon's nodes.
+    pub order: u64,
 }
 
 /// The members every driver takes (QAPI's `BlockdevOptionsBase`, as QEMU 7.2 has them).
@@ -334,6 +339,8 @@ pub fn parse(
         no_backing: false,
         implicit: !path.is_empty(),
         size: 0,
+        args: None,
+        order: 0,
     };
     node.driver = match driver {
         "file" | "host_device" => {
@@ -477,6 +484,8 @@ impl Node {
             no_backing: args.no_backing,
             implicit: true,
             size: 0,
+            args: None,
+            order: 0,
         }
     }
 
@@ -540,6 +549,8 @@ mod tests {
             no_backing: false,
             implicit: false,
             size: 0,
+            args: None,
+            order: 0,
         };
         let lookup = move |name: &str| (name == "file0").then(|| file0.clone());
         parse(

@@ -1,8 +1,8 @@
 //! What `fusex list` and `fusex restart` see of `fusex serve`'s exports: each export has its
 //! files in the runtime directory, as a `fusex mount` daemon's export has (a state file, and a
 //! socket bound while it serves, which is how `fusex list` tells a live export from a dead
-//! mount). One thread answers every export's socket: a `fusex restart` of one export of a `fusex
-//! serve` daemon is refused in one line (the daemon hands exports over only whole).
+//! mount). One thread answers every export's socket: `fusex restart` of any export of a `fusex
+//! serve` daemon hands the whole daemon over ([`super::Service::hand_over`]).
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, RawFd};
@@ -23,6 +23,9 @@ pub struct Publisher {
     sockets: Arc<Mutex<Sockets>>,
 }
 
+/// What the acceptor does with a connection (`fusex restart`): the daemon's hand-over.
+pub type OnConnect = Box<dyn Fn(std::os::unix::net::UnixStream) + Send>;
+
 /// One export's published files; removed when dropped.
 pub struct Published {
     entry: Entry,
@@ -35,8 +38,8 @@ pub struct Published {
 const RESCAN: Duration = Duration::from_millis(200);
 
 impl Publisher {
-    /// Starts the acceptor thread.
-    pub fn start() -> std::io::Result<Publisher> {
+    /// Starts the acceptor thread, which passes each connection to `on_connect`.
+    pub fn start(on_connect: OnConnect) -> std::io::Result<Publisher> {
         let sockets = Arc::new(Mutex::new(Sockets::default()));
         let weak = Arc::downgrade(&sockets);
         std::thread::Builder::new()
@@ -53,11 +56,18 @@ impl Publisher {
                     drop(s);
                     let ready = wait_readable(&fds, RESCAN);
                     let Some(s) = weak.upgrade() else { return };
-                    let s = s.lock().unwrap_or_else(|p| p.into_inner());
-                    for l in s.listeners.values().filter(|l| ready.contains(&l.as_raw_fd())) {
-                        if let Ok((stream, _)) = l.accept() {
-                            refuse(stream);
-                        }
+                    let accepted: Vec<_> = {
+                        let s = s.lock().unwrap_or_else(|p| p.into_inner());
+                        s.listeners
+                            .values()
+                            .filter(|l| ready.contains(&l.as_raw_fd()))
+                            .filter_map(|l| l.accept().ok().map(|(stream, _)| stream))
+                            .collect()
+                    };
+                    // Unlocked: a hand-over leaves exports, which takes this lock.
+                    for stream in accepted {
+                        let _ = stream.set_nonblocking(false);
+                        on_connect(stream);
                     }
                 }
             })?;
@@ -106,6 +116,11 @@ impl Publisher {
 }
 
 impl Published {
+    /// The export went to a `fusex restart` successor, which owns its files now.
+    pub fn leave(mut self) {
+        self.entry.leave();
+    }
+
     /// Rewrites the state `fusex list` shows.
     pub fn set_state(&mut self, state: &str) {
         self.state.state = state.to_string();
@@ -122,26 +137,6 @@ impl Drop for Published {
             .listeners
             .remove(&self.key);
     }
-}
-
-/// A `fusex restart` of one export of this daemon: refused, in the restart protocol.
-fn refuse(stream: std::os::unix::net::UnixStream) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    // The request first (a client that says nothing gets the answer anyway).
-    let _ = crate::restart::recv(&stream);
-    let _ = crate::restart::send(
-        &stream,
-        &crate::restart::Message::Refused {
-            error: format!(
-                "this export is served by fusex serve (pid {}), whose exports are not handed over \
-                 one by one: remove it and add it again (fusex ctl remove, fusex ctl add), or \
-                 stop and start the daemon",
-                std::process::id()
-            ),
-        },
-        &[],
-    );
 }
 
 /// The fds of `fds` that are readable within `timeout`.

@@ -1,0 +1,133 @@
+//! `fusex restart` of a `fusex serve` daemon, in the new process: every export is taken over
+//! at once (the nodes added again, each export adopted as `fusex restart` adopts a `fusex mount`
+//! export), then the control sockets are bound again, and the daemon serves on with the old
+//! one's command line. Any error before the old daemon let go leaves it serving.
+
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use qmp::Dispatcher;
+
+use super::daemon::{self, Running};
+use crate::daemon::Readiness;
+use crate::restart::{recv, send, unexpected, ExportHanding, Message, ServeState, STATE_VERSION};
+use crate::serve::Adoption;
+
+/// Takes the daemon over through `sock` (its `serve` state already read) and serves until
+/// stopped, like `fusex serve`.
+pub fn run(sock: UnixStream, state: ServeState, mut ready: Readiness, path: &Path) -> Result<()> {
+    match take(sock, state, &mut ready, path) {
+        Ok(running) => running.serve_until_done(ready),
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            Err(e)
+        }
+    }
+}
+
+fn take(
+    sock: UnixStream,
+    state: ServeState,
+    ready: &mut Readiness,
+    path: &Path,
+) -> Result<Running> {
+    let shown = path.display().to_string();
+    if state.version > STATE_VERSION {
+        bail!(
+            "the daemon serving {shown} is a newer fusex (restart state version {}, this binary \
+             reads up to {STATE_VERSION}): restart it with that fusex",
+            state.version
+        );
+    }
+    let mut exports: Vec<(ExportHanding, Vec<std::os::fd::OwnedFd>)> = Vec::new();
+    loop {
+        match recv(&sock).context("reading the daemon's exports")? {
+            (Message::Export(e), fds) => exports.push((e, fds)),
+            (Message::ServeEnd, _) => break,
+            (other, _) => return Err(unexpected(&other, "export")),
+        }
+    }
+    std::env::set_current_dir(&state.cwd).with_context(|| format!("entering {}", state.cwd))?;
+    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(&state.argv)
+        .map_err(|e| anyhow!("the daemon's command line: {}", e.kind()))?;
+    let Some(crate::cli::Command::Serve(args)) = cli.command else {
+        bail!("the daemon's command line is not fusex serve");
+    };
+    // The log goes where the old daemon's command line says, as for a daemon.
+    match crate::logging::choose_for(args.log, args.log_file.as_ref(), true) {
+        Ok(dest) => {
+            crate::logging::switch(&dest);
+            ready.keep_stderr(!matches!(dest, crate::logging::Dest::Syslog(_)));
+        }
+        Err(e) => tracing::warn!("restart: the log is lost once detached: {e:#}"),
+    }
+    let base = daemon::base(args.config.is_some(), 0)?;
+    let notifier = match &state.notify_socket {
+        Some(v) => crate::notify::Notifier::connect(v)?,
+        None => crate::notify::Notifier::from_env()?,
+    };
+    base.service
+        .set_notify_socket(notifier.socket().map(str::to_string));
+    if let Some(c) = &args.config {
+        base.service.remember_config(c);
+    }
+    for n in state.nodes {
+        base.service
+            .dispatch("blockdev-add", n.clone())
+            .map_err(|e| anyhow!("restart: adding node {n}: {}", e.desc))?;
+    }
+    let mut adoptions = Vec::with_capacity(exports.len());
+    for (e, fds) in exports {
+        let a = Adoption::begin(e.state.clone(), fds, &e.state.mountpoint)
+            .with_context(|| format!("export {}", e.id))?;
+        adoptions.push((e, a));
+    }
+    let sockets = daemon::sockets(&args)?;
+    // Everything that can fail is done: let the old daemon finish and let go.
+    send(&sock, &Message::Release, &[])?;
+    let open_files: BTreeMap<String, u64> =
+        match recv(&sock).context("the old daemon went away before letting go")? {
+            (Message::ServeReleased { open_files }, _) => open_files,
+            (other, _) => return Err(unexpected(&other, "released")),
+        };
+    // Past the point of return: an export that fails now ends as a failed start does.
+    for (e, a) in adoptions {
+        let Some(&open) = open_files.get(&e.id) else {
+            tracing::error!("restart: the old daemon did not let go of export {}", e.id);
+            continue;
+        };
+        let adopted = a
+            .complete(open)
+            .map_err(|err| format!("{err:#}"))
+            .and_then(|p| {
+                let node = e
+                    .own_node
+                    .then(|| super::node::Node::of_image(&e.node, &p.args));
+                base.service
+                    .adopt(&e.id, node, &e.node, e.config.clone(), p)
+            });
+        if let Err(err) = adopted {
+            tracing::error!("restart: export {}: {err}", e.id);
+        }
+    }
+    let pid_file = match args.pidfile.as_deref().map(crate::files::PidFile::claim) {
+        Some(Ok(p)) => Some(p),
+        Some(Err(e)) => {
+            tracing::warn!("restart: {e:#}");
+            None
+        }
+        None => None,
+    };
+    tracing::info!(
+        "restart: took over {} export{}",
+        base.service.export_count(),
+        if base.service.export_count() == 1 {
+            ""
+        } else {
+            "s"
+        }
+    );
+    base.serve(sockets, pid_file, notifier)
+}
