@@ -105,6 +105,15 @@ pub fn signal_name(s: i32) -> String {
     }
 }
 
+/// Logs a signal fusex catches only so that its default action (ending the process, leaving a
+/// dead mount) does not happen.
+pub fn log_ignored(s: i32) {
+    tracing::info!(
+        "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 writes statistics)",
+        signal_name(s)
+    );
+}
+
 /// Whoever drives an export hears from its supervisor through this: readiness, the state `fusex
 /// list` shows, and the steps of a stop or a hand-over. `fusex mount` answers with the process's
 /// readiness pipe, systemd and pid file; `fusex serve` with its export table.

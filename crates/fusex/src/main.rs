@@ -47,6 +47,37 @@ fn init_logging_to(verbose: u8, syslog: bool) {
         .init();
 }
 
+/// Starts a daemon command: the log destination chosen (and a `--log-file` opened) before the
+/// fork, so a refusal is one line here; the fork (`--daemonize`) before any thread exists
+/// (logging starts none); then `run` with the readiness report.
+fn detach(
+    log: Option<cli::LogArg>,
+    log_file: Option<std::path::PathBuf>,
+    daemonize: bool,
+    verbose: u8,
+    run: impl FnOnce(daemon::Readiness) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let dest = match logging::choose_for(log, log_file.as_ref(), daemonize) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("fusex: error: {}", format!("{e:#}").replace('\n', " "));
+            std::process::exit(1);
+        }
+    };
+    let ready = if daemonize {
+        daemon::daemonize()
+    } else {
+        Ok(daemon::Readiness::foreground())
+    };
+    logging::switch(&dest);
+    let syslog = matches!(dest, logging::Dest::Syslog(_));
+    init_logging_to(verbose, syslog);
+    ready.and_then(|mut r| {
+        r.keep_stderr(!syslog);
+        run(r)
+    })
+}
+
 fn main() {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -86,48 +117,16 @@ fn main() {
     }
     let result = match command {
         Command::Mount(args) => {
-            // Chosen (and a --log-file opened) before the fork: a refusal is one line here.
-            let dest = match logging::choose(&args) {
-                Ok(d) => d,
-                Err(e) => {
-                    eprintln!("fusex: error: {}", format!("{e:#}").replace('\n', " "));
-                    std::process::exit(1);
-                }
-            };
             daemonized = args.daemonize;
-            // Fork before any thread exists (logging starts no threads).
-            let ready = if args.daemonize {
-                daemon::daemonize()
-            } else {
-                Ok(daemon::Readiness::foreground())
-            };
-            logging::switch(&dest);
-            let syslog = matches!(dest, logging::Dest::Syslog(_));
-            init_logging_to(cli.verbose, syslog);
-            ready.and_then(|mut r| {
-                r.keep_stderr(!syslog);
+            let (log, file) = (args.log, args.log_file.clone());
+            detach(log, file, args.daemonize, cli.verbose, |r| {
                 serve::mount(*args, r, cli.verbose)
             })
         }
         Command::Serve(args) => {
-            let dest = match logging::choose_for(args.log, args.log_file.as_ref(), args.daemonize) {
-                Ok(d) => d,
-                Err(e) => {
-                    eprintln!("fusex: error: {}", format!("{e:#}").replace('\n', " "));
-                    std::process::exit(1);
-                }
-            };
             daemonized = args.daemonize;
-            let ready = if args.daemonize {
-                daemon::daemonize()
-            } else {
-                Ok(daemon::Readiness::foreground())
-            };
-            logging::switch(&dest);
-            let syslog = matches!(dest, logging::Dest::Syslog(_));
-            init_logging_to(cli.verbose, syslog);
-            ready.and_then(|mut r| {
-                r.keep_stderr(!syslog);
+            let (log, file) = (args.log, args.log_file.clone());
+            detach(log, file, args.daemonize, cli.verbose, |r| {
                 service::daemon::run(*args, r, cli.verbose)
             })
         }

@@ -14,9 +14,7 @@ use transport::Mount;
 
 use crate::cli::MountArgs;
 use crate::daemon::Readiness;
-use crate::lifecycle::{
-    self, signal_name, Event, Owner, Prepared, ReleaseTo, Settled, Stop, Supervision,
-};
+use crate::lifecycle::{self, Event, Owner, Prepared, ReleaseTo, Settled, Stop, Supervision};
 use crate::memory::{self, Plan as MemoryPlan};
 use crate::privileges::Plan;
 
@@ -225,11 +223,7 @@ fn spawn_signal_thread(
                 let ev = match s {
                     SIGUSR1 => Event::Dump,
                     SIGUSR2 | SIGALRM => {
-                        tracing::info!(
-                            "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 writes \
-                             statistics)",
-                            signal_name(s)
-                        );
+                        crate::lifecycle::log_ignored(s);
                         continue;
                     }
                     _ => Event::Stop(Stop::Signal(s)),

@@ -57,11 +57,7 @@ pub fn base(reloads: bool, verbose: u8) -> Result<Base> {
                 let c = match s {
                     SIGUSR1 => Control::Dump,
                     SIGUSR2 | SIGALRM => {
-                        tracing::info!(
-                            "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 writes \
-                             statistics)",
-                            signal_name(s)
-                        );
+                        crate::lifecycle::log_ignored(s);
                         continue;
                     }
                     SIGHUP if reloads => Control::Reload,

@@ -69,6 +69,24 @@ struct Entry {
     handing: Option<lifecycle::Handing>,
 }
 
+impl Entry {
+    /// An export being mounted: its id is taken, it serves nothing yet.
+    fn starting(serial: u64, node: String, config: Option<Value>) -> Entry {
+        Entry {
+            serial,
+            node,
+            tx: None,
+            shutting_down: false,
+            state: crate::runtime::ExportState {
+                state: "starting".into(),
+                ..Default::default()
+            },
+            config,
+            handing: None,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Table {
     nodes: BTreeMap<String, Node>,
@@ -556,21 +574,8 @@ impl Service {
             )));
         }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
-        t.exports.insert(
-            id.clone(),
-            Entry {
-                serial,
-                node,
-                tx: None,
-                shutting_down: false,
-                state: crate::runtime::ExportState {
-                    state: "starting".into(),
-                    ..Default::default()
-                },
-                config,
-                handing: None,
-            },
-        );
+        t.exports
+            .insert(id.clone(), Entry::starting(serial, node, config));
         drop(t);
         // Mounting takes a while (an NBD server may be slow to answer): other commands run
         // meanwhile; the table holds the id.
@@ -1157,18 +1162,7 @@ impl Service {
             }
             t.exports.insert(
                 id.to_string(),
-                Entry {
-                    serial,
-                    node: node_name.to_string(),
-                    tx: None,
-                    shutting_down: false,
-                    state: crate::runtime::ExportState {
-                        state: "starting".into(),
-                        ..Default::default()
-                    },
-                    config,
-                    handing: None,
-                },
+                Entry::starting(serial, node_name.to_string(), config),
             );
         }
         match self.supervise(id, serial, prepared) {
