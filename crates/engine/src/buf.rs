@@ -12,7 +12,6 @@
 //! pool's memory is shared through an `Arc`, so it stays allocated for as long as any thread holds
 //! one of its buffers, and an engine uses a buffer as a fixed buffer only if it is its own pool's.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::ptr::NonNull;
@@ -22,19 +21,34 @@ use std::sync::{Arc, Mutex};
 /// Alignment of every buffer: a page, which satisfies O_DIRECT on any device fusex will meet.
 pub const BUF_ALIGN: usize = 4096;
 
-/// One page-aligned allocation.
+/// One page-aligned allocation: an anonymous private mapping of its own. The kernel gives its
+/// pages zeroed on first touch, so a buffer costs no resident memory until a request fills it
+/// (unless the ring registers it, which pins it); an allocator's zeroed allocation would write
+/// every page at start (an aligned `alloc_zeroed` clears the memory itself), making every
+/// export's buffers resident whether it is busy or idle.
 pub(crate) struct RawBuf {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
 }
 
 impl RawBuf {
     pub(crate) fn new(size: usize) -> Option<RawBuf> {
-        let size = size.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN);
-        let layout = Layout::from_size_align(size, BUF_ALIGN).ok()?;
-        // SAFETY: layout has a non-zero size (at least one page).
-        let ptr = unsafe { alloc_zeroed(layout) };
-        NonNull::new(ptr).map(|ptr| RawBuf { ptr, layout })
+        let len = size.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN);
+        // SAFETY: a fresh anonymous private mapping; no existing memory is named or changed.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return None;
+        }
+        NonNull::new(ptr.cast()).map(|ptr| RawBuf { ptr, len })
     }
 
     pub(crate) fn ptr(&self) -> *mut u8 {
@@ -42,18 +56,18 @@ impl RawBuf {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.layout.size()
+        self.len
     }
 }
 
 impl Drop for RawBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr was allocated with exactly this layout and is freed once.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: ptr and len are exactly the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 
-// SAFETY: a `RawBuf` is an owned heap allocation of plain bytes with no thread affinity; moving
+// SAFETY: a `RawBuf` is an owned mapping of plain bytes with no thread affinity; moving
 // the owner to another thread moves nothing but the address.
 unsafe impl Send for RawBuf {}
 // SAFETY: `&RawBuf` exposes only the address and length, never the bytes.

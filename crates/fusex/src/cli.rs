@@ -423,6 +423,11 @@ pub struct MountArgs {
     /// faster, see docs/design.md).
     #[arg(long, value_enum, default_value_t = OnOff::Off, hide = true)]
     pub fixed_files: OnOff,
+    /// Register each queue's request buffers with its ring as fixed buffers (a measurement
+    /// switch, on by default). Registered buffers are pinned, so resident from the start;
+    /// unregistered ones become resident only as requests fill them.
+    #[arg(long, value_enum, default_value_t = OnOff::On, hide = true)]
+    pub register_buffers: OnOff,
     /// Legacy transport, image in memory: READs of at least this many bytes are answered by
     /// splicing from the image (0: never). A measurement switch, off by default: measured here
     /// it saved no server CPU (docs/design.md).

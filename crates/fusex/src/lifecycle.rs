@@ -753,6 +753,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
             fixed_files: (args.fixed_files == crate::cli::OnOff::On)
                 .then(|| export.backend().inner().io_fds()),
+            register_buffers: args.register_buffers == crate::cli::OnOff::On,
             splice_min: args.splice_min as usize,
             fallback_slots: memory::URING_LEGACY_SLOTS,
             before_serving: Box::new(move || privileges.apply()),

@@ -52,6 +52,9 @@ pub struct QueueSpec {
     /// The image's descriptors to register as the ring's fixed files, with the io_uring
     /// connection's (None: no fixed files).
     pub fixed_files: Option<Vec<std::os::fd::RawFd>>,
+    /// Register the request buffers with the ring as fixed buffers (pinned: resident from the
+    /// start, and no per-operation page pinning).
+    pub register_buffers: bool,
     /// Legacy READs of at least this many bytes are spliced from the image (0: none).
     pub splice_min: usize,
     /// Slots of the legacy reader an io_uring queue keeps (on its `legacy` fd) for requests sent
@@ -185,7 +188,7 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
         sq_entries: ((legacy_depth + uring_slots) * 2 + 8) as u32,
         buffers: legacy_depth + uring_slots,
         buffer_size: legacy_layout.size.max(uring_layout.size),
-        register_buffers: true,
+        register_buffers: spec.register_buffers,
         spin: spec.spin,
         provided_buffers: legacy_depth > 0,
         ..EngineConfig::default()
