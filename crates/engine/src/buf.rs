@@ -80,6 +80,9 @@ pub(crate) struct Pool {
     bufs: Vec<RawBuf>,
     free: Mutex<Vec<u16>>,
     registered: AtomicBool,
+    /// Registered one by one as first used (a sparse table on the ring): which ones are.
+    /// Empty when the pool was registered whole, or not at all.
+    lazy: Box<[AtomicBool]>,
 }
 
 impl Pool {
@@ -97,7 +100,17 @@ impl Pool {
             bufs,
             free: Mutex::new(free),
             registered: AtomicBool::new(false),
+            lazy: Box::new([]),
         }))
+    }
+
+    /// A pool whose buffers the ring registers one by one, each the first time an operation
+    /// uses it ([`Pool::fixed`]): a buffer registered is pinned, so resident, and a queue that
+    /// stays idle should not pay for buffers it never uses.
+    pub(crate) fn new_lazy(count: usize, size: usize) -> Option<Arc<Pool>> {
+        let mut pool = Arc::into_inner(Pool::new(count, size)?)?;
+        pool.lazy = (0..count).map(|_| AtomicBool::new(false)).collect();
+        Some(Arc::new(pool))
     }
 
     pub(crate) fn iovecs(&self) -> Vec<libc::iovec> {
@@ -116,6 +129,41 @@ impl Pool {
 
     pub(crate) fn registered(&self) -> bool {
         self.registered.load(Ordering::Relaxed)
+    }
+
+    /// Whether buffer `index` is in the ring's table now: always for a pool registered whole;
+    /// for a lazily registered one, once [`Pool::set_fixed`] said so.
+    pub(crate) fn fixed(&self, index: u16) -> bool {
+        self.registered()
+            && self
+                .lazy
+                .get(usize::from(index))
+                .is_none_or(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// Whether buffers are registered one by one (see [`Pool::new_lazy`]).
+    pub(crate) fn is_lazy(&self) -> bool {
+        !self.lazy.is_empty()
+    }
+
+    /// Buffer `index` was just registered.
+    pub(crate) fn set_fixed(&self, index: u16) {
+        if let Some(f) = self.lazy.get(usize::from(index)) {
+            f.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Buffer `index` as an iovec, for registering it alone.
+    pub(crate) fn iovec(&self, index: u16) -> Option<libc::iovec> {
+        self.bufs.get(usize::from(index)).map(|b| libc::iovec {
+            iov_base: b.ptr().cast(),
+            iov_len: b.len(),
+        })
+    }
+
+    /// Registration failed: every buffer goes by address from now on.
+    pub(crate) fn clear_registered(&self) {
+        self.registered.store(false, Ordering::Relaxed);
     }
 
     fn free_list(&self) -> std::sync::MutexGuard<'_, Vec<u16>> {

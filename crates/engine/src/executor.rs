@@ -251,11 +251,27 @@ impl Engine {
                     .build(entries)
             })
             .map_err(EngineError::Setup)?;
-        let pool = Pool::new(cfg.buffers, cfg.buffer_size).ok_or(EngineError::Alloc {
+        let alloc = EngineError::Alloc {
             count: cfg.buffers,
             size: cfg.buffer_size,
-        })?;
-        if cfg.register_buffers && pool.len() > 0 {
+        };
+        // Registered one by one as they are first used (a sparse table now), so an idle queue's
+        // buffers are neither pinned nor resident; whole where the kernel lacks sparse tables.
+        let sparse = cfg.register_buffers
+            && cfg.buffers > 0
+            && ring
+                .submitter()
+                .register_buffers_sparse(cfg.buffers as u32)
+                .is_ok();
+        let pool = if sparse {
+            Pool::new_lazy(cfg.buffers, cfg.buffer_size)
+        } else {
+            Pool::new(cfg.buffers, cfg.buffer_size)
+        }
+        .ok_or(alloc)?;
+        if sparse {
+            pool.set_registered();
+        } else if cfg.register_buffers && pool.len() > 0 {
             let iovecs = pool.iovecs();
             // SAFETY: the iovecs describe live allocations of `pool`, which the engine keeps (and
             // leaks rather than frees while operations are in flight) until after the ring, and
@@ -363,6 +379,41 @@ impl Engine {
         self.ring.borrow().submitter().register_files(fds)?;
         files.extend_from_slice(fds);
         Ok(())
+    }
+
+    /// Whether buffer `index` of this engine's pool can be named by its fixed-buffer index: it
+    /// is registered, now if this is its first use (a lazily registered pool, see
+    /// [`Pool::new_lazy`]). A registration that fails makes every buffer go by address.
+    pub(crate) fn fixed_buffer(&self, index: u16) -> bool {
+        if self.pool.fixed(index) {
+            return true;
+        }
+        if !self.pool.registered() || !self.pool.is_lazy() {
+            return false;
+        }
+        let Some(iov) = self.pool.iovec(index) else {
+            return false;
+        };
+        // SAFETY: the iovec describes a live allocation of `self.pool`, which the engine keeps
+        // (and leaks rather than frees while operations are in flight) until after the ring, and
+        // with it the registration, is gone.
+        let r = unsafe {
+            self.ring
+                .borrow()
+                .submitter()
+                .register_buffers_update(u32::from(index), &[iov], None)
+        };
+        match r {
+            Ok(_) => {
+                self.pool.set_fixed(index);
+                true
+            }
+            Err(e) => {
+                tracing::debug!("fixed buffers unavailable ({e}); using plain buffers");
+                self.pool.clear_registered();
+                false
+            }
+        }
     }
 
     /// `fd` as operations should name it: its fixed-file index if it is registered.

@@ -64,6 +64,44 @@ fn reads_and_writes_a_file_through_pool_buffers_plain_and_fixed() {
     }
 }
 
+/// A registered pool is registered buffer by buffer, each at its first fixed operation: the
+/// buffers no operation used are neither registered (pinned) nor resident.
+#[test]
+fn buffers_are_registered_and_resident_only_once_used() {
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&[7u8; 8192]).unwrap();
+    let eng = engine(4, true);
+    assert!(eng.buffers_registered());
+    let used = eng.take_buffer().unwrap();
+    let idle = eng.take_buffer().unwrap();
+    assert!(!eng.pool.fixed(used.index()) && !eng.pool.fixed(idle.index()));
+    let resident = |b: &crate::Buf| {
+        let mut vec = [0u8; 2];
+        // SAFETY: mincore reads the residency of the buffer's own (page-aligned) pages into
+        // `vec`, one byte per page, and the buffer is 2 pages.
+        let r = unsafe {
+            libc::mincore(
+                b.as_slice().as_ptr() as *mut libc::c_void,
+                8192,
+                vec.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0);
+        vec.iter().filter(|v| **v & 1 != 0).count()
+    };
+    assert_eq!(resident(&idle), 0, "an unused buffer takes no memory");
+    let fd = Fd::Raw(f.as_raw_fd());
+    let (n, win) = eng.block_on(eng.read(fd, used.slice(0..8192), 0)).unwrap();
+    assert_eq!(n.unwrap(), 8192);
+    assert_eq!(win.as_slice(), &[7u8; 8192]);
+    assert!(
+        eng.pool.fixed(win.buf().index()),
+        "registered at its first use"
+    );
+    assert!(!eng.pool.fixed(idle.index()));
+    assert_eq!(resident(&idle), 0);
+}
+
 #[test]
 fn buffers_are_owned_once_and_return_to_the_pool() {
     let eng = engine(2, false);
