@@ -552,7 +552,12 @@ fn installed_man_pages_render_cleanly_and_name_only_installed_pages() {
     for option in ["--stop-timeout SECONDS", "--writable", "-U, --force-share"] {
         assert!(mount.contains(option), "fusex-mount(1) lacks {option}");
     }
-    for hidden in ["--fault", "--splice-min", "--fixed-files"] {
+    for hidden in [
+        "--fault",
+        "--splice-min",
+        "--fixed-files",
+        "--register-buffers",
+    ] {
         assert!(!mount.contains(hidden), "fusex-mount(1) shows {hidden}");
     }
     for signal in ["SIGUSR1", "SIGUSR2, SIGALRM", "SIGTERM, SIGINT, SIGHUP"] {

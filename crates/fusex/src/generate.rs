@@ -325,7 +325,12 @@ mod tests {
         }
         for (name, page) in &pages {
             assert!(!page.contains("fusex\\-help"), "{name} names fusex-help");
-            for hidden in ["\\-\\-fault", "\\-\\-splice\\-min", "\\-\\-fixed\\-files"] {
+            for hidden in [
+                "\\-\\-fault",
+                "\\-\\-splice\\-min",
+                "\\-\\-fixed\\-files",
+                "\\-\\-register\\-buffers",
+            ] {
                 assert!(!page.contains(hidden), "{name} shows {hidden}");
             }
             assert!(
