@@ -760,3 +760,96 @@ fn restart_hands_every_export_to_a_new_daemon() {
     assert!(out.status.success());
     assert_eq!(&read_all(&w.join("b.out"))[..12], b"beforeafter!");
 }
+
+/// QEMU's interactive client, `qmp-shell`, drives qemu-storage-daemon and fusex alike: the same
+/// typed commands (its `name key=value` syntax) get the same answers from both.
+#[test]
+fn qmp_shell_gets_the_same_answers_from_both() {
+    if !require_fuse_and_tools(&["qemu-storage-daemon"]) {
+        return;
+    }
+    let Some(py) = qmp_python() else {
+        skip_or_fail("target/qmp-venv with qemu.qmp (run scripts/deps.sh)");
+        return;
+    };
+    let shell = py.with_file_name("qmp-shell");
+    let w = WorkDir::new("serve-qmp-shell");
+    let mut answers = Vec::new();
+    for program in [
+        "qemu-storage-daemon".to_string(),
+        fusex_bin().display().to_string(),
+    ] {
+        let dir = w.join(if answers.is_empty() { "qsd" } else { "fusex" });
+        fs::create_dir(&dir).unwrap();
+        sparse_image(&dir.join("a.img"), MIB);
+        fs::write(dir.join("a.mnt"), b"").unwrap();
+        let sock = dir.join("qmp.sock");
+        let mut cmd = Command::new(&program);
+        if !program.starts_with("qemu") {
+            cmd.arg("serve");
+        }
+        let mut daemon = ChildGuard(
+            cmd.arg("--chardev")
+                .arg(format!(
+                    "socket,id=m,path={},server=on,wait=off",
+                    sock.display()
+                ))
+                .args(["--monitor", "chardev=m"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let _unmount = UnmountOnDrop(dir.join("a.mnt"));
+        assert!(
+            wait_until(Instant::now() + TIMEOUT, || {
+                std::os::unix::net::UnixStream::connect(&sock).is_ok()
+            }),
+            "{program} has no socket"
+        );
+        let d = dir.display();
+        let input = format!(
+            "blockdev-add driver=file node-name=f0 filename={d}/a.img\n\
+             block-export-add type=fuse id=e0 node-name=f0 mountpoint={d}/a.mnt writable=true\n\
+             query-block-exports\n\
+             blockdev-add driver=vmdkx node-name=x\n\
+             block-export-add type=fuse id=e0 node-name=f0 mountpoint={d}/a.mnt\n\
+             block-export-del id=nope\n\
+             blockdev-del node-name=f0\n\
+             block-export-del id=e0 mode=hard\n\
+             quit\n"
+        );
+        let mut sh = Command::new(&shell)
+            .arg(&sock)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        {
+            use std::io::Write;
+            sh.stdin
+                .take()
+                .unwrap()
+                .write_all(input.as_bytes())
+                .unwrap();
+        }
+        let out = sh.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).replace(&d.to_string(), "$W");
+        // The greeting names the server's version: the replies after it are compared, as JSON
+        // (members in any order).
+        let replies: Vec<Value> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("(QEMU) "))
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        assert_eq!(replies.len(), 9, "{program}: {text}");
+        assert!(
+            wait_timeout(&mut daemon.0, TIMEOUT).is_some(),
+            "{program} did not quit"
+        );
+        answers.push(replies);
+    }
+    assert_eq!(answers[0], answers[1], "qemu-storage-daemon, then fusex");
+}
