@@ -853,3 +853,95 @@ fn qmp_shell_gets_the_same_answers_from_both() {
     }
     assert_eq!(answers[0], answers[1], "qemu-storage-daemon, then fusex");
 }
+
+/// The restart socket of the export at `mp`: beside the state file that names it in root's
+/// runtime directory.
+fn restart_socket(mp: &Path) -> PathBuf {
+    for e in fs::read_dir("/run/fusex").unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "json")
+            && fs::read_to_string(&p).is_ok_and(|t| t.contains(&format!("\"{}\"", mp.display())))
+        {
+            return p.with_extension("sock");
+        }
+    }
+    panic!("no runtime state names {}", mp.display());
+}
+
+/// One restart message: a little-endian length, then JSON.
+fn restart_message(s: &mut std::os::unix::net::UnixStream, v: Value) {
+    use std::io::Write;
+    let body = v.to_string();
+    s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+}
+
+/// A successor that asks for every export and vanishes once they let go: the old daemon cannot
+/// tell it, so it unmounts every export (nothing is left as a dead mount) and exits, the image
+/// written through it whole.
+#[test]
+fn a_successor_that_vanishes_mid_restart_leaves_no_dead_mount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-restart-gone");
+    let a = random_image(&w.join("a.img"), MIB, 5);
+    let mp = w.join("a.raw");
+    fs::write(&mp, b"").unwrap();
+    let mut serve = Serve::start(
+        w.path(),
+        &[
+            "--blockdev",
+            &format!(
+                "driver=file,node-name=a,filename={}",
+                w.join("a.img").display()
+            ),
+            "--export",
+            &format!(
+                "type=fuse,id=a,node-name=a,mountpoint={},writable=on,__org.fusex_transport=legacy",
+                mp.display()
+            ),
+        ],
+    );
+    open_rw(&mp).write_all_at(&a[..4096], 8192).unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect(restart_socket(&mp)).unwrap();
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    restart_message(&mut s, json!({"op": "hello"}));
+    // Read the state (the descriptors passed with it are dropped unread) up to `serveend`.
+    let mut seen = Vec::new();
+    loop {
+        use std::io::Read;
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body).unwrap();
+        let m: Value = serde_json::from_slice(&body).unwrap();
+        let op = m["op"].as_str().unwrap().to_string();
+        seen.push(op.clone());
+        if op == "serveend" || op == "refused" {
+            break;
+        }
+    }
+    assert_eq!(seen, ["serve", "export", "serveend"]);
+    restart_message(&mut s, json!({"op": "release"}));
+    drop(s);
+    assert_eq!(serve.wait(), Some(0), "{}", serve.log_text());
+    assert!(
+        !is_fuse_mounted(&mp),
+        "a dead mount was left: {}",
+        serve.log_text()
+    );
+    assert!(
+        serve.log_text().contains("unmounting every export"),
+        "{}",
+        serve.log_text()
+    );
+    let mut want = a.clone();
+    want[8192..8192 + 4096].copy_from_slice(&a[..4096]);
+    assert_bytes_eq(
+        &read_all(&w.join("a.img")),
+        &want,
+        0,
+        "the image after the failed restart",
+    );
+}

@@ -54,8 +54,10 @@ pub enum Event {
 pub enum ReleaseTo {
     /// `fusex mount`: the successor itself, as `Message::Released`.
     Stream(std::os::unix::net::UnixStream),
-    /// `fusex serve`: the daemon, which tells the successor once every export let go.
-    Channel(mpsc::SyncSender<u64>),
+    /// `fusex serve`: the daemon, which tells the successor once every export let go, and
+    /// answers on the channel sent with the count whether the successor took the exports (if it
+    /// did not, this one is unmounted, as after a stop).
+    Channel(mpsc::SyncSender<(u64, mpsc::SyncSender<bool>)>),
 }
 
 impl From<QueueEvent> for Event {
@@ -1123,7 +1125,17 @@ fn release(
             &crate::restart::Message::Released { open_files },
             &[],
         ),
-        ReleaseTo::Channel(tx) => tx.send(open_files).map_err(std::io::Error::other),
+        ReleaseTo::Channel(tx) => {
+            let (taken_tx, taken) = mpsc::sync_channel(1);
+            tx.send((open_files, taken_tx))
+                .map_err(std::io::Error::other)
+                .and_then(|()| match taken.recv() {
+                    Ok(true) => Ok(()),
+                    _ => Err(std::io::Error::other(
+                        "the successor did not take the exports",
+                    )),
+                })
+        }
     };
     match told {
         Ok(()) => true,

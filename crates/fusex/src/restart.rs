@@ -164,6 +164,9 @@ pub enum Message {
     ServeReleased {
         open_files: std::collections::BTreeMap<String, u64>,
     },
+    /// new → old, after `servereleased`: every export is adopted and served here; the old
+    /// daemon may leave the mounts (without it, it unmounts them: the successor is gone).
+    Taken,
 }
 
 /// What a successor of a `fusex serve` daemon needs besides its exports.

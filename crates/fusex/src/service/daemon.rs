@@ -242,16 +242,33 @@ impl Running {
                     if let Some(p) = &pid_file {
                         p.stop_serving();
                     }
-                    let open_files = service.release_all(pid);
+                    let (open_files, releasing) = service.release_all(pid);
                     let released = crate::restart::Message::ServeReleased { open_files };
-                    match crate::restart::send(&stream, &released, &[]) {
-                        Ok(()) => notifier.main_pid(pid),
-                        Err(e) => tracing::error!(
-                            "restart: cannot tell process {pid} it may serve ({e}); its exports \
-                             are let go"
-                        ),
+                    // The successor says it serves them; until then nothing is left behind:
+                    // without its word (it died), they end as a stop would, unmounted.
+                    let taken = crate::restart::send(&stream, &released, &[])
+                        .map_err(|e| e.to_string())
+                        .and_then(|()| match crate::restart::recv(&stream) {
+                            Ok((crate::restart::Message::Taken, _)) => Ok(()),
+                            Ok((other, _)) => {
+                                Err(crate::restart::unexpected(&other, "taken").to_string())
+                            }
+                            Err(e) => Err(e.to_string()),
+                        });
+                    match taken {
+                        Ok(()) => {
+                            releasing.taken(true);
+                            notifier.main_pid(pid);
+                            handed = true;
+                        }
+                        Err(e) => {
+                            tracing::error!(
+                                "restart: process {pid} did not take the exports over ({e}); \
+                                 unmounting every export"
+                            );
+                            releasing.taken(false);
+                        }
                     }
-                    handed = true;
                     break;
                 }
                 Err(_) => break,

@@ -810,6 +810,18 @@ impl Service {
     }
 }
 
+/// The exports that let go for a successor, waiting to hear whether it took them.
+pub struct Releasing(Vec<mpsc::SyncSender<bool>>);
+
+impl Releasing {
+    /// Tells every export whether the successor took it.
+    pub fn taken(self, taken: bool) {
+        for ack in self.0 {
+            let _ = ack.send(taken);
+        }
+    }
+}
+
 /// A checked `block-export-add` request.
 struct Planned {
     id: String,
@@ -1108,10 +1120,16 @@ impl Service {
         send(stream, &Message::ServeEnd, &[]).map_err(io)
     }
 
-    /// Lets go of every export for the successor `pid`: each answers what its queues took,
-    /// flushes and leaves its mount. The files open on each, by id.
-    pub fn release_all(&self, pid: u32) -> BTreeMap<String, u64> {
-        let asked: Vec<(String, mpsc::Receiver<u64>, mpsc::Receiver<bool>)> = {
+    /// Lets go of every export for the successor `pid`: each answers what its queues took and
+    /// flushes. Returns the files open on each, by id, and [`Releasing`], which says to every
+    /// export whether the successor took them (they leave their mounts) or not (unmounted).
+    pub fn release_all(&self, pid: u32) -> (BTreeMap<String, u64>, Releasing) {
+        type Asked = (
+            String,
+            mpsc::Receiver<(u64, mpsc::SyncSender<bool>)>,
+            mpsc::Receiver<bool>,
+        );
+        let asked: Vec<Asked> = {
             let t = self.table();
             t.exports
                 .iter()
@@ -1130,19 +1148,21 @@ impl Service {
                 .collect()
         };
         let mut open = BTreeMap::new();
+        let mut taken = Vec::new();
         for (id, orx, arx) in asked {
             if arx.recv() != Ok(true) {
                 tracing::error!("restart: export {id} would not let go; the successor lacks it");
                 continue;
             }
             match orx.recv() {
-                Ok(n) => {
+                Ok((n, ack)) => {
                     open.insert(id, n);
+                    taken.push(ack);
                 }
                 Err(_) => tracing::error!("restart: export {id} ended before it let go"),
             }
         }
-        open
+        (open, Releasing(taken))
     }
 
     /// The successor's side: an export taken over from the old daemon, served as if added.

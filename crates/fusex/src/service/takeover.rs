@@ -112,6 +112,11 @@ fn take(
             tracing::error!("restart: export {}: {err}", e.id);
         }
     }
+    // The old daemon leaves the mounts to this one only once told (if it is gone already,
+    // this one serves them regardless).
+    if let Err(e) = send(&sock, &Message::Taken, &[]) {
+        tracing::warn!("restart: cannot tell the old daemon the exports are taken: {e}");
+    }
     let pid_file = match args.pidfile.as_deref().map(crate::files::PidFile::claim) {
         Some(Ok(p)) => Some(p),
         Some(Err(e)) => {
