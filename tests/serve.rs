@@ -945,3 +945,74 @@ fn a_successor_that_vanishes_mid_restart_leaves_no_dead_mount() {
         "the image after the failed restart",
     );
 }
+
+/// systemd's readiness protocol: READY=1 only once every export of the config file serves,
+/// RELOADING=1 then READY=1 around a SIGHUP reload, STOPPING=1 when `quit` begins.
+#[test]
+fn readiness_waits_for_every_configured_export() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-notify");
+    let mut config = String::new();
+    for i in 0..6 {
+        fs::write(w.join(format!("m{i}.raw")), b"").unwrap();
+        config += &format!(
+            "[[export]]\nid = \"e{i}\"\nimage = \"null:{}M\"\nmountpoint = \"m{i}.raw\"\n",
+            i + 1
+        );
+    }
+    fs::write(w.join("exports.toml"), &config).unwrap();
+    let path = w.join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let recv = || {
+        let mut buf = vec![0u8; 4096];
+        let n = sock.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let socket = w.join("qmp.sock");
+    let mut daemon = ChildGuard(
+        Command::new(fusex_bin())
+            .args(["serve", "--config"])
+            .arg(w.join("exports.toml"))
+            .arg("--control")
+            .arg(&socket)
+            .env("NOTIFY_SOCKET", &path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let _unmount = (0..6)
+        .map(|i| UnmountOnDrop(w.join(format!("m{i}.raw"))))
+        .collect::<Vec<_>>();
+    let ready = recv();
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready:?}");
+    assert!(ready.contains("serving 6 exports"), "{ready:?}");
+    for i in 0..6 {
+        let m = w.join(format!("m{i}.raw"));
+        assert!(
+            is_fuse_mounted(&m),
+            "READY=1 came before {} served",
+            m.display()
+        );
+        assert_eq!(fs::metadata(&m).unwrap().len(), (i + 1) * MIB);
+    }
+    send_signal(daemon.pid(), libc::SIGHUP);
+    let reloading = recv();
+    assert!(
+        reloading.lines().any(|l| l == "RELOADING=1"),
+        "{reloading:?}"
+    );
+    assert!(reloading.lines().any(|l| l.starts_with("MONOTONIC_USEC=")));
+    let again = recv();
+    assert!(again.lines().any(|l| l == "READY=1"), "{again:?}");
+    Qmp::connect(&socket).ok("quit", json!({}));
+    let stopping = recv();
+    assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping:?}");
+    assert!(wait_timeout(&mut daemon.0, TIMEOUT).is_some_and(|s| s.success()));
+    for i in 0..6 {
+        assert!(!is_fuse_mounted(&w.join(format!("m{i}.raw"))));
+    }
+}

@@ -90,8 +90,9 @@ impl Notifier {
         self.value.as_deref()
     }
 
-    /// `fusex restart` began: the export is being handed to a new process.
-    pub fn reloading(&self) {
+    /// A reload began (`fusex restart` handing the export to a new process, or `fusex serve`
+    /// applying its config file); `status` says which.
+    pub fn reloading(&self, status: &str) {
         let mut ts = libc::timespec {
             tv_sec: 0,
             tv_nsec: 0,
@@ -100,7 +101,7 @@ impl Notifier {
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
         let usec = ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000;
         self.send(&format!(
-            "RELOADING=1\nSTATUS=handing the export to a new process\nMONOTONIC_USEC={usec}"
+            "RELOADING=1\nSTATUS={status}\nMONOTONIC_USEC={usec}"
         ));
     }
 

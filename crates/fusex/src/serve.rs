@@ -119,7 +119,8 @@ impl Owner for MountOwner<'_> {
     }
 
     fn reloading(&mut self) {
-        self.notifier.reloading();
+        self.notifier
+            .reloading("handing the export to a new process");
     }
 
     fn handed_over(&mut self, pid: u32) {

@@ -215,7 +215,7 @@ impl Running {
                 Ok(Control::Dump) => service.dump_all(),
                 Ok(Control::Reload) => {
                     tracing::info!("SIGHUP: reloading the config file");
-                    notifier.reloading();
+                    notifier.reloading("applying the config file");
                     if let Err(e) = service.reload() {
                         tracing::error!("reload: {}", e.desc);
                     }
@@ -236,7 +236,7 @@ impl Running {
                         "restart: process {pid} takes every export over; finishing in-flight \
                          requests"
                     );
-                    notifier.reloading();
+                    notifier.reloading("handing every export to a new process");
                     // The successor binds the same sockets; and may claim the pid file.
                     shut_down(servers.take().unwrap_or_default());
                     if let Some(p) = &pid_file {
