@@ -1016,3 +1016,55 @@ fn readiness_waits_for_every_configured_export() {
         assert!(!is_fuse_mounted(&w.join(format!("m{i}.raw"))));
     }
 }
+
+/// A daemon closes what its launcher had open: `fusex restart` run from a shell that holds the
+/// export open must not leave the new daemon holding it too (a stop would then wait for that
+/// file forever).
+#[test]
+fn a_restarted_daemon_does_not_keep_its_launchers_descriptors() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-inherited");
+    let img = w.join("a.img");
+    random_image(&img, MIB, 9);
+    let mp = w.join("a.raw");
+    let pid_file = w.join("a.pid");
+    let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
+    let mut cmd = Command::new(fusex_bin());
+    cmd.args([
+        "mount",
+        "--transport",
+        "legacy",
+        "--daemonize",
+        "--log-file",
+    ])
+    .arg(w.join("log"))
+    .arg("--pid-file")
+    .arg(&pid_file)
+    .arg(&img)
+    .arg(&mp);
+    let r = run_with_timeout(&w, cmd, Some(&mp));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    // The shell's descriptor 7 on the export is not close-on-exec: fusex restart inherits it.
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg("exec 7<\"$1\"; \"$2\" restart \"$1\"")
+        .arg("bash")
+        .arg(&mp)
+        .arg(fusex_bin());
+    let r = run_with_timeout(&w, cmd, None);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let new: i32 = fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    send_signal(new, libc::SIGTERM);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !pid_alive(new)),
+        "the restarted daemon waited for a file only it held: {}",
+        fs::read_to_string(w.join("log")).unwrap_or_default()
+    );
+    assert!(!is_fuse_mounted(&mp));
+}
