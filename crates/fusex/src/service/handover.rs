@@ -1,0 +1,227 @@
+//! `fusex restart` of a `fusex serve` daemon, the old daemon's side: who may ask, what is sent
+//! (the daemon's state, then each export's with its descriptors), letting go of every export,
+//! and the successor's side of adopting them into its table. The conversation itself is
+//! `crate::restart`'s; the new process's side is [`super::takeover`].
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+
+use serde_json::Value;
+
+use super::{own_node, Control, Entry, Node, Service, Table};
+use crate::lifecycle::{self, Event};
+
+/// The exports that let go for a successor, waiting to hear whether it took them.
+pub struct Releasing(Vec<mpsc::SyncSender<bool>>);
+
+impl Releasing {
+    /// Tells every export whether the successor took it.
+    pub fn taken(self, taken: bool) {
+        for ack in self.0 {
+            let _ = ack.send(taken);
+        }
+    }
+}
+
+impl Service {
+    /// `fusex restart` of any export of this daemon (a connection on its socket): checks who
+    /// asks, sends the daemon's state and every export's, and waits for the successor's
+    /// `release`, then passes the conversation to the main thread ([`Control::HandOver`]).
+    /// Refused (the daemon serves on) when an export cannot be handed over.
+    pub(super) fn hand_over(&self, stream: std::os::unix::net::UnixStream) {
+        use crate::restart::{peer, recv, send, Message};
+        let refuse = |why: &str| {
+            tracing::info!("restart: not handed over: {why}");
+            let _ = send(
+                &stream,
+                &Message::Refused {
+                    error: why.to_string(),
+                },
+                &[],
+            );
+        };
+        // Generous: the new process opens every image meanwhile.
+        let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(300)));
+        let Ok((pid, uid)) = peer(&stream) else {
+            return;
+        };
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if uid != 0 && uid != euid {
+            return refuse(&format!(
+                "user {uid} may not restart this daemon: run fusex restart as root or as user \
+                 {euid}"
+            ));
+        }
+        match recv(&stream) {
+            Ok((Message::Hello, _)) => {}
+            _ => return,
+        }
+        let sent = {
+            let mut t = self.table();
+            if t.quitting || t.handing_over {
+                return refuse("the daemon is stopping, or already being restarted");
+            }
+            let mut why = None;
+            for (id, e) in &t.exports {
+                why = match (&e.tx, &e.handing) {
+                    (None, _) => Some(format!("export {id} is still starting")),
+                    _ if e.shutting_down => Some(format!("export {id} is being removed")),
+                    (_, None) => Some(format!("export {id} cannot be found again by a successor")),
+                    (_, Some(h)) => h.refusal.clone(),
+                };
+                if why.is_some() {
+                    break;
+                }
+            }
+            if let Some(why) = why {
+                return refuse(&format!(
+                    "{why}; fusex serve hands over every export or none"
+                ));
+            }
+            t.handing_over = true;
+            self.send_state(&stream, &t)
+        };
+        tracing::info!(
+            "restart: process {pid} asks for every export; they keep being served meanwhile"
+        );
+        let released = sent.and_then(|()| match recv(&stream) {
+            Ok((Message::Release, _)) => Ok(()),
+            Ok((other, _)) => Err(crate::restart::unexpected(&other, "release").to_string()),
+            Err(e) => Err(format!("process {pid} went away before taking over ({e})")),
+        });
+        match released {
+            Ok(()) => {
+                let _ = self.control.send(Control::HandOver { stream, pid });
+            }
+            Err(e) => {
+                tracing::info!("restart: not handed over: {e}");
+                self.table().handing_over = false;
+            }
+        }
+    }
+
+    /// The daemon's state, then every export's with its descriptors, then the end.
+    fn send_state(&self, stream: &std::os::unix::net::UnixStream, t: &Table) -> Result<(), String> {
+        use crate::restart::{send, ExportHanding, Message, ServeState, STATE_VERSION};
+        let mut nodes: Vec<&Node> = t.nodes.values().filter(|n| n.args.is_some()).collect();
+        nodes.sort_by_key(|n| n.order);
+        let state = ServeState {
+            version: STATE_VERSION,
+            argv: std::env::args().collect(),
+            cwd: std::env::current_dir()
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            notify_socket: self
+                .notify_socket
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            nodes: nodes.iter().filter_map(|n| n.args.clone()).collect(),
+        };
+        let io = |e: std::io::Error| format!("sending the state: {e}");
+        send(stream, &Message::Serve(state), &[]).map_err(io)?;
+        for (id, e) in &t.exports {
+            let Some(h) = &e.handing else { continue };
+            let own = t
+                .nodes
+                .get(&e.node)
+                .is_some_and(|n| n.args.is_none() && n.implicit)
+                && e.node == own_node(id);
+            let msg = Message::Export(ExportHanding {
+                id: id.clone(),
+                node: e.node.clone(),
+                own_node: own,
+                config: e.config.clone(),
+                state: h.state.clone(),
+            });
+            send(stream, &msg, &h.fds()).map_err(io)?;
+        }
+        send(stream, &Message::ServeEnd, &[]).map_err(io)
+    }
+
+    /// Lets go of every export for the successor `pid`: each answers what its queues took and
+    /// flushes. Returns the files open on each, by id, and [`Releasing`], which says to every
+    /// export whether the successor took them (they leave their mounts) or not (unmounted).
+    pub fn release_all(&self, pid: u32) -> (BTreeMap<String, u64>, Releasing) {
+        type Asked = (
+            String,
+            mpsc::Receiver<(u64, mpsc::SyncSender<bool>)>,
+            mpsc::Receiver<bool>,
+        );
+        let asked: Vec<Asked> = {
+            let t = self.table();
+            t.exports
+                .iter()
+                .filter_map(|(id, e)| {
+                    let tx = e.tx.as_ref()?;
+                    let (otx, orx) = mpsc::sync_channel(1);
+                    let (atx, arx) = mpsc::channel();
+                    tx.send(Event::Release {
+                        to: lifecycle::ReleaseTo::Channel(otx),
+                        pid,
+                        accepted: atx,
+                    })
+                    .ok()?;
+                    Some((id.clone(), orx, arx))
+                })
+                .collect()
+        };
+        let mut open = BTreeMap::new();
+        let mut taken = Vec::new();
+        for (id, orx, arx) in asked {
+            if arx.recv() != Ok(true) {
+                tracing::error!("restart: export {id} would not let go; the successor lacks it");
+                continue;
+            }
+            match orx.recv() {
+                Ok((n, ack)) => {
+                    open.insert(id, n);
+                    taken.push(ack);
+                }
+                Err(_) => tracing::error!("restart: export {id} ended before it let go"),
+            }
+        }
+        (open, Releasing(taken))
+    }
+
+    /// The successor's side: an export taken over from the old daemon, served as if added.
+    pub fn adopt(
+        &self,
+        id: &str,
+        node: Option<Node>,
+        node_name: &str,
+        config: Option<Value>,
+        prepared: lifecycle::Prepared,
+    ) -> Result<(), String> {
+        let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut t = self.table();
+            if let Some(n) = node {
+                t.nodes.insert(n.name.clone(), n);
+            }
+            t.exports.insert(
+                id.to_string(),
+                Entry::starting(serial, node_name.to_string(), config),
+            );
+        }
+        match self.supervise(id, serial, prepared) {
+            Ok(tx) => {
+                if let Some(e) = self.table().exports.get_mut(id) {
+                    e.tx = Some(tx);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.table().exports.remove(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Tells a `fusex restart` successor systemd's socket.
+    pub fn set_notify_socket(&self, socket: Option<String>) {
+        *self.notify_socket.lock().unwrap_or_else(|p| p.into_inner()) = socket;
+    }
+}
