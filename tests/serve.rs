@@ -1072,3 +1072,62 @@ fn a_restarted_daemon_does_not_keep_its_launchers_descriptors() {
     );
     assert!(!is_fuse_mounted(&mp));
 }
+
+/// An export whose NBD server goes away serves on (requests fail with EIO meanwhile) and says
+/// so to QMP clients (`__org.fusex_BLOCK_EXPORT_FAILING`); once the server is back, requests
+/// succeed again and `__org.fusex_BLOCK_EXPORT_RECOVERED` says so. The export never ends.
+#[test]
+fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-nbd-gone");
+    let img = w.join("disk.img");
+    let data = random_image(&img, 4 * MIB, 31);
+    let sock = w.join("nbd.sock");
+    let mp = w.join("disk.raw");
+    fs::write(&mp, b"").unwrap();
+    let server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "nbd", "node-name": "n", "export": "",
+               "server": {"type": "unix", "path": sock}}),
+    );
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "n", "node-name": "n", "mountpoint": mp,
+               "__org.fusex_reconnect-delay": 0.2, "__org.fusex_nbd-timeout": 3}),
+    );
+    assert_bytes_eq(&read_all(&mp), &data, 0, "through the NBD export");
+    drop(server);
+    // The next reads find the server gone: EIO, and the failed reconnect is reported.
+    let f = open_ro(&mp);
+    let failed = wait_until(Instant::now() + TIMEOUT, || {
+        let mut buf = vec![0u8; 4096];
+        f.read_exact_at(&mut buf, 0).is_err()
+    });
+    assert!(failed, "reads kept succeeding with the server gone");
+    let ev = q.event("__org.fusex_BLOCK_EXPORT_FAILING", "n", TIMEOUT);
+    assert!(
+        ev["data"]["error"].as_str().unwrap().contains("EIO"),
+        "{ev}"
+    );
+    let _server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    let back = wait_until(Instant::now() + TIMEOUT, || {
+        let mut buf = vec![0u8; 4096];
+        f.read_exact_at(&mut buf, 4096)
+            .is_ok_and(|()| buf == data[4096..8192])
+    });
+    assert!(back, "reads did not succeed again once the server was back");
+    q.event("__org.fusex_BLOCK_EXPORT_RECOVERED", "n", TIMEOUT);
+    assert!(
+        !q.pending_events()
+            .iter()
+            .any(|e| e["event"] == "BLOCK_EXPORT_DELETED"),
+        "the export ended: {:?}",
+        q.pending_events()
+    );
+    assert_eq!(q.ok("query-block-exports", json!({}))[0]["id"], "n");
+}

@@ -372,6 +372,9 @@ impl BlockBackend for AnyBackend {
     fn queue_stopping(&self) {
         each!(self, b => b.queue_stopping())
     }
+    fn trouble(&self) -> Option<String> {
+        each!(self, b => b.trouble())
+    }
 }
 
 #[cfg(test)]

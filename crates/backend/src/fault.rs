@@ -232,6 +232,9 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn queue_stopping(&self) {
         self.inner.queue_stopping()
     }
+    fn trouble(&self) -> Option<String> {
+        self.inner.trouble()
+    }
 }
 
 #[cfg(test)]

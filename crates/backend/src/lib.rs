@@ -210,4 +210,11 @@ pub trait BlockBackend: Send + Sync + 'static {
     /// backend ends the waits that would only delay that (NBD: a request waiting for a
     /// connection being made fails with `EIO` now). Default: nothing to end.
     fn queue_stopping(&self) {}
+
+    /// What keeps the backend from serving right now, for the operator (an NBD server that
+    /// cannot be reached: requests fail with EIO until it is back); None when nothing does.
+    /// Read once a second off the queue threads, so it must be cheap. Default: never.
+    fn trouble(&self) -> Option<String> {
+        None
+    }
 }

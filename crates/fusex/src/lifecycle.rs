@@ -134,6 +134,14 @@ pub trait Owner {
     fn reloading(&mut self);
     /// The successor `pid` serves the export now.
     fn handed_over(&mut self, pid: u32);
+    /// The backend cannot serve for now (`Some(why)`: its NBD server is unreachable), or can
+    /// again (`None`); said on each change.
+    fn trouble(&mut self, why: Option<&str>) {
+        match why {
+            Some(w) => tracing::error!("{w}"),
+            None => tracing::info!("the image serves again"),
+        }
+    }
 }
 
 /// What INIT settled that the queues need.
@@ -740,6 +748,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
         None => None,
     };
     let mut known_size = export.backend().size();
+    let mut trouble: Option<String> = None;
     let mut threads = Vec::with_capacity(nq);
     let handoff = args.handoff.into();
     for (id, source) in sources(mnt, nq, neg.uring, neg.plan.depth, handoff)?
@@ -839,6 +848,12 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                 Ok(ev) => ev,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
                     follow_image_size(export, notify_fd.as_ref(), &mut known_size);
+                    // Said when it starts and when it ends, not at each new reason between.
+                    let now = export.backend().trouble();
+                    if now.is_some() != trouble.is_some() {
+                        owner.trouble(now.as_deref());
+                    }
+                    trouble = now;
                     continue;
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,

@@ -225,9 +225,21 @@ pub(crate) struct Conn {
     sending: Semaphore,
     /// The TLS session (`nbds` URIs); `None`: plain socket operations.
     tls: Option<RefCell<TlsWire>>,
+    /// Where the connection says why it broke, for the operator (the backend's
+    /// [`crate::BlockBackend::trouble`]): written once, when it breaks.
+    trouble: Option<std::sync::Arc<std::sync::Mutex<Option<String>>>>,
 }
 
 impl Conn {
+    /// Says why the connection broke into `slot` when it does.
+    pub(crate) fn reporting_to(
+        mut self,
+        slot: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    ) -> Conn {
+        self.trouble = Some(slot);
+        self
+    }
+
     pub(crate) fn new(
         sock: Sock,
         tls: Option<Box<rustls::ClientConnection>>,
@@ -254,6 +266,7 @@ impl Conn {
             fd,
             export,
             writable,
+            trouble: None,
             st: RefCell::new(State {
                 slots: (0..INITIAL_SLOTS).map(|_| Slot::new()).collect(),
                 free: (0..INITIAL_SLOTS as u16).rev().collect(),
@@ -892,10 +905,19 @@ impl Conn {
                  requests fail with EIO)",
                 self.server
             ),
-            why => tracing::warn!(
-                "NBD connection to {} lost: {why}; its requests fail with EIO",
-                self.server
-            ),
+            why => {
+                tracing::warn!(
+                    "NBD connection to {} lost: {why}; its requests fail with EIO",
+                    self.server
+                );
+                if let Some(slot) = &self.trouble {
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!(
+                        "NBD connection to {} lost ({why}): requests fail with EIO until it \
+                         is made again",
+                        self.server
+                    ));
+                }
+            }
         }
         // SAFETY: shutdown(2) on the socket this connection owns; it references no memory.
         unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };

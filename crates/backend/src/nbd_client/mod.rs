@@ -107,6 +107,9 @@ pub struct NbdBackend {
     rmw: Option<RegionLocks>,
     /// The last count of allocated bytes, for `st_blocks`.
     alloc: AllocCache,
+    /// Why the last connection attempt of any queue failed, until one succeeds again
+    /// ([`BlockBackend::trouble`]). Written only when a reconnect settles, never per request.
+    trouble: std::sync::Arc<Mutex<Option<String>>>,
 }
 
 /// The last count of allocated bytes and whether it still holds.
@@ -201,6 +204,7 @@ impl NbdBackend {
             created: (now.as_secs() as i64, now.subsec_nanos()),
             rmw: (export.min_block > 1).then(|| RegionLocks::new(export.min_block.ilog2())),
             alloc: AllocCache::default(),
+            trouble: std::sync::Arc::new(Mutex::new(None)),
             export,
         })
     }
@@ -354,16 +358,20 @@ impl NbdBackend {
                 if pt.retry_at.take().is_some() || pt.had_one {
                     tracing::info!("NBD: reconnected to {}", self.server());
                 }
+                *self.trouble.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 pt.had_one = true;
                 pt.delay = self.opts.reconnect_delay;
-                let c = Rc::new(Conn::new(
-                    sock,
-                    tls,
-                    export,
-                    self.opts.timeout,
-                    self.opts.writable,
-                    self.server(),
-                ));
+                let c = Rc::new(
+                    Conn::new(
+                        sock,
+                        tls,
+                        export,
+                        self.opts.timeout,
+                        self.opts.writable,
+                        self.server(),
+                    )
+                    .reporting_to(self.trouble.clone()),
+                );
                 pt.conn = Some(c.clone());
                 Step::Use(c)
             }
@@ -372,6 +380,10 @@ impl NbdBackend {
                     "NBD: reconnecting failed: {e}; next attempt in {:?}",
                     pt.delay
                 );
+                *self.trouble.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!(
+                    "NBD server {} unreachable ({e}): requests fail with EIO until it is back",
+                    self.server()
+                ));
                 pt.retry_at = Some(Instant::now() + pt.delay);
                 pt.delay = (pt.delay * 2).min(MAX_BACKOFF.max(self.opts.reconnect_delay));
                 Step::Fail
@@ -923,6 +935,13 @@ impl BlockBackend for NbdBackend {
 
     fn set_times(&self, _atime: Option<(i64, u32)>, _mtime: Option<(i64, u32)>) -> Result<()> {
         Ok(())
+    }
+
+    fn trouble(&self) -> Option<String> {
+        self.trouble
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn queue_stopping(&self) {

@@ -33,6 +33,13 @@ use node::Node;
 /// convention for a vendor's own events.
 pub const EXPORT_FAILED_EVENT: &str = "__org.fusex_BLOCK_EXPORT_FAILED";
 
+/// The event fusex sends when an export that serves on cannot reach its image for now (its
+/// NBD server is unreachable: requests fail with EIO until it is back).
+pub const EXPORT_FAILING_EVENT: &str = "__org.fusex_BLOCK_EXPORT_FAILING";
+
+/// The event fusex sends when such an export reaches its image again.
+pub const EXPORT_RECOVERED_EVENT: &str = "__org.fusex_BLOCK_EXPORT_RECOVERED";
+
 /// What the daemon's main thread is asked to do.
 #[derive(Debug)]
 pub enum Control {
@@ -640,12 +647,15 @@ impl Service {
         let handing = lifecycle::handing(&prepared, notify_socket).map_err(|e| format!("{e:#}"))?;
         let sup_tx = tx.clone();
         let id2 = id.to_string();
+        let events = self.events.clone();
         std::thread::Builder::new()
             .name(format!("fusex-x{serial}"))
             .spawn(move || {
                 let mut owner = ServiceOwner {
                     ready: Some(ready_tx),
                     published,
+                    id: id2.clone(),
+                    events,
                 };
                 let sup = Supervision {
                     privileges: Plan::none(),
@@ -962,6 +972,9 @@ impl Dispatcher for Service {
 struct ServiceOwner {
     ready: Option<mpsc::SyncSender<Result<(), String>>>,
     published: Option<published::Published>,
+    /// The export's id and the clients' events, for [`Owner::trouble`].
+    id: String,
+    events: EventBus,
 }
 
 impl Owner for ServiceOwner {
@@ -990,4 +1003,21 @@ impl Owner for ServiceOwner {
     fn reloading(&mut self) {}
 
     fn handed_over(&mut self, _pid: u32) {}
+
+    fn trouble(&mut self, why: Option<&str>) {
+        match why {
+            Some(w) => {
+                tracing::error!("export {}: {w}", self.id);
+                self.events.emit(
+                    EXPORT_FAILING_EVENT,
+                    Some(json!({"id": self.id, "error": w})),
+                );
+            }
+            None => {
+                tracing::info!("export {}: the image serves again", self.id);
+                self.events
+                    .emit(EXPORT_RECOVERED_EVENT, Some(json!({"id": self.id})));
+            }
+        }
+    }
 }
