@@ -132,6 +132,9 @@ pub trait Owner {
     fn not_serving(&mut self);
     /// `fusex restart`: a successor takes the export over.
     fn reloading(&mut self);
+    /// `pid` is to be the service's main process (a successor about to serve, or this process
+    /// again when it did not take the export). Default: no service manager to tell.
+    fn main_process(&mut self, _pid: u32) {}
     /// The successor `pid` serves the export now.
     fn handed_over(&mut self, pid: u32);
     /// The backend cannot serve for now (`Some(why)`: its NBD server is unreachable), or can
@@ -1022,11 +1025,15 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
         }
         if stop.load(Ordering::Acquire) && quiet >= nq {
             if let Some((to, pid)) = successor.take() {
+                // Named the main process before it is told it may serve: a service manager must
+                // hear that before the successor's own READY=1.
+                owner.main_process(pid);
                 if release(&mut flushed, export, to, pid) {
                     handed_to = Some(pid);
                     owner.handed_over(pid);
                 } else {
                     // Nobody took the export: end it as a stop would.
+                    owner.main_process(std::process::id());
                     finish(&mut flushed, export, mnt);
                 }
             } else {

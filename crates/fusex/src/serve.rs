@@ -123,8 +123,11 @@ impl Owner for MountOwner<'_> {
             .reloading("handing the export to a new process");
     }
 
-    fn handed_over(&mut self, pid: u32) {
+    fn main_process(&mut self, pid: u32) {
         self.notifier.main_pid(pid);
+    }
+
+    fn handed_over(&mut self, _pid: u32) {
         if let Some(r) = &mut self.runtime {
             r.leave();
         }

@@ -244,6 +244,9 @@ impl Running {
                     }
                     let (open_files, releasing) = service.release_all(pid);
                     let released = crate::restart::Message::ServeReleased { open_files };
+                    // Named the main process before the successor may serve: a service manager
+                    // must hear that before the successor's own READY=1.
+                    notifier.main_pid(pid);
                     // The successor says it serves them; until then nothing is left behind:
                     // without its word (it died), they end as a stop would, unmounted.
                     let taken = crate::restart::send(&stream, &released, &[])
@@ -258,7 +261,6 @@ impl Running {
                     match taken {
                         Ok(()) => {
                             releasing.taken(true);
-                            notifier.main_pid(pid);
                             handed = true;
                         }
                         Err(e) => {
@@ -267,6 +269,7 @@ impl Running {
                                  unmounting every export"
                             );
                             releasing.taken(false);
+                            notifier.main_pid(std::process::id());
                         }
                     }
                     break;
