@@ -290,6 +290,39 @@ pub fn recv(sock: &UnixStream) -> io::Result<(Message, Vec<OwnedFd>)> {
 
 /// Fails with the peer's `error` when the message is a refusal, or names what came instead of
 /// `want` (the variant's name as on the wire).
+/// Sends `refused` with `why` (best effort: the peer may be gone) and returns it as the error.
+pub fn refuse(sock: &UnixStream, why: &str) -> anyhow::Error {
+    let _ = send(
+        sock,
+        &Message::Refused {
+            error: why.to_string(),
+        },
+        &[],
+    );
+    anyhow::anyhow!("{why}")
+}
+
+/// The old daemon's side of every restart conversation's start: a peer that stops talking holds
+/// the listener at most a while (generous: the new process opens images in between); only root
+/// or `euid` may ask for `what` ("this export", "this daemon"), others are refused; then the
+/// peer's `hello`. Returns the successor's pid.
+pub fn greet(sock: &UnixStream, euid: u32, what: &str) -> Result<u32> {
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(300)))?;
+    let (pid, uid) = peer(sock).context("peer credentials")?;
+    if uid != 0 && uid != euid {
+        return Err(refuse(
+            sock,
+            &format!(
+                "user {uid} may not restart {what}: run fusex restart as root or as user {euid}"
+            ),
+        ));
+    }
+    match recv(sock).context("reading the request")? {
+        (Message::Hello, _) => Ok(pid),
+        (other, _) => Err(unexpected(&other, "hello")),
+    }
+}
+
 pub fn unexpected(msg: &Message, want: &str) -> anyhow::Error {
     match msg {
         Message::Refused { error } => anyhow::anyhow!("{error}"),

@@ -5,7 +5,6 @@
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use backend::BlockBackend;
@@ -317,32 +316,11 @@ fn hand_over(
     euid: u32,
     handing: &lifecycle::Handing,
 ) -> Result<u32> {
-    use crate::restart::{peer, recv, send, unexpected, Message};
-    // A peer that stops talking must not keep this thread (and so every later restart) forever;
-    // generous, since the new process opens the image in between.
-    stream.set_read_timeout(Some(Duration::from_secs(300)))?;
-    let (pid, uid) = peer(stream).context("peer credentials")?;
-    let refuse = |why: &str| {
-        let _ = send(
-            stream,
-            &Message::Refused {
-                error: why.to_string(),
-            },
-            &[],
-        );
-        anyhow::anyhow!("{why}")
-    };
-    if uid != 0 && uid != euid {
-        return Err(refuse(&format!(
-            "user {uid} may not restart this export: run fusex restart as root or as user {euid}"
-        )));
-    }
-    match recv(stream).context("reading the request")? {
-        (Message::Hello, _) => {}
-        (other, _) => return Err(unexpected(&other, "hello")),
-    }
+    use crate::restart::{greet, recv, refuse, send, unexpected, Message};
+    // A peer that stops talking must not keep this thread (and so every later restart) forever.
+    let pid = greet(stream, euid, "this export")?;
     if let Some(why) = &handing.refusal {
-        return Err(refuse(why));
+        return Err(refuse(stream, why));
     }
     tracing::info!("restart: process {pid} asks for the export; it keeps being served meanwhile");
     send(

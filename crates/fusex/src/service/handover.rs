@@ -30,34 +30,17 @@ impl Service {
     /// `release`, then passes the conversation to the main thread ([`Control::HandOver`]).
     /// Refused (the daemon serves on) when an export cannot be handed over.
     pub(super) fn hand_over(&self, stream: std::os::unix::net::UnixStream) {
-        use crate::restart::{peer, recv, send, Message};
+        use crate::restart::{greet, recv, Message};
         let refuse = |why: &str| {
             tracing::info!("restart: not handed over: {why}");
-            let _ = send(
-                &stream,
-                &Message::Refused {
-                    error: why.to_string(),
-                },
-                &[],
-            );
-        };
-        // Generous: the new process opens every image meanwhile.
-        let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(300)));
-        let Ok((pid, uid)) = peer(&stream) else {
-            return;
+            let _ = crate::restart::refuse(&stream, why);
         };
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
-        if uid != 0 && uid != euid {
-            return refuse(&format!(
-                "user {uid} may not restart this daemon: run fusex restart as root or as user \
-                 {euid}"
-            ));
-        }
-        match recv(&stream) {
-            Ok((Message::Hello, _)) => {}
-            _ => return,
-        }
+        let pid = match greet(&stream, euid, "this daemon") {
+            Ok(pid) => pid,
+            Err(e) => return tracing::info!("restart: not handed over: {e:#}"),
+        };
         let sent = {
             let mut t = self.table();
             if t.quitting || t.handing_over {
