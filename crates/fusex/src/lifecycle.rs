@@ -156,12 +156,10 @@ pub struct Settled {
     pub negotiated: transport::Negotiated,
     /// The `fusex mount` command line this export was started with (a successor parses it).
     pub argv: Vec<String>,
-    max_write: u32,
     /// Request buffers per queue and their size.
     pub plan: MemoryPlan,
     /// Queue threads (the count the plan was made for; on io_uring at most one per possible CPU).
     pub queues: usize,
-    pub uring: bool,
     /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
     _passthrough: Option<transport::passthrough::Backing>,
     /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
@@ -170,6 +168,11 @@ pub struct Settled {
 }
 
 impl Settled {
+    /// Whether the queues serve FUSE-over-io_uring (INIT negotiated it).
+    pub fn uring(&self) -> bool {
+        self.negotiated.has(FUSE_OVER_IO_URING)
+    }
+
     /// What a `fusex restart` successor settles from the state its predecessor sent (the legacy
     /// transport: an io_uring export is never handed over).
     pub fn adopted(
@@ -184,10 +187,8 @@ impl Settled {
             announce: None,
             negotiated,
             argv,
-            max_write: negotiated.max_write,
             plan,
             queues,
-            uring: false,
             _passthrough: passthrough,
             watcher,
         }
@@ -220,7 +221,7 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
     let Some(handover) = mnt.handover() else {
         return Ok(None);
     };
-    let refusal = if neg.uring {
+    let refusal = if neg.uring() {
         Some(format!(
             "{} is served over the io_uring transport, whose requests cannot be handed to a new \
              process without failing some (docs/design.md, Restart): stop and mount it again, or \
@@ -290,7 +291,7 @@ impl Prepared {
                 .inner()
                 .format_description(false)
                 .into(),
-            transport: if self.settled.uring {
+            transport: if self.settled.uring() {
                 "io_uring"
             } else {
                 "legacy"
@@ -465,14 +466,12 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         announce: Some(announce),
         negotiated: neg,
         argv,
-        max_write: neg.max_write,
         plan,
         queues: if uring {
             threads.min(possible_cpus)
         } else {
             threads
         },
-        uring,
         _passthrough: backing,
         watcher,
     };
@@ -754,7 +753,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     let mut trouble: Option<String> = None;
     let mut threads = Vec::with_capacity(nq);
     let handoff = args.handoff.into();
-    for (id, source) in sources(mnt, nq, neg.uring, neg.plan.depth, handoff)?
+    for (id, source) in sources(mnt, nq, neg.uring(), neg.plan.depth, handoff)?
         .into_iter()
         .enumerate()
     {
@@ -762,8 +761,8 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
             id,
             source,
             depth: neg.plan.depth,
-            max_write: neg.max_write as usize,
-            spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring { 20 } else { 0 })),
+            max_write: neg.negotiated.max_write as usize,
+            spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring() { 20 } else { 0 })),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
             fixed_files: (args.fixed_files == crate::cli::OnOff::On)
                 .then(|| export.backend().inner().io_fds()),
@@ -982,7 +981,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
             }
             Event::Dump => {
                 dumps += 1;
-                dump_live(args, &mut live, dumps, neg.uring);
+                dump_live(args, &mut live, dumps, neg.uring());
             }
             Event::Release { to, pid, accepted } => {
                 if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
@@ -1094,7 +1093,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     json["exit_flush"] = (*flushed.as_ref().unwrap_or(&false)).into();
     flushed?;
     json["queues"] = serde_json::Value::Array(per_queue);
-    json["transport"] = if neg.uring { "io_uring" } else { "legacy" }.into();
+    json["transport"] = if neg.uring() { "io_uring" } else { "legacy" }.into();
     Ok(Ended {
         stats: json,
         handed_to,
