@@ -178,7 +178,9 @@ pub fn run(args: CtlArgs) -> Result<()> {
 fn default_socket() -> Result<PathBuf> {
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
-    Ok(crate::runtime::dir_for(uid).join("control.sock"))
+    Ok(crate::runtime::control_socket(&crate::runtime::dir_for(
+        uid,
+    )))
 }
 
 fn print(json: &bool, v: Value, human: impl FnOnce() -> String) {

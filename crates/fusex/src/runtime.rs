@@ -78,6 +78,12 @@ pub fn socket_path(dir: &Path, id: &MountIdentity) -> PathBuf {
     dir.join(format!("{}.sock", key(id)))
 }
 
+/// The control socket `fusex serve` listens on when given none, in the checked directory `dir`
+/// (where `fusex ctl` looks by default).
+pub fn control_socket(dir: &Path) -> PathBuf {
+    dir.join("control.sock")
+}
+
 /// The state file of the mount `id` in `dir` (what `fusex list` shows).
 pub fn state_path(dir: &Path, id: &MountIdentity) -> PathBuf {
     dir.join(format!("{}.json", key(id)))

@@ -12,7 +12,7 @@
 //! transport = "legacy"
 //! ```
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
@@ -93,14 +93,12 @@ fn request(e: &ConfigExport, base: &Path) -> Value {
 }
 
 impl Service {
-    /// Remembers the config file (for reloads) and starts its exports; the first that cannot
-    /// start is the error, naming it.
-    pub fn load_config(&self, path: &Path) -> Result<(), String> {
-        let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-        let exports = read(&path)?;
-        *self.config_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.clone());
+    /// Remembers the config file at `path` (for reloads) and starts its exports, as [`read`]
+    /// returned them; the first that cannot start is the error, naming it.
+    pub fn load_config(&self, path: &Path, exports: &[ConfigExport]) -> Result<(), String> {
+        let path = self.remember_config(path);
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        for e in &exports {
+        for e in exports {
             self.own_export_add(request(e, &base), Some(Value::Object(e.table.clone())))
                 .map_err(|err| {
                     format!("config {}: export '{}': {}", path.display(), e.id, err.desc)
@@ -109,11 +107,12 @@ impl Service {
         Ok(())
     }
 
-    /// Remembers the config file for reloads without starting its exports (a `fusex restart`
-    /// successor took them over).
-    pub fn remember_config(&self, path: &Path) {
+    /// Remembers the config file for reloads (alone: a `fusex restart` successor took its
+    /// exports over); returns the path as remembered, absolute.
+    pub fn remember_config(&self, path: &Path) -> PathBuf {
         let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-        *self.config_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(path);
+        *self.config_path.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.clone());
+        path
     }
 
     /// Applies the config file as it is now; per export what happened.

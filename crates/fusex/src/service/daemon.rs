@@ -314,8 +314,9 @@ impl Running {
 pub fn default_control() -> Result<PathBuf> {
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
-    let dir = crate::runtime::checked(uid, true)?;
-    Ok(dir.join("control.sock"))
+    Ok(crate::runtime::control_socket(&crate::runtime::checked(
+        uid, true,
+    )?))
 }
 
 fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
@@ -323,9 +324,11 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
     let notifier = crate::notify::Notifier::from_env()?;
     // Every argument is checked before anything is mounted.
     let sockets = sockets(args)?;
-    if let Some(c) = &args.config {
-        super::config::read(c).map_err(|e| anyhow!(e))?;
-    }
+    // Read once, before anything is mounted: a mistake in it is refused first.
+    let config = match &args.config {
+        Some(c) => Some((c, super::config::read(c).map_err(|e| anyhow!(e))?)),
+        None => None,
+    };
     let blockdevs = args
         .blockdev
         .iter()
@@ -363,8 +366,8 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
                 .dispatch("block-export-add", v)
                 .map_err(|e| anyhow!("--export {text}: {}", e.desc))?;
         }
-        if let Some(c) = &args.config {
-            service.load_config(c).map_err(|e| anyhow!(e))?;
+        if let Some((path, exports)) = &config {
+            service.load_config(path, exports).map_err(|e| anyhow!(e))?;
         }
         Ok(())
     })();

@@ -304,20 +304,14 @@ impl Service {
             if self.table().nodes.contains_key(&n.name)
                 || checked.iter().any(|c: &Node| c.name == n.name)
             {
-                return Err(QmpError::generic(format!(
-                    "Duplicate nodes with node-name='{}'",
-                    n.name
-                )));
+                return Err(duplicate_node(&n.name));
             }
             n.size = self.probe(&n, &checked)?;
             checked.push(n);
         }
         let mut t = self.table();
         if let Some(dup) = checked.iter().find(|n| t.nodes.contains_key(&n.name)) {
-            return Err(QmpError::generic(format!(
-                "Duplicate nodes with node-name='{}'",
-                dup.name
-            )));
+            return Err(duplicate_node(&dup.name));
         }
         for mut n in checked {
             tracing::debug!(node = %n.name, driver = n.driver.name(), "node added");
@@ -355,12 +349,10 @@ impl Service {
         }
         let mut words = vec!["--no-locking".to_string(), "--no-backing".to_string()];
         words.extend(format.map(|f| format!("--format={f}")));
+        // --no-backing: a qcow2 image's backing file is opened by the export (unless `backing:
+        // null`); here only the image itself is checked.
         let (args, _) = options::mount_args(&image, std::path::Path::new("/"), &words)
             .map_err(QmpError::generic)?;
-        let mut args = args;
-        // A qcow2 image's backing file is opened by the export (with --no-backing off unless
-        // `backing: null`); here only the image itself is checked.
-        args.no_backing = true;
         let (export, _) = lifecycle::open_export(&args, false)
             .map_err(|e| QmpError::generic(format!("{e:#}")))?;
         let size = {
@@ -420,10 +412,7 @@ impl Service {
             return Err(QmpError::generic("fusex is shutting down"));
         }
         if t.exports.contains_key(&a.id) {
-            return Err(QmpError::generic(format!(
-                "Block export id '{}' is already in use",
-                a.id
-            )));
+            return Err(id_in_use(&a.id));
         }
         let Some(n) = t.node(&a.node_name) else {
             return Err(QmpError::generic(format!(
@@ -490,10 +479,7 @@ impl Service {
         for (i, r) in requests.iter().enumerate() {
             let p = self.plan_export(r.clone()).map_err(|e| (i, e))?;
             if !ids.insert(p.id.clone()) {
-                return Err((
-                    i,
-                    QmpError::generic(format!("Block export id '{}' is already in use", p.id)),
-                ));
+                return Err((i, id_in_use(&p.id)));
             }
         }
         Ok(())
@@ -540,15 +526,10 @@ impl Service {
         {
             let mut t = self.table();
             if t.exports.contains_key(&a.id) {
-                return Err(QmpError::generic(format!(
-                    "Block export id '{}' is already in use",
-                    a.id
-                )));
+                return Err(id_in_use(&a.id));
             }
             if t.nodes.contains_key(&node) {
-                return Err(QmpError::generic(format!(
-                    "Duplicate nodes with node-name='{node}'"
-                )));
+                return Err(duplicate_node(&node));
             }
             t.nodes.insert(node.clone(), Node::of_image(&node, &margs));
         }
@@ -577,9 +558,7 @@ impl Service {
         }
         // Checked again under this lock: another client may have taken the id meanwhile.
         if t.exports.contains_key(&id) {
-            return Err(QmpError::generic(format!(
-                "Block export id '{id}' is already in use"
-            )));
+            return Err(id_in_use(&id));
         }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         t.exports
@@ -635,10 +614,14 @@ impl Service {
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let finished = self.finished.clone();
         let state = prepared.describe("serving");
+        let starting = crate::runtime::ExportState {
+            state: "starting".into(),
+            ..state.clone()
+        };
         let published = self
             .publisher
             .as_ref()
-            .and_then(|p| p.publish(&prepared.mnt, prepared.describe("starting")));
+            .and_then(|p| p.publish(&prepared.mnt, starting));
         let notify_socket = self
             .notify_socket
             .lock()
@@ -904,6 +887,16 @@ fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
 /// The node made for an export that names its image itself (`fusex ctl add`, the config file).
 fn own_node(id: &str) -> String {
     format!("#{id}")
+}
+
+/// QEMU's error for an export id that is taken.
+fn id_in_use(id: &str) -> QmpError {
+    QmpError::generic(format!("Block export id '{id}' is already in use"))
+}
+
+/// QEMU's error for a node name that is taken.
+fn duplicate_node(name: &str) -> QmpError {
+    QmpError::generic(format!("Duplicate nodes with node-name='{name}'"))
 }
 
 /// An I/O error as QEMU words it (`strerror`, without Rust's " (os error N)").
