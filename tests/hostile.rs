@@ -125,21 +125,7 @@ fn a_mountpoint_swapped_for_a_symlink_never_gets_the_mount() {
 /// queue serves) names that pid.
 #[track_caller]
 fn root_daemon_socket(pid: i32) -> std::path::PathBuf {
-    let find = || {
-        // Files a killed daemon left behind stay (and may name a pid in use again): only a
-        // socket bound now counts.
-        let bound = fs::read_to_string("/proc/net/unix").ok()?;
-        fs::read_dir("/run/fusex")
-            .ok()?
-            .flatten()
-            .map(|e| e.path())
-            .find(|p| {
-                p.extension().is_some_and(|x| x == "sock")
-                    && bound.lines().any(|l| l.ends_with(&*p.to_string_lossy()))
-                    && fs::read_to_string(p.with_extension("json"))
-                        .is_ok_and(|s| s.contains(&format!("\"pid\":{pid}")))
-            })
-    };
+    let find = || bound_runtime_socket(|s| s.contains(&format!("\"pid\":{pid}")));
     assert!(
         wait_until(Instant::now() + TIMEOUT, || find().is_some()),
         "no socket and state of daemon {pid} in /run/fusex"

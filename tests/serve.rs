@@ -857,19 +857,8 @@ fn qmp_shell_gets_the_same_answers_from_both() {
 /// The restart socket of the export at `mp`: beside the state file that names it in root's
 /// runtime directory.
 fn restart_socket(mp: &Path) -> PathBuf {
-    // Files a killed daemon left behind stay: only a socket bound now counts.
-    let bound = fs::read_to_string("/proc/net/unix").unwrap();
-    for e in fs::read_dir("/run/fusex").unwrap().flatten() {
-        let p = e.path();
-        let sock = p.with_extension("sock");
-        if p.extension().is_some_and(|x| x == "json")
-            && bound.lines().any(|l| l.ends_with(&*sock.to_string_lossy()))
-            && fs::read_to_string(&p).is_ok_and(|t| t.contains(&format!("\"{}\"", mp.display())))
-        {
-            return p.with_extension("sock");
-        }
-    }
-    panic!("no runtime state names {}", mp.display());
+    bound_runtime_socket(|s| s.contains(&format!("\"{}\"", mp.display())))
+        .unwrap_or_else(|| panic!("no runtime state names {}", mp.display()))
 }
 
 /// One restart message: a little-endian length, then JSON.

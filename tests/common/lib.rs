@@ -708,6 +708,22 @@ pub fn send_signal(pid: i32, sig: libc::c_int) {
     }
 }
 
+/// The restart socket in root's runtime directory (`/run/fusex`) whose state file `names`
+/// accepts, if one is bound now. Files a killed daemon left behind stay there (and may name a
+/// pid in use again, or an old path), so only a socket bound now counts.
+pub fn bound_runtime_socket(names: impl Fn(&str) -> bool) -> Option<PathBuf> {
+    let bound = fs::read_to_string("/proc/net/unix").ok()?;
+    fs::read_dir("/run/fusex")
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.extension().is_some_and(|x| x == "sock")
+                && bound.lines().any(|l| l.ends_with(&*p.to_string_lossy()))
+                && fs::read_to_string(p.with_extension("json")).is_ok_and(|s| names(&s))
+        })
+}
+
 /// Polls `cond` until it holds or `deadline` passes; returns whether it held. `cond` is checked
 /// once more at the deadline, so a condition that became true just in time is not missed.
 ///
