@@ -80,13 +80,16 @@ pub(crate) struct Pool {
     bufs: Vec<RawBuf>,
     free: Mutex<Vec<u16>>,
     registered: AtomicBool,
-    /// Registered one by one as first used (a sparse table on the ring): which ones are.
-    /// Empty when the pool was registered whole, or not at all.
+    /// Registered one by one as first used (a sparse table on the ring, see [`Pool::new`]):
+    /// which ones are. Empty when the pool was registered whole, or not at all.
     lazy: Box<[AtomicBool]>,
 }
 
 impl Pool {
-    pub(crate) fn new(count: usize, size: usize) -> Option<Arc<Pool>> {
+    /// `count` buffers of `size` bytes. `lazy`: the ring registers them one by one, each the
+    /// first time an operation uses it ([`Pool::fixed`]): a buffer registered is pinned, so
+    /// resident, and a queue that stays idle should not pay for buffers it never uses.
+    pub(crate) fn new(count: usize, size: usize, lazy: bool) -> Option<Arc<Pool>> {
         if count > usize::from(u16::MAX) {
             return None;
         }
@@ -100,26 +103,17 @@ impl Pool {
             bufs,
             free: Mutex::new(free),
             registered: AtomicBool::new(false),
-            lazy: Box::new([]),
+            lazy: if lazy {
+                (0..count).map(|_| AtomicBool::new(false)).collect()
+            } else {
+                Box::new([])
+            },
         }))
     }
 
-    /// A pool whose buffers the ring registers one by one, each the first time an operation
-    /// uses it ([`Pool::fixed`]): a buffer registered is pinned, so resident, and a queue that
-    /// stays idle should not pay for buffers it never uses.
-    pub(crate) fn new_lazy(count: usize, size: usize) -> Option<Arc<Pool>> {
-        let mut pool = Arc::into_inner(Pool::new(count, size)?)?;
-        pool.lazy = (0..count).map(|_| AtomicBool::new(false)).collect();
-        Some(Arc::new(pool))
-    }
-
     pub(crate) fn iovecs(&self) -> Vec<libc::iovec> {
-        self.bufs
-            .iter()
-            .map(|b| libc::iovec {
-                iov_base: b.ptr().cast(),
-                iov_len: b.len(),
-            })
+        (0..self.bufs.len() as u16)
+            .filter_map(|i| self.iovec(i))
             .collect()
     }
 
@@ -141,7 +135,7 @@ impl Pool {
                 .is_none_or(|f| f.load(Ordering::Relaxed))
     }
 
-    /// Whether buffers are registered one by one (see [`Pool::new_lazy`]).
+    /// Whether buffers are registered one by one (see [`Pool::new`]).
     pub(crate) fn is_lazy(&self) -> bool {
         !self.lazy.is_empty()
     }

@@ -263,12 +263,7 @@ impl Engine {
                 .submitter()
                 .register_buffers_sparse(cfg.buffers as u32)
                 .is_ok();
-        let pool = if sparse {
-            Pool::new_lazy(cfg.buffers, cfg.buffer_size)
-        } else {
-            Pool::new(cfg.buffers, cfg.buffer_size)
-        }
-        .ok_or(alloc)?;
+        let pool = Pool::new(cfg.buffers, cfg.buffer_size, sparse).ok_or(alloc)?;
         if sparse {
             pool.set_registered();
         } else if cfg.register_buffers && pool.len() > 0 {
@@ -383,7 +378,7 @@ impl Engine {
 
     /// Whether buffer `index` of this engine's pool can be named by its fixed-buffer index: it
     /// is registered, now if this is its first use (a lazily registered pool, see
-    /// [`Pool::new_lazy`]). A registration that fails makes every buffer go by address.
+    /// [`Pool::new`]). A registration that fails makes every buffer go by address.
     pub(crate) fn fixed_buffer(&self, index: u16) -> bool {
         if self.pool.fixed(index) {
             return true;

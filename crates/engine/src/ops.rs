@@ -90,7 +90,7 @@ impl Engine {
     /// Whether `buf` can be named by its fixed-buffer index on this ring: it is this engine's
     /// own and the pool is registered (a buffer from another queue's engine goes by address).
     fn fixed(&self, buf: &Buf) -> bool {
-        buf.registered() && buf.pool_is(&self.pool) && self.fixed_buffer(buf.index())
+        buf.pool_is(&self.pool) && self.fixed_buffer(buf.index())
     }
 
     /// Reads into `win` from `fd` at `off` (`READ_FIXED` when the pool is registered). Returns
