@@ -21,7 +21,8 @@ qemu-storage-daemon's command line), in a fresh daemon per run:
    then block-export-del + its BLOCK_EXPORT_DELETED event + blockdev-del. Per round: add =
    blockdev-add + block-export-add, del = block-export-del until the event is seen, add+del = the
    whole round. Median, p90, p99 and max in ms (nearest-rank percentiles).
-4. --busy: an extra read-only export of a 256 MiB raw file full of data; fio 4k randread QD64
+4. --busy: an extra export of a 256 MiB raw file full of data; fio 4k randread QD64 (or, with
+   --busy-workload randrw70, 70/30 random read/write QD64 x 4 jobs on a writable export)
    (libaio, direct=1, time based, --busy-runtime s after --busy-ramp s of warm-up) on it once
    before the churn (baseline) and once while churning (the churn loop runs for as long as fio
    does; those rounds' latencies are reported separately as busy_churn in the JSON; "busy rounds"
@@ -389,10 +390,14 @@ class Run:
 
     async def fio(self, label):
         path = self.p("busy.mnt")
-        argv = ["fio", f"--name={label}", f"--filename={path}", "--rw=randread", "--bs=4k",
+        if self.o.busy_workload == "randrw70":
+            mix = ["--rw=randrw", "--rwmixread=70", "--numjobs=4", "--group_reporting"]
+        else:
+            mix = ["--rw=randread", "--readonly"]
+        argv = ["fio", f"--name={label}", f"--filename={path}", "--bs=4k",
                 "--iodepth=64", "--ioengine=libaio", "--direct=1", "--time_based",
                 f"--runtime={self.o.busy_runtime}", f"--ramp_time={self.o.busy_ramp}",
-                "--readonly", "--thread", "--output-format=json"]
+                "--thread", "--output-format=json"] + mix
         self.r.setdefault("fio_argv", argv)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -428,15 +433,18 @@ class Run:
         job = res["jobs"][0]
         if job.get("error"):
             raise RunError(f"fio ({label}) job error {job['error']}")
-        rd = job["read"]
-        return {"iops": rd["iops"], "bw_kib": rd["bw"], "lat_mean_us": rd["lat_ns"]["mean"] / 1e3,
-                "io_kbytes": rd["io_kbytes"]}
+        rd, wr = job["read"], job["write"]
+        return {"iops": rd["iops"] + wr["iops"], "bw_kib": rd["bw"] + wr["bw"],
+                "lat_mean_us": rd["lat_ns"]["mean"] / 1e3,
+                "io_kbytes": rd["io_kbytes"] + wr["io_kbytes"]}
 
     async def busy(self):
         await self.cmd("blockdev-add", {"driver": "raw", "node-name": "nbusy",
                                         "file": {"driver": "file", "filename": self.p("busy.raw")}})
-        await self.cmd("block-export-add", self.export(**{"id": "busy", "node-name": "nbusy",
-                                                          "mountpoint": self.p("busy.mnt")}))
+        kv = {"id": "busy", "node-name": "nbusy", "mountpoint": self.p("busy.mnt")}
+        if self.o.busy_workload == "randrw70":
+            kv["writable"] = True
+        await self.cmd("block-export-add", self.export(**kv))
         log(f"  [{self.name}] fio baseline ({self.o.busy_runtime} s)")
         base = await self.fio("baseline")
         self.r["fio_baseline"] = base
@@ -643,6 +651,9 @@ def parse_args():
     ap.add_argument("--workdir", help="directory for images, mountpoints and logs "
                     "(default: a new one under /var/tmp, kept)")
     ap.add_argument("--busy", action="store_true", help="also fio randread during churn")
+    ap.add_argument("--busy-workload", choices=["randread", "randrw70"], default="randread",
+                    help="fio on the busy export: 4k randread QD64 (default), or randrw70: "
+                         "4k 70/30 random read/write QD64 x 4 jobs (the export is writable)")
     ap.add_argument("--busy-runtime", type=int, default=10, help="fio seconds per run (10)")
     ap.add_argument("--busy-ramp", type=int, default=2,
                     help="fio warm-up seconds before each measured --busy-runtime (2)")
