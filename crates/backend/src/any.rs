@@ -372,6 +372,9 @@ impl BlockBackend for AnyBackend {
     fn queue_stopping(&self) {
         each!(self, b => b.queue_stopping())
     }
+    fn queue_ended(&self) {
+        each!(self, b => b.queue_ended())
+    }
     fn trouble(&self) -> Option<String> {
         each!(self, b => b.trouble())
     }

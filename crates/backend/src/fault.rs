@@ -232,6 +232,9 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn queue_stopping(&self) {
         self.inner.queue_stopping()
     }
+    fn queue_ended(&self) {
+        self.inner.queue_ended()
+    }
     fn trouble(&self) -> Option<String> {
         self.inner.trouble()
     }

@@ -211,6 +211,11 @@ pub trait BlockBackend: Send + Sync + 'static {
     /// connection being made fails with `EIO` now). Default: nothing to end.
     fn queue_stopping(&self) {}
 
+    /// The queue on the calling thread has ended; the thread may go on serving other exports,
+    /// so what the backend keeps per thread for it goes now (NBD: its connection). Default:
+    /// nothing kept.
+    fn queue_ended(&self) {}
+
     /// What keeps the backend from serving right now, for the operator (an NBD server that
     /// cannot be reached: requests fail with EIO until it is back); None when nothing does.
     /// Read once a second off the queue threads, so it must be cheap. Default: never.

@@ -724,24 +724,25 @@ pub struct Supervision {
     /// restart listener, a control socket); the queues get clones.
     pub tx: mpsc::Sender<Event>,
     pub rx: mpsc::Receiver<Event>,
+    /// Serve the queues on the process's shared worker threads where the export's options
+    /// allow (`fusex serve`), rather than on threads of its own (see [`crate::workers`]).
+    pub shared: bool,
 }
 
 /// Serves `p` until it stops (asked to, by an [`Event::Stop`], or because its connection or a
 /// queue ended) or is handed to a successor; on the way out the image is flushed and the
 /// connection aborted (unless handed over). Returns once every queue has ended.
 pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> Result<Ended> {
-    let Supervision { privileges, tx, rx } = sup;
+    let Supervision {
+        privileges,
+        tx,
+        rx,
+        shared,
+    } = sup;
     let (args, export, mnt, neg) = (&p.args, &p.export, &mut p.mnt, &p.settled);
     let mut stopping_sent = false;
     let mut not_serving_sent = false;
-    let cpus = crate::affinity::allowed_cpus();
     let nq = neg.queues;
-    let pin = match args.cpu_affinity {
-        Affinity::On => true,
-        Affinity::Off => false,
-        Affinity::Auto => nq == cpus.len(),
-    };
-    tracing::debug!(queues = nq, pinned = pin, "starting queues");
     let stop = Arc::new(AtomicBool::new(false));
     // The supervisor keeps its own fd of the connection to tell the kernel when the image
     // changes size behind the export.
@@ -751,39 +752,49 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     };
     let mut known_size = export.backend().size();
     let mut trouble: Option<String> = None;
-    let mut threads = Vec::with_capacity(nq);
     let handoff = args.handoff.into();
-    for (id, source) in sources(mnt, nq, neg.uring(), neg.plan.depth, handoff)?
-        .into_iter()
-        .enumerate()
-    {
+    let sources = sources(mnt, nq, neg.uring(), neg.plan.depth, handoff)?;
+    let slots = if neg.uring() {
+        sources
+            .iter()
+            .map(|s| match s {
+                Source::Uring { qids, legacy, .. } => {
+                    qids.len() * neg.plan.depth
+                        + legacy.as_ref().map_or(0, |_| memory::URING_LEGACY_SLOTS)
+                }
+                Source::Legacy(_) => neg.plan.depth,
+            })
+            .max()
+            .unwrap_or(0)
+    } else {
+        neg.plan.depth
+    };
+    let placement = crate::workers::place(args, nq, slots, neg.uring(), shared)?;
+    let report: server::Report = {
+        let tx = tx.clone();
+        Arc::new(move |ev| {
+            let _ = tx.send(Event::Queue(ev));
+        })
+    };
+    for (id, source) in sources.into_iter().enumerate() {
         let spec = QueueSpec {
             id,
             source,
             depth: neg.plan.depth,
             max_write: neg.negotiated.max_write as usize,
-            spin: Duration::from_micros(args.spin_us.unwrap_or(if neg.uring() { 20 } else { 0 })),
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
             fixed_files: (args.fixed_files == crate::cli::OnOff::On)
                 .then(|| export.backend().inner().io_fds()),
-            register_buffers: args.register_buffers == crate::cli::OnOff::On,
             splice_min: args.splice_min as usize,
             fallback_slots: memory::URING_LEGACY_SLOTS,
             before_serving: Box::new(move || privileges.apply()),
         };
-        let cpu = pin.then(|| cpus[id % cpus.len()]);
-        let (export, stop, tx) = (export.clone(), stop.clone(), tx.clone());
-        threads.push(
-            std::thread::Builder::new()
-                .name(format!("fusex-q{id}"))
-                .spawn(move || {
-                    if let Some(cpu) = cpu {
-                        crate::affinity::pin_current_thread(cpu);
-                    }
-                    server::queue::run(spec, export, stop, tx)
-                })?,
+        placement.workers.submit(
+            placement.first + id,
+            server::queue::job(spec, export.clone(), stop.clone(), report.clone()),
         );
     }
+    drop(report);
     drop(tx);
     let mut remotes = Vec::new();
     let mut live: Vec<(usize, Arc<Counters>)> = Vec::new();
@@ -1054,9 +1065,13 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
     if handed_to.is_none() {
         finish(&mut flushed, export, mnt);
     }
-    if failure.is_none() && !abandon {
-        for t in threads {
-            let _ = t.join();
+    if placement.private {
+        if failure.is_none() && !abandon {
+            // Every queue has ended: the threads end at once.
+            placement.workers.shut_down();
+        } else {
+            // A queue may still wait for a connection that ends only as this process exits.
+            std::mem::forget(placement.workers);
         }
     }
     if abandon {

@@ -20,6 +20,7 @@ mod service;
 mod timeout;
 mod version;
 mod watcher;
+mod workers;
 
 use clap::Parser;
 

@@ -69,7 +69,8 @@ pub struct Crew {
     qids: usize,
     /// Entries of the connection (every kernel queue's).
     entries: usize,
-    /// Entries registered and not yet ended: when it drops to 0 every dock closes.
+    /// Entries registered and not yet ended: when it drops to 0 every dock closes. Threads
+    /// register entries as their load asks ([`Crew::entry_added`]).
     alive: AtomicUsize,
     closed: AtomicBool,
 }
@@ -91,7 +92,7 @@ impl Crew {
             mode,
             qids,
             entries,
-            alive: AtomicUsize::new(entries),
+            alive: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
         })
     }
@@ -106,7 +107,8 @@ impl Crew {
         self.qids
     }
 
-    /// Entries of the connection: as many as one thread may hold.
+    /// Entries the connection may have (every kernel queue at full depth): as many as one
+    /// thread may hold.
     pub fn entries(&self) -> usize {
         self.entries
     }
@@ -220,6 +222,11 @@ impl Crew {
         while let Some(m) = h.inbox.pop() {
             into.push(m);
         }
+    }
+
+    /// A thread registers one more entry.
+    pub fn entry_added(&self) {
+        self.alive.fetch_add(1, Ordering::AcqRel);
     }
 
     /// An entry ended (its connection is gone, or it failed). The last one closes every dock.
@@ -484,6 +491,8 @@ mod tests {
         let crew = Crew::new(1, 1, 2, Handoff::Always);
         assert_eq!(crew.mode(), Handoff::Off);
         assert_eq!(crew.target(0, 0, 100), None);
+        crew.entry_added();
+        crew.entry_added();
         assert!(!crew.closed());
         crew.entry_ended();
         assert!(!crew.closed());

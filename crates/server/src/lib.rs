@@ -6,16 +6,19 @@
 //! payload). [`QueueServer`] decodes it, hands it to the [`export::Export`], and encodes the reply
 //! in the same buffer; [`reply::reply_parts`] is the one place either framing turns a reply into
 //! what the kernel reads. None of this needs a kernel: tests feed bytes in and read bytes out over
-//! a fake backend. [`slots`] runs the per-buffer request loops over the real transports, and
-//! [`queue`] a whole queue thread (its engine, transports and loops, from start to report).
+//! a fake backend. [`slots`] runs the per-buffer request loops over the real transports,
+//! [`queue`] a whole queue (its transports and loops, from start to report) and [`worker`] the
+//! threads whose engines serve the queues of any number of exports.
 
 pub mod crew;
 pub mod queue;
 pub mod reply;
 mod serve;
 pub mod slots;
+pub mod worker;
 
 pub use crew::{Crew, Handoff};
-pub use queue::{QueueError, QueueEvent, QueueReport, QueueSpec, Source};
+pub use queue::{QueueError, QueueEvent, QueueReport, QueueSpec, Report, Source};
 pub use serve::{LegacyReply, QueueServer};
 pub use slots::QueueState;
+pub use worker::{Job, Workers, WorkersConfig};

@@ -1,4 +1,5 @@
-//! One queue thread: an engine, the request sources it serves and one slot task per buffer.
+//! One queue: the request sources it serves and one slot task per buffer, a tenant of a worker
+//! thread's engine (see [`crate::worker`]).
 //!
 //! A legacy queue reads requests from its own `/dev/fuse` fd (the mount's or a clone). An io_uring
 //! queue serves one or more kernel queues (qids) through ring entries, and queue 0 also keeps a
@@ -8,17 +9,16 @@ use std::future::poll_fn;
 use std::os::fd::OwnedFd;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::Duration;
 
 use backend::BlockBackend;
-use engine::{Engine, EngineConfig, EngineError, EngineStats, Remote, TaskId};
+use engine::{Buf, BufPool, Engine, EngineError, EngineStats, Remote, TaskId};
 use export::{Counters, Export, Snapshot};
 use thiserror::Error;
 use transport::{Layout, LegacyQueue, TransportError, UringLayout, UringQueue};
 
+use crate::worker::Job;
 use crate::{Crew, Handoff, QueueServer, QueueState};
 
 /// Where a queue gets its requests.
@@ -45,16 +45,11 @@ pub struct QueueSpec {
     pub depth: usize,
     /// Largest WRITE payload negotiated.
     pub max_write: usize,
-    /// Busy-poll before sleeping.
-    pub spin: Duration,
     /// Read `/dev/fuse` with a multishot read where the kernel has it.
     pub multishot: bool,
     /// The image's descriptors to register as the ring's fixed files, with the io_uring
     /// connection's (None: no fixed files).
     pub fixed_files: Option<Vec<std::os::fd::RawFd>>,
-    /// Register the request buffers with the ring as fixed buffers (pinned: resident from the
-    /// start, and no per-operation page pinning).
-    pub register_buffers: bool,
     /// Legacy READs of at least this many bytes are spliced from the image (0: none).
     pub splice_min: usize,
     /// Slots of the legacy reader an io_uring queue keeps (on its `legacy` fd) for requests sent
@@ -117,54 +112,107 @@ pub struct QueueReport {
     pub dev_fuse_read: &'static str,
 }
 
-/// Runs a queue to its end on the calling thread, reporting through `events`. `stop` set (and
-/// the `Started` task woken) makes it stop taking requests.
-pub fn run<B: BlockBackend, E: From<QueueEvent> + 'static>(
+/// How a queue reports its [`QueueEvent`]s to whoever runs its export (a closure, so one
+/// supervisor of many exports can tell them apart).
+pub type Report = Arc<dyn Fn(QueueEvent) + Send + Sync>;
+
+/// A queue to start on a worker thread ([`crate::Workers::submit`]): it becomes a tenant of that
+/// thread's engine and reports through `report` until it has ended. `stop` set (and the
+/// `Started` task woken) makes it stop taking requests.
+pub fn job<B: BlockBackend + 'static>(
     spec: QueueSpec,
     export: Arc<Export<B>>,
     stop: Arc<AtomicBool>,
-    events: Sender<E>,
-) {
-    let id = spec.id;
-    let crew = match &spec.source {
+    report: Report,
+) -> Box<dyn Job> {
+    Box::new(QueueJob {
+        spec,
+        export,
+        stop,
+        report,
+    })
+}
+
+struct QueueJob<B> {
+    spec: QueueSpec,
+    export: Arc<Export<B>>,
+    stop: Arc<AtomicBool>,
+    report: Report,
+}
+
+impl<B: BlockBackend + 'static> Job for QueueJob<B> {
+    fn run(self: Box<Self>, eng: &Rc<Engine>) {
+        let QueueJob {
+            spec,
+            export,
+            stop,
+            report,
+        } = *self;
+        let (id, crew) = (spec.id, crew_of(&spec.source));
+        if let Err(e) = start(spec, export, stop, report.clone(), eng) {
+            // Nothing of the queue was left on the engine.
+            fail(id, crew, &report, e.to_string());
+        }
+    }
+
+    fn refuse(self: Box<Self>, why: &str) {
+        fail(
+            self.spec.id,
+            crew_of(&self.spec.source),
+            &self.report,
+            why.into(),
+        );
+    }
+}
+
+fn crew_of(source: &Source) -> Option<Arc<Crew>> {
+    match source {
         Source::Uring { crew, .. } => Some(crew.clone()),
         Source::Legacy(_) => None,
-    };
-    let outcome = serve(spec, export, stop, &events);
+    }
+}
+
+/// The queue could not start: its crew closes (so the other threads' spare carriers, waiting
+/// for entries from this one, do not wait forever) and its owner hears why.
+fn fail(id: usize, crew: Option<Arc<Crew>>, report: &Report, error: String) {
     if let Some(crew) = crew {
-        // Normally every entry has ended and the crew closed already. A thread that failed
-        // early (or whose ring failed) closes it so the others' spare carriers, waiting for
-        // entries from it, do not wait forever.
         crew.close();
     }
-    match outcome {
-        Ok(report) => {
-            let _ = events.send(
-                QueueEvent::Ended {
-                    id,
-                    report: Box::new(report),
-                }
-                .into(),
-            );
+    report(QueueEvent::Failed { id, error });
+}
+
+/// What the engine holds for a queue, given back when it ends (or fails to start).
+struct Held {
+    eng: Rc<Engine>,
+    pool: Option<BufPool>,
+    files: Vec<std::os::fd::RawFd>,
+}
+
+impl Held {
+    fn release(&mut self) {
+        if let Some(p) = self.pool.take() {
+            self.eng.remove_pool(p);
         }
-        Err(e) => {
-            let _ = events.send(
-                QueueEvent::Failed {
-                    id,
-                    error: e.to_string(),
-                }
-                .into(),
-            );
+        if !self.files.is_empty() {
+            self.eng.unregister_files(&std::mem::take(&mut self.files));
         }
     }
 }
 
-fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Sets a queue up on `eng` and spawns its tasks. On an error nothing of it stays behind.
+fn start<B: BlockBackend + 'static>(
     spec: QueueSpec,
     export: Arc<Export<B>>,
     stop: Arc<AtomicBool>,
-    events: &Sender<E>,
-) -> Result<QueueReport, QueueError> {
+    report: Report,
+    eng: &Rc<Engine>,
+) -> Result<(), QueueError> {
     let legacy_layout = Layout::new(spec.max_write);
     let uring_layout = UringLayout::new(spec.max_write);
     let (legacy_fd, legacy_depth, uring) = match spec.source {
@@ -183,62 +231,92 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
             (legacy, n, Some((fd, qids, crew)))
         }
     };
-    let uring_slots = uring.as_ref().map_or(0, |(_, q, _)| q.len() * spec.depth);
-    let mut cfg = EngineConfig {
-        sq_entries: ((legacy_depth + uring_slots) * 2 + 8) as u32,
-        buffers: legacy_depth + uring_slots,
-        buffer_size: legacy_layout.size.max(uring_layout.size),
-        register_buffers: spec.register_buffers,
-        spin: spec.spin,
-        provided_buffers: legacy_depth > 0,
-        ..EngineConfig::default()
-    };
-    let eng = match Engine::new(&cfg) {
-        Ok(e) => e,
-        Err(engine::EngineError::Register(e)) => {
-            tracing::debug!(
-                "queue {}: fixed buffers unavailable ({e}); using plain buffers",
-                spec.id
-            );
-            cfg.register_buffers = false;
-            Engine::new(&cfg)?
+    if let Some((_, qids, crew)) = &uring {
+        if let Some(&q) = qids.iter().find(|&&q| usize::from(q) >= crew.qids()) {
+            return Err(QueueError::Qid(q));
         }
-        Err(e) => return Err(e.into()),
+    }
+    let uring_slots = uring.as_ref().map_or(0, |(_, q, _)| q.len() * spec.depth);
+    let count = legacy_depth + uring_slots;
+    let mut held = Held {
+        eng: eng.clone(),
+        pool: None,
+        files: Vec::new(),
     };
+    let multishot = spec.multishot && legacy_depth > 0;
+    let pool = eng.add_pool(
+        count,
+        legacy_layout.size.max(uring_layout.size),
+        multishot,
+    )?;
+    let group = pool.group();
+    // Every buffer now, so the tasks below cannot fail for want of one.
+    let mut bufs: Vec<Buf> = Vec::with_capacity(count);
+    for _ in 0..count {
+        bufs.push(pool.take().ok_or(QueueError::NoBuffer)?);
+    }
+    held.pool = Some(pool);
     let legacy = match legacy_fd {
         Some(fd) => {
             let mut q = LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1))?;
-            if spec.multishot {
-                q.use_multishot(&eng, cfg.buffers);
+            if multishot {
+                q.use_multishot(eng, group, count);
             }
             tracing::debug!("queue {}: /dev/fuse read mode {}", spec.id, q.read_mode());
             Some(q)
         }
         None => None,
     };
-    // The connection fd io_uring commands are issued on stays open for as long as the engine runs.
-    let conn = uring.as_ref().map(|(fd, _, _)| fd.clone());
     if let Some(mut fds) = spec.fixed_files {
         use std::os::fd::AsRawFd;
         // Not the legacy /dev/fuse fd: a multishot READ of it as a fixed file fails with EBADFD.
-        fds.extend(conn.as_ref().map(|fd| fd.as_raw_fd()));
-        if let Err(e) = eng.register_files(&fds) {
-            tracing::debug!("queue {}: no fixed files ({e})", spec.id);
+        fds.extend(uring.as_ref().map(|(fd, _, _)| fd.as_raw_fd()));
+        match eng.register_files(&fds) {
+            Ok(()) => held.files = fds,
+            Err(e) => tracing::debug!("queue {}: no fixed files ({e})", spec.id),
         }
     }
-    let server = QueueServer::new(export).with_splice_min(spec.splice_min);
-    let st = QueueState::new(eng, server, legacy);
-    let eng = st.engine();
-    // The request loops hold `st`, which owns the engine that holds them: on any way out before
-    // they all ended (a fatal ring error, a failed start) nothing would ever free the ring, its
-    // fds or its buffers. Dropped first, this drops what tasks are left.
-    let _tasks = TasksOf(eng);
+    // Everything that needed privileges is done (ring, fixed files); nothing of this queue is
+    // submitted yet, so every io-wq worker the kernel forks for it from here on gets the
+    // reduced set too.
+    (spec.before_serving)().map_err(QueueError::Privileges)?;
 
-    // The watcher turns a stop request (from the main thread, or from a loop that saw the
-    // connection end) into a quiet queue, and tells the main thread once it is.
+    let server = QueueServer::new(export).with_splice_min(spec.splice_min);
+    let st = QueueState::new(eng.clone(), server, legacy);
+    {
+        let (id, report, crew) = (spec.id, report.clone(), uring.as_ref().map(|u| u.2.clone()));
+        // The connection fd io_uring commands are issued on stays open until the queue ends.
+        let conn = uring.as_ref().map(|(fd, _, _)| fd.clone());
+        st.set_on_end(Box::new(move |st| {
+            let eng = st.engine().clone();
+            let report_of = QueueReport {
+                counters: st.server().counters().snapshot(),
+                engine: eng.stats(),
+                error: st.take_failure().or_else(crate::worker::worker_fault),
+                dev_fuse_read: st.legacy().map_or("none", LegacyQueue::read_mode),
+            };
+            // Per-thread backend state (an NBD connection) goes with the queue.
+            st.server().export().backend().queue_ended();
+            drop(held);
+            drop(conn);
+            if let Some(crew) = crew {
+                // Normally every entry has ended and the crew closed already.
+                crew.close();
+            }
+            report(QueueEvent::Ended {
+                id,
+                report: Box::new(report_of),
+            });
+        }));
+    }
+    // Exactly as many buffers as slots were taken above.
+    let mut bufs = bufs.into_iter();
+
+    // The watcher turns a stop request (from the owner, or from a loop that saw the connection
+    // end) into a quiet queue, and tells the owner once it is.
     let w = {
-        let (st2, events) = (st.clone(), events.clone());
-        eng.spawn(async move {
+        let (st2, report) = (st.clone(), report.clone());
+        st.spawn(async move {
             poll_fn(|_| {
                 if stop.load(Ordering::Acquire) || st2.stopping() {
                     Poll::Ready(())
@@ -256,18 +334,17 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
                 }
             })
             .await;
-            let _ = events.send(QueueEvent::Quiesced.into());
+            report(QueueEvent::Quiesced);
         })
     };
     st.set_watcher(w);
-    let take = || eng.take_buffer().ok_or(QueueError::NoBuffer);
     if let Some(q) = st.legacy() {
-        for _ in 0..legacy_depth {
-            eng.spawn(st.clone().legacy_slot(take()?));
+        for b in bufs.by_ref().take(legacy_depth) {
+            st.spawn(st.clone().legacy_slot(b));
         }
         if q.is_multishot() {
             let st2 = st.clone();
-            eng.spawn(async move {
+            st.spawn(async move {
                 if let Some(q) = st2.legacy() {
                     q.serve_reads(st2.engine()).await;
                 }
@@ -280,52 +357,22 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
         let queues: Vec<Rc<UringQueue>> = (0..crew.qids())
             .map(|q| Rc::new(UringQueue::new(fd.as_raw_fd(), q as u16, uring_layout)))
             .collect();
-        st.join_crew(crew.clone(), spec.id, queues.clone());
+        // The entries' buffers: registered as the load asks for them.
+        st.join_crew(crew.clone(), spec.id, queues, spec.depth, bufs.collect());
         for &qid in &qids {
-            let q = queues.get(usize::from(qid)).ok_or(QueueError::Qid(qid))?;
-            for _ in 0..spec.depth {
-                eng.spawn(st.clone().uring_slot(q.clone(), take()?));
-            }
+            st.start_entries(qid);
         }
         if crew.mode() != Handoff::Off {
-            // One carrier per entry of the connection, so this thread can hold them all.
-            let spares = crew.entries() - qids.len() * spec.depth;
-            for _ in 0..spares {
-                eng.spawn(st.clone().uring_spare());
-            }
-            let dock = eng.spawn(st.clone().dock());
+            // Carriers for entries handed here are spawned as they are first needed.
+            let dock = st.spawn(st.clone().dock());
             crew.board(spec.id, eng.gauge(), eng.remote(), dock);
         }
     }
-    // Everything that needed privileges is done (ring, registered buffers, fixed files); nothing
-    // is submitted yet, so every io-wq worker the kernel forks from this thread from here on gets
-    // the reduced set too.
-    (spec.before_serving)().map_err(QueueError::Privileges)?;
-    let _ = events.send(
-        QueueEvent::Started {
-            id: spec.id,
-            remote: eng.remote(),
-            task: w,
-            counters: st.server().shared_counters(),
-        }
-        .into(),
-    );
-    eng.run()?;
-    let error = st.take_failure();
-    let dev_fuse_read = st.legacy().map_or("none", LegacyQueue::read_mode);
-    Ok(QueueReport {
-        counters: st.server().counters().snapshot(),
-        engine: eng.stats(),
-        error,
-        dev_fuse_read,
-    })
-}
-
-/// Drops the engine's unfinished tasks when dropped (see [`Engine::drop_tasks`]).
-struct TasksOf<'a>(&'a Engine);
-
-impl Drop for TasksOf<'_> {
-    fn drop(&mut self) {
-        self.0.drop_tasks();
-    }
+    report(QueueEvent::Started {
+        id: spec.id,
+        remote: eng.remote(),
+        task: w,
+        counters: st.server().shared_counters(),
+    });
+    Ok(())
 }

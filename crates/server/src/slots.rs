@@ -32,11 +32,33 @@ struct Seat {
     idle: RefCell<Vec<TaskId>>,
     /// The dock's scratch list (sized once, reused).
     scratch: RefCell<Vec<Migrant>>,
+    /// Carriers without an entry of their own, spawned as handed entries first needed them.
+    spares: Cell<usize>,
+    /// Entries this thread registers as its load asks for them.
+    growth: Growth,
 }
+
+/// Ring entries registered by load: a kernel queue starts with [`INITIAL_ENTRIES`] entries on
+/// its thread and doubles them (up to the queue depth) whenever a request arrives while every
+/// entry registered from here is in service here, so an idle export holds a few entries (and
+/// their tasks, and the one page REGISTER touches) and a busy one gets its full depth. Entries
+/// cannot be unregistered, so a queue keeps what its busiest moment asked for.
+struct Growth {
+    depth: usize,
+    /// Per kernel queue (by qid): entries registered from this thread.
+    registered: Vec<Cell<usize>>,
+    /// Per kernel queue: of those, entries holding a request this thread is serving.
+    busy: Vec<Cell<usize>>,
+    /// Buffers for entries not registered yet (mapped, never touched: not resident).
+    reserve: RefCell<Vec<Buf>>,
+}
+
+/// Entries a kernel queue starts with on its thread.
+pub const INITIAL_ENTRIES: usize = 1;
 
 /// State the request loops of one queue share (single-threaded).
 pub struct QueueState<B> {
-    eng: Engine,
+    eng: Rc<Engine>,
     server: QueueServer<B>,
     legacy: Option<LegacyQueue>,
     failure: Cell<Option<String>>,
@@ -56,13 +78,20 @@ pub struct QueueState<B> {
     splicing: Cell<bool>,
     /// The crew of io_uring queue threads this one hands entries to and takes them from.
     seat: OnceCell<Seat>,
+    /// This queue's tasks on the engine (which may run other queues' too).
+    tasks: Cell<usize>,
+    /// Run once the last of them has ended.
+    on_end: Cell<Option<Box<dyn FnOnce(&QueueState<B>)>>>,
+    /// This state, for tasks it spawns from places that only borrow it.
+    me: std::rc::Weak<QueueState<B>>,
 }
 
 impl<B: BlockBackend> QueueState<B> {
     /// The state of a queue that runs on `eng`, serves through `server`, and (for a legacy
     /// queue, or an io_uring queue's fallback reader) reads `legacy`.
-    pub fn new(eng: Engine, server: QueueServer<B>, legacy: Option<LegacyQueue>) -> Rc<Self> {
-        Rc::new(QueueState {
+    pub fn new(eng: Rc<Engine>, server: QueueServer<B>, legacy: Option<LegacyQueue>) -> Rc<Self> {
+        Rc::new_cyclic(|me| QueueState {
+            me: me.clone(),
             eng,
             server,
             legacy,
@@ -74,14 +103,52 @@ impl<B: BlockBackend> QueueState<B> {
             watcher: Cell::new(None),
             splicing: Cell::new(true),
             seat: OnceCell::new(),
+            tasks: Cell::new(0),
+            on_end: Cell::new(None),
         })
     }
 
+    /// Spawns one of this queue's tasks on its engine. The queue has ended once every task it
+    /// spawned has (finished, or dropped with the engine's tasks): then the `on_end` work of
+    /// [`QueueState::set_on_end`] runs, on this thread.
+    pub fn spawn(self: &Rc<Self>, fut: impl std::future::Future<Output = ()> + 'static) -> TaskId {
+        self.tasks.set(self.tasks.get() + 1);
+        let member = Member(self.clone());
+        self.eng.spawn(async move {
+            let _member = member;
+            fut.await
+        })
+    }
+
+    /// What to do once the queue's last task has ended (report, give its resources back).
+    pub fn set_on_end(&self, f: Box<dyn FnOnce(&QueueState<B>)>) {
+        self.on_end.set(Some(f));
+    }
+
+    fn task_ended(&self) {
+        let n = self.tasks.get().saturating_sub(1);
+        self.tasks.set(n);
+        if n == 0 {
+            if let Some(f) = self.on_end.take() {
+                f(self);
+            }
+        }
+    }
+
     /// Makes this queue thread member `me` of `crew`, serving any of `queues` (all kernel
-    /// queues, by qid). Call before spawning the carriers and the dock.
-    pub fn join_crew(&self, crew: Arc<Crew>, me: usize, queues: Vec<Rc<UringQueue>>) {
+    /// queues, by qid), with up to `depth` entries per kernel queue it registers, whose buffers
+    /// are `reserve`. Call before [`QueueState::start_entries`].
+    pub fn join_crew(
+        &self,
+        crew: Arc<Crew>,
+        me: usize,
+        queues: Vec<Rc<UringQueue>>,
+        depth: usize,
+        reserve: Vec<Buf>,
+    ) {
         // Every entry of the connection may end up here at once.
         let cap = crew.entries();
+        let n = queues.len();
         let _ = self.seat.set(Seat {
             crew,
             me,
@@ -89,7 +156,73 @@ impl<B: BlockBackend> QueueState<B> {
             arrived: RefCell::new(VecDeque::with_capacity(cap)),
             idle: RefCell::new(Vec::with_capacity(cap)),
             scratch: RefCell::new(Vec::with_capacity(cap)),
+            spares: Cell::new(0),
+            growth: Growth {
+                depth,
+                registered: (0..n).map(|_| Cell::new(0)).collect(),
+                busy: (0..n).map(|_| Cell::new(0)).collect(),
+                reserve: RefCell::new(reserve),
+            },
         });
+    }
+
+    /// Registers the first entries of kernel queue `qid` from this thread (see [`Growth`]).
+    pub fn start_entries(self: &Rc<Self>, qid: u16) {
+        self.add_entries(qid, INITIAL_ENTRIES);
+    }
+
+    /// Registers up to `n` more entries of kernel queue `qid`, within the depth and the
+    /// buffers left.
+    fn add_entries(self: &Rc<Self>, qid: u16, n: usize) {
+        let Some(seat) = self.seat.get() else { return };
+        let g = &seat.growth;
+        let (Some(q), Some(reg)) = (
+            seat.queues.get(usize::from(qid)),
+            g.registered.get(usize::from(qid)),
+        ) else {
+            return;
+        };
+        for _ in 0..n {
+            if reg.get() >= g.depth {
+                return;
+            }
+            let Some(buf) = g.reserve.borrow_mut().pop() else {
+                return;
+            };
+            reg.set(reg.get() + 1);
+            seat.crew.entry_added();
+            self.spawn(self.clone().uring_slot(q.clone(), buf));
+        }
+    }
+
+    /// A request of `qid`, a kernel queue this thread registers entries of, is about to be
+    /// served here: if every entry registered from here is now in service, register more.
+    fn entry_busy(&self, qid: u16) {
+        let Some(seat) = self.seat.get() else { return };
+        let g = &seat.growth;
+        let (Some(busy), Some(reg)) = (
+            g.busy.get(usize::from(qid)),
+            g.registered.get(usize::from(qid)),
+        ) else {
+            return;
+        };
+        busy.set(busy.get() + 1);
+        if busy.get() >= reg.get() && reg.get() < g.depth && !self.stopping.get() {
+            if let Some(me) = self.me.upgrade() {
+                me.add_entries(qid, reg.get());
+            }
+        }
+    }
+
+    /// The request [`QueueState::entry_busy`] counted is answered.
+    fn entry_free(&self, qid: u16) {
+        if let Some(b) = self
+            .seat
+            .get()
+            .and_then(|s| s.growth.busy.get(usize::from(qid)))
+        {
+            b.set(b.get().saturating_sub(1));
+        }
     }
 
     /// The task that takes in entries other threads hand this one and wakes idle carriers for
@@ -109,8 +242,19 @@ impl<B: BlockBackend> QueueState<B> {
             } else {
                 n.min(idle.len())
             };
+            // More entries arrived than carriers wait: the thread holds more than ever before,
+            // and gets a carrier for each (at most one per entry of the connection).
+            let short = if closed { 0 } else { n - wake };
             for t in idle.drain(..wake) {
                 self.eng.wake(t);
+            }
+            drop(idle);
+            for _ in 0..short {
+                if seat.spares.get() >= seat.crew.entries() {
+                    break;
+                }
+                seat.spares.set(seat.spares.get() + 1);
+                self.spawn(self.clone().uring_spare());
             }
             if closed {
                 Poll::Ready(())
@@ -176,7 +320,7 @@ impl<B: BlockBackend> QueueState<B> {
     }
 
     /// The queue's engine.
-    pub fn engine(&self) -> &Engine {
+    pub fn engine(&self) -> &Rc<Engine> {
         &self.eng
     }
 
@@ -244,7 +388,8 @@ impl<B: BlockBackend> QueueState<B> {
     fn enter(&self) {
         self.busy.set(self.busy.get() + 1);
         self.in_service.set(self.in_service.get() + 1);
-        self.eng.set_load(self.in_service.get());
+        // The engine's load is every queue's on this thread.
+        self.eng.set_load(self.eng.load() + 1);
     }
 
     /// The request's reply is built. Only requests still in service count as the engine's load:
@@ -252,7 +397,7 @@ impl<B: BlockBackend> QueueState<B> {
     /// writes and send tmpfs reads to io-wq (measured: 4k randread QD16 202k → 168k IOPS).
     fn served(&self) {
         self.in_service.set(self.in_service.get() - 1);
-        self.eng.set_load(self.in_service.get());
+        self.eng.set_load(self.eng.load().saturating_sub(1));
     }
 
     /// The request is answered.
@@ -405,6 +550,14 @@ impl<B: BlockBackend> QueueState<B> {
                     None => return true,
                 };
             }
+            // Entries of this thread's own kernel queues count towards registering more.
+            let home = self
+                .seat
+                .get()
+                .is_some_and(|s| s.crew.home(q.qid()) == s.me);
+            if home {
+                self.entry_busy(q.qid());
+            }
             self.enter();
             if self.stopping.get() {
                 // Stopping: take nothing new. The application sees the connection go away.
@@ -415,7 +568,19 @@ impl<B: BlockBackend> QueueState<B> {
             }
             self.served();
             self.leave();
+            if home {
+                self.entry_free(q.qid());
+            }
             (fetched, buf) = q.commit_and_fetch(&self.eng, buf, d.commit_id).await;
         }
+    }
+}
+
+/// Held by each task of a queue: its drop counts the task as ended.
+struct Member<B: BlockBackend>(Rc<QueueState<B>>);
+
+impl<B: BlockBackend> Drop for Member<B> {
+    fn drop(&mut self) {
+        self.0.task_ended();
     }
 }

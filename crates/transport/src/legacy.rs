@@ -129,11 +129,11 @@ impl LegacyQueue {
         })
     }
 
-    /// Switches to multishot reads into provided buffers if `eng` has a provided-buffer ring
-    /// and the kernel knows `IORING_OP_READ_MULTISHOT`. Then [`LegacyQueue::serve_reads`] must run
-    /// as a task of `eng`. Returns whether it switched.
-    pub fn use_multishot(&mut self, eng: &Engine, buffers: usize) -> bool {
-        let Some(group) = eng.buf_group() else {
+    /// Switches to multishot reads into provided buffers if the slots' pool has a
+    /// provided-buffer ring (`group`) and the kernel knows `IORING_OP_READ_MULTISHOT`. Then
+    /// [`LegacyQueue::serve_reads`] must run as a task of `eng`. Returns whether it switched.
+    pub fn use_multishot(&mut self, eng: &Engine, group: Option<BufGroup>, buffers: usize) -> bool {
+        let Some(group) = group else {
             return false;
         };
         if !eng.can_read_multishot() {

@@ -947,4 +947,15 @@ impl BlockBackend for NbdBackend {
     fn queue_stopping(&self) {
         self.stop_connecting();
     }
+
+    fn queue_ended(&self) {
+        // Taken out first: dropping a connection must not happen inside the borrow.
+        let gone = CONNS.with(|c| {
+            let mut all = c.borrow_mut();
+            all.iter()
+                .position(|p| p.backend == self.id)
+                .map(|i| all.swap_remove(i))
+        });
+        drop(gone);
+    }
 }

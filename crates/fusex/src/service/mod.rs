@@ -644,6 +644,7 @@ impl Service {
                     privileges: Plan::none(),
                     tx: sup_tx,
                     rx,
+                    shared: true,
                 };
                 let result = lifecycle::supervise(&mut prepared, sup, &mut owner);
                 if let Err(e) = &result {
