@@ -16,6 +16,6 @@ mod serve;
 pub mod slots;
 
 pub use crew::{Crew, Handoff};
-pub use queue::{QueueError, QueueEvent, QueueReport, QueueSpec, Source};
+pub use queue::{QueueError, QueueEvent, QueueReport, QueueSpec, Report, Source};
 pub use serve::{LegacyReply, QueueServer};
 pub use slots::QueueState;

@@ -8,7 +8,6 @@ use std::future::poll_fn;
 use std::os::fd::OwnedFd;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -85,8 +84,7 @@ pub enum QueueError {
     Privileges(std::io::Error),
 }
 
-/// Messages from a queue thread to whoever runs the export (which wraps them in its own events
-/// through `From`).
+/// Messages from a queue thread to whoever runs the export (through its [`Report`]).
 pub enum QueueEvent {
     /// The queue runs; wake `task` through `remote` to make it stop. `counters` are the
     /// queue's, readable live.
@@ -105,6 +103,11 @@ pub enum QueueEvent {
     Ended { id: usize, report: Box<QueueReport> },
 }
 
+/// How a queue tells whoever runs its export what happens to it. A callback rather than a typed
+/// channel: the receiver decides what to make of each event (a supervisor shared by many exports
+/// tags it with the export it is about, a one-export process wraps it in its own events).
+pub type Report = Arc<dyn Fn(QueueEvent) + Send + Sync>;
+
 /// What a queue did.
 pub struct QueueReport {
     /// Request and backend counters.
@@ -117,20 +120,20 @@ pub struct QueueReport {
     pub dev_fuse_read: &'static str,
 }
 
-/// Runs a queue to its end on the calling thread, reporting through `events`. `stop` set (and
+/// Runs a queue to its end on the calling thread, reporting through `report`. `stop` set (and
 /// the `Started` task woken) makes it stop taking requests.
-pub fn run<B: BlockBackend, E: From<QueueEvent> + 'static>(
+pub fn run<B: BlockBackend>(
     spec: QueueSpec,
     export: Arc<Export<B>>,
     stop: Arc<AtomicBool>,
-    events: Sender<E>,
+    report: Report,
 ) {
     let id = spec.id;
     let crew = match &spec.source {
         Source::Uring { crew, .. } => Some(crew.clone()),
         Source::Legacy(_) => None,
     };
-    let outcome = serve(spec, export, stop, &events);
+    let outcome = serve(spec, export, stop, &report);
     if let Some(crew) = crew {
         // Normally every entry has ended and the crew closed already. A thread that failed
         // early (or whose ring failed) closes it so the others' spare carriers, waiting for
@@ -138,32 +141,26 @@ pub fn run<B: BlockBackend, E: From<QueueEvent> + 'static>(
         crew.close();
     }
     match outcome {
-        Ok(report) => {
-            let _ = events.send(
-                QueueEvent::Ended {
-                    id,
-                    report: Box::new(report),
-                }
-                .into(),
-            );
+        Ok(ended) => {
+            report(QueueEvent::Ended {
+                id,
+                report: Box::new(ended),
+            });
         }
         Err(e) => {
-            let _ = events.send(
-                QueueEvent::Failed {
-                    id,
-                    error: e.to_string(),
-                }
-                .into(),
-            );
+            report(QueueEvent::Failed {
+                id,
+                error: e.to_string(),
+            });
         }
     }
 }
 
-fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
+fn serve<B: BlockBackend>(
     spec: QueueSpec,
     export: Arc<Export<B>>,
     stop: Arc<AtomicBool>,
-    events: &Sender<E>,
+    report: &Report,
 ) -> Result<QueueReport, QueueError> {
     let legacy_layout = Layout::new(spec.max_write);
     let uring_layout = UringLayout::new(spec.max_write);
@@ -237,7 +234,7 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
     // The watcher turns a stop request (from the main thread, or from a loop that saw the
     // connection end) into a quiet queue, and tells the main thread once it is.
     let w = {
-        let (st2, events) = (st.clone(), events.clone());
+        let (st2, report) = (st.clone(), report.clone());
         eng.spawn(async move {
             poll_fn(|_| {
                 if stop.load(Ordering::Acquire) || st2.stopping() {
@@ -256,7 +253,7 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
                 }
             })
             .await;
-            let _ = events.send(QueueEvent::Quiesced.into());
+            report(QueueEvent::Quiesced);
         })
     };
     st.set_watcher(w);
@@ -301,15 +298,12 @@ fn serve<B: BlockBackend, E: From<QueueEvent> + 'static>(
     // is submitted yet, so every io-wq worker the kernel forks from this thread from here on gets
     // the reduced set too.
     (spec.before_serving)().map_err(QueueError::Privileges)?;
-    let _ = events.send(
-        QueueEvent::Started {
-            id: spec.id,
-            remote: eng.remote(),
-            task: w,
-            counters: st.server().shared_counters(),
-        }
-        .into(),
-    );
+    report(QueueEvent::Started {
+        id: spec.id,
+        remote: eng.remote(),
+        task: w,
+        counters: st.server().shared_counters(),
+    });
     eng.run()?;
     let error = st.take_failure();
     let dev_fuse_read = st.legacy().map_or("none", LegacyQueue::read_mode);
