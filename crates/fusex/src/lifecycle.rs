@@ -981,16 +981,7 @@ impl Supervisor {
             return;
         }
         if self.flushed.is_some() {
-            self.failure.get_or_insert(if p.mnt.via_fusermount() {
-                // fusermount3 -u could only detach a mount applications hold open.
-                "queues did not end after the unmount: applications still hold the export \
-                 open, and without CAP_SYS_ADMIN fusex cannot abort the connection (it ends as \
-                 fusex exits now)"
-                    .into()
-            } else {
-                "queues did not end after the connection was aborted".into()
-            });
-            self.broke = true;
+            self.closed(p);
             return;
         }
         follow_image_size(&p.export, self.notify_fd.as_ref(), &mut self.known_size);
@@ -1001,6 +992,24 @@ impl Supervisor {
         }
         self.trouble = now;
         self.settle(p, owner);
+    }
+
+    /// Nothing can send the supervisor events any more (or, once flushed, the queues had their
+    /// time to end): it is done, and queues that did not end by now after the final flush are a
+    /// failure.
+    pub fn closed(&mut self, p: &Prepared) {
+        if self.flushed.is_some() {
+            self.failure.get_or_insert(if p.mnt.via_fusermount() {
+                // fusermount3 -u could only detach a mount applications hold open.
+                "queues did not end after the unmount: applications still hold the export \
+                 open, and without CAP_SYS_ADMIN fusex cannot abort the connection (it ends as \
+                 fusex exits now)"
+                    .into()
+            } else {
+                "queues did not end after the connection was aborted".into()
+            });
+        }
+        self.broke = true;
     }
 
     /// What is due before the supervisor waits again: the `--stop-timeout` deadline, and a
@@ -1378,7 +1387,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
         match rx.recv_timeout(s.next_wakeup()) {
             Ok(ev) => s.handle(p, ev, owner),
             Err(mpsc::RecvTimeoutError::Timeout) => s.tick(p, owner),
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Disconnected) => s.closed(p),
         }
     }
     s.finish(p, owner)

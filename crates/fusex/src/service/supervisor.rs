@@ -146,14 +146,14 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
         };
         let mut touched = Vec::new();
         match msg {
-            Some(Msg::Event(serial, ev)) => {
-                if slots.contains_key(&serial) {
-                    guarded(&mut slots, serial, |s| {
-                        s.sup.handle(&mut s.prepared, ev, &mut s.owner)
-                    });
-                    touched.push(serial);
-                }
+            Some(Msg::Event(serial, ev)) if slots.contains_key(&serial) => {
+                guarded(&mut slots, serial, |s| {
+                    s.sup.handle(&mut s.prepared, ev, &mut s.owner)
+                });
+                touched.push(serial);
             }
+            // An export that ended: dropped, with what it carries (a Release's answer channels).
+            Some(Msg::Event(..)) => {}
             Some(Msg::Add(a)) => {
                 let started = std::panic::catch_unwind(AssertUnwindSafe(|| start(*a, &finished)));
                 match started {
@@ -194,7 +194,8 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
     }
     // Nothing can reach the exports any more (the daemon is going away): each ends as a
     // supervisor whose channel closed did.
-    for (serial, s) in std::mem::take(&mut slots) {
+    for (serial, mut s) in std::mem::take(&mut slots) {
+        s.sup.closed(&s.prepared);
         end(serial, s, &finished);
     }
 }
