@@ -1120,3 +1120,74 @@ fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
     );
     assert_eq!(q.ok("query-block-exports", json!({}))[0]["id"], "n");
 }
+
+/// The daemon's threads that are not queue threads (`fusex-q*`) nor the kernel's io_uring
+/// workers of their rings (`iou-*`), by name.
+fn non_queue_threads(pid: i32) -> Vec<String> {
+    let mut names = Vec::new();
+    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's tasks") {
+        let Ok(t) = t else { continue };
+        // A thread that ended since the listing has no comm any more.
+        let Ok(comm) = fs::read_to_string(t.path().join("comm")) else {
+            continue;
+        };
+        let comm = comm.trim_end().to_string();
+        if !comm.starts_with("fusex-q") && !comm.starts_with("iou-") {
+            names.push(comm);
+        }
+    }
+    names.sort();
+    names
+}
+
+/// The daemon's threads, as `/proc/PID/status` counts them.
+fn thread_count(pid: i32) -> usize {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).expect("the daemon's status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("a Threads line")
+}
+
+/// Exports cost their queue threads only: the daemon's other threads (one supervisor for every
+/// export, the reaper, the QMP threads, ...) are as many with ten exports as with one.
+#[test]
+fn exports_add_queue_threads_only() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-threads");
+    let serve = Serve::start(w.path(), &[]);
+    let pid = serve.pid();
+    let mut q = serve.qmp();
+    q.add_null_export("t0", &w.join("t0.mnt"), json!({"__org.fusex_queues": 1}));
+    let one = non_queue_threads(pid);
+    for i in 1..10 {
+        let id = format!("t{i}");
+        q.add_null_export(
+            &id,
+            &w.join(format!("{id}.mnt")),
+            json!({"__org.fusex_queues": 1}),
+        );
+    }
+    let v = q.ok("query-block-exports", json!({}));
+    assert_eq!(v.as_array().unwrap().len(), 10, "{v}");
+    let ten = non_queue_threads(pid);
+    let total = thread_count(pid);
+    // Not one per export; a few threads that come and go (a client's, say) do not fail it.
+    assert!(
+        ten.len() <= one.len() + 3,
+        "nine more exports added {} threads besides their queues' (one export: {one:?}; ten: \
+         {ten:?}; {total} threads in all)",
+        ten.len() as isize - one.len() as isize
+    );
+    assert!(
+        ten.iter().filter(|t| t.as_str() == "fusex-exports").count() == 1,
+        "one thread supervises every export: {ten:?}"
+    );
+    assert!(
+        total >= ten.len() + 10,
+        "each export has its queue thread: {total} threads, {ten:?} besides the queues'"
+    );
+}

@@ -4,6 +4,7 @@
 //! the process (signals, pid files, readiness, the restart socket) is the driver's: it reaches the
 //! export through [`Event`]s and hears back through its [`Owner`].
 
+use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +20,7 @@ use fuse_abi::{
     FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
     FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
 };
-use server::queue::{QueueEvent, QueueSpec, Source};
+use server::queue::{QueueEvent, QueueSpec, Report, Source};
 use transport::{clone_fd, InitParams, Mount, MountConfig};
 
 use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
@@ -47,6 +48,11 @@ pub enum Event {
         pid: u32,
         accepted: mpsc::Sender<bool>,
     },
+    /// `fusex serve`'s answer to an export that let go through [`ReleaseTo::Channel`]: whether
+    /// the successor took the exports (if it did not, the export is unmounted, as after a stop).
+    /// An answer rather than a channel the export waits on, so that one thread can supervise
+    /// every export while they all let go.
+    Taken(bool),
 }
 
 /// Where an export that let go says so, with the files open on it then (their RELEASEs reach
@@ -54,10 +60,9 @@ pub enum Event {
 pub enum ReleaseTo {
     /// `fusex mount`: the successor itself, as `Message::Released`.
     Stream(std::os::unix::net::UnixStream),
-    /// `fusex serve`: the daemon, which tells the successor once every export let go, and
-    /// answers on the channel sent with the count whether the successor took the exports (if it
-    /// did not, this one is unmounted, as after a stop).
-    Channel(mpsc::SyncSender<(u64, mpsc::SyncSender<bool>)>),
+    /// `fusex serve`: the daemon, which gets the count here, tells the successor once every
+    /// export let go, and answers with an [`Event::Taken`].
+    Channel(mpsc::SyncSender<u64>),
 }
 
 impl From<QueueEvent> for Event {
@@ -715,67 +720,67 @@ pub struct Ended {
     pub handed_to: Option<u32>,
 }
 
-/// How the supervisor's driver sets it up.
+/// How [`supervise`]'s driver sets it up.
 pub struct Supervision {
     /// What every thread of the export keeps of the process's privileges (applied by each queue
     /// thread before it serves, and by the supervisor once they all do).
     pub privileges: Plan,
     /// The sending side of the supervisor's events, which the driver hands out (signals, the
-    /// restart listener, a control socket); the queues get clones.
+    /// restart listener, a control socket); the queues report through a clone.
     pub tx: mpsc::Sender<Event>,
     pub rx: mpsc::Receiver<Event>,
-    /// Serve the queues on the process's shared worker threads where the export's options
-    /// allow (`fusex serve`), rather than on threads of its own (see [`crate::workers`]).
-    pub shared: bool,
 }
 
-/// Serves `p` until it stops (asked to, by an [`Event::Stop`], or because its connection or a
-/// queue ended) or is handed to a successor; on the way out the image is flushed and the
-/// connection aborted (unless handed over). Returns once every queue has ended.
-pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> Result<Ended> {
-    let Supervision {
-        privileges,
-        tx,
-        rx,
-        shared,
-    } = sup;
+/// Where [`start_queues`] started an export's queues. Kept so that an export that ended
+/// normally on threads of its own waits for them to be gone before it says so.
+pub struct Queues(crate::workers::Placement);
+
+impl Queues {
+    /// Every queue has reported `Ended` or `Failed` as its last act: threads of the export's
+    /// own end now (shared ones serve on).
+    fn join(self) {
+        if self.0.private {
+            self.0.workers.shut_down();
+        }
+    }
+
+    /// The export ends while a queue may still wait for a connection that ends only as the
+    /// process exits: its own threads are left to that.
+    fn abandon(self) {
+        if self.0.private {
+            std::mem::forget(self.0.workers);
+        }
+    }
+}
+
+/// Starts `p`'s queues, which report through `report`; `stop` set (and their `Started` tasks
+/// woken) makes them stop taking requests. The one place that decides which threads serve an
+/// export's requests: threads of its own, or the process's shared ones where `shared` and the
+/// export's options allow ([`crate::workers`]).
+fn start_queues(
+    p: &mut Prepared,
+    stop: &Arc<AtomicBool>,
+    privileges: Plan,
+    report: Report,
+    shared: bool,
+) -> Result<Queues> {
     let (args, export, mnt, neg) = (&p.args, &p.export, &mut p.mnt, &p.settled);
-    let mut stopping_sent = false;
-    let mut not_serving_sent = false;
     let nq = neg.queues;
-    let stop = Arc::new(AtomicBool::new(false));
-    // The supervisor keeps its own fd of the connection to tell the kernel when the image
-    // changes size behind the export.
-    let notify_fd = match mnt.fd() {
-        Some(fd) => Some(clone_fd(fd.as_raw_fd())?),
-        None => None,
-    };
-    let mut known_size = export.backend().size();
-    let mut trouble: Option<String> = None;
     let handoff = args.handoff.into();
     let sources = sources(mnt, nq, neg.uring(), neg.plan.depth, handoff)?;
-    let slots = if neg.uring() {
-        sources
-            .iter()
-            .map(|s| match s {
-                Source::Uring { qids, legacy, .. } => {
-                    qids.len() * neg.plan.depth
-                        + legacy.as_ref().map_or(0, |_| memory::URING_LEGACY_SLOTS)
-                }
-                Source::Legacy(_) => neg.plan.depth,
-            })
-            .max()
-            .unwrap_or(0)
-    } else {
-        neg.plan.depth
-    };
-    let placement = crate::workers::place(args, nq, slots, neg.uring(), shared)?;
-    let report: server::Report = {
-        let tx = tx.clone();
-        Arc::new(move |ev| {
-            let _ = tx.send(Event::Queue(ev));
+    // The most request buffers one queue has (queue 0 of io_uring also reads /dev/fuse).
+    let slots = sources
+        .iter()
+        .map(|s| match s {
+            Source::Uring { qids, legacy, .. } => {
+                qids.len() * neg.plan.depth
+                    + legacy.as_ref().map_or(0, |_| memory::URING_LEGACY_SLOTS)
+            }
+            Source::Legacy(_) => neg.plan.depth,
         })
-    };
+        .max()
+        .unwrap_or(0);
+    let placement = crate::workers::place(args, nq, slots, neg.uring(), shared)?;
     for (id, source) in sources.into_iter().enumerate() {
         let spec = QueueSpec {
             id,
@@ -794,84 +799,267 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
             server::queue::job(spec, export.clone(), stop.clone(), report.clone()),
         );
     }
-    drop(report);
-    drop(tx);
-    let mut remotes = Vec::new();
-    let mut live: Vec<(usize, Arc<Counters>)> = Vec::new();
-    let mut dumps = 0u64;
-    let (mut running, mut started, mut quiet) = (nq, 0, 0);
-    let mut total = Snapshot::default();
-    let mut failure: Option<String> = None;
-    let mut per_queue = Vec::new();
-    let mut flushed: Option<Result<bool>> = None;
-    // `fusex restart`: the successor waiting for this export to let go, and its pid.
-    let mut successor: Option<(ReleaseTo, u32)> = None;
-    let mut handed_to: Option<u32> = None;
-    // After a signal with the export detached: when its grace period ends (`--stop-timeout`).
-    let mut draining: Option<Instant> = None;
-    // A detached export is aborted while applications hold it: once the queues are quiet and
-    // the image is flushed, the supervisor returns and the process exits, which ends the
-    // connection (the detached mount can no longer be force-unmounted by path).
-    let mut abandon = false;
-    let stop_all = |remotes: &Vec<(engine::Remote, engine::TaskId)>| {
-        stop.store(true, Ordering::Release);
-        for (r, t) in remotes {
+    Ok(Queues(placement))
+}
+
+/// How long a supervisor whose export is flushed and whose connection is aborted waits for its
+/// queues to end before it gives up on them.
+const QUEUES_END_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What [`Supervisor::next_wakeup`] says while the supervisor waits for [`Event::Taken`]: it
+/// has nothing to do on its own meanwhile.
+const AWAITING_ANSWER: Duration = Duration::from_secs(3600);
+
+/// One export's supervisor, as a state machine its driver feeds: [`supervise`] drives one on the
+/// calling thread (`fusex mount`), `fusex serve` drives all of its exports' from one thread. It
+/// reacts to [`Event`]s ([`Supervisor::handle`]) and to time passing without one
+/// ([`Supervisor::tick`], due [`Supervisor::next_wakeup`] after the last call); once
+/// [`Supervisor::done`], [`Supervisor::finish`] ends the export. Every method takes the export's
+/// [`Prepared`], the one [`Supervisor::start`] started, which the driver keeps.
+///
+/// No method blocks for long: the ones that flush the image or unmount (a stop's end, a
+/// hand-over) take as long as that takes, and a hand-over to a `fusex serve` successor waits for
+/// the daemon's answer as an [`Event::Taken`] rather than on a channel of its own.
+pub struct Supervisor {
+    /// Applied to the supervising thread once every queue serves.
+    privileges: Plan,
+    /// How many queues the export has.
+    nq: usize,
+    /// Set to make the queues stop taking requests (see `stop_all`).
+    stop: Arc<AtomicBool>,
+    /// The supervisor's own fd of the connection, to tell the kernel when the image changes size
+    /// behind the export.
+    notify_fd: Option<std::os::fd::OwnedFd>,
+    /// The image's size as last seen.
+    known_size: u64,
+    /// The backend's trouble as last said to the owner.
+    trouble: Option<String>,
+    queues: Queues,
+    /// How to wake each queue's watcher task.
+    remotes: Vec<(engine::Remote, engine::TaskId)>,
+    /// Each queue's live counters, for SIGUSR1 and an abandoned export's statistics.
+    live: Vec<(usize, Arc<Counters>)>,
+    /// SIGUSR1 dumps written so far.
+    dumps: u64,
+    /// Queues not yet ended, queues that reported `Started`, queues quiet after a stop.
+    running: usize,
+    started: usize,
+    quiet: usize,
+    /// The ended queues' counters, summed, and each one's line.
+    total: Snapshot,
+    per_queue: Vec<serde_json::Value>,
+    /// The first reason the export failed.
+    failure: Option<String>,
+    /// The final flush's outcome, once it ran.
+    flushed: Option<Result<bool>>,
+    /// `fusex restart`: the successor waiting for this export to let go, and its pid.
+    successor: Option<(ReleaseTo, u32)>,
+    /// The successor that serves the export now.
+    handed_to: Option<u32>,
+    /// After a signal with the export detached: when its grace period ends (`--stop-timeout`).
+    draining: Option<Instant>,
+    /// A detached export is aborted while applications hold it: once the queues are quiet and
+    /// the image is flushed, the supervisor is done and the process exits, which ends the
+    /// connection (the detached mount can no longer be force-unmounted by path).
+    abandon: bool,
+    /// A stop that came while queues were starting, acted on once they all serve (so that the
+    /// files already open on the export are counted and served, not aborted).
+    deferred: Option<Stop>,
+    /// A `fusex restart` that asked while queues were starting, answered once they all serve.
+    early_release: Option<Event>,
+    /// Whether the owner heard `stopping` and `not_serving`.
+    stopping_sent: bool,
+    not_serving_sent: bool,
+    /// The successor (its pid) this export let go for, until the daemon answers whether it took
+    /// the exports ([`Event::Taken`]).
+    answer: Option<u32>,
+    /// Events that came meanwhile, handled once the answer came, in their order.
+    held: VecDeque<Event>,
+    /// Done before every queue ended (they did not end in time, or nothing can reach the
+    /// supervisor any more).
+    broke: bool,
+}
+
+impl Supervisor {
+    /// Starts the queues of `p`, which report through `report` (each of their events to be
+    /// handed to [`Supervisor::handle`] as an [`Event::Queue`]).
+    pub fn start(
+        p: &mut Prepared,
+        privileges: Plan,
+        report: Report,
+        shared: bool,
+    ) -> Result<Supervisor> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let notify_fd = match p.mnt.fd() {
+            Some(fd) => Some(clone_fd(fd.as_raw_fd())?),
+            None => None,
+        };
+        let known_size = p.export.backend().size();
+        let queues = start_queues(p, &stop, privileges, report, shared)?;
+        let nq = p.settled.queues;
+        Ok(Supervisor {
+            privileges,
+            nq,
+            stop,
+            notify_fd,
+            known_size,
+            trouble: None,
+            queues,
+            remotes: Vec::new(),
+            live: Vec::new(),
+            dumps: 0,
+            running: nq,
+            started: 0,
+            quiet: 0,
+            total: Snapshot::default(),
+            per_queue: Vec::new(),
+            failure: None,
+            flushed: None,
+            successor: None,
+            handed_to: None,
+            draining: None,
+            abandon: false,
+            deferred: None,
+            early_release: None,
+            stopping_sent: false,
+            not_serving_sent: false,
+            answer: None,
+            held: VecDeque::new(),
+            broke: false,
+        })
+    }
+
+    /// Whether the export is over: every queue ended, or the supervisor gave up on them. Events
+    /// handed in after that are dropped.
+    pub fn done(&self) -> bool {
+        self.broke || (self.running == 0 && self.answer.is_none())
+    }
+
+    /// How long after the last [`Supervisor::handle`] or [`Supervisor::tick`] the next tick is
+    /// due if no event comes: a second while serving (the image size check), the time the
+    /// queues have to end once the export is flushed and aborted.
+    pub fn next_wakeup(&self) -> Duration {
+        if self.answer.is_some() {
+            AWAITING_ANSWER
+        } else if self.flushed.is_some() {
+            QUEUES_END_TIMEOUT
+        } else {
+            SIZE_CHECK_INTERVAL
+        }
+    }
+
+    /// Handles one event, then whatever it made due (a deferred stop or restart, a passed
+    /// `--stop-timeout`).
+    pub fn handle(&mut self, p: &mut Prepared, ev: Event, owner: &mut dyn Owner) {
+        if self.done() {
+            return;
+        }
+        if let Some(pid) = self.answer {
+            match ev {
+                Event::Taken(taken) => {
+                    self.answer = None;
+                    let told = if taken {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::other(
+                            "the successor did not take the exports",
+                        ))
+                    };
+                    self.told(p, pid, told, owner);
+                    self.settle(p, owner);
+                    for ev in std::mem::take(&mut self.held) {
+                        self.handle(p, ev, owner);
+                    }
+                }
+                ev => self.held.push_back(ev),
+            }
+            return;
+        }
+        if matches!(ev, Event::Taken(_)) {
+            // Nothing asked: not for this export.
+            return;
+        }
+        self.step(p, ev, owner);
+        self.settle(p, owner);
+    }
+
+    /// No event came for [`Supervisor::next_wakeup`]: follow the image's size and the backend's
+    /// trouble, or, once flushed, give up on queues that did not end.
+    pub fn tick(&mut self, p: &mut Prepared, owner: &mut dyn Owner) {
+        if self.done() || self.answer.is_some() {
+            return;
+        }
+        if self.flushed.is_some() {
+            self.closed(p);
+            return;
+        }
+        follow_image_size(&p.export, self.notify_fd.as_ref(), &mut self.known_size);
+        // Said when it starts and when it ends, not at each new reason between.
+        let now = p.export.backend().trouble();
+        if now.is_some() != self.trouble.is_some() {
+            owner.trouble(now.as_deref());
+        }
+        self.trouble = now;
+        self.settle(p, owner);
+    }
+
+    /// Nothing can send the supervisor events any more (or, once flushed, the queues had their
+    /// time to end): it is done, and queues that did not end by now after the final flush are a
+    /// failure.
+    pub fn closed(&mut self, p: &Prepared) {
+        if self.flushed.is_some() {
+            self.failure.get_or_insert(if p.mnt.via_fusermount() {
+                // fusermount3 -u could only detach a mount applications hold open.
+                "queues did not end after the unmount: applications still hold the export \
+                 open, and without CAP_SYS_ADMIN fusex cannot abort the connection (it ends as \
+                 fusex exits now)"
+                    .into()
+            } else {
+                "queues did not end after the connection was aborted".into()
+            });
+        }
+        self.broke = true;
+    }
+
+    /// What is due before the supervisor waits again: the `--stop-timeout` deadline, and a
+    /// deferred stop or restart once every queue serves.
+    fn settle(&mut self, p: &mut Prepared, owner: &mut dyn Owner) {
+        while !self.done() && self.answer.is_none() {
+            // Checked at least once a second (a tick is due that often).
+            if !self.abandon && self.draining.is_some_and(|d| Instant::now() >= d) {
+                self.abandon = true;
+                log_abort(
+                    &format!("--stop-timeout ({} s) passed", p.args.stop_timeout),
+                    &p.export,
+                );
+                // The queues report Quiesced, and the check after that event ends the export.
+                self.stop_all();
+            }
+            let all_started = self.started == self.nq;
+            let ev = if let Some(s) = self.deferred.filter(|_| all_started) {
+                self.deferred = None;
+                Event::Stop(s)
+            } else if let Some(r) = self.early_release.take_if(|_| all_started) {
+                r
+            } else {
+                return;
+            };
+            self.step(p, ev, owner);
+        }
+    }
+
+    /// Tells every queue to stop taking requests.
+    fn stop_all(&self) {
+        self.stop.store(true, Ordering::Release);
+        for (r, t) in &self.remotes {
             r.wake(*t);
         }
-    };
-    // A stop that came while queues were starting, acted on once they all serve (so that the
-    // files already open on the export are counted and served, not aborted).
-    let mut deferred: Option<Stop> = None;
-    // A `fusex restart` that asked while queues were starting, answered once they all serve.
-    let mut early_release: Option<Event> = None;
-    while running > 0 {
-        // Checked at least once a second (the receive below times out that often).
-        if !abandon && draining.is_some_and(|d| Instant::now() >= d) {
-            abandon = true;
-            log_abort(
-                &format!("--stop-timeout ({} s) passed", args.stop_timeout),
-                export,
-            );
-            // The queues report Quiesced, and the check at the end of the loop ends the export.
-            stop_all(&remotes);
-        }
-        let ev = if let Some(s) = deferred.filter(|_| started == nq) {
-            deferred = None;
-            Event::Stop(s)
-        } else if let Some(r) = early_release.take_if(|_| started == nq) {
-            r
-        } else if flushed.is_some() {
-            match rx.recv_timeout(Duration::from_secs(10)) {
-                Ok(ev) => ev,
-                Err(_) => {
-                    failure.get_or_insert(if mnt.via_fusermount() {
-                        // fusermount3 -u could only detach a mount applications hold open.
-                        "queues did not end after the unmount: applications still hold the \
-                         export open, and without CAP_SYS_ADMIN fusex cannot abort the \
-                         connection (it ends as fusex exits now)"
-                            .into()
-                    } else {
-                        "queues did not end after the connection was aborted".into()
-                    });
-                    break;
-                }
-            }
-        } else {
-            match rx.recv_timeout(SIZE_CHECK_INTERVAL) {
-                Ok(ev) => ev,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    follow_image_size(export, notify_fd.as_ref(), &mut known_size);
-                    // Said when it starts and when it ends, not at each new reason between.
-                    let now = export.backend().trouble();
-                    if now.is_some() != trouble.is_some() {
-                        owner.trouble(now.as_deref());
-                    }
-                    trouble = now;
-                    continue;
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        };
+    }
+
+    /// One event, and what follows it: the owner hears the export no longer serves, and once
+    /// every queue is quiet after a stop the export is flushed and ended, or let go.
+    fn step(&mut self, p: &mut Prepared, ev: Event, owner: &mut dyn Owner) {
+        let nq = self.nq;
         match ev {
             Event::Queue(QueueEvent::Started {
                 id,
@@ -879,18 +1067,18 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                 task,
                 counters,
             }) => {
-                remotes.push((remote, task));
-                live.push((id, counters));
-                if stop.load(Ordering::Acquire) {
-                    stop_all(&remotes);
+                self.remotes.push((remote, task));
+                self.live.push((id, counters));
+                if self.stop.load(Ordering::Acquire) {
+                    self.stop_all();
                 }
-                started += 1;
-                if started == nq {
+                self.started += 1;
+                if self.started == nq {
                     // Every queue thread has dropped its privileges before it reported; the
                     // driver's threads did at their start. This thread is the last one.
-                    match privileges.apply() {
+                    match self.privileges.apply() {
                         Ok(()) => {
-                            if let Some(kept) = privileges.kept() {
+                            if let Some(kept) = self.privileges.kept() {
                                 tracing::info!(
                                     "privileges: every thread keeps only {kept} (the rest is \
                                      dropped, no_new_privs is set)"
@@ -902,27 +1090,27 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                         Err(e) => {
                             let msg = format!("cannot drop privileges: {e}");
                             owner.failed(&msg);
-                            failure.get_or_insert(msg);
-                            stop_all(&remotes);
+                            self.failure.get_or_insert(msg);
+                            self.stop_all();
                         }
                     }
                 }
             }
             Event::Queue(QueueEvent::Failed { id, error }) => {
-                running -= 1;
-                quiet += 1;
+                self.running -= 1;
+                self.quiet += 1;
                 let msg = format!("queue {id} failed to start: {error}");
-                if started < nq {
+                if self.started < nq {
                     owner.failed(&msg);
                 }
-                failure.get_or_insert(msg);
-                stop_all(&remotes);
+                self.failure.get_or_insert(msg);
+                self.stop_all();
             }
-            Event::Queue(QueueEvent::Quiesced) => quiet += 1,
+            Event::Queue(QueueEvent::Quiesced) => self.quiet += 1,
             Event::Queue(QueueEvent::Ended { id, report }) => {
-                running -= 1;
-                total.merge(&report.counters);
-                per_queue.push(serde_json::json!({
+                self.running -= 1;
+                self.total.merge(&report.counters);
+                self.per_queue.push(serde_json::json!({
                     "queue": id,
                     "requests": report.counters.requests(),
                     "enters": report.engine.enters,
@@ -932,70 +1120,21 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                     "dev_fuse_read": report.dev_fuse_read,
                 }));
                 if let Some(e) = report.error {
-                    failure.get_or_insert(format!("queue {id}: {e}"));
+                    self.failure.get_or_insert(format!("queue {id}: {e}"));
                 }
                 // One queue ending (connection gone, or an error) ends the export.
-                stop_all(&remotes);
+                self.stop_all();
             }
-            Event::Stop(how) => {
-                let name = how.name();
-                if !std::mem::replace(&mut stopping_sent, true) {
-                    owner.stopping();
-                }
-                let stopped = stop.load(Ordering::Acquire);
-                if draining.is_some() {
-                    // A second signal, or a removal: abort the files still open.
-                    if !abandon {
-                        abandon = true;
-                        let why = match how {
-                            Stop::Signal(_) => format!("{name} again"),
-                            _ => name,
-                        };
-                        log_abort(&why, export);
-                        stop_all(&remotes);
-                    }
-                } else if started < nq && !stopped {
-                    deferred = Some(how);
-                } else if how == Stop::Hard {
-                    // Abort the connection first: what the queues have taken is answered into
-                    // a connection that is gone, and waits for nothing.
-                    if export.open_files() > 0 {
-                        log_abort(&name, export);
-                    } else {
-                        tracing::info!("{name}: aborting the connection and unmounting");
-                    }
-                    if let Err(e) = mnt.abort() {
-                        tracing::error!("{e}");
-                    }
-                    stop_all(&remotes);
-                } else if stopped || how == Stop::Safe || args.stop_timeout == 0 {
-                    // Already ending (a queue failed or ended), a removal, or no grace: end it
-                    // now, aborting the connection (a forced unmount) once the queues answered
-                    // what they took.
-                    if export.open_files() > 0 && !stopped {
-                        let why = match how {
-                            Stop::Signal(_) => format!("{name} with --stop-timeout 0"),
-                            _ => name,
-                        };
-                        log_abort(&why, export);
-                    } else {
-                        tracing::info!("{name}: finishing in-flight requests and unmounting");
-                    }
-                    stop_all(&remotes);
-                } else {
-                    draining = Some(detach(&name, export, mnt, args.stop_timeout));
-                    let open = export.open_files();
-                    if open > 0 {
-                        owner.state(&format!("stopping ({open} open)"));
-                    }
-                }
-            }
+            Event::Stop(how) => self.stop_event(p, how, owner),
             Event::Dump => {
-                dumps += 1;
-                dump_live(args, &mut live, dumps, neg.uring());
+                self.dumps += 1;
+                dump_live(&p.args, &mut self.live, self.dumps, p.settled.uring());
             }
             Event::Release { to, pid, accepted } => {
-                if stop.load(Ordering::Acquire) || draining.is_some() || failure.is_some() {
+                if self.stop.load(Ordering::Acquire)
+                    || self.draining.is_some()
+                    || self.failure.is_some()
+                {
                     if let ReleaseTo::Stream(stream) = &to {
                         let _ = crate::restart::send(
                             stream,
@@ -1006,14 +1145,14 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                         );
                     }
                     let _ = accepted.send(false);
-                } else if started < nq {
+                } else if self.started < nq {
                     // Too early to let go: the queues are still starting. Answered once they
                     // all serve (or refused then if a stop came first).
                     tracing::info!(
                         "restart: process {pid} asked while the queues start; handing over once \
                          they serve"
                     );
-                    early_release = Some(Event::Release { to, pid, accepted });
+                    self.early_release = Some(Event::Release { to, pid, accepted });
                 } else {
                     let _ = accepted.send(true);
                     tracing::info!(
@@ -1022,97 +1161,247 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
                     );
                     owner.reloading();
                     // The successor reports ready and stopping from here on.
-                    stopping_sent = true;
-                    successor = Some((to, pid));
-                    stop_all(&remotes);
+                    self.stopping_sent = true;
+                    self.successor = Some((to, pid));
+                    self.stop_all();
                 }
             }
+            // Handled by `handle` (only while an answer is awaited).
+            Event::Taken(_) => {}
         }
-        if (stop.load(Ordering::Acquire) || draining.is_some())
-            && !std::mem::replace(&mut not_serving_sent, true)
+        if (self.stop.load(Ordering::Acquire) || self.draining.is_some())
+            && !std::mem::replace(&mut self.not_serving_sent, true)
         {
             owner.not_serving();
         }
-        if stop.load(Ordering::Acquire) && quiet >= nq {
-            if let Some((to, pid)) = successor.take() {
+        if self.stop.load(Ordering::Acquire) && self.quiet >= nq {
+            if let Some((to, pid)) = self.successor.take() {
                 // Named the main process before it is told it may serve: a service manager must
                 // hear that before the successor's own READY=1.
                 owner.main_process(pid);
-                if release(&mut flushed, export, to, pid) {
-                    handed_to = Some(pid);
-                    owner.handed_over(pid);
-                } else {
-                    // Nobody took the export: end it as a stop would.
-                    owner.main_process(std::process::id());
-                    finish(&mut flushed, export, mnt);
-                }
+                self.release(p, to, pid, owner);
             } else {
-                finish(&mut flushed, export, mnt);
-                if abandon {
+                finish(&mut self.flushed, &p.export, &mut p.mnt);
+                if self.abandon {
                     // Every request taken is answered and the image flushed; the connection
                     // ends as this process exits.
-                    break;
+                    self.broke = true;
                 }
             }
         }
     }
-    if !stopping_sent {
-        owner.stopping();
-    }
-    if !not_serving_sent {
-        owner.not_serving();
-    }
-    if handed_to.is_none() {
-        finish(&mut flushed, export, mnt);
-    }
-    if placement.private {
-        if failure.is_none() && !abandon {
-            // Every queue has ended: the threads end at once.
-            placement.workers.shut_down();
+
+    /// [`Event::Stop`].
+    fn stop_event(&mut self, p: &mut Prepared, how: Stop, owner: &mut dyn Owner) {
+        let (args, export, mnt) = (&p.args, &p.export, &mut p.mnt);
+        let name = how.name();
+        if !std::mem::replace(&mut self.stopping_sent, true) {
+            owner.stopping();
+        }
+        let stopped = self.stop.load(Ordering::Acquire);
+        if self.draining.is_some() {
+            // A second signal, or a removal: abort the files still open.
+            if !self.abandon {
+                self.abandon = true;
+                let why = match how {
+                    Stop::Signal(_) => format!("{name} again"),
+                    _ => name,
+                };
+                log_abort(&why, export);
+                self.stop_all();
+            }
+        } else if self.started < self.nq && !stopped {
+            self.deferred = Some(how);
+        } else if how == Stop::Hard {
+            // Abort the connection first: what the queues have taken is answered into a
+            // connection that is gone, and waits for nothing.
+            if export.open_files() > 0 {
+                log_abort(&name, export);
+            } else {
+                tracing::info!("{name}: aborting the connection and unmounting");
+            }
+            if let Err(e) = mnt.abort() {
+                tracing::error!("{e}");
+            }
+            self.stop_all();
+        } else if stopped || how == Stop::Safe || args.stop_timeout == 0 {
+            // Already ending (a queue failed or ended), a removal, or no grace: end it now,
+            // aborting the connection (a forced unmount) once the queues answered what they
+            // took.
+            if export.open_files() > 0 && !stopped {
+                let why = match how {
+                    Stop::Signal(_) => format!("{name} with --stop-timeout 0"),
+                    _ => name,
+                };
+                log_abort(&why, export);
+            } else {
+                tracing::info!("{name}: finishing in-flight requests and unmounting");
+            }
+            self.stop_all();
         } else {
-            // A queue may still wait for a connection that ends only as this process exits.
-            std::mem::forget(placement.workers);
+            self.draining = Some(detach(&name, export, mnt, args.stop_timeout));
+            let open = export.open_files();
+            if open > 0 {
+                owner.state(&format!("stopping ({open} open)"));
+            }
         }
     }
-    if abandon {
-        // Queues still waiting for the connection to end have not reported: count from the
-        // live counters of every queue instead.
-        live.sort_by_key(|(id, _)| *id);
-        total = Snapshot::default();
-        per_queue.clear();
-        for (id, c) in &live {
-            let s = c.snapshot();
-            total.merge(&s);
-            per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
+
+    /// `fusex restart`, the old daemon's side once every queue is quiet: flush a writable image,
+    /// then tell the successor it may serve (`fusex mount`), or tell the daemon how many files
+    /// are open and hear back through [`Event::Taken`] whether its successor took the exports
+    /// (`fusex serve`). The connection is left alone (the successor holds it).
+    fn release(&mut self, p: &mut Prepared, to: ReleaseTo, pid: u32, owner: &mut dyn Owner) {
+        let f = final_flush(&p.export);
+        if let Err(e) = &f {
+            // The successor serves the same file through the same page cache; durability is
+            // what its own FLUSH and FSYNC requests decide. Said, not fatal.
+            tracing::error!("restart: {e:#}");
+        }
+        self.flushed = Some(f);
+        // The files open now are the successor's to count down as their RELEASEs reach it.
+        let open_files = p.export.open_files();
+        let told = match to {
+            ReleaseTo::Stream(stream) => crate::restart::send(
+                &stream,
+                &crate::restart::Message::Released { open_files },
+                &[],
+            ),
+            ReleaseTo::Channel(tx) => match tx.send(open_files) {
+                Ok(()) => {
+                    self.answer = Some(pid);
+                    return;
+                }
+                Err(e) => Err(std::io::Error::other(e)),
+            },
+        };
+        self.told(p, pid, told, owner);
+    }
+
+    /// Whether the successor `pid` could be told it may serve: it does now, or (it is gone) the
+    /// export ends as a stop would.
+    fn told(
+        &mut self,
+        p: &mut Prepared,
+        pid: u32,
+        told: std::io::Result<()>,
+        owner: &mut dyn Owner,
+    ) {
+        match told {
+            Ok(()) => {
+                self.handed_to = Some(pid);
+                owner.handed_over(pid);
+            }
+            Err(e) => {
+                tracing::error!(
+                    "restart: cannot tell process {pid} it may serve ({e}); unmounting"
+                );
+                // Nobody took the export: end it as a stop would.
+                owner.main_process(std::process::id());
+                finish(&mut self.flushed, &p.export, &mut p.mnt);
+            }
         }
     }
-    per_queue.sort_by_key(|q| q["queue"].as_u64());
-    tracing::info!("served {} requests", total.requests());
-    let flushed = flushed.unwrap_or(Ok(false));
-    if let Some(pid) = handed_to {
-        // The successor serves the mount: an error now must not make this process take it down.
-        if let Some(f) = failure {
-            tracing::error!("after handing over to process {pid}: {f}");
-        }
-        return Ok(Ended {
-            stats: total.to_json(),
+
+    /// Ends the export (flushed and aborted unless handed over) and says how it went: its
+    /// statistics, or why it failed. Waits for the queue threads of an export that ended
+    /// normally (they have reported their end already).
+    pub fn finish(self, p: &mut Prepared, owner: &mut dyn Owner) -> Result<Ended> {
+        let Supervisor {
+            queues,
+            mut live,
+            mut total,
+            failure,
+            mut per_queue,
+            mut flushed,
             handed_to,
-        });
+            abandon,
+            stopping_sent,
+            not_serving_sent,
+            ..
+        } = self;
+        if !stopping_sent {
+            owner.stopping();
+        }
+        if !not_serving_sent {
+            owner.not_serving();
+        }
+        if handed_to.is_none() {
+            finish(&mut flushed, &p.export, &mut p.mnt);
+        }
+        if failure.is_none() && !abandon {
+            queues.join();
+        } else {
+            queues.abandon();
+        }
+        if abandon {
+            // Queues still waiting for the connection to end have not reported: count from the
+            // live counters of every queue instead.
+            live.sort_by_key(|(id, _)| *id);
+            total = Snapshot::default();
+            per_queue.clear();
+            for (id, c) in &live {
+                let s = c.snapshot();
+                total.merge(&s);
+                per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
+            }
+        }
+        per_queue.sort_by_key(|q| q["queue"].as_u64());
+        tracing::info!("served {} requests", total.requests());
+        let flushed = flushed.unwrap_or(Ok(false));
+        if let Some(pid) = handed_to {
+            // The successor serves the mount: an error now must not make this process take it
+            // down.
+            if let Some(f) = failure {
+                tracing::error!("after handing over to process {pid}: {f}");
+            }
+            return Ok(Ended {
+                stats: total.to_json(),
+                handed_to,
+            });
+        }
+        if let Some(f) = failure {
+            bail!(f);
+        }
+        let mut json = total.to_json();
+        // The exit flush is reported on its own, so `backend.flushes` counts exactly the flushes
+        // that requests (FLUSH, FSYNC, --writethrough) caused.
+        json["exit_flush"] = (*flushed.as_ref().unwrap_or(&false)).into();
+        flushed?;
+        json["queues"] = serde_json::Value::Array(per_queue);
+        json["transport"] = if p.settled.uring() {
+            "io_uring"
+        } else {
+            "legacy"
+        }
+        .into();
+        Ok(Ended {
+            stats: json,
+            handed_to,
+        })
     }
-    if let Some(f) = failure {
-        bail!(f);
+}
+
+/// Serves `p` until it stops (asked to, by an [`Event::Stop`], or because its connection or a
+/// queue ended) or is handed to a successor; on the way out the image is flushed and the
+/// connection aborted (unless handed over). Returns once every queue has ended. A [`Supervisor`]
+/// driven on the calling thread.
+pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> Result<Ended> {
+    let Supervision { privileges, tx, rx } = sup;
+    // The queues hold the only senders the supervisor made; once they all ended, and the
+    // driver's are gone, nothing can reach it any more.
+    let report: Report = Arc::new(move |e| {
+        let _ = tx.send(Event::Queue(e));
+    });
+    let mut s = Supervisor::start(p, privileges, report, false)?;
+    while !s.done() {
+        match rx.recv_timeout(s.next_wakeup()) {
+            Ok(ev) => s.handle(p, ev, owner),
+            Err(mpsc::RecvTimeoutError::Timeout) => s.tick(p, owner),
+            Err(mpsc::RecvTimeoutError::Disconnected) => s.closed(p),
+        }
     }
-    let mut json = total.to_json();
-    // The exit flush is reported on its own, so `backend.flushes` counts exactly the flushes that
-    // requests (FLUSH, FSYNC, --writethrough) caused.
-    json["exit_flush"] = (*flushed.as_ref().unwrap_or(&false)).into();
-    flushed?;
-    json["queues"] = serde_json::Value::Array(per_queue);
-    json["transport"] = if neg.uring() { "io_uring" } else { "legacy" }.into();
-    Ok(Ended {
-        stats: json,
-        handed_to,
-    })
+    s.finish(p, owner)
 }
 
 /// Ends a supervised export that was not handed over: unmounts (again, for the early-return
@@ -1135,51 +1424,6 @@ pub fn conclude(p: Prepared, result: Result<Ended>) -> Result<()> {
     }
     unmounted?;
     Ok(())
-}
-
-/// `fusex restart`, the old daemon's side once every queue is quiet: flush a writable image, tell
-/// the successor it may serve, and name it the service's main process. The connection is left
-/// alone (the successor holds it). False when the successor could not be told (it is gone).
-fn release(
-    flushed: &mut Option<Result<bool>>,
-    export: &Export<Served>,
-    to: ReleaseTo,
-    pid: u32,
-) -> bool {
-    let f = final_flush(export);
-    if let Err(e) = &f {
-        // The successor serves the same file through the same page cache; durability is what
-        // its own FLUSH and FSYNC requests decide. Said, not fatal.
-        tracing::error!("restart: {e:#}");
-    }
-    *flushed = Some(f);
-    // The files open now are the successor's to count down as their RELEASEs reach it.
-    let open_files = export.open_files();
-    let told = match to {
-        ReleaseTo::Stream(stream) => crate::restart::send(
-            &stream,
-            &crate::restart::Message::Released { open_files },
-            &[],
-        ),
-        ReleaseTo::Channel(tx) => {
-            let (taken_tx, taken) = mpsc::sync_channel(1);
-            tx.send((open_files, taken_tx))
-                .map_err(std::io::Error::other)
-                .and_then(|()| match taken.recv() {
-                    Ok(true) => Ok(()),
-                    _ => Err(std::io::Error::other(
-                        "the successor did not take the exports",
-                    )),
-                })
-        }
-    };
-    match told {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::error!("restart: cannot tell process {pid} it may serve ({e}); unmounting");
-            false
-        }
-    }
 }
 
 /// How often the supervisor looks at the image's size (the kernel's attribute timeout, so

@@ -169,12 +169,7 @@ fn serve_export(
                 ),
             };
             let result =
-                lifecycle::supervise(&mut p, Supervision {
-                    privileges,
-                    tx,
-                    rx,
-                    shared: false,
-                }, &mut owner);
+                lifecycle::supervise(&mut p, Supervision { privileges, tx, rx }, &mut owner);
             sig_handle.close();
             if let Err(e) = &result {
                 // Start-up errors (no-op once readiness was reported).

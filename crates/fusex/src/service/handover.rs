@@ -9,17 +9,28 @@ use std::sync::mpsc;
 
 use serde_json::Value;
 
+use super::supervisor::ExportTx;
 use super::{own_node, Control, Entry, Node, Service, Table};
 use crate::lifecycle::{self, Event};
 
 /// The exports that let go for a successor, waiting to hear whether it took them.
-pub struct Releasing(Vec<mpsc::SyncSender<bool>>);
+pub struct Releasing(Vec<ExportTx>);
 
 impl Releasing {
     /// Tells every export whether the successor took it.
-    pub fn taken(self, taken: bool) {
-        for ack in self.0 {
-            let _ = ack.send(taken);
+    pub fn taken(mut self, taken: bool) {
+        for tx in std::mem::take(&mut self.0) {
+            let _ = tx.send(Event::Taken(taken));
+        }
+    }
+}
+
+impl Drop for Releasing {
+    /// Exports never told count as not taken (they are unmounted, as after a stop): none waits
+    /// for an answer that cannot come.
+    fn drop(&mut self) {
+        for tx in self.0.drain(..) {
+            let _ = tx.send(Event::Taken(false));
         }
     }
 }
@@ -128,11 +139,7 @@ impl Service {
     /// flushes. Returns the files open on each, by id, and [`Releasing`], which says to every
     /// export whether the successor took them (they leave their mounts) or not (unmounted).
     pub fn release_all(&self, pid: u32) -> (BTreeMap<String, u64>, Releasing) {
-        type Asked = (
-            String,
-            mpsc::Receiver<(u64, mpsc::SyncSender<bool>)>,
-            mpsc::Receiver<bool>,
-        );
+        type Asked = (String, ExportTx, mpsc::Receiver<u64>, mpsc::Receiver<bool>);
         let asked: Vec<Asked> = {
             let t = self.table();
             t.exports
@@ -147,21 +154,21 @@ impl Service {
                         accepted: atx,
                     })
                     .ok()?;
-                    Some((id.clone(), orx, arx))
+                    Some((id.clone(), tx.clone(), orx, arx))
                 })
                 .collect()
         };
         let mut open = BTreeMap::new();
         let mut taken = Vec::new();
-        for (id, orx, arx) in asked {
+        for (id, tx, orx, arx) in asked {
             if arx.recv() != Ok(true) {
                 tracing::error!("restart: export {id} would not let go; the successor lacks it");
                 continue;
             }
             match orx.recv() {
-                Ok((n, ack)) => {
+                Ok(n) => {
                     open.insert(id, n);
-                    taken.push(ack);
+                    taken.push(tx);
                 }
                 Err(_) => tracing::error!("restart: export {id} ended before it let go"),
             }

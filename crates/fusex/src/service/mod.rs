@@ -1,9 +1,9 @@
 //! `fusex serve`: many exports in one daemon, added and removed while it runs. [`Service`] holds
 //! the block nodes and exports and runs the QMP commands qemu-storage-daemon has for them
 //! (`blockdev-add`, `block-export-add`, ...), with its argument names and error texts, so its
-//! clients work unchanged; each export is a [`crate::lifecycle`] export supervised on a thread
-//! of its own. The command line ([`cmdline`]), the config file and the control socket all go
-//! through the same commands.
+//! clients work unchanged; each export is a [`crate::lifecycle`] export, and one thread
+//! ([`supervisor`]) supervises them all. The command line ([`cmdline`]), the config file and the
+//! control socket all go through the same commands.
 
 pub mod cmdline;
 pub mod config;
@@ -12,6 +12,7 @@ pub mod handover;
 pub mod node;
 pub mod options;
 pub mod published;
+pub mod supervisor;
 pub mod takeover;
 
 use std::collections::BTreeMap;
@@ -24,9 +25,9 @@ use serde_json::{json, Map, Value};
 
 use qmp::{parse_args, Dispatcher, EventBus, QmpError};
 
-use crate::lifecycle::{self, Event, Owner, Stop, Supervision};
-use crate::privileges::Plan;
+use crate::lifecycle::{self, Event, Owner, Stop};
 use node::Node;
+use supervisor::{ExportTx, Supervisors};
 
 /// The event fusex sends when an export ends on its own (its image failed, its NBD server is
 /// gone, it was unmounted from outside), before `BLOCK_EXPORT_DELETED`; named by QMP's
@@ -66,7 +67,7 @@ struct Entry {
     serial: u64,
     node: String,
     /// The supervisor's events (None while the export starts).
-    tx: Option<mpsc::Sender<Event>>,
+    tx: Option<ExportTx>,
     shutting_down: bool,
     /// What `fusex ctl list` shows.
     state: crate::runtime::ExportState,
@@ -124,7 +125,7 @@ impl Table {
     }
 }
 
-/// An export that ended, from its supervisor thread.
+/// An export that ended, from the exports' thread.
 struct Finished {
     id: String,
     serial: u64,
@@ -138,7 +139,8 @@ pub struct Service {
     table: Mutex<Table>,
     events: EventBus,
     control: mpsc::Sender<Control>,
-    finished: mpsc::Sender<Finished>,
+    /// The thread that supervises every export.
+    supervisors: Supervisors,
     serial: AtomicU64,
     /// Numbers the nodes made for inline children (`#block1`, ...).
     implicit: AtomicU64,
@@ -166,15 +168,17 @@ const COMMANDS: &[&str] = &[
 const EXTENSION_COMMANDS: &[&str] = &["export-add", "list", "reload"];
 
 impl Service {
-    /// A service with nothing in it; `control` receives `quit`. The reaper thread it starts
-    /// removes ended exports from the table and sends their events.
+    /// A service with nothing in it; `control` receives `quit`. It starts the thread that
+    /// supervises every export, and the reaper thread, which removes ended exports from the
+    /// table and sends their events.
     pub fn new(events: EventBus, control: mpsc::Sender<Control>, verbose: u8) -> Arc<Service> {
         let (finished, ended) = mpsc::channel();
+        let supervisors = Supervisors::start(finished).expect("starting the exports' thread");
         let service = Arc::new_cyclic(|me: &std::sync::Weak<Service>| Service {
             table: Mutex::new(Table::default()),
             events,
             control,
-            finished,
+            supervisors,
             serial: AtomicU64::new(0),
             implicit: AtomicU64::new(0),
             verbose,
@@ -211,7 +215,7 @@ impl Service {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// An export's supervisor ended: it leaves the table, and clients hear of it.
+    /// An export ended: it leaves the table, and clients hear of it.
     fn reap(&self, f: Finished) {
         let mut t = self.table();
         let ours = t
@@ -594,7 +598,7 @@ impl Service {
         serial: u64,
         args: crate::cli::MountArgs,
         argv: Vec<String>,
-    ) -> Result<mpsc::Sender<Event>, String> {
+    ) -> Result<ExportTx, String> {
         let prepared = lifecycle::setup(&args, argv, self.verbose).map_err(|e| format!("{e:#}"))?;
         tracing::info!(
             "export {id}: {}",
@@ -603,16 +607,15 @@ impl Service {
         self.supervise(id, serial, prepared)
     }
 
-    /// Starts the supervisor of a mounted export; returns once it serves (or could not).
+    /// Hands a mounted export to the exports' thread, which starts its queues; returns once it
+    /// serves (or could not).
     fn supervise(
         &self,
         id: &str,
         serial: u64,
-        mut prepared: lifecycle::Prepared,
-    ) -> Result<mpsc::Sender<Event>, String> {
-        let (tx, rx) = mpsc::channel();
+        prepared: lifecycle::Prepared,
+    ) -> Result<ExportTx, String> {
         let (ready_tx, ready) = mpsc::sync_channel(1);
-        let finished = self.finished.clone();
         let state = prepared.describe("serving");
         let starting = crate::runtime::ExportState {
             state: "starting".into(),
@@ -628,61 +631,16 @@ impl Service {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let handing = lifecycle::handing(&prepared, notify_socket).map_err(|e| format!("{e:#}"))?;
-        let sup_tx = tx.clone();
-        let id2 = id.to_string();
-        let events = self.events.clone();
-        std::thread::Builder::new()
-            .name(format!("fusex-x{serial}"))
-            .spawn(move || {
-                let mut owner = ServiceOwner {
-                    ready: Some(ready_tx),
-                    published,
-                    id: id2.clone(),
-                    events,
-                };
-                let sup = Supervision {
-                    privileges: Plan::none(),
-                    tx: sup_tx,
-                    rx,
-                    shared: true,
-                };
-                let result = lifecycle::supervise(&mut prepared, sup, &mut owner);
-                if let Err(e) = &result {
-                    owner.failed(&format!("{e:#}"));
-                }
-                owner.failed("the export ended before it served");
-                if result.as_ref().is_ok_and(|e| e.handed_to.is_some()) {
-                    // A successor serves the mount: leave it, its mountpoint file, the watcher
-                    // (the successor holds the pipe too) and the runtime files (it took them).
-                    prepared.mnt.disown();
-                    drop(prepared.settled);
-                    if let Some(p) = owner.published.take() {
-                        p.leave();
-                    }
-                    let _ = finished.send(Finished {
-                        id: id2,
-                        serial,
-                        error: None,
-                        handed: true,
-                    });
-                    return;
-                }
-                let error = lifecycle::conclude(prepared, result)
-                    .err()
-                    .map(|e| format!("{e:#}"));
-                // Its files in the runtime directory go once it is unmounted.
-                drop(owner);
-                let _ = finished.send(Finished {
-                    id: id2,
-                    serial,
-                    error,
-                    handed: false,
-                });
-            })
-            .map_err(|e| format!("starting the export's thread: {e}"))?;
+        let owner = ServiceOwner {
+            ready: Some(ready_tx),
+            published,
+            id: id.to_string(),
+            events: self.events.clone(),
+        };
+        let tx = self.supervisors.add(serial, id, prepared, owner)?;
         ready
             .recv()
-            .unwrap_or_else(|_| Err("the export's thread ended".into()))?;
+            .unwrap_or_else(|_| Err("the export's supervisor ended".into()))?;
         let mut t = self.table();
         if let Some(e) = t.exports.get_mut(id).filter(|e| e.serial == serial) {
             e.state = state;
