@@ -19,6 +19,13 @@ use crate::remote::{Remote, RemoteShared};
 use crate::{EngineError, Sqe};
 
 /// Index of a task spawned on an engine.
+///
+/// Ids of finished (or dropped) tasks are reused by later [`Engine::spawn`]s, so an engine that
+/// spawns a task per tenant or per connection for days keeps its task table as large as its most
+/// tasks alive at once. A wakeup that names an id after its task ended (a stale [`Waker`], a late
+/// [`crate::Remote::wake`] or `IORING_OP_MSG_RING`) may therefore poll whichever task holds the id
+/// now: a spurious wakeup, which every future must tolerate (as `Future::poll`'s contract already
+/// asks), never a lost one.
 pub type TaskId = u32;
 
 /// `user_data` of the engine's own eventfd read (cross-thread wakeups).
@@ -156,6 +163,8 @@ pub struct Engine {
     tasks: RefCell<Vec<Option<Task>>>,
     wakers: RefCell<Vec<Waker>>,
     scheduled: RefCell<Vec<bool>>,
+    /// Ids of finished or dropped tasks, for the next spawns (their slot and waker are reused).
+    free_tasks: RefCell<Vec<TaskId>>,
     ready: RefCell<VecDeque<TaskId>>,
     current: Cell<Option<TaskId>>,
     live: Cell<usize>,
@@ -311,6 +320,7 @@ impl Engine {
             tasks: RefCell::new(Vec::new()),
             wakers: RefCell::new(Vec::new()),
             scheduled: RefCell::new(Vec::new()),
+            free_tasks: RefCell::new(Vec::new()),
             ready: RefCell::new(VecDeque::with_capacity(n.max(16) * 2)),
             current: Cell::new(None),
             live: Cell::new(0),
@@ -474,17 +484,42 @@ impl Engine {
         self.current.get()
     }
 
-    /// Adds a task; it is polled on the next loop turn. Allocates (once per task, not per request).
+    /// Adds a task; it is polled on the next loop turn. Allocates the task's box (once per task,
+    /// not per request); its slot and waker are those of a finished task when there is one, so
+    /// tenants that come and go do not grow the task table (see [`TaskId`] on what a reused id
+    /// means for stale wakeups).
     pub fn spawn(&self, fut: impl Future<Output = ()> + 'static) -> TaskId {
-        let mut tasks = self.tasks.borrow_mut();
-        let id = tasks.len() as TaskId;
-        tasks.push(Some(Box::pin(fut)));
-        self.wakers.borrow_mut().push(self.remote().waker_for(id));
-        self.scheduled.borrow_mut().push(false);
+        let fut: Task = Box::pin(fut);
+        let reused = self.free_tasks.borrow_mut().pop();
+        let id = match reused {
+            Some(id) => {
+                self.tasks.borrow_mut()[id as usize] = Some(fut);
+                id
+            }
+            None => {
+                let mut tasks = self.tasks.borrow_mut();
+                let id = tasks.len() as TaskId;
+                tasks.push(Some(fut));
+                self.wakers.borrow_mut().push(self.remote().waker_for(id));
+                self.scheduled.borrow_mut().push(false);
+                id
+            }
+        };
         self.live.set(self.live.get() + 1);
-        drop(tasks);
         self.wake(id);
         id
+    }
+
+    /// Tasks spawned and not finished (nor dropped): what a worker serving many tenants reports
+    /// as its load, and what tests check for leaks.
+    pub fn live_tasks(&self) -> usize {
+        self.live.get()
+    }
+
+    /// Slots of the task table (live and free), for tests checking that ids are reused.
+    #[cfg(test)]
+    pub(crate) fn task_slots(&self) -> usize {
+        self.tasks.borrow().len()
     }
 
     /// Schedules a task of this engine (from this thread).
@@ -708,6 +743,9 @@ impl Engine {
             self.current.set(None);
             if done {
                 self.live.set(self.live.get() - 1);
+                // Dropped before its id is free, so whatever its drop spawns gets another one.
+                drop(task);
+                self.free_tasks.borrow_mut().push(id);
             } else {
                 self.tasks.borrow_mut()[id as usize] = Some(task);
             }
@@ -896,14 +934,24 @@ impl Engine {
     /// here and the cycle would keep the ring, its fds and its buffers alive for good; the owner
     /// calls this to break it. Must not be called from inside a task.
     pub fn drop_tasks(&self) {
-        // The slots stay (task ids index them), empty; a later `run` finds nothing to do.
+        // The slots stay (task ids index them), empty and free for later spawns; a later `run`
+        // finds nothing to do.
+        let mut ids = Vec::new();
         let tasks: Vec<Task> = self
             .tasks
             .borrow_mut()
             .iter_mut()
-            .filter_map(Option::take)
+            .enumerate()
+            .filter_map(|(i, t)| {
+                let t = t.take()?;
+                ids.push(i as TaskId);
+                Some(t)
+            })
             .collect();
+        self.free_tasks.borrow_mut().extend(ids);
         self.ready.borrow_mut().clear();
+        // Nothing is queued any more: an id reused later must be schedulable again.
+        self.scheduled.borrow_mut().fill(false);
         self.live.set(0);
         // Current while the tasks drop.
         let _current = self.enter();

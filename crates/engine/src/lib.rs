@@ -64,4 +64,6 @@ pub enum EngineError {
 }
 
 #[cfg(test)]
+mod tenant_tests;
+#[cfg(test)]
 mod tests;
