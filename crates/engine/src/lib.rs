@@ -28,13 +28,18 @@ mod op;
 mod ops;
 pub mod remote;
 pub mod sync;
+mod table;
+mod tenant;
 
 pub use buf::{Buf, SendBuf, Slice, BUF_ALIGN};
-pub use executor::{gauge_clock, Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId};
+pub use executor::{
+    gauge_clock, Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId, MAX_BUFFER_TABLE,
+};
 pub use multishot::{BufGroup, Completion, MultiOp};
 pub use net::{BytesOp, NetSliceOp, Timeout};
 pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};
 pub use remote::{CrossWake, Remote};
+pub use tenant::BufPool;
 
 /// The submission entry type every fusex ring uses (128 bytes, so `URING_CMD` with an 80-byte
 /// command area fits next to plain reads and writes). Built only inside this crate.
