@@ -27,7 +27,7 @@ fn engine(buffers: usize, register: bool) -> Rc<Engine> {
     )
 }
 
-fn nonblocking(fd: &impl AsRawFd) {
+pub(crate) fn nonblocking(fd: &impl AsRawFd) {
     // SAFETY: fcntl on a valid fd with integer arguments.
     unsafe {
         let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
@@ -36,7 +36,7 @@ fn nonblocking(fd: &impl AsRawFd) {
 }
 
 /// Polls `fut` once with a no-op waker (it stays pending on a ring op).
-fn poll_once<F: Future>(fut: Pin<&mut F>) -> Poll<F::Output> {
+pub(crate) fn poll_once<F: Future>(fut: Pin<&mut F>) -> Poll<F::Output> {
     fut.poll(&mut Context::from_waker(Waker::noop()))
 }
 
