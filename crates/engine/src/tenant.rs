@@ -118,7 +118,8 @@ impl Engine {
     /// the `Buf`), and entries not yet submitted are submitted before a slot is cleared. The
     /// provided-buffer group stays registered, and keeps the windows it lent, until every
     /// multishot read of it posted its final completion; end them (drop their [`crate::MultiOp`])
-    /// for the group to go.
+    /// for the group to go. The pool's [`BufGroup`] must not be named after this: its id goes to
+    /// the next pool that asks for a group.
     pub fn remove_pool(&self, pool: BufPool) {
         drop(pool);
         self.reclaim_returned();

@@ -431,10 +431,11 @@ fn files_registered_by_two_tenants_then_unregistered() {
         let t = tempfile::tempfile().unwrap();
         t.as_raw_fd()
     };
-    let err = eng.register_files(&[r1, closed]);
-    if err.is_err() {
-        assert_eq!(eng.file_refs(r1), 0, "rolled back");
-    }
+    let err = eng.register_files(&[r1, closed]).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EBADF));
+    assert_eq!(eng.file_refs(r1), 0, "rolled back");
+    assert_eq!(eng.target(Fd::Raw(r1)), Fd::Raw(r1));
+    assert_eq!(eng.free_file_slots(), 2);
     assert_eq!(read(r1), &d1[..4096]);
 }
 
