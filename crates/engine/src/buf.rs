@@ -15,7 +15,7 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Alignment of every buffer: a page, which satisfies O_DIRECT on any device fusex will meet.
@@ -73,23 +73,40 @@ unsafe impl Send for RawBuf {}
 // SAFETY: `&RawBuf` exposes only the address and length, never the bytes.
 unsafe impl Sync for RawBuf {}
 
-/// The buffers of one engine: their memory and the free list. Shared (`Arc`) so a buffer on its
-/// way to, or in use by, another thread keeps the memory alive; the free list is touched when a
-/// slot takes or gives back its buffer (at queue start and end), not per request.
+/// No fixed-buffer table slot, no provided-buffer group.
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// The buffers of one pool of an engine (its default pool, or a tenant's from
+/// [`crate::Engine::add_pool`]): their memory, the free list, and where the owning engine's
+/// tables know them. Shared (`Arc`) so a buffer on its way to, or in use by, another thread keeps
+/// the memory alive; the free list is touched when a slot takes or gives back its buffer (at
+/// queue start and end), not per request.
+///
+/// The table fields are atomics because `Buf`s of the pool travel to other threads, whose engines
+/// read `owner` to learn that the slots are not theirs; only the owning engine's thread writes
+/// them, so `Relaxed` suffices (a reader on another thread compares `owner` with its own id, which
+/// never matches whatever value it sees).
 pub(crate) struct Pool {
     bufs: Vec<RawBuf>,
     free: Mutex<Vec<u16>>,
+    /// Id of the engine whose tables `slots` and `group` refer to; 0 once the pool was removed
+    /// from it (then its buffers go by address everywhere).
+    owner: AtomicU64,
+    /// Whether its buffers may take fixed-buffer table slots (the engine has a table and
+    /// registering this pool's buffers has not failed).
     registered: AtomicBool,
-    /// Registered one by one as first used (a sparse table on the ring, see [`Pool::new`]):
-    /// which ones are. Empty when the pool was registered whole, or not at all.
-    lazy: Box<[AtomicBool]>,
+    /// Each buffer's slot in the owner's fixed-buffer table, [`NONE`] until its first fixed use.
+    slots: Box<[AtomicU32]>,
+    /// The owner's provided-buffer group lending this pool's buffers, [`NONE`] if none.
+    group: AtomicU32,
 }
 
 impl Pool {
-    /// `count` buffers of `size` bytes. `lazy`: the ring registers them one by one, each the
-    /// first time an operation uses it ([`Pool::fixed`]): a buffer registered is pinned, so
-    /// resident, and a queue that stays idle should not pay for buffers it never uses.
-    pub(crate) fn new(count: usize, size: usize, lazy: bool) -> Option<Arc<Pool>> {
+    /// `count` buffers of `size` bytes, for the tables of engine `owner`. Buffers take a slot of
+    /// the owner's fixed-buffer table one by one, each the first time an operation uses it
+    /// ([`crate::Engine::fixed`]): a buffer registered is pinned, so resident, and a tenant that
+    /// stays idle should not pay for buffers it never uses.
+    pub(crate) fn new(count: usize, size: usize, owner: u64) -> Option<Arc<Pool>> {
         if count > usize::from(u16::MAX) {
             return None;
         }
@@ -102,19 +119,31 @@ impl Pool {
         Some(Arc::new(Pool {
             bufs,
             free: Mutex::new(free),
+            owner: AtomicU64::new(owner),
             registered: AtomicBool::new(false),
-            lazy: if lazy {
-                (0..count).map(|_| AtomicBool::new(false)).collect()
-            } else {
-                Box::new([])
-            },
+            slots: (0..count).map(|_| AtomicU32::new(NONE)).collect(),
+            group: AtomicU32::new(NONE),
         }))
     }
 
-    pub(crate) fn iovecs(&self) -> Vec<libc::iovec> {
-        (0..self.bufs.len() as u16)
-            .filter_map(|i| self.iovec(i))
-            .collect()
+    /// Id of the engine whose tables know this pool (0: none).
+    pub(crate) fn owner(&self) -> u64 {
+        self.owner.load(Ordering::Relaxed)
+    }
+
+    /// The pool leaves its engine: its buffers go by address from now on. Returns the table
+    /// slots its buffers held (for the engine to clear) and its provided-buffer group.
+    pub(crate) fn disown(&self) -> (Vec<u32>, Option<u16>) {
+        self.owner.store(0, Ordering::Relaxed);
+        self.clear_registered();
+        let slots = self
+            .slots
+            .iter()
+            .map(|s| s.swap(NONE, Ordering::Relaxed))
+            .filter(|s| *s != NONE)
+            .collect();
+        let group = self.group.swap(NONE, Ordering::Relaxed);
+        (slots, u16::try_from(group).ok())
     }
 
     pub(crate) fn set_registered(&self) {
@@ -125,26 +154,33 @@ impl Pool {
         self.registered.load(Ordering::Relaxed)
     }
 
-    /// Whether buffer `index` is in the ring's table now: always for a pool registered whole;
-    /// for a lazily registered one, once [`Pool::set_fixed`] said so.
+    /// Buffer `index`'s slot in the owner's fixed-buffer table, if it has one.
+    #[inline]
+    pub(crate) fn slot(&self, index: u16) -> Option<u16> {
+        let s = self.slots.get(usize::from(index))?.load(Ordering::Relaxed);
+        u16::try_from(s).ok()
+    }
+
+    /// Whether buffer `index` is in the owner's fixed-buffer table now.
+    #[cfg(test)]
     pub(crate) fn fixed(&self, index: u16) -> bool {
-        self.registered()
-            && self
-                .lazy
-                .get(usize::from(index))
-                .is_none_or(|f| f.load(Ordering::Relaxed))
+        self.slot(index).is_some()
     }
 
-    /// Whether buffers are registered one by one (see [`Pool::new`]).
-    pub(crate) fn is_lazy(&self) -> bool {
-        !self.lazy.is_empty()
-    }
-
-    /// Buffer `index` was just registered.
-    pub(crate) fn set_fixed(&self, index: u16) {
-        if let Some(f) = self.lazy.get(usize::from(index)) {
-            f.store(true, Ordering::Relaxed);
+    /// Buffer `index` was just registered in table slot `slot`.
+    pub(crate) fn set_slot(&self, index: u16, slot: u16) {
+        if let Some(s) = self.slots.get(usize::from(index)) {
+            s.store(u32::from(slot), Ordering::Relaxed);
         }
+    }
+
+    /// The owner's provided-buffer group for this pool, if it has one.
+    pub(crate) fn group(&self) -> Option<u16> {
+        u16::try_from(self.group.load(Ordering::Relaxed)).ok()
+    }
+
+    pub(crate) fn set_group(&self, group: u16) {
+        self.group.store(u32::from(group), Ordering::Relaxed);
     }
 
     /// Buffer `index` as an iovec, for registering it alone.
@@ -222,22 +258,23 @@ impl Buf {
         self.len() == 0
     }
 
-    /// Index of this buffer in its pool (the fixed-buffer index when registered, the buffer id
-    /// when provided to the kernel).
+    /// Index of this buffer in its pool (the buffer id when provided to the kernel; the
+    /// fixed-buffer table slot is another number, given at its first fixed use).
     pub fn index(&self) -> u16 {
         self.lease.index
     }
 
-    /// Whether the pool is registered as fixed buffers with the ring of the engine that made it
-    /// (another engine uses it through its address: see [`Buf::pool_is`]).
+    /// Whether the pool's buffers may be fixed buffers of the ring of the engine that made it
+    /// (each takes a table slot at its first fixed use; another engine, or its own after the pool
+    /// was removed, uses it through its address).
     pub fn registered(&self) -> bool {
         self.lease.pool.registered()
     }
 
-    /// Whether this buffer belongs to `pool` (an engine's own buffers may use its fixed-buffer
-    /// indexes; a buffer from another engine's pool may not).
-    pub(crate) fn pool_is(&self, pool: &Arc<Pool>) -> bool {
-        Arc::ptr_eq(&self.lease.pool, pool)
+    /// The pool this buffer belongs to (its owner decides whether the engine at hand may name
+    /// it by a fixed-buffer slot or a provided-buffer group).
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.lease.pool
     }
 
     /// Readies the buffer to move to another thread (see [`SendBuf`]).

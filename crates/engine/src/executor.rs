@@ -4,8 +4,9 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::rc::Rc;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
@@ -13,12 +14,26 @@ use std::time::{Duration, Instant};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::buf::{Buf, Pool};
-use crate::multishot::{BufGroup, MultiOp, MultiQueues, PbufRing, Provided};
+use crate::multishot::{BufGroup, MultiOp, MultiQueues, Provided};
 use crate::op::{Op, OpState, OpTable, Owned, Woken};
 use crate::remote::{Remote, RemoteShared};
+use crate::table::{FileTable, SlotList};
 use crate::{EngineError, Sqe};
 
+/// The most slots a ring's fixed-buffer table may have (`IORING_MAX_REG_BUFFERS`).
+pub const MAX_BUFFER_TABLE: u32 = 1 << 14;
+
+/// Ids of engines, so a pool knows whose tables its slots are in (0: nobody's).
+static NEXT_ENGINE_ID: AtomicU64 = AtomicU64::new(1);
+
 /// Index of a task spawned on an engine.
+///
+/// Ids of finished (or dropped) tasks are reused by later [`Engine::spawn`]s, so an engine that
+/// spawns a task per tenant or per connection for days keeps its task table as large as its most
+/// tasks alive at once. A wakeup that names an id after its task ended (a stale [`Waker`], a late
+/// [`crate::Remote::wake`] or `IORING_OP_MSG_RING`) may therefore poll whichever task holds the id
+/// now: a spurious wakeup, which every future must tolerate (as `Future::poll`'s contract already
+/// asks), never a lost one.
 pub type TaskId = u32;
 
 /// `user_data` of the engine's own eventfd read (cross-thread wakeups).
@@ -92,7 +107,7 @@ pub(crate) fn wake_by_msg_ring(shared: &RemoteShared, task: TaskId) -> bool {
 }
 
 /// How often [`Engine::push`] hands a full submission queue to the kernel before it gives up.
-const PUSH_TRIES: usize = 4;
+pub(crate) const PUSH_TRIES: usize = 4;
 
 type Task = Pin<Box<dyn Future<Output = ()>>>;
 
@@ -105,8 +120,20 @@ pub struct EngineConfig {
     pub buffers: usize,
     /// Size of each buffer in bytes (rounded up to a page).
     pub buffer_size: usize,
-    /// Register the pool as fixed buffers (enables `READ_FIXED`/`WRITE_FIXED`).
+    /// Give the ring a fixed-buffer table (enables `READ_FIXED`/`WRITE_FIXED`) that the buffers
+    /// of every pool of the engine enter at their first fixed use.
     pub register_buffers: bool,
+    /// Slots of that table, shared by the default pool and every [`Engine::add_pool`] pool: a
+    /// buffer keeps its slot until its pool is removed, and a buffer that finds the table full
+    /// goes by address (never an error). Sized once because the kernel cannot grow a table in
+    /// place; an empty slot costs the kernel a pointer. 0: as many as `buffers` (a queue that
+    /// serves one export). At most [`MAX_BUFFER_TABLE`].
+    pub buffer_table: u32,
+    /// Slots of the ring's fixed-file table, which [`Engine::register_files`] fills and
+    /// [`Engine::unregister_files`] empties while the engine runs (tenants that come and go).
+    /// 0: the first `register_files` sizes it to exactly the descriptors it names; later ones
+    /// still count references, and descriptors that find no slot go by number.
+    pub file_table: u32,
     /// Busy-poll the completion queue this long before sleeping in `io_uring_enter`.
     pub spin: Duration,
     /// Register a provided-buffer ring (for [`Engine::read_multishot`]) whose buffer ids are the
@@ -126,6 +153,8 @@ impl Default for EngineConfig {
             register_buffers: false,
             spin: Duration::ZERO,
             provided_buffers: false,
+            buffer_table: 0,
+            file_table: 0,
             drop_wait: Duration::from_secs(5),
         }
     }
@@ -156,6 +185,8 @@ pub struct Engine {
     tasks: RefCell<Vec<Option<Task>>>,
     wakers: RefCell<Vec<Waker>>,
     scheduled: RefCell<Vec<bool>>,
+    /// Ids of finished or dropped tasks, for the next spawns (their slot and waker are reused).
+    free_tasks: RefCell<Vec<TaskId>>,
     ready: RefCell<VecDeque<TaskId>>,
     current: Cell<Option<TaskId>>,
     live: Cell<usize>,
@@ -163,8 +194,17 @@ pub struct Engine {
     remote_buf: Box<[u8; 8]>,
     remote_armed: Cell<bool>,
     pub(crate) pool: Arc<Pool>,
-    /// Descriptors registered as the ring's fixed files (index = position).
-    files: RefCell<Vec<std::os::fd::RawFd>>,
+    /// This engine's id, which its pools carry (see [`Pool::owner`]).
+    pub(crate) id: u64,
+    /// Free slots of the ring's fixed-buffer table (size 0: no table).
+    pub(crate) buf_slots: RefCell<SlotList>,
+    /// The ring's fixed-file table.
+    pub(crate) files: RefCell<FileTable>,
+    /// [`EngineConfig::file_table`].
+    pub(crate) file_table: u32,
+    /// Pools whose [`crate::BufPool`] was dropped (or given to [`Engine::remove_pool`]): their
+    /// table slots and provided-buffer group are reclaimed on the next occasion.
+    pub(crate) returns: Rc<RefCell<Vec<Arc<Pool>>>>,
     spin: Duration,
     drop_wait: Duration,
     stats: Cell<EngineStats>,
@@ -255,62 +295,44 @@ impl Engine {
             count: cfg.buffers,
             size: cfg.buffer_size,
         };
-        // Registered one by one as they are first used (a sparse table now), so an idle queue's
-        // buffers are neither pinned nor resident; whole where the kernel lacks sparse tables.
-        let sparse = cfg.register_buffers
-            && cfg.buffers > 0
-            && ring
-                .submitter()
-                .register_buffers_sparse(cfg.buffers as u32)
-                .is_ok();
-        let pool = Pool::new(cfg.buffers, cfg.buffer_size, sparse).ok_or(alloc)?;
-        if sparse {
-            pool.set_registered();
-        } else if cfg.register_buffers && pool.len() > 0 {
-            let iovecs = pool.iovecs();
-            // SAFETY: the iovecs describe live allocations of `pool`, which the engine keeps (and
-            // leaks rather than frees while operations are in flight) until after the ring, and
-            // with it the registration, is gone.
-            unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(EngineError::Register)?;
+        let id = NEXT_ENGINE_ID.fetch_add(1, Ordering::Relaxed);
+        // A sparse table: buffers enter it one by one as they are first used, so an idle
+        // tenant's buffers are neither pinned nor resident. Without one (kernels before 5.19, or
+        // no table asked for) every buffer goes by address.
+        let table = match cfg.buffer_table {
+            0 => u32::try_from(cfg.buffers).unwrap_or(u32::MAX),
+            n => n,
+        }
+        .min(MAX_BUFFER_TABLE);
+        let table = if cfg.register_buffers && table > 0 {
+            match ring.submitter().register_buffers_sparse(table) {
+                Ok(()) => table,
+                Err(e) => {
+                    tracing::debug!("no fixed-buffer table ({e}); buffers go by address");
+                    0
+                }
+            }
+        } else {
+            0
+        };
+        let pool = Pool::new(cfg.buffers, cfg.buffer_size, id).ok_or(alloc)?;
+        if table > 0 && pool.len() > 0 {
             pool.set_registered();
         }
-        let provided = match (cfg.provided_buffers, u16::try_from(pool.len())) {
-            (true, Ok(n)) if n > 0 => match PbufRing::new(n, 0) {
-                Some(r) => {
-                    // SAFETY: the ring memory is owned by the engine and dropped after the ring.
-                    let res = unsafe {
-                        ring.submitter().register_buf_ring_with_flags(
-                            r.addr(),
-                            r.entries(),
-                            r.group,
-                            0,
-                        )
-                    };
-                    match res {
-                        Ok(()) => Provided::new(r, pool.len()),
-                        Err(e) => {
-                            tracing::debug!("no provided-buffer ring: {e}");
-                            Provided::none()
-                        }
-                    }
-                }
-                None => Provided::none(),
-            },
-            _ => Provided::none(),
-        };
         let remote = {
             use std::os::fd::AsRawFd;
             RemoteShared::new(ring.as_raw_fd()).map_err(EngineError::Setup)?
         };
         let n = pool.len();
-        Ok(Engine {
+        let eng = Engine {
             ring: RefCell::new(ring),
             ops: RefCell::new(OpTable::new(entries as usize * 2)),
             multi: RefCell::new(MultiQueues::default()),
-            provided,
+            provided: Provided::default(),
             tasks: RefCell::new(Vec::new()),
             wakers: RefCell::new(Vec::new()),
             scheduled: RefCell::new(Vec::new()),
+            free_tasks: RefCell::new(Vec::new()),
             ready: RefCell::new(VecDeque::with_capacity(n.max(16) * 2)),
             current: Cell::new(None),
             live: Cell::new(0),
@@ -318,7 +340,11 @@ impl Engine {
             remote_buf: Box::new([0; 8]),
             remote_armed: Cell::new(false),
             pool,
-            files: RefCell::new(Vec::new()),
+            id,
+            buf_slots: RefCell::new(SlotList::new(table)),
+            files: RefCell::new(FileTable::default()),
+            file_table: cfg.file_table,
+            returns: Rc::new(RefCell::new(Vec::new())),
             spin: cfg.spin,
             drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
@@ -330,7 +356,14 @@ impl Engine {
                 local: 0,
                 stamped: 0,
             }),
-        })
+        };
+        if cfg.provided_buffers && eng.pool.len() > 0 {
+            // Group 0, the first one: what `buf_group` has always named.
+            if let Err(e) = eng.add_group(&eng.pool) {
+                tracing::debug!("no provided-buffer ring: {e}");
+            }
+        }
+        Ok(eng)
     }
 
     /// Takes a free buffer of the pool (lowest index first), `None` if all are in use. It returns
@@ -344,10 +377,11 @@ impl Engine {
         self.pool.available()
     }
 
-    /// The provided-buffer ring's group, if [`EngineConfig::provided_buffers`] asked for one and the
-    /// kernel took it.
+    /// The default pool's provided-buffer group, if [`EngineConfig::provided_buffers`] asked for
+    /// one and the kernel took it (pools of [`Engine::add_pool`] have their own:
+    /// [`crate::BufPool::group`]).
     pub fn buf_group(&self) -> Option<BufGroup> {
-        self.provided.group().map(BufGroup)
+        self.pool.group().map(BufGroup)
     }
 
     /// Whether the running kernel knows io_uring opcode `code` (asked once per call; cold path).
@@ -357,69 +391,10 @@ impl Engine {
         ring.submitter().register_probe(&mut probe).is_ok() && probe.is_supported(code)
     }
 
-    /// Whether the pool is registered as fixed buffers (so `*_FIXED` opcodes are used).
+    /// Whether the default pool's buffers use the fixed-buffer table (so `*_FIXED` opcodes are
+    /// used for each once it has a slot).
     pub fn buffers_registered(&self) -> bool {
         self.pool.registered()
-    }
-
-    /// Registers `fds` as the ring's fixed files (once, at queue start): from then on every
-    /// operation on one of them names it by index, which spares the kernel a file table lookup
-    /// and reference count per operation. The caller keeps the descriptors open while the engine
-    /// lives.
-    pub fn register_files(&self, fds: &[std::os::fd::RawFd]) -> std::io::Result<()> {
-        let mut files = self.files.borrow_mut();
-        if !files.is_empty() {
-            return Err(std::io::Error::from_raw_os_error(libc::EEXIST));
-        }
-        self.ring.borrow().submitter().register_files(fds)?;
-        files.extend_from_slice(fds);
-        Ok(())
-    }
-
-    /// Whether buffer `index` of this engine's pool can be named by its fixed-buffer index: it
-    /// is registered, now if this is its first use (a lazily registered pool, see
-    /// [`Pool::new`]). A registration that fails makes every buffer go by address.
-    pub(crate) fn fixed_buffer(&self, index: u16) -> bool {
-        if self.pool.fixed(index) {
-            return true;
-        }
-        if !self.pool.registered() || !self.pool.is_lazy() {
-            return false;
-        }
-        let Some(iov) = self.pool.iovec(index) else {
-            return false;
-        };
-        // SAFETY: the iovec describes a live allocation of `self.pool`, which the engine keeps
-        // (and leaks rather than frees while operations are in flight) until after the ring, and
-        // with it the registration, is gone.
-        let r = unsafe {
-            self.ring
-                .borrow()
-                .submitter()
-                .register_buffers_update(u32::from(index), &[iov], None)
-        };
-        match r {
-            Ok(_) => {
-                self.pool.set_fixed(index);
-                true
-            }
-            Err(e) => {
-                tracing::debug!("fixed buffers unavailable ({e}); using plain buffers");
-                self.pool.clear_registered();
-                false
-            }
-        }
-    }
-
-    /// `fd` as operations should name it: its fixed-file index if it is registered.
-    pub(crate) fn target(&self, fd: crate::Fd) -> crate::Fd {
-        match fd {
-            crate::Fd::Raw(raw) => match self.files.borrow().iter().position(|f| *f == raw) {
-                Some(i) => crate::Fd::Fixed(i as u32),
-                None => fd,
-            },
-            fixed => fixed,
-        }
     }
 
     /// A handle other threads use to wake tasks of this engine.
@@ -474,17 +449,42 @@ impl Engine {
         self.current.get()
     }
 
-    /// Adds a task; it is polled on the next loop turn. Allocates (once per task, not per request).
+    /// Adds a task; it is polled on the next loop turn. Allocates the task's box (once per task,
+    /// not per request); its slot and waker are those of a finished task when there is one, so
+    /// tenants that come and go do not grow the task table (see [`TaskId`] on what a reused id
+    /// means for stale wakeups).
     pub fn spawn(&self, fut: impl Future<Output = ()> + 'static) -> TaskId {
-        let mut tasks = self.tasks.borrow_mut();
-        let id = tasks.len() as TaskId;
-        tasks.push(Some(Box::pin(fut)));
-        self.wakers.borrow_mut().push(self.remote().waker_for(id));
-        self.scheduled.borrow_mut().push(false);
+        let fut: Task = Box::pin(fut);
+        let reused = self.free_tasks.borrow_mut().pop();
+        let id = match reused {
+            Some(id) => {
+                self.tasks.borrow_mut()[id as usize] = Some(fut);
+                id
+            }
+            None => {
+                let mut tasks = self.tasks.borrow_mut();
+                let id = tasks.len() as TaskId;
+                tasks.push(Some(fut));
+                self.wakers.borrow_mut().push(self.remote().waker_for(id));
+                self.scheduled.borrow_mut().push(false);
+                id
+            }
+        };
         self.live.set(self.live.get() + 1);
-        drop(tasks);
         self.wake(id);
         id
+    }
+
+    /// Tasks spawned and not finished (nor dropped): what a worker serving many tenants reports
+    /// as its load, and what tests check for leaks.
+    pub fn live_tasks(&self) -> usize {
+        self.live.get()
+    }
+
+    /// Slots of the task table (live and free), for tests checking that ids are reused.
+    #[cfg(test)]
+    pub(crate) fn task_slots(&self) -> usize {
+        self.tasks.borrow().len()
     }
 
     /// Schedules a task of this engine (from this thread).
@@ -570,19 +570,26 @@ impl Engine {
         }
     }
 
-    /// Submits a multishot entry; its completions are queued (room for `capacity` reserved up
-    /// front) until the returned [`MultiOp`] takes them. `None` if the submission queue cannot
-    /// take it.
+    /// Submits a multishot entry reading from provided-buffer group `group`; its completions are
+    /// queued (room for `capacity` reserved up front) until the returned [`MultiOp`] takes them.
+    /// `None` if the submission queue cannot take it.
     ///
     /// # Safety
     /// The entry may only write into provided buffers (buffer select) or engine-owned memory.
-    pub(crate) unsafe fn start_multishot(&self, sqe: Sqe, capacity: usize) -> Option<MultiOp<'_>> {
+    pub(crate) unsafe fn start_multishot(
+        &self,
+        sqe: Sqe,
+        capacity: usize,
+        group: u16,
+    ) -> Option<MultiOp<'_>> {
         let queue = self.multi.borrow_mut().alloc(capacity);
         let idx = self
             .ops
             .borrow_mut()
-            .alloc_multi(self.current_task(), queue);
+            .alloc_multi(self.current_task(), queue, group);
         if self.push(&[sqe.user_data(u64::from(idx))]) {
+            // The group stays registered until this op's final completion.
+            self.provided.arm(group);
             Some(MultiOp {
                 engine: self,
                 idx,
@@ -604,7 +611,7 @@ impl Engine {
     /// Puts `sqes` in the submission queue, all or none. A full queue is handed to the kernel
     /// (reaping completions if the kernel says it has too many pending) a bounded number of times;
     /// then the caller is told no, and fails its operation rather than spinning.
-    fn push(&self, sqes: &[Sqe]) -> bool {
+    pub(crate) fn push(&self, sqes: &[Sqe]) -> bool {
         for _ in 0..PUSH_TRIES {
             {
                 let mut ring = self.ring.borrow_mut();
@@ -641,6 +648,52 @@ impl Engine {
         st.refused += 1;
         self.stats.set(st);
         false
+    }
+
+    /// Hands every entry of the submission queue to the kernel (reaping completions if it has
+    /// too many pending), a bounded number of times; returns whether the queue is empty.
+    ///
+    /// Called before a fixed-table slot is cleared for reuse: the kernel looks a fixed buffer or
+    /// file up when it first issues an entry, which for an entry still in this queue is later, so
+    /// an entry queued before the slot went to another tenant would reach that tenant's buffer or
+    /// file. Once submitted, an entry holds what it looked up until its completion.
+    pub(crate) fn flush_submissions(&self) -> bool {
+        for _ in 0..PUSH_TRIES {
+            let r = {
+                let Ok(mut ring) = self.ring.try_borrow_mut() else {
+                    return false;
+                };
+                if ring.submission().is_empty() {
+                    return true;
+                }
+                ring.submit()
+            };
+            let mut st = self.stats.get();
+            st.enters += 1;
+            self.stats.set(st);
+            match r {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
+                    self.reap_now();
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) => {
+                    tracing::error!("io_uring submit failed: {e}");
+                    return false;
+                }
+            }
+        }
+        self.ring
+            .try_borrow_mut()
+            .is_ok_and(|mut r| r.submission().is_empty())
+    }
+
+    /// The ring, for registrations (cold paths); `None` while a loop turn holds it, which no
+    /// task or waker ever sees.
+    pub(crate) fn ring(
+        &self,
+    ) -> Option<std::cell::Ref<'_, IoUring<squeue::Entry128, cqueue::Entry>>> {
+        self.ring.try_borrow().ok()
     }
 
     /// Cancels the op with this `user_data` without waiting (best effort: the op still
@@ -708,6 +761,9 @@ impl Engine {
             self.current.set(None);
             if done {
                 self.live.set(self.live.get() - 1);
+                // Dropped before its id is free, so whatever its drop spawns gets another one.
+                drop(task);
+                self.free_tasks.borrow_mut().push(id);
             } else {
                 self.tasks.borrow_mut()[id as usize] = Some(task);
             }
@@ -721,6 +777,9 @@ impl Engine {
 
     /// A loop turn that waits for a completion only if `block`.
     fn turn_with(&self, block: bool) -> Result<(), EngineError> {
+        if !self.returns.borrow().is_empty() {
+            self.reclaim_returned();
+        }
         self.arm_remote();
         let mut ring = self.ring.borrow_mut();
         let mut st = self.stats.get();
@@ -757,6 +816,10 @@ impl Engine {
         }
         st.completions += woken;
         self.stats.set(st);
+        drop(ring);
+        if self.provided.removals_due() {
+            self.finish_group_removals();
+        }
         if self.gauge_on.get() {
             self.gauge
                 .set(u32::try_from(self.ready.borrow().len()).unwrap_or(u32::MAX));
@@ -838,7 +901,7 @@ impl Engine {
         }
     }
 
-    fn reap_now(&self) {
+    pub(crate) fn reap_now(&self) {
         loop {
             let next = {
                 let mut ring = self.ring.borrow_mut();
@@ -896,14 +959,24 @@ impl Engine {
     /// here and the cycle would keep the ring, its fds and its buffers alive for good; the owner
     /// calls this to break it. Must not be called from inside a task.
     pub fn drop_tasks(&self) {
-        // The slots stay (task ids index them), empty; a later `run` finds nothing to do.
+        // The slots stay (task ids index them), empty and free for later spawns; a later `run`
+        // finds nothing to do.
+        let mut ids = Vec::new();
         let tasks: Vec<Task> = self
             .tasks
             .borrow_mut()
             .iter_mut()
-            .filter_map(Option::take)
+            .enumerate()
+            .filter_map(|(i, t)| {
+                let t = t.take()?;
+                ids.push(i as TaskId);
+                Some(t)
+            })
             .collect();
+        self.free_tasks.borrow_mut().extend(ids);
         self.ready.borrow_mut().clear();
+        // Nothing is queued any more: an id reused later must be schedulable again.
+        self.scheduled.borrow_mut().fill(false);
         self.live.set(0);
         // Current while the tasks drop.
         let _current = self.enter();
@@ -963,6 +1036,10 @@ fn current_remote() -> *const RemoteShared {
 pub struct PoolWatch(std::sync::Weak<Pool>);
 
 impl PoolWatch {
+    pub(crate) fn of(pool: &Arc<Pool>) -> PoolWatch {
+        PoolWatch(Arc::downgrade(pool))
+    }
+
     /// True while anything (a [`Buf`], the engine, a deliberate leak) keeps the pool alive.
     pub fn alive(&self) -> bool {
         self.0.strong_count() > 0
@@ -1024,7 +1101,7 @@ impl Drop for Engine {
             std::mem::forget(self.pool.clone());
             std::mem::forget(std::mem::take(&mut *self.ops.borrow_mut()));
             std::mem::forget(std::mem::replace(&mut self.remote_buf, Box::new([0; 8])));
-            std::mem::forget(std::mem::replace(&mut self.provided, Provided::none()));
+            std::mem::forget(std::mem::take(&mut self.provided));
         } else {
             self.provided.clear();
         }

@@ -1,9 +1,12 @@
 //! The per-thread engine of fusex.
 //!
-//! One queue thread owns one [`Engine`]: an io_uring (128-byte SQEs, so FUSE `URING_CMD`s can share
-//! the ring with backend I/O), a table of in-flight operations, a pool of page-aligned buffers (which
-//! it may register as fixed buffers), and a tiny single-threaded executor whose only reactor is the
-//! ring. Requests are Rust futures: stackless, polled in place, no thread per request and no
+//! One thread owns one [`Engine`]: an io_uring (128-byte SQEs, so FUSE `URING_CMD`s can share
+//! the ring with backend I/O), a table of in-flight operations, pools of page-aligned buffers (which
+//! take slots of the ring's fixed-buffer table as they are first used), and a tiny single-threaded
+//! executor whose only reactor is the ring. An engine may serve many tenants (exports) that come and
+//! go while it runs: each adds its own buffer pool ([`Engine::add_pool`]) and fixed files
+//! ([`Engine::register_files`]) and gives them back when it leaves, and finished tasks' ids are
+//! reused, so nothing grows with the number of tenants ever served. Requests are Rust futures: stackless, polled in place, no thread per request and no
 //! allocation per request once the queue has started.
 //!
 //! Soundness rests on ownership, not on promises:
@@ -28,13 +31,18 @@ mod op;
 mod ops;
 pub mod remote;
 pub mod sync;
+mod table;
+mod tenant;
 
 pub use buf::{Buf, SendBuf, Slice, BUF_ALIGN};
-pub use executor::{gauge_clock, Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId};
+pub use executor::{
+    gauge_clock, Engine, EngineConfig, EngineStats, Gauge, PoolWatch, TaskId, MAX_BUFFER_TABLE,
+};
 pub use multishot::{BufGroup, Completion, MultiOp};
 pub use net::{BytesOp, NetSliceOp, Timeout};
 pub use ops::{BufOp, Fd, SliceOp, AT_CURSOR};
 pub use remote::{CrossWake, Remote};
+pub use tenant::BufPool;
 
 /// The submission entry type every fusex ring uses (128 bytes, so `URING_CMD` with an 80-byte
 /// command area fits next to plain reads and writes). Built only inside this crate.
@@ -55,7 +63,8 @@ pub enum EngineError {
         /// Bytes each.
         size: usize,
     },
-    /// Registering buffers with the ring failed.
+    /// Registering buffers with the ring failed (fixed buffers, or a pool's provided-buffer
+    /// ring).
     #[error("cannot register I/O buffers with io_uring: {0}")]
     Register(std::io::Error),
     /// `io_uring_enter` failed in a way the loop cannot recover from.
@@ -63,5 +72,7 @@ pub enum EngineError {
     Enter(std::io::Error),
 }
 
+#[cfg(test)]
+mod tenant_tests;
 #[cfg(test)]
 mod tests;

@@ -142,67 +142,189 @@ impl Drop for MultiOp<'_> {
     }
 }
 
-/// A ring of provided buffers (`IORING_REGISTER_PBUF_RING`) and the windows it lends the kernel.
-/// Owned by the engine; its ring memory is dropped after the io_uring itself.
+/// The provided-buffer rings (`IORING_REGISTER_PBUF_RING`) of an engine, one group per pool that
+/// asked for one, and the windows each lends the kernel. Owned by the engine; ring memory is
+/// dropped after the io_uring itself, or after the group's unregistration.
+///
+/// Group ids are the table index, reused after a group is removed. A group is removed in two
+/// steps: [`Provided::begin_remove`] stops lending into it; once no multishot operation that
+/// reads from it is armed ([`Provided::arm`], [`Provided::disarm`]), [`Provided::take_removed`]
+/// hands it to the engine, which unregisters it and only then drops it (its windows go back to
+/// their pool): until then the kernel may still fill a window it lent.
+#[derive(Default)]
 pub(crate) struct Provided {
-    ring: Option<PbufRing>,
+    groups: RefCell<Vec<Option<Group>>>,
+    /// Ids of removed groups, for the next [`Provided::reserve`].
+    free: RefCell<Vec<u16>>,
+    /// Groups with windows pushed but not yet published.
+    dirty: RefCell<Vec<u16>>,
+    /// Whether some group being removed has no armed operation left.
+    removals: Cell<bool>,
+}
+
+/// One provided-buffer ring and what it lends.
+pub(crate) struct Group {
+    ring: PbufRing,
     /// The window provided under each buffer id, until a completion names it.
-    lent: RefCell<Vec<Option<Slice>>>,
+    lent: Vec<Option<Slice>>,
+    /// Pushed since the last publish (listed in `Provided::dirty`).
+    dirty: bool,
+    /// Multishot operations reading from this group whose final completion has not arrived.
+    armed: u32,
+    /// Being removed: lends nothing more, unregistered once `armed` is 0.
+    removing: bool,
+}
+
+impl Group {
+    /// Its group id.
+    pub(crate) fn id(&self) -> u16 {
+        self.ring.group
+    }
 }
 
 impl Provided {
-    pub(crate) fn none() -> Provided {
-        Provided {
-            ring: None,
-            lent: RefCell::new(Vec::new()),
+    /// A free group id (not yet in use: the caller registers a ring under it, then
+    /// [`Provided::insert`]s it, or gives it back with [`Provided::release`]).
+    pub(crate) fn reserve(&self) -> Option<u16> {
+        if let Some(id) = self.free.borrow_mut().pop() {
+            return Some(id);
+        }
+        let mut groups = self.groups.borrow_mut();
+        let id = u16::try_from(groups.len()).ok()?;
+        groups.push(None);
+        Some(id)
+    }
+
+    /// Gives back a reserved id that got no ring.
+    pub(crate) fn release(&self, id: u16) {
+        self.free.borrow_mut().push(id);
+    }
+
+    /// Adds `ring` (registered under its group id, reserved with [`Provided::reserve`]) lending
+    /// buffer ids `0..ids`.
+    pub(crate) fn insert(&self, ring: PbufRing, ids: usize) {
+        let id = usize::from(ring.group);
+        let mut groups = self.groups.borrow_mut();
+        if let Some(g) = groups.get_mut(id) {
+            *g = Some(Group {
+                ring,
+                lent: (0..ids).map(|_| None).collect(),
+                dirty: false,
+                armed: 0,
+                removing: false,
+            });
         }
     }
 
-    pub(crate) fn new(ring: PbufRing, ids: usize) -> Provided {
-        Provided {
-            ring: Some(ring),
-            lent: RefCell::new((0..ids).map(|_| None).collect()),
+    /// Lends `win` under its buffer's pool index in `group`; gives it back if there is no such
+    /// group (or it is being removed), or the id is out of range or already lent.
+    pub(crate) fn lend(&self, group: u16, win: Slice) -> Result<(), Slice> {
+        let mut groups = self.groups.borrow_mut();
+        let Some(Some(g)) = groups.get_mut(usize::from(group)) else {
+            return Err(win);
+        };
+        if g.removing {
+            return Err(win);
         }
-    }
-
-    pub(crate) fn group(&self) -> Option<u16> {
-        self.ring.as_ref().map(|r| r.group)
-    }
-
-    /// Lends `win` under its buffer's pool index; gives it back if there is no ring or the id is
-    /// out of range or already lent.
-    pub(crate) fn lend(&self, win: Slice) -> Result<(), Slice> {
-        let Some(r) = &self.ring else { return Err(win) };
         let bid = win.buf().index();
-        let mut lent = self.lent.borrow_mut();
-        match lent.get_mut(usize::from(bid)) {
+        match g.lent.get_mut(usize::from(bid)) {
             Some(e @ None) => {
                 let len = u32::try_from(win.len()).unwrap_or(u32::MAX);
                 // SAFETY: the window is engine-owned memory that stays in `lent` (so no task can
-                // reach it) until a completion names `bid`; the memory itself outlives the ring.
-                unsafe { r.push(bid, win.ptr() as u64, len) };
+                // reach it) until a completion names `bid`, or until the group is unregistered
+                // after its last armed operation ended; the memory itself outlives the ring.
+                unsafe { g.ring.push(bid, win.ptr() as u64, len) };
                 *e = Some(win);
+                if !g.dirty {
+                    g.dirty = true;
+                    self.dirty.borrow_mut().push(group);
+                }
                 Ok(())
             }
             _ => Err(win),
         }
     }
 
+    /// Publishes every group with windows pushed since its last publish.
     pub(crate) fn publish(&self) {
-        if let Some(r) = &self.ring {
-            r.publish();
+        let mut dirty = self.dirty.borrow_mut();
+        if dirty.is_empty() {
+            return;
+        }
+        let mut groups = self.groups.borrow_mut();
+        for id in dirty.drain(..) {
+            if let Some(Some(g)) = groups.get_mut(usize::from(id)) {
+                g.dirty = false;
+                g.ring.publish();
+            }
         }
     }
 
-    /// The window lent under `bid`, now handed back by the kernel.
-    pub(crate) fn take(&self, bid: u16) -> Option<Slice> {
-        self.lent.borrow_mut().get_mut(usize::from(bid))?.take()
+    /// The window lent under `bid` in `group`, now handed back by the kernel.
+    pub(crate) fn take(&self, group: u16, bid: u16) -> Option<Slice> {
+        let mut groups = self.groups.borrow_mut();
+        let g = groups.get_mut(usize::from(group))?.as_mut()?;
+        g.lent.get_mut(usize::from(bid))?.take()
+    }
+
+    /// A multishot operation reading from `group` was submitted.
+    pub(crate) fn arm(&self, group: u16) {
+        if let Some(Some(g)) = self.groups.borrow_mut().get_mut(usize::from(group)) {
+            g.armed += 1;
+        }
+    }
+
+    /// A multishot operation reading from `group` posted its final completion.
+    pub(crate) fn disarm(&self, group: u16) {
+        if let Some(Some(g)) = self.groups.borrow_mut().get_mut(usize::from(group)) {
+            g.armed = g.armed.saturating_sub(1);
+            if g.removing && g.armed == 0 {
+                self.removals.set(true);
+            }
+        }
+    }
+
+    /// Stops lending into `group`, whose pool is leaving; [`Provided::take_removed`] hands it
+    /// over once no operation reads from it.
+    pub(crate) fn begin_remove(&self, group: u16) {
+        if let Some(Some(g)) = self.groups.borrow_mut().get_mut(usize::from(group)) {
+            g.removing = true;
+            if g.armed == 0 {
+                self.removals.set(true);
+            }
+        }
+    }
+
+    /// Whether [`Provided::take_removed`] has something to hand over (one load: the loop asks
+    /// after every turn).
+    #[inline]
+    pub(crate) fn removals_due(&self) -> bool {
+        self.removals.get()
+    }
+
+    /// The groups being removed that no operation reads from any more, out of the table. The
+    /// caller unregisters each, drops it, then [`Provided::release`]s its id.
+    pub(crate) fn take_removed(&self) -> Vec<Group> {
+        self.removals.set(false);
+        let mut groups = self.groups.borrow_mut();
+        groups
+            .iter_mut()
+            .filter(|g| g.as_ref().is_some_and(|g| g.removing && g.armed == 0))
+            .filter_map(Option::take)
+            .collect()
+    }
+
+    /// Groups registered now (including those being removed).
+    pub(crate) fn len(&self) -> usize {
+        self.groups.borrow().iter().flatten().count()
     }
 
     /// Windows still lent (dropped with the engine, after the ring).
     pub(crate) fn clear(&self) {
-        for e in self.lent.borrow_mut().iter_mut() {
-            drop(e.take());
+        for g in self.groups.borrow_mut().iter_mut().flatten() {
+            for e in g.lent.iter_mut() {
+                drop(e.take());
+            }
         }
     }
 }
@@ -267,6 +389,8 @@ impl PbufRing {
     }
 }
 
-/// Handle to the engine's provided-buffer ring: which group id to name in a buffer-select SQE.
+/// Handle to one of the engine's provided-buffer rings (the default pool's, or a
+/// [`crate::BufPool`]'s): which group a multishot read takes its buffers from, and which group
+/// resolves the buffer ids its completions name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BufGroup(pub(crate) u16);

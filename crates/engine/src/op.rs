@@ -55,14 +55,18 @@ pub(crate) enum Slot {
     Orphan {
         _owned: Owned,
     },
-    /// A multishot op still armed: completions go to multishot queue `queue`.
+    /// A multishot op still armed: completions go to multishot queue `queue`, with the buffer
+    /// their id names in provided-buffer group `group` (each pool has its own group, and ids
+    /// are pool indexes, so only the op's own group resolves them).
     Multi {
         task: Option<TaskId>,
         queue: u32,
+        group: u16,
     },
     /// A multishot op whose owner is gone: completions are discarded until the final one.
     MultiOrphan {
         queue: u32,
+        group: u16,
     },
     /// A multishot op that posted its final completion (still queued for its owner).
     MultiEnded {
@@ -131,9 +135,10 @@ impl OpTable {
         })
     }
 
-    /// Takes a free slot for a multishot op whose completions go to `queue`.
-    pub(crate) fn alloc_multi(&mut self, task: Option<TaskId>, queue: u32) -> u32 {
-        self.alloc_as(Slot::Multi { task, queue })
+    /// Takes a free slot for a multishot op whose completions go to `queue` and name buffers
+    /// of provided-buffer group `group`.
+    pub(crate) fn alloc_multi(&mut self, task: Option<TaskId>, queue: u32, group: u16) -> u32 {
+        self.alloc_as(Slot::Multi { task, queue, group })
     }
 
     fn alloc_as(&mut self, slot: Slot) -> u32 {
@@ -173,8 +178,9 @@ impl OpTable {
     }
 
     /// Records a completion; returns the task to wake, if any. Completions of multishot ops are
-    /// queued in `multi` with the provided buffer they name. Memory of orphaned ops is dropped
-    /// here (back to the pool), since the kernel is done with it.
+    /// queued in `multi` with the provided buffer they name in the op's group, and their final
+    /// one disarms the group in `provided` (a group being removed waits for that). Memory of
+    /// orphaned ops is dropped here (back to the pool), since the kernel is done with it.
     pub(crate) fn complete(
         &mut self,
         idx: u64,
@@ -201,11 +207,11 @@ impl OpTable {
                 drop(self.release(i as u32));
                 None
             }
-            Slot::Multi { task, queue } => {
-                let (task, queue) = (*task, *queue);
+            Slot::Multi { task, queue, group } => {
+                let (task, queue, group) = (*task, *queue, *group);
                 let more = io_uring::cqueue::more(flags);
                 let named = io_uring::cqueue::buffer_select(flags);
-                let buf = named.and_then(|bid| provided.take(bid));
+                let buf = named.and_then(|bid| provided.take(group, bid));
                 multi.push(
                     queue,
                     Completion {
@@ -218,19 +224,21 @@ impl OpTable {
                 if !more {
                     *slot = Slot::MultiEnded { task };
                     self.in_flight -= 1;
+                    provided.disarm(group);
                 }
                 task.map(Woken::Task)
             }
-            Slot::MultiOrphan { queue } => {
-                let queue = *queue;
+            Slot::MultiOrphan { queue, group } => {
+                let (queue, group) = (*queue, *group);
                 // Whatever buffer the kernel filled goes straight back to the pool.
                 if let Some(bid) = io_uring::cqueue::buffer_select(flags) {
-                    drop(provided.take(bid));
+                    drop(provided.take(group, bid));
                 }
                 if !io_uring::cqueue::more(flags) {
                     self.in_flight -= 1;
                     drop(self.release(i as u32));
                     multi.release(queue);
+                    provided.disarm(group);
                 }
                 None
             }
@@ -271,8 +279,8 @@ impl OpTable {
     pub(crate) fn orphan_multi(&mut self, idx: u32) -> bool {
         let slot = &mut self.slots[idx as usize];
         match *slot {
-            Slot::Multi { queue, .. } => {
-                *slot = Slot::MultiOrphan { queue };
+            Slot::Multi { queue, group, .. } => {
+                *slot = Slot::MultiOrphan { queue, group };
                 true
             }
             _ => {

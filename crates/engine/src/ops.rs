@@ -87,18 +87,12 @@ fn sqe_with_len(sqe: Sqe, len: u32) -> Sqe {
 }
 
 impl Engine {
-    /// Whether `buf` can be named by its fixed-buffer index on this ring: it is this engine's
-    /// own and the pool is registered (a buffer from another queue's engine goes by address).
-    fn fixed(&self, buf: &Buf) -> bool {
-        buf.pool_is(&self.pool) && self.fixed_buffer(buf.index())
-    }
-
-    /// Reads into `win` from `fd` at `off` (`READ_FIXED` when the pool is registered). Returns
-    /// the bytes read (short at end of file) and the window.
+    /// Reads into `win` from `fd` at `off` (`READ_FIXED` when the buffer has a slot in this
+    /// ring's fixed-buffer table, see [`Engine::add_pool`]). Returns the bytes read (short at end
+    /// of file) and the window.
     pub fn read(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr(), len32(win.len()));
-        let sqe: Sqe = if self.fixed(win.buf()) {
-            let index = win.buf().index();
+        let sqe: Sqe = if let Some(index) = self.fixed(win.buf()) {
             with_fd!(self.target(fd), |f| opcode::ReadFixed::new(
                 f, ptr, len, index
             )
@@ -115,8 +109,8 @@ impl Engine {
         SliceOp(unsafe { self.start(sqe, Owned::Slice(win)) })
     }
 
-    /// Writes `win` to `fd` at `off` (`WRITE_FIXED` when the pool is registered). Returns the
-    /// bytes written (possibly short) and the window.
+    /// Writes `win` to `fd` at `off` (`WRITE_FIXED` when the buffer has a slot in this ring's
+    /// fixed-buffer table). Returns the bytes written (possibly short) and the window.
     pub fn write(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
         let fixed = self.fixed(win.buf());
         self.write_as(fd, win, off, fixed)
@@ -126,13 +120,13 @@ impl Engine {
     /// that take only user memory, not registered buffers (`/dev/fuse` refuses those with
     /// `EINVAL`).
     pub fn write_plain(&self, fd: Fd, win: Slice, off: u64) -> SliceOp<'_> {
-        self.write_as(fd, win, off, false)
+        self.write_as(fd, win, off, None)
     }
 
-    fn write_as(&self, fd: Fd, win: Slice, off: u64, fixed: bool) -> SliceOp<'_> {
+    /// A write from `win`, `WRITE_FIXED` with table slot `fixed` if given.
+    fn write_as(&self, fd: Fd, win: Slice, off: u64, fixed: Option<u16>) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr().cast_const(), len32(win.len()));
-        let sqe: Sqe = if fixed {
-            let index = win.buf().index();
+        let sqe: Sqe = if let Some(index) = fixed {
             with_fd!(self.target(fd), |f| opcode::WriteFixed::new(
                 f, ptr, len, index
             )
@@ -153,10 +147,15 @@ impl Engine {
     /// linked to a `READ`, for non-blocking files where a plain read could fail with `EAGAIN`.
     pub fn poll_read(&self, fd: Fd, win: Slice) -> SliceOp<'_> {
         let (ptr, len) = (win.ptr(), len32(win.len()));
-        let fd = self.target(fd);
-        let poll: Sqe = with_fd!(fd, |f| opcode::PollAdd::new(f, libc::POLLIN as u32)
-            .build()
-            .into());
+        let poll: Sqe = with_fd!(self.target(fd), |f| opcode::PollAdd::new(
+            f,
+            libc::POLLIN as u32
+        )
+        .build()
+        .into());
+        // The read names `fd` as the caller did, not by a slot of the file table: the kernel
+        // looks a linked entry's file up only when it issues it (after the poll), by which time
+        // the slot may have gone to another tenant's file.
         let read: Sqe = with_fd!(fd, |f| opcode::Read::new(f, ptr, len)
             .offset(AT_CURSOR)
             .build()
@@ -207,35 +206,23 @@ impl Engine {
         let _ = unsafe { self.start(sqe, Owned::Time { _ts: ts }) }.await;
     }
 
-    /// Whether the kernel has `IORING_OP_READ_MULTISHOT` (Linux 6.7) and this engine has a
-    /// provided-buffer ring to read into.
+    /// Whether the kernel has `IORING_OP_READ_MULTISHOT` (Linux 6.7) and this engine's default
+    /// pool has a provided-buffer ring to read into.
     pub fn can_read_multishot(&self) -> bool {
         self.buf_group().is_some() && self.supports_opcode(opcode::ReadMulti::CODE)
     }
 
     /// Arms a multishot read of `fd` into buffers of `group` (see [`Engine::provide`]); each
-    /// completion hands back the window it filled. Room for `capacity` queued completions is
-    /// reserved up front. `None` if the submission queue cannot take it.
+    /// completion hands back the window it filled, resolved in `group`. Room for `capacity`
+    /// queued completions is reserved up front. `None` if the submission queue cannot take it.
     pub fn read_multishot(&self, fd: Fd, group: BufGroup, capacity: usize) -> Option<MultiOp<'_>> {
         let sqe: Sqe = with_fd!(self.target(fd), |f| opcode::ReadMulti::new(f, 0, group.0)
             .build()
             .into());
         // SAFETY: the read writes only into provided windows, which the engine holds until a
-        // completion names them.
-        unsafe { self.start_multishot(sqe, capacity) }
-    }
-
-    /// Lends `win` to the kernel as provided buffer number `win.buf().index()`, for multishot
-    /// reads; it comes back in the [`crate::Completion`] that names it. Visible to the kernel after
-    /// [`Engine::publish_buffers`]. Gives the window back if there is no provided-buffer ring or
-    /// that buffer id is already lent.
-    pub fn provide(&self, win: Slice) -> Result<(), Slice> {
-        self.provided.lend(win)
-    }
-
-    /// Makes provided buffers visible to the kernel (one store for a batch of them).
-    pub fn publish_buffers(&self) {
-        self.provided.publish();
+        // completion names them, or until the group is unregistered after this op's final
+        // completion.
+        unsafe { self.start_multishot(sqe, capacity, group.0) }
     }
 
     /// An 80-byte `URING_CMD` with command `cmd_op` on `fd` that lends the kernel all of `buf`

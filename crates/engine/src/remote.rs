@@ -118,7 +118,9 @@ impl Remote {
         Remote { shared }
     }
 
-    /// Schedules `task` on the engine this handle belongs to, from any thread.
+    /// Schedules `task` on the engine this handle belongs to, from any thread. If the task ended
+    /// meanwhile, its id may belong to a newer task, which then sees a spurious wakeup (see
+    /// [`TaskId`]).
     pub fn wake(&self, task: TaskId) {
         self.shared.wake(task);
     }
