@@ -1121,18 +1121,18 @@ fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
     assert_eq!(q.ok("query-block-exports", json!({}))[0]["id"], "n");
 }
 
-/// The daemon's threads that are not queue threads (`fusex-q*`) nor the kernel's io_uring
-/// workers of their rings (`iou-*`), by name.
-fn non_queue_threads(pid: i32) -> Vec<String> {
+/// The daemon's threads by name, without the kernel's io_uring workers (`iou-*`, which come
+/// and go with blocking I/O).
+fn daemon_threads(pid: i32) -> Vec<String> {
     let mut names = Vec::new();
-    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's tasks") {
-        let Ok(t) = t else { continue };
+    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads") {
+        let t = t.expect("a thread entry");
         // A thread that ended since the listing has no comm any more.
         let Ok(comm) = fs::read_to_string(t.path().join("comm")) else {
             continue;
         };
         let comm = comm.trim_end().to_string();
-        if !comm.starts_with("fusex-q") && !comm.starts_with("iou-") {
+        if !comm.starts_with("iou-") {
             names.push(comm);
         }
     }
@@ -1140,20 +1140,11 @@ fn non_queue_threads(pid: i32) -> Vec<String> {
     names
 }
 
-/// The daemon's threads, as `/proc/PID/status` counts them.
-fn thread_count(pid: i32) -> usize {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).expect("the daemon's status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|n| n.trim().parse().ok())
-        .expect("a Threads line")
-}
-
-/// Exports cost their queue threads only: the daemon's other threads (one supervisor for every
-/// export, the reaper, the QMP threads, ...) are as many with ten exports as with one.
+/// Exports cost no threads: every export's queues run on the shared worker threads (one per
+/// CPU) and one thread supervises them all, so the daemon has as many threads with twenty
+/// exports (of one queue and of one per CPU) as with one.
 #[test]
-fn exports_add_queue_threads_only() {
+fn the_thread_count_does_not_grow_with_exports() {
     if !require_fuse() {
         return;
     }
@@ -1161,33 +1152,51 @@ fn exports_add_queue_threads_only() {
     let serve = Serve::start(w.path(), &[]);
     let pid = serve.pid();
     let mut q = serve.qmp();
-    q.add_null_export("t0", &w.join("t0.mnt"), json!({"__org.fusex_queues": 1}));
-    let one = non_queue_threads(pid);
-    for i in 1..10 {
+    q.add_null_export("t0", &w.join("t0.mnt"), json!({}));
+    let one = daemon_threads(pid);
+    for i in 1..20 {
         let id = format!("t{i}");
-        q.add_null_export(
-            &id,
-            &w.join(format!("{id}.mnt")),
-            json!({"__org.fusex_queues": 1}),
-        );
+        // Half with one queue, half with the default (one per CPU).
+        let opts = if i % 2 == 0 {
+            json!({"__org.fusex_queues": 1})
+        } else {
+            json!({})
+        };
+        q.add_null_export(&id, &w.join(format!("{id}.mnt")), opts);
     }
     let v = q.ok("query-block-exports", json!({}));
-    assert_eq!(v.as_array().unwrap().len(), 10, "{v}");
-    let ten = non_queue_threads(pid);
-    let total = thread_count(pid);
-    // Not one per export; a few threads that come and go (a client's, say) do not fail it.
+    assert_eq!(v.as_array().unwrap().len(), 20, "{v}");
+    let twenty = daemon_threads(pid);
+    // A few threads that come and go (a client's, say) do not fail it.
     assert!(
-        ten.len() <= one.len() + 3,
-        "nine more exports added {} threads besides their queues' (one export: {one:?}; ten: \
-         {ten:?}; {total} threads in all)",
-        ten.len() as isize - one.len() as isize
+        twenty.len() <= one.len() + 2,
+        "nineteen more exports added {} threads (one export: {one:?}; twenty: {twenty:?})",
+        twenty.len() as isize - one.len() as isize
     );
     assert!(
-        ten.iter().filter(|t| t.as_str() == "fusex-exports").count() == 1,
-        "one thread supervises every export: {ten:?}"
+        !twenty.iter().any(|t| t
+            .strip_prefix("fusex-q")
+            .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()))),
+        "no export has queue threads of its own: {twenty:?}"
     );
-    assert!(
-        total >= ten.len() + 10,
-        "each export has its queue thread: {total} threads, {ten:?} besides the queues'"
+    assert_eq!(
+        twenty
+            .iter()
+            .filter(|t| t.as_str() == "fusex-exports")
+            .count(),
+        1,
+        "one thread supervises every export: {twenty:?}"
     );
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let workers = twenty.iter().filter(|t| t.starts_with("fusex-w")).count();
+    assert_eq!(workers, cpus, "a worker thread per CPU: {twenty:?}");
+    // Every export serves from the shared threads.
+    for i in 0..20 {
+        let mut data = vec![1u8; 1 << 20];
+        use std::io::Read;
+        fs::File::open(w.join(format!("t{i}.mnt")))
+            .and_then(|mut f| f.read_exact(&mut data))
+            .expect("read an export");
+        assert!(data.iter().all(|&b| b == 0), "t{i} reads zeroes");
+    }
 }

@@ -206,10 +206,10 @@ impl Engine {
         let _ = unsafe { self.start(sqe, Owned::Time { _ts: ts }) }.await;
     }
 
-    /// Whether the kernel has `IORING_OP_READ_MULTISHOT` (Linux 6.7) and this engine's default
-    /// pool has a provided-buffer ring to read into.
+    /// Whether the kernel has `IORING_OP_READ_MULTISHOT` (Linux 6.7); a read also needs a pool
+    /// with a provided-buffer ring ([`Engine::add_pool`]).
     pub fn can_read_multishot(&self) -> bool {
-        self.buf_group().is_some() && self.supports_opcode(opcode::ReadMulti::CODE)
+        self.supports_opcode(opcode::ReadMulti::CODE)
     }
 
     /// Arms a multishot read of `fd` into buffers of `group` (see [`Engine::provide`]); each

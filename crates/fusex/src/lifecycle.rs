@@ -23,7 +23,7 @@ use fuse_abi::{
 use server::queue::{QueueEvent, QueueSpec, Report, Source};
 use transport::{clone_fd, InitParams, Mount, MountConfig};
 
-use crate::cli::{Affinity, IoPathArg, MountArgs, TransportArg};
+use crate::cli::{IoPathArg, MountArgs, TransportArg};
 use crate::memory::{self, Demand, Plan as MemoryPlan};
 use crate::privileges::{Access, Needs, Plan};
 
@@ -882,7 +882,8 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// Starts the queues of `p`, which report through `report` (each of their events to be
-    /// handed to [`Supervisor::handle`] as an [`Event::Queue`]).
+    /// handed to [`Supervisor::handle`] as an [`Event::Queue`]), on the process's shared
+    /// threads where `shared` and the export's options allow.
     pub fn start(
         p: &mut Prepared,
         privileges: Plan,

@@ -244,11 +244,7 @@ fn start<B: BlockBackend + 'static>(
         files: Vec::new(),
     };
     let multishot = spec.multishot && legacy_depth > 0;
-    let pool = eng.add_pool(
-        count,
-        legacy_layout.size.max(uring_layout.size),
-        multishot,
-    )?;
+    let pool = eng.add_pool(count, legacy_layout.size.max(uring_layout.size), multishot)?;
     let group = pool.group();
     // Every buffer now, so the tasks below cannot fail for want of one.
     let mut bufs: Vec<Buf> = Vec::with_capacity(count);

@@ -56,6 +56,9 @@ struct Growth {
 /// Entries a kernel queue starts with on its thread.
 pub const INITIAL_ENTRIES: usize = 1;
 
+/// What a queue does once its last task has ended (see [`QueueState::set_on_end`]).
+pub type OnEnd<B> = Box<dyn FnOnce(&QueueState<B>)>;
+
 /// State the request loops of one queue share (single-threaded).
 pub struct QueueState<B> {
     eng: Rc<Engine>,
@@ -81,7 +84,7 @@ pub struct QueueState<B> {
     /// This queue's tasks on the engine (which may run other queues' too).
     tasks: Cell<usize>,
     /// Run once the last of them has ended.
-    on_end: Cell<Option<Box<dyn FnOnce(&QueueState<B>)>>>,
+    on_end: Cell<Option<OnEnd<B>>>,
     /// This state, for tasks it spawns from places that only borrow it.
     me: std::rc::Weak<QueueState<B>>,
 }
@@ -121,7 +124,7 @@ impl<B: BlockBackend> QueueState<B> {
     }
 
     /// What to do once the queue's last task has ended (report, give its resources back).
-    pub fn set_on_end(&self, f: Box<dyn FnOnce(&QueueState<B>)>) {
+    pub fn set_on_end(&self, f: OnEnd<B>) {
         self.on_end.set(Some(f));
     }
 

@@ -113,10 +113,7 @@ impl Workers {
                     work(door, ecfg, ready_tx)
                 })
                 .map_err(EngineError::Setup)?;
-            me.threads
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(t);
+            me.threads.lock().unwrap_or_else(|p| p.into_inner()).push(t);
             ready.recv().unwrap_or_else(|_| {
                 Err(EngineError::Setup(std::io::Error::other(
                     "worker thread ended while starting",
@@ -176,11 +173,7 @@ impl Drop for Workers {
 
 /// A worker thread: its engine, the door's task, and the loop until the door closes and every
 /// tenant has ended.
-fn work(
-    door: Arc<Door>,
-    cfg: EngineConfig,
-    ready: mpsc::SyncSender<Result<(), EngineError>>,
-) {
+fn work(door: Arc<Door>, cfg: EngineConfig, ready: mpsc::SyncSender<Result<(), EngineError>>) {
     let eng = match Engine::new(&cfg) {
         Ok(e) => e,
         Err(EngineError::Register(e)) => {
@@ -283,7 +276,10 @@ mod tests {
             })
             .collect();
         names.sort();
-        assert_eq!(names, ["test-w0", "test-w0", "test-w0", "test-w1", "test-w1", "test-w1"]);
+        assert_eq!(
+            names,
+            ["test-w0", "test-w0", "test-w0", "test-w1", "test-w1", "test-w1"]
+        );
         w.shut_down();
         w.submit(0, Box::new(Probe(tx)));
         assert_eq!(
