@@ -835,7 +835,7 @@ fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
     }
     if common.iothread.is_some() {
         return Err(QmpError::generic(
-            "fusex does not support 'iothread': each export has its own queue threads; leave it out",
+            "fusex does not support 'iothread': exports run on worker threads shared per CPU; leave it out",
         ));
     }
     map.remove("type");
