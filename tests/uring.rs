@@ -404,3 +404,112 @@ fn unmount_while_fio_runs() {
         st.stats()
     );
 }
+
+/// The kernel queues of this machine (`/sys/devices/system/cpu/possible`, e.g. `0-1`).
+fn possible_cpus() -> usize {
+    let s = fs::read_to_string("/sys/devices/system/cpu/possible").expect("possible CPUs");
+    s.trim()
+        .split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+            None => 1,
+        })
+        .sum()
+}
+
+/// Ring entries are registered by load: an export that served one request at a time holds at
+/// most two entries per kernel queue (a queue starts with one and doubles when all of its
+/// entries are in service, which one request is to one entry); under fio at QD 32 its entries
+/// grow further, never past the depth; and the data stays intact meanwhile (fio's verify).
+#[test]
+fn ring_entries_follow_the_load() {
+    // Lock first: the fallback test switches enable_uring off while it holds the lock.
+    let _shared = URING_SWITCH.read().unwrap_or_else(|e| e.into_inner());
+    if !require_uring() || !require_fuse_and_tools(&["fio"]) {
+        return;
+    }
+    let qids = possible_cpus() as u64;
+    let entries = |st: &Stopped| -> Vec<u64> {
+        st.stats()["queues"]
+            .as_array()
+            .expect("per-queue stats")
+            .iter()
+            .map(|q| q["entries"].as_u64().expect("entries per queue"))
+            .collect()
+    };
+    let args = [
+        "--writable",
+        "--transport",
+        "uring",
+        "--passthrough",
+        "off",
+        "--queue-depth",
+        "32",
+    ];
+
+    // One request at a time: no entry is ever asked for beyond the first of each queue.
+    let w = WorkDir::new("uring-entries-idle");
+    let img = w.join("disk.img");
+    let data = random_image(&img, 4 * MIB, 53);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &args);
+    // Reads of 64 KiB, each one request (a larger one may be split into requests sent at once).
+    let mut got = Vec::with_capacity(data.len());
+    let mut f = fs::File::open(&mp).expect("open the export");
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        use std::io::Read;
+        let n = f.read(&mut chunk).expect("read the export");
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&chunk[..n]);
+    }
+    drop(f);
+    assert!(got == data, "the export reads the image");
+    let st = m.stop();
+    st.assert_clean("idle entries");
+    let sum: u64 = entries(&st).iter().sum();
+    assert!(
+        (qids..=2 * qids).contains(&sum),
+        "one or two entries per kernel queue: {}",
+        st.stats()
+    );
+
+    // fio at QD 32 with O_DIRECT: the entries grow, within the depth.
+    let w = WorkDir::new("uring-entries-busy");
+    let img = w.join("disk.img");
+    random_image(&img, 16 * MIB, 54);
+    let mp = w.join("export");
+    let m = Mount::start(&w, &img, &mp, &args);
+    run_fio(
+        &w,
+        &mp,
+        &[
+            "--name=deep",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--ioengine=libaio",
+            "--direct=1",
+            "--iodepth=32",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ],
+    );
+    let st = m.stop();
+    st.assert_clean("busy entries");
+    let got = entries(&st);
+    let sum: u64 = got.iter().sum();
+    assert!(
+        sum > 2 * qids,
+        "QD 32 registered more entries than two per queue: {}",
+        st.stats()
+    );
+    assert!(
+        sum <= qids * 32,
+        "never more than the depth per kernel queue: {}",
+        st.stats()
+    );
+}

@@ -1119,6 +1119,7 @@ impl Supervisor {
                     "polls": report.engine.polls,
                     "remote_wakes": report.engine.remote_wakes,
                     "dev_fuse_read": report.dev_fuse_read,
+                    "entries": report.entries,
                 }));
                 if let Some(e) = report.error {
                     self.failure.get_or_insert(format!("queue {id}: {e}"));

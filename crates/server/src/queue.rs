@@ -110,6 +110,9 @@ pub struct QueueReport {
     pub error: Option<String>,
     /// How the queue read `/dev/fuse`: "multishot", "poll", or "none" (io_uring only).
     pub dev_fuse_read: &'static str,
+    /// io_uring entries this queue registered (they follow the load: see
+    /// [`crate::slots::INITIAL_ENTRIES`]); 0 on legacy.
+    pub entries: usize,
 }
 
 /// How a queue reports its [`QueueEvent`]s to whoever runs its export (a closure, so one
@@ -290,6 +293,7 @@ fn start<B: BlockBackend + 'static>(
                 engine: eng.stats(),
                 error: st.take_failure().or_else(crate::worker::worker_fault),
                 dev_fuse_read: st.legacy().map_or("none", LegacyQueue::read_mode),
+                entries: st.entries_registered(),
             };
             // Per-thread backend state (an NBD connection) goes with the queue.
             st.server().export().backend().queue_ended();

@@ -169,6 +169,13 @@ impl<B: BlockBackend> QueueState<B> {
         });
     }
 
+    /// io_uring entries registered from this thread, of every kernel queue.
+    pub fn entries_registered(&self) -> usize {
+        self.seat
+            .get()
+            .map_or(0, |s| s.growth.registered.iter().map(Cell::get).sum())
+    }
+
     /// Registers the first entries of kernel queue `qid` from this thread (see [`Growth`]).
     pub fn start_entries(self: &Rc<Self>, qid: u16) {
         self.add_entries(qid, INITIAL_ENTRIES);
