@@ -208,6 +208,8 @@ pub struct Engine {
     spin: Duration,
     drop_wait: Duration,
     stats: Cell<EngineStats>,
+    /// Loop turns so far (see [`Engine::turns`]).
+    turns: Cell<u64>,
     load: Cell<u32>,
     gauge: Arc<Gauge>,
     /// Whether anyone took the gauge: until then the loop does not keep it (no clock read).
@@ -348,6 +350,7 @@ impl Engine {
             spin: cfg.spin,
             drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
+            turns: Cell::new(0),
             load: Cell::new(0),
             gauge: Arc::new(Gauge::default()),
             gauge_on: Cell::new(false),
@@ -400,6 +403,12 @@ impl Engine {
     /// A handle other threads use to wake tasks of this engine.
     pub fn remote(&self) -> Remote {
         Remote::new(self.remote.clone())
+    }
+
+    /// Loop turns so far: tasks woken by completions reaped in the same turn see the same
+    /// number, so a task can tell how many of its kind one batch of completions brought.
+    pub fn turns(&self) -> u64 {
+        self.turns.get()
     }
 
     /// Loop counters so far.
@@ -777,6 +786,7 @@ impl Engine {
 
     /// A loop turn that waits for a completion only if `block`.
     fn turn_with(&self, block: bool) -> Result<(), EngineError> {
+        self.turns.set(self.turns.get().wrapping_add(1));
         if !self.returns.borrow().is_empty() {
             self.reclaim_returned();
         }

@@ -39,16 +39,21 @@ struct Seat {
 }
 
 /// Ring entries registered by load: a kernel queue starts with [`INITIAL_ENTRIES`] entries on
-/// its thread and doubles them (up to the queue depth) whenever a request arrives while every
-/// entry registered from here is in service here, so an idle export holds a few entries (and
-/// their tasks, and the one page REGISTER touches) and a busy one gets its full depth. Entries
-/// cannot be unregistered, so a queue keeps what its busiest moment asked for.
+/// its thread and doubles them (up to the queue depth) whenever one batch of completions (one
+/// loop turn, [`engine::Engine::turns`]) delivers a request into every one of them: the kernel
+/// then had requests for all, and may have more queued. An idle export so holds a few entries
+/// (and their tasks, and the one page REGISTER touches) and a busy one gets its full depth.
+/// Counting the requests in service at once instead missed the load: a raw image's reads
+/// finish inline, one after the other, so two entries were never in service together while fio
+/// kept 64 requests queued (measured: stuck at 2 entries per queue, 4k randread QD64 at 0.68 of
+/// the full depth). Entries cannot be unregistered, so a queue keeps what its busiest moment
+/// asked for.
 struct Growth {
     depth: usize,
     /// Per kernel queue (by qid): entries registered from this thread.
     registered: Vec<Cell<usize>>,
-    /// Per kernel queue: of those, entries holding a request this thread is serving.
-    busy: Vec<Cell<usize>>,
+    /// Per kernel queue: the loop turn of the last delivery, and deliveries in that turn.
+    batch: Vec<Cell<(u64, usize)>>,
     /// Buffers for entries not registered yet (mapped, never touched: not resident).
     reserve: RefCell<Vec<Buf>>,
 }
@@ -163,7 +168,7 @@ impl<B: BlockBackend> QueueState<B> {
             growth: Growth {
                 depth,
                 registered: (0..n).map(|_| Cell::new(0)).collect(),
-                busy: (0..n).map(|_| Cell::new(0)).collect(),
+                batch: (0..n).map(|_| Cell::new((u64::MAX, 0))).collect(),
                 reserve: RefCell::new(reserve),
             },
         });
@@ -205,33 +210,25 @@ impl<B: BlockBackend> QueueState<B> {
         }
     }
 
-    /// A request of `qid`, a kernel queue this thread registers entries of, is about to be
-    /// served here: if every entry registered from here is now in service, register more.
-    fn entry_busy(&self, qid: u16) {
+    /// The kernel delivered a request into an entry of `qid`, a kernel queue this thread
+    /// registers entries of: if this loop turn brought one into every entry, register more.
+    fn entry_delivered(&self, qid: u16) {
         let Some(seat) = self.seat.get() else { return };
         let g = &seat.growth;
-        let (Some(busy), Some(reg)) = (
-            g.busy.get(usize::from(qid)),
+        let (Some(reg), Some(batch)) = (
             g.registered.get(usize::from(qid)),
+            g.batch.get(usize::from(qid)),
         ) else {
             return;
         };
-        busy.set(busy.get() + 1);
-        if busy.get() >= reg.get() && reg.get() < g.depth && !self.stopping.get() {
+        let turn = self.eng.turns();
+        let (last, n) = batch.get();
+        let n = if last == turn { n + 1 } else { 1 };
+        batch.set((turn, n));
+        if n >= reg.get() && reg.get() < g.depth && !self.stopping.get() {
             if let Some(me) = self.me.upgrade() {
                 me.add_entries(qid, reg.get());
             }
-        }
-    }
-
-    /// The request [`QueueState::entry_busy`] counted is answered.
-    fn entry_free(&self, qid: u16) {
-        if let Some(b) = self
-            .seat
-            .get()
-            .and_then(|s| s.growth.busy.get(usize::from(qid)))
-        {
-            b.set(b.get().saturating_sub(1));
         }
     }
 
@@ -552,6 +549,10 @@ impl<B: BlockBackend> QueueState<B> {
             if let Some(seat) = self.seat.get() {
                 if seat.crew.home(q.qid()) == seat.me {
                     self.eng.note_local();
+                    // A request the kernel delivered here (not one another thread handed over).
+                    if !handed {
+                        self.entry_delivered(q.qid());
+                    }
                 }
             }
             if !std::mem::take(&mut handed) {
@@ -559,14 +560,6 @@ impl<B: BlockBackend> QueueState<B> {
                     Some(b) => b,
                     None => return true,
                 };
-            }
-            // Entries of this thread's own kernel queues count towards registering more.
-            let home = self
-                .seat
-                .get()
-                .is_some_and(|s| s.crew.home(q.qid()) == s.me);
-            if home {
-                self.entry_busy(q.qid());
             }
             self.enter();
             if self.stopping.get() {
@@ -578,9 +571,6 @@ impl<B: BlockBackend> QueueState<B> {
             }
             self.served();
             self.leave();
-            if home {
-                self.entry_free(q.qid());
-            }
             (fetched, buf) = q.commit_and_fetch(&self.eng, buf, d.commit_id).await;
         }
     }
