@@ -637,26 +637,34 @@ impl Engine {
                 }
             }
             let r = self.ring.borrow().submit();
-            let mut st = self.stats.get();
-            st.enters += 1;
-            self.stats.set(st);
-            match r {
-                Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
-                    // Too many completions pending: take them, then try again.
-                    self.reap_now();
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                Err(e) => {
-                    tracing::error!("io_uring submit failed: {e}");
-                    break;
-                }
+            if !self.submitted(r) {
+                break;
             }
         }
         let mut st = self.stats.get();
         st.refused += 1;
         self.stats.set(st);
         false
+    }
+
+    /// Counts a submission and handles its result: too many completions pending (`EBUSY`,
+    /// `EAGAIN`) reaps them so the caller can try again; false on an error no retry mends.
+    fn submitted(&self, r: std::io::Result<usize>) -> bool {
+        let mut st = self.stats.get();
+        st.enters += 1;
+        self.stats.set(st);
+        match r {
+            Ok(_) => true,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
+                self.reap_now();
+                true
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => true,
+            Err(e) => {
+                tracing::error!("io_uring submit failed: {e}");
+                false
+            }
+        }
     }
 
     /// Hands every entry of the submission queue to the kernel (reaping completions if it has
@@ -677,19 +685,8 @@ impl Engine {
                 }
                 ring.submit()
             };
-            let mut st = self.stats.get();
-            st.enters += 1;
-            self.stats.set(st);
-            match r {
-                Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
-                    self.reap_now();
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                Err(e) => {
-                    tracing::error!("io_uring submit failed: {e}");
-                    return false;
-                }
+            if !self.submitted(r) {
+                return false;
             }
         }
         self.ring
