@@ -195,7 +195,9 @@ impl Mount {
     fn unmounted(cfg: &MountConfig) -> Result<Mount, TransportError> {
         let shown = cfg.mountpoint.display().to_string();
         let mountpoint = canonical(&cfg.mountpoint)?;
-        if fuse_mount_at(&mountpoint).is_some() {
+        // Only a mount root can be a FUSE mount; a fresh mountpoint is not one, and needs no
+        // read of mountinfo (a line per mount of the namespace).
+        if crate::mountinfo::is_mount_root(&mountpoint) && fuse_mount_at(&mountpoint).is_some() {
             // A stat asks the daemon: a dead connection answers ENOTCONN at once (ECONNABORTED
             // when the stat was queued just before the connection ended; a wedged daemon's stat
             // returns when the kernel's request timeout aborts the connection).

@@ -186,6 +186,17 @@ fn statx_nosync(path: &Path, mask: u32) -> io::Result<libc::statx> {
     Ok(unsafe { st.assume_init() })
 }
 
+/// Whether something is mounted on `path` (it is the root of a mount), from cached attributes
+/// (no request to a FUSE daemon); true when that cannot be told, so callers then look further.
+/// Cheaper than [`fuse_mount_at`], whose mountinfo read costs a formatted line per mount.
+pub fn is_mount_root(path: &Path) -> bool {
+    let root = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    match statx_nosync(path, 0) {
+        Ok(st) => st.stx_attributes_mask & root == 0 || st.stx_attributes & root != 0,
+        Err(_) => true,
+    }
+}
+
 /// The identity a `statx` for `STATX_MNT_ID_UNIQUE` reports.
 pub(crate) fn identity_from(st: &libc::statx) -> MountIdentity {
     MountIdentity {
@@ -198,6 +209,17 @@ pub(crate) fn identity_from(st: &libc::statx) -> MountIdentity {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mount_root_is_told_from_a_plain_file() {
+        assert!(is_mount_root(Path::new("/")), "/ is a mount's root");
+        assert!(is_mount_root(Path::new("/proc")), "/proc is a mount's root");
+        let dir = std::env::temp_dir().join(format!("fusex-root-{}", std::process::id()));
+        std::fs::write(&dir, b"").unwrap();
+        let plain = is_mount_root(&dir);
+        std::fs::remove_file(&dir).unwrap();
+        assert!(!plain, "a fresh file is no mount's root");
+    }
 
     #[test]
     fn parses_fuse_lines_and_escapes() {
