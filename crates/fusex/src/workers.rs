@@ -76,7 +76,7 @@ pub fn shared() -> Result<Arc<Workers>> {
 }
 
 /// Whether an export of `nq` queues with these options can run on the shared set of `threads`.
-pub fn fits_shared(args: &MountArgs, nq: usize, threads: usize) -> bool {
+fn fits_shared(args: &MountArgs, nq: usize, threads: usize) -> bool {
     nq <= threads
         && args.spin_us.is_none()
         && args.register_buffers == OnOff::On

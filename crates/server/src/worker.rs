@@ -174,22 +174,9 @@ impl Drop for Workers {
 /// A worker thread: its engine, the door's task, and the loop until the door closes and every
 /// tenant has ended.
 fn work(door: Arc<Door>, cfg: EngineConfig, ready: mpsc::SyncSender<Result<(), EngineError>>) {
+    // Without a fixed-buffer table the engine still starts (its buffers go by address).
     let eng = match Engine::new(&cfg) {
         Ok(e) => e,
-        Err(EngineError::Register(e)) => {
-            tracing::debug!("fixed buffers unavailable ({e}); using plain buffers");
-            let cfg = EngineConfig {
-                register_buffers: false,
-                ..cfg
-            };
-            match Engine::new(&cfg) {
-                Ok(e) => e,
-                Err(e) => {
-                    let _ = ready.send(Err(e));
-                    return;
-                }
-            }
-        }
         Err(e) => {
             let _ = ready.send(Err(e));
             return;
