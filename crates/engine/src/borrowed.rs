@@ -34,7 +34,7 @@ pub fn in_engine() -> bool {
     !current_engine().is_null()
 }
 
-/// Requests in service on this thread's engine (see [`Engine::set_load`]); 0 outside an engine.
+/// Requests in service on this thread's engine (see [`Engine::load_enter`]); 0 outside an engine.
 pub fn current_load() -> u32 {
     let eng = current_engine();
     if eng.is_null() {

@@ -418,13 +418,19 @@ impl Engine {
         st
     }
 
-    /// Records how many requests the thread is serving right now. Backends read it to choose
-    /// between finishing a transfer inline and handing it to the ring.
-    pub fn set_load(&self, requests: u32) {
-        self.load.set(requests);
+    /// One more request is in service on this thread (any tenant's). Backends read the count
+    /// ([`Engine::load`]) to choose between finishing a transfer inline and handing it to the
+    /// ring.
+    pub fn load_enter(&self) {
+        self.load.set(self.load.get().saturating_add(1));
     }
 
-    /// Requests in service on this thread (see [`Engine::set_load`]). Tasks woken but not yet
+    /// A request counted by [`Engine::load_enter`] is out of service.
+    pub fn load_leave(&self) {
+        self.load.set(self.load.get().saturating_sub(1));
+    }
+
+    /// Requests in service on this thread (see [`Engine::load_enter`]). Tasks woken but not yet
     /// polled are deliberately not counted: doing so sent tmpfs I/O to io-wq under load and cost
     /// 2–3× on 4k randrw QD64 (measured).
     pub fn load(&self) -> u32 {
