@@ -50,12 +50,19 @@ struct Seat {
 /// asked for.
 struct Growth {
     depth: usize,
-    /// Per kernel queue (by qid): entries registered from this thread.
-    registered: Vec<Cell<usize>>,
-    /// Per kernel queue: the loop turn of the last delivery, and deliveries in that turn.
-    batch: Vec<Cell<(u64, usize)>>,
+    /// Per kernel queue, by qid.
+    qids: Vec<QidEntries>,
     /// Buffers for entries not registered yet (mapped, never touched: not resident).
     reserve: RefCell<Vec<Buf>>,
+}
+
+/// One kernel queue's entries on this thread.
+#[derive(Default)]
+struct QidEntries {
+    /// Entries registered from this thread.
+    registered: Cell<usize>,
+    /// The loop turn of the last delivery into one of them, and deliveries in that turn.
+    batch: Cell<(u64, usize)>,
 }
 
 /// Entries a kernel queue starts with on its thread.
@@ -88,16 +95,13 @@ pub struct QueueState<B> {
     tasks: Cell<usize>,
     /// Run once the last of them has ended.
     on_end: Cell<Option<OnEnd<B>>>,
-    /// This state, for tasks it spawns from places that only borrow it.
-    me: std::rc::Weak<QueueState<B>>,
 }
 
 impl<B: BlockBackend> QueueState<B> {
     /// The state of a queue that runs on `eng`, serves through `server`, and (for a legacy
     /// queue, or an io_uring queue's fallback reader) reads `legacy`.
     pub fn new(eng: Rc<Engine>, server: QueueServer<B>, legacy: Option<LegacyQueue>) -> Rc<Self> {
-        Rc::new_cyclic(|me| QueueState {
-            me: me.clone(),
+        Rc::new(QueueState {
             eng,
             server,
             legacy,
@@ -164,8 +168,12 @@ impl<B: BlockBackend> QueueState<B> {
             spares: Cell::new(0),
             growth: Growth {
                 depth,
-                registered: (0..n).map(|_| Cell::new(0)).collect(),
-                batch: (0..n).map(|_| Cell::new((u64::MAX, 0))).collect(),
+                qids: (0..n)
+                    .map(|_| QidEntries {
+                        batch: Cell::new((u64::MAX, 0)),
+                        ..QidEntries::default()
+                    })
+                    .collect(),
                 reserve: RefCell::new(reserve),
             },
         });
@@ -173,9 +181,9 @@ impl<B: BlockBackend> QueueState<B> {
 
     /// io_uring entries registered from this thread, of every kernel queue.
     pub fn entries_registered(&self) -> usize {
-        self.seat
-            .get()
-            .map_or(0, |s| s.growth.registered.iter().map(Cell::get).sum())
+        self.seat.get().map_or(0, |s| {
+            s.growth.qids.iter().map(|q| q.registered.get()).sum()
+        })
     }
 
     /// Registers the first entries of kernel queue `qid` from this thread (see [`Growth`]).
@@ -190,7 +198,7 @@ impl<B: BlockBackend> QueueState<B> {
         let g = &seat.growth;
         let (Some(q), Some(reg)) = (
             seat.queues.get(usize::from(qid)),
-            g.registered.get(usize::from(qid)),
+            g.qids.get(usize::from(qid)).map(|e| &e.registered),
         ) else {
             return;
         };
@@ -209,23 +217,19 @@ impl<B: BlockBackend> QueueState<B> {
 
     /// The kernel delivered a request into an entry of `qid`, a kernel queue this thread
     /// registers entries of: if this loop turn brought one into every entry, register more.
-    fn entry_delivered(&self, qid: u16) {
+    fn entry_delivered(self: &Rc<Self>, qid: u16) {
         let Some(seat) = self.seat.get() else { return };
         let g = &seat.growth;
-        let (Some(reg), Some(batch)) = (
-            g.registered.get(usize::from(qid)),
-            g.batch.get(usize::from(qid)),
-        ) else {
+        let Some(e) = g.qids.get(usize::from(qid)) else {
             return;
         };
         let turn = self.eng.turns();
-        let (last, n) = batch.get();
+        let (last, n) = e.batch.get();
         let n = if last == turn { n + 1 } else { 1 };
-        batch.set((turn, n));
-        if n >= reg.get() && reg.get() < g.depth && !self.stopping.get() {
-            if let Some(me) = self.me.upgrade() {
-                me.add_entries(qid, reg.get());
-            }
+        e.batch.set((turn, n));
+        let reg = e.registered.get();
+        if n >= reg && reg < g.depth && !self.stopping.get() {
+            self.add_entries(qid, reg);
         }
     }
 
@@ -488,7 +492,10 @@ impl<B: BlockBackend> QueueState<B> {
         self.carry(None).await
     }
 
-    async fn carry(&self, first: Option<(Rc<UringQueue>, Result<Fetched, TransportError>, Buf)>) {
+    async fn carry(
+        self: &Rc<Self>,
+        first: Option<(Rc<UringQueue>, Result<Fetched, TransportError>, Buf)>,
+    ) {
         let mut held = first;
         loop {
             let (q, fetched, buf, handed) = match held.take() {
@@ -519,7 +526,7 @@ impl<B: BlockBackend> QueueState<B> {
     /// ends (false). A request that was `handed` here is served here: handing it on again could
     /// bounce it between threads.
     async fn serve_entry(
-        &self,
+        self: &Rc<Self>,
         q: &UringQueue,
         mut fetched: Result<Fetched, TransportError>,
         mut buf: Buf,
