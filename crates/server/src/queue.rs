@@ -191,20 +191,14 @@ struct Held {
     files: Vec<std::os::fd::RawFd>,
 }
 
-impl Held {
-    fn release(&mut self) {
+impl Drop for Held {
+    fn drop(&mut self) {
         if let Some(p) = self.pool.take() {
             self.eng.remove_pool(p);
         }
         if !self.files.is_empty() {
-            self.eng.unregister_files(&std::mem::take(&mut self.files));
+            self.eng.unregister_files(&self.files);
         }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.release();
     }
 }
 
@@ -241,11 +235,6 @@ fn start<B: BlockBackend + 'static>(
     }
     let uring_slots = uring.as_ref().map_or(0, |(_, q, _)| q.len() * spec.depth);
     let count = legacy_depth + uring_slots;
-    let mut held = Held {
-        eng: eng.clone(),
-        pool: None,
-        files: Vec::new(),
-    };
     let multishot = spec.multishot && legacy_depth > 0;
     let pool = eng.add_pool(count, legacy_layout.size.max(uring_layout.size), multishot)?;
     let group = pool.group();
@@ -254,7 +243,11 @@ fn start<B: BlockBackend + 'static>(
     for _ in 0..count {
         bufs.push(pool.take().ok_or(QueueError::NoBuffer)?);
     }
-    held.pool = Some(pool);
+    let mut held = Held {
+        eng: eng.clone(),
+        pool: Some(pool),
+        files: Vec::new(),
+    };
     let legacy = match legacy_fd {
         Some(fd) => {
             let mut q = LegacyQueue::new(fd, legacy_layout, legacy_depth.max(1))?;
