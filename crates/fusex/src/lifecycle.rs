@@ -823,8 +823,6 @@ const AWAITING_ANSWER: Duration = Duration::from_secs(3600);
 pub struct Supervisor {
     /// Applied to the supervising thread once every queue serves.
     privileges: Plan,
-    /// How many queues the export has.
-    nq: usize,
     /// Set to make the queues stop taking requests (see `stop_all`).
     stop: Arc<AtomicBool>,
     /// The supervisor's own fd of the connection, to tell the kernel when the image changes size
@@ -897,10 +895,8 @@ impl Supervisor {
         };
         let known_size = p.export.backend().size();
         let queues = start_queues(p, &stop, privileges, report, shared)?;
-        let nq = p.settled.queues;
         Ok(Supervisor {
             privileges,
-            nq,
             stop,
             notify_fd,
             known_size,
@@ -909,7 +905,7 @@ impl Supervisor {
             remotes: Vec::new(),
             live: Vec::new(),
             dumps: 0,
-            running: nq,
+            running: p.settled.queues,
             started: 0,
             quiet: 0,
             total: Snapshot::default(),
@@ -1036,7 +1032,7 @@ impl Supervisor {
                 // The queues report Quiesced, and the check after that event ends the export.
                 self.stop_all();
             }
-            let all_started = self.started == self.nq;
+            let all_started = self.started == p.settled.queues;
             let ev = if let Some(s) = self.deferred.filter(|_| all_started) {
                 self.deferred = None;
                 Event::Stop(s)
@@ -1060,7 +1056,7 @@ impl Supervisor {
     /// One event, and what follows it: the owner hears the export no longer serves, and once
     /// every queue is quiet after a stop the export is flushed and ended, or let go.
     fn step(&mut self, p: &mut Prepared, ev: Event, owner: &mut dyn Owner) {
-        let nq = self.nq;
+        let nq = p.settled.queues;
         match ev {
             Event::Queue(QueueEvent::Started {
                 id,
@@ -1212,7 +1208,7 @@ impl Supervisor {
                 log_abort(&why, export);
                 self.stop_all();
             }
-        } else if self.started < self.nq && !stopped {
+        } else if self.started < p.settled.queues && !stopped {
             self.deferred = Some(how);
         } else if how == Stop::Hard {
             // Abort the connection first: what the queues have taken is answered into a
