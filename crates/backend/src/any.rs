@@ -378,6 +378,9 @@ impl BlockBackend for AnyBackend {
     fn trouble(&self) -> Option<String> {
         each!(self, b => b.trouble())
     }
+    fn stats(&self) -> crate::BackendStats {
+        each!(self, b => b.stats())
+    }
 }
 
 #[cfg(test)]

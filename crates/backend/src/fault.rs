@@ -238,6 +238,9 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn trouble(&self) -> Option<String> {
         self.inner.trouble()
     }
+    fn stats(&self) -> crate::BackendStats {
+        self.inner.stats()
+    }
 }
 
 #[cfg(test)]

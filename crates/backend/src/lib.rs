@@ -20,6 +20,7 @@ pub mod qcow2;
 mod raw;
 mod regions;
 mod ringfile;
+mod stats;
 
 pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
@@ -29,6 +30,7 @@ pub use null::{parse_size, NullBackend};
 pub use qcow2::{Qcow2Backend, Qcow2Options};
 pub use raw::{IoPath, RawBackend};
 pub use ringfile::RingFile;
+pub use stats::{BackendStats, NbdStats, Qcow2Stats};
 
 /// Errors of backend operations, typed so the export can map them to errnos.
 #[derive(Debug, thiserror::Error)]
@@ -221,5 +223,11 @@ pub trait BlockBackend: Send + Sync + 'static {
     /// Read once a second off the queue threads, so it must be cheap. Default: never.
     fn trouble(&self) -> Option<String> {
         None
+    }
+
+    /// The backend's own statistics (see [`BackendStats`]): read off the queue threads when an
+    /// operator asks, so it may take a lock or a system call. Default: none.
+    fn stats(&self) -> BackendStats {
+        BackendStats::default()
     }
 }

@@ -210,6 +210,9 @@ pub struct Engine {
     stats: Cell<EngineStats>,
     /// Loop turns so far (see [`Engine::turns`]).
     turns: Cell<u64>,
+    /// The clock read of this turn's completions, taken at the first [`Engine::reaped_at`] after
+    /// they were reaped (None until asked).
+    reaped_at: Cell<Option<Instant>>,
     load: Cell<u32>,
     gauge: Arc<Gauge>,
     /// Whether anyone took the gauge: until then the loop does not keep it (no clock read).
@@ -351,6 +354,7 @@ impl Engine {
             drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
             turns: Cell::new(0),
+            reaped_at: Cell::new(None),
             load: Cell::new(0),
             gauge: Arc::new(Gauge::default()),
             gauge_on: Cell::new(false),
@@ -409,6 +413,20 @@ impl Engine {
     /// number, so a task can tell how many of its kind one batch of completions brought.
     pub fn turns(&self) -> u64 {
         self.turns.get()
+    }
+
+    /// When the completions of the current loop turn were reaped: the arrival time of what
+    /// they delivered (a request that waits behind others of its batch waits from then). One
+    /// clock read per turn, taken only if some task asks.
+    pub fn reaped_at(&self) -> Instant {
+        match self.reaped_at.get() {
+            Some(t) => t,
+            None => {
+                let t = Instant::now();
+                self.reaped_at.set(Some(t));
+                t
+            }
+        }
     }
 
     /// Loop counters so far.
@@ -829,6 +847,9 @@ impl Engine {
         }
         st.completions += woken;
         self.stats.set(st);
+        if woken > 0 {
+            self.reaped_at.set(None);
+        }
         drop(ring);
         if self.provided.removals_due() {
             self.finish_group_removals();

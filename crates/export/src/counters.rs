@@ -1,9 +1,17 @@
 //! Per-queue counters: written by one queue thread only, readable from any thread (a live
-//! `SIGUSR1` dump), merged into a [`Snapshot`] when the queue ends.
+//! `SIGUSR1` dump, a statistics query, a metrics scrape), merged into a [`Snapshot`] when read.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use fuse_abi::{Opcode, MAX_OPCODE};
+
+use crate::latency::{Histogram, Latency};
+
+/// One past the largest errno counted by number (`EHWPOISON` is 133); larger ones count as 0.
+pub const MAX_ERRNO: usize = 134;
 
 /// One counter with a single writer. The writer bumps it with a relaxed load and store (plain
 /// `mov`/`add` on x86, no locked instruction), so counting costs what a `Cell` did, and other
@@ -17,8 +25,16 @@ impl Counter {
         self.0.load(Ordering::Relaxed)
     }
     /// Adds `by`. Only the owning queue thread calls this: two writers would lose counts.
-    fn add(&self, by: u64) {
+    pub(crate) fn add(&self, by: u64) {
         self.0.store(self.get().wrapping_add(by), Ordering::Relaxed);
+    }
+    /// Takes `by` away (a gauge going down). Only the owning queue thread calls this.
+    fn sub(&self, by: u64) {
+        self.0.store(self.get().wrapping_sub(by), Ordering::Relaxed);
+    }
+    /// Sets the value (a gauge). Only the owning queue thread calls this.
+    fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
     }
 }
 
@@ -50,6 +66,20 @@ pub struct Counters {
     pub bytes_spliced: Counter,
     /// io_uring requests this queue handed, with their entry, to another queue thread.
     pub handed_off: Counter,
+    /// Requests taken and not yet answered (a gauge).
+    pub in_flight: Counter,
+    /// io_uring entries the queue has registered with the kernel: the depth it serves at now,
+    /// which grows with the load (a gauge; 0 on the legacy transport).
+    pub entries: Counter,
+    /// Whether requests are timed into the latency histograms (`--latency off` saves the clock
+    /// reads).
+    timed: bool,
+    /// Per opcode: arrival to reply, made at the opcode's first request (never in steady state).
+    latency: [OnceLock<Box<Histogram>>; MAX_OPCODE],
+    /// Per opcode: the backend's part (its read, write or flush, from issue to completion).
+    backend_latency: [OnceLock<Box<Histogram>>; MAX_OPCODE],
+    /// Per opcode, error replies by errno, made at the opcode's first error.
+    errors: [OnceLock<Box<[Counter; MAX_ERRNO]>>; MAX_OPCODE],
 }
 
 impl Default for Counters {
@@ -65,8 +95,19 @@ impl Default for Counters {
             bytes_copied: Counter::default(),
             bytes_spliced: Counter::default(),
             handed_off: Counter::default(),
+            in_flight: Counter::default(),
+            entries: Counter::default(),
+            timed: true,
+            latency: std::array::from_fn(|_| OnceLock::new()),
+            backend_latency: std::array::from_fn(|_| OnceLock::new()),
+            errors: std::array::from_fn(|_| OnceLock::new()),
         }
     }
+}
+
+/// The histogram of `opcode` in `set`, made at its first use.
+fn histogram(set: &[OnceLock<Box<Histogram>>; MAX_OPCODE], opcode: u32) -> Option<&Histogram> {
+    Some(set.get(opcode as usize)?.get_or_init(Box::default))
 }
 
 fn bump(c: &Counter, by: u64) {
@@ -74,6 +115,78 @@ fn bump(c: &Counter, by: u64) {
 }
 
 impl Counters {
+    /// Counters that time requests (`timed`) or only count them.
+    pub fn new(timed: bool) -> Counters {
+        Counters {
+            timed,
+            ..Counters::default()
+        }
+    }
+
+    /// Whether requests are timed.
+    pub fn timed(&self) -> bool {
+        self.timed
+    }
+
+    /// A request is taken (counted in flight until [`Counters::answered`]).
+    pub fn taken(&self) {
+        bump(&self.in_flight, 1);
+    }
+
+    /// A request taken is answered.
+    pub fn answered(&self) {
+        self.in_flight.sub(1);
+    }
+
+    /// The queue serves with `n` io_uring entries now.
+    pub fn set_entries(&self, n: usize) {
+        self.entries.set(n as u64);
+    }
+
+    /// A request with this opcode, which arrived at `arrived` (when the loop reaped it), was
+    /// answered with `errno` (0: success) now. Returns the time of the answer's clock read, or
+    /// None when untimed.
+    pub fn replied(&self, opcode: u32, errno: i32, arrived: Option<Instant>) -> Option<Instant> {
+        if errno != 0 {
+            self.error(opcode, errno);
+        }
+        let arrived = arrived?;
+        let now = Instant::now();
+        if let Some(h) = histogram(&self.latency, opcode) {
+            h.record(now.saturating_duration_since(arrived));
+        }
+        Some(now)
+    }
+
+    /// Counts an error reply.
+    fn error(&self, opcode: u32, errno: i32) {
+        let Some(cell) = self.errors.get(opcode as usize) else {
+            return;
+        };
+        let by_errno = cell.get_or_init(|| Box::new(std::array::from_fn(|_| Counter::default())));
+        let i = usize::try_from(errno).ok().filter(|&e| e < MAX_ERRNO).unwrap_or(0);
+        bump(&by_errno[i], 1);
+    }
+
+    /// The clock read that starts timing a backend operation (None when untimed).
+    pub fn backend_start(&self) -> Option<Instant> {
+        self.timed.then(Instant::now)
+    }
+
+    /// A backend operation for a request of `opcode`, started at `started`, completed.
+    pub fn backend_done(&self, opcode: u32, started: Option<Instant>) {
+        if let (Some(t), Some(h)) = (started, histogram(&self.backend_latency, opcode)) {
+            h.record(t.elapsed());
+        }
+    }
+
+    /// Records a backend part measured elsewhere.
+    pub fn backend_took(&self, opcode: u32, d: Duration) {
+        if let Some(h) = histogram(&self.backend_latency, opcode) {
+            h.record(d);
+        }
+    }
+
     /// Counts a request with this opcode number.
     pub fn request(&self, opcode: u32) {
         if let Some(c) = self.ops.get(opcode as usize) {
@@ -124,8 +237,32 @@ impl Counters {
             bytes_copied: self.bytes_copied.get(),
             bytes_spliced: self.bytes_spliced.get(),
             handed_off: self.handed_off.get(),
+            in_flight: self.in_flight.get(),
+            entries: self.entries.get(),
+            latency: histograms(&self.latency),
+            backend_latency: histograms(&self.backend_latency),
+            errors: self
+                .errors
+                .iter()
+                .enumerate()
+                .filter_map(|(op, c)| Some((op, c.get()?)))
+                .flat_map(|(op, by)| {
+                    by.iter()
+                        .enumerate()
+                        .map(move |(e, n)| ((op as u32, e as i32), n.get()))
+                })
+                .filter(|(_, n)| *n > 0)
+                .collect(),
         }
     }
+}
+
+/// The histograms made so far, by opcode.
+fn histograms(set: &[OnceLock<Box<Histogram>>; MAX_OPCODE]) -> BTreeMap<u32, Latency> {
+    set.iter()
+        .enumerate()
+        .filter_map(|(op, h)| Some((op as u32, h.get()?.snapshot())))
+        .collect()
 }
 
 /// Counters of one or more queues, mergeable and printable.
@@ -151,6 +288,16 @@ pub struct Snapshot {
     pub bytes_spliced: u64,
     /// Requests handed to another queue thread.
     pub handed_off: u64,
+    /// Requests in flight (for a merged snapshot, the sum over its queues).
+    pub in_flight: u64,
+    /// io_uring entries registered.
+    pub entries: u64,
+    /// Arrival-to-reply histograms by opcode number.
+    pub latency: BTreeMap<u32, Latency>,
+    /// The backend's part, by opcode number.
+    pub backend_latency: BTreeMap<u32, Latency>,
+    /// Error replies by opcode number and errno (0: an errno past [`MAX_ERRNO`]).
+    pub errors: BTreeMap<(u32, i32), u64>,
 }
 
 impl Default for Snapshot {
@@ -179,6 +326,31 @@ impl Snapshot {
         self.bytes_copied += o.bytes_copied;
         self.bytes_spliced += o.bytes_spliced;
         self.handed_off += o.handed_off;
+        self.in_flight += o.in_flight;
+        self.entries += o.entries;
+        for (op, l) in &o.latency {
+            self.latency.entry(*op).or_default().merge(l);
+        }
+        for (op, l) in &o.backend_latency {
+            self.backend_latency.entry(*op).or_default().merge(l);
+        }
+        for (k, n) in &o.errors {
+            *self.errors.entry(*k).or_default() += n;
+        }
+    }
+
+    /// Error replies in all.
+    pub fn error_count(&self) -> u64 {
+        self.errors.values().sum()
+    }
+
+    /// Every opcode's arrival-to-reply histogram merged into one.
+    pub fn all_latency(&self) -> Latency {
+        let mut all = Latency::default();
+        for l in self.latency.values() {
+            all.merge(l);
+        }
+        all
     }
 
     /// JSON form: `{"requests": n, "ops": {"READ": n, ...}, "backend": {...}}` (zero ops omitted).
@@ -204,8 +376,68 @@ impl Snapshot {
             "copied_bytes": self.bytes_copied,
             "spliced_bytes": self.bytes_spliced,
             "handed_off": self.handed_off,
+            "in_flight": self.in_flight,
+            "entries": self.entries,
+            "errors": self.errors.iter().map(|((op, errno), n)| serde_json::json!({
+                "op": op_name(*op),
+                "errno": errno,
+                "name": errno_name(*errno),
+                "count": n,
+            })).collect::<Vec<_>>(),
+            "latency": latency_json(&self.latency),
+            "backend_latency": latency_json(&self.backend_latency),
         })
     }
+}
+
+fn latency_json(set: &BTreeMap<u32, Latency>) -> serde_json::Value {
+    set.iter()
+        .filter(|(_, l)| l.count() > 0)
+        .map(|(op, l)| (op_name(*op), l.to_json()))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+/// An opcode's name (`"READ"`), or its number for one this protocol does not define.
+pub fn op_name(op: u32) -> String {
+    match Opcode::from_u32(op) {
+        Some(o) => o.name().to_string(),
+        None => op.to_string(),
+    }
+}
+
+/// An errno's symbolic name (`"EIO"`), or its number (0: one past those counted by number).
+pub fn errno_name(errno: i32) -> String {
+    let name = match errno {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::ENOTDIR => "ENOTDIR",
+        libc::EISDIR => "EISDIR",
+        libc::EINVAL => "EINVAL",
+        libc::EFBIG => "EFBIG",
+        libc::ENOSPC => "ENOSPC",
+        libc::ESPIPE => "ESPIPE",
+        libc::EROFS => "EROFS",
+        libc::ERANGE => "ERANGE",
+        libc::ENOSYS => "ENOSYS",
+        libc::ENODATA => "ENODATA",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ESHUTDOWN => "ESHUTDOWN",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::ENXIO => "ENXIO",
+        _ => return errno.to_string(),
+    };
+    name.to_string()
 }
 
 #[cfg(test)]

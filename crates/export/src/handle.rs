@@ -174,7 +174,7 @@ impl<B: BlockBackend> Export<B> {
                 self.open_files.fetch_sub(1, Ordering::Relaxed);
                 Ok(Reply::Data(0))
             }
-            Request::Flush | Request::Fsync(_) => self.flush(eng, stats).await,
+            Request::Flush | Request::Fsync(_) => self.flush(eng, hdr.opcode, stats).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
             Request::Lseek(a) => self.lseek(eng, a, &mut buf, payload).await,
             Request::Statfs => self.statfs(&mut buf, payload),
@@ -223,10 +223,12 @@ impl<B: BlockBackend> Export<B> {
             return (Reply::Data(0), buf);
         }
         let n = (u64::from(a.size).min(size - a.offset) as usize).min(cap);
+        let t = stats.backend_start();
         let (r, win) = self
             .backend
             .read_at(eng, buf.slice(payload..payload + n), a.offset)
             .await;
+        stats.backend_done(fuse_abi::Opcode::Read as u32, t);
         let buf = win.into_inner();
         match r {
             Ok(got) => {
@@ -273,6 +275,7 @@ impl<B: BlockBackend> Export<B> {
         }
         // A growable image grows by what the write put there, after it landed: nothing is
         // allocated for a write that fails, and a write cut short grows only as far as it got.
+        let t = stats.backend_start();
         let (r, win) = self
             .backend
             .write_at(eng, buf.slice(payload..payload + len as usize), a.offset)
@@ -280,17 +283,24 @@ impl<B: BlockBackend> Export<B> {
         let mut buf = win.into_inner();
         let n = match r {
             Ok(n) => n,
-            Err(e) => return (Reply::Error(err(e)), buf),
+            Err(e) => {
+                stats.backend_done(fuse_abi::Opcode::Write as u32, t);
+                return (Reply::Error(err(e)), buf);
+            }
         };
         if self.cfg.growable && n > 0 {
             self.backend.written_to(a.offset + n as u64);
         }
         stats.write(n);
         if self.cfg.writethrough && !self.backend.durable_writes() {
-            if let Err(e) = self.backend.flush(eng).await {
+            let r = self.backend.flush(eng).await;
+            stats.backend_done(fuse_abi::Opcode::Write as u32, t);
+            if let Err(e) = r {
                 return (Reply::Error(err(e)), buf);
             }
             stats.flush();
+        } else {
+            stats.backend_done(fuse_abi::Opcode::Write as u32, t);
         }
         let out = WriteOut {
             size: n as u32,
@@ -428,9 +438,12 @@ impl<B: BlockBackend> Export<B> {
         )
     }
 
-    async fn flush(&self, eng: &Engine, stats: &Counters) -> R {
+    async fn flush(&self, eng: &Engine, opcode: u32, stats: &Counters) -> R {
         if self.cfg.writable {
-            self.backend.flush(eng).await.map_err(err)?;
+            let t = stats.backend_start();
+            let r = self.backend.flush(eng).await;
+            stats.backend_done(opcode, t);
+            r.map_err(err)?;
             stats.flush();
         }
         Ok(Reply::Data(0))

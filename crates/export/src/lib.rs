@@ -7,8 +7,10 @@
 
 mod counters;
 mod handle;
+pub mod latency;
 mod request;
 
-pub use counters::{Counters, Snapshot};
+pub use counters::{errno_name, op_name, Counters, Snapshot, MAX_ERRNO};
+pub use latency::Latency;
 pub use handle::{Export, ExportConfig, Passthrough, Reply};
 pub use request::Request;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use backend::{AnyBackend, BlockBackend, Faulty, IoPath, Locking, OpenOptions};
 use engine::{Engine, EngineConfig};
-use export::{Counters, Export, ExportConfig, Snapshot};
+use export::{Export, ExportConfig, Snapshot};
 use fuse_abi::{
     FUSE_ASYNC_DIO, FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP,
     FUSE_OVER_IO_URING, FUSE_REQUEST_TIMEOUT,
@@ -23,7 +23,7 @@ use fuse_abi::{
 use server::queue::{QueueEvent, QueueSpec, Report, Source};
 use transport::{clone_fd, InitParams, Mount, MountConfig};
 
-use crate::cli::{IoPathArg, MountArgs, TransportArg};
+use crate::cli::{IoPathArg, MountArgs, OnOff, TransportArg};
 use crate::memory::{self, Demand, Plan as MemoryPlan};
 use crate::privileges::{Access, Needs, Plan};
 
@@ -276,6 +276,8 @@ pub struct Prepared {
     pub export: Arc<Export<Served>>,
     pub mnt: Mount,
     pub settled: Settled,
+    /// Its queues' statistics, which the supervisor keeps and anyone may read.
+    pub stats: Arc<server::ExportStats>,
 }
 
 impl Prepared {
@@ -485,6 +487,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         export,
         mnt,
         settled,
+        stats: Default::default(),
     })
 }
 
@@ -791,6 +794,7 @@ fn start_queues(
             fixed_files: (args.fixed_files == crate::cli::OnOff::On)
                 .then(|| export.backend().inner().io_fds()),
             splice_min: args.splice_min as usize,
+            latency: args.latency == OnOff::On,
             fallback_slots: memory::URING_LEGACY_SLOTS,
             before_serving: Box::new(move || privileges.apply()),
         };
@@ -835,16 +839,13 @@ pub struct Supervisor {
     queues: Queues,
     /// How to wake each queue's watcher task.
     remotes: Vec<(engine::Remote, engine::TaskId)>,
-    /// Each queue's live counters, for SIGUSR1 and an abandoned export's statistics.
-    live: Vec<(usize, Arc<Counters>)>,
     /// SIGUSR1 dumps written so far.
     dumps: u64,
     /// Queues not yet ended, queues that reported `Started`, queues quiet after a stop.
     running: usize,
     started: usize,
     quiet: usize,
-    /// The ended queues' counters, summed, and each one's line.
-    total: Snapshot,
+    /// Each ended queue's line of loop counters.
     per_queue: Vec<serde_json::Value>,
     /// The first reason the export failed.
     failure: Option<String>,
@@ -903,12 +904,10 @@ impl Supervisor {
             trouble: None,
             queues,
             remotes: Vec::new(),
-            live: Vec::new(),
             dumps: 0,
             running: p.settled.queues,
             started: 0,
             quiet: 0,
-            total: Snapshot::default(),
             per_queue: Vec::new(),
             failure: None,
             flushed: None,
@@ -1065,7 +1064,7 @@ impl Supervisor {
                 counters,
             }) => {
                 self.remotes.push((remote, task));
-                self.live.push((id, counters));
+                p.stats.started(id, counters);
                 if self.stop.load(Ordering::Acquire) {
                     self.stop_all();
                 }
@@ -1106,7 +1105,7 @@ impl Supervisor {
             Event::Queue(QueueEvent::Quiesced) => self.quiet += 1,
             Event::Queue(QueueEvent::Ended { id, report }) => {
                 self.running -= 1;
-                self.total.merge(&report.counters);
+                p.stats.ended(id, &report.counters);
                 self.per_queue.push(serde_json::json!({
                     "queue": id,
                     "requests": report.counters.requests(),
@@ -1126,7 +1125,7 @@ impl Supervisor {
             Event::Stop(how) => self.stop_event(p, how, owner),
             Event::Dump => {
                 self.dumps += 1;
-                dump_live(&p.args, &mut self.live, self.dumps, p.settled.uring());
+                dump_live(&p.args, &p.stats, self.dumps, p.settled.uring());
             }
             Event::Release { to, pid, accepted } => {
                 if self.stop.load(Ordering::Acquire)
@@ -1307,8 +1306,6 @@ impl Supervisor {
     pub fn finish(self, p: &mut Prepared, owner: &mut dyn Owner) -> Result<Ended> {
         let Supervisor {
             queues,
-            mut live,
-            mut total,
             failure,
             mut per_queue,
             mut flushed,
@@ -1332,17 +1329,16 @@ impl Supervisor {
         } else {
             queues.abandon();
         }
+        // Queues that ended gave their final counts; an abandoned export's others are read
+        // from their live counters.
+        let total = p.stats.total();
         if abandon {
-            // Queues still waiting for the connection to end have not reported: count from the
-            // live counters of every queue instead.
-            live.sort_by_key(|(id, _)| *id);
-            total = Snapshot::default();
-            per_queue.clear();
-            for (id, c) in &live {
-                let s = c.snapshot();
-                total.merge(&s);
-                per_queue.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
-            }
+            per_queue = p
+                .stats
+                .queues()
+                .iter()
+                .map(|(id, s)| serde_json::json!({ "queue": id, "requests": s.requests() }))
+                .collect();
         }
         per_queue.sort_by_key(|q| q["queue"].as_u64());
         tracing::info!("served {} requests", total.requests());
@@ -1457,12 +1453,10 @@ fn follow_image_size(
 /// SIGUSR1: the counters as they stand, written to `--stats-file` (replaced whole, so a reader
 /// never sees half a file) or, without one, logged. `dump` numbers the dumps so a reader can tell
 /// a fresh one from the last.
-fn dump_live(args: &MountArgs, live: &mut [(usize, Arc<Counters>)], dump: u64, uring: bool) {
-    live.sort_by_key(|(id, _)| *id);
+fn dump_live(args: &MountArgs, stats: &server::ExportStats, dump: u64, uring: bool) {
     let mut total = Snapshot::default();
-    let mut queues = Vec::with_capacity(live.len());
-    for (id, c) in live.iter() {
-        let s = c.snapshot();
+    let mut queues = Vec::new();
+    for (id, s) in stats.queues() {
         total.merge(&s);
         queues.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
     }

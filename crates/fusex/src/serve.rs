@@ -590,6 +590,7 @@ impl Adoption {
             export,
             mnt,
             settled,
+        stats: Default::default(),
         })
     }
 }

@@ -15,10 +15,12 @@ pub mod queue;
 pub mod reply;
 mod serve;
 pub mod slots;
+pub mod stats;
 pub mod worker;
 
 pub use crew::{Crew, Handoff};
 pub use queue::{QueueError, QueueEvent, QueueReport, QueueSpec, Report, Source};
 pub use serve::{LegacyReply, QueueServer};
 pub use slots::QueueState;
+pub use stats::ExportStats;
 pub use worker::{Job, Workers, WorkersConfig};

@@ -52,6 +52,8 @@ pub struct QueueSpec {
     pub fixed_files: Option<Vec<std::os::fd::RawFd>>,
     /// Legacy READs of at least this many bytes are spliced from the image (0: none).
     pub splice_min: usize,
+    /// Time each request into latency histograms (see [`QueueServer::with_latency`]).
+    pub latency: bool,
     /// Slots of the legacy reader an io_uring queue keeps (on its `legacy` fd) for requests sent
     /// before the ring is ready, and anything else the kernel still sends through `/dev/fuse`.
     pub fallback_slots: usize,
@@ -273,7 +275,9 @@ fn start<B: BlockBackend + 'static>(
     // reduced set too.
     (spec.before_serving)().map_err(QueueError::Privileges)?;
 
-    let server = QueueServer::new(export).with_splice_min(spec.splice_min);
+    let server = QueueServer::new(export)
+        .with_splice_min(spec.splice_min)
+        .with_latency(spec.latency);
     let st = QueueState::new(eng.clone(), server, legacy);
     {
         let (id, report, crew) = (spec.id, report.clone(), uring.as_ref().map(|u| u.2.clone()));

@@ -210,6 +210,9 @@ impl<B: BlockBackend> QueueState<B> {
                 return;
             };
             reg.set(reg.get() + 1);
+            self.server
+                .counters()
+                .set_entries(self.entries_registered());
             seat.crew.entry_added();
             self.spawn(self.clone().uring_slot(q.clone(), buf));
         }
@@ -396,6 +399,7 @@ impl<B: BlockBackend> QueueState<B> {
     fn enter(&self) {
         self.busy.set(self.busy.get() + 1);
         self.eng.load_enter();
+        self.server.counters().taken();
     }
 
     /// The request's reply is built. Only requests still in service count as the engine's load:
@@ -408,6 +412,7 @@ impl<B: BlockBackend> QueueState<B> {
     /// The request is answered.
     fn leave(&self) {
         self.busy.set(self.busy.get() - 1);
+        self.server.counters().answered();
         self.wake_if_quiet();
     }
 

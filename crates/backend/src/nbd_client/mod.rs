@@ -36,7 +36,7 @@ mod tls;
 use std::cell::RefCell;
 use std::future::Future;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -110,6 +110,19 @@ pub struct NbdBackend {
     /// Why the last connection attempt of any queue failed, until one succeeds again
     /// ([`BlockBackend::trouble`]). Written only when a reconnect settles, never per request.
     trouble: std::sync::Arc<Mutex<Option<String>>>,
+    /// Connections made again after one was lost, and the time spent without one: written
+    /// when a connection breaks or an attempt settles, never per request.
+    reconnects: AtomicU64,
+    outage: Mutex<Outage>,
+}
+
+/// Time without a connection to the server.
+#[derive(Default)]
+struct Outage {
+    /// When the outage under way began.
+    since: Option<Instant>,
+    /// Outages that ended.
+    past: Duration,
 }
 
 /// The last count of allocated bytes and whether it still holds.
@@ -205,6 +218,8 @@ impl NbdBackend {
             rmw: (export.min_block > 1).then(|| RegionLocks::new(export.min_block.ilog2())),
             alloc: AllocCache::default(),
             trouble: std::sync::Arc::new(Mutex::new(None)),
+            reconnects: AtomicU64::new(0),
+            outage: Mutex::new(Outage::default()),
             export,
         })
     }
@@ -309,6 +324,7 @@ impl NbdBackend {
                 // Just broke: try again at once (the server may be back already).
                 pt.conn = None;
                 pt.retry_at = None;
+                self.outage_begins();
             }
             None => {}
         }
@@ -351,13 +367,29 @@ impl NbdBackend {
         }
     }
 
+    /// A connection broke or an attempt failed: an outage begins unless one is under way.
+    fn outage_begins(&self) {
+        let mut o = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+        o.since.get_or_insert_with(Instant::now);
+    }
+
+    /// A connection was made: the outage under way, if any, ends.
+    fn outage_ends(&self) {
+        let mut o = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = o.since.take() {
+            o.past += t.elapsed();
+        }
+    }
+
     /// Takes a finished attempt: the connection, or the failure and the next attempt's time.
     fn settle(&self, pt: &mut PerThread, made: std::result::Result<Connected, String>) -> Step {
         match made {
             Ok(Connected { sock, export, tls }) => {
                 if pt.retry_at.take().is_some() || pt.had_one {
                     tracing::info!("NBD: reconnected to {}", self.server());
+                    self.reconnects.fetch_add(1, Ordering::Relaxed);
                 }
+                self.outage_ends();
                 *self.trouble.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 pt.had_one = true;
                 pt.delay = self.opts.reconnect_delay;
@@ -384,6 +416,7 @@ impl NbdBackend {
                     "NBD server {} unreachable ({e}): requests fail with EIO until it is back",
                     self.server()
                 ));
+                self.outage_begins();
                 pt.retry_at = Some(Instant::now() + pt.delay);
                 pt.delay = (pt.delay * 2).min(MAX_BACKOFF.max(self.opts.reconnect_delay));
                 Step::Fail
@@ -791,6 +824,19 @@ fn errno(e: i32) -> BackendError {
 impl BlockBackend for NbdBackend {
     fn size(&self) -> u64 {
         self.export.size
+    }
+
+    fn stats(&self) -> crate::BackendStats {
+        let o = self.outage.lock().unwrap_or_else(|p| p.into_inner());
+        let now = o.since.map_or(Duration::ZERO, |t| t.elapsed());
+        crate::BackendStats {
+            nbd: Some(crate::NbdStats {
+                reconnects: self.reconnects.load(Ordering::Relaxed),
+                disconnected: o.past + now,
+                connected: o.since.is_none(),
+            }),
+            ..Default::default()
+        }
     }
 
     fn capabilities(&self) -> Capabilities {

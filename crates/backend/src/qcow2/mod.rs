@@ -228,6 +228,14 @@ pub struct Qcow2Backend {
     path: PathBuf,
     /// An overlap check has failed and been logged.
     corrupt_logged: AtomicBool,
+    /// The image file's length at open and its cluster size (log2; None if the header could not
+    /// be read again), for the clusters allocated since.
+    opened_len: u64,
+    host_cluster_bits: Option<u32>,
+    /// Copy-ahead writes and the bytes they read (see [`crate::cow`]): counted on that slow
+    /// path only.
+    copy_ahead: AtomicU64,
+    copy_ahead_bytes: AtomicU64,
 }
 
 /// What copying backed clusters ahead of imago needs.
@@ -481,7 +489,9 @@ impl Qcow2Backend {
         };
         let size = access.size();
         tracing::debug!(path = %shown, size, backed, "opened qcow2 image");
-        let cow = match cluster_bits(&meta) {
+        let host_cluster_bits = cluster_bits(&meta);
+        let opened_len = meta.metadata().map_or(0, |m| m.len());
+        let cow = match host_cluster_bits {
             Some(bits) if backed && opts.writable => Some(Box::new(CowAhead {
                 cluster_bits: bits,
                 locks: RegionLocks::new(bits),
@@ -502,6 +512,10 @@ impl Qcow2Backend {
             cow,
             path: path.to_path_buf(),
             corrupt_logged: AtomicBool::new(false),
+            opened_len,
+            host_cluster_bits,
+            copy_ahead: AtomicU64::new(0),
+            copy_ahead_bytes: AtomicU64::new(0),
         })
     }
 
@@ -545,6 +559,9 @@ impl Qcow2Backend {
                 let mut buf = cow.buffers.take()?;
                 let r = self.copy_ahead(&mut buf, data, off, cstart).await;
                 cow.buffers.put(buf);
+                self.copy_ahead.fetch_add(1, Ordering::Relaxed);
+                self.copy_ahead_bytes
+                    .fetch_add(cs - len, Ordering::Relaxed);
                 return r;
             }
             return self.image.write(data, off).await;
@@ -644,6 +661,21 @@ impl Qcow2Backend {
 impl BlockBackend for Qcow2Backend {
     fn size(&self) -> u64 {
         self.size.load(Ordering::Acquire)
+    }
+
+    fn stats(&self) -> crate::BackendStats {
+        let grown = self
+            .meta
+            .metadata()
+            .map_or(0, |m| m.len().saturating_sub(self.opened_len));
+        crate::BackendStats {
+            qcow2: Some(crate::Qcow2Stats {
+                clusters_allocated: self.host_cluster_bits.map_or(0, |b| grown >> b),
+                copy_ahead: self.copy_ahead.load(Ordering::Relaxed),
+                copy_ahead_bytes: self.copy_ahead_bytes.load(Ordering::Relaxed),
+            }),
+            ..Default::default()
+        }
     }
 
     fn size_limit(&self) -> u64 {
