@@ -10,6 +10,7 @@ mod lifecycle;
 mod list;
 mod logging;
 mod memory;
+mod metrics;
 mod notify;
 mod passthrough;
 mod privileges;

@@ -76,6 +76,8 @@ struct Entry {
     config: Option<Value>,
     /// What a `fusex restart` successor gets of it.
     handing: Option<lifecycle::Handing>,
+    /// Where its statistics are read (None while it starts).
+    meter: Option<crate::metrics::Meter>,
 }
 
 impl Entry {
@@ -92,6 +94,7 @@ impl Entry {
             },
             config,
             handing: None,
+            meter: None,
         }
     }
 }
@@ -160,12 +163,13 @@ const COMMANDS: &[&str] = &[
     "block-export-add",
     "block-export-del",
     "query-block-exports",
+    "query-blockstats",
     "query-named-block-nodes",
     "quit",
 ];
 
 /// fusex's own commands, after [`options::EXTENSION`].
-const EXTENSION_COMMANDS: &[&str] = &["export-add", "list", "reload"];
+const EXTENSION_COMMANDS: &[&str] = &["export-add", "list", "query-stats", "reload"];
 
 impl Service {
     /// A service with nothing in it; `control` receives `quit`. It starts the thread that
@@ -631,6 +635,7 @@ impl Service {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let handing = lifecycle::handing(&prepared, notify_socket).map_err(|e| format!("{e:#}"))?;
+        let meter = crate::metrics::Meter::of(&prepared);
         let owner = ServiceOwner {
             ready: Some(ready_tx),
             published,
@@ -645,6 +650,7 @@ impl Service {
         if let Some(e) = t.exports.get_mut(id).filter(|e| e.serial == serial) {
             e.state = state;
             e.handing = handing;
+            e.meter = Some(meter);
         }
         Ok(tx)
     }
@@ -686,6 +692,67 @@ impl Service {
         e.shutting_down = true;
         let _ = tx.send(Event::Stop(how));
         Ok(json!({}))
+    }
+
+    /// The statistics of export `id`, or of every export (those still starting have none).
+    pub fn metrics(&self, id: Option<&str>) -> Vec<crate::metrics::ExportMetrics> {
+        let meters: Vec<_> = {
+            let t = self.table();
+            t.exports
+                .iter()
+                .filter(|(eid, _)| id.is_none_or(|i| i == eid.as_str()))
+                .filter_map(|(eid, e)| {
+                    let m = e.meter.clone()?;
+                    Some((eid.clone(), e.node.clone(), e.state.mountpoint.clone(), m))
+                })
+                .collect()
+        };
+        // Read outside the table's lock: the backends' statistics may take a system call.
+        meters
+            .iter()
+            .map(|(id, node, mnt, m)| m.read(id, node, mnt))
+            .collect()
+    }
+
+    /// `__org.fusex_query-stats`: every export's statistics, or one's (`id`).
+    fn query_stats(&self, args: Value) -> Result<Value, QmpError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct A {
+            id: Option<String>,
+        }
+        let a: A = parse_args(args)?;
+        let exports = self.metrics(a.id.as_deref());
+        if let Some(id) = &a.id {
+            if exports.is_empty() {
+                return Err(QmpError::generic(format!("Export '{id}' is not found")));
+            }
+        }
+        Ok(json!({
+            "exports": exports.iter().map(|m| m.to_json()).collect::<Vec<_>>(),
+        }))
+    }
+
+    /// `query-blockstats`: with `query-nodes`, one entry per node, the counts of the export
+    /// using it on its node; without, none, as qemu-storage-daemon (its exports' block
+    /// backends have no name).
+    fn query_blockstats(&self, args: Value) -> Result<Value, QmpError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields, rename_all = "kebab-case")]
+        struct A {
+            query_nodes: Option<bool>,
+        }
+        let a: A = parse_args(args)?;
+        if a.query_nodes != Some(true) {
+            return Ok(json!([]));
+        }
+        let metrics = self.metrics(None);
+        let nodes: Vec<String> = self.table().nodes.keys().cloned().collect();
+        Ok(nodes
+            .iter()
+            .map(|n| crate::metrics::blockstats(n, metrics.iter().find(|m| &m.node == n)))
+            .collect::<Vec<_>>()
+            .into())
     }
 
     fn query_exports(&self) -> Value {
@@ -883,7 +950,11 @@ impl Dispatcher for Service {
             Some(k) => Err(QmpError::generic(format!("Parameter '{k}' is unexpected"))),
             None => Ok(()),
         };
-        let changes = !name.starts_with("query-") && name != format!("{}list", options::EXTENSION);
+        let changes = !name.starts_with("query-")
+            && !matches!(
+                name.strip_prefix(options::EXTENSION),
+                Some("list" | "query-stats")
+            );
         if changes && self.table().handing_over {
             return Err(QmpError::generic(
                 "fusex serve is handing its exports to a new process (fusex restart): try again \
@@ -896,6 +967,7 @@ impl Dispatcher for Service {
             "block-export-add" => self.export_add(arguments),
             "block-export-del" => self.export_del(arguments),
             "query-block-exports" => no_args(&arguments).map(|()| self.query_exports()),
+            "query-blockstats" => self.query_blockstats(arguments),
             "query-named-block-nodes" => {
                 // QEMU's optional `flat` changes only what a backing chain shows.
                 #[derive(Deserialize)]
@@ -914,6 +986,7 @@ impl Dispatcher for Service {
                 Some("list") => no_args(&arguments).map(|()| self.list()),
                 Some("export-add") => self.own_export_add(arguments, None),
                 Some("reload") => no_args(&arguments).and_then(|()| self.reload()),
+                Some("query-stats") => self.query_stats(arguments),
                 _ => Err(QmpError::command_not_found(name)),
             },
         }
