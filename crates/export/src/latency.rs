@@ -57,7 +57,7 @@ pub fn bucket_upper_ns(i: usize) -> u64 {
 /// Whether bucket `i` ends on a power of two microseconds: the edges shown as Prometheus `le`
 /// buckets (1 µs, 2 µs, 4 µs, ...), where a coarser histogram still has exact counts.
 pub fn ends_octave(i: usize) -> bool {
-    i < BUCKETS - 1 && i % SUB == 0
+    i < BUCKETS - 1 && i.is_multiple_of(SUB)
 }
 
 /// A histogram written by one thread (see [`Counter`]), readable from any.
