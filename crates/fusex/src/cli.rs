@@ -510,6 +510,9 @@ pub struct MountArgs {
     /// Write request and backend counters here as JSON, at exit and on SIGUSR1
     #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub stats_file: Option<PathBuf>,
+    /// Serve QMP on this unix socket (created 0600), for fusex top and fusex ctl list
+    #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
+    pub control: Option<PathBuf>,
     /// Time every request into per-operation latency histograms
     ///
     /// Off saves two or three clock reads per request; the counters are kept either way.

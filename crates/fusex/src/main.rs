@@ -11,6 +11,7 @@ mod list;
 mod logging;
 mod memory;
 mod metrics;
+mod mount_control;
 mod notify;
 mod passthrough;
 mod privileges;

@@ -147,11 +147,20 @@ fn serve_export(
     let privileges = Plan::decide(&lifecycle::exit_needs(&p.args, &p.export, &p.mnt));
     let (tx, rx) = mpsc::channel::<Event>();
     let started = spawn_signal_thread(signals, privileges, tx.clone()).and_then(|sig| {
+        let control = match &p.args.control {
+            Some(path) => Some(crate::mount_control::start(
+                path,
+                &p,
+                privileges,
+                tx.clone(),
+            )?),
+            None => None,
+        };
         let runtime = spawn_restart_listener(&p, notifier, privileges, tx.clone())?;
-        Ok((sig, runtime))
+        Ok((sig, runtime, control))
     });
     let result = match started {
-        Ok((sig_handle, runtime)) => {
+        Ok((sig_handle, runtime, control)) => {
             // Only now: a `fusex restart` that follows this line finds the listener.
             if let Some(line) = &p.settled.announce {
                 tracing::info!("{line}");
@@ -170,6 +179,7 @@ fn serve_export(
             };
             let result =
                 lifecycle::supervise(&mut p, Supervision { privileges, tx, rx }, &mut owner);
+            drop(control);
             sig_handle.close();
             if let Err(e) = &result {
                 // Start-up errors (no-op once readiness was reported).
