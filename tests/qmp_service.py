@@ -255,6 +255,23 @@ class Scenario:
 
         await self.step("query-named-block-nodes", "query-named-block-nodes", post=nodes)
 
+        # 4b. Block statistics: none without query-nodes (an export's block backend has no
+        # name), one entry per node with it, each with every member a client reads.
+        def blockstats(r):
+            return {
+                "nodes": sorted(e["node-name"] for e in r
+                                if not e["node-name"].startswith("#")),
+                "stats-members": sorted(set().union(*(e["stats"].keys() for e in r))),
+                "counts-are-numbers": all(isinstance(v, int) for e in r
+                                          for k, v in e["stats"].items()
+                                          if k.endswith(("_bytes", "_operations", "_ns"))),
+            }
+
+        await self.step("query-blockstats", "query-blockstats")
+        await self.step("query-blockstats query-nodes", "query-blockstats",
+                        {"query-nodes": True}, post=blockstats)
+        await self.step("query-blockstats: bad argument", "query-blockstats", {"bogus": 1})
+
         # 5. Errors: each request is valid but for one fault.
         fuse = lambda **kv: dict({"type": "fuse", "id": "exp9", "node-name": "null0",
                                   "mountpoint": self.p("d.mnt")}, **kv)
