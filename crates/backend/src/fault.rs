@@ -3,7 +3,7 @@
 //! fails one request, and that everything else keeps working.
 //!
 //! Rules come from `--fault OP:N:ACTION` (see [`FaultRule`]'s `FromStr`). Calls are counted per
-//! operation across all queues; the `N`th call of `OP` gets `ACTION`. Without rules the wrapper
+//! operation across all queues; the `N`th call of `OP` gets `ACTION` (every call with `*`). Without rules the wrapper
 //! costs one predictable branch per call.
 
 use std::str::FromStr;
@@ -34,12 +34,15 @@ pub enum FaultAction {
     Delay(Duration),
 }
 
-/// One rule: the `nth` call (1-based) of `op` gets `action`.
+/// [`FaultRule::nth`] for a rule that hits every call (`*`): a steady slow or failing disk.
+pub const EVERY: u64 = 0;
+
+/// One rule: the `nth` call (1-based; [`EVERY`]: each one) of `op` gets `action`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FaultRule {
     /// Which calls are counted.
     pub op: FaultOp,
-    /// Which one of them is hit (1 = the first).
+    /// Which one of them is hit (1 = the first; [`EVERY`]: all).
     pub nth: u64,
     /// What it gets.
     pub action: FaultAction,
@@ -47,7 +50,7 @@ pub struct FaultRule {
 
 /// Why a `--fault` rule did not parse.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("bad fault rule {rule:?}: {why} (write OP:N:ACTION, e.g. write:3:eio, read:10:delay=200ms; OP is read, write or flush; ACTION is eio, enospc or delay=MSms)")]
+#[error("bad fault rule {rule:?}: {why} (write OP:N:ACTION, e.g. write:3:eio, read:10:delay=200ms, read:*:delay=2ms; OP is read, write or flush; N counts from 1, * is every call; ACTION is eio, enospc or delay=MSms)")]
 pub struct FaultParseError {
     rule: String,
     why: &'static str,
@@ -73,9 +76,12 @@ impl FromStr for FaultRule {
             "flush" => FaultOp::Flush,
             _ => return Err(bad("unknown operation")),
         };
-        let nth = match nth.parse::<u64>() {
-            Ok(n) if n > 0 => n,
-            _ => return Err(bad("N must be a whole number from 1")),
+        let nth = match nth {
+            "*" => EVERY,
+            n => match n.parse::<u64>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(bad("N must be a whole number from 1, or * for every call")),
+            },
         };
         let action = match action {
             "eio" => FaultAction::Fail(libc::EIO),
@@ -106,7 +112,7 @@ impl Plan {
         let n = self.calls[op as usize].fetch_add(1, Ordering::Relaxed) + 1;
         self.rules
             .iter()
-            .find(|r| r.op == op && r.nth == n)
+            .find(|r| r.op == op && (r.nth == n || r.nth == EVERY))
             .map(|r| r.action)
     }
 }
@@ -269,6 +275,10 @@ mod tests {
             "flush:1:enospc".parse::<FaultRule>().map(|r| r.action),
             Ok(FaultAction::Fail(libc::ENOSPC))
         );
+        assert_eq!(
+            "read:*:delay=2ms".parse::<FaultRule>().map(|r| r.nth),
+            Ok(EVERY)
+        );
         for bad in [
             "",
             "write",
@@ -282,6 +292,18 @@ mod tests {
         ] {
             assert!(bad.parse::<FaultRule>().is_err(), "{bad:?} parsed");
         }
+    }
+
+    #[test]
+    fn a_rule_for_every_call_hits_each_one() {
+        let plan = Plan {
+            rules: vec!["read:*:eio".parse().unwrap()],
+            calls: Default::default(),
+        };
+        for _ in 0..3 {
+            assert_eq!(plan.hit(FaultOp::Read), Some(FaultAction::Fail(libc::EIO)));
+        }
+        assert_eq!(plan.hit(FaultOp::Write), None);
     }
 
     #[test]

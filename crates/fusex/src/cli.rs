@@ -485,7 +485,8 @@ pub struct MountArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_REQUEST_TIMEOUT, help_heading = heading::STOPPING)]
     pub request_timeout: u16,
     /// For testing: make the Nth backend read, write or flush fail or wait, as OP:N:ACTION
-    /// (e.g. write:3:eio, read:10:delay=200ms, flush:1:enospc; repeatable). Turns passthrough off.
+    /// (e.g. write:3:eio, read:10:delay=200ms, flush:1:enospc, read:*:delay=2ms for every read;
+    /// repeatable). Turns passthrough off.
     #[arg(long, value_name = "OP:N:ACTION", hide = true)]
     pub fault: Vec<backend::FaultRule>,
 

@@ -62,7 +62,11 @@ impl Dispatcher for MountDispatcher {
         .iter()
         .map(|c| c.to_string())
         .collect();
-        v.extend(["list", "query-stats"].iter().map(|c| format!("{EXTENSION}{c}")));
+        v.extend(
+            ["list", "query-stats"]
+                .iter()
+                .map(|c| format!("{EXTENSION}{c}")),
+        );
         v
     }
 

@@ -600,7 +600,7 @@ impl Adoption {
             export,
             mnt,
             settled,
-        stats: Default::default(),
+            stats: Default::default(),
         })
     }
 }
