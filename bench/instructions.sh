@@ -7,7 +7,7 @@
 # from fusex's --stats-file. Prints a markdown table. Root (fusex mounts with mount(2); uring
 # needs enable_uring=Y, set for the run and restored). About 2-3 minutes.
 #   bash bench/instructions.sh [path/to/fusex] [--transports legacy,uring] [--ios-4k N]
-#        [--ios-128k N] [--size 64M] [--spin-us US] [--json FILE]
+#        [--ios-128k N] [--size 64M] [--spin-us US] [--json FILE] [--fusex-arg=WORD ...]
 # Details: bench/fusexbench/instructions.py, docs/benchmarks.md.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)

@@ -11,6 +11,15 @@ use std::process::Command;
 use fusex_e2e::*;
 use serde_json::{json, Value};
 
+/// The tests here run one at a time: the counting test's fio keeps both CPUs busy, and a request
+/// whose reply waits for a CPU is late for fio but not for fusex (its clock stops at the reply),
+/// which would move the latency test's 99th percentile.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// fio's JSON report of its one job.
 fn fio_job(out: &str) -> Value {
     // fio may print warnings before the JSON document.
@@ -39,6 +48,7 @@ fn assert_close(got: u64, want: u64, what: &str) {
 
 #[test]
 fn counters_agree_with_fio() {
+    let _serial = serial();
     if !require_fuse_and_tools(&["fio"]) {
         return;
     }
@@ -157,6 +167,7 @@ fn read_histogram(s: &Value, key: &str) -> export::Latency {
 
 #[test]
 fn latency_percentiles_agree_with_fio() {
+    let _serial = serial();
     if !require_fuse_and_tools(&["fio"]) {
         return;
     }

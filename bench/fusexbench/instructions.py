@@ -190,6 +190,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--size", default="64M", help="image size on /dev/shm (default 64M)")
     p.add_argument("--spin-us", default="0", help="fusex --spin-us (default 0: no idle busy-polling)")
     p.add_argument("--json", help="also write the counts here as JSON")
+    p.add_argument("--fusex-arg", action="append", default=[],
+                   help="one more fusex mount option word (repeatable), e.g. --fusex-arg=--latency=off")
     return p.parse_args(argv)
 
 
@@ -209,12 +211,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     try:
         with signal_guard():
-            rows = measure_all(fusex, transports, cases, parse_size(args.size), ["--spin-us", args.spin_us])
+            rows = measure_all(fusex, transports, cases, parse_size(args.size), ["--spin-us", args.spin_us, *args.fusex_arg])
     except Interrupted as e:
         print(f"instructions: {e}; unmounted, nothing measured", file=sys.stderr)
         return 128 + e.signum
+    more = "".join(f" {a}" for a in args.fusex_arg)
     print(f"fusex {fusex}: user-space instructions per FUSE request (callgrind Ir above a {BASELINE_IOS}-I/O "
-          f"baseline; --queues 1 --passthrough off --spin-us {args.spin_us}; fio psync QD1 O_DIRECT, "
+          f"baseline; --queues 1 --passthrough off --spin-us {args.spin_us}{more}; fio psync QD1 O_DIRECT, "
           f"{args.size} image on /dev/shm)\n")
     print(render(rows))
     if args.json:
