@@ -507,6 +507,9 @@ pub struct MountArgs {
     /// Append the log to this file (created 0640; never through a symlink)
     #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub log_file: Option<PathBuf>,
+    /// What a log line looks like: text, or json (one object per line, with the export's id)
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t, help_heading = heading::DAEMON)]
+    pub log_format: crate::logging::LogFormat,
     /// Write request and backend counters here as JSON, at exit and on SIGUSR1
     #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub stats_file: Option<PathBuf>,
@@ -663,6 +666,9 @@ pub struct ServeArgs {
     /// Append the log to this file (created 0640; never through a symlink)
     #[arg(long, value_name = "PATH")]
     pub log_file: Option<PathBuf>,
+    /// What a log line looks like: text, or json (one object per line, with the export's id)
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t)]
+    pub log_format: crate::logging::LogFormat,
 }
 
 /// `--max-size`: the same size syntax as `null:SIZE` images.
