@@ -339,9 +339,10 @@ pub fn mountpoint_id(path: &Path) -> String {
 /// module logs it, carries `export`. Entered only on control-plane threads: the queues' worker
 /// threads serve every export's requests and enter nothing per request. Text lines do not show
 /// it (they name the export in their message where it matters, as they always did); with text
-/// the span is disabled and costs nothing.
+/// the span is disabled and costs nothing. A root span: work on one export is never inside
+/// another's, even when one export's command starts the next.
 pub fn export_span(id: &str) -> tracing::Span {
-    tracing::info_span!("export", export = %id)
+    tracing::info_span!(parent: None, "export", export = %id)
 }
 
 /// Whether `meta` is [`export_span`]'s.
@@ -359,6 +360,7 @@ pub fn init(default: &str, ansi: bool) {
         .with_ansi(ansi)
         .with_filter(Only {
             format: LogFormat::Text,
+            current: &FORMAT,
             env: env(),
         });
     let json = JsonLayer {
@@ -367,6 +369,7 @@ pub fn init(default: &str, ansi: bool) {
     }
     .with_filter(Only {
         format: LogFormat::Json,
+        current: &FORMAT,
         env: env(),
     });
     tracing_subscriber::registry().with(text).with(json).init();
@@ -377,12 +380,14 @@ pub fn init(default: &str, ansi: bool) {
 /// not a line). Text never sees the span, so its lines are as they were without it.
 struct Only {
     format: LogFormat,
+    /// [`FORMAT`] (a test's own otherwise).
+    current: &'static AtomicU8,
     env: EnvFilter,
 }
 
 impl<S> Filter<S> for Only {
     fn enabled(&self, meta: &Metadata<'_>, cx: &LayerContext<'_, S>) -> bool {
-        if format() != self.format {
+        if self.current.load(Ordering::Relaxed) != self.format as u8 {
             return false;
         }
         if is_export_span(meta) {
@@ -669,5 +674,201 @@ mod tests {
         let mode = std::fs::metadata(&log).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
+
+    /// A writer into a shared buffer, as the log's [`Sink`] is one into stderr.
+    #[derive(Clone, Default)]
+    struct Capture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Capture {
+        type Writer = Capture;
+
+        fn make_writer(&'a self) -> Capture {
+            self.clone()
+        }
+    }
+
+    impl Capture {
+        fn lines(&self) -> Vec<String> {
+            let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+            text.lines().map(str::to_string).collect()
+        }
+
+        fn json(&self) -> Vec<serde_json::Map<String, Value>> {
+            self.lines()
+                .iter()
+                .map(|l| match serde_json::from_str(l) {
+                    Ok(Value::Object(m)) => m,
+                    other => panic!("not a JSON object: {l:?} ({other:?})"),
+                })
+                .collect()
+        }
+    }
+
+    /// Runs `f` with the subscriber [`init`] makes, writing to `text` and `json`, in the
+    /// format `current` says and with `process` as [`PROCESS_EXPORT`].
+    fn logged(
+        current: &'static AtomicU8,
+        process: &'static OnceLock<String>,
+        f: impl FnOnce(),
+    ) -> (Capture, Capture) {
+        let (text, json) = (Capture::default(), Capture::default());
+        let subscriber = tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(text.clone())
+                    .with_target(false)
+                    .with_ansi(false)
+                    .with_filter(Only {
+                        format: LogFormat::Text,
+                        current,
+                        env: EnvFilter::new("info"),
+                    }),
+            )
+            .with(
+                JsonLayer {
+                    writer: json.clone(),
+                    process_export: process,
+                }
+                .with_filter(Only {
+                    format: LogFormat::Json,
+                    current,
+                    env: EnvFilter::new("info"),
+                }),
+            );
+        tracing::subscriber::with_default(subscriber, f);
+        (text, json)
+    }
+
+    #[test]
+    fn json_lines_carry_the_event_its_fields_and_its_export() {
+        static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Json as u8);
+        static NONE: OnceLock<String> = OnceLock::new();
+        let (text, json) = logged(&CURRENT, &NONE, || {
+            tracing::info!("daemon line");
+            let _a = export_span("a").entered();
+            tracing::warn!(queue = 3, ok = true, "mounted \"{}\"\nat {}", "x", "/m");
+            {
+                // Another export's work started from this one's is that export's alone.
+                let _b = export_span("b").entered();
+                tracing::error!(export = "c", level = 5, "the event names its own");
+                tracing::info!("b's line");
+            }
+            tracing::debug!("filtered out");
+            tracing::info!("a's line");
+        });
+        assert!(text.lines().is_empty(), "{:?}", text.lines());
+        let lines = json.json();
+        assert_eq!(json.lines().len(), 5, "{:?}", json.lines());
+        for l in &lines {
+            let ts = l["timestamp"].as_str().unwrap();
+            // RFC 3339 in UTC: 2025-01-02T03:04:05.678901Z
+            assert_eq!(ts.as_bytes()[10], b'T', "{ts}");
+            assert!(ts.ends_with('Z'), "{ts}");
+            assert_eq!(l["target"], "fusex::logging::tests");
+        }
+        let keys: Vec<&str> = lines[1].keys().map(String::as_str).collect();
+        assert_eq!(lines[0]["level"], "INFO");
+        assert_eq!(lines[0]["message"], "daemon line");
+        assert!(!lines[0].contains_key("export"));
+        assert_eq!(lines[1]["level"], "WARN");
+        assert_eq!(lines[1]["message"], "mounted \"x\"\nat /m");
+        assert_eq!(lines[1]["export"], "a");
+        assert_eq!(lines[1]["queue"], 3);
+        assert_eq!(lines[1]["ok"], true);
+        for k in ["timestamp", "level", "target", "message", "export", "queue", "ok"] {
+            assert!(keys.contains(&k), "{k} in {keys:?}");
+        }
+        assert_eq!(lines[2]["export"], "c");
+        assert_eq!(lines[2]["level"], "ERROR");
+        assert_eq!(lines[2]["field.level"], 5);
+        assert_eq!(lines[3]["export"], "b");
+        assert_eq!(lines[4]["export"], "a");
+        assert_eq!(lines[4]["message"], "a's line");
+    }
+
+    #[test]
+    fn a_process_of_one_export_names_it_on_every_json_line() {
+        static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Json as u8);
+        static PROCESS: OnceLock<String> = OnceLock::new();
+        PROCESS.set("/srv/disk.raw".into()).unwrap();
+        let (_, json) = logged(&CURRENT, &PROCESS, || {
+            tracing::info!("mounted");
+            let _a = export_span("other").entered();
+            tracing::info!("in a span");
+        });
+        let lines = json.json();
+        assert_eq!(lines[0]["export"], "/srv/disk.raw");
+        assert_eq!(lines[1]["export"], "other");
+    }
+
+    #[test]
+    fn text_lines_are_as_they_were_and_follow_the_format_switch() {
+        static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Text as u8);
+        static NONE: OnceLock<String> = OnceLock::new();
+        let (text, json) = logged(&CURRENT, &NONE, || {
+            let _a = export_span("a").entered();
+            tracing::info!(n = 1, "export a: mounted");
+            CURRENT.store(LogFormat::Json as u8, Ordering::Relaxed);
+            tracing::info!("now json");
+        });
+        let lines = text.lines();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        // `2025-01-02T03:04:05.678901Z  INFO export a: mounted n=1`: no span prefix.
+        let (_, rest) = lines[0].split_once(' ').unwrap();
+        assert_eq!(rest, " INFO export a: mounted n=1");
+        let json = json.json();
+        assert_eq!(json.len(), 1);
+        assert_eq!(json[0]["message"], "now json");
+        // The span was made while the format was text: nothing to carry.
+        assert!(!json[0].contains_key("export"));
+    }
+
+    #[test]
+    fn a_json_line_is_a_syslog_message_body() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let server = UnixDatagram::bind(&path).unwrap();
+        let s = Syslog::connect(&path).unwrap();
+        let line = json_line(
+            "2025-01-02T03:04:05.000000Z",
+            &tracing::Level::ERROR,
+            "fusex",
+            "export a: gone",
+            &[("export".into(), Value::String("a".into()))],
+        );
+        s.send(tracing::Level::ERROR, &line);
+        let mut buf = [0u8; 512];
+        let n = server.recv(&mut buf).unwrap();
+        let got = std::str::from_utf8(&buf[..n]).unwrap();
+        let prefix = format!("<27>fusex[{}]: ", std::process::id());
+        let body = got.strip_prefix(&prefix).unwrap();
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["export"], "a");
+        assert_eq!(v["message"], "export a: gone");
+    }
+
+    #[test]
+    fn a_mount_is_named_as_fusex_list_shows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        std::os::unix::fs::symlink(&real, dir.path().join("link")).unwrap();
+        let via_link = dir.path().join("link").join("disk.raw");
+        assert_eq!(
+            mountpoint_id(&via_link),
+            real.join("disk.raw").to_string_lossy()
+        );
+        assert_eq!(mountpoint_id(Path::new("/nonexistent/x")), "/nonexistent/x");
     }
 }
