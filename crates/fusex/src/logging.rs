@@ -787,7 +787,15 @@ mod tests {
         assert_eq!(lines[1]["export"], "a");
         assert_eq!(lines[1]["queue"], 3);
         assert_eq!(lines[1]["ok"], true);
-        for k in ["timestamp", "level", "target", "message", "export", "queue", "ok"] {
+        for k in [
+            "timestamp",
+            "level",
+            "target",
+            "message",
+            "export",
+            "queue",
+            "ok",
+        ] {
             assert!(keys.contains(&k), "{k} in {keys:?}");
         }
         assert_eq!(lines[2]["export"], "c");
