@@ -107,6 +107,12 @@ mod tests {
         assert!(words("pid-file", &json!("/x"), "pid-file")
             .unwrap_err()
             .contains("whole daemon"));
+        assert!(words("log-format", &json!("json"), "log-format")
+            .unwrap_err()
+            .contains("whole daemon"));
+        assert!(check_word("--log-format=json")
+            .unwrap_err()
+            .contains("whole daemon"));
     }
 
     #[test]
