@@ -714,3 +714,45 @@ fn daemonized_log_goes_to_the_log_file() {
     let mode = fs::metadata(&log).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
 }
+
+/// `fusex mount --log-format json`: every line is one JSON object, and every one names the
+/// export by its mountpoint (as `fusex list` shows it).
+#[test]
+fn json_log_lines_name_the_mount() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-jsonlog");
+    let img = w.join("disk.img");
+    sparse_image(&img, MIB);
+    let mp = w.join("export");
+    let log = w.join("fusex.json");
+    let (m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &w.join("fusex.pid"),
+        &["--log-format", "json", "--log-file", log.to_str().unwrap()],
+    )
+    .unwrap_or_else(|f| panic!("daemonized mount failed: {}", f.stderr));
+    m.stop().assert_clean("daemonized with --log-format json");
+    let text = fs::read_to_string(&log).unwrap();
+    let mut messages = Vec::new();
+    for l in text.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}\n{text}"));
+        for k in ["timestamp", "level", "target", "message"] {
+            assert!(v[k].is_string(), "no {k}: {l}");
+        }
+        assert_eq!(v["export"], mp.to_str().unwrap(), "{l}");
+        messages.push(v["message"].as_str().unwrap().to_string());
+    }
+    assert!(
+        messages.iter().any(|m| m.starts_with("mounted ")),
+        "{messages:?}"
+    );
+    assert!(
+        messages.iter().any(|m| m.starts_with("SIGTERM: unmounted")),
+        "{messages:?}"
+    );
+}

@@ -1200,3 +1200,86 @@ fn the_thread_count_does_not_grow_with_exports() {
         assert!(data.iter().all(|&b| b == 0), "t{i} reads zeroes");
     }
 }
+
+/// `--log-format json`: every line of the log is one JSON object, and the lines about one
+/// export (its mount, its removal, its end at quit) carry its id as `export`, never another's.
+#[test]
+fn json_log_lines_name_the_export_they_are_about() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-json-log");
+    let log = w.join("fusex.json");
+    let log_arg = log.to_str().unwrap();
+    let mut serve = Serve::start(w.path(), &["--log-format", "json", "--log-file", log_arg]);
+    let mut q = serve.qmp();
+    let (a, b) = (w.join("alpha.mnt"), w.join("beta.mnt"));
+    q.add_null_export("alpha", &a, json!({}));
+    q.add_null_export("beta", &b, json!({}));
+    assert_eq!(read_all(&a)[..4096], [0u8; 4096]);
+    q.remove_null_export("alpha", "safe");
+    assert_eq!(read_all(&b)[..4096], [0u8; 4096]);
+    q.ok("quit", json!({}));
+    assert_eq!(
+        serve.wait(),
+        Some(0),
+        "{}",
+        fs::read_to_string(&log).unwrap()
+    );
+    let text = fs::read_to_string(&log).unwrap();
+    let mut lines = Vec::new();
+    for l in text.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}\n{text}"));
+        let o = v
+            .as_object()
+            .unwrap_or_else(|| panic!("not an object: {l}"));
+        for k in ["timestamp", "level", "target", "message"] {
+            assert!(o.get(k).is_some_and(|v| v.is_string()), "no {k}: {l}");
+        }
+        lines.push(v);
+    }
+    let about = |id: &str| -> Vec<&serde_json::Value> {
+        lines.iter().filter(|v| v["export"] == id).collect()
+    };
+    let message = |v: &serde_json::Value| v["message"].as_str().unwrap().to_string();
+    for (id, other) in [("alpha", "beta"), ("beta", "alpha")] {
+        let mine = about(id);
+        let shown: Vec<String> = mine.iter().map(|v| message(v)).collect();
+        // Its mount, its removal (by block-export-del, or by quit) and its end.
+        assert!(
+            shown
+                .iter()
+                .any(|m| m.starts_with(&format!("export {id}: ")) && m.contains("mounted")),
+            "{id}'s mount line: {shown:?}\n{text}"
+        );
+        assert!(
+            shown.iter().any(|m| m.starts_with("removal: ")),
+            "{id}'s removal line: {shown:?}\n{text}"
+        );
+        assert!(
+            shown.iter().any(|m| m.starts_with("served ")),
+            "{id}'s served line: {shown:?}\n{text}"
+        );
+        assert!(
+            shown.contains(&format!("export {id} removed")),
+            "{id}'s removed line: {shown:?}\n{text}"
+        );
+        assert!(
+            shown.iter().all(|m| !m.contains(other)),
+            "{id}'s lines mention {other}: {shown:?}"
+        );
+        // Every line that names the export in its message carries its id.
+        for v in &lines {
+            if message(v).contains(&format!("export {id}")) {
+                assert_eq!(v["export"], id, "{v}");
+            }
+        }
+    }
+    // The daemon's own lines are about no export.
+    let quit = lines
+        .iter()
+        .find(|v| message(v).starts_with("quit: "))
+        .unwrap_or_else(|| panic!("no quit line: {text}"));
+    assert!(quit.get("export").is_none(), "{quit}");
+}

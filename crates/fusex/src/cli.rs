@@ -508,6 +508,12 @@ pub struct MountArgs {
     /// Append the log to this file (created 0640; never through a symlink)
     #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub log_file: Option<PathBuf>,
+    /// What a log line looks like: text, or json (one object per line, with the export's id)
+    ///
+    /// json: timestamp (RFC 3339, UTC), level, target, message and the event's fields; every
+    /// line carries the mountpoint as export. With --log syslog the object is the message.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t, help_heading = heading::DAEMON)]
+    pub log_format: crate::logging::LogFormat,
     /// Write request and backend counters here as JSON, at exit and on SIGUSR1
     #[arg(long, value_name = "PATH", help_heading = heading::DAEMON)]
     pub stats_file: Option<PathBuf>,
@@ -664,6 +670,12 @@ pub struct ServeArgs {
     /// Append the log to this file (created 0640; never through a symlink)
     #[arg(long, value_name = "PATH")]
     pub log_file: Option<PathBuf>,
+    /// What a log line looks like: text, or json (one object per line, with the export's id)
+    ///
+    /// json: timestamp (RFC 3339, UTC), level, target, message and the event's fields; a line
+    /// about one export (its mount, removal, failure, reload) carries its id as export.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t)]
+    pub log_format: crate::logging::LogFormat,
 }
 
 /// `--max-size`: the same size syntax as `null:SIZE` images.

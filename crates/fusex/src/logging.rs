@@ -3,6 +3,11 @@
 //! it detaches from the terminal: the one given, else syslog where `/dev/log` takes messages, else
 //! stderr when it is a file; with none of those `--daemonize` is refused, since every later line,
 //! the stop's included, would be lost.
+//!
+//! And what a line looks like (`--log-format`): text for people, or one JSON object per line for
+//! journald and log collectors, which carries the id of the export a line is about as the field
+//! `export` (see [`export_span`] and [`set_process_export`]), so one export's lines can be picked
+//! out of a daemon serving many.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -10,10 +15,21 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use tracing::field::{Field, Visit};
+use tracing::level_filters::LevelFilter;
+use tracing::span;
+use tracing::subscriber::Interest;
+use tracing::{Event, Metadata, Subscriber};
 use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::{Context as LayerContext, Filter, Layer, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
 
 use crate::cli::{LogArg, MountArgs};
 
@@ -257,6 +273,358 @@ impl<'a> MakeWriter<'a> for Sink {
     }
 }
 
+/// `--log-format`: what a log line looks like.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// For people: timestamp, level and message on one line.
+    #[default]
+    Text,
+    /// For machines: one JSON object per line, with timestamp, level, target, message, the
+    /// event's fields and those of the spans it is in (an export's id as "export").
+    Json,
+}
+
+/// The format lines are written in now ([`LogFormat`] as a number). A process-wide switch
+/// rather than a choice made once at [`init`], because `fusex restart` learns its predecessor's
+/// format only after its logging started.
+static FORMAT: AtomicU8 = AtomicU8::new(0);
+
+/// The export every line of this process is about, for processes that serve one (`fusex
+/// mount`, its `--auto-unmount` watcher): JSON lines carry it as `export` unless a span or the
+/// event names another.
+static PROCESS_EXPORT: OnceLock<String> = OnceLock::new();
+
+/// The environment variable by which a daemon tells its `--auto-unmount` watcher (which takes
+/// no logging options) to log in JSON too: it writes to the same stderr.
+pub const WATCHER_FORMAT_ENV: &str = "FUSEX_WATCHER_LOG_FORMAT";
+
+/// Lines are written as `f` from now on.
+pub fn set_format(f: LogFormat) {
+    FORMAT.store(f as u8, Ordering::Relaxed);
+}
+
+/// The format lines are written in now.
+pub fn format() -> LogFormat {
+    match FORMAT.load(Ordering::Relaxed) {
+        0 => LogFormat::Text,
+        _ => LogFormat::Json,
+    }
+}
+
+/// Names the export every line of this process is about (the first call wins: a process
+/// serves one export for its whole life).
+pub fn set_process_export(id: String) {
+    let _ = PROCESS_EXPORT.set(id);
+}
+
+/// What a `fusex mount` export is called in the log: its mountpoint as `fusex list` shows it
+/// (the canonical directory, then the file's name, which may not exist yet), else as given.
+pub fn mountpoint_id(path: &Path) -> String {
+    let canonical = path.file_name().and_then(|name| {
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        Some(parent.canonicalize().ok()?.join(name))
+    });
+    canonical
+        .as_deref()
+        .unwrap_or(path)
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The span in which work on one export of `fusex serve` is done (its mount, supervision,
+/// removal, failure, reload), so that every line logged meanwhile on that thread, whichever
+/// module logs it, carries `export`. Entered only on control-plane threads: the queues' worker
+/// threads serve every export's requests and enter nothing per request. Text lines do not show
+/// it (they name the export in their message where it matters, as they always did); with text
+/// the span is disabled and costs nothing. A root span: work on one export is never inside
+/// another's, even when one export's command starts the next.
+pub fn export_span(id: &str) -> tracing::Span {
+    tracing::info_span!(parent: None, "export", export = %id)
+}
+
+/// Whether `meta` is [`export_span`]'s.
+fn is_export_span(meta: &Metadata<'_>) -> bool {
+    meta.is_span() && meta.name() == "export" && meta.target() == module_path!()
+}
+
+/// Starts logging to [`Sink`]: events `RUST_LOG` (else `default`, a level) lets through, in the
+/// format [`set_format`] chose, text with terminal colours if `ansi`.
+pub fn init(default: &str, ansi: bool) {
+    let env = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let text = tracing_subscriber::fmt::layer()
+        .with_writer(Sink)
+        .with_target(false)
+        .with_ansi(ansi)
+        .with_filter(Only {
+            format: LogFormat::Text,
+            current: &FORMAT,
+            env: env(),
+        });
+    let json = JsonLayer {
+        writer: Sink,
+        process_export: &PROCESS_EXPORT,
+    }
+    .with_filter(Only {
+        format: LogFormat::Json,
+        current: &FORMAT,
+        env: env(),
+    });
+    tracing_subscriber::registry().with(text).with(json).init();
+}
+
+/// The filter of the layer that writes `format`: what `env` (`RUST_LOG`) lets through while
+/// that is the format, plus [`export_span`] for JSON whatever `RUST_LOG` says (it is context,
+/// not a line). Text never sees the span, so its lines are as they were without it.
+struct Only {
+    format: LogFormat,
+    /// [`FORMAT`] (a test's own otherwise).
+    current: &'static AtomicU8,
+    env: EnvFilter,
+}
+
+impl<S> Filter<S> for Only {
+    fn enabled(&self, meta: &Metadata<'_>, cx: &LayerContext<'_, S>) -> bool {
+        if self.current.load(Ordering::Relaxed) != self.format as u8 {
+            return false;
+        }
+        if is_export_span(meta) {
+            return self.format == LogFormat::Json;
+        }
+        Filter::<S>::enabled(&self.env, meta, cx)
+    }
+
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
+        // Never what no format could want; the rest is decided per event ("sometimes"), since
+        // the format may change (`fusex restart`).
+        let wanted = if is_export_span(meta) {
+            self.format == LogFormat::Json
+        } else {
+            !Filter::<S>::callsite_enabled(&self.env, meta).is_never()
+        };
+        if wanted {
+            Interest::sometimes()
+        } else {
+            Interest::never()
+        }
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        let env = Filter::<S>::max_level_hint(&self.env);
+        match self.format {
+            LogFormat::Text => env,
+            // The export span is at INFO: a stricter RUST_LOG must not filter it out.
+            LogFormat::Json => env.map(|l| l.max(LevelFilter::INFO)),
+        }
+    }
+
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, cx: LayerContext<'_, S>) {
+        Filter::<S>::on_new_span(&self.env, attrs, id, cx);
+    }
+
+    fn on_record(&self, id: &span::Id, values: &span::Record<'_>, cx: LayerContext<'_, S>) {
+        Filter::<S>::on_record(&self.env, id, values, cx);
+    }
+
+    fn on_enter(&self, id: &span::Id, cx: LayerContext<'_, S>) {
+        Filter::<S>::on_enter(&self.env, id, cx);
+    }
+
+    fn on_exit(&self, id: &span::Id, cx: LayerContext<'_, S>) {
+        Filter::<S>::on_exit(&self.env, id, cx);
+    }
+
+    fn on_close(&self, id: span::Id, cx: LayerContext<'_, S>) {
+        Filter::<S>::on_close(&self.env, id, cx);
+    }
+}
+
+/// Writes each event as one JSON object on one line (see [`json_line`]).
+struct JsonLayer<W> {
+    writer: W,
+    /// [`PROCESS_EXPORT`] (a test's own otherwise).
+    process_export: &'static OnceLock<String>,
+}
+
+/// A span's fields, kept in its extensions for the lines logged inside it.
+struct SpanFields(Vec<(String, Value)>);
+
+/// An event's or a span's fields as JSON values; the message apart.
+#[derive(Default)]
+struct Fields {
+    fields: Vec<(String, Value)>,
+    message: Option<String>,
+}
+
+impl Fields {
+    fn put(&mut self, name: &str, v: Value) {
+        if name == "message" {
+            self.message = Some(match v {
+                Value::String(s) => s,
+                other => other.to_string(),
+            });
+            return;
+        }
+        put(&mut self.fields, name, v);
+    }
+}
+
+/// Sets field `name` in `fields`: a later value (an inner span's, the event's) replaces an
+/// earlier one.
+fn put(fields: &mut Vec<(String, Value)>, name: &str, v: Value) {
+    match fields.iter_mut().find(|(n, _)| n == name) {
+        Some(slot) => slot.1 = v,
+        None => fields.push((name.to_string(), v)),
+    }
+}
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.put(field.name(), Value::String(format!("{value:?}")));
+    }
+
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.put(field.name(), Value::String(value.to_string()));
+    }
+
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.put(field.name(), value.into());
+    }
+
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.put(field.name(), value.into());
+    }
+
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        // NaN and infinities are no JSON numbers: as text.
+        let v = serde_json::Number::from_f64(value)
+            .map_or_else(|| Value::String(value.to_string()), Value::Number);
+        self.put(field.name(), v);
+    }
+
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.put(field.name(), value.into());
+    }
+
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.put(field.name(), Value::String(value.to_string()));
+    }
+}
+
+/// The names every line has; a field of the same name is written as `field.NAME`.
+const RESERVED: [&str; 4] = ["timestamp", "level", "target", "message"];
+
+/// One event as a JSON object on one line (ending in a newline): `timestamp` (RFC 3339, UTC),
+/// `level`, `target` (the module that logged it) and `message`, then `fields` in order.
+fn json_line(
+    timestamp: &str,
+    level: &tracing::Level,
+    target: &str,
+    message: &str,
+    fields: &[(String, Value)],
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128 + message.len());
+    out.push(b'{');
+    pair(&mut out, "timestamp", timestamp);
+    pair(&mut out, "level", level.as_str());
+    pair(&mut out, "target", target);
+    pair(&mut out, "message", message);
+    for (k, v) in fields {
+        if RESERVED.contains(&k.as_str()) {
+            pair(&mut out, &format!("field.{k}"), v);
+        } else {
+            pair(&mut out, k, v);
+        }
+    }
+    out.extend_from_slice(b"}\n");
+    out
+}
+
+/// Appends `"key":value` to the object being written in `out` (a comma first unless it is the
+/// first member).
+fn pair<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, key: &str, value: &T) {
+    if out.len() > 1 {
+        out.push(b',');
+    }
+    // Strings and Values serialize into a Vec without fail (a Value's keys are strings).
+    let _ = serde_json::to_writer(&mut *out, key);
+    out.push(b':');
+    let _ = serde_json::to_writer(&mut *out, value);
+}
+
+impl<S, W> Layer<S> for JsonLayer<W>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + 'static,
+{
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, cx: LayerContext<'_, S>) {
+        let Some(span) = cx.span(id) else { return };
+        let mut f = Fields::default();
+        attrs.record(&mut f);
+        span.extensions_mut().insert(SpanFields(f.fields));
+    }
+
+    fn on_record(&self, id: &span::Id, values: &span::Record<'_>, cx: LayerContext<'_, S>) {
+        let Some(span) = cx.span(id) else { return };
+        let mut ext = span.extensions_mut();
+        if let Some(SpanFields(kept)) = ext.get_mut::<SpanFields>() {
+            let mut f = Fields {
+                fields: std::mem::take(kept),
+                message: None,
+            };
+            values.record(&mut f);
+            *kept = f.fields;
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, cx: LayerContext<'_, S>) {
+        let meta = event.metadata();
+        let mut fields = Vec::new();
+        if let Some(id) = self.process_export.get() {
+            fields.push(("export".to_string(), Value::String(id.clone())));
+        }
+        if let Some(scope) = cx.event_scope(event) {
+            for span in scope.from_root() {
+                if let Some(SpanFields(f)) = span.extensions().get::<SpanFields>() {
+                    for (k, v) in f {
+                        put(&mut fields, k, v.clone());
+                    }
+                }
+            }
+        }
+        let mut ev = Fields {
+            fields,
+            message: None,
+        };
+        event.record(&mut ev);
+        // A `log` record (rustls's) names its module in a field, as the fmt layer shows it.
+        let mut target = meta.target().to_string();
+        ev.fields.retain(|(k, v)| match (k.as_str(), v) {
+            ("log.target", Value::String(t)) => {
+                target = t.clone();
+                false
+            }
+            (k, _) => !k.starts_with("log."),
+        });
+        let mut timestamp = String::new();
+        let _ = tracing_subscriber::fmt::time::FormatTime::format_time(
+            &tracing_subscriber::fmt::time::SystemTime,
+            &mut tracing_subscriber::fmt::format::Writer::new(&mut timestamp),
+        );
+        let line = json_line(
+            &timestamp,
+            meta.level(),
+            &target,
+            ev.message.as_deref().unwrap_or(""),
+            &ev.fields,
+        );
+        // A line that cannot be written is dropped: logging must never fail the daemon.
+        let _ = self.writer.make_writer_for(meta).write_all(&line);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +674,209 @@ mod tests {
         let mode = std::fs::metadata(&log).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
+
+    /// A writer into a shared buffer, as the log's [`Sink`] is one into stderr.
+    #[derive(Clone, Default)]
+    struct Capture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Capture {
+        type Writer = Capture;
+
+        fn make_writer(&'a self) -> Capture {
+            self.clone()
+        }
+    }
+
+    impl Capture {
+        fn lines(&self) -> Vec<String> {
+            let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+            text.lines().map(str::to_string).collect()
+        }
+
+        fn json(&self) -> Vec<serde_json::Map<String, Value>> {
+            self.lines()
+                .iter()
+                .map(|l| match serde_json::from_str(l) {
+                    Ok(Value::Object(m)) => m,
+                    other => panic!("not a JSON object: {l:?} ({other:?})"),
+                })
+                .collect()
+        }
+    }
+
+    /// Runs `f` with the subscriber [`init`] makes, writing to `text` and `json`, in the
+    /// format `current` says and with `process` as [`PROCESS_EXPORT`].
+    fn logged(
+        current: &'static AtomicU8,
+        process: &'static OnceLock<String>,
+        f: impl FnOnce(),
+    ) -> (Capture, Capture) {
+        let (text, json) = (Capture::default(), Capture::default());
+        let subscriber = tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(text.clone())
+                    .with_target(false)
+                    .with_ansi(false)
+                    .with_filter(Only {
+                        format: LogFormat::Text,
+                        current,
+                        env: EnvFilter::new("info"),
+                    }),
+            )
+            .with(
+                JsonLayer {
+                    writer: json.clone(),
+                    process_export: process,
+                }
+                .with_filter(Only {
+                    format: LogFormat::Json,
+                    current,
+                    env: EnvFilter::new("info"),
+                }),
+            );
+        tracing::subscriber::with_default(subscriber, f);
+        (text, json)
+    }
+
+    #[test]
+    fn json_lines_carry_the_event_its_fields_and_its_export() {
+        static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Json as u8);
+        static NONE: OnceLock<String> = OnceLock::new();
+        let (text, json) = logged(&CURRENT, &NONE, || {
+            tracing::info!("daemon line");
+            let _a = export_span("a").entered();
+            tracing::warn!(queue = 3, ok = true, "mounted \"{}\"\nat {}", "x", "/m");
+            {
+                // Another export's work started from this one's is that export's alone.
+                let _b = export_span("b").entered();
+                tracing::error!(export = "c", level = 5, "the event names its own");
+                tracing::info!("b's line");
+            }
+            tracing::debug!("filtered out");
+            tracing::info!("a's line");
+        });
+        assert!(text.lines().is_empty(), "{:?}", text.lines());
+        let lines = json.json();
+        assert_eq!(json.lines().len(), 5, "{:?}", json.lines());
+        for l in &lines {
+            let ts = l["timestamp"].as_str().unwrap();
+            // RFC 3339 in UTC: 2025-01-02T03:04:05.678901Z
+            assert_eq!(ts.as_bytes()[10], b'T', "{ts}");
+            assert!(ts.ends_with('Z'), "{ts}");
+            assert_eq!(l["target"], "fusex::logging::tests");
+        }
+        let keys: Vec<&str> = lines[1].keys().map(String::as_str).collect();
+        assert_eq!(lines[0]["level"], "INFO");
+        assert_eq!(lines[0]["message"], "daemon line");
+        assert!(!lines[0].contains_key("export"));
+        assert_eq!(lines[1]["level"], "WARN");
+        assert_eq!(lines[1]["message"], "mounted \"x\"\nat /m");
+        assert_eq!(lines[1]["export"], "a");
+        assert_eq!(lines[1]["queue"], 3);
+        assert_eq!(lines[1]["ok"], true);
+        for k in [
+            "timestamp",
+            "level",
+            "target",
+            "message",
+            "export",
+            "queue",
+            "ok",
+        ] {
+            assert!(keys.contains(&k), "{k} in {keys:?}");
+        }
+        assert_eq!(lines[2]["export"], "c");
+        assert_eq!(lines[2]["level"], "ERROR");
+        assert_eq!(lines[2]["field.level"], 5);
+        assert_eq!(lines[3]["export"], "b");
+        assert_eq!(lines[4]["export"], "a");
+        assert_eq!(lines[4]["message"], "a's line");
+    }
+
+    #[test]
+    fn a_process_of_one_export_names_it_on_every_json_line() {
+        static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Json as u8);
+        static PROCESS: OnceLock<String> = OnceLock::new();
+        PROCESS.set("/srv/disk.raw".into()).unwrap();
+        let (_, json) = logged(&CURRENT, &PROCESS, || {
+            tracing::info!("mounted");
+            let _a = export_span("other").entered();
+            tracing::info!("in a span");
+        });
+        let lines = json.json();
+        assert_eq!(lines[0]["export"], "/srv/disk.raw");
+        assert_eq!(lines[1]["export"], "other");
+    }
+
+    #[test]
+    fn text_lines_are_as_they_were_and_follow_the_format_switch() {
+        static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Text as u8);
+        static NONE: OnceLock<String> = OnceLock::new();
+        let (text, json) = logged(&CURRENT, &NONE, || {
+            let _a = export_span("a").entered();
+            tracing::info!(n = 1, "export a: mounted");
+            CURRENT.store(LogFormat::Json as u8, Ordering::Relaxed);
+            tracing::info!("now json");
+        });
+        let lines = text.lines();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        // `2025-01-02T03:04:05.678901Z  INFO export a: mounted n=1`: no span prefix.
+        let (_, rest) = lines[0].split_once(' ').unwrap();
+        assert_eq!(rest, " INFO export a: mounted n=1");
+        let json = json.json();
+        assert_eq!(json.len(), 1);
+        assert_eq!(json[0]["message"], "now json");
+        // The span was made while the format was text: nothing to carry.
+        assert!(!json[0].contains_key("export"));
+    }
+
+    #[test]
+    fn a_json_line_is_a_syslog_message_body() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let server = UnixDatagram::bind(&path).unwrap();
+        let s = Syslog::connect(&path).unwrap();
+        let line = json_line(
+            "2025-01-02T03:04:05.000000Z",
+            &tracing::Level::ERROR,
+            "fusex",
+            "export a: gone",
+            &[("export".into(), Value::String("a".into()))],
+        );
+        s.send(tracing::Level::ERROR, &line);
+        let mut buf = [0u8; 512];
+        let n = server.recv(&mut buf).unwrap();
+        let got = std::str::from_utf8(&buf[..n]).unwrap();
+        let prefix = format!("<27>fusex[{}]: ", std::process::id());
+        let body = got.strip_prefix(&prefix).unwrap();
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["export"], "a");
+        assert_eq!(v["message"], "export a: gone");
+    }
+
+    #[test]
+    fn a_mount_is_named_as_fusex_list_shows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        std::os::unix::fs::symlink(&real, dir.path().join("link")).unwrap();
+        let via_link = dir.path().join("link").join("disk.raw");
+        assert_eq!(
+            mountpoint_id(&via_link),
+            real.join("disk.raw").to_string_lossy()
+        );
+        assert_eq!(mountpoint_id(Path::new("/nonexistent/x")), "/nonexistent/x");
     }
 }

@@ -33,29 +33,28 @@ fn init_logging(verbose: u8) {
 }
 
 /// Logging to [`logging::Sink`] (stderr, or syslog once switched there: `syslog` says it is, and
-/// so no colours).
+/// so no colours), in the format [`logging::set_format`] chose.
 fn init_logging_to(verbose: u8, syslog: bool) {
     let default = match verbose {
         0 => "info",
         1 => "debug",
         _ => "trace",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(logging::Sink)
-        .with_target(false)
-        .with_ansi(!syslog && std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    logging::init(
+        default,
+        !syslog && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    );
 }
 
 /// Starts a daemon command: the log destination chosen (and a `--log-file` opened) before the
 /// fork, so a refusal is one line here; the fork (`--daemonize`) before any thread exists
 /// (logging starts none); then `run` with the readiness report.
 fn detach(
-    log: Option<cli::LogArg>,
-    log_file: Option<std::path::PathBuf>,
+    (log, log_file, format): (
+        Option<cli::LogArg>,
+        Option<std::path::PathBuf>,
+        logging::LogFormat,
+    ),
     daemonize: bool,
     verbose: u8,
     run: impl FnOnce(daemon::Readiness) -> anyhow::Result<()>,
@@ -73,6 +72,7 @@ fn detach(
         Ok(daemon::Readiness::foreground())
     };
     logging::switch(&dest);
+    logging::set_format(format);
     let syslog = matches!(dest, logging::Dest::Syslog(_));
     init_logging_to(verbose, syslog);
     ready.and_then(|mut r| {
@@ -121,15 +121,17 @@ fn main() {
     let result = match command {
         Command::Mount(args) => {
             daemonized = args.daemonize;
-            let (log, file) = (args.log, args.log_file.clone());
-            detach(log, file, args.daemonize, cli.verbose, |r| {
+            // Every line of a mount is about its one export: named as `fusex list` shows it.
+            logging::set_process_export(logging::mountpoint_id(&args.mountpoint));
+            let log = (args.log, args.log_file.clone(), args.log_format);
+            detach(log, args.daemonize, cli.verbose, |r| {
                 serve::mount(*args, r, cli.verbose)
             })
         }
         Command::Serve(args) => {
             daemonized = args.daemonize;
-            let (log, file) = (args.log, args.log_file.clone());
-            detach(log, file, args.daemonize, cli.verbose, |r| {
+            let log = (args.log, args.log_file.clone(), args.log_format);
+            detach(log, args.daemonize, cli.verbose, |r| {
                 service::daemon::run(*args, r, cli.verbose)
             })
         }
@@ -160,6 +162,11 @@ fn main() {
             unique,
             dev,
         } => {
+            // Its daemon's format (it writes to the same stderr), and its export.
+            if std::env::var_os(logging::WATCHER_FORMAT_ENV).is_some_and(|v| v == "json") {
+                logging::set_format(logging::LogFormat::Json);
+            }
+            logging::set_process_export(mountpoint.to_string_lossy().into_owned());
             init_logging(cli.verbose);
             watcher::run(
                 &mountpoint,
@@ -178,7 +185,12 @@ fn main() {
         }
         // One line: the problem and what to do.
         let msg = format!("{e:#}").replace('\n', " ");
-        eprintln!("fusex: error: {msg}");
+        if logging::format() == logging::LogFormat::Json {
+            // The log is for machines: this line too (it may go to the same file).
+            tracing::error!("fusex: error: {msg}");
+        } else {
+            eprintln!("fusex: error: {msg}");
+        }
         std::process::exit(1);
     }
 }

@@ -363,7 +363,12 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
         Ok(TakenOver::Mount(prepared, notifier)) => {
             let prepared = *prepared;
             let args = prepared.args.clone();
-            // The log goes where the old daemon's command line says, as for a daemon.
+            // The log goes where the old daemon's command line says, in its format, as for a
+            // daemon; every line is about this export.
+            crate::logging::set_format(args.log_format);
+            crate::logging::set_process_export(
+                prepared.mnt.mountpoint().to_string_lossy().into_owned(),
+            );
             let daemon = MountArgs {
                 daemonize: true,
                 ..args.clone()

@@ -58,6 +58,9 @@ pub fn spawn(mountpoint: &Path, id: &MountIdentity, verbose: u8, quiet: bool) ->
     if id.is_unique() {
         cmd.arg("--unique");
     }
+    if crate::logging::format() == crate::logging::LogFormat::Json {
+        cmd.env(crate::logging::WATCHER_FORMAT_ENV, "json");
+    }
     // stdin becomes the read end (dup2 clears close-on-exec on the copy); the original closes
     // with `cmd` in this process.
     cmd.stdin(Stdio::from(rd)).stdout(Stdio::null());

@@ -194,6 +194,7 @@ impl Service {
                 r["id"].as_str().unwrap_or(""),
                 r["action"].as_str().unwrap_or(""),
             );
+            let _in = crate::logging::export_span(id).entered();
             match r["error"].as_str() {
                 Some(e) => tracing::error!("reload: export {id}: {e}"),
                 None => tracing::info!("reload: export {id}: {action}"),

@@ -161,6 +161,7 @@ impl Service {
         let mut open = BTreeMap::new();
         let mut taken = Vec::new();
         for (id, tx, orx, arx) in asked {
+            let _in = crate::logging::export_span(&id).entered();
             if arx.recv() != Ok(true) {
                 tracing::error!("restart: export {id} would not let go; the successor lacks it");
                 continue;

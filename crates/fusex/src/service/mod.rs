@@ -221,6 +221,7 @@ impl Service {
 
     /// An export ended: it leaves the table, and clients hear of it.
     fn reap(&self, f: Finished) {
+        let _in = crate::logging::export_span(&f.id).entered();
         let mut t = self.table();
         let ours = t
             .exports
@@ -560,6 +561,7 @@ impl Service {
         margs: crate::cli::MountArgs,
         argv: Vec<String>,
     ) -> Result<(), QmpError> {
+        let _in = crate::logging::export_span(&id).entered();
         let mut t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));

@@ -14,7 +14,14 @@ use crate::cli::{Cli, Command, MountArgs};
 pub const EXTENSION: &str = "__org.fusex_";
 
 /// `fusex mount` options that belong to the whole process, not to one export of `fusex serve`.
-const PROCESS_WIDE: &[&str] = &["daemonize", "pid-file", "log", "log-file", "control"];
+const PROCESS_WIDE: &[&str] = &[
+    "daemonize",
+    "pid-file",
+    "log",
+    "log-file",
+    "log-format",
+    "control",
+];
 
 /// One option given as a key and a JSON value, as the command-line words it stands for:
 /// `true` is the switch, `false` nothing, a string or number its value, an array the option
@@ -98,6 +105,12 @@ mod tests {
             ["--fault=read:1:eio", "--fault=write:2:eio"]
         );
         assert!(words("pid-file", &json!("/x"), "pid-file")
+            .unwrap_err()
+            .contains("whole daemon"));
+        assert!(words("log-format", &json!("json"), "log-format")
+            .unwrap_err()
+            .contains("whole daemon"));
+        assert!(check_word("--log-format=json")
             .unwrap_err()
             .contains("whole daemon"));
     }

@@ -39,11 +39,15 @@ struct Adding {
     report: server::Report,
     /// Cleared once the export ended (see [`ExportTx`]).
     open: Arc<AtomicBool>,
+    /// Entered for its work here, so that its lines carry its id.
+    span: tracing::Span,
 }
 
 /// An export being supervised.
 struct Slot {
     id: String,
+    /// Entered for each of its events and ticks, and its end ([`crate::logging::export_span`]).
+    span: tracing::Span,
     sup: Supervisor,
     prepared: Prepared,
     owner: ServiceOwner,
@@ -115,6 +119,7 @@ impl Supervisors {
             owner,
             report,
             open: open.clone(),
+            span: crate::logging::export_span(id),
         };
         self.tx
             .send(Msg::Add(Box::new(adding)))
@@ -155,6 +160,8 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
             // An export that ended: dropped, with what it carries (a Release's answer channels).
             Some(Msg::Event(..)) => {}
             Some(Msg::Add(a)) => {
+                let span = a.span.clone();
+                let _in = span.enter();
                 let started = std::panic::catch_unwind(AssertUnwindSafe(|| start(*a, &finished)));
                 match started {
                     Ok(Some((serial, slot))) => {
@@ -195,6 +202,8 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
     // Nothing can reach the exports any more (the daemon is going away): each ends as a
     // supervisor whose channel closed did.
     for (serial, mut s) in std::mem::take(&mut slots) {
+        let span = s.span.clone();
+        let _in = span.enter();
         s.sup.closed(&s.prepared);
         end(serial, s, &finished);
     }
@@ -207,6 +216,8 @@ fn guarded(slots: &mut BTreeMap<u64, Slot>, serial: u64, f: impl FnOnce(&mut Slo
     let Some(s) = slots.get_mut(&serial) else {
         return;
     };
+    let span = s.span.clone();
+    let _in = span.enter();
     if std::panic::catch_unwind(AssertUnwindSafe(|| f(s))).is_err() {
         if let Some(s) = slots.remove(&serial) {
             s.open.store(false, Ordering::Release);
@@ -225,6 +236,7 @@ fn start(a: Adding, finished: &mpsc::Sender<Finished>) -> Option<(u64, Slot)> {
         owner,
         report,
         open,
+        span,
     } = a;
     match Supervisor::start(&mut prepared, Plan::none(), report, true) {
         Ok(sup) => {
@@ -233,6 +245,7 @@ fn start(a: Adding, finished: &mpsc::Sender<Finished>) -> Option<(u64, Slot)> {
                 serial,
                 Slot {
                     id,
+                    span,
                     sup,
                     prepared,
                     owner,
@@ -252,6 +265,8 @@ fn start(a: Adding, finished: &mpsc::Sender<Finished>) -> Option<(u64, Slot)> {
 /// Ends an export whose supervisor is done (or can no longer be reached).
 fn end(serial: u64, s: Slot, finished: &mpsc::Sender<Finished>) {
     let name = s.id.clone();
+    let span = s.span.clone();
+    let _in = span.enter();
     let ended = std::panic::catch_unwind(AssertUnwindSafe(|| end_unguarded(serial, s, finished)));
     if ended.is_err() {
         tracing::error!("export {name}: its supervisor panicked as it ended");

@@ -55,7 +55,8 @@ fn take(
     let Some(crate::cli::Command::Serve(args)) = cli.command else {
         bail!("the daemon's command line is not fusex serve");
     };
-    // The log goes where the old daemon's command line says, as for a daemon.
+    // The log goes where the old daemon's command line says, in its format, as for a daemon.
+    crate::logging::set_format(args.log_format);
     match crate::logging::choose_for(args.log, args.log_file.as_ref(), true) {
         Ok(dest) => {
             crate::logging::switch(&dest);
@@ -80,6 +81,7 @@ fn take(
     }
     let mut adoptions = Vec::with_capacity(exports.len());
     for (e, fds) in exports {
+        let _in = crate::logging::export_span(&e.id).entered();
         let a = Adoption::begin(e.state.clone(), fds, &e.state.mountpoint)
             .with_context(|| format!("export {}", e.id))?;
         adoptions.push((e, a));
@@ -94,6 +96,7 @@ fn take(
         };
     // Past the point of return: an export that fails now ends as a failed start does.
     for (e, a) in adoptions {
+        let _in = crate::logging::export_span(&e.id).entered();
         let Some(&open) = open_files.get(&e.id) else {
             tracing::error!("restart: the old daemon did not let go of export {}", e.id);
             continue;
