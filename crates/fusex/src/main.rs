@@ -14,11 +14,13 @@ mod metrics;
 mod notify;
 mod passthrough;
 mod privileges;
+mod qmp_client;
 mod restart;
 mod runtime;
 pub mod serve;
 mod service;
 mod timeout;
+mod top;
 mod version;
 mod watcher;
 mod workers;
@@ -144,6 +146,10 @@ fn main() {
         Command::Ctl(args) => {
             init_logging(cli.verbose);
             ctl::run(args)
+        }
+        Command::Top(args) => {
+            init_logging(cli.verbose);
+            top::run(args)
         }
         Command::Generate { what } => {
             init_logging(cli.verbose);
