@@ -49,7 +49,7 @@ pub enum Command {
     /// Talks QMP to the daemon's control socket (by default control.sock in the runtime
     /// directory, /run/fusex for root). Tables for people, --json for scripts.
     Ctl(CtlArgs),
-    /// A live view of a daemon's exports: IOPS, MB/s, latency, requests in flight, errors
+    /// A live view of a daemon's exports: request rates, throughput, latency, errors
     ///
     /// One line per export, refreshed every --interval from the control socket of a fusex
     /// serve (or of anything answering __org.fusex_query-stats). q or Ctrl-C quits; s changes
@@ -627,8 +627,8 @@ pub struct TopArgs {
     #[arg(long, value_name = "SECONDS", default_value = "1",
           value_parser = crate::top::parse_interval)]
     pub interval: std::time::Duration,
-    /// Order of the lines (the keys i, r, w, p, e and n choose it while running; s cycles)
-    #[arg(long, value_enum, default_value_t = crate::top::SortKey::Iops)]
+    /// Order of the lines (while running: keys i, r, w, p, e, n; s cycles)
+    #[arg(long, value_name = "KEY", value_enum, default_value_t = crate::top::SortKey::Iops)]
     pub sort: crate::top::SortKey,
     /// Take two samples one interval apart, print one table and exit
     #[arg(long)]

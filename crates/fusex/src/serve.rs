@@ -590,7 +590,7 @@ impl Adoption {
             export,
             mnt,
             settled,
-        stats: Default::default(),
+            stats: Default::default(),
         })
     }
 }

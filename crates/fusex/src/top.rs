@@ -463,7 +463,7 @@ fn live(
             if let Some(t) = term.as_mut() {
                 let (w, h) = terminal_size().unwrap_or((80, 24));
                 let lines = screen(path, sort, shown.as_deref(), w, h);
-                t.draw(&lines)?;
+                t.draw(&lines, w, h)?;
             } else if let Some(r) = &shown {
                 let mut out = std::io::stdout().lock();
                 writeln!(out, "{}\n", table(r, 80).join("\n"))?;
@@ -524,7 +524,11 @@ fn screen(
     height: usize,
 ) -> Vec<String> {
     let count = rows.map_or(String::new(), |r| {
-        format!("  {} export{}", r.len(), if r.len() == 1 { "" } else { "s" })
+        format!(
+            "  {} export{}",
+            r.len(),
+            if r.len() == 1 { "" } else { "s" }
+        )
     });
     let rest = format!(
         "  {}{count}  sort {}  q quits, s sorts",
@@ -617,18 +621,26 @@ impl Terminal {
         Ok(term)
     }
 
-    /// Draws `lines` from the top left, each line cleared to its end, the rest of the screen
-    /// cleared; no newline after the last line, so a full screen does not scroll.
-    fn draw(&mut self, lines: &[String]) -> Result<()> {
+    /// Draws `lines` from the top left over a `width`×`height` screen, each line cleared to
+    /// its end and the rest of the screen cleared. A line that fills the width leaves the cursor
+    /// on its last column with the wrap pending, where clearing would erase that column: such a
+    /// line is not cleared after (it has nothing left to clear), and there is no newline after
+    /// the last line of a full screen (it would scroll).
+    fn draw(&mut self, lines: &[String], width: usize, height: usize) -> Result<()> {
+        let lines = &lines[..lines.len().min(height)];
         let mut s = String::from("\x1b[H");
         for (i, l) in lines.iter().enumerate() {
             if i > 0 {
                 s.push_str("\r\n");
             }
             s.push_str(l);
-            s.push_str("\x1b[K");
+            if l.chars().count() < width {
+                s.push_str("\x1b[K");
+            }
         }
-        s.push_str("\x1b[J");
+        if lines.len() < height {
+            s.push_str("\r\n\x1b[J");
+        }
         let mut out = std::io::stdout().lock();
         out.write_all(s.as_bytes())?;
         out.flush()?;
@@ -727,8 +739,8 @@ mod tests {
 
     #[test]
     fn intervals_are_deltas_over_the_real_time_between_samples() {
-        let a = Sample::from_json(&export_json("a", 10, 1000, 500, lat(&[(10_000, 1000)])))
-            .unwrap();
+        let a =
+            Sample::from_json(&export_json("a", 10, 1000, 500, lat(&[(10_000, 1000)]))).unwrap();
         // 2 s later: 400 more reads, 200 of them slow (5 ms); 100 more writes.
         let b = Sample::from_json(&export_json(
             "a",
@@ -826,7 +838,11 @@ mod tests {
         let t = table(&[r, row("b", 1.0, None, 0)], 80);
         assert_eq!(t.len(), 3);
         for l in &t {
-            assert!(l.chars().count() <= 80, "{} columns: {l}", l.chars().count());
+            assert!(
+                l.chars().count() <= 80,
+                "{} columns: {l}",
+                l.chars().count()
+            );
         }
         assert!(t[0].starts_with("ID "));
         assert!(t[0].ends_with("ERR"));
@@ -851,7 +867,8 @@ mod tests {
         let rows: Vec<Row> = (0..50)
             .map(|i| row(&format!("e{i}"), i as f64, None, 0))
             .collect();
-        let path = Path::new("/run/a/very/long/directory/name/to/make/the/header/long/control.sock");
+        let path =
+            Path::new("/run/a/very/long/directory/name/to/make/the/header/long/control.sock");
         for (w, h) in [(80, 24), (40, 10), (200, 5)] {
             let s = screen(path, SortKey::Iops, Some(&rows), w, h);
             assert!(s.len() <= h, "{} lines on {h}", s.len());
