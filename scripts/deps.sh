@@ -34,6 +34,8 @@ have strip || need+=(binutils)
 # man and groff: tests/install.rs renders every installed man page and fails on any warning.
 have man || need+=(man-db)
 have groff || need+=(groff-base)
+# tmux: tests/top.rs runs `fusex top` on a real terminal (tmux's) and reads the screen back.
+have tmux || need+=(tmux)
 if [ "${1:-}" = "--bench" ]; then
   have gcc || need+=(gcc)
   # libfuse's passthrough_hp, a peer that bench/peers.sh builds; valgrind for bench/instructions.sh.

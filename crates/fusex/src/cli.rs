@@ -49,6 +49,12 @@ pub enum Command {
     /// Talks QMP to the daemon's control socket (by default control.sock in the runtime
     /// directory, /run/fusex for root). Tables for people, --json for scripts.
     Ctl(CtlArgs),
+    /// A live view of a daemon's exports: request rates, throughput, latency, errors
+    ///
+    /// One line per export, refreshed every --interval from the control socket of a fusex
+    /// serve (or of anything answering __org.fusex_query-stats). q or Ctrl-C quits; s changes
+    /// the order. --once prints one interval's table (or JSON with --json) for scripts.
+    Top(TopArgs),
     /// Unmount a fusex export (the daemon then exits), or clear one whose daemon died
     ///
     /// Refuses other FUSE mounts unless --force.
@@ -619,6 +625,27 @@ pub enum CtlCommand {
     Show { id: String },
     /// Apply the daemon's config file again; prints what happened to each export.
     Reload,
+}
+
+/// `fusex top`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct TopArgs {
+    /// The daemon's control socket [default: control.sock in the runtime directory]
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// Seconds between samples: rates and percentiles are over this interval
+    #[arg(long, value_name = "SECONDS", default_value = "1",
+          value_parser = crate::top::parse_interval)]
+    pub interval: std::time::Duration,
+    /// Order of the lines (while running: keys i, r, w, p, e, n; s cycles)
+    #[arg(long, value_name = "KEY", value_enum, default_value_t = crate::top::SortKey::Iops)]
+    pub sort: crate::top::SortKey,
+    /// Take two samples one interval apart, print one table and exit
+    #[arg(long)]
+    pub once: bool,
+    /// With --once: print one JSON document instead of the table
+    #[arg(long, requires = "once")]
+    pub json: bool,
 }
 
 /// `fusex serve`.

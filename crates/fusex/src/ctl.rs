@@ -1,99 +1,17 @@
 //! `fusex ctl`: a small client of a `fusex serve` daemon's control socket, for people (tables)
 //! and scripts (`--json`). It speaks the same QMP any client does.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use serde_json::{json, Value};
 
 use crate::cli::{CtlArgs, CtlCommand};
-
-/// How long a command may take (an export's mount, a safe removal's flush).
-const REPLY_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// A connection in command mode.
-struct Client {
-    out: UnixStream,
-    lines: BufReader<UnixStream>,
-    events: Vec<Value>,
-}
-
-impl Client {
-    fn connect(path: &Path) -> Result<Client> {
-        let s = UnixStream::connect(path).map_err(|e| {
-            anyhow!(
-                "cannot reach fusex serve at {} ({e}): is it running? (--control PATH names \
-                 another socket)",
-                path.display()
-            )
-        })?;
-        s.set_read_timeout(Some(REPLY_TIMEOUT))?;
-        let mut c = Client {
-            out: s.try_clone()?,
-            lines: BufReader::new(s),
-            events: Vec::new(),
-        };
-        let greeting = c.read()?;
-        if greeting.get("QMP").is_none() {
-            bail!("{} is not a QMP socket", path.display());
-        }
-        c.execute("qmp_capabilities", json!({}))?;
-        Ok(c)
-    }
-
-    fn read(&mut self) -> Result<Value> {
-        let mut line = String::new();
-        if self
-            .lines
-            .read_line(&mut line)
-            .context("reading the reply")?
-            == 0
-        {
-            bail!("fusex serve closed the connection");
-        }
-        serde_json::from_str(&line).context("the daemon's reply is not JSON")
-    }
-
-    fn execute(&mut self, cmd: &str, args: Value) -> Result<Value> {
-        let req = json!({"execute": cmd, "arguments": args});
-        writeln!(self.out, "{req}").context("sending the command")?;
-        loop {
-            let m = self.read()?;
-            if m.get("event").is_some() {
-                self.events.push(m);
-                continue;
-            }
-            if let Some(r) = m.get("return") {
-                return Ok(r.clone());
-            }
-            bail!(
-                "{}",
-                m["error"]["desc"].as_str().unwrap_or("the daemon refused")
-            );
-        }
-    }
-
-    /// Waits for `BLOCK_EXPORT_DELETED` of `id`.
-    fn wait_deleted(&mut self, id: &str) -> Result<()> {
-        let is = |e: &Value| e["event"] == "BLOCK_EXPORT_DELETED" && e["data"]["id"] == id;
-        while !self.events.iter().any(is) {
-            let m = self.read()?;
-            if m.get("event").is_some() {
-                self.events.push(m);
-            }
-        }
-        Ok(())
-    }
-}
+use crate::qmp_client::{default_socket, Client};
 
 /// Runs `fusex ctl`.
 pub fn run(args: CtlArgs) -> Result<()> {
     let path = match &args.control {
         Some(p) => p.clone(),
-        None => default_socket()?,
+        None => default_socket(),
     };
     let mut c = Client::connect(&path)?;
     let prefix = crate::service::options::EXTENSION;
@@ -172,15 +90,6 @@ pub fn run(args: CtlArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The socket `fusex serve` uses when given none.
-fn default_socket() -> Result<PathBuf> {
-    // SAFETY: geteuid has no preconditions.
-    let uid = unsafe { libc::geteuid() };
-    Ok(crate::runtime::control_socket(&crate::runtime::dir_for(
-        uid,
-    )))
 }
 
 fn print(json: &bool, v: Value, human: impl FnOnce() -> String) {

@@ -48,6 +48,7 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("fusex-list", include_str!("../man/fusex-list.1.in")),
     ("fusex-serve", include_str!("../man/fusex-serve.1.in")),
     ("fusex-ctl", include_str!("../man/fusex-ctl.1.in")),
+    ("fusex-top", include_str!("../man/fusex-top.1.in")),
 ];
 
 /// The line of a template that the OPTIONS section replaces.

@@ -15,11 +15,13 @@ mod mount_control;
 mod notify;
 mod passthrough;
 mod privileges;
+mod qmp_client;
 mod restart;
 mod runtime;
 pub mod serve;
 mod service;
 mod timeout;
+mod top;
 mod version;
 mod watcher;
 mod workers;
@@ -147,6 +149,10 @@ fn main() {
         Command::Ctl(args) => {
             init_logging(cli.verbose);
             ctl::run(args)
+        }
+        Command::Top(args) => {
+            init_logging(cli.verbose);
+            top::run(args)
         }
         Command::Generate { what } => {
             init_logging(cli.verbose);
