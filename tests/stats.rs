@@ -139,6 +139,19 @@ fn counters_agree_with_fio() {
     let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
     assert_eq!(listed[0]["mountpoint"], m.path().to_str().unwrap());
 
+    // So does `fusex top`, with the mountpoint as the export's id.
+    let top = run_ok(
+        Command::new(fusex_bin())
+            .args(["top", "--once", "--json", "--interval", "0.2", "--control"])
+            .arg(&sock),
+    );
+    let top: Value = serde_json::from_slice(&top.stdout).unwrap();
+    assert_eq!(top["exports"][0]["id"], m.path().to_str().unwrap(), "{top}");
+    assert!(
+        top["exports"][0]["requests_total"].as_u64() >= s["requests"].as_u64(),
+        "fusex top counts at least what the query did: {top}"
+    );
+
     let stats_path = m.stats_path().to_path_buf();
     m.stop().assert_clean("export counted by fio");
     let at_exit: Value = serde_json::from_slice(&fs::read(&stats_path).unwrap()).unwrap();
