@@ -34,6 +34,10 @@ have strip || need+=(binutils)
 # man and groff: tests/install.rs renders every installed man page and fails on any warning.
 have man || need+=(man-db)
 have groff || need+=(groff-base)
+# prometheus and promtool: tests/metrics.rs checks --metrics-listen's output with promtool and
+# scrapes it with a real Prometheus server.
+have promtool || need+=(prometheus)
+have prometheus || need+=(prometheus)
 if [ "${1:-}" = "--bench" ]; then
   have gcc || need+=(gcc)
   # libfuse's passthrough_hp, a peer that bench/peers.sh builds; valgrind for bench/instructions.sh.
