@@ -6,6 +6,7 @@
 
 use std::fs;
 use std::io::{Read, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::net::{Shutdown, TcpStream};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -387,19 +388,84 @@ fn an_address_in_use_fails_the_start() {
     let w = WorkDir::new("metrics-in-use");
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let out = Command::new(fusex_bin())
-        .args(["serve", "--control"])
-        .arg(w.join("qmp.sock"))
-        .args(["--metrics-listen", &addr])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "{err}");
+    let sock = w.join("qmp.sock");
+    let out = run_fusex(
+        &w,
+        &[
+            "serve",
+            "--control",
+            sock.to_str().unwrap(),
+            "--metrics-listen",
+            &addr,
+        ],
+        None,
+    );
+    out.assert_one_error_line("serve with a taken metrics address");
     assert!(
-        lines[0].contains(&format!("metrics-listen {addr}: cannot listen there")),
-        "{err}"
+        out.stderr
+            .contains(&format!("metrics-listen {addr}: cannot listen there")),
+        "{}",
+        out.stderr
     );
     assert!(!w.join("qmp.sock").exists());
+}
+
+/// `fusex mount --metrics-listen`: its one export, labelled with its mountpoint; an address in
+/// use fails the mount in one line, with nothing mounted.
+#[test]
+fn a_mount_serves_its_export_and_refuses_a_taken_address() {
+    if !require_fuse_and_tools(&["promtool"]) {
+        return;
+    }
+    let w = WorkDir::new("metrics-mount");
+    let img = w.join("disk.img");
+    random_image(&img, 4 * MIB, 7);
+    let mp = w.join("disk.mnt");
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let m = Mount::start(
+        &w,
+        &img,
+        &mp,
+        &["--metrics-listen", &listen, "--passthrough", "off"],
+    );
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(m.path())
+        .unwrap();
+    let mut buf = AlignedBuf::new(4096, 4096);
+    for i in 0..16 {
+        assert_eq!(f.read_at(buf.as_mut_slice(), i * 4096).unwrap(), 4096);
+    }
+    let (status, text) = http_get(port, "/metrics");
+    assert_eq!(status, 200, "{text}");
+    promtool_check(&text);
+    let id = m.path().display().to_string();
+    let reads = sum(&text, "fusex_requests_total", &[("export", &id), ("op", "READ")]);
+    assert!(reads >= 16.0, "{reads} READs of {id}:\n{text}");
+    assert!(text.contains("fusex_exports 1\n"));
+    drop(f);
+
+    let taken = w.join("taken.mnt");
+    let out = run_fusex(
+        &w,
+        &[
+            "mount",
+            "--metrics-listen",
+            &listen,
+            img.to_str().unwrap(),
+            taken.to_str().unwrap(),
+        ],
+        Some(&taken),
+    );
+    out.assert_one_error_line("mount with a taken metrics address");
+    assert!(
+        out.stderr
+            .contains(&format!("metrics-listen {listen}: cannot listen there")),
+        "{}",
+        out.stderr
+    );
+    assert!(!is_fuse_mounted(&taken));
+    m.stop().assert_clean("mount with metrics");
 }
