@@ -164,7 +164,10 @@ impl Counters {
             return;
         };
         let by_errno = cell.get_or_init(|| Box::new(std::array::from_fn(|_| Counter::default())));
-        let i = usize::try_from(errno).ok().filter(|&e| e < MAX_ERRNO).unwrap_or(0);
+        let i = usize::try_from(errno)
+            .ok()
+            .filter(|&e| e < MAX_ERRNO)
+            .unwrap_or(0);
         bump(&by_errno[i], 1);
     }
 

@@ -11,6 +11,6 @@ pub mod latency;
 mod request;
 
 pub use counters::{errno_name, op_name, Counters, Snapshot, MAX_ERRNO};
-pub use latency::Latency;
 pub use handle::{Export, ExportConfig, Passthrough, Reply};
+pub use latency::Latency;
 pub use request::Request;

@@ -560,8 +560,7 @@ impl Qcow2Backend {
                 let r = self.copy_ahead(&mut buf, data, off, cstart).await;
                 cow.buffers.put(buf);
                 self.copy_ahead.fetch_add(1, Ordering::Relaxed);
-                self.copy_ahead_bytes
-                    .fetch_add(cs - len, Ordering::Relaxed);
+                self.copy_ahead_bytes.fetch_add(cs - len, Ordering::Relaxed);
                 return r;
             }
             return self.image.write(data, off).await;
