@@ -6,8 +6,8 @@
 
 use std::fs;
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::net::{Shutdown, TcpStream};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -170,7 +170,13 @@ fn the_text_passes_promtool_and_counts_what_fio_did() {
     assert_eq!(status, 200, "{after}");
     promtool_check(&after);
 
-    let reads = |t: &str| sum(t, "fusex_requests_total", &[("export", "busy"), ("op", "READ")]);
+    let reads = |t: &str| {
+        sum(
+            t,
+            "fusex_requests_total",
+            &[("export", "busy"), ("op", "READ")],
+        )
+    };
     let bytes = |t: &str| sum(t, "fusex_read_bytes_total", &[("export", "busy")]);
     let fio_ios = job["read"]["total_ios"].as_u64().unwrap() as f64;
     let fio_bytes = job["read"]["io_bytes"].as_u64().unwrap() as f64;
@@ -183,7 +189,13 @@ fn the_text_passes_promtool_and_counts_what_fio_did() {
     // O_DIRECT: every byte fio read is a byte read from the image, no more.
     assert_eq!(bytes(&after) - bytes(&before), fio_bytes);
     // The verified writes were counted too, and their latencies.
-    assert!(sum(&after, "fusex_requests_total", &[("export", "busy"), ("op", "WRITE")]) >= 4096.0);
+    assert!(
+        sum(
+            &after,
+            "fusex_requests_total",
+            &[("export", "busy"), ("op", "WRITE")]
+        ) >= 4096.0
+    );
     assert!(
         sum(
             &after,
@@ -302,7 +314,9 @@ fn hostile_http_clients_leave_the_exports_serving() {
     let loris = std::thread::spawn(move || {
         slow.set_read_timeout(Some(Duration::from_millis(100)))
             .unwrap();
-        let head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: ".iter().chain([b'a'; 1000].iter());
+        let head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: "
+            .iter()
+            .chain([b'a'; 1000].iter());
         let started = Instant::now();
         let mut got = Vec::new();
         for b in head {
@@ -368,7 +382,10 @@ fn hostile_http_clients_leave_the_exports_serving() {
     assert_eq!(status_of(&other.join().unwrap()), "404");
     let (got, took) = loris.join().unwrap();
     assert_eq!(status_of(&got), "408", "{}", String::from_utf8_lossy(&got));
-    assert!(took < Duration::from_secs(10), "the slow client was held {took:?}");
+    assert!(
+        took < Duration::from_secs(10),
+        "the slow client was held {took:?}"
+    );
     drop(idle);
     // Still serving, still scraped.
     let (status, _) = http_get(port, "/metrics");
@@ -442,7 +459,11 @@ fn a_mount_serves_its_export_and_refuses_a_taken_address() {
     assert_eq!(status, 200, "{text}");
     promtool_check(&text);
     let id = m.path().display().to_string();
-    let reads = sum(&text, "fusex_requests_total", &[("export", &id), ("op", "READ")]);
+    let reads = sum(
+        &text,
+        "fusex_requests_total",
+        &[("export", &id), ("op", "READ")],
+    );
     assert!(reads >= 16.0, "{reads} READs of {id}:\n{text}");
     assert!(text.contains("fusex_exports 1\n"));
     drop(f);

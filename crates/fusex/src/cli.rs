@@ -514,7 +514,8 @@ pub struct MountArgs {
     ///
     /// Off saves two or three clock reads per request; the counters are kept either way.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = OnOff::On, help_heading = heading::DAEMON)]
-    pub latency: OnOff,    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
+    pub latency: OnOff,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
     ///
     /// The export's counters and latency histograms in Prometheus' text format, over plain
     /// HTTP to whoever can connect: give 127.0.0.1 or a private address. docs/metrics.md lists
@@ -665,7 +666,8 @@ pub struct ServeArgs {
     pub log: Option<LogArg>,
     /// Append the log to this file (created 0640; never through a symlink)
     #[arg(long, value_name = "PATH")]
-    pub log_file: Option<PathBuf>,    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
+    pub log_file: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
     ///
     /// Every export's counters and latency histograms in Prometheus' text format, over plain
     /// HTTP to whoever can connect: give 127.0.0.1 or a private address. Also the config file's

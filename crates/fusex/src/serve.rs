@@ -106,7 +106,8 @@ struct MountOwner<'a> {
     /// What `fusex list` shows, without the state.
     shown: crate::runtime::ExportState,
     /// What systemd's status line says once serving.
-    status: String,    /// The `--metrics-listen` server, closed when a successor takes over (it binds the address
+    status: String,
+    /// The `--metrics-listen` server, closed when a successor takes over (it binds the address
     /// again).
     metrics: Option<MetricsServer>,
 }
@@ -626,7 +627,7 @@ impl Adoption {
             export,
             mnt,
             settled,
-        stats: Default::default(),
+            stats: Default::default(),
         })
     }
 }

@@ -40,7 +40,9 @@ pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
     /// The address does not name a socket address.
-    #[error("metrics-listen {addr}: not an address ({source}): give HOST:PORT, e.g. 127.0.0.1:9100")]
+    #[error(
+        "metrics-listen {addr}: not an address ({source}): give HOST:PORT, e.g. 127.0.0.1:9100"
+    )]
     Address {
         addr: String,
         #[source]
@@ -492,7 +494,10 @@ mod tests {
             parse(b"POST /metrics HTTP/1.1\r\n\r\n"),
             Some(Asked::Error(405))
         );
-        assert_eq!(parse(b"GET /other HTTP/1.1\r\n\r\n"), Some(Asked::Error(404)));
+        assert_eq!(
+            parse(b"GET /other HTTP/1.1\r\n\r\n"),
+            Some(Asked::Error(404))
+        );
         assert_eq!(parse(b"GET / HTTP/1.1\r\n\r\n"), Some(Asked::Error(404)));
         // A bad request line is refused before the head is complete.
         for bad in [
@@ -528,8 +533,8 @@ mod tests {
 
     #[test]
     fn responses_are_complete_and_close() {
-        let ok = String::from_utf8(response(Asked::Metrics { head_only: false }, &render()))
-            .unwrap();
+        let ok =
+            String::from_utf8(response(Asked::Metrics { head_only: false }, &render())).unwrap();
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
         assert!(ok.contains("Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
         assert!(ok.contains("Content-Length: 16\r\n"));
@@ -569,7 +574,10 @@ mod tests {
         let reply = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
         assert_eq!(status(&reply), "200", "{reply}");
         assert!(reply.ends_with("fusex_exports 0\n"));
-        assert_eq!(status(&exchange(addr, b"PUT /metrics HTTP/1.1\r\n\r\n")), "405");
+        assert_eq!(
+            status(&exchange(addr, b"PUT /metrics HTTP/1.1\r\n\r\n")),
+            "405"
+        );
         assert_eq!(status(&exchange(addr, b"GET /x HTTP/1.1\r\n\r\n")), "404");
         assert_eq!(status(&exchange(addr, b"\x16\x03\x01\x02\x00\n")), "400");
         assert_eq!(status(&exchange(addr, &vec![b'a'; 1 << 20])), "431");
@@ -601,10 +609,19 @@ mod tests {
     fn bind_errors_name_the_address() {
         let taken = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap().to_string();
-        let e = MetricsServer::start(&addr, render()).err().unwrap().to_string();
-        assert!(e.starts_with(&format!("metrics-listen {addr}: cannot listen")), "{e}");
+        let e = MetricsServer::start(&addr, render())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("metrics-listen {addr}: cannot listen")),
+            "{e}"
+        );
         assert!(e.contains("pick a free port"), "{e}");
-        let e = MetricsServer::start("no port", render()).err().unwrap().to_string();
+        let e = MetricsServer::start("no port", render())
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("give HOST:PORT"), "{e}");
     }
 }

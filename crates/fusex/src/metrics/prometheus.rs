@@ -96,6 +96,11 @@ fn escape(v: &str) -> String {
     s
 }
 
+/// A per-queue family: name, kind, help, and its value in a queue's counts.
+type PerQueue = (&'static str, Kind, &'static str, fn(&Snapshot) -> u64);
+/// A qcow2 family: name, help, and its value in the backend's statistics.
+type Qcow2Family = (&'static str, &'static str, fn(&backend::Qcow2Stats) -> u64);
+
 /// A per-queue counter or gauge family: one sample per export and queue.
 fn per_queue(
     out: &mut Out,
@@ -176,7 +181,7 @@ pub fn render(exports: &[ExportMetrics]) -> String {
             }
         }
     }
-    let families: [(&str, Kind, &str, fn(&Snapshot) -> u64); 6] = [
+    let families: [PerQueue; 6] = [
         (
             "fusex_malformed_requests_total",
             Kind::Counter,
@@ -232,11 +237,7 @@ pub fn render(exports: &[ExportMetrics]) -> String {
                 ("write", s.backend_writes),
                 ("flush", s.backend_flushes),
             ] {
-                out.sample(
-                    name,
-                    &[("export", &e.id), ("queue", &q), ("kind", kind)],
-                    n,
-                );
+                out.sample(name, &[("export", &e.id), ("queue", &q), ("kind", kind)], n);
             }
         }
     }
@@ -298,7 +299,7 @@ pub fn render(exports: &[ExportMetrics]) -> String {
         .filter_map(|e| Some((e.id.as_str(), e.backend.qcow2.as_ref()?)))
         .collect();
     if !qcow2.is_empty() {
-        let families: [(&str, &str, fn(&backend::Qcow2Stats) -> u64); 3] = [
+        let families: [Qcow2Family; 3] = [
             (
                 "fusex_qcow2_clusters_allocated_total",
                 "Host clusters the qcow2 image grew by (data and metadata).",

@@ -12,8 +12,8 @@ use qmp::Dispatcher;
 use super::{cmdline, Control, Service};
 use crate::cli::ServeArgs;
 use crate::daemon::Readiness;
-use crate::metrics::http::MetricsServer;
 use crate::lifecycle::{signal_name, Stop};
+use crate::metrics::http::MetricsServer;
 
 /// One QMP socket being served.
 struct QmpThread {

@@ -14,13 +14,7 @@ use crate::cli::{Cli, Command, MountArgs};
 pub const EXTENSION: &str = "__org.fusex_";
 
 /// `fusex mount` options that belong to the whole process, not to one export of `fusex serve`.
-const PROCESS_WIDE: &[&str] = &[
-    "daemonize",
-    "pid-file",
-    "log",
-    "log-file",
-    "metrics-listen",
-];
+const PROCESS_WIDE: &[&str] = &["daemonize", "pid-file", "log", "log-file", "metrics-listen"];
 
 /// One option given as a key and a JSON value, as the command-line words it stands for:
 /// `true` is the switch, `false` nothing, a string or number its value, an array the option
