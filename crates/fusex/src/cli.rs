@@ -518,8 +518,7 @@ pub struct MountArgs {
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
     ///
     /// The export's counters and latency histograms in Prometheus' text format, over plain
-    /// HTTP to whoever can connect: give 127.0.0.1 or a private address. docs/metrics.md lists
-    /// them.
+    /// HTTP to whoever can connect: give 127.0.0.1 or a private address.
     #[arg(long, value_name = "ADDR:PORT", help_heading = heading::DAEMON)]
     pub metrics_listen: Option<String>,
 }
@@ -671,7 +670,7 @@ pub struct ServeArgs {
     ///
     /// Every export's counters and latency histograms in Prometheus' text format, over plain
     /// HTTP to whoever can connect: give 127.0.0.1 or a private address. Also the config file's
-    /// metrics-listen key (this option wins). docs/metrics.md lists them.
+    /// metrics-listen key (this option wins).
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<String>,
 }
