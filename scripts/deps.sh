@@ -36,6 +36,10 @@ have man || need+=(man-db)
 have groff || need+=(groff-base)
 # tmux: tests/top.rs runs `fusex top` on a real terminal (tmux's) and reads the screen back.
 have tmux || need+=(tmux)
+# prometheus and promtool: tests/metrics.rs checks --metrics-listen's output with promtool and
+# scrapes it with a real Prometheus server.
+have promtool || need+=(prometheus)
+have prometheus || need+=(prometheus)
 if [ "${1:-}" = "--bench" ]; then
   have gcc || need+=(gcc)
   # libfuse's passthrough_hp, a peer that bench/peers.sh builds; valgrind for bench/instructions.sh.

@@ -531,6 +531,12 @@ pub struct MountArgs {
     /// Off saves two or three clock reads per request; the counters are kept either way.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = OnOff::On, help_heading = heading::DAEMON)]
     pub latency: OnOff,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
+    ///
+    /// The export's counters and latency histograms in Prometheus' text format, over plain
+    /// HTTP to whoever can connect: give 127.0.0.1 or a private address.
+    #[arg(long, value_name = "ADDR:PORT", help_heading = heading::DAEMON)]
+    pub metrics_listen: Option<String>,
 }
 
 /// A command-line error as the one line every other refusal is (`fusex: error: what: what to
@@ -703,6 +709,13 @@ pub struct ServeArgs {
     /// about one export (its mount, removal, failure, reload) carries its id as export.
     #[arg(long, value_enum, value_name = "FORMAT", default_value_t)]
     pub log_format: crate::logging::LogFormat,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off by default)
+    ///
+    /// Every export's counters and latency histograms in Prometheus' text format, over plain
+    /// HTTP to whoever can connect: give 127.0.0.1 or a private address. Also the config file's
+    /// metrics-listen key (this option wins).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<String>,
 }
 
 /// `--max-size`: the same size syntax as `null:SIZE` images.

@@ -15,6 +15,7 @@ use crate::cli::MountArgs;
 use crate::daemon::Readiness;
 use crate::lifecycle::{self, Event, Owner, Prepared, ReleaseTo, Settled, Stop, Supervision};
 use crate::memory::{self, Plan as MemoryPlan};
+use crate::metrics::http::MetricsServer;
 use crate::privileges::Plan;
 
 /// Serves until stopped. Errors before the mount is live are reported through `ready` too.
@@ -43,7 +44,18 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    let prepared = match lifecycle::setup(&args, std::env::args().collect(), verbose) {
+    // Bound before anything is mounted: an address in use fails the start in one line.
+    let slot = crate::metrics::MountSlot::default();
+    let metrics = args
+        .metrics_listen
+        .as_deref()
+        .map(|a| MetricsServer::start(a, crate::metrics::mount_render(slot.clone())))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("{e}"));
+    let prepared = metrics.and_then(|metrics| {
+        lifecycle::setup(&args, std::env::args().collect(), verbose).map(|p| (p, metrics))
+    });
+    let (prepared, metrics) = match prepared {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -53,7 +65,16 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
-    serve_export(prepared, ready, &notifier, (signals, pid_file))
+    let _ = slot.set(meter_of(&prepared));
+    serve_export(prepared, ready, &notifier, (signals, pid_file), metrics)
+}
+
+/// What the metrics page of a `fusex mount` process reads: the export, named by its mountpoint.
+fn meter_of(p: &Prepared) -> (crate::metrics::Meter, String) {
+    (
+        crate::metrics::Meter::of(p),
+        p.mnt.mountpoint().to_string_lossy().into_owned(),
+    )
 }
 
 /// The files written at exit or while running, checked before mounting: a missing directory or a
@@ -86,6 +107,9 @@ struct MountOwner<'a> {
     shown: crate::runtime::ExportState,
     /// What systemd's status line says once serving.
     status: String,
+    /// The `--metrics-listen` server, closed when a successor takes over (it binds the address
+    /// again).
+    metrics: Option<MetricsServer>,
 }
 
 impl Owner for MountOwner<'_> {
@@ -118,6 +142,7 @@ impl Owner for MountOwner<'_> {
     }
 
     fn reloading(&mut self) {
+        drop(self.metrics.take());
         self.notifier
             .reloading("handing the export to a new process");
     }
@@ -143,6 +168,7 @@ fn serve_export(
         signal_hook::iterator::Signals,
         Option<crate::files::PidFile>,
     ),
+    metrics: Option<MetricsServer>,
 ) -> Result<()> {
     let privileges = Plan::decide(&lifecycle::exit_needs(&p.args, &p.export, &p.mnt));
     let (tx, rx) = mpsc::channel::<Event>();
@@ -176,6 +202,7 @@ fn serve_export(
                     p.args.image,
                     p.mnt.mountpoint().display()
                 ),
+                metrics,
             };
             let result =
                 lifecycle::supervise(&mut p, Supervision { privileges, tx, rx }, &mut owner);
@@ -388,7 +415,17 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
                     .transpose()
             });
             match claimed {
-                Ok(pid_file) => serve_export(prepared, ready, &notifier, (signals, pid_file)),
+                Ok(pid_file) => {
+                    // Past the point of return: without its metrics the export still serves.
+                    let metrics = args.metrics_listen.as_deref().and_then(|a| {
+                        let slot = crate::metrics::MountSlot::default();
+                        let _ = slot.set(meter_of(&prepared));
+                        MetricsServer::start(a, crate::metrics::mount_render(slot))
+                            .map_err(|e| tracing::error!("restart: {e}; serving without metrics"))
+                            .ok()
+                    });
+                    serve_export(prepared, ready, &notifier, (signals, pid_file), metrics)
+                }
                 Err(e) => {
                     ready.report(Err(format!("{e:#}")));
                     // Unmounts before the --auto-unmount watcher is released.

@@ -3,6 +3,9 @@
 //! `query-blockstats` form, and the Prometheus text format (`--metrics-listen`). Every form is
 //! made from the same [`ExportMetrics`], read from the queues' counters when asked.
 
+pub mod http;
+pub mod prometheus;
+
 use std::time::Duration;
 
 use backend::BackendStats;
@@ -152,4 +155,25 @@ pub fn blockstats(node: &str, m: Option<&ExportMetrics>) -> Value {
             "timed_stats": [],
         },
     })
+}
+
+/// Where a `fusex mount` process's one export is metered, once it is set up: the metrics server
+/// is bound before (a bind error must fail the start before anything is mounted), and shows no
+/// export until then.
+pub type MountSlot = std::sync::Arc<std::sync::OnceLock<(Meter, String)>>;
+
+/// The page of a `fusex mount` process: its export (its id is its mountpoint), or none yet.
+pub fn mount_render(slot: MountSlot) -> http::Render {
+    std::sync::Arc::new(move || {
+        let exports: Vec<ExportMetrics> = slot
+            .get()
+            .map(|(m, mnt)| vec![m.read(mnt, "", mnt)])
+            .unwrap_or_default();
+        prometheus::render(&exports)
+    })
+}
+
+/// The page of a `fusex serve` process: every export that serves.
+pub fn serve_render(service: std::sync::Arc<crate::service::Service>) -> http::Render {
+    std::sync::Arc::new(move || prometheus::render(&service.metrics(None)))
 }

@@ -1,9 +1,12 @@
 //! `fusex serve --config FILE`: the exports started at launch, as TOML tables with `fusex
 //! mount`'s option names, and what a reload (SIGHUP, `fusex ctl reload`) does with a changed
 //! file: new exports start, removed ones stop safely, changed ones are made anew, and each
-//! export's outcome is reported.
+//! export's outcome is reported. One key belongs to the daemon, not to an export:
+//! `metrics-listen` (as `--metrics-listen`, which wins over it), read at start only.
 //!
 //! ```toml
+//! metrics-listen = "127.0.0.1:9100"
+//!
 //! [[export]]
 //! id = "vm1"
 //! image = "/srv/images/vm1.qcow2"
@@ -29,9 +32,23 @@ pub struct ConfigExport {
     pub table: Map<String, Value>,
 }
 
-/// Reads and checks a config file: every export has an id, an image and a mountpoint, ids are
-/// unique, and nothing but `[[export]]` tables is in it. Errors name the file and the export.
+/// A whole config file: the daemon's keys and the exports.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Config {
+    /// `metrics-listen = "ADDR:PORT"`: where Prometheus metrics are served.
+    pub metrics_listen: Option<String>,
+    pub exports: Vec<ConfigExport>,
+}
+
+/// Reads and checks a config file's exports (see [`read_all`]).
 pub fn read(path: &Path) -> Result<Vec<ConfigExport>, String> {
+    read_all(path).map(|c| c.exports)
+}
+
+/// Reads and checks a config file: every export has an id, an image and a mountpoint, ids are
+/// unique, and nothing but `metrics-listen` and `[[export]]` tables is in it. Errors name the
+/// file and the export.
+pub fn read_all(path: &Path) -> Result<Config, String> {
     let shown = path.display();
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("config {shown}: cannot read it: {e}"))?;
@@ -41,9 +58,19 @@ pub fn read(path: &Path) -> Result<Vec<ConfigExport>, String> {
         return Err(format!("config {shown}: not a TOML document"));
     };
     let exports = top.remove("export").unwrap_or(Value::Array(vec![]));
+    let metrics_listen = match top.remove("metrics-listen") {
+        None => None,
+        Some(Value::String(s)) => Some(s),
+        Some(_) => {
+            return Err(format!(
+                "config {shown}: metrics-listen takes a string: metrics-listen = \"ADDR:PORT\""
+            ))
+        }
+    };
     if let Some(k) = top.keys().next() {
         return Err(format!(
-            "config {shown}: unknown key '{k}': the file holds [[export]] tables only"
+            "config {shown}: unknown key '{k}': the file holds metrics-listen and [[export]] \
+             tables only"
         ));
     }
     let Value::Array(list) = exports else {
@@ -71,7 +98,10 @@ pub fn read(path: &Path) -> Result<Vec<ConfigExport>, String> {
         }
         out.push(ConfigExport { id, table });
     }
-    Ok(out)
+    Ok(Config {
+        metrics_listen,
+        exports: out,
+    })
 }
 
 /// The `__org.fusex_export-add` arguments of a config export: a relative image or mountpoint is
@@ -257,5 +287,23 @@ mod tests {
         .contains("given twice"));
         assert!(parse("[[export]\n").unwrap_err().starts_with("config F: "));
         assert!(parse("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn metrics_listen_is_a_daemon_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(
+            &p,
+            "metrics-listen = \"127.0.0.1:9100\"\n[[export]]\nid = \"a\"\nimage = \"x\"\n\
+             mountpoint = \"y\"\n",
+        )
+        .unwrap();
+        let c = read_all(&p).unwrap();
+        assert_eq!(c.metrics_listen.as_deref(), Some("127.0.0.1:9100"));
+        assert_eq!(c.exports.len(), 1);
+        assert!(parse("metrics-listen = 9100\n")
+            .unwrap_err()
+            .contains("takes a string"));
     }
 }

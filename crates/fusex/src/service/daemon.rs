@@ -13,6 +13,7 @@ use super::{cmdline, Control, Service};
 use crate::cli::ServeArgs;
 use crate::daemon::Readiness;
 use crate::lifecycle::{signal_name, Stop};
+use crate::metrics::http::MetricsServer;
 
 /// One QMP socket being served.
 struct QmpThread {
@@ -29,6 +30,8 @@ pub struct Running {
     pid_file: Option<crate::files::PidFile>,
     signals: signal_hook::iterator::Handle,
     notifier: crate::notify::Notifier,
+    /// The `--metrics-listen` server, closed before a hand-over (the successor binds it).
+    metrics: Option<MetricsServer>,
 }
 
 /// The pieces every start makes first: the signal handling (as early as possible) and the
@@ -97,6 +100,7 @@ impl Base {
         sockets: Vec<PathBuf>,
         pid_file: Option<crate::files::PidFile>,
         notifier: crate::notify::Notifier,
+        metrics: Option<MetricsServer>,
     ) -> Result<Running> {
         match self.bind(sockets) {
             Ok(servers) => Ok(Running {
@@ -106,6 +110,7 @@ impl Base {
                 pid_file,
                 signals: self.signals,
                 notifier,
+                metrics,
             }),
             Err(e) => {
                 self.abandon(pid_file);
@@ -186,6 +191,7 @@ impl Running {
             pid_file,
             signals,
             notifier,
+            mut metrics,
         } = self;
         let count = service.export_count();
         ready.report(Ok(()));
@@ -194,13 +200,17 @@ impl Running {
             if count == 1 { "" } else { "s" }
         ));
         tracing::info!(
-            "serving {count} export{}; QMP on {}",
+            "serving {count} export{}; QMP on {}{}",
             if count == 1 { "" } else { "s" },
             servers
                 .iter()
                 .map(|s| s.path.display().to_string())
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            metrics
+                .as_ref()
+                .map(|m| format!("; metrics at http://{}/metrics", m.local_addr()))
+                .unwrap_or_default()
         );
         let shut_down = |servers: Vec<QmpThread>| {
             for s in servers {
@@ -237,8 +247,10 @@ impl Running {
                          requests"
                     );
                     notifier.reloading("handing every export to a new process");
-                    // The successor binds the same sockets; and may claim the pid file.
+                    // The successor binds the same sockets and metrics address; and may claim
+                    // the pid file.
                     shut_down(servers.take().unwrap_or_default());
+                    drop(metrics.take());
                     if let Some(p) = &pid_file {
                         p.stop_serving();
                     }
@@ -326,9 +338,14 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
     let sockets = sockets(args)?;
     // Read once, before anything is mounted: a mistake in it is refused first.
     let config = match &args.config {
-        Some(c) => Some((c, super::config::read(c).map_err(|e| anyhow!(e))?)),
+        Some(c) => Some((c, super::config::read_all(c).map_err(|e| anyhow!(e))?)),
         None => None,
     };
+    // Bound before anything is mounted: an address in use fails the start in one line.
+    let listen = metrics_listen(args, config.as_ref().map(|(_, c)| c));
+    let metrics = listen
+        .map(|a| start_metrics(&a, &base.service))
+        .transpose()?;
     let blockdevs = args
         .blockdev
         .iter()
@@ -367,7 +384,9 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
                 .map_err(|e| anyhow!("--export {text}: {}", e.desc))?;
         }
         if let Some((path, exports)) = &config {
-            service.load_config(path, exports).map_err(|e| anyhow!(e))?;
+            service
+                .load_config(path, &exports.exports)
+                .map_err(|e| anyhow!(e))?;
         }
         Ok(())
     })();
@@ -375,5 +394,18 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
         base.abandon(pid_file);
         return Err(e);
     }
-    base.serve(sockets, pid_file, notifier)
+    base.serve(sockets, pid_file, notifier, metrics)
+}
+
+/// Where the metrics are served: `--metrics-listen`, else the config file's `metrics-listen`.
+pub fn metrics_listen(args: &ServeArgs, config: Option<&super::config::Config>) -> Option<String> {
+    args.metrics_listen
+        .clone()
+        .or_else(|| config.and_then(|c| c.metrics_listen.clone()))
+}
+
+/// Serves every export's metrics at `addr` (see [`crate::metrics::http`]).
+pub fn start_metrics(addr: &str, service: &Arc<Service>) -> Result<MetricsServer> {
+    MetricsServer::start(addr, crate::metrics::serve_render(service.clone()))
+        .map_err(|e| anyhow!("{e}"))
 }

@@ -21,6 +21,7 @@ const PROCESS_WIDE: &[&str] = &[
     "log-file",
     "log-format",
     "control",
+    "metrics-listen",
 ];
 
 /// One option given as a key and a JSON value, as the command-line words it stands for:

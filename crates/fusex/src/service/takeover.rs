@@ -137,5 +137,17 @@ fn take(
             "s"
         }
     );
-    base.serve(sockets, pid_file, notifier)
+    // The old daemon closed its metrics server before letting go: bind the address again.
+    // Past the point of return, so a failure leaves the exports serving without metrics.
+    let config = args.config.as_ref().and_then(|c| {
+        super::config::read_all(c)
+            .map_err(|e| tracing::warn!("restart: {e}"))
+            .ok()
+    });
+    let metrics = daemon::metrics_listen(&args, config.as_ref()).and_then(|a| {
+        daemon::start_metrics(&a, &base.service)
+            .map_err(|e| tracing::error!("restart: {e:#}; serving without metrics"))
+            .ok()
+    });
+    base.serve(sockets, pid_file, notifier, metrics)
 }
