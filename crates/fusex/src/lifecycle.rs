@@ -783,7 +783,7 @@ fn start_queues(
         })
         .max()
         .unwrap_or(0);
-    let placement = crate::workers::place(args, nq, slots, neg.uring(), shared)?;
+    let mut jobs = Vec::with_capacity(nq);
     for (id, source) in sources.into_iter().enumerate() {
         let spec = QueueSpec {
             id,
@@ -798,11 +798,14 @@ fn start_queues(
             fallback_slots: memory::URING_LEGACY_SLOTS,
             before_serving: Box::new(move || privileges.apply()),
         };
-        placement.workers.submit(
-            placement.first + id,
-            server::queue::job(spec, export.clone(), stop.clone(), report.clone()),
-        );
+        jobs.push(server::queue::job(
+            spec,
+            export.clone(),
+            stop.clone(),
+            report.clone(),
+        ));
     }
+    let placement = crate::workers::place(args, jobs, slots, neg.uring(), shared)?;
     Ok(Queues(placement))
 }
 

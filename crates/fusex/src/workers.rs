@@ -31,8 +31,6 @@ const SHARED_SPIN: Duration = Duration::from_micros(20);
 pub struct Placement {
     /// The set.
     pub workers: Arc<Workers>,
-    /// Queue `i` runs on thread `first + i` (mod the set's size).
-    pub first: usize,
     /// The set is this export's own: it ends with the export.
     pub private: bool,
 }
@@ -83,16 +81,18 @@ fn fits_shared(args: &MountArgs, nq: usize, threads: usize) -> bool {
         && args.cpu_affinity != Affinity::Off
 }
 
-/// Places an export's `nq` queues: on the shared set when `share` and its options allow, else
-/// on a set of its own configured as `fusex mount` configures one. `slots` is the most request
-/// buffers one queue has; `uring` whether the queues serve io_uring (its default spin).
+/// Places an export's queues, `jobs` (queue `i` is `jobs[i]`), and hands each its thread: on the
+/// shared set when `share` and its options allow, else on a set of its own configured as `fusex
+/// mount` configures one, which takes them as it starts. `slots` is the most request buffers one
+/// queue has; `uring` whether the queues serve io_uring (its default spin).
 pub fn place(
     args: &MountArgs,
-    nq: usize,
+    jobs: Vec<Box<dyn server::Job>>,
     slots: usize,
     uring: bool,
     share: bool,
 ) -> Result<Placement> {
+    let nq = jobs.len();
     if share {
         let w = shared()?;
         if fits_shared(args, nq, w.len()) {
@@ -105,9 +105,11 @@ pub fn place(
                 *n = n.wrapping_add(1);
                 *n % w.len()
             };
+            for (i, job) in jobs.into_iter().enumerate() {
+                w.submit(first + i, job);
+            }
             return Ok(Placement {
                 workers: w,
-                first,
                 private: false,
             });
         }
@@ -136,8 +138,7 @@ pub fn place(
     };
     tracing::debug!(queues = nq, pinned = pin, "starting queue threads");
     Ok(Placement {
-        workers: Workers::start(&cfg).context("starting the queue threads")?,
-        first: 0,
+        workers: Workers::start_with(&cfg, jobs).context("starting the queue threads")?,
         private: true,
     })
 }

@@ -86,6 +86,19 @@ impl Workers {
     /// Starts `cfg.threads` threads, each with an engine built from `cfg.engine`; returns once
     /// every one runs (or the first error: the threads already started end).
     pub fn start(cfg: &WorkersConfig) -> Result<Arc<Workers>, EngineError> {
+        Workers::start_with(cfg, Vec::new())
+    }
+
+    /// [`Workers::start`] with job `i` of `jobs` waiting on thread `i % threads` already, run
+    /// in the thread's first loop turn, before it ever sleeps. A set made for known work (the
+    /// queues of one `fusex mount`) needs nothing from the starting thread once it runs; under
+    /// valgrind, whose threads take turns and which holds its turn across `io_uring_enter`, a
+    /// worker asleep on its ring before its first job would otherwise never get it. On an
+    /// error, the jobs not yet run are refused.
+    pub fn start_with(
+        cfg: &WorkersConfig,
+        jobs: Vec<Box<dyn Job>>,
+    ) -> Result<Arc<Workers>, EngineError> {
         let n = cfg.threads.max(1);
         let me = Arc::new(Workers {
             doors: (0..n)
@@ -99,7 +112,24 @@ impl Workers {
                 .collect(),
             threads: Mutex::new(Vec::with_capacity(n)),
         });
-        for (i, door) in me.doors.iter().enumerate() {
+        for (i, job) in jobs.into_iter().enumerate() {
+            me.doors[i % n].jobs().push(job);
+        }
+        if let Err(e) = me.spawn_threads(cfg) {
+            for d in &me.doors {
+                d.closed.store(true, Ordering::Release);
+                let left = std::mem::take(&mut *d.jobs());
+                for j in left {
+                    j.refuse(&format!("the worker threads did not start: {e}"));
+                }
+            }
+            return Err(e);
+        }
+        Ok(me)
+    }
+
+    fn spawn_threads(&self, cfg: &WorkersConfig) -> Result<(), EngineError> {
+        for (i, door) in self.doors.iter().enumerate() {
             let (ready_tx, ready) = mpsc::sync_channel(1);
             let door = door.clone();
             let ecfg = cfg.engine.clone();
@@ -113,14 +143,17 @@ impl Workers {
                     work(door, ecfg, ready_tx)
                 })
                 .map_err(EngineError::Setup)?;
-            me.threads.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+            self.threads
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(t);
             ready.recv().unwrap_or_else(|_| {
                 Err(EngineError::Setup(std::io::Error::other(
                     "worker thread ended while starting",
                 )))
             })?;
         }
-        Ok(me)
+        Ok(())
     }
 
     /// Threads in the set.
@@ -273,6 +306,40 @@ mod tests {
             rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap(),
             Err("the worker thread has ended".into())
         );
+    }
+
+    #[test]
+    fn jobs_given_at_start_run_on_their_threads() {
+        let (tx, rx) = mpsc::channel();
+        let jobs: Vec<Box<dyn Job>> = (0..3).map(|_| Box::new(Probe(tx.clone())) as _).collect();
+        let w = Workers::start_with(&config(2), jobs).unwrap();
+        let mut names: Vec<String> = (0..3)
+            .map(|_| {
+                rx.recv_timeout(std::time::Duration::from_secs(10))
+                    .unwrap()
+                    .unwrap()
+            })
+            .collect();
+        names.sort();
+        assert_eq!(names, ["test-w0", "test-w0", "test-w1"]);
+        drop(w);
+    }
+
+    #[test]
+    fn jobs_given_to_a_set_that_cannot_start_are_refused() {
+        let (tx, rx) = mpsc::channel();
+        let cfg = WorkersConfig {
+            // More submission entries than the kernel allows: the ring cannot be made.
+            engine: EngineConfig {
+                sq_entries: u32::MAX,
+                ..EngineConfig::default()
+            },
+            ..config(1)
+        };
+        let jobs: Vec<Box<dyn Job>> = vec![Box::new(Probe(tx))];
+        assert!(Workers::start_with(&cfg, jobs).is_err());
+        let got = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        assert!(got.is_err_and(|e| e.starts_with("the worker threads did not start")));
     }
 
     #[test]
