@@ -86,18 +86,27 @@ impl Workers {
     /// Starts `cfg.threads` threads, each with an engine built from `cfg.engine`; returns once
     /// every one runs (or the first error: the threads already started end).
     pub fn start(cfg: &WorkersConfig) -> Result<Arc<Workers>, EngineError> {
-        Workers::start_with(cfg, Vec::new())
+        Workers::start_inner(cfg, Vec::new(), false)
     }
 
-    /// [`Workers::start`] with job `i` of `jobs` waiting on thread `i % threads` already, run
-    /// in the thread's first loop turn, before it ever sleeps. A set made for known work (the
-    /// queues of one `fusex mount`) needs nothing from the starting thread once it runs; under
-    /// valgrind, whose threads take turns and which holds its turn across `io_uring_enter`, a
-    /// worker asleep on its ring before its first job would otherwise never get it. On an
+    /// A set for `jobs` alone (the queues of one `fusex mount`): job `i` waits on thread
+    /// `i % threads` already and runs in the thread's first loop turn; the set takes no other
+    /// job, and each thread ends once its jobs' tasks have ended. So the set needs nothing from
+    /// the starting thread once it runs, neither to start its work nor to end. Under valgrind,
+    /// whose threads take turns and which holds a thread's turn across `io_uring_enter`, a worker
+    /// asleep on its ring waiting for a job, or for the word to end, would wait forever. On an
     /// error, the jobs not yet run are refused.
     pub fn start_with(
         cfg: &WorkersConfig,
         jobs: Vec<Box<dyn Job>>,
+    ) -> Result<Arc<Workers>, EngineError> {
+        Workers::start_inner(cfg, jobs, true)
+    }
+
+    fn start_inner(
+        cfg: &WorkersConfig,
+        jobs: Vec<Box<dyn Job>>,
+        closed: bool,
     ) -> Result<Arc<Workers>, EngineError> {
         let n = cfg.threads.max(1);
         let me = Arc::new(Workers {
@@ -105,7 +114,7 @@ impl Workers {
                 .map(|_| {
                     Arc::new(Door {
                         jobs: Mutex::new(Vec::new()),
-                        closed: AtomicBool::new(false),
+                        closed: AtomicBool::new(closed),
                         task: OnceLock::new(),
                     })
                 })
