@@ -210,9 +210,9 @@ pub struct Engine {
     stats: Cell<EngineStats>,
     /// Loop turns so far (see [`Engine::turns`]).
     turns: Cell<u64>,
-    /// The clock read of this turn's completions, taken at the first [`Engine::reaped_at`] after
-    /// they were reaped (None until asked).
-    reaped_at: Cell<Option<Instant>>,
+    /// The clock read of this turn's completions ([`crate::clock::now_ns`]), taken at the first
+    /// [`Engine::reaped_ns`] after they were reaped (0 until asked).
+    reaped_at: Cell<u64>,
     load: Cell<u32>,
     gauge: Arc<Gauge>,
     /// Whether anyone took the gauge: until then the loop does not keep it (no clock read).
@@ -354,7 +354,7 @@ impl Engine {
             drop_wait: cfg.drop_wait,
             stats: Cell::new(EngineStats::default()),
             turns: Cell::new(0),
-            reaped_at: Cell::new(None),
+            reaped_at: Cell::new(0),
             load: Cell::new(0),
             gauge: Arc::new(Gauge::default()),
             gauge_on: Cell::new(false),
@@ -415,17 +415,17 @@ impl Engine {
         self.turns.get()
     }
 
-    /// When the completions of the current loop turn were reaped: the arrival time of what
-    /// they delivered (a request that waits behind others of its batch waits from then). One
-    /// clock read per turn, taken only if some task asks.
-    pub fn reaped_at(&self) -> Instant {
+    /// When the completions of the current loop turn were reaped ([`crate::clock::now_ns`]):
+    /// the arrival time of what they delivered (a request that waits behind others of its batch
+    /// waits from then). One clock read per turn, taken only if some task asks.
+    pub fn reaped_ns(&self) -> u64 {
         match self.reaped_at.get() {
-            Some(t) => t,
-            None => {
-                let t = Instant::now();
-                self.reaped_at.set(Some(t));
+            0 => {
+                let t = crate::clock::now_ns();
+                self.reaped_at.set(t);
                 t
             }
+            t => t,
         }
     }
 
@@ -848,7 +848,7 @@ impl Engine {
         st.completions += woken;
         self.stats.set(st);
         if woken > 0 {
-            self.reaped_at.set(None);
+            self.reaped_at.set(0);
         }
         drop(ring);
         if self.provided.removals_due() {

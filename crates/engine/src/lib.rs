@@ -24,6 +24,7 @@
 
 pub mod borrowed;
 pub mod buf;
+pub mod clock;
 mod executor;
 pub mod multishot;
 mod net;

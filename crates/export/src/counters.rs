@@ -1,10 +1,12 @@
 //! Per-queue counters: written by one queue thread only, readable from any thread (a live
 //! `SIGUSR1` dump, a statistics query, a metrics scrape), merged into a [`Snapshot`] when read.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+
+use engine::clock::now_ns;
 
 use fuse_abi::{Opcode, MAX_OPCODE};
 
@@ -143,21 +145,6 @@ impl Counters {
         self.entries.set(n as u64);
     }
 
-    /// A request with this opcode, which arrived at `arrived` (when the loop reaped it), was
-    /// answered with `errno` (0: success) now. Returns the time of the answer's clock read, or
-    /// None when untimed.
-    pub fn replied(&self, opcode: u32, errno: i32, arrived: Option<Instant>) -> Option<Instant> {
-        if errno != 0 {
-            self.error(opcode, errno);
-        }
-        let arrived = arrived?;
-        let now = Instant::now();
-        if let Some(h) = histogram(&self.latency, opcode) {
-            h.record(now.saturating_duration_since(arrived));
-        }
-        Some(now)
-    }
-
     /// Counts an error reply.
     fn error(&self, opcode: u32, errno: i32) {
         let Some(cell) = self.errors.get(opcode as usize) else {
@@ -169,25 +156,6 @@ impl Counters {
             .filter(|&e| e < MAX_ERRNO)
             .unwrap_or(0);
         bump(&by_errno[i], 1);
-    }
-
-    /// The clock read that starts timing a backend operation (None when untimed).
-    pub fn backend_start(&self) -> Option<Instant> {
-        self.timed.then(Instant::now)
-    }
-
-    /// A backend operation for a request of `opcode`, started at `started`, completed.
-    pub fn backend_done(&self, opcode: u32, started: Option<Instant>) {
-        if let (Some(t), Some(h)) = (started, histogram(&self.backend_latency, opcode)) {
-            h.record(t.elapsed());
-        }
-    }
-
-    /// Records a backend part measured elsewhere.
-    pub fn backend_took(&self, opcode: u32, d: Duration) {
-        if let Some(h) = histogram(&self.backend_latency, opcode) {
-            h.record(d);
-        }
     }
 
     /// Counts a request with this opcode number.
@@ -257,6 +225,86 @@ impl Counters {
                 .filter(|(_, n)| *n > 0)
                 .collect(),
         }
+    }
+}
+
+/// The counting of one request: its queue's counters and its timing. Made when the request
+/// arrives and handed down to where its backend work happens, so the clock read that ends the
+/// backend's part also ends the request's (the reply follows at once): two clock reads for a
+/// request that reaches the backend, one for one that does not, none untimed.
+pub struct Tally<'a> {
+    counters: &'a Counters,
+    /// When the request arrived ([`now_ns`]; 0: untimed).
+    arrived: u64,
+    /// The request's last clock read, when its backend work ended (0: none yet).
+    last: Cell<u64>,
+}
+
+impl<'a> Tally<'a> {
+    /// A request counted into `counters` that arrived at `arrived_ns` (when the loop reaped
+    /// it); the time is ignored when the counters are untimed.
+    pub fn new(counters: &'a Counters, arrived_ns: u64) -> Tally<'a> {
+        Tally {
+            counters,
+            arrived: if counters.timed { arrived_ns } else { 0 },
+            last: Cell::new(0),
+        }
+    }
+
+    /// The queue's counters.
+    pub fn counters(&self) -> &Counters {
+        self.counters
+    }
+
+    /// The clock read that starts the backend's part (0 when untimed).
+    pub fn backend_start(&self) -> u64 {
+        if self.arrived == 0 {
+            0
+        } else {
+            now_ns()
+        }
+    }
+
+    /// The backend's part of a request of `opcode`, begun at `started`, has ended.
+    pub fn backend_done(&self, opcode: u32, started: u64) {
+        if started == 0 {
+            return;
+        }
+        let now = now_ns();
+        if let Some(h) = histogram(&self.counters.backend_latency, opcode) {
+            h.record(now.saturating_sub(started));
+        }
+        self.last.set(now);
+    }
+
+    /// The request, of `opcode`, is answered with `errno` (0: success): counts an error, and
+    /// times the whole request.
+    pub fn replied(&self, opcode: u32, errno: i32) {
+        if errno != 0 {
+            self.counters.error(opcode, errno);
+        }
+        if self.arrived == 0 {
+            return;
+        }
+        let now = match self.last.get() {
+            0 => now_ns(),
+            t => t,
+        };
+        if let Some(h) = histogram(&self.counters.latency, opcode) {
+            h.record(now.saturating_sub(self.arrived));
+        }
+    }
+
+    pub(crate) fn read(&self, bytes: usize) {
+        self.counters.read(bytes);
+    }
+
+    pub(crate) fn write(&self, bytes: usize) {
+        self.counters.write(bytes);
+    }
+
+    pub(crate) fn flush(&self) {
+        self.counters.flush();
     }
 }
 

@@ -15,7 +15,7 @@ use fuse_abi::{
 };
 use zerocopy::{Immutable, IntoBytes};
 
-use crate::{Counters, Request};
+use crate::{Request, Tally};
 
 /// How the export behaves; fixed for its lifetime.
 #[derive(Clone, Copy, Debug)]
@@ -145,7 +145,7 @@ impl<B: BlockBackend> Export<B> {
         req: Request,
         mut buf: Buf,
         window: std::ops::Range<usize>,
-        stats: &Counters,
+        tally: &Tally<'_>,
     ) -> (Reply, Buf) {
         let payload = window.start;
         if hdr.nodeid != ROOT_ID
@@ -159,8 +159,8 @@ impl<B: BlockBackend> Export<B> {
         }
         let cap = window.end - window.start;
         let r = match req {
-            Request::Read(a) => return self.read(eng, a, buf, payload, cap, stats).await,
-            Request::Write(a) => return self.write(eng, a, buf, payload, cap, stats).await,
+            Request::Read(a) => return self.read(eng, a, buf, payload, cap, tally).await,
+            Request::Write(a) => return self.write(eng, a, buf, payload, cap, tally).await,
             Request::Getattr => self.getattr(eng, &mut buf, payload).await,
             Request::Setattr(a) => self.setattr(eng, a, &mut buf, payload).await,
             Request::Open(a) => {
@@ -174,7 +174,7 @@ impl<B: BlockBackend> Export<B> {
                 self.open_files.fetch_sub(1, Ordering::Relaxed);
                 Ok(Reply::Data(0))
             }
-            Request::Flush | Request::Fsync(_) => self.flush(eng, hdr.opcode, stats).await,
+            Request::Flush | Request::Fsync(_) => self.flush(eng, hdr.opcode, tally).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
             Request::Lseek(a) => self.lseek(eng, a, &mut buf, payload).await,
             Request::Statfs => self.statfs(&mut buf, payload),
@@ -216,19 +216,19 @@ impl<B: BlockBackend> Export<B> {
         buf: Buf,
         payload: usize,
         cap: usize,
-        stats: &Counters,
+        tally: &Tally<'_>,
     ) -> (Reply, Buf) {
         let size = self.backend.size();
         if a.offset >= size || a.size == 0 {
             return (Reply::Data(0), buf);
         }
         let n = (u64::from(a.size).min(size - a.offset) as usize).min(cap);
-        let t = stats.backend_start();
+        let started = tally.backend_start();
         let (r, win) = self
             .backend
             .read_at(eng, buf.slice(payload..payload + n), a.offset)
             .await;
-        stats.backend_done(fuse_abi::Opcode::Read as u32, t);
+        tally.backend_done(fuse_abi::Opcode::Read as u32, started);
         let buf = win.into_inner();
         match r {
             Ok(got) => {
@@ -237,7 +237,7 @@ impl<B: BlockBackend> Export<B> {
                     // the new size now (fixed-size writes stop there).
                     let _ = self.backend.refresh_size();
                 }
-                stats.read(got);
+                tally.read(got);
                 (Reply::Data(got), buf)
             }
             Err(e) => (Reply::Error(err(e)), buf),
@@ -251,7 +251,7 @@ impl<B: BlockBackend> Export<B> {
         buf: Buf,
         payload: usize,
         cap: usize,
-        stats: &Counters,
+        tally: &Tally<'_>,
     ) -> (Reply, Buf) {
         if !self.cfg.writable {
             return (Reply::Error(libc::EROFS), buf);
@@ -275,7 +275,7 @@ impl<B: BlockBackend> Export<B> {
         }
         // A growable image grows by what the write put there, after it landed: nothing is
         // allocated for a write that fails, and a write cut short grows only as far as it got.
-        let t = stats.backend_start();
+        let started = tally.backend_start();
         let (r, win) = self
             .backend
             .write_at(eng, buf.slice(payload..payload + len as usize), a.offset)
@@ -284,23 +284,23 @@ impl<B: BlockBackend> Export<B> {
         let n = match r {
             Ok(n) => n,
             Err(e) => {
-                stats.backend_done(fuse_abi::Opcode::Write as u32, t);
+                tally.backend_done(fuse_abi::Opcode::Write as u32, started);
                 return (Reply::Error(err(e)), buf);
             }
         };
         if self.cfg.growable && n > 0 {
             self.backend.written_to(a.offset + n as u64);
         }
-        stats.write(n);
+        tally.write(n);
         if self.cfg.writethrough && !self.backend.durable_writes() {
             let r = self.backend.flush(eng).await;
-            stats.backend_done(fuse_abi::Opcode::Write as u32, t);
+            tally.backend_done(fuse_abi::Opcode::Write as u32, started);
             if let Err(e) = r {
                 return (Reply::Error(err(e)), buf);
             }
-            stats.flush();
+            tally.flush();
         } else {
-            stats.backend_done(fuse_abi::Opcode::Write as u32, t);
+            tally.backend_done(fuse_abi::Opcode::Write as u32, started);
         }
         let out = WriteOut {
             size: n as u32,
@@ -438,13 +438,13 @@ impl<B: BlockBackend> Export<B> {
         )
     }
 
-    async fn flush(&self, eng: &Engine, opcode: u32, stats: &Counters) -> R {
+    async fn flush(&self, eng: &Engine, opcode: u32, tally: &Tally<'_>) -> R {
         if self.cfg.writable {
-            let t = stats.backend_start();
+            let started = tally.backend_start();
             let r = self.backend.flush(eng).await;
-            stats.backend_done(opcode, t);
+            tally.backend_done(opcode, started);
             r.map_err(err)?;
-            stats.flush();
+            tally.flush();
         }
         Ok(Reply::Data(0))
     }

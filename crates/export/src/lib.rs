@@ -10,7 +10,7 @@ mod handle;
 pub mod latency;
 mod request;
 
-pub use counters::{errno_name, op_name, Counters, Snapshot, MAX_ERRNO};
+pub use counters::{errno_name, op_name, Counters, Snapshot, Tally, MAX_ERRNO};
 pub use handle::{Export, ExportConfig, Passthrough, Reply};
 pub use latency::Latency;
 pub use request::Request;

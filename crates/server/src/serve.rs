@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use backend::BlockBackend;
 use engine::{Buf, Engine};
-use export::{Counters, Export, Reply, Request};
+use export::{Counters, Export, Reply, Request, Tally};
 use fuse_abi::{parse, parse_op_split, peek_unique, write_header, InHeader, Operation, ParseError};
 use transport::{Delivered, Layout, UringLayout};
 
@@ -105,8 +105,7 @@ impl<B: BlockBackend> QueueServer<B> {
                 if let Some((fd, off, len)) = self.export.splice_read(hdr, a, capacity) {
                     self.counters.request(hdr.opcode);
                     // Timed to the splice's start: the kernel copies the data as it sends.
-                    let arrived = self.counters.timed().then(|| eng.reaped_at());
-                    self.counters.replied(hdr.opcode, 0, arrived);
+                    Tally::new(&self.counters, self.arrival(eng)).replied(hdr.opcode, 0);
                     let unique = hdr.unique;
                     return (
                         buf,
@@ -167,7 +166,7 @@ impl<B: BlockBackend> QueueServer<B> {
     /// io_uring framing: answers the request in `buf` with `errno` without serving it (a queue
     /// that is stopping takes nothing new).
     pub fn refuse_uring(&self, l: &UringLayout, buf: &mut Buf, d: &Delivered, errno: i32) {
-        self.counters.replied(d.header.opcode, errno, None);
+        Tally::new(&self.counters, 0).replied(d.header.opcode, errno);
         let (error, len) = reply_parts(Reply::Error(errno), 0).unwrap_or((-libc::EIO, 0));
         l.set_reply(buf.as_mut_slice(), d.header.unique, error, len);
     }
@@ -200,17 +199,23 @@ impl<B: BlockBackend> QueueServer<B> {
             }
         }
         self.counters.request(hdr.opcode);
-        let arrived = self.counters.timed().then(|| eng.reaped_at());
-        let (reply, buf) = self
-            .export
-            .handle(eng, hdr, req, buf, window, &self.counters)
-            .await;
+        let tally = Tally::new(&self.counters, self.arrival(eng));
+        let (reply, buf) = self.export.handle(eng, hdr, req, buf, window, &tally).await;
         let errno = match reply {
             Reply::Error(e) => e,
             _ => 0,
         };
-        self.counters.replied(hdr.opcode, errno, arrived);
+        tally.replied(hdr.opcode, errno);
         (reply, buf)
+    }
+
+    /// When the request being served arrived (0: untimed, no clock read).
+    fn arrival(&self, eng: &Engine) -> u64 {
+        if self.counters.timed() {
+            eng.reaped_ns()
+        } else {
+            0
+        }
     }
 }
 
