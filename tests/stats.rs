@@ -4,8 +4,9 @@
 //! fio's completion-latency percentiles within the histogram's bucket resolution. The
 //! `--stats-file` written at exit comes from the same counters.
 
+use std::ffi::OsStr;
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use fusex_e2e::*;
@@ -26,6 +27,16 @@ fn fio_job(out: &str) -> Value {
     let start = out.find('{').expect("fio printed JSON");
     let v: Value = serde_json::from_str(&out[start..]).expect("fio's JSON");
     v["jobs"][0].clone()
+}
+
+/// Mounts `image` with `args` and a control socket (`--control`), at `export` in `w`; the mount
+/// and the socket's path.
+fn mount_with_control(w: &WorkDir, image: impl AsRef<OsStr>, args: &[&str]) -> (Mount, PathBuf) {
+    let sock = w.join("control.sock");
+    let mut all: Vec<&str> = args.to_vec();
+    let sock_arg = sock.to_str().unwrap().to_string();
+    all.extend(["--control", &sock_arg]);
+    (Mount::start(w, image, &w.join("export"), &all), sock)
 }
 
 /// The export's statistics over its control socket.
@@ -55,16 +66,9 @@ fn counters_agree_with_fio() {
     let w = WorkDir::new("stats-counts");
     let img = w.join("disk.img");
     sparse_image(&img, 64 * MIB);
-    let sock = w.join("control.sock");
-    let sock_arg = sock.to_str().unwrap().to_string();
     // Passthrough off: with it the kernel serves READ and WRITE from the image itself and fusex
     // never sees them.
-    let m = Mount::start(
-        &w,
-        &img,
-        &w.join("export"),
-        &["--writable", "--passthrough", "off", "--control", &sock_arg],
-    );
+    let (m, sock) = mount_with_control(&w, &img, &["--writable", "--passthrough", "off"]);
     let out = run_fio(
         &w,
         m.path(),
@@ -187,24 +191,14 @@ fn latency_percentiles_agree_with_fio() {
     let w = WorkDir::new("stats-latency");
     let img = w.join("disk.img");
     sparse_image(&img, 16 * MIB);
-    let sock = w.join("control.sock");
-    let sock_arg = sock.to_str().unwrap().to_string();
     // Every backend read waits 10 ms: the image's storage dominates the latency, as on a slow
     // disk, so what the application sees and what fusex measures are the same time but for the
     // kernel's few microseconds, and for the moments the reply or fio waits for a CPU, which on a
     // busy machine reach a millisecond.
-    let m = Mount::start(
+    let (m, sock) = mount_with_control(
         &w,
         &img,
-        &w.join("export"),
-        &[
-            "--passthrough",
-            "off",
-            "--control",
-            &sock_arg,
-            "--fault",
-            "read:*:delay=10ms",
-        ],
+        &["--passthrough", "off", "--fault", "read:*:delay=10ms"],
     );
     let fio = |name: &str| {
         let name = format!("--name={name}");
@@ -274,20 +268,10 @@ fn nbd_reconnects_and_time_disconnected_are_counted() {
     let expected = random_image(&img, 4 * MIB, 31);
     let nbd_sock = w.join("nbd.sock");
     let mut server = qemu_nbd(&nbd_sock, &["-f", "raw"], &img);
-    let sock = w.join("control.sock");
-    let sock_arg = sock.to_str().unwrap().to_string();
-    let m = Mount::start(
+    let (m, sock) = mount_with_control(
         &w,
         nbd_uri(&nbd_sock, ""),
-        &w.join("export"),
-        &[
-            "--reconnect-delay",
-            "0.05",
-            "--queues",
-            "1",
-            "--control",
-            &sock_arg,
-        ],
+        &["--reconnect-delay", "0.05", "--queues", "1"],
     );
     let f = fs::OpenOptions::new()
         .read(true)
@@ -369,14 +353,7 @@ fn qcow2_allocations_and_copy_ahead_are_counted() {
             .arg(&base)
             .arg(&top),
     );
-    let sock = w.join("control.sock");
-    let sock_arg = sock.to_str().unwrap().to_string();
-    let m = Mount::start(
-        &w,
-        &top,
-        &w.join("export"),
-        &["--writable", "--control", &sock_arg],
-    );
+    let (m, sock) = mount_with_control(&w, &top, &["--writable"]);
     let before = fs::metadata(&top).unwrap().len();
     let f = open_rw_direct(m.path());
     use std::os::unix::fs::FileExt;
