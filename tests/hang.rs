@@ -26,14 +26,29 @@ fn on_uring(m: &Mount) -> bool {
 }
 
 /// Mounts a 1 MiB random image with `args` and reads it once through the export (checked against
-/// the image), so the queues (on io_uring: every ring entry) are serving before the daemon stops.
+/// the image), so the queues are serving before the daemon stops. Then waits until the daemon
+/// holds no request: the read's RELEASE is sent in the background, and on io_uring a queue
+/// registers entries as its load asks (one at first), so a RELEASE still held when the daemon
+/// stops would keep the next request from an entry (it would wait in the kernel, where SIGKILL
+/// can still take it back).
 fn mounted(tag: &str, seed: u64, args: &[&str]) -> (WorkDir, Mount) {
     let w = WorkDir::new(tag);
     let img = w.join("disk.img");
     let model = random_image(&img, MIB, seed);
     let mp = w.join("export");
-    let m = Mount::start(&w, &img, &mp, args);
+    let sock = w.join("control.sock");
+    let sock_arg = sock.to_str().unwrap().to_string();
+    let mut all = args.to_vec();
+    all.extend(["--control", &sock_arg]);
+    let m = Mount::start(&w, &img, &mp, &all);
     assert_bytes_eq(&read_all(&mp), &model, 0, "read before the daemon stops");
+    let mut qmp = Qmp::connect(&sock);
+    let idle = wait_until(Instant::now() + TIMEOUT, || {
+        let s = qmp.ok("__org.fusex_query-stats", serde_json::json!({}));
+        let e = &s["exports"][0];
+        e["ops"]["RELEASE"].as_u64().unwrap_or(0) >= 1 && e["in_flight"] == 0
+    });
+    assert!(idle, "the daemon still holds requests after the read");
     (w, m)
 }
 
