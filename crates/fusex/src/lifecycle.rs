@@ -795,6 +795,7 @@ fn start_queues(
                 .then(|| export.backend().inner().io_fds()),
             splice_min: args.splice_min as usize,
             latency: args.latency == OnOff::On,
+            stats: p.stats.clone(),
             fallback_slots: memory::URING_LEGACY_SLOTS,
             before_serving: Box::new(move || privileges.apply()),
         };

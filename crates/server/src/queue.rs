@@ -54,6 +54,9 @@ pub struct QueueSpec {
     pub splice_min: usize,
     /// Time each request into latency histograms (see [`QueueServer::with_latency`]).
     pub latency: bool,
+    /// The export's statistics, which the queue's counters join before it serves anything, so
+    /// no request is served uncounted by a reader.
+    pub stats: Arc<crate::ExportStats>,
     /// Slots of the legacy reader an io_uring queue keeps (on its `legacy` fd) for requests sent
     /// before the ring is ready, and anything else the kernel still sends through `/dev/fuse`.
     pub fallback_slots: usize,
@@ -278,6 +281,7 @@ fn start<B: BlockBackend + 'static>(
     let server = QueueServer::new(export)
         .with_splice_min(spec.splice_min)
         .with_latency(spec.latency);
+    spec.stats.started(spec.id, server.shared_counters());
     let st = QueueState::new(eng.clone(), server, legacy);
     {
         let (id, report, crew) = (spec.id, report.clone(), uring.as_ref().map(|u| u.2.clone()));
