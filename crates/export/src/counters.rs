@@ -251,11 +251,6 @@ impl<'a> Tally<'a> {
         }
     }
 
-    /// The queue's counters.
-    pub fn counters(&self) -> &Counters {
-        self.counters
-    }
-
     /// The clock read that starts the backend's part (0 when untimed).
     pub fn backend_start(&self) -> u64 {
         if self.arrived == 0 {

@@ -1061,14 +1061,8 @@ impl Supervisor {
     fn step(&mut self, p: &mut Prepared, ev: Event, owner: &mut dyn Owner) {
         let nq = p.settled.queues;
         match ev {
-            Event::Queue(QueueEvent::Started {
-                id,
-                remote,
-                task,
-                counters,
-            }) => {
+            Event::Queue(QueueEvent::Started { remote, task, .. }) => {
                 self.remotes.push((remote, task));
-                p.stats.started(id, counters);
                 if self.stop.load(Ordering::Acquire) {
                     self.stop_all();
                 }

@@ -14,7 +14,7 @@ use std::task::Poll;
 
 use backend::BlockBackend;
 use engine::{Buf, BufPool, Engine, EngineError, EngineStats, Remote, TaskId};
-use export::{Counters, Export, Snapshot};
+use export::{Export, Snapshot};
 use thiserror::Error;
 use transport::{Layout, LegacyQueue, TransportError, UringLayout, UringQueue};
 
@@ -88,13 +88,12 @@ pub enum QueueError {
 /// Messages from a queue thread to whoever runs the export (which wraps them in its own events
 /// through `From`).
 pub enum QueueEvent {
-    /// The queue runs; wake `task` through `remote` to make it stop. `counters` are the
-    /// queue's, readable live.
+    /// The queue runs; wake `task` through `remote` to make it stop. (Its counters joined the
+    /// export's statistics when it was made: [`QueueSpec::stats`].)
     Started {
         id: usize,
         remote: Remote,
         task: TaskId,
-        counters: Arc<Counters>,
     },
     /// The queue could not start.
     Failed { id: usize, error: String },
@@ -373,7 +372,6 @@ fn start<B: BlockBackend + 'static>(
         id: spec.id,
         remote: eng.remote(),
         task: w,
-        counters: st.server().shared_counters(),
     });
     Ok(())
 }
