@@ -10,6 +10,7 @@ use std::io;
 use engine::{Engine, Slice};
 
 mod any;
+pub mod blocktable;
 mod cow;
 mod fault;
 mod gate;
@@ -21,8 +22,9 @@ mod raw;
 mod regions;
 mod ringfile;
 mod stats;
+pub mod vhd;
 
-pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
+pub use any::{has_metadata, open, AnyBackend, Format, OpenError, OpenOptions};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use lock::{LockError, Locking};
 pub use nbd_client::{NbdBackend, NbdOptions};

@@ -1,5 +1,5 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`). fusex serves an image by
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`). fusex serves an image by
 //! its path (or URI), so a node is what it takes to name that image and how to open it; the
 //! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
 //! and again by each export of it.
@@ -22,6 +22,8 @@ pub enum Driver {
     Raw,
     /// A qcow2 format node over its `file` child.
     Qcow2,
+    /// A VHD format node (QEMU's `vpc`) over its `file` child.
+    Vpc,
 }
 
 impl Driver {
@@ -34,6 +36,7 @@ impl Driver {
             Driver::Null { .. } => "null-co",
             Driver::Raw => "raw",
             Driver::Qcow2 => "qcow2",
+            Driver::Vpc => "vpc",
         }
     }
 }
@@ -130,6 +133,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "file" | "host_device" => &["filename", "locking"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
+        "vpc" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
         _ => &[],
@@ -175,7 +179,6 @@ const OTHER_DRIVERS: &[&str] = &[
     "vhdx",
     "virtio-blk-vfio-pci",
     "vmdk",
-    "vpc",
     "vvfat",
 ];
 
@@ -291,7 +294,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, nbd and null-co nodes"
+                 qcow2, vpc, nbd and null-co nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -363,7 +366,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" => {
+        "raw" | "qcow2" | "vpc" => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -403,10 +406,10 @@ pub fn parse(
                     )))
                 }
             }
-            if driver == "raw" {
-                Driver::Raw
-            } else {
-                Driver::Qcow2
+            match driver {
+                "raw" => Driver::Raw,
+                "vpc" => Driver::Vpc,
+                _ => Driver::Qcow2,
             }
         }
         _ => unreachable!("own_members covers these"),
@@ -500,12 +503,13 @@ impl Node {
             Driver::File { filename, .. } => Some(filename.clone()),
             Driver::Nbd { uri } => Some(uri.clone()),
             Driver::Null { size } => Some(format!("null:{size}")),
-            Driver::Raw | Driver::Qcow2 => None,
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc => None,
         };
         // NBD and null images have no format of their own: fusex mount takes them as they are.
         match self.driver {
             Driver::Raw => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("raw"))),
             Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
+            Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
         }
@@ -517,7 +521,7 @@ impl Node {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => uri.clone(),
             Driver::Null { .. } => "null-co://".into(),
-            Driver::Raw | Driver::Qcow2 => self
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc => self
                 .file
                 .as_deref()
                 .and_then(node_of)
@@ -611,6 +615,22 @@ mod tests {
             .unwrap_err()
             .contains("'lazy-refcounts'")
         );
+    }
+
+    #[test]
+    fn a_vpc_node_is_a_vhd_image() {
+        let v = nodes(json!({"driver": "vpc", "node-name": "v",
+                             "file": {"driver": "file", "filename": "/d.vhd"}}))
+        .unwrap();
+        assert_eq!(v[1].driver, Driver::Vpc);
+        let file = v[0].clone();
+        let lookup = |n: &str| (n == file.name).then(|| file.clone());
+        assert_eq!(v[1].image(&lookup), Some(("/d.vhd".into(), Some("vhd"))));
+        assert!(nodes(
+            json!({"driver": "vpc", "node-name": "x", "file": "file0", "backing": null})
+        )
+        .unwrap_err()
+        .contains("'backing' is unexpected"));
     }
 
     #[test]
