@@ -85,7 +85,7 @@ impl OpenError {
 /// The format of an image, as given on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
-    /// Probe: qcow2 or VHD if the file starts with that format's magic, raw otherwise
+    /// Probe: qcow2, VHD or VDI if the file starts with that format's magic, raw otherwise
     /// (`null:` specs are null). The choice is logged.
     #[default]
     Auto,
@@ -95,6 +95,8 @@ pub enum Format {
     Qcow2,
     /// VHD (QEMU's `vpc`): fixed or dynamic.
     Vhd,
+    /// VDI (VirtualBox): static or dynamic.
+    Vdi,
     /// `null:SIZE`.
     Null,
 }
@@ -134,6 +136,8 @@ pub enum AnyBackend {
     Qcow2(Qcow2Backend),
     /// A VHD image.
     Vhd(crate::vhd::VhdBackend),
+    /// A VDI image.
+    Vdi(crate::vdi::VdiBackend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
 }
@@ -212,7 +216,7 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
             Format::Qcow2
         }
         Format::Raw => Format::Raw,
-        Format::Vhd => {
+        Format::Vhd | Format::Vdi => {
             let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
             if !(meta.is_file() || meta.file_type().is_block_device()) {
                 return Err(OpenError::NotFileOrDevice(spec.to_string()));
@@ -235,7 +239,7 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
                 && (crate::qcow2::probe(path).unwrap_or(false)
                     || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
         }
-        Format::Qcow2 | Format::Vhd => true,
+        Format::Qcow2 | Format::Vhd | Format::Vdi => true,
     }
 }
 
@@ -244,6 +248,9 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
 fn probe_table_formats(path: &Path) -> io::Result<Format> {
     if crate::vhd::probe(path)? {
         return Ok(Format::Vhd);
+    }
+    if crate::vdi::probe(path)? {
+        return Ok(Format::Vdi);
     }
     Ok(Format::Raw)
 }
@@ -298,6 +305,14 @@ fn open_as(
                 opts.locking,
             )?))
         }
+        Format::Vdi => {
+            table_format_options(path, "vdi", &opts)?;
+            Ok(AnyBackend::Vdi(crate::vdi::open(
+                path,
+                opts.writable,
+                opts.locking,
+            )?))
+        }
         _ => {
             let raw = RawBackend::open(path, opts.writable, opts.direct, opts.io_path)?;
             // The O_DIRECT backend's buffered twin stays unlocked: one description per file
@@ -346,6 +361,8 @@ impl AnyBackend {
             (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
             (AnyBackend::Vhd(_), false) => "vhd",
             (AnyBackend::Vhd(_), true) => "vhd (auto: the image starts with a VHD footer)",
+            (AnyBackend::Vdi(_), false) => "vdi",
+            (AnyBackend::Vdi(_), true) => "vdi (auto: the image carries the VDI signature)",
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
         }
@@ -359,6 +376,7 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.owner().ok(),
             AnyBackend::Qcow2(q) => q.owner().ok(),
             AnyBackend::Vhd(v) => v.owner().ok(),
+            AnyBackend::Vdi(v) => v.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
         }
     }
@@ -368,7 +386,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
-            AnyBackend::Vhd(_) => Vec::new(),
+            AnyBackend::Vhd(_) | AnyBackend::Vdi(_) => Vec::new(),
         }
     }
 }
@@ -380,6 +398,7 @@ macro_rules! each {
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
             AnyBackend::Vhd($b) => $e,
+            AnyBackend::Vdi($b) => $e,
             AnyBackend::Nbd($b) => $e,
         }
     };
@@ -402,7 +421,7 @@ impl BlockBackend for AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.splice_fd(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => None,
-            AnyBackend::Vhd(_) => None,
+            AnyBackend::Vhd(_) | AnyBackend::Vdi(_) => None,
         }
     }
     fn durable_writes(&self) -> bool {

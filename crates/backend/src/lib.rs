@@ -22,6 +22,7 @@ mod raw;
 mod regions;
 mod ringfile;
 mod stats;
+pub mod vdi;
 pub mod vhd;
 
 pub use any::{has_metadata, open, AnyBackend, Format, OpenError, OpenOptions};

@@ -232,7 +232,7 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2 or vhd if the image starts with that format's magic, raw otherwise (null for
+    /// qcow2, vhd or vdi if the image starts with that format's magic, raw otherwise (null for
     /// null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
@@ -242,6 +242,8 @@ pub enum FormatArg {
     /// VHD, fixed or dynamic (QEMU's vpc).
     #[value(alias = "vpc")]
     Vhd,
+    /// VDI, static or dynamic (VirtualBox).
+    Vdi,
     /// null:SIZE.
     Null,
 }
@@ -253,6 +255,7 @@ impl From<FormatArg> for backend::Format {
             FormatArg::Raw => backend::Format::Raw,
             FormatArg::Qcow2 => backend::Format::Qcow2,
             FormatArg::Vhd => backend::Format::Vhd,
+            FormatArg::Vdi => backend::Format::Vdi,
             FormatArg::Null => backend::Format::Null,
         }
     }
@@ -677,7 +680,7 @@ pub struct ServeArgs {
     /// A block node, as qemu-storage-daemon takes it (repeatable)
     ///
     /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
-    /// raw, qcow2, vpc, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
+    /// raw, qcow2, vpc, vdi, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
     /// file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,

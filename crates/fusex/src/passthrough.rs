@@ -130,7 +130,7 @@ impl Plan {
             (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
                 Err(NotUsed::NoBackingFile(args.image.clone()))
             }
-            (_, AnyBackend::Qcow2(_) | AnyBackend::Vhd(_)) => {
+            (_, AnyBackend::Qcow2(_) | AnyBackend::Vhd(_) | AnyBackend::Vdi(_)) => {
                 Err(NotUsed::Formatted(args.image.clone()))
             }
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),

@@ -1,5 +1,5 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`). fusex serves an image by
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`). fusex serves an image by
 //! its path (or URI), so a node is what it takes to name that image and how to open it; the
 //! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
 //! and again by each export of it.
@@ -24,6 +24,8 @@ pub enum Driver {
     Qcow2,
     /// A VHD format node (QEMU's `vpc`) over its `file` child.
     Vpc,
+    /// A VDI format node over its `file` child.
+    Vdi,
 }
 
 impl Driver {
@@ -37,6 +39,7 @@ impl Driver {
             Driver::Raw => "raw",
             Driver::Qcow2 => "qcow2",
             Driver::Vpc => "vpc",
+            Driver::Vdi => "vdi",
         }
     }
 }
@@ -133,7 +136,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "file" | "host_device" => &["filename", "locking"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
-        "vpc" => &["file"],
+        "vpc" | "vdi" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
         _ => &[],
@@ -175,7 +178,6 @@ const OTHER_DRIVERS: &[&str] = &[
     "replication",
     "ssh",
     "throttle",
-    "vdi",
     "vhdx",
     "virtio-blk-vfio-pci",
     "vmdk",
@@ -294,7 +296,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, vpc, nbd and null-co nodes"
+                 qcow2, vpc, vdi, nbd and null-co nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -366,7 +368,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" | "vpc" => {
+        "raw" | "qcow2" | "vpc" | "vdi" => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -409,6 +411,7 @@ pub fn parse(
             match driver {
                 "raw" => Driver::Raw,
                 "vpc" => Driver::Vpc,
+                "vdi" => Driver::Vdi,
                 _ => Driver::Qcow2,
             }
         }
@@ -503,13 +506,14 @@ impl Node {
             Driver::File { filename, .. } => Some(filename.clone()),
             Driver::Nbd { uri } => Some(uri.clone()),
             Driver::Null { size } => Some(format!("null:{size}")),
-            Driver::Raw | Driver::Qcow2 | Driver::Vpc => None,
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Vdi => None,
         };
         // NBD and null images have no format of their own: fusex mount takes them as they are.
         match self.driver {
             Driver::Raw => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("raw"))),
             Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
             Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
+            Driver::Vdi => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vdi"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
         }
@@ -521,7 +525,7 @@ impl Node {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => uri.clone(),
             Driver::Null { .. } => "null-co://".into(),
-            Driver::Raw | Driver::Qcow2 | Driver::Vpc => self
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Vdi => self
                 .file
                 .as_deref()
                 .and_then(node_of)
@@ -626,6 +630,8 @@ mod tests {
         let file = v[0].clone();
         let lookup = |n: &str| (n == file.name).then(|| file.clone());
         assert_eq!(v[1].image(&lookup), Some(("/d.vhd".into(), Some("vhd"))));
+        let v = nodes(json!({"driver": "vdi", "node-name": "w", "file": "file0"})).unwrap();
+        assert_eq!(v[0].driver, Driver::Vdi);
         assert!(nodes(
             json!({"driver": "vpc", "node-name": "x", "file": "file0", "backing": null})
         )
