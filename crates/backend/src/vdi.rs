@@ -314,8 +314,8 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
     }
     if let Some(&first) = bad.first() {
         let what = format!(
-            "the block map entry of block {first} points past its data blocks or at one \
-             another block uses{}",
+            "the block map entry of block {first} points past the image's data blocks or at a \
+             data block another block uses{}",
             match bad.len() - 1 {
                 0 => String::new(),
                 n => format!(" (and {n} more)"),
