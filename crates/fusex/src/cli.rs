@@ -314,7 +314,7 @@ pub struct MountArgs {
     /// Image format
     ///
     /// Give raw for raw images from untrusted sources: auto would read a raw image whose first
-    /// bytes mimic a qcow2 header as qcow2.
+    /// bytes mimic a qcow2, VHD or VDI header as that format.
     #[arg(long, value_enum, default_value_t = FormatArg::Auto, help_heading = heading::IMAGE)]
     pub format: FormatArg,
     /// Refuse to open the backing or data files a qcow2 image names
