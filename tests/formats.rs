@@ -41,6 +41,10 @@ struct Sub {
     shown: &'static str,
     /// `qemu-img check` supports the format.
     check: bool,
+    /// Allocation is per block in the image (`qemu-img map` reports its blocks); a fixed or
+    /// static image is data throughout to fusex, while `qemu-img map` passes the question on
+    /// to the image file.
+    sparse: bool,
 }
 
 const SUBS: &[Sub] = &[
@@ -51,6 +55,7 @@ const SUBS: &[Sub] = &[
         format: None,
         shown: "format vhd (auto",
         check: false,
+        sparse: true,
     },
     Sub {
         tag: "vhd-dynamic-footer-size",
@@ -59,6 +64,7 @@ const SUBS: &[Sub] = &[
         format: Some("vpc"),
         shown: "format vhd",
         check: false,
+        sparse: true,
     },
     Sub {
         tag: "vhd-fixed",
@@ -67,6 +73,7 @@ const SUBS: &[Sub] = &[
         format: Some("vhd"),
         shown: "format vhd",
         check: false,
+        sparse: false,
     },
     Sub {
         tag: "vdi-dynamic",
@@ -75,6 +82,7 @@ const SUBS: &[Sub] = &[
         format: None,
         shown: "format vdi (auto",
         check: true,
+        sparse: true,
     },
     Sub {
         tag: "vdi-static",
@@ -83,6 +91,7 @@ const SUBS: &[Sub] = &[
         format: Some("vdi"),
         shown: "format vdi",
         check: true,
+        sparse: false,
     },
 ];
 
@@ -114,10 +123,12 @@ fn oracle(img: &Path, fmt: &str, out: &Path) -> Vec<u8> {
     fs::read(out).unwrap()
 }
 
-/// Random data with runs of zeroes (so dynamic images get unallocated blocks too).
+/// Random data with runs of zeroes, among them 4..8 MiB whole (so dynamic images get
+/// unallocated blocks of any size up to 4 MiB too).
 fn mixed(size: u64, seed: u64) -> Vec<u8> {
     let mut rng = Rng::new(seed);
     let mut data = rng.bytes(size as usize);
+    data[(4 * MIB) as usize..(8 * MIB) as usize].fill(0);
     let mut off = 0u64;
     while off < size {
         let len = (256 * KIB + rng.below(3 * MIB)).min(size - off);
@@ -127,6 +138,62 @@ fn mixed(size: u64, seed: u64) -> Vec<u8> {
         off += len;
     }
     data
+}
+
+/// Merges touching or overlapping ranges.
+fn merged(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (a, b) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+/// The ranges `qemu-img map` reports as data.
+fn qemu_map(img: &Path, fmt: &str) -> Vec<(u64, u64)> {
+    let out = run_ok(
+        Command::new("qemu-img")
+            .args(["map", "-U", "--output=json", "-f", fmt])
+            .arg(img),
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("qemu-img map prints JSON");
+    let ranges = v
+        .as_array()
+        .expect("an array")
+        .iter()
+        .filter(|e| e["data"].as_bool() == Some(true))
+        .map(|e| {
+            let start = e["start"].as_u64().unwrap();
+            (start, start + e["length"].as_u64().unwrap())
+        })
+        .collect();
+    merged(ranges)
+}
+
+/// The data ranges of the export, walked with SEEK_DATA and SEEK_HOLE.
+fn seek_map(f: &fs::File, size: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < size {
+        let data = match lseek(f, off, libc::SEEK_DATA) {
+            Ok(d) => d,
+            Err(e) if e == libc::ENXIO => break,
+            Err(e) => panic!("lseek({off}, SEEK_DATA): {}", errno_str(e)),
+        };
+        let hole = lseek(f, data, libc::SEEK_HOLE)
+            .unwrap_or_else(|e| panic!("lseek({data}, SEEK_HOLE): {}", errno_str(e)));
+        assert!(
+            data >= off && hole > data && hole <= size,
+            "{off}: {data}..{hole}"
+        );
+        out.push((data, hole));
+        off = hole;
+    }
+    merged(out)
 }
 
 fn file_hash(p: &Path) -> u64 {
@@ -206,6 +273,27 @@ fn read_case(sub: Sub, seed: u64) {
         let lo = off.min(want.len() as u64) as usize;
         let hi = (off + len as u64).min(want.len() as u64) as usize;
         assert_bytes_eq(&got, &want[lo..hi], off, &format!("{}: read #{i}", sub.tag));
+    }
+    let seek = seek_map(&f, want.len() as u64);
+    if sub.sparse {
+        let map = qemu_map(&img, sub.fmt);
+        assert!(
+            seek.len() > 1,
+            "{}: the image has no hole: {map:?}",
+            sub.tag
+        );
+        assert_eq!(
+            seek, map,
+            "{}: SEEK_DATA/SEEK_HOLE against qemu-img map",
+            sub.tag
+        );
+    } else {
+        assert_eq!(
+            seek,
+            vec![(0, want.len() as u64)],
+            "{}: data throughout",
+            sub.tag
+        );
     }
     drop(f);
     m.stop().assert_clean(sub.tag);

@@ -270,7 +270,7 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
     let mut raw = vec![0u8; (blocks * 4) as usize];
     f.read_exact_at(&mut raw, h.offset_bmap)?;
     // Which block each data index is used by, to find two blocks sharing one.
-    let mut users: Vec<(u32, u64)> = Vec::new();
+    let mut users: Vec<(u32, u32)> = Vec::new();
     let mut bad = Vec::new();
     for (i, w) in raw.chunks_exact(4).enumerate() {
         let i = i as u64;
@@ -283,7 +283,8 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
                     table.set(i, Entry::Bad);
                     bad.push(i);
                 } else {
-                    users.push((k, i));
+                    // `i` fits 32 bits: the table holds at most `MAX_ENTRIES`.
+                    users.push((k, i as u32));
                 }
             }
         }
@@ -291,14 +292,14 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
     users.sort_unstable();
     for pair in users.windows(2) {
         if pair[0].0 == pair[1].0 {
-            bad.extend([pair[0].1, pair[1].1]);
+            bad.extend([u64::from(pair[0].1), u64::from(pair[1].1)]);
         }
     }
     let mut next = 0u64;
     let mut count = 0u32;
     for &(k, i) in &users {
         table.set(
-            i,
+            u64::from(i),
             Entry::Data {
                 host: h.offset_data + u64::from(k) * h.block_size,
                 flags: 0,

@@ -641,20 +641,21 @@ fn parse_dynamic(
             continue;
         }
         end = end.max(host + footprint);
-        placed.push((host, i));
+        // Sector and index both fit 32 bits (the BAT's own width, and the table's bound).
+        placed.push((v, i as u32));
     }
     // Two entries sharing file space: a write to one would change the other.
     placed.sort_unstable();
     for pair in placed.windows(2) {
-        if pair[0].0 + footprint > pair[1].0 {
-            bad.extend([pair[0].1, pair[1].1]);
+        if u64::from(pair[0].0) * SECTOR + footprint > u64::from(pair[1].0) * SECTOR {
+            bad.extend([u64::from(pair[0].1), u64::from(pair[1].1)]);
         }
     }
-    for &(host, i) in &placed {
+    for &(v, i) in &placed {
         table.set(
-            i,
+            u64::from(i),
             Entry::Data {
-                host,
+                host: u64::from(v) * SECTOR,
                 flags: BITMAP_UNKNOWN,
             },
         );

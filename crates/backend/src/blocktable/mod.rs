@@ -52,8 +52,9 @@
 //! the file, reading as zeroes) unless the format says otherwise, in which case the core zeroes
 //! the block before writing into it.
 //!
-//! Writes into allocated plain blocks take no lock (one atomic load of the entry); reads never
-//! lock. A block's entry only ever goes from unallocated to allocated, so a reader that saw the
+//! Writes into allocated plain blocks take no lock (one atomic load of the entry); reads of
+//! plain and unallocated blocks never lock. A flagged block is read with its lock shared and
+//! written with it exclusive, so a read never sees a flagged write half done. A block's entry only ever goes from unallocated to allocated, so a reader that saw the
 //! old entry returns zeroes for a write that had not completed yet, which is allowed.
 
 mod table;
@@ -114,8 +115,10 @@ pub trait BlockFormat: Send + Sync + 'static {
         host: u64,
     ) -> impl Future<Output = io::Result<Entry>>;
 
-    /// Reads `buf.len()` bytes at `within` of a block whose entry `entry` has non-zero flags.
-    /// The default reads the data as for a plain block.
+    /// Reads `buf.len()` bytes at `within` of a block whose entry `entry` had non-zero flags
+    /// (with the block's lock held shared: no flagged write of it runs meanwhile; `entry` is
+    /// read again under the lock, so its flags may be 0 by now). The default reads the data as
+    /// for a plain block.
     fn read_flagged(
         &self,
         file: &RingFile,
@@ -237,7 +240,7 @@ impl<F: BlockFormat> TableImage<F> {
             tracing::error!(
                 "{} image {}: block {block} has an invalid table entry (outside the file, in \
                  its metadata or shared with another block): requests touching it fail with \
-                 EIO (further bad blocks are not logged); check the image with `qemu-img check`",
+                 EIO (further bad blocks are not logged): the image is damaged",
                 self.fmt.name(),
                 crate::qcow2::named::shown_path(self.file.path())
             );
@@ -281,12 +284,20 @@ impl<F: BlockFormat> TableImage<F> {
                     run
                 }
                 Entry::Data { .. } => {
+                    // Shared with other reads, exclusive of a flagged write: a write of such
+                    // a block changes data and per-block metadata (VHD: data, then bitmap
+                    // bits), and a read between the two could see bytes never written.
+                    let _g = self
+                        .locks
+                        .region_of(block << self.block_shift)
+                        .shared()
+                        .await;
                     self.fmt
                         .read_flagged(
                             &self.file,
                             &self.table,
                             block,
-                            entry,
+                            self.table.get(block),
                             within,
                             &mut buf[..first],
                         )
@@ -304,6 +315,12 @@ impl<F: BlockFormat> TableImage<F> {
     /// Writes `data` at guest offset `off` (the caller keeps it inside the image), allocating
     /// blocks as needed.
     pub async fn write(&self, data: &[u8], off: u64) -> io::Result<()> {
+        self.write_counted(data, off, &mut 0).await
+    }
+
+    /// [`Self::write`], adding to `done` the bytes of each block piece as it lands (what a
+    /// write stopped by an error still wrote).
+    async fn write_counted(&self, data: &[u8], off: u64, done: &mut usize) -> io::Result<()> {
         if !self.writable {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
@@ -324,6 +341,7 @@ impl<F: BlockFormat> TableImage<F> {
                 Entry::Bad => return Err(self.bad(block)),
                 _ => self.write_locked(block, within, piece).await?,
             }
+            *done += n;
             data = &data[n..];
             off += n as u64;
         }
@@ -513,8 +531,14 @@ impl<F: BlockFormat> BlockBackend for TableImage<F> {
             // for growable images, which opening refuses.
             _ => return (Err(io::Error::from_raw_os_error(libc::EFBIG).into()), win),
         }
-        let r = self.write(win.as_slice(), off).await;
-        (r.map(|()| n).map_err(eio_to_backend), win)
+        let mut done = 0;
+        let r = match self.write_counted(win.as_slice(), off, &mut done).await {
+            Ok(()) => Ok(n),
+            // Whole block pieces that landed before the error count as a short write.
+            Err(_) if done > 0 => Ok(done),
+            Err(e) => Err(eio_to_backend(e)),
+        };
+        (r, win)
     }
 
     async fn flush(&self, _eng: &Engine) -> Result<()> {
