@@ -740,6 +740,11 @@ fn hostile_vhd_images() {
             Expect::Eio(vec![(block, block)]),
         ),
         (
+            "BAT entry into the BAT",
+            Box::new(move |b| set_be32(b, bat + 4, (bat / 512) as u32)),
+            Expect::Eio(vec![(block, block)]),
+        ),
+        (
             "BAT entries sharing a block",
             Box::new(move |b| set_be32(b, bat + 8, b0)),
             Expect::Eio(vec![(0, block), (2 * block, block)]),

@@ -328,3 +328,70 @@ fn fixed_images_map_the_data_before_the_footer() {
     let p = write_img(&dir, &short);
     assert!(reason(&p, false).contains("truncated"));
 }
+
+/// Any bytes of the metadata overwritten: opening either refuses in one line or serves; reads
+/// and writes then fail or succeed, never panic, and writes grow the file by at most one block
+/// footprint and a footer per write.
+fn damaged_image_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)], fix: bool) {
+    let bs = 64 * 1024u64;
+    let mut img = dynamic(8 * bs, bs as u32);
+    let b0 = img.len() as u64 - 512;
+    set_bat(&mut img, 0, (b0 / 512) as u32);
+    set_bat(&mut img, 3, (b0 / 512 + 1 + bs / 512) as u32);
+    let ft = img.split_off(b0 as usize);
+    for fill in [1u8, 2] {
+        img.extend_from_slice(&[0xff; 512]);
+        img.extend(std::iter::repeat_n(fill, bs as usize));
+    }
+    img.extend_from_slice(&ft);
+    for &(at, v) in patches {
+        let at = at % 2048; // footer copy, dynamic header, BAT
+        img[at] = v;
+    }
+    if fix {
+        // Past the checksums, to the fields behind them.
+        let c = checksum(&img[..512], 64);
+        img[64..68].copy_from_slice(&c.to_be_bytes());
+        let c = checksum(&img[512..1536], 36);
+        img[548..552].copy_from_slice(&c.to_be_bytes());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_img(&dir, &img);
+    let eng = engine();
+    if let Ok(vhd) = open(&p, false, Locking::Off) {
+        let size = crate::BlockBackend::size(&vhd);
+        for &(off, len) in ops {
+            let off = off % size.max(1);
+            let len = u64::from(len).min(size - off) as usize;
+            let mut buf = vec![0u8; len];
+            let _ = eng.block_on(vhd.read(&mut buf, off)).unwrap();
+        }
+    }
+    if let Ok(vhd) = open(&p, true, Locking::Off) {
+        let size = crate::BlockBackend::size(&vhd);
+        let before = std::fs::metadata(&p).unwrap().len();
+        for &(off, len) in ops {
+            let off = off % size.max(1);
+            let len = u64::from(len).min(size - off) as usize;
+            let _ = eng.block_on(vhd.write(&vec![9u8; len], off)).unwrap();
+        }
+        let footprint = crate::blocktable::BlockFormat::footprint(vhd.format());
+        let grown = std::fs::metadata(&p).unwrap().len() - before;
+        assert!(
+            grown <= ops.len() as u64 * 2 * (footprint + 512),
+            "grew {grown}"
+        );
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+    #[test]
+    fn damaged_images_never_panic(
+        patches in proptest::collection::vec((0usize..2048, proptest::num::u8::ANY), 1..8),
+        ops in proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6),
+        fix: bool,
+    ) {
+        damaged_image_is_handled(&patches, &ops, fix);
+    }
+}
