@@ -85,8 +85,8 @@ impl OpenError {
 /// The format of an image, as given on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
-    /// Probe: qcow2, VHD or VDI if the file starts with that format's magic, raw otherwise
-    /// (`null:` specs are null). The choice is logged.
+    /// Probe: qcow2, VHD or VDI if the file's first sector carries that format's magic, raw
+    /// otherwise (`null:` specs are null). The choice is logged.
     #[default]
     Auto,
     /// Byte for byte; never probed, so a raw image whose first bytes mimic a header stays raw.

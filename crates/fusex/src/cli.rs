@@ -232,8 +232,8 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2, vhd or vdi if the image starts with that format's magic, raw otherwise (null for
-    /// null:SIZE); the choice is logged.
+    /// qcow2, vhd or vdi if the image's first sector carries that format's magic, raw
+    /// otherwise (null for null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
     Raw,
