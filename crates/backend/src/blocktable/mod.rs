@@ -54,8 +54,9 @@
 //!
 //! Writes into allocated plain blocks take no lock (one atomic load of the entry); reads of
 //! plain and unallocated blocks never lock. A flagged block is read with its lock shared and
-//! written with it exclusive, so a read never sees a flagged write half done. A block's entry only ever goes from unallocated to allocated, so a reader that saw the
-//! old entry returns zeroes for a write that had not completed yet, which is allowed.
+//! written with it exclusive, so a read never sees a flagged write half done. A block's entry
+//! only ever goes from unallocated to allocated, so a reader that saw the old entry returns
+//! zeroes for a write that had not completed yet, which is allowed.
 
 mod table;
 

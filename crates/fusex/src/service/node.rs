@@ -1,8 +1,8 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`). fusex serves an image by
-//! its path (or URI), so a node is what it takes to name that image and how to open it; the
-//! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
-//! and again by each export of it.
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`). fusex serves
+//! an image by its path (or URI), so a node is what it takes to name that image and how to open
+//! it; the image is opened once when the node is added (to check it as QEMU does, and to learn
+//! its size) and again by each export of it.
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
