@@ -307,6 +307,7 @@ impl Prepared {
             queues: self.settled.queues,
             writable: self.args.writable,
             state: state.into(),
+            socket: None,
         }
     }
 }
@@ -528,24 +529,31 @@ pub fn open_export(
             reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
         },
     };
-    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
-    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
-    // capabilities, which live as long as the thread. This one ends here, so no such worker
-    // outlives the privilege drop.
-    let backend = std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name("fusex-open".into())
-            .spawn_scoped(s, || backend::open(&args.image, options))
-            .context("starting the thread that opens the image")?
-            .join()
-            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
-            .map_err(|e| match e {
-                backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
-                    in_use_by_a_dead_mount(&args.image, l)
-                }
-                e => anyhow::Error::from(e),
-            })
-    })?;
+    let explain = |e| match e {
+        backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
+            in_use_by_a_dead_mount(&args.image, l)
+        }
+        e => anyhow::Error::from(e),
+    };
+    let backend = if args.image.starts_with("null:") {
+        // Nothing to read: no ring, no thread (a daemon adding and removing null exports paid
+        // a thread per open).
+        backend::open(&args.image, options).map_err(explain)?
+    } else {
+        // On a thread of its own: opening a qcow2 image reads it through an io_uring of the
+        // opening thread, and reads the kernel punts to io-wq fork workers with that thread's
+        // full capabilities, which live as long as the thread. This one ends here, so no such
+        // worker outlives the privilege drop.
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("fusex-open".into())
+                .spawn_scoped(s, || backend::open(&args.image, options))
+                .context("starting the thread that opens the image")?
+                .join()
+                .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
+                .map_err(explain)
+        })?
+    };
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
     }

@@ -623,14 +623,10 @@ impl Service {
     ) -> Result<ExportTx, String> {
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let state = prepared.describe("serving");
-        let starting = crate::runtime::ExportState {
-            state: "starting".into(),
-            ..state.clone()
-        };
         let published = self
             .publisher
             .as_ref()
-            .and_then(|p| p.publish(&prepared.mnt, starting));
+            .and_then(|p| p.publish(&prepared.mnt, state.clone()));
         let notify_socket = self
             .notify_socket
             .lock()
