@@ -4,6 +4,7 @@
 
 use std::io;
 use std::path::Path;
+use std::sync::Arc;
 
 use engine::{Engine, Slice};
 
@@ -58,6 +59,9 @@ pub enum OpenError {
     /// An NBD URI that does not parse, a server that cannot be reached or refuses the export.
     #[error("{0}")]
     Nbd(String),
+    /// The partition asked for cannot be served.
+    #[error(transparent)]
+    Partition(#[from] crate::partition::PartitionError),
     /// Anything else the OS reported.
     #[error("cannot open image {path}: {error}")]
     Io {
@@ -120,6 +124,8 @@ pub struct OpenOptions {
     pub io_path: Option<IoPath>,
     /// For NBD URIs: timeouts, reconnecting, FUA (its `writable` is replaced by the one above).
     pub nbd: NbdOptions,
+    /// Serve only this partition of the image (numbered as Linux numbers them).
+    pub partition: Option<u32>,
 }
 
 /// Any backend fusex can serve.
@@ -132,10 +138,60 @@ pub enum AnyBackend {
     Qcow2(Qcow2Backend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
+    /// One partition of an image opened as any of the above (never of another partition).
+    Partition(crate::partition::Bounded<Whole>),
 }
 
-/// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes.
+/// A whole image under a partition: an [`AnyBackend`] that is not itself a partition. Its own
+/// dispatch leaves the partition variant out, so a partition's futures never contain another
+/// partition's (an async call cycle would need boxing, an allocation per request).
+pub struct Whole(Arc<AnyBackend>);
+
+impl Whole {
+    /// The image.
+    pub fn image(&self) -> &AnyBackend {
+        &self.0
+    }
+}
+
+/// Serves partition `number` of an opened image; `shown` names the image in errors.
+/// `shared`: other exports serve other partitions of this very `Arc` (it cannot be handed to a
+/// `fusex restart` successor alone). An image that is itself a partition is refused.
+pub fn open_partition(
+    whole: Arc<AnyBackend>,
+    number: u32,
+    shown: &str,
+    shared: bool,
+) -> std::result::Result<AnyBackend, OpenError> {
+    if matches!(*whole, AnyBackend::Partition(_)) {
+        return Err(OpenError::FormatMismatch(format!(
+            "{shown} is a partition already: a partition has no partitions of its own"
+        )));
+    }
+    let whole = Arc::new(Whole(whole));
+    Ok(AnyBackend::Partition(crate::partition::bound(
+        whole, number, shown, shared,
+    )?))
+}
+
+/// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes;
+/// with `opts.partition`, one partition of it.
 pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
+    let Some(number) = opts.partition else {
+        return open_whole(spec, opts);
+    };
+    if opts.growable {
+        return Err(OpenError::FormatMismatch(format!(
+            "partition {number} of {spec} cannot grow (the partition table fixes its size): \
+             drop --growable"
+        )));
+    }
+    let whole = open_whole(spec, opts)?;
+    open_partition(Arc::new(whole), number, spec, false)
+}
+
+/// [`open`] of the whole image.
+fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
     if nbd::uri::is_nbd_uri(spec) {
         if !matches!(opts.format, Format::Auto | Format::Raw) {
             return Err(OpenError::FormatMismatch(format!(
@@ -248,6 +304,16 @@ impl AnyBackend {
     /// multi-conn, block sizes, block status, structured replies); None when there is nothing
     /// beyond the format.
     pub fn details(&self) -> Option<String> {
+        if let AnyBackend::Partition(p) = self {
+            let whole = p.inner().image().details();
+            return Some(format!(
+                "partition {} ({} bytes at byte {}){}",
+                p.number(),
+                p.size(),
+                p.start(),
+                whole.map(|w| format!(" of {w}")).unwrap_or_default()
+            ));
+        }
         let AnyBackend::Nbd(n) = self else {
             return None;
         };
@@ -277,6 +343,7 @@ impl AnyBackend {
             (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
+            (AnyBackend::Partition(p), probed) => p.inner().image().format_description(probed),
         }
     }
 
@@ -288,6 +355,7 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.owner().ok(),
             AnyBackend::Qcow2(q) => q.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
+            AnyBackend::Partition(p) => p.inner().image().owner(),
         }
     }
 
@@ -296,6 +364,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
+            AnyBackend::Partition(p) => p.inner().image().io_fds(),
         }
     }
 }
@@ -307,8 +376,93 @@ macro_rules! each {
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
             AnyBackend::Nbd($b) => $e,
+            AnyBackend::Partition($b) => $e,
         }
     };
+}
+
+/// [`each`] for [`Whole`]: the partition variant, which [`open_partition`] never puts under a
+/// partition, answers `$none`.
+macro_rules! each_whole {
+    ($self:ident, $b:ident => $e:expr, $none:expr) => {
+        match &*$self.0 {
+            AnyBackend::Raw($b) => $e,
+            AnyBackend::Null($b) => $e,
+            AnyBackend::Qcow2($b) => $e,
+            AnyBackend::Nbd($b) => $e,
+            AnyBackend::Partition(_) => $none,
+        }
+    };
+}
+
+fn nested() -> crate::BackendError {
+    crate::BackendError::Io(io::Error::from_raw_os_error(libc::EIO))
+}
+
+impl BlockBackend for Whole {
+    fn size(&self) -> u64 {
+        each_whole!(self, b => b.size(), 0)
+    }
+    fn refresh_size(&self) -> Result<u64> {
+        each_whole!(self, b => b.refresh_size(), Err(nested()))
+    }
+    fn size_limit(&self) -> u64 {
+        each_whole!(self, b => b.size_limit(), 0)
+    }
+    fn capabilities(&self) -> Capabilities {
+        each_whole!(self, b => b.capabilities(), Capabilities::default())
+    }
+    fn durable_writes(&self) -> bool {
+        each_whole!(self, b => b.durable_writes(), false)
+    }
+    async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
+        each_whole!(self, b => b.attrs(eng).await, Err(nested()))
+    }
+    async fn read_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        each_whole!(self, b => b.read_at(eng, win, off).await, (Err(nested()), win))
+    }
+    async fn write_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        each_whole!(self, b => b.write_at(eng, win, off).await, (Err(nested()), win))
+    }
+    async fn flush(&self, eng: &Engine) -> Result<()> {
+        each_whole!(self, b => b.flush(eng).await, Err(nested()))
+    }
+    async fn discard(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        each_whole!(self, b => b.discard(eng, off, len).await, Err(nested()))
+    }
+    async fn write_zeroes(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        each_whole!(self, b => b.write_zeroes(eng, off, len).await, Err(nested()))
+    }
+    async fn allocate(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        each_whole!(self, b => b.allocate(eng, off, len).await, Err(nested()))
+    }
+    async fn seek(&self, eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
+        each_whole!(self, b => b.seek(eng, off, whence).await, Err(nested()))
+    }
+    async fn resize(&self, eng: &Engine, new_size: u64) -> Result<()> {
+        each_whole!(self, b => b.resize(eng, new_size).await, Err(nested()))
+    }
+    async fn grow_to(&self, eng: &Engine, new_size: u64) -> Result<()> {
+        each_whole!(self, b => b.grow_to(eng, new_size).await, Err(nested()))
+    }
+    fn written_to(&self, end: u64) {
+        each_whole!(self, b => b.written_to(end), ())
+    }
+    fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
+        each_whole!(self, b => b.set_times(atime, mtime), Err(nested()))
+    }
+    fn queue_stopping(&self) {
+        each_whole!(self, b => b.queue_stopping(), ())
+    }
+    fn queue_ended(&self) {
+        each_whole!(self, b => b.queue_ended(), ())
+    }
+    fn trouble(&self) -> Option<String> {
+        each_whole!(self, b => b.trouble(), None)
+    }
+    fn stats(&self) -> crate::BackendStats {
+        each_whole!(self, b => b.stats(), crate::BackendStats::default())
+    }
 }
 
 impl BlockBackend for AnyBackend {
@@ -327,7 +481,10 @@ impl BlockBackend for AnyBackend {
     fn splice_fd(&self) -> Option<std::os::fd::RawFd> {
         match self {
             AnyBackend::Raw(r) => r.splice_fd(),
-            AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => None,
+            AnyBackend::Null(_)
+            | AnyBackend::Qcow2(_)
+            | AnyBackend::Nbd(_)
+            | AnyBackend::Partition(_) => None,
         }
     }
     fn durable_writes(&self) -> bool {

@@ -16,13 +16,14 @@ mod gate;
 pub mod lock;
 pub mod nbd_client;
 mod null;
+pub mod partition;
 pub mod qcow2;
 mod raw;
 mod regions;
 mod ringfile;
 mod stats;
 
-pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
+pub use any::{open, open_partition, AnyBackend, Format, OpenError, OpenOptions, Whole};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use lock::{LockError, Locking};
 pub use nbd_client::{NbdBackend, NbdOptions};

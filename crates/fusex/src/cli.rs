@@ -310,6 +310,16 @@ pub struct MountArgs {
     /// bytes mimic a qcow2 header as qcow2.
     #[arg(long, value_enum, default_value_t = FormatArg::Auto, help_heading = heading::IMAGE)]
     pub format: FormatArg,
+    /// Export only partition N of the image (MBR or GPT), bounded to it
+    ///
+    /// Numbered as Linux numbers them: MBR primaries 1-4, logical partitions from 5, GPT
+    /// entries from 1. Reads and writes cannot leave the partition, and its size is fixed.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), help_heading = heading::IMAGE)]
+    pub partition: Option<u32>,
+    /// `fusex serve`: where the whole image of `--partition` comes from when other exports
+    /// serve other partitions of it (one opened image for all of them); never on a command line.
+    #[arg(skip)]
+    pub shared_image: Option<crate::lifecycle::SharedImage>,
     /// Refuse to open the backing or data files a qcow2 image names
     ///
     /// For untrusted images, whose header may name any file.
