@@ -89,14 +89,16 @@ impl OpenError {
 /// The format of an image, as given on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
-    /// Probe: qcow2 if the file starts with the qcow2 magic, raw otherwise (`null:` specs are
-    /// null). The choice is logged.
+    /// Probe: qcow2 or VHD if the file starts with that format's magic, raw otherwise
+    /// (`null:` specs are null). The choice is logged.
     #[default]
     Auto,
     /// Byte for byte; never probed, so a raw image whose first bytes mimic a header stays raw.
     Raw,
     /// qcow2 (version 2 or 3).
     Qcow2,
+    /// VHD (QEMU's `vpc`): fixed or dynamic.
+    Vhd,
     /// `null:SIZE`.
     Null,
 }
@@ -136,6 +138,8 @@ pub enum AnyBackend {
     Null(NullBackend),
     /// A qcow2 image (and its backing chain).
     Qcow2(Qcow2Backend),
+    /// A VHD image.
+    Vhd(crate::vhd::VhdBackend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
     /// One partition of an image opened as any of the above (never of another partition).
@@ -244,7 +248,7 @@ fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, 
             if qcow2 {
                 Format::Qcow2
             } else {
-                Format::Raw
+                probe_table_formats(path).map_err(|e| OpenError::from_io(spec, e))?
             }
         }
         Format::Qcow2 => {
@@ -264,8 +268,65 @@ fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, 
             Format::Qcow2
         }
         Format::Raw => Format::Raw,
+        Format::Vhd => {
+            let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
+            if !(meta.is_file() || meta.file_type().is_block_device()) {
+                return Err(OpenError::NotFileOrDevice(spec.to_string()));
+            }
+            opts.format
+        }
     };
     open_as(path, format, opts)
+}
+
+/// Whether IMAGE opened as `format` is served through an image format's metadata (qcow2,
+/// VHD, ...) rather than byte for byte: such an image's tables change while a writable export
+/// serves it, so a successor must not open it before its predecessor let go.
+pub fn has_metadata(spec: &str, format: Format) -> bool {
+    let path = Path::new(spec);
+    match format {
+        Format::Raw | Format::Null => false,
+        Format::Auto => {
+            !spec.starts_with("null:")
+                && (crate::qcow2::probe(path).unwrap_or(false)
+                    || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
+        }
+        Format::Qcow2 | Format::Vhd => true,
+    }
+}
+
+/// `--format auto` past qcow2: the block-table formats whose magic is at the start of the
+/// file (a fixed VHD has its footer only at the end, and is raw to auto, as to QEMU).
+fn probe_table_formats(path: &Path) -> io::Result<Format> {
+    if crate::vhd::probe(path)? {
+        return Ok(Format::Vhd);
+    }
+    Ok(Format::Raw)
+}
+
+/// Refuses options a block-table format cannot honour: its metadata writes are a few bytes
+/// (no O_DIRECT), and it does not grow.
+fn table_format_options(
+    path: &Path,
+    name: &'static str,
+    opts: &OpenOptions,
+) -> std::result::Result<(), OpenError> {
+    let refuse = |reason: &str| OpenError::Format {
+        path: path.display().to_string(),
+        format: name,
+        reason: reason.to_string(),
+    };
+    if opts.direct {
+        return Err(refuse(
+            "fusex serves these images through the page cache: drop --direct",
+        ));
+    }
+    if opts.growable {
+        return Err(refuse(
+            "fusex does not grow these images: drop --growable (resize with `qemu-img resize`)",
+        ));
+    }
+    Ok(())
 }
 
 /// Opens the image at `path` as `format` (raw or qcow2).
@@ -285,6 +346,14 @@ fn open_as(
                 trust_backing: opts.trust_backing,
             },
         )?)),
+        Format::Vhd => {
+            table_format_options(path, "vhd", &opts)?;
+            Ok(AnyBackend::Vhd(crate::vhd::open(
+                path,
+                opts.writable,
+                opts.locking,
+            )?))
+        }
         _ => {
             let raw = RawBackend::open(path, opts.writable, opts.direct, opts.io_path)?;
             // The O_DIRECT backend's buffered twin stays unlocked: one description per file
@@ -341,6 +410,8 @@ impl AnyBackend {
             (AnyBackend::Raw(_), true) => "raw (auto: no qcow2 magic at its start)",
             (AnyBackend::Qcow2(_), false) => "qcow2",
             (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
+            (AnyBackend::Vhd(_), false) => "vhd",
+            (AnyBackend::Vhd(_), true) => "vhd (auto: the image starts with a VHD footer)",
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
             (AnyBackend::Partition(p), probed) => p.inner().image().format_description(probed),
@@ -354,6 +425,7 @@ impl AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.owner().ok(),
             AnyBackend::Qcow2(q) => q.owner().ok(),
+            AnyBackend::Vhd(v) => v.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
             AnyBackend::Partition(p) => p.inner().image().owner(),
         }
@@ -365,6 +437,7 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
             AnyBackend::Partition(p) => p.inner().image().io_fds(),
+            AnyBackend::Vhd(_) => Vec::new(),
         }
     }
 }
@@ -375,6 +448,7 @@ macro_rules! each {
             AnyBackend::Raw($b) => $e,
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
+            AnyBackend::Vhd($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition($b) => $e,
         }
@@ -389,6 +463,7 @@ macro_rules! each_whole {
             AnyBackend::Raw($b) => $e,
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
+            AnyBackend::Vhd($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition(_) => $none,
         }
@@ -484,6 +559,7 @@ impl BlockBackend for AnyBackend {
             AnyBackend::Null(_)
             | AnyBackend::Qcow2(_)
             | AnyBackend::Nbd(_)
+            | AnyBackend::Vhd(_)
             | AnyBackend::Partition(_) => None,
         }
     }

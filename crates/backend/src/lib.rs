@@ -10,6 +10,7 @@ use std::io;
 use engine::{Engine, Slice};
 
 mod any;
+pub mod blocktable;
 mod cow;
 mod fault;
 mod gate;
@@ -22,8 +23,11 @@ mod raw;
 mod regions;
 mod ringfile;
 mod stats;
+pub mod vhd;
 
-pub use any::{open, open_partition, AnyBackend, Format, OpenError, OpenOptions, Whole};
+pub use any::{
+    has_metadata, open, open_partition, AnyBackend, Format, OpenError, OpenOptions, Whole,
+};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use lock::{LockError, Locking};
 pub use nbd_client::{NbdBackend, NbdOptions};

@@ -232,13 +232,16 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2 if the image starts with the qcow2 magic, raw otherwise (null for null:SIZE); the
-    /// choice is logged.
+    /// qcow2 or vhd if the image starts with that format's magic, raw otherwise (null for
+    /// null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
     Raw,
     /// qcow2 (v2 or v3), with its backing chain.
     Qcow2,
+    /// VHD, fixed or dynamic (QEMU's vpc).
+    #[value(alias = "vpc")]
+    Vhd,
     /// null:SIZE.
     Null,
 }
@@ -249,6 +252,7 @@ impl From<FormatArg> for backend::Format {
             FormatArg::Auto => backend::Format::Auto,
             FormatArg::Raw => backend::Format::Raw,
             FormatArg::Qcow2 => backend::Format::Qcow2,
+            FormatArg::Vhd => backend::Format::Vhd,
             FormatArg::Null => backend::Format::Null,
         }
     }
@@ -683,7 +687,7 @@ pub struct ServeArgs {
     /// A block node, as qemu-storage-daemon takes it (repeatable)
     ///
     /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
-    /// raw, qcow2, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
+    /// raw, qcow2, vpc, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
     /// file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,

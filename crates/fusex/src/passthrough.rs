@@ -68,7 +68,7 @@ impl fmt::Display for NotUsed {
             ),
             NotUsed::Formatted(img) => write!(
                 f,
-                "{img} is a formatted image (qcow2): only raw images can be passed through"
+                "{img} is a formatted image (qcow2, vhd, ...): only raw images can be passed through"
             ),
             NotUsed::Partition(img) => write!(
                 f,
@@ -136,7 +136,9 @@ impl Plan {
             (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
                 Err(NotUsed::NoBackingFile(args.image.clone()))
             }
-            (_, AnyBackend::Qcow2(_)) => Err(NotUsed::Formatted(args.image.clone())),
+            (_, AnyBackend::Qcow2(_) | AnyBackend::Vhd(_)) => {
+                Err(NotUsed::Formatted(args.image.clone()))
+            }
             (_, AnyBackend::Partition(_)) => Err(NotUsed::Partition(args.image.clone())),
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),

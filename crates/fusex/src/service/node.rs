@@ -1,5 +1,5 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`), under an optional
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`), under an optional
 //! partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex serves an image by
 //! its path (or URI), so a node is what it takes to name that image and how to open it; the
 //! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
@@ -31,6 +31,8 @@ pub enum Driver {
     Qcow2,
     /// One partition (numbered as Linux does) of its `file` child's image.
     Partition { number: u32 },
+    /// A VHD format node (QEMU's `vpc`) over its `file` child.
+    Vpc,
 }
 
 impl Driver {
@@ -44,6 +46,7 @@ impl Driver {
             Driver::Raw => "raw",
             Driver::Qcow2 => "qcow2",
             Driver::Partition { .. } => PARTITION_DRIVER,
+            Driver::Vpc => "vpc",
         }
     }
 }
@@ -140,6 +143,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "file" | "host_device" => &["filename", "locking"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
+        "vpc" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
         PARTITION_DRIVER => &["file", "partition"],
@@ -186,7 +190,6 @@ const OTHER_DRIVERS: &[&str] = &[
     "vhdx",
     "virtio-blk-vfio-pci",
     "vmdk",
-    "vpc",
     "vvfat",
 ];
 
@@ -302,7 +305,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, nbd, null-co and {PARTITION_DRIVER} nodes"
+                 qcow2, vpc, nbd, null-co and {PARTITION_DRIVER} nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -374,7 +377,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" | PARTITION_DRIVER => {
+        "raw" | "qcow2" | "vpc" | PARTITION_DRIVER => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -447,10 +450,10 @@ pub fn parse(
                     )))
                     }
                 }
-                if driver == "raw" {
-                    Driver::Raw
-                } else {
-                    Driver::Qcow2
+                match driver {
+                    "raw" => Driver::Raw,
+                    "vpc" => Driver::Vpc,
+                    _ => Driver::Qcow2,
                 }
             }
         }
@@ -545,12 +548,13 @@ impl Node {
             Driver::File { filename, .. } => Some(filename.clone()),
             Driver::Nbd { uri } => Some(uri.clone()),
             Driver::Null { size } => Some(format!("null:{size}")),
-            Driver::Raw | Driver::Qcow2 | Driver::Partition { .. } => None,
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Partition { .. } => None,
         };
         // NBD and null images have no format of their own: fusex mount takes them as they are.
         match self.driver {
             Driver::Raw => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("raw"))),
             Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
+            Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
             Driver::Partition { .. } => node_of(self.file.as_deref()?)?.image(node_of),
@@ -571,7 +575,7 @@ impl Node {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => uri.clone(),
             Driver::Null { .. } => "null-co://".into(),
-            Driver::Raw | Driver::Qcow2 | Driver::Partition { .. } => self
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Partition { .. } => self
                 .file
                 .as_deref()
                 .and_then(node_of)
@@ -696,6 +700,22 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("a partition has no partitions"), "{e}");
+    }
+
+    #[test]
+    fn a_vpc_node_is_a_vhd_image() {
+        let v = nodes(json!({"driver": "vpc", "node-name": "v",
+                             "file": {"driver": "file", "filename": "/d.vhd"}}))
+        .unwrap();
+        assert_eq!(v[1].driver, Driver::Vpc);
+        let file = v[0].clone();
+        let lookup = |n: &str| (n == file.name).then(|| file.clone());
+        assert_eq!(v[1].image(&lookup), Some(("/d.vhd".into(), Some("vhd"))));
+        assert!(nodes(
+            json!({"driver": "vpc", "node-name": "x", "file": "file0", "backing": null})
+        )
+        .unwrap_err()
+        .contains("'backing' is unexpected"));
     }
 
     #[test]
