@@ -99,6 +99,8 @@ pub enum Format {
     Qcow2,
     /// VHD (QEMU's `vpc`): fixed or dynamic.
     Vhd,
+    /// VMDK: a sparse extent file or a descriptor and its extents.
+    Vmdk,
     /// `null:SIZE`.
     Null,
 }
@@ -140,6 +142,8 @@ pub enum AnyBackend {
     Qcow2(Qcow2Backend),
     /// A VHD image.
     Vhd(crate::vhd::VhdBackend),
+    /// A VMDK image.
+    Vmdk(crate::vmdk::VmdkBackend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
     /// One partition of an image opened as any of the above (never of another partition).
@@ -268,7 +272,7 @@ fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, 
             Format::Qcow2
         }
         Format::Raw => Format::Raw,
-        Format::Vhd => {
+        Format::Vhd | Format::Vmdk => {
             let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
             if !(meta.is_file() || meta.file_type().is_block_device()) {
                 return Err(OpenError::NotFileOrDevice(spec.to_string()));
@@ -291,7 +295,7 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
                 && (crate::qcow2::probe(path).unwrap_or(false)
                     || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
         }
-        Format::Qcow2 | Format::Vhd => true,
+        Format::Qcow2 | Format::Vhd | Format::Vmdk => true,
     }
 }
 
@@ -300,6 +304,9 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
 fn probe_table_formats(path: &Path) -> io::Result<Format> {
     if crate::vhd::probe(path)? {
         return Ok(Format::Vhd);
+    }
+    if crate::vmdk::probe(path)? {
+        return Ok(Format::Vmdk);
     }
     Ok(Format::Raw)
 }
@@ -352,6 +359,18 @@ fn open_as(
                 path,
                 opts.writable,
                 opts.locking,
+            )?))
+        }
+        Format::Vmdk => {
+            table_format_options(path, "vmdk", &opts)?;
+            Ok(AnyBackend::Vmdk(crate::vmdk::open(
+                path,
+                crate::vmdk::VmdkOptions {
+                    writable: opts.writable,
+                    locking: opts.locking,
+                    no_backing: opts.no_backing,
+                    trust_backing: opts.trust_backing,
+                },
             )?))
         }
         _ => {
@@ -412,6 +431,10 @@ impl AnyBackend {
             (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
             (AnyBackend::Vhd(_), false) => "vhd",
             (AnyBackend::Vhd(_), true) => "vhd (auto: the image starts with a VHD footer)",
+            (AnyBackend::Vmdk(_), false) => "vmdk",
+            (AnyBackend::Vmdk(_), true) => {
+                "vmdk (auto: the image starts with a VMDK sparse header or descriptor)"
+            }
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
             (AnyBackend::Partition(p), probed) => p.inner().image().format_description(probed),
@@ -426,6 +449,7 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.owner().ok(),
             AnyBackend::Qcow2(q) => q.owner().ok(),
             AnyBackend::Vhd(v) => v.owner().ok(),
+            AnyBackend::Vmdk(v) => v.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
             AnyBackend::Partition(p) => p.inner().image().owner(),
         }
@@ -437,7 +461,7 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
             AnyBackend::Partition(p) => p.inner().image().io_fds(),
-            AnyBackend::Vhd(_) => Vec::new(),
+            AnyBackend::Vhd(_) | AnyBackend::Vmdk(_) => Vec::new(),
         }
     }
 }
@@ -449,6 +473,7 @@ macro_rules! each {
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
             AnyBackend::Vhd($b) => $e,
+            AnyBackend::Vmdk($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition($b) => $e,
         }
@@ -464,6 +489,7 @@ macro_rules! each_whole {
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
             AnyBackend::Vhd($b) => $e,
+            AnyBackend::Vmdk($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition(_) => $none,
         }
@@ -560,6 +586,7 @@ impl BlockBackend for AnyBackend {
             | AnyBackend::Qcow2(_)
             | AnyBackend::Nbd(_)
             | AnyBackend::Vhd(_)
+            | AnyBackend::Vmdk(_)
             | AnyBackend::Partition(_) => None,
         }
     }

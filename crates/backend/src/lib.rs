@@ -24,6 +24,7 @@ mod regions;
 mod ringfile;
 mod stats;
 pub mod vhd;
+pub mod vmdk;
 
 pub use any::{
     has_metadata, open, open_partition, AnyBackend, Format, OpenError, OpenOptions, Whole,

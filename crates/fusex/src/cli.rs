@@ -232,7 +232,7 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2 or vhd if the image starts with that format's magic, raw otherwise (null for
+    /// qcow2, vhd or vmdk if the image starts with that format's magic, raw otherwise (null for
     /// null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
@@ -242,6 +242,8 @@ pub enum FormatArg {
     /// VHD, fixed or dynamic (QEMU's vpc).
     #[value(alias = "vpc")]
     Vhd,
+    /// VMDK: monolithic or split, sparse or flat (read-write), streamOptimized (read-only).
+    Vmdk,
     /// null:SIZE.
     Null,
 }
@@ -253,6 +255,7 @@ impl From<FormatArg> for backend::Format {
             FormatArg::Raw => backend::Format::Raw,
             FormatArg::Qcow2 => backend::Format::Qcow2,
             FormatArg::Vhd => backend::Format::Vhd,
+            FormatArg::Vmdk => backend::Format::Vmdk,
             FormatArg::Null => backend::Format::Null,
         }
     }

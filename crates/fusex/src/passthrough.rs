@@ -136,7 +136,7 @@ impl Plan {
             (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
                 Err(NotUsed::NoBackingFile(args.image.clone()))
             }
-            (_, AnyBackend::Qcow2(_) | AnyBackend::Vhd(_)) => {
+            (_, AnyBackend::Qcow2(_) | AnyBackend::Vhd(_) | AnyBackend::Vmdk(_)) => {
                 Err(NotUsed::Formatted(args.image.clone()))
             }
             (_, AnyBackend::Partition(_)) => Err(NotUsed::Partition(args.image.clone())),

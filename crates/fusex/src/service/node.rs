@@ -1,5 +1,5 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`), under an optional
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vmdk`), under an optional
 //! partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex serves an image by
 //! its path (or URI), so a node is what it takes to name that image and how to open it; the
 //! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
@@ -33,6 +33,8 @@ pub enum Driver {
     Partition { number: u32 },
     /// A VHD format node (QEMU's `vpc`) over its `file` child.
     Vpc,
+    /// A VMDK format node over its `file` child (a descriptor or a sparse extent).
+    Vmdk,
 }
 
 impl Driver {
@@ -47,6 +49,7 @@ impl Driver {
             Driver::Qcow2 => "qcow2",
             Driver::Partition { .. } => PARTITION_DRIVER,
             Driver::Vpc => "vpc",
+            Driver::Vmdk => "vmdk",
         }
     }
 }
@@ -144,6 +147,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
         "vpc" => &["file"],
+        "vmdk" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
         PARTITION_DRIVER => &["file", "partition"],
@@ -189,7 +193,6 @@ const OTHER_DRIVERS: &[&str] = &[
     "vdi",
     "vhdx",
     "virtio-blk-vfio-pci",
-    "vmdk",
     "vvfat",
 ];
 
@@ -305,7 +308,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, vpc, nbd, null-co and {PARTITION_DRIVER} nodes"
+                 qcow2, vpc, vmdk, nbd, null-co and {PARTITION_DRIVER} nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -377,7 +380,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" | "vpc" | PARTITION_DRIVER => {
+        "raw" | "qcow2" | "vpc" | "vmdk" | PARTITION_DRIVER => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -453,6 +456,7 @@ pub fn parse(
                 match driver {
                     "raw" => Driver::Raw,
                     "vpc" => Driver::Vpc,
+                    "vmdk" => Driver::Vmdk,
                     _ => Driver::Qcow2,
                 }
             }
@@ -548,13 +552,16 @@ impl Node {
             Driver::File { filename, .. } => Some(filename.clone()),
             Driver::Nbd { uri } => Some(uri.clone()),
             Driver::Null { size } => Some(format!("null:{size}")),
-            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Partition { .. } => None,
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Vmdk | Driver::Partition { .. } => {
+                None
+            }
         };
         // NBD and null images have no format of their own: fusex mount takes them as they are.
         match self.driver {
             Driver::Raw => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("raw"))),
             Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
             Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
+            Driver::Vmdk => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vmdk"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
             Driver::Partition { .. } => node_of(self.file.as_deref()?)?.image(node_of),
@@ -575,12 +582,13 @@ impl Node {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => uri.clone(),
             Driver::Null { .. } => "null-co://".into(),
-            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Partition { .. } => self
-                .file
-                .as_deref()
-                .and_then(node_of)
-                .map(|c| c.shown_file(node_of))
-                .unwrap_or_default(),
+            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Vmdk | Driver::Partition { .. } => {
+                self.file
+                    .as_deref()
+                    .and_then(node_of)
+                    .map(|c| c.shown_file(node_of))
+                    .unwrap_or_default()
+            }
         }
     }
 }
@@ -660,9 +668,9 @@ mod tests {
             nodes(json!({"driver": "raw", "node-name": "x", "file": "nope"})).unwrap_err(),
             "Cannot find device='' nor node-name='nope'"
         );
-        assert!(nodes(json!({"driver": "vmdk", "node-name": "x"}))
+        assert!(nodes(json!({"driver": "dmg", "node-name": "x"}))
             .unwrap_err()
-            .contains("does not support driver 'vmdk'"));
+            .contains("does not support driver 'dmg'"));
         assert!(
             nodes(json!({"driver": "qcow2", "node-name": "x", "file": "file0",
                              "lazy-refcounts": true}))
