@@ -540,14 +540,15 @@ impl BlockBackend for VmdkBackend {
     }
 
     async fn flush(&self, eng: &Engine) -> Result<()> {
-        let mut flat_done: Vec<*const RingFile> = Vec::new();
-        for e in &self.extents {
+        for (i, e) in self.extents.iter().enumerate() {
             match &e.data {
                 Data::Sparse(t) => t.flush(eng).await?,
                 Data::Flat { file, .. } => {
-                    let p = Arc::as_ptr(file);
-                    if !flat_done.contains(&p) {
-                        flat_done.push(p);
+                    // A file several extents share is synced once.
+                    let earlier = self.extents[..i].iter().any(
+                        |x| matches!(&x.data, Data::Flat { file: f, .. } if Arc::ptr_eq(f, file)),
+                    );
+                    if !earlier {
                         file.sync_data().await?;
                     }
                 }

@@ -466,3 +466,83 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
         descriptor,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sparse extent of 8 grains of 4 KiB (4 per grain table), redundant tables, the
+    /// zeroed-grain flag; grain tables `gt0` and `gt1` (None: no table), grains at sectors
+    /// 8, 16 and 24.
+    fn image(gt0: Option<[u32; 4]>, gt1: Option<[u32; 4]>) -> tempfile::NamedTempFile {
+        let mut b = vec![0u8; 32 * 512];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&1u32.to_le_bytes());
+        b[8..12].copy_from_slice(&(1u32 | FLAG_REDUNDANT | FLAG_ZEROED_GRAIN).to_le_bytes());
+        b[12..20].copy_from_slice(&64u64.to_le_bytes());
+        b[20..28].copy_from_slice(&8u64.to_le_bytes());
+        b[44..48].copy_from_slice(&4u32.to_le_bytes());
+        b[48..56].copy_from_slice(&2u64.to_le_bytes());
+        b[56..64].copy_from_slice(&1u64.to_le_bytes());
+        b[64..72].copy_from_slice(&8u64.to_le_bytes());
+        for (i, (gt, sector, twin)) in [(gt0, 3u32, 5u32), (gt1, 4, 6)].into_iter().enumerate() {
+            let Some(gt) = gt else { continue };
+            b[512 + 4 * i..512 + 4 * i + 4].copy_from_slice(&sector.to_le_bytes());
+            b[1024 + 4 * i..1024 + 4 * i + 4].copy_from_slice(&twin.to_le_bytes());
+            for (j, v) in gt.iter().enumerate() {
+                for s in [sector, twin] {
+                    let at = s as usize * 512 + 4 * j;
+                    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().write_all_at(&b, 0).unwrap();
+        f
+    }
+
+    #[test]
+    fn every_entry_is_checked() {
+        let f = image(Some([8, 0, 16, 1]), Some([24, 24, 3, 0xffff]));
+        let o = open(f.as_file(), 32 * 512, false).ok().unwrap();
+        let got: Vec<Entry> = (0..8).map(|i| o.table.get(i)).collect();
+        let data = |s: u64| Entry::Data {
+            host: s * 512,
+            flags: 0,
+        };
+        assert_eq!(
+            got,
+            [
+                data(8),
+                Entry::Unallocated,
+                data(16),
+                Entry::Zero,
+                // Two grains at one place, a grain in a grain table, one past the end.
+                Entry::Bad,
+                Entry::Bad,
+                Entry::Bad,
+                Entry::Bad,
+            ]
+        );
+        match open(f.as_file(), 32 * 512, true) {
+            Err(OpenFail::Bad(why)) => assert!(why.contains("read-only only"), "{why}"),
+            _ => panic!("a writable open of a damaged extent must fail"),
+        }
+    }
+
+    #[test]
+    fn a_writable_open_makes_missing_tables() {
+        let f = image(Some([8, 0, 16, 0]), None);
+        let o = open(f.as_file(), 32 * 512, true).ok().unwrap();
+        // Table 1 and its twin appended at the old end (sector 32), then the directories.
+        assert_eq!(o.fmt.gd, [3 * 512, 32 * 512]);
+        assert_eq!(o.fmt.rgd.as_deref(), Some(&[5 * 512, 33 * 512][..]));
+        assert_eq!(o.layout.next_free, 34 * 512);
+        let mut e = [0u8; 4];
+        f.as_file().read_exact_at(&mut e, 512 + 4).unwrap();
+        assert_eq!(u32::from_le_bytes(e), 32);
+        f.as_file().read_exact_at(&mut e, 1024 + 4).unwrap();
+        assert_eq!(u32::from_le_bytes(e), 33);
+        assert_eq!(f.as_file().metadata().unwrap().len(), 34 * 512);
+    }
+}

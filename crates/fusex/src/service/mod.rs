@@ -363,11 +363,14 @@ impl Service {
                 )));
             }
         }
-        let mut words = vec!["--no-locking".to_string(), "--no-backing".to_string()];
+        let mut words = vec!["--no-locking".to_string()];
+        // --no-backing: a qcow2 image's backing file is opened by the export (unless `backing:
+        // null`); here only the image itself is checked. A VMDK's extent files are the image.
+        if format != Some("vmdk") {
+            words.push("--no-backing".to_string());
+        }
         words.extend(format.map(|f| format!("--format={f}")));
         words.extend(n.partition().map(|p| format!("--partition={p}")));
-        // --no-backing: a qcow2 image's backing file is opened by the export (unless `backing:
-        // null`); here only the image itself is checked.
         let (args, _) = options::mount_args(&image, std::path::Path::new("/"), &words)
             .map_err(QmpError::generic)?;
         let (export, _) = lifecycle::open_export(&args, false)
