@@ -19,8 +19,13 @@ pub const FLAG_MARKERS: u32 = 1 << 17;
 
 /// The largest grain, in sectors (64 MiB; VMware's grains are 64 KiB).
 pub const MAX_GRAIN_SECTORS: u64 = 1 << 17;
-/// The most entries one grain table may have (VMware writes 512).
+/// The most entries one grain table may have (VMware and QEMU write 512).
 pub const MAX_GTES: u32 = 1 << 16;
+/// The fewest: fewer would make the grain directory (held in memory at open, one entry per
+/// table) as large as the grain table entries themselves.
+pub const MIN_GTES: u32 = 64;
+/// The largest compressed grain, in sectors: each read of one inflates it whole into memory.
+pub const MAX_COMPRESSED_GRAIN_SECTORS: u64 = 2048;
 
 /// A checked header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,10 +100,16 @@ impl Header {
                 h.grain
             ));
         }
-        if h.gtes == 0 || h.gtes > MAX_GTES {
+        if !(MIN_GTES..=MAX_GTES).contains(&h.gtes) {
             return Err(format!(
-                "{} entries per grain table (1 to {MAX_GTES} expected)",
+                "{} entries per grain table ({MIN_GTES} to {MAX_GTES} expected)",
                 h.gtes
+            ));
+        }
+        if h.flags & FLAG_COMPRESSED != 0 && h.grain > MAX_COMPRESSED_GRAIN_SECTORS {
+            return Err(format!(
+                "compressed grains of {} sectors (fusex inflates grains of up to 1 MiB)",
+                h.grain
             ));
         }
         if h.capacity > super::descriptor::MAX_SECTORS {
@@ -191,6 +202,12 @@ pub(crate) mod tests {
         assert!(set(12, &u64::MAX.to_le_bytes()).contains("capacity"));
         assert!(set(44, &0u32.to_le_bytes()).contains("grain table"));
         assert!(set(44, &u32::MAX.to_le_bytes()).contains("grain table"));
+        assert!(set(44, &16u32.to_le_bytes()).contains("grain table"));
+        let mut b = header_bytes();
+        b[8..12].copy_from_slice(&(FLAG_COMPRESSED).to_le_bytes());
+        b[77] = 1;
+        b[20..28].copy_from_slice(&4096u64.to_le_bytes());
+        assert!(Header::parse(&b).unwrap_err().contains("compressed grains"));
         assert!(set(4, &7u32.to_le_bytes()).contains("version"));
         assert!(set(36, &u64::MAX.to_le_bytes()).contains("descriptor"));
         assert!(set(0, b"XXXX").contains("KDMV"));

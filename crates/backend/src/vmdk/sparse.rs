@@ -333,7 +333,9 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
     };
     let grain_bytes = h.grain_bytes();
     let zeroed = h.flags & FLAG_ZEROED_GRAIN != 0;
-    let mut grains_at: Vec<(u64, u64)> = Vec::new();
+    // (sector, grain): a grain table entry is a u32 sector and the table has at most 8 Mi
+    // grains, so 8 bytes a grain.
+    let mut grains_at: Vec<(u32, u32)> = Vec::new();
     let mut bad = 0u64;
     for (gt, &off) in gd.iter().enumerate() {
         let first = gt as u64 * h.gtes as u64;
@@ -364,7 +366,7 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
                         Entry::Bad
                     } else {
                         if !compressed {
-                            grains_at.push((host, block));
+                            grains_at.push((v as u32, block as u32));
                         }
                         Entry::Data {
                             host,
@@ -383,8 +385,8 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
     grains_at.sort();
     for w in 0..grains_at.len().saturating_sub(1) {
         let ((a, ba), (b, bb)) = (grains_at[w], grains_at[w + 1]);
-        if b < a + grain_bytes {
-            for blk in [ba, bb] {
+        if (b as u64) * SECTOR < a as u64 * SECTOR + grain_bytes {
+            for blk in [ba as u64, bb as u64] {
                 if table.get(blk) != Entry::Bad {
                     table.set(blk, Entry::Bad);
                     bad += 1;
@@ -471,17 +473,17 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
 mod tests {
     use super::*;
 
-    /// A sparse extent of 8 grains of 4 KiB (4 per grain table), redundant tables, the
-    /// zeroed-grain flag; grain tables `gt0` and `gt1` (None: no table), grains at sectors
-    /// 8, 16 and 24.
+    /// A sparse extent of 128 grains of 4 KiB (64 per grain table), redundant tables, the
+    /// zeroed-grain flag; the first four entries of grain tables `gt0` and `gt1` (None: no
+    /// table), grains at sectors 8, 16 and 24.
     fn image(gt0: Option<[u32; 4]>, gt1: Option<[u32; 4]>) -> tempfile::NamedTempFile {
         let mut b = vec![0u8; 32 * 512];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4..8].copy_from_slice(&1u32.to_le_bytes());
         b[8..12].copy_from_slice(&(1u32 | FLAG_REDUNDANT | FLAG_ZEROED_GRAIN).to_le_bytes());
-        b[12..20].copy_from_slice(&64u64.to_le_bytes());
+        b[12..20].copy_from_slice(&1024u64.to_le_bytes());
         b[20..28].copy_from_slice(&8u64.to_le_bytes());
-        b[44..48].copy_from_slice(&4u32.to_le_bytes());
+        b[44..48].copy_from_slice(&64u32.to_le_bytes());
         b[48..56].copy_from_slice(&2u64.to_le_bytes());
         b[56..64].copy_from_slice(&1u64.to_le_bytes());
         b[64..72].copy_from_slice(&8u64.to_le_bytes());
@@ -505,7 +507,13 @@ mod tests {
     fn every_entry_is_checked() {
         let f = image(Some([8, 0, 16, 1]), Some([24, 24, 3, 0xffff]));
         let o = open(f.as_file(), 32 * 512, false).ok().unwrap();
-        let got: Vec<Entry> = (0..8).map(|i| o.table.get(i)).collect();
+        assert!((4..64)
+            .chain(68..128)
+            .all(|i| o.table.get(i) == Entry::Unallocated));
+        let got: Vec<Entry> = [0, 1, 2, 3, 64, 65, 66, 67]
+            .iter()
+            .map(|&i| o.table.get(i))
+            .collect();
         let data = |s: u64| Entry::Data {
             host: s * 512,
             flags: 0,
