@@ -693,3 +693,46 @@ pub(crate) mod tests {
         assert!(err.contains("more than fusex reads"), "{err}");
     }
 }
+
+#[cfg(test)]
+mod props {
+    use super::tests::{gpt_disk, mbr_disk, Mem};
+    use super::*;
+    use proptest::prelude::*;
+
+    fn run(img: Vec<u8>) -> (u64, Result<Table, TableError>) {
+        let size = img.len() as u64;
+        let eng = engine::Engine::new(&engine::EngineConfig::default()).unwrap();
+        (size, eng.block_on(read(&mut Mem(img))).unwrap())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// Any bytes in the table sectors of a valid disk (MBR, EBRs, GPT header and array):
+        /// no panic, and every partition found lies inside the image.
+        #[test]
+        fn damaged_tables_never_escape(
+            gpt in any::<bool>(),
+            flips in proptest::collection::vec((0usize..40 * 512, any::<u8>()), 1..24),
+        ) {
+            let mut img = if gpt { gpt_disk() } else { mbr_disk() };
+            for (at, v) in flips {
+                // The first sectors, the EBRs at 6144 and 10240, the backup GPT at the end.
+                let at = match at / 512 {
+                    0..=33 => at,
+                    34..=36 => 6144 * 512 + at % 512,
+                    37 => 10240 * 512 + at % 512,
+                    _ => img.len() - 512 + at % 512,
+                };
+                img[at] = v;
+            }
+            let (size, r) = run(img);
+            if let Ok(t) = r {
+                for p in t.parts {
+                    prop_assert!(p.start.checked_add(p.len).is_some_and(|e| e <= size));
+                }
+            }
+        }
+    }
+}

@@ -271,3 +271,32 @@ mod tests {
         assert!(parse(b"createType=\"vmfs\"\nRW 1 ZERO\n\0\0garbage\xff").is_ok());
     }
 }
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any bytes: no panic, and what parses stays within the bounds.
+        #[test]
+        fn any_text_parses_or_is_refused(text in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            if let Ok(d) = parse(&text) {
+                prop_assert!(d.sectors() <= MAX_SECTORS);
+                prop_assert!(d.extents.len() <= MAX_EXTENTS);
+            }
+        }
+
+        /// Extent lines built from random words.
+        #[test]
+        fn random_extent_lines(words in proptest::collection::vec(
+            prop_oneof![
+                Just("RW".to_string()), Just("SPARSE".to_string()), Just("FLAT".to_string()),
+                Just("ZERO".to_string()), Just("\"f\"".to_string()), Just("\"".to_string()),
+                any::<u64>().prop_map(|n| n.to_string()),
+            ], 0..6)) {
+            let text = format!("createType=\"vmfs\"\n{}\n", words.join(" "));
+            let _ = parse(text.as_bytes());
+        }
+    }
+}

@@ -470,13 +470,13 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A sparse extent of 128 grains of 4 KiB (64 per grain table), redundant tables, the
     /// zeroed-grain flag; the first four entries of grain tables `gt0` and `gt1` (None: no
     /// table), grains at sectors 8, 16 and 24.
-    fn image(gt0: Option<[u32; 4]>, gt1: Option<[u32; 4]>) -> tempfile::NamedTempFile {
+    pub(super) fn image(gt0: Option<[u32; 4]>, gt1: Option<[u32; 4]>) -> tempfile::NamedTempFile {
         let mut b = vec![0u8; 32 * 512];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4..8].copy_from_slice(&1u32.to_le_bytes());
@@ -552,5 +552,36 @@ mod tests {
         f.as_file().read_exact_at(&mut e, 1024 + 4).unwrap();
         assert_eq!(u32::from_le_bytes(e), 33);
         assert_eq!(f.as_file().metadata().unwrap().len(), 34 * 512);
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// A valid small extent with random bytes planted in its header and tables: opening
+        /// never panics, and every grain it maps lies inside the file, clear of the header.
+        #[test]
+        fn planted_damage_is_contained(
+            flips in proptest::collection::vec((0usize..8 * 512, any::<u8>()), 1..16),
+        ) {
+            let f = super::tests::image(Some([8, 0, 16, 1]), Some([24, 0, 0, 0]));
+            for (at, v) in flips {
+                f.as_file().write_all_at(&[v], at as u64).unwrap();
+            }
+            let len = 32 * 512;
+            if let Ok(o) = open(f.as_file(), len, false) {
+                for b in 0..o.table.len() {
+                    if let Entry::Data { host, .. } = o.table.get(b) {
+                        // Never the header, never past the end.
+                        prop_assert!((512..len).contains(&host), "grain {b} at {host}");
+                    }
+                }
+            }
+        }
     }
 }
