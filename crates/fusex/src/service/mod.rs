@@ -890,10 +890,16 @@ fn shared_image(images: SharedImages, child: String, writable: bool) -> lifecycl
         if let Some(open) = map.get(&child).and_then(|w| w.upgrade()) {
             return Ok(open);
         }
+        // Force-share is for read-only users: an image opened for writing claims its locks.
+        let locking = match options.locking {
+            backend::Locking::ForceShare if writable => backend::Locking::Exclusive,
+            l => l,
+        };
         let whole = Arc::new(backend::open(
             image,
             backend::OpenOptions {
                 writable,
+                locking,
                 partition: None,
                 ..options
             },
