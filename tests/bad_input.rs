@@ -520,7 +520,7 @@ fn argument_errors_are_one_line() {
         ),
         (
             vec!["mount", "--format", "bogus", i, m],
-            "possible values: auto, raw, qcow2, vhd, vmdk, null",
+            "possible values: auto, raw, qcow2, vhd, vmdk, vdi, null",
         ),
         (vec!["mount", i, m, "extra"], "unexpected argument 'extra'"),
         (

@@ -89,7 +89,7 @@ impl OpenError {
 /// The format of an image, as given on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
-    /// Probe: qcow2 or VHD if the file starts with that format's magic, raw otherwise
+    /// Probe: qcow2, VHD or VDI if the file starts with that format's magic, raw otherwise
     /// (`null:` specs are null). The choice is logged.
     #[default]
     Auto,
@@ -101,6 +101,8 @@ pub enum Format {
     Vhd,
     /// VMDK: a sparse extent file or a descriptor and its extents.
     Vmdk,
+    /// VDI (VirtualBox): static or dynamic.
+    Vdi,
     /// `null:SIZE`.
     Null,
 }
@@ -144,6 +146,8 @@ pub enum AnyBackend {
     Vhd(crate::vhd::VhdBackend),
     /// A VMDK image.
     Vmdk(crate::vmdk::VmdkBackend),
+    /// A VDI image.
+    Vdi(crate::vdi::VdiBackend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
     /// One partition of an image opened as any of the above (never of another partition).
@@ -272,7 +276,7 @@ fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, 
             Format::Qcow2
         }
         Format::Raw => Format::Raw,
-        Format::Vhd | Format::Vmdk => {
+        Format::Vhd | Format::Vmdk | Format::Vdi => {
             let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
             if !(meta.is_file() || meta.file_type().is_block_device()) {
                 return Err(OpenError::NotFileOrDevice(spec.to_string()));
@@ -295,7 +299,7 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
                 && (crate::qcow2::probe(path).unwrap_or(false)
                     || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
         }
-        Format::Qcow2 | Format::Vhd | Format::Vmdk => true,
+        Format::Qcow2 | Format::Vhd | Format::Vmdk | Format::Vdi => true,
     }
 }
 
@@ -307,6 +311,9 @@ fn probe_table_formats(path: &Path) -> io::Result<Format> {
     }
     if crate::vmdk::probe(path)? {
         return Ok(Format::Vmdk);
+    }
+    if crate::vdi::probe(path)? {
+        return Ok(Format::Vdi);
     }
     Ok(Format::Raw)
 }
@@ -373,6 +380,14 @@ fn open_as(
                 },
             )?))
         }
+        Format::Vdi => {
+            table_format_options(path, "vdi", &opts)?;
+            Ok(AnyBackend::Vdi(crate::vdi::open(
+                path,
+                opts.writable,
+                opts.locking,
+            )?))
+        }
         _ => {
             let raw = RawBackend::open(path, opts.writable, opts.direct, opts.io_path)?;
             // The O_DIRECT backend's buffered twin stays unlocked: one description per file
@@ -435,6 +450,8 @@ impl AnyBackend {
             (AnyBackend::Vmdk(_), true) => {
                 "vmdk (auto: the image starts with a VMDK sparse header or descriptor)"
             }
+            (AnyBackend::Vdi(_), false) => "vdi",
+            (AnyBackend::Vdi(_), true) => "vdi (auto: the image carries the VDI signature)",
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
             (AnyBackend::Partition(p), probed) => p.inner().image().format_description(probed),
@@ -450,6 +467,7 @@ impl AnyBackend {
             AnyBackend::Qcow2(q) => q.owner().ok(),
             AnyBackend::Vhd(v) => v.owner().ok(),
             AnyBackend::Vmdk(v) => v.owner().ok(),
+            AnyBackend::Vdi(v) => v.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
             AnyBackend::Partition(p) => p.inner().image().owner(),
         }
@@ -461,7 +479,7 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
             AnyBackend::Partition(p) => p.inner().image().io_fds(),
-            AnyBackend::Vhd(_) | AnyBackend::Vmdk(_) => Vec::new(),
+            AnyBackend::Vhd(_) | AnyBackend::Vmdk(_) | AnyBackend::Vdi(_) => Vec::new(),
         }
     }
 }
@@ -474,6 +492,7 @@ macro_rules! each {
             AnyBackend::Qcow2($b) => $e,
             AnyBackend::Vhd($b) => $e,
             AnyBackend::Vmdk($b) => $e,
+            AnyBackend::Vdi($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition($b) => $e,
         }
@@ -490,6 +509,7 @@ macro_rules! each_whole {
             AnyBackend::Qcow2($b) => $e,
             AnyBackend::Vhd($b) => $e,
             AnyBackend::Vmdk($b) => $e,
+            AnyBackend::Vdi($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition(_) => $none,
         }
@@ -587,6 +607,7 @@ impl BlockBackend for AnyBackend {
             | AnyBackend::Nbd(_)
             | AnyBackend::Vhd(_)
             | AnyBackend::Vmdk(_)
+            | AnyBackend::Vdi(_)
             | AnyBackend::Partition(_) => None,
         }
     }

@@ -23,6 +23,7 @@ mod raw;
 mod regions;
 mod ringfile;
 mod stats;
+pub mod vdi;
 pub mod vhd;
 pub mod vmdk;
 

@@ -162,7 +162,6 @@ impl RingFile {
 impl RingFile {
     /// Grows the file to at least `len` bytes (never shrinks it). Only for a caller that
     /// serializes every change of the file's length (the block-table allocator's lock).
-    #[allow(dead_code)] // the first user, VDI, follows
     pub(crate) fn extend_to(&self, len: u64) -> io::Result<()> {
         if self.file.metadata()?.len() < len {
             self.file.set_len(len)?;

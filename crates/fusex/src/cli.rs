@@ -232,8 +232,8 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2, vhd or vmdk if the image starts with that format's magic, raw otherwise (null for
-    /// null:SIZE); the choice is logged.
+    /// qcow2, vhd, vdi or vmdk if the image starts with that format's magic, raw otherwise
+    /// (null for null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
     Raw,
@@ -244,6 +244,8 @@ pub enum FormatArg {
     Vhd,
     /// VMDK: monolithic or split, sparse or flat (read-write), streamOptimized (read-only).
     Vmdk,
+    /// VDI, static or dynamic (VirtualBox).
+    Vdi,
     /// null:SIZE.
     Null,
 }
@@ -256,6 +258,7 @@ impl From<FormatArg> for backend::Format {
             FormatArg::Qcow2 => backend::Format::Qcow2,
             FormatArg::Vhd => backend::Format::Vhd,
             FormatArg::Vmdk => backend::Format::Vmdk,
+            FormatArg::Vdi => backend::Format::Vdi,
             FormatArg::Null => backend::Format::Null,
         }
     }
@@ -314,7 +317,7 @@ pub struct MountArgs {
     /// Image format
     ///
     /// Give raw for raw images from untrusted sources: auto would read a raw image whose first
-    /// bytes mimic a qcow2 header as qcow2.
+    /// bytes mimic a qcow2, VHD or VDI header as that format.
     #[arg(long, value_enum, default_value_t = FormatArg::Auto, help_heading = heading::IMAGE)]
     pub format: FormatArg,
     /// Export only partition N of the image (MBR or GPT), bounded to it
@@ -690,7 +693,7 @@ pub struct ServeArgs {
     /// A block node, as qemu-storage-daemon takes it (repeatable)
     ///
     /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
-    /// raw, qcow2, vpc, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
+    /// raw, qcow2, vpc, vdi, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
     /// file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,

@@ -136,9 +136,13 @@ impl Plan {
             (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
                 Err(NotUsed::NoBackingFile(args.image.clone()))
             }
-            (_, AnyBackend::Qcow2(_) | AnyBackend::Vhd(_) | AnyBackend::Vmdk(_)) => {
-                Err(NotUsed::Formatted(args.image.clone()))
-            }
+            (
+                _,
+                AnyBackend::Qcow2(_)
+                | AnyBackend::Vhd(_)
+                | AnyBackend::Vdi(_)
+                | AnyBackend::Vmdk(_),
+            ) => Err(NotUsed::Formatted(args.image.clone())),
             (_, AnyBackend::Partition(_)) => Err(NotUsed::Partition(args.image.clone())),
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),

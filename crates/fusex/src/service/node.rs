@@ -1,6 +1,6 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vmdk`), under an optional
-//! partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex serves an image by
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`, `vmdk`), under an
+//! optional partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex serves an image by
 //! its path (or URI), so a node is what it takes to name that image and how to open it; the
 //! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
 //! and again by each export of it.
@@ -35,6 +35,8 @@ pub enum Driver {
     Vpc,
     /// A VMDK format node over its `file` child (a descriptor or a sparse extent).
     Vmdk,
+    /// A VDI format node over its `file` child.
+    Vdi,
 }
 
 impl Driver {
@@ -50,6 +52,7 @@ impl Driver {
             Driver::Partition { .. } => PARTITION_DRIVER,
             Driver::Vpc => "vpc",
             Driver::Vmdk => "vmdk",
+            Driver::Vdi => "vdi",
         }
     }
 }
@@ -146,8 +149,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "file" | "host_device" => &["filename", "locking"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
-        "vpc" => &["file"],
-        "vmdk" => &["file"],
+        "vpc" | "vdi" | "vmdk" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
         PARTITION_DRIVER => &["file", "partition"],
@@ -190,7 +192,6 @@ const OTHER_DRIVERS: &[&str] = &[
     "replication",
     "ssh",
     "throttle",
-    "vdi",
     "vhdx",
     "virtio-blk-vfio-pci",
     "vvfat",
@@ -308,7 +309,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, vpc, vmdk, nbd, null-co and {PARTITION_DRIVER} nodes"
+                 qcow2, vpc, vdi, vmdk, nbd, null-co and {PARTITION_DRIVER} nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -380,7 +381,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" | "vpc" | "vmdk" | PARTITION_DRIVER => {
+        "raw" | "qcow2" | "vpc" | "vdi" | "vmdk" | PARTITION_DRIVER => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -456,6 +457,7 @@ pub fn parse(
                 match driver {
                     "raw" => Driver::Raw,
                     "vpc" => Driver::Vpc,
+                    "vdi" => Driver::Vdi,
                     "vmdk" => Driver::Vmdk,
                     _ => Driver::Qcow2,
                 }
@@ -552,9 +554,12 @@ impl Node {
             Driver::File { filename, .. } => Some(filename.clone()),
             Driver::Nbd { uri } => Some(uri.clone()),
             Driver::Null { size } => Some(format!("null:{size}")),
-            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Vmdk | Driver::Partition { .. } => {
-                None
-            }
+            Driver::Raw
+            | Driver::Qcow2
+            | Driver::Vpc
+            | Driver::Vdi
+            | Driver::Vmdk
+            | Driver::Partition { .. } => None,
         };
         // NBD and null images have no format of their own: fusex mount takes them as they are.
         match self.driver {
@@ -562,6 +567,7 @@ impl Node {
             Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
             Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
             Driver::Vmdk => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vmdk"))),
+            Driver::Vdi => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vdi"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
             Driver::Partition { .. } => node_of(self.file.as_deref()?)?.image(node_of),
@@ -582,13 +588,17 @@ impl Node {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => uri.clone(),
             Driver::Null { .. } => "null-co://".into(),
-            Driver::Raw | Driver::Qcow2 | Driver::Vpc | Driver::Vmdk | Driver::Partition { .. } => {
-                self.file
-                    .as_deref()
-                    .and_then(node_of)
-                    .map(|c| c.shown_file(node_of))
-                    .unwrap_or_default()
-            }
+            Driver::Raw
+            | Driver::Qcow2
+            | Driver::Vpc
+            | Driver::Vdi
+            | Driver::Vmdk
+            | Driver::Partition { .. } => self
+                .file
+                .as_deref()
+                .and_then(node_of)
+                .map(|c| c.shown_file(node_of))
+                .unwrap_or_default(),
         }
     }
 }
@@ -719,6 +729,8 @@ mod tests {
         let file = v[0].clone();
         let lookup = |n: &str| (n == file.name).then(|| file.clone());
         assert_eq!(v[1].image(&lookup), Some(("/d.vhd".into(), Some("vhd"))));
+        let v = nodes(json!({"driver": "vdi", "node-name": "w", "file": "file0"})).unwrap();
+        assert_eq!(v[0].driver, Driver::Vdi);
         assert!(nodes(
             json!({"driver": "vpc", "node-name": "x", "file": "file0", "backing": null})
         )
