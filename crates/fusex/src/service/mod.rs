@@ -480,16 +480,17 @@ impl Service {
             .collect();
         all.extend(n.partition().map(|p| format!("--partition={p}")));
         let protocol = chain.last().cloned().unwrap_or(n.clone());
+        // force-share is the exported node's own (for a partition node, also the node it
+        // stands on), as before partition nodes existed.
+        let own = if n.partition().is_some() { 2 } else { 1 };
+        let force_share = chain.iter().take(own).any(|c| c.force_share);
         for (on, flag) in [
             (writable, "--writable"),
             (a.growable.unwrap_or(false), "--growable"),
             (a.writethrough.unwrap_or(false), "--writethrough"),
             (chain.iter().any(|c| c.direct), "--direct"),
             (protocol.no_locking, "--no-locking"),
-            (
-                chain.iter().any(|c| c.force_share) && !writable,
-                "--force-share",
-            ),
+            (force_share && !writable, "--force-share"),
             (chain.iter().any(|c| c.no_backing), "--no-backing"),
             (allow_other(a.allow_other), "--allow-other"),
         ] {
