@@ -519,8 +519,8 @@ fn argument_errors_are_one_line() {
             "invalid value '300' for '--queues",
         ),
         (
-            vec!["mount", "--format", "vmdk", i, m],
-            "possible values: auto, raw, qcow2, null",
+            vec!["mount", "--format", "bogus", i, m],
+            "possible values: auto, raw, qcow2, vhd, vmdk, vdi, null",
         ),
         (vec!["mount", i, m, "extra"], "unexpected argument 'extra'"),
         (
