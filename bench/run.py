@@ -11,6 +11,7 @@ Examples::
     python3 bench/run.py --matrix all --runtime 3 --rounds 3
     python3 bench/run.py --matrix multiqueue --image shm,null --workloads aio
     python3 bench/run.py --matrix qcow2 --image qcow2-sparse --workloads write
+    python3 bench/run.py --matrix formats --image vdi-full,vdi-fill --print-table
     python3 bench/run.py --matrix nbd --rounds 5 --print-table
     python3 bench/run.py --report bench/results/2025-11-23-vm     # re-render
     python3 bench/run.py --list
@@ -72,7 +73,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job (default 5)")
     p.add_argument("--ramp", type=float, default=1.0, help="fio ramp seconds before measuring (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing,nbd,nbd-delay "
+    p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing,"
+                                   "{vmdk,vpc,vdi}-{full,fill},nbd,nbd-delay "
                                    "(default: the matrix's own; quick: shm)")
     p.add_argument("--size", default="1G", help="image size for fio matrices (default 1G)")
     p.add_argument("--disk-dir", default="/var/tmp", help="directory for 'disk' images (default /var/tmp)")
@@ -81,10 +83,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--define", action="append", default=[], metavar="NAME=KIND:ARGS",
                    help="extra target configuration, e.g. 'fusex-qd8=fusex:--queue-depth 8', "
                         "'old=fusex@/path/to/fusex:--passthrough off'; the argument format=raw gives it a raw "
-                        "file of the same data on the qcow2 images ('qsd-raw=qsd:format=raw')")
+                        "file of the same data on the qcow2 and other format images ('qsd-raw=qsd:format=raw')")
     p.add_argument("--fileaccess-cap", type=float, help="seconds cap per file-access pass (default 2 x runtime)")
     p.add_argument("--fill-cap", type=float,
-                   help="seconds cap of a fill run (writing workloads on qcow2-sparse/qcow2-backing: the whole "
+                   help="seconds cap of a fill run (writing workloads on qcow2-sparse/qcow2-backing/*-fill: the whole "
                         "image once; default max(12 x runtime, 30))")
     p.add_argument("--no-rotate", action="store_true", help="same target order in every round")
     p.add_argument("--fuse-uring", choices=("auto", "on", "off"), default="auto",

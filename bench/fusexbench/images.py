@@ -1,4 +1,4 @@
-"""Benchmark images: random-byte files on /dev/shm or local disk, null, or qcow2.
+"""Benchmark images: random-byte files on /dev/shm or local disk, null, qcow2, VMDK, VHD or VDI.
 
 ``shm`` (the default) puts a file of random bytes on tmpfs so the storage
 costs almost nothing and the FUSE transport is what gets measured; ``disk``
@@ -22,6 +22,18 @@ configuration says whether it wants the qcow2 or a raw file of the same data
   read-only by the overlays, the raw copies hold the base's bytes.  The
   overlays are fresh like the sparse image; a raw copy needs no renewal (raw
   writes change no layout).
+
+The other formats (``formats`` matrix) work the same way, one pair of kinds
+per format FMT in :data:`DISK_FORMATS` (``vmdk``, ``vpc`` = VHD, ``vdi``):
+
+* ``FMT-full``: ``qemu-img convert -O FMT`` of a random raw file (every block
+  allocated); the raw copies hold the same bytes.
+* ``FMT-fill``: a freshly created empty image (``qemu-img create``, each
+  format's default dynamic subformat); fresh like ``qcow2-sparse``, raw copies
+  are sparse files.
+
+fusex refuses ``--direct`` on these formats, so every server opens them (and
+their raw copies) buffered: see :func:`prepare_image`.
 """
 
 from __future__ import annotations
@@ -37,10 +49,21 @@ from typing import Callable, Optional
 from .fio import format_size
 
 QCOW2_KINDS = ("qcow2-full", "qcow2-sparse", "qcow2-backing")
+# qemu-img format name (= qemu-storage-daemon driver) -> its -o options for a dynamic image of exactly
+# the requested size: VHD needs force_size=on, else qemu-img rounds the size to a CHS geometry (and
+# marks the image so that readers take the footer's size: creator "qem2").
+DISK_FORMATS: dict[str, tuple[str, ...]] = {
+    "vmdk": ("subformat=monolithicSparse",),
+    "vpc": ("subformat=dynamic", "force_size=on"),
+    "vdi": ("preallocation=off",),
+}
+FORMAT_KINDS = tuple(f"{fmt}-{state}" for fmt in DISK_FORMATS for state in ("full", "fill"))
+# Kinds where every target gets its own copy (its format, or raw with the same data).
+PER_TARGET_KINDS = QCOW2_KINDS + FORMAT_KINDS
 # Served by an NBD server the runner starts (see nbdserver.py); the clients connect to its socket.
 NBD_KINDS = ("nbd", "nbd-delay")
-IMAGE_KINDS = ("shm", "disk", "null") + QCOW2_KINDS + NBD_KINDS
-FORMATS = ("raw", "qcow2")
+IMAGE_KINDS = ("shm", "disk", "null") + QCOW2_KINDS + FORMAT_KINDS + NBD_KINDS
+FORMATS = ("raw", "qcow2") + tuple(DISK_FORMATS)
 CHUNK = 16 * 1024 * 1024
 
 
@@ -85,17 +108,22 @@ class Image:
 
     @property
     def per_target(self) -> bool:
-        """True if every target gets its own copy (the qcow2 kinds)."""
-        return self.kind in QCOW2_KINDS
+        """True if every target gets its own copy (the qcow2 kinds and the other formats' kinds)."""
+        return self.kind in PER_TARGET_KINDS
+
+    @property
+    def own_format(self) -> str:
+        """The format this kind is about: qcow2, a :data:`DISK_FORMATS` key, or raw."""
+        return kind_format(self.kind)
 
     def format_for(self, wanted: Optional[str]) -> str:
         """The format a target wanting ``wanted`` (None: the image's own) gets."""
-        if self.kind in QCOW2_KINDS:
-            return wanted or "qcow2"
+        if self.kind in PER_TARGET_KINDS:
+            return wanted or self.own_format
         return "raw"
 
     def for_target(self, name: str) -> "Image":
-        """What target ``name`` opens: its own copy for the qcow2 kinds, else this image."""
+        """What target ``name`` opens: its own copy for the per-target kinds, else this image."""
         if not self.per_target:
             return self
         c = self.copies[name]
@@ -112,6 +140,15 @@ class Image:
             out.update({"fresh": self.fresh, "copies": {k: dict(v) for k, v in self.copies.items()},
                         "base": self.sources.get("base")})
         return out
+
+
+def kind_format(kind: str) -> str:
+    """The image format of kind ``kind`` (``qcow2-sparse`` -> qcow2, ``vpc-fill`` -> vpc, ``shm`` -> raw)."""
+    if kind in QCOW2_KINDS:
+        return "qcow2"
+    if kind in FORMAT_KINDS:
+        return kind.rsplit("-", 1)[0]
+    return "raw"
 
 
 def fs_type(path: str) -> str:
@@ -156,7 +193,7 @@ def probe_direct(directory: str) -> bool:
 
 def image_dir(kind: str, disk_dir: str, tag: str) -> Optional[str]:
     """Directory that will hold images of ``kind`` for this run."""
-    if kind == "shm" or kind in QCOW2_KINDS or kind in NBD_KINDS:
+    if kind == "shm" or kind in PER_TARGET_KINDS or kind in NBD_KINDS:
         return os.path.join("/dev/shm", f"fusexbench-{tag}")
     if kind == "disk":
         return os.path.join(disk_dir, f"fusexbench-{tag}")
@@ -169,8 +206,11 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
 
     ``want_direct`` asks for O_DIRECT on the servers' side; it is granted
     only where the filesystem supports it (recorded in ``Image.note``).
-    The qcow2 kinds make one copy per target: ``targets`` maps target name
-    to the format it gets (see :meth:`Image.format_for`).
+    The per-target kinds make one copy per target: ``targets`` maps target
+    name to the format it gets (see :meth:`Image.format_for`).  The
+    :data:`FORMAT_KINDS` never get O_DIRECT: fusex refuses ``--direct`` on
+    those formats, so every server (and fusex on the raw copy) opens them
+    buffered, for the same conditions.
     """
     if kind not in IMAGE_KINDS:
         raise ValueError(f"unknown image kind {kind!r} (one of {', '.join(IMAGE_KINDS)})")
@@ -179,23 +219,26 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
                      note="no data: reads return zeros, writes are dropped")
     assert directory is not None
     os.makedirs(directory, exist_ok=True)
-    if kind in QCOW2_KINDS:
-        img = prepare_qcow2(kind, size, directory, targets or {})
+    if kind in PER_TARGET_KINDS:
+        img = prepare_per_target(kind, size, directory, targets or {})
     else:
         default = f"{kind}-{format_size(size)}.raw" if kind in NBD_KINDS else f"image-{format_size(size)}.raw"
         path = os.path.join(directory, name or default)
         write_random(path, size)
         img = Image(kind=kind, size=size, path=path, fs=fs_type(directory), created=True)
     can_direct = probe_direct(directory)
-    img.direct = want_direct and can_direct
-    if want_direct and not can_direct:
+    img.direct = want_direct and can_direct and kind not in FORMAT_KINDS
+    if want_direct and kind in FORMAT_KINDS:
+        img.note = ("buffered I/O on the image for every server (fusex refuses --direct on "
+                    f"{kind_format(kind)} images; the raw copies are opened the same way)")
+    elif want_direct and not can_direct:
         img.note = f"{img.fs} has no O_DIRECT: every server uses buffered I/O on it"
     elif not want_direct:
         img.note = "buffered I/O on the image for every server (the matrix needs the page cache)"
     else:
         img.note = "O_DIRECT on the image for every server"
     if img.per_target:
-        img.note = f"{QCOW2_NOTES[kind]}; {img.note}"
+        img.note = f"{PER_TARGET_NOTES[kind]}; {img.note}"
     if img.nbd:
         img.note = f"{NBD_NOTES[kind]}; {img.note}"
     return img
@@ -221,6 +264,24 @@ QCOW2_NOTES = {
 }
 
 
+FORMAT_NOTES = {
+    "full": ("random bytes, every block allocated (qemu-img convert -O {fmt} -o {opts} of a random raw file); "
+             "every target has its own copy, raw copies hold the same bytes"),
+    "fill": ("empty {fmt} (qemu-img create -f {fmt} -o {opts}: nothing allocated; raw copies are sparse files), "
+             "one per target, re-created before any run that follows a write"),
+}
+PER_TARGET_NOTES = {**QCOW2_NOTES, **{
+    kind: FORMAT_NOTES[kind.rsplit("-", 1)[1]].format(fmt=kind_format(kind),
+                                                       opts=",".join(DISK_FORMATS[kind_format(kind)]))
+    for kind in FORMAT_KINDS}}
+
+
+def create_options(fmt: str) -> list[str]:
+    """``-o OPTS`` for ``qemu-img create``/``convert`` to ``fmt`` (none for raw and qcow2)."""
+    opts = DISK_FORMATS.get(fmt)
+    return ["-o", ",".join(opts)] if opts else []
+
+
 def qemu_img(*args: str) -> None:
     """Run ``qemu-img ARGS`` (raises RuntimeError with its message on failure)."""
     exe = shutil.which("qemu-img")
@@ -238,29 +299,35 @@ def copy_path(img: Image, target: str, fmt: str) -> str:
     return os.path.join(img.sources["dir"], f"{img.label}.{safe}.{fmt}")
 
 
-def prepare_qcow2(kind: str, size: int, directory: str, targets: dict[str, str]) -> Image:
-    """The sources of a qcow2 kind and one copy per target (``targets``: name -> format)."""
+def is_empty_kind(kind: str) -> bool:
+    """True for the kinds whose every copy starts empty (``qcow2-sparse``, ``FMT-fill``)."""
+    return kind == "qcow2-sparse" or (kind in FORMAT_KINDS and kind.endswith("-fill"))
+
+
+def prepare_per_target(kind: str, size: int, directory: str, targets: dict[str, str]) -> Image:
+    """The sources of a per-target kind and one copy per target (``targets``: name -> format)."""
+    own = kind_format(kind)
     for t, fmt in targets.items():
-        if fmt not in FORMATS:
-            raise ValueError(f"target {t}: unknown image format {fmt!r}")
-    img = Image(kind=kind, size=size, fs=fs_type(directory), created=True, format="qcow2",
-                fresh=kind != "qcow2-full")
+        if fmt not in ("raw", own):
+            raise ValueError(f"target {t}: image format {fmt!r} on a {kind} image (raw or {own})")
+    img = Image(kind=kind, size=size, fs=fs_type(directory), created=True, format=own,
+                fresh=not kind.endswith("-full"))
     label = img.label
     img.sources["dir"] = directory
     try:
-        if kind in ("qcow2-full", "qcow2-backing"):
+        if not is_empty_kind(kind):  # the data: random bytes, converted to the kind's format
             raw = os.path.join(directory, f"{label}.data.raw")
             write_random(raw, size)
             img.sources["raw"] = raw
-            qcow = os.path.join(directory, f"{label}.{'base' if kind == 'qcow2-backing' else 'data'}.qcow2")
-            qemu_img("convert", "-f", "raw", "-O", "qcow2", raw, qcow)
-            img.sources["base" if kind == "qcow2-backing" else "qcow2"] = qcow
+            out = os.path.join(directory, f"{label}.{'base' if kind == 'qcow2-backing' else 'data'}.{own}")
+            qemu_img("convert", "-f", "raw", "-O", own, *create_options(own), raw, out)
+            img.sources["base" if kind == "qcow2-backing" else own] = out
         # The last target to need a source takes it (a rename), unless renewing copies needs it later.
         left = {fmt: sum(1 for f in targets.values() if f == fmt) for fmt in FORMATS}
         for target, fmt in targets.items():
             left[fmt] -= 1
             make_copy(img, target, fmt, take=left[fmt] == 0)
-        for role in ("raw", "qcow2"):
+        for role in FORMATS:
             src = img.sources.pop(role, None)
             if src:
                 _unlink_quiet(src)
@@ -278,9 +345,9 @@ def make_copy(img: Image, target: str, fmt: str, take: bool = False) -> str:
     """
     path = copy_path(img, target, fmt)
     _unlink_quiet(path)
-    if img.kind == "qcow2-sparse":
-        if fmt == "qcow2":
-            qemu_img("create", "-q", "-f", "qcow2", path, str(img.size))
+    if is_empty_kind(img.kind):
+        if fmt != "raw":
+            qemu_img("create", "-q", "-f", fmt, *create_options(fmt), path, str(img.size))
         else:
             with open(path, "wb") as f:
                 f.truncate(img.size)
@@ -303,7 +370,7 @@ def needs_renewal(img: Image, target: str) -> bool:
     """True if ``target``'s copy is re-created after writes (fresh kinds; not raw copies of data)."""
     if not img.fresh or target not in img.copies:
         return False
-    return img.kind == "qcow2-sparse" or img.copies[target]["format"] == "qcow2"
+    return is_empty_kind(img.kind) or img.copies[target]["format"] != "raw"
 
 
 def renew_copy(img: Image, target: str) -> str:

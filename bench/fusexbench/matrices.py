@@ -12,6 +12,8 @@ The originals are in ``/work/shared/seeds`` (see its README):
 * ``passthrough-fio`` - the passthrough issue's goals (fio, growable export).
 * ``qcow2``       - the qcow2 issue's goals: fusex on qcow2 vs fusex on the same
                     data as raw vs qemu-storage-daemon on the same qcow2.
+* ``formats``     - issue 30's goals: fusex on VMDK, VHD (vpc) and VDI vs fusex on
+                    the same data as raw vs qemu-storage-daemon on the same image.
 * ``nbd``         - the NBD issue's goals: fusex's NBD client vs nbdfuse, clients of one
                     qemu-nbd and of one nbdkit with 1 ms injected latency.
 * ``side-by-side`` - issue #14's goals: fusex (default, each transport, passthrough on
@@ -60,6 +62,8 @@ class Matrix:
     # {"fusex": [targets], "peers": [targets], "vs_peer_min", "vs_native": {workload: min},
     #  "balance": [[a, b], ...], "balance_min"} (see report.peer_goal_rows).
     peer_goals: dict[str, Any] = field(default_factory=dict)
+    # "all": the goals table shows every target's MiB/s next to its IOPS (default: the first target's only).
+    bw_columns: str = "first"
 
     def image_sizes(self, default_size: int, workloads: Optional[list[Workload]] = None) -> list[int]:
         """Image sizes needed: one for fio matrices, one per file size for fileaccess."""
@@ -76,7 +80,8 @@ class Matrix:
                 "fusex_extra": list(self.fusex_extra), "notes": list(self.notes),
                 **({"goals": [dict(g) for g in self.goals]} if self.goals else {}),
                 **({"scaling_goals": [dict(g) for g in self.scaling_goals]} if self.scaling_goals else {}),
-                **({"peer_goals": dict(self.peer_goals)} if self.peer_goals else {})}
+                **({"peer_goals": dict(self.peer_goals)} if self.peer_goals else {}),
+                **({"bw_columns": self.bw_columns} if self.bw_columns != "first" else {})}
 
 
 TRANSPORT_NOTE = ("fusex runs with `--passthrough off` here: this matrix measures the request transport, "
@@ -286,6 +291,58 @@ def qcow2() -> Matrix:
     )
 
 
+FORMAT_IMAGES = tuple(f"{fmt}-{state}" for fmt in ("vmdk", "vpc", "vdi") for state in ("full", "fill"))
+
+
+def formats() -> Matrix:
+    return Matrix(
+        name="formats",
+        title="VMDK, VHD and VDI images",
+        seed="-",
+        reproduces=("4k randread/randwrite QD1 and QD64, 128k sequential read and write, on a fully allocated "
+                    "and on an empty (being filled) image of each format: VMDK (monolithicSparse), VHD (vpc, "
+                    "dynamic) and VDI (dynamic); fusex on the image vs fusex on the same data as raw (passthrough "
+                    "off) vs qemu-storage-daemon on the same image (issue 30's goals)"),
+        workloads=[
+            _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
+            _fio("randread-4k-qd64", "randread", "4k", 64),
+            _fio("randwrite-4k-qd1", "randwrite", "4k", 1, engine="psync"),
+            _fio("randwrite-4k-qd64", "randwrite", "4k", 64),
+            _fio("read-128k-qd16", "read", "128k", 16),
+            _fio("write-128k-qd16", "write", "128k", 16),
+        ],
+        images=FORMAT_IMAGES,
+        fusex_variants=("fusex", "fusex-raw"),
+        default_targets=("fusex", "qsd"),
+        goals=[
+            {"a": "fusex", "b": "fusex-raw", "min": 0.7, "rows": "other"},
+            {"a": "fusex", "b": "qsd", "min": 2.0, "rows": "all"},
+        ],
+        bw_columns="all",
+        notes=["`fusex` is fusex with its default options on the image (format auto-detected); `fusex-raw` is "
+               "fusex with `--passthrough off` on a raw file holding the same data; `qsd` is "
+               "qemu-storage-daemon's FUSE export of the same image (`driver=vmdk|vpc|vdi` over "
+               "`driver=file,aio=io_uring`). Every target has its own copy of the image. fusex refuses "
+               "`--direct` on these formats, so every server opens its copy buffered (on /dev/shm a copy "
+               "either way); fio uses O_DIRECT on the exports as everywhere.",
+               "Images (`qemu-img`, each format's default dynamic subformat): `FMT-full` is `qemu-img convert "
+               "-O FMT` of a raw file of random bytes (every block allocated; the raw copies hold those bytes), "
+               "`FMT-fill` an empty image from `qemu-img create` (raw copies: sparse files). VMDK: "
+               "`subformat=monolithicSparse` (64 KiB grains); VHD: `subformat=dynamic,force_size=on` (2 MiB "
+               "blocks; force_size keeps the virtual size exact instead of rounding it to a CHS geometry); "
+               "VDI: `preallocation=off` (1 MiB blocks).",
+               "`FMT-fill` starts every run that follows a write with a new empty image, unmounted and mounted "
+               "again around it. On it a writing workload is a *fill*: each fio job goes over the whole image "
+               "once (every block exactly once, in random order for the random modes; no `--time_based`, no "
+               "ramp), the same work for every target; the run's cap (`fill_cap_s`) only stops a very slow "
+               "target, and a fill that hit it is marked. A 4k random fill allocates a block with 1 write in 16 "
+               "(VMDK), 256 (VDI) or 512 (VHD); a 128k sequential fill with every write (VMDK, two grains), "
+               "1 in 8 (VDI) or 1 in 16 (VHD). Reads of `FMT-fill` read unallocated blocks (zeros).",
+               "Goals (issue 30): fusex/fusex-raw >= 0.70 where no allocation happens (every row but the "
+               "writing rows of `FMT-fill`), fusex/qsd >= 2 on every row."],
+    )
+
+
 def nbd() -> Matrix:
     return Matrix(
         name="nbd",
@@ -383,6 +440,7 @@ MATRICES: dict[str, Callable[[], Matrix]] = {
     "passthrough": passthrough,
     "passthrough-fio": passthrough_fio,
     "qcow2": qcow2,
+    "formats": formats,
     "nbd": nbd,
     "side-by-side": side_by_side,
 }

@@ -179,7 +179,8 @@ def _workload_desc(res: dict[str, Any]) -> dict[str, str]:
 
 
 def row_class(res: dict[str, Any], image: str, workload: str) -> str:
-    """``allocating`` for a writing workload on a fresh image (qcow2-sparse, qcow2-backing), else ``other``."""
+    """``allocating`` for a writing workload on a fresh image (qcow2-sparse, qcow2-backing, FMT-fill), else
+    ``other``."""
     img = next((i for i in res.get("images", []) if i.get("label") == image), {})
     wl = next((w for w in res.get("workloads", []) if w.get("name") == workload), {})
     writes = wl.get("rw") not in ("read", "randread")
@@ -211,6 +212,7 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
     for a, b in pairs:
         shown += [t for t in (a, b) if t not in shown]
     capped = incomplete_fills(res)
+    bw_all = res.get("bw_columns") == "all"
     met = total = 0
     body = []
     for r in rows:
@@ -220,7 +222,7 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
             mt = r["targets"].get(t, {}).get("metrics", {})
             mark = " \u2021" if (image, r["workload"], t) in capped else ""
             cells.append(cell(mt.get("iops")) + mark)
-            if i == 0:
+            if i == 0 or bw_all:
                 cells.append(cell(mt.get("bw_mib"), fmt_sig, False))
         for a, b in pairs:
             g = next((g for g in goals if (g["a"], g["b"]) == (a, b) and g.get("rows", "all") in ("all", cls)), None)
@@ -240,7 +242,7 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
     header = ["workload"]
     for i, t in enumerate(shown):
         header.append(f"{t} IOPS")
-        if i == 0:
+        if i == 0 or bw_all:
             header.append(f"{t} MiB/s")
     header += [f"{a}/{b}" for a, b in pairs]
     out = [f"**Goals**: {met} of {total} met (median per-round IOPS ratio \u2265 the goal in brackets; "

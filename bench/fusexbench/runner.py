@@ -124,7 +124,7 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                 for size in m.image_sizes(opts.size, workloads):
                     log(f"{m.name}: preparing {kind} image of {size >> 20} MiB")
                     copies = None
-                    if kind in imgs.QCOW2_KINDS:  # one copy per target that can run on it
+                    if kind in imgs.PER_TARGET_KINDS:  # one copy per target that can run on it
                         probe = imgs.Image(kind=kind, size=size)
                         copies = {s.name: image_format(s, probe) for s in specs
                                   if unavailable_reason(s, probe, tools) is None}

@@ -63,7 +63,7 @@ class TargetSpec:
     skipped with a note instead of failing.  ``options`` are the knobs as
     data (queues, transport, passthrough, aio) for plots and the report;
     ``options["format"] = "raw"`` asks for a raw file of the same data on the
-    qcow2 image kinds (default: the image's own format).
+    per-target image kinds (qcow2, vmdk, vpc, vdi; default: the image's own format).
     """
 
     name: str
@@ -103,7 +103,7 @@ def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
                    "fusex, FUSE-over-io_uring transport, passthrough off"),
         TargetSpec("fusex-raw", "fusex", ("--passthrough", "off"), ("--passthrough",),
                    {"passthrough": "off", "format": "raw"},
-                   "fusex on a raw file of the same data (qcow2 images), passthrough off"),
+                   "fusex on a raw file of the same data (qcow2 and other format images), passthrough off"),
         TargetSpec("fusex-pt-on", "fusex", ("--passthrough", "on"), ("--passthrough",),
                    {"passthrough": "on"}, "fusex, passthrough on"),
         TargetSpec("fusex-kcache", "fusex", ("--kernel-cache",), ("--kernel-cache",),
@@ -244,14 +244,29 @@ def fusex_help(binary: str) -> str:
 
 
 QCOW2_FLAG = "--format"  # a fusex without it has no qcow2 backend: it would export the qcow2 file as raw bytes
+# The name `fusex mount --help` lists among --format's values for each of the other formats (QEMU's vpc is
+# fusex's vhd): a fusex without that backend would export the image file as raw bytes.
+FORMAT_HELP_NAMES = {"vmdk": "vmdk", "vpc": "vhd", "vdi": "vdi"}
 
 _help_cache: dict[str, str] = {}
 
 
 def image_format(spec: TargetSpec, image: Image) -> str:
-    """The format of the file ``spec`` opens on ``image`` (raw, or qcow2 on the qcow2 kinds;
-    native always opens raw)."""
+    """The format of the file ``spec`` opens on ``image`` (raw, or the image's own format on the
+    per-target kinds; native always opens raw)."""
     return image.format_for(spec.options.get("format") or ("raw" if spec.kind == "native" else None))
+
+
+def missing_backend(help_text: str, fmt: str) -> Optional[str]:
+    """What a fusex whose ``mount --help`` is ``help_text`` lacks to serve ``fmt`` (None: nothing)."""
+    if fmt == "raw":
+        return None
+    if QCOW2_FLAG not in re.findall(r"(--[a-z][a-z0-9-]*)", help_text):
+        return f"no {QCOW2_FLAG} (no {fmt} backend)"
+    name = FORMAT_HELP_NAMES.get(fmt)
+    if name and not re.search(rf"\b{name}\b", help_text):
+        return f"no {name} among the {QCOW2_FLAG} values (no {fmt} backend)"
+    return None
 
 
 def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
@@ -262,16 +277,17 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
         return f"{spec.name} runs on the NBD images only (nbd, nbd-delay)"
     if spec.kind == "native":
         return "native has no null image (nothing to compare against)" if image.kind == "null" else None
-    qcow2 = image_format(spec, image) == "qcow2"
+    fmt = image_format(spec, image)
     if spec.kind == "fusex" and spec.options.get("binary"):
         b = spec.options["binary"]
         if not os.access(b, os.X_OK):
             return f"fusex binary {b} is not executable"
-        if qcow2:
+        if fmt != "raw":
             if b not in _help_cache:
                 _help_cache[b] = fusex_help(b)
-            if QCOW2_FLAG not in re.findall(r"(--[a-z][a-z0-9-]*)", _help_cache[b]):
-                return f"`{b} mount --help` has no {QCOW2_FLAG} (no qcow2 backend)"
+            lacks = missing_backend(_help_cache[b], fmt)
+            if lacks:
+                return f"`{b} mount --help` has {lacks}"
         return None
     if spec.kind == "fusex":
         if not tools.fusex:
@@ -280,8 +296,9 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
         missing = [r for r in spec.requires if r not in flags]
         if missing:
             return f"`fusex mount --help` has no {', '.join(missing)} (feature not implemented yet)"
-        if qcow2 and QCOW2_FLAG not in flags:
-            return f"`fusex mount --help` has no {QCOW2_FLAG} (qcow2 backend not implemented yet)"
+        lacks = missing_backend(tools.fusex_help, fmt)
+        if lacks:
+            return f"`fusex mount --help` has {lacks}"
         return None
     if spec.kind == "qsd":
         return None if tools.qsd else "qemu-storage-daemon not installed (Debian: qemu-system-common)"
@@ -294,8 +311,8 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
     if spec.kind == "passthrough_hp":
         if image.kind == "null":
             return "passthrough_hp exports a directory of files: it has no null image"
-        if qcow2:
-            return "passthrough_hp exports files as they are (no qcow2)"
+        if fmt != "raw":
+            return f"passthrough_hp exports files as they are (no {fmt})"
         return None if tools.passthrough_hp else passthrough_hp_missing()
     return f"unknown kind {spec.kind}"
 
@@ -576,7 +593,7 @@ def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> lis
 
 
 def qsd_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
-    """qemu-storage-daemon with a FUSE export of a raw or qcow2 file (or null-co).
+    """qemu-storage-daemon with a FUSE export of a raw, qcow2, vmdk, vpc or vdi file (or null-co).
 
     A qcow2 overlay's base gets its own file + qcow2 nodes (read-only, same
     aio and cache mode) instead of the ones qemu would open implicitly
