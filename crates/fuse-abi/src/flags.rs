@@ -225,3 +225,11 @@ mod tests {
         assert_eq!(join_init_flags(lo, hi), all);
     }
 }
+
+// RENAME2 flags (`renameat2(2)`).
+/// Fail with EEXIST rather than replace the target.
+pub const RENAME_NOREPLACE: u32 = 1 << 0;
+/// Swap the two entries atomically.
+pub const RENAME_EXCHANGE: u32 = 1 << 1;
+/// Leave an overlayfs whiteout at the source.
+pub const RENAME_WHITEOUT: u32 = 1 << 2;
