@@ -231,6 +231,19 @@ impl ParseError {
             ParseError::Truncated { .. } | ParseError::Inconsistent { .. } => EINVAL,
         }
     }
+
+    /// The opcode whose own arguments are bad (the header and its extensions being sound), if
+    /// that is the problem: a server that does not implement that opcode may answer ENOSYS, as
+    /// it would for well-formed arguments.
+    pub fn arguments_of(&self) -> Option<u32> {
+        match *self {
+            ParseError::Truncated { opcode, .. } => Some(opcode),
+            ParseError::Inconsistent { opcode, what } if what != EXTENSIONS_TOO_LONG => {
+                Some(opcode)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The `unique` of a request whose header is present (at least 40 bytes),
@@ -293,9 +306,11 @@ fn strip_extensions<'a>(header: &InHeader, body: &'a [u8]) -> Result<&'a [u8], P
         .and_then(|keep| body.get(..keep))
         .ok_or(ParseError::Inconsistent {
             opcode: header.opcode,
-            what: "extensions are longer than the request",
+            what: EXTENSIONS_TOO_LONG,
         })
 }
+
+const EXTENSIONS_TOO_LONG: &str = "extensions are longer than the request";
 
 /// Where an opcode's arguments live.
 #[derive(Clone, Copy)]
