@@ -375,6 +375,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
             read_only: !args.writable,
             allow_other: args.allow_other,
             max_read: max_write,
+            directory: false,
         },
         &mut |mountpoint, id| {
             if args.auto_unmount {
@@ -683,7 +684,7 @@ pub fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Nee
 }
 
 /// Request sources for each queue thread.
-fn sources(
+pub(crate) fn sources(
     mnt: &mut Mount,
     threads: usize,
     uring: bool,

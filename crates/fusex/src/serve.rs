@@ -23,6 +23,9 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     // Catch SIGINT/SIGTERM from the start: a signal that lands while mounting must still end in
     // a clean unmount, not in the default action killing the process with the mount in place.
     let signals = install_signals()?;
+    if crate::dirmode::is_directory(&args.image) {
+        return crate::dirmode::mount(args, ready, signals);
+    }
     let notifier = match crate::notify::Notifier::from_env() {
         Ok(n) => n,
         Err(e) => {

@@ -1,0 +1,376 @@
+//! `fusex mount SRC_DIR MOUNTPOINT`: a directory export (`fusex-dirfs`) served by the whole
+//! process. Mounting, INIT, the memory plan, the queue sources and threads are the image
+//! export's; the export is a [`dirfs::DirFs`], and the process around it is simpler: it serves
+//! until a signal or the unmount, then ends its queues and unmounts.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use dirfs::{DirConfig, DirFs};
+use fuse_abi::{
+    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING,
+    FUSE_PARALLEL_DIROPS, FUSE_READDIRPLUS_AUTO,
+};
+use server::{QueueEvent, QueueSpec, Source};
+use transport::{negotiate_init, InitParams, Mount, MountConfig};
+
+use crate::cli::{MountArgs, OnOff, TransportArg};
+use crate::daemon::Readiness;
+use crate::memory::{self, Demand};
+
+/// Whether `image` names a directory (following a symlink, as the user sees it; the export
+/// itself then refuses a symlink there).
+pub fn is_directory(image: &str) -> bool {
+    std::fs::metadata(image).is_ok_and(|m| m.is_dir())
+}
+
+/// Refuses the image options that mean nothing for a directory.
+fn check_args(args: &MountArgs) -> Result<()> {
+    let refuse = |opt: &str| -> Result<()> {
+        bail!(
+            "{opt} is for image exports; {} is a directory: drop {opt}",
+            args.image
+        )
+    };
+    if args.growable {
+        refuse("--growable")?;
+    }
+    if args.max_size.is_some() {
+        refuse("--max-size")?;
+    }
+    if args.force_share {
+        refuse("--force-share")?;
+    }
+    if !args.fault.is_empty() {
+        refuse("--fault")?;
+    }
+    if args.stats_file.is_some() {
+        refuse("--stats-file")?;
+    }
+    if args.control.is_some() {
+        refuse("--control")?;
+    }
+    if args.metrics_listen.is_some() {
+        refuse("--metrics-listen")?;
+    }
+    Ok(())
+}
+
+enum Msg {
+    Queue(QueueEvent),
+    Signal(i32),
+}
+
+/// Serves the directory export until stopped.
+pub fn mount(
+    args: MountArgs,
+    mut ready: Readiness,
+    mut signals: signal_hook::iterator::Signals,
+) -> Result<()> {
+    let r = prepare(&args);
+    let (fs, mut mnt, plan, uring, threads, max_write) = match r {
+        Ok(v) => v,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Msg>();
+    let handle = signals.handle();
+    {
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name("fusex-signals".into())
+            .spawn(move || {
+                for s in signals.forever() {
+                    if tx.send(Msg::Signal(s)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .context("starting the signal thread")?;
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let sources =
+        crate::lifecycle::sources(&mut mnt, threads, uring, plan.depth, args.handoff.into())?;
+    let slots = sources
+        .iter()
+        .map(|s| match s {
+            Source::Uring { qids, legacy, .. } => {
+                qids.len() * plan.depth + legacy.as_ref().map_or(0, |_| memory::URING_LEGACY_SLOTS)
+            }
+            Source::Legacy(_) => plan.depth,
+        })
+        .max()
+        .unwrap_or(0);
+    let stats = Arc::new(server::ExportStats::default());
+    let report: server::Report = {
+        let tx = std::sync::Mutex::new(tx.clone());
+        Arc::new(move |ev| {
+            let _ = tx
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(Msg::Queue(ev));
+        })
+    };
+    let nq = sources.len();
+    let jobs = sources
+        .into_iter()
+        .enumerate()
+        .map(|(id, source)| {
+            let spec = QueueSpec {
+                id,
+                source,
+                depth: plan.depth,
+                max_write,
+                multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
+                fixed_files: None,
+                splice_min: 0,
+                latency: args.latency == OnOff::On,
+                stats: stats.clone(),
+                fallback_slots: memory::URING_LEGACY_SLOTS,
+                before_serving: Box::new(|| Ok(())),
+            };
+            server::queue::job(spec, fs.clone(), stop.clone(), report.clone())
+        })
+        .collect();
+    let placement = crate::workers::place(&args, jobs, slots, uring, false)?;
+    tracing::info!(
+        "mounted directory {} at {} ({}, {} queue{}, {})",
+        args.image,
+        mnt.mountpoint().display(),
+        if args.writable {
+            "writable"
+        } else {
+            "read-only"
+        },
+        nq,
+        if nq == 1 { "" } else { "s" },
+        if uring {
+            "io_uring"
+        } else {
+            "legacy /dev/fuse"
+        }
+    );
+    let mut remotes = Vec::new();
+    let (mut running, mut started, mut announced) = (nq, 0, false);
+    let mut failure: Option<String> = None;
+    let mut deadline: Option<Instant> = None;
+    let mut aborted = false;
+    while running > 0 {
+        let msg = match deadline {
+            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                Ok(m) => Some(m),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            },
+            None => rx.recv().ok(),
+        };
+        match msg {
+            Some(Msg::Queue(QueueEvent::Started { remote, task, .. })) => {
+                remotes.push((remote, task));
+                started += 1;
+                if started == nq && !announced {
+                    announced = true;
+                    ready.report(Ok(()));
+                }
+            }
+            Some(Msg::Queue(QueueEvent::Failed { id, error })) => {
+                failure.get_or_insert(format!("queue {id}: {error}"));
+                running -= 1;
+                begin_stop(&stop, &remotes, &mut deadline);
+            }
+            Some(Msg::Queue(QueueEvent::Quiesced)) => {}
+            Some(Msg::Queue(QueueEvent::Ended { id, report })) => {
+                if let Some(e) = report.error {
+                    tracing::warn!("queue {id} ended: {e}");
+                }
+                running -= 1;
+                // One queue ending (the unmount, or an error) ends the export.
+                begin_stop(&stop, &remotes, &mut deadline);
+            }
+            Some(Msg::Signal(s)) => match s {
+                libc::SIGINT | libc::SIGTERM | libc::SIGHUP => {
+                    tracing::info!("{}: unmounting", crate::lifecycle::signal_name(s));
+                    begin_stop(&stop, &remotes, &mut deadline);
+                }
+                _ => crate::lifecycle::log_ignored(s),
+            },
+            None => {
+                // The queues are quiet or stuck: end the connection, which ends every queue
+                // (io_uring entries complete only once it is aborted).
+                if !aborted {
+                    aborted = true;
+                    let _ = mnt.abort();
+                    deadline = Some(Instant::now() + Duration::from_secs(10));
+                } else {
+                    tracing::error!("queues did not end after the unmount; exiting");
+                    std::mem::forget(placement);
+                    handle.close();
+                    drop(mnt);
+                    return Ok(());
+                }
+            }
+        }
+        if deadline.is_some() && !aborted && stop.load(Ordering::Acquire) {
+            // Give the queues a moment to answer what they hold, then abort.
+            deadline = deadline.min(Some(Instant::now() + Duration::from_millis(200)));
+        }
+    }
+    if !announced {
+        ready.report(Err(failure
+            .clone()
+            .unwrap_or_else(|| "the queues ended before serving".into())));
+    }
+    handle.close();
+    let _ = mnt.abort();
+    drop(mnt);
+    if placement.private {
+        placement.workers.shut_down();
+    }
+    match failure {
+        Some(f) => bail!("{f}"),
+        None => Ok(()),
+    }
+}
+
+fn begin_stop(
+    stop: &AtomicBool,
+    remotes: &[(engine::Remote, engine::TaskId)],
+    deadline: &mut Option<Instant>,
+) {
+    if stop.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    for (r, t) in remotes {
+        r.wake(*t);
+    }
+    *deadline = Some(Instant::now() + Duration::from_millis(200));
+}
+
+type Prepared = (Arc<DirFs>, Mount, memory::Plan, bool, usize, usize);
+
+/// Opens the source, mounts and negotiates INIT.
+fn prepare(args: &MountArgs) -> Result<Prepared> {
+    check_args(args)?;
+    // Entries are created with exactly the mode the kernel sends (the caller's umask applied):
+    // the daemon's own umask must cut nothing.
+    // SAFETY: umask cannot fail.
+    unsafe { libc::umask(0) };
+    raise_nofile_limit();
+    let cfg = DirConfig {
+        writable: args.writable,
+        keep_cache: args.kernel_cache,
+        max_open: open_limit(),
+        ..DirConfig::default()
+    };
+    let fs = Arc::new(
+        DirFs::open(std::path::Path::new(&args.image), cfg).map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
+    let uring_blocked = transport::uring_unavailable_reason();
+    if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
+        bail!("--transport uring is unavailable: {why}; or use --transport auto");
+    }
+    let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
+    let threads = args
+        .queues
+        .map_or(crate::affinity::allowed_cpus().len(), usize::from);
+    let possible_cpus = crate::affinity::possible_cpus();
+    let demand = Demand {
+        uring: may_uring,
+        threads,
+        possible_cpus,
+        depth: args.queue_depth.map(usize::from),
+        latency_bound: false,
+        budget: args
+            .memory_budget
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+    };
+    let planned = memory::plan(demand);
+    if let Err(why) = memory::check(&planned, &demand) {
+        bail!("{why}");
+    }
+    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
+    let mnt = Mount::establish(
+        &MountConfig {
+            mountpoint: args.mountpoint.clone(),
+            source: args.image.clone(),
+            read_only: !args.writable,
+            allow_other: args.allow_other,
+            max_read: max_write,
+            directory: true,
+        },
+        &mut |_, _| Ok(()),
+    )?;
+    let mut want = FUSE_ASYNC_READ
+        | FUSE_BIG_WRITES
+        | FUSE_PARALLEL_DIROPS
+        | FUSE_DO_READDIRPLUS
+        | FUSE_READDIRPLUS_AUTO;
+    if may_uring {
+        want |= FUSE_OVER_IO_URING;
+    }
+    let neg = negotiate_init(
+        mnt.fd().context("mount fd")?,
+        &InitParams {
+            want,
+            max_write,
+            max_pages: (max_write / 4096) as u16,
+            max_background: 1024,
+            request_timeout: args.request_timeout,
+        },
+    )?;
+    let uring = neg.has(FUSE_OVER_IO_URING);
+    if args.transport == TransportArg::Uring && !uring {
+        bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto");
+    }
+    let plan = if uring || !may_uring {
+        planned
+    } else {
+        memory::plan(Demand {
+            uring: false,
+            ..demand
+        })
+    };
+    let queues = if uring {
+        threads.min(possible_cpus)
+    } else {
+        threads
+    };
+    Ok((fs, mnt, plan, uring, queues, neg.max_write as usize))
+}
+
+/// Every node the kernel holds is an open descriptor: raise the soft limit to the hard one.
+fn raise_nofile_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit to fill and then pass back.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+/// Open files and directories allowed through the mount: half the descriptor limit (the other
+/// half for nodes), at most 2^20.
+fn open_limit() -> usize {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit to fill.
+    let cur = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 {
+        r.rlim_cur
+    } else {
+        1024
+    };
+    usize::try_from(cur / 2)
+        .unwrap_or(1 << 20)
+        .clamp(64, 1 << 20)
+}
