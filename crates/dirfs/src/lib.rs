@@ -55,6 +55,9 @@ pub struct DirConfig {
     pub keep_cache: bool,
     /// Most files and directories open through the mount at once.
     pub max_open: usize,
+    /// Most nodes held at once (each is a descriptor): beyond it a lookup fails with `ENFILE`
+    /// until the kernel forgets some, so the daemon keeps descriptors for its own needs.
+    pub max_nodes: usize,
 }
 
 impl Default for DirConfig {
@@ -65,6 +68,7 @@ impl Default for DirConfig {
             attr_valid: Duration::from_secs(1),
             keep_cache: false,
             max_open: 1 << 16,
+            max_nodes: 1 << 20,
         }
     }
 }
@@ -148,6 +152,15 @@ impl DirFs {
         self.inodes.get(id).ok_or(libc::ENOENT)
     }
 
+    /// Whether one more node may be held ([`DirConfig::max_nodes`]).
+    fn room(&self) -> Result<(), Errno> {
+        if self.inodes.len() >= self.cfg.max_nodes {
+            Err(libc::ENFILE)
+        } else {
+            Ok(())
+        }
+    }
+
     fn writable(&self) -> Result<(), Errno> {
         if self.cfg.writable {
             Ok(())
@@ -179,6 +192,8 @@ impl DirFs {
 
     /// Takes `fd` (an `O_PATH` descriptor of an inode) into the table: one lookup more.
     fn remember(&self, fd: OwnedFd, st: &libc::stat) -> EntryOut {
+        // (`room` was checked before the descriptor was opened; a race of a few lookups past
+        // the bound is harmless.)
         let (id, generation) =
             self.inodes
                 .insert(fd, (st.st_dev, st.st_ino), st.st_mode & libc::S_IFMT);
@@ -187,6 +202,7 @@ impl DirFs {
 
     /// LOOKUP of `name` in the directory `dir`.
     fn lookup_in(&self, dir: BorrowedFd<'_>, name: Name<'_>) -> Result<EntryOut, Errno> {
+        self.room()?;
         let fd = sys::open_in(dir, name, libc::O_PATH, 0)?;
         let st = sys::stat_fd(fd.as_fd())?;
         Ok(self.remember(fd, &st))
@@ -435,6 +451,7 @@ impl DirFs {
             Request::Mknod { arg, name } => self.mknod(hdr, arg, name, buf, payload),
             Request::Symlink { name, target } => {
                 self.writable()?;
+                self.room()?;
                 let dir = self.node(hdr.nodeid)?;
                 let b = buf.as_slice();
                 let n = name_at(b, name)?;
@@ -720,6 +737,7 @@ impl DirFs {
 
     fn create(&self, hdr: &InHeader, a: CreateIn, name: Span, buf: &mut Buf, payload: usize) -> R {
         self.writable()?;
+        self.room()?;
         let dir = self.node(hdr.nodeid)?;
         let n = name_at(buf.as_slice(), name)?;
         if a.mode & libc::S_IFMT != libc::S_IFREG && a.mode & libc::S_IFMT != 0 {
@@ -783,6 +801,7 @@ impl DirFs {
 
     fn mkdir(&self, hdr: &InHeader, a: MkdirIn, name: Span, buf: &mut Buf, payload: usize) -> R {
         self.writable()?;
+        self.room()?;
         let dir = self.node(hdr.nodeid)?;
         let n = name_at(buf.as_slice(), name)?;
         sys::mkdir_in(dir.fd(), n, a.mode & 0o777)?;
@@ -792,6 +811,7 @@ impl DirFs {
 
     fn mknod(&self, hdr: &InHeader, a: MknodIn, name: Span, buf: &mut Buf, payload: usize) -> R {
         self.writable()?;
+        self.room()?;
         let dir = self.node(hdr.nodeid)?;
         let n = name_at(buf.as_slice(), name)?;
         let kind = a.mode & libc::S_IFMT;

@@ -46,9 +46,6 @@ fn check_args(args: &MountArgs) -> Result<()> {
     if !args.fault.is_empty() {
         refuse("--fault")?;
     }
-    if args.stats_file.is_some() {
-        refuse("--stats-file")?;
-    }
     if args.control.is_some() {
         refuse("--control")?;
     }
@@ -157,8 +154,10 @@ pub fn mount(
     let mut remotes = Vec::new();
     let (mut running, mut started, mut announced) = (nq, 0, false);
     let mut failure: Option<String> = None;
+    // After a stop: when to abort the connection, and then when to give up on the queues.
     let mut deadline: Option<Instant> = None;
     let mut aborted = false;
+    let mut total = export::Snapshot::default();
     while running > 0 {
         let msg = match deadline {
             Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
@@ -180,43 +179,45 @@ pub fn mount(
             Some(Msg::Queue(QueueEvent::Failed { id, error })) => {
                 failure.get_or_insert(format!("queue {id}: {error}"));
                 running -= 1;
-                begin_stop(&stop, &remotes, &mut deadline);
+                stop_serving(&mut mnt, &mut deadline);
             }
             Some(Msg::Queue(QueueEvent::Quiesced)) => {}
             Some(Msg::Queue(QueueEvent::Ended { id, report })) => {
-                if let Some(e) = report.error {
+                if let Some(e) = &report.error {
                     tracing::warn!("queue {id} ended: {e}");
                 }
+                total.merge(&report.counters);
                 running -= 1;
-                // One queue ending (the unmount, or an error) ends the export.
-                begin_stop(&stop, &remotes, &mut deadline);
+                // One queue ending (the unmount, or a failure) ends the export.
+                stop_serving(&mut mnt, &mut deadline);
             }
             Some(Msg::Signal(s)) => match s {
                 libc::SIGINT | libc::SIGTERM | libc::SIGHUP => {
                     tracing::info!("{}: unmounting", crate::lifecycle::signal_name(s));
-                    begin_stop(&stop, &remotes, &mut deadline);
+                    stop_serving(&mut mnt, &mut deadline);
                 }
+                libc::SIGUSR1 => tracing::info!(
+                    "statistics: {} requests so far, {} nodes held, {} files open",
+                    stats.total().requests(),
+                    fs.nodes(),
+                    fs.open_files()
+                ),
                 _ => crate::lifecycle::log_ignored(s),
             },
-            None => {
-                // The queues are quiet or stuck: end the connection, which ends every queue
-                // (io_uring entries complete only once it is aborted).
-                if !aborted {
-                    aborted = true;
-                    let _ = mnt.abort();
-                    deadline = Some(Instant::now() + Duration::from_secs(10));
-                } else {
-                    tracing::error!("queues did not end after the unmount; exiting");
-                    std::mem::forget(placement);
-                    handle.close();
-                    drop(mnt);
-                    return Ok(());
+            None if !aborted => {
+                // Files still open keep a detached mount alive: end the connection, which ends
+                // every queue (io_uring entries too).
+                aborted = true;
+                stop_queues(&stop, &remotes);
+                if let Err(e) = mnt.abort() {
+                    tracing::warn!("cannot abort the connection: {e}");
                 }
+                deadline = Some(Instant::now() + Duration::from_secs(10));
             }
-        }
-        if deadline.is_some() && !aborted && stop.load(Ordering::Acquire) {
-            // Give the queues a moment to answer what they hold, then abort.
-            deadline = deadline.min(Some(Instant::now() + Duration::from_millis(200)));
+            None => {
+                tracing::warn!("queues did not end after the connection was aborted; exiting");
+                break;
+            }
         }
     }
     if !announced {
@@ -227,8 +228,24 @@ pub fn mount(
     handle.close();
     let _ = mnt.abort();
     drop(mnt);
-    if placement.private {
-        placement.workers.shut_down();
+    if running == 0 {
+        if placement.private {
+            placement.workers.shut_down();
+        }
+    } else {
+        // A queue still waits on a connection that ends only with the process.
+        std::mem::forget(placement);
+    }
+    if let Some(path) = &args.stats_file {
+        let mut json = total.to_json();
+        json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
+        json["directory"] = true.into();
+        let written = serde_json::to_vec_pretty(&json)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
+        if let Err(e) = written {
+            tracing::warn!("cannot write statistics to {}: {e}", path.display());
+        }
     }
     match failure {
         Some(f) => bail!("{f}"),
@@ -236,18 +253,24 @@ pub fn mount(
     }
 }
 
-fn begin_stop(
-    stop: &AtomicBool,
-    remotes: &[(engine::Remote, engine::TaskId)],
-    deadline: &mut Option<Instant>,
-) {
-    if stop.swap(true, Ordering::AcqRel) {
+/// Stops serving: the mount is detached (with no file open the kernel then ends the connection
+/// and every queue with it); if the queues have not ended within 2 s, the connection is aborted.
+fn stop_serving(mnt: &mut Mount, deadline: &mut Option<Instant>) {
+    if deadline.is_some() {
         return;
     }
+    if let Err(e) = mnt.unmount() {
+        tracing::warn!("cannot unmount: {e}");
+    }
+    *deadline = Some(Instant::now() + Duration::from_secs(2));
+}
+
+/// The queues take nothing new.
+fn stop_queues(stop: &AtomicBool, remotes: &[(engine::Remote, engine::TaskId)]) {
+    stop.store(true, Ordering::Release);
     for (r, t) in remotes {
         r.wake(*t);
     }
-    *deadline = Some(Instant::now() + Duration::from_millis(200));
 }
 
 type Prepared = (Arc<DirFs>, Mount, memory::Plan, bool, usize, usize);
@@ -260,10 +283,13 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     // SAFETY: umask cannot fail.
     unsafe { libc::umask(0) };
     raise_nofile_limit();
+    let fds = nofile_limit();
     let cfg = DirConfig {
         writable: args.writable,
         keep_cache: args.kernel_cache,
-        max_open: open_limit(),
+        // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes.
+        max_open: (fds / 4).max(16),
+        max_nodes: fds.saturating_sub(fds / 4 + 256).max(64),
         ..DirConfig::default()
     };
     let fs = Arc::new(
@@ -342,24 +368,41 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     Ok((fs, mnt, plan, uring, queues, neg.max_write as usize))
 }
 
-/// Every node the kernel holds is an open descriptor: raise the soft limit to the hard one.
+/// Every node the kernel holds is an open descriptor: raise the limit as far as allowed (with
+/// `CAP_SYS_RESOURCE` up to `fs.nr_open`, at most 2^20; else the soft limit to the hard one).
 fn raise_nofile_limit() {
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<libc::rlim_t>().ok())
+        .unwrap_or(1 << 20)
+        .min(1 << 20);
     let mut r = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: `r` is a valid rlimit to fill and then pass back.
     unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return;
+        }
+        if r.rlim_max < nr_open {
+            let up = libc::rlimit {
+                rlim_cur: nr_open,
+                rlim_max: nr_open,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &up) == 0 {
+                return;
+            }
+        }
+        if r.rlim_cur < r.rlim_max {
             r.rlim_cur = r.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &r);
         }
     }
 }
 
-/// Open files and directories allowed through the mount: half the descriptor limit (the other
-/// half for nodes), at most 2^20.
-fn open_limit() -> usize {
+/// The descriptor limit in force.
+fn nofile_limit() -> usize {
     let mut r = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -370,7 +413,5 @@ fn open_limit() -> usize {
     } else {
         1024
     };
-    usize::try_from(cur / 2)
-        .unwrap_or(1 << 20)
-        .clamp(64, 1 << 20)
+    usize::try_from(cur).unwrap_or(1 << 20).min(1 << 20)
 }

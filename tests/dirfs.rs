@@ -1,0 +1,732 @@
+//! Directory exports (`fusex mount SRC_DIR MNT`): the tree as the source has it, changes through
+//! the mount landing in the source as a local filesystem would make them, and the daemon never
+//! reaching outside the source. Oracles: the source itself (lstat, contents, symlink targets,
+//! xattrs, hard-link groups), `diff -r`, tar, git.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs;
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use fusex_e2e::*;
+
+/// A source tree and a directory mountpoint in a fresh work directory.
+struct Tree {
+    work: WorkDir,
+    src: PathBuf,
+    mnt: PathBuf,
+}
+
+impl Tree {
+    fn new(tag: &str) -> Tree {
+        let work = WorkDir::new(tag);
+        // The source sits deeper than the mountpoint, so a relative symlink resolves to
+        // different places from the source and from the mount.
+        let src = work.join("a/b/src");
+        let mnt = work.join("mnt");
+        fs::create_dir_all(&src).unwrap();
+        fs::create_dir(&mnt).unwrap();
+        Tree { work, src, mnt }
+    }
+
+    fn mount(&self, args: &[&str]) -> Mount {
+        Mount::start(&self.work, &self.src, &self.mnt, args)
+    }
+}
+
+/// Files of several sizes and modes, nested directories, symlinks (absolute, relative, dangling,
+/// to a directory), hard links, a fifo, an empty file, and user xattrs where the filesystem has
+/// them.
+fn populate(root: &Path) {
+    let mut rng = Rng::new(27);
+    fs::create_dir_all(root.join("d1/d2/d3")).unwrap();
+    fs::create_dir(root.join("empty")).unwrap();
+    for (i, size) in [0usize, 1, 4095, 4096, 70_000, 1 << 20].iter().enumerate() {
+        let p = root.join(format!("d1/f{i}"));
+        fs::write(&p, rng.bytes(*size)).unwrap();
+    }
+    fs::write(root.join("d1/d2/d3/deep"), b"deep\n").unwrap();
+    fs::write(root.join("secret"), b"root only\n").unwrap();
+    fs::set_permissions(root.join("secret"), fs::Permissions::from_mode(0o600)).unwrap();
+    fs::write(root.join("script"), b"#!/bin/sh\necho hi\n").unwrap();
+    fs::set_permissions(root.join("script"), fs::Permissions::from_mode(0o4755)).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", root.join("abs")).unwrap();
+    std::os::unix::fs::symlink("d1/f2", root.join("rel")).unwrap();
+    std::os::unix::fs::symlink("nowhere/at/all", root.join("dangling")).unwrap();
+    std::os::unix::fs::symlink("d1", root.join("dirlink")).unwrap();
+    fs::hard_link(root.join("d1/f3"), root.join("hard")).unwrap();
+    fs::hard_link(root.join("d1/f3"), root.join("d1/d2/hard2")).unwrap();
+    let fifo = CString::new(root.join("fifo").as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid path string.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o640) }, 0);
+    let _ = set_xattr(&root.join("d1/f1"), "user.colour", b"blue");
+    let _ = set_xattr(&root.join("d1"), "user.dir", b"x");
+    fs::set_permissions(root.join("d1/d2"), fs::Permissions::from_mode(0o750)).unwrap();
+}
+
+fn c(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap()
+}
+
+fn set_xattr(p: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
+    let (p, n) = (c(p), CString::new(name).unwrap());
+    // SAFETY: valid strings; value readable for its length.
+    let r = unsafe {
+        libc::lsetxattr(
+            p.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The user xattrs of `p` (not following a symlink), name → value.
+fn xattrs(p: &Path) -> BTreeMap<Vec<u8>, Vec<u8>> {
+    let cp = c(p);
+    let mut list = vec![0u8; 4096];
+    // SAFETY: valid string; buffer writable for its length.
+    let n = unsafe { libc::llistxattr(cp.as_ptr(), list.as_mut_ptr().cast(), list.len()) };
+    let mut out = BTreeMap::new();
+    if n <= 0 {
+        return out;
+    }
+    for name in list[..n as usize]
+        .split(|&b| b == 0)
+        .filter(|n| n.starts_with(b"user."))
+    {
+        let cn = CString::new(name).unwrap();
+        let mut v = vec![0u8; 4096];
+        // SAFETY: valid strings; buffer writable for its length.
+        let m =
+            unsafe { libc::lgetxattr(cp.as_ptr(), cn.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+        assert!(
+            m >= 0,
+            "lgetxattr {}: {}",
+            p.display(),
+            std::io::Error::last_os_error()
+        );
+        v.truncate(m as usize);
+        out.insert(name.to_vec(), v);
+    }
+    out
+}
+
+/// What a tree entry is, as lstat and friends show it (times left out: reading changes atime).
+#[derive(Debug, PartialEq)]
+struct Entry {
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    size: u64,
+    nlink: u64,
+    /// Index of its inode among the tree's inodes (hard links share one).
+    inode: usize,
+    content: Option<Vec<u8>>,
+    target: Option<PathBuf>,
+    xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+}
+
+/// Every entry below `root`, by relative path.
+fn snapshot(root: &Path) -> BTreeMap<PathBuf, Entry> {
+    let mut out = BTreeMap::new();
+    let mut inodes: Vec<u64> = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let p = root.join(&rel);
+        let m = fs::symlink_metadata(&p).unwrap_or_else(|e| panic!("lstat {}: {e}", p.display()));
+        let inode = match inodes.iter().position(|&i| i == m.ino()) {
+            Some(i) => i,
+            None => {
+                inodes.push(m.ino());
+                inodes.len() - 1
+            }
+        };
+        let ft = m.file_type();
+        let content = ft.is_file().then(|| fs::read(&p).unwrap());
+        let target = ft.is_symlink().then(|| fs::read_link(&p).unwrap());
+        if ft.is_dir() {
+            let mut names: Vec<_> = fs::read_dir(&p)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            names.sort();
+            for n in names {
+                stack.push(rel.join(n));
+            }
+        }
+        out.insert(
+            rel,
+            Entry {
+                mode: m.mode(),
+                uid: m.uid(),
+                gid: m.gid(),
+                size: if ft.is_dir() { 0 } else { m.len() },
+                nlink: m.nlink(),
+                inode,
+                content,
+                target,
+                xattrs: if ft.is_symlink() {
+                    BTreeMap::new()
+                } else {
+                    xattrs(&p)
+                },
+            },
+        );
+    }
+    out
+}
+
+#[track_caller]
+fn assert_same_tree(a: &Path, b: &Path) {
+    let (sa, sb) = (snapshot(a), snapshot(b));
+    let names_a: Vec<_> = sa.keys().collect();
+    let names_b: Vec<_> = sb.keys().collect();
+    assert_eq!(
+        names_a,
+        names_b,
+        "entries of {} and {}",
+        a.display(),
+        b.display()
+    );
+    for (k, ea) in &sa {
+        assert_eq!(ea, &sb[k], "{}", k.display());
+    }
+}
+
+#[track_caller]
+fn diff_r(a: &Path, b: &Path) {
+    // diff compares no special files (it reports every fifo): they are checked by lstat.
+    let out = run(Command::new("diff")
+        .args(["-r", "--no-dereference", "-x", "fifo"])
+        .arg(a)
+        .arg(b));
+    assert!(
+        out.status.success(),
+        "diff -r {} {}:\n{}{}",
+        a.display(),
+        b.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn errno_of(r: std::io::Result<impl Sized>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
+    }
+}
+
+#[test]
+fn the_mount_shows_the_source_tree() {
+    if !require_fuse_and_tools(&["diff"]) {
+        return;
+    }
+    let t = Tree::new("dirfs-tree");
+    populate(&t.src);
+    let m = t.mount(&[]);
+    assert_same_tree(&t.src, &t.mnt);
+    diff_r(&t.src, &t.mnt);
+    // Hard links are one inode through the mount too, and inode numbers are the source's.
+    let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(&t.mnt.join("hard")), ino(&t.mnt.join("d1/f3")));
+    assert_eq!(ino(&t.mnt.join("hard")), ino(&t.src.join("hard")));
+    // Symlinks are returned as they are.
+    assert_eq!(
+        fs::read_link(t.mnt.join("abs")).unwrap(),
+        Path::new("/etc/passwd")
+    );
+    assert_eq!(
+        fs::read(t.mnt.join("rel")).unwrap(),
+        fs::read(t.src.join("d1/f2")).unwrap()
+    );
+    m.stop().assert_clean("directory export");
+}
+
+#[test]
+fn a_read_only_export_refuses_every_change() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-ro");
+    populate(&t.src);
+    let m = t.mount(&[]);
+    let before = snapshot(&t.src);
+    let p = |s: &str| t.mnt.join(s);
+    let rofs = libc::EROFS;
+    assert_eq!(errno_of(fs::write(p("new"), b"x")), rofs);
+    assert_eq!(
+        errno_of(fs::OpenOptions::new().write(true).open(p("d1/f1"))),
+        rofs
+    );
+    assert_eq!(errno_of(fs::create_dir(p("newdir"))), rofs);
+    assert_eq!(errno_of(fs::remove_file(p("d1/f1"))), rofs);
+    assert_eq!(errno_of(fs::remove_dir(p("empty"))), rofs);
+    assert_eq!(errno_of(fs::rename(p("d1/f1"), p("moved"))), rofs);
+    assert_eq!(errno_of(fs::hard_link(p("d1/f1"), p("link2"))), rofs);
+    assert_eq!(errno_of(std::os::unix::fs::symlink("x", p("sym2"))), rofs);
+    assert_eq!(
+        errno_of(fs::set_permissions(
+            p("d1/f1"),
+            fs::Permissions::from_mode(0o777)
+        )),
+        rofs
+    );
+    assert_eq!(errno_of(set_xattr(&p("d1/f1"), "user.new", b"v")), rofs);
+    assert_same_tree(&t.src, &t.mnt);
+    assert_eq!(snapshot(&t.src), before, "the source is unchanged");
+    m.stop().assert_clean("read-only directory export");
+}
+
+#[test]
+fn changes_through_the_mount_land_in_the_source() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-rw");
+    populate(&t.src);
+    let m = t.mount(&["--writable"]);
+    let (p, s) = (|x: &str| t.mnt.join(x), |x: &str| t.src.join(x));
+    // Create, write, read back, append, truncate.
+    let mut rng = Rng::new(5);
+    let data = rng.bytes(300_000);
+    fs::write(p("new"), &data).unwrap();
+    assert_eq!(fs::read(s("new")).unwrap(), data);
+    assert_eq!(fs::read(p("new")).unwrap(), data);
+    fs::OpenOptions::new()
+        .append(true)
+        .open(p("new"))
+        .unwrap()
+        .write_all(b"tail")
+        .unwrap();
+    assert_eq!(&fs::read(s("new")).unwrap()[300_000..], b"tail");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(p("new"))
+        .unwrap()
+        .set_len(10)
+        .unwrap();
+    assert_eq!(fs::read(s("new")).unwrap(), &data[..10]);
+    // Directories, renames (across directories, replacing, of directories), links, unlink.
+    fs::create_dir(p("nd")).unwrap();
+    assert!(s("nd").is_dir());
+    fs::rename(p("new"), p("nd/renamed")).unwrap();
+    assert!(!s("new").exists() && s("nd/renamed").is_file());
+    fs::rename(p("d1/f0"), p("nd/renamed")).unwrap();
+    assert_eq!(fs::metadata(s("nd/renamed")).unwrap().len(), 0);
+    fs::rename(p("d1/d2"), p("nd/d2")).unwrap();
+    assert!(s("nd/d2/d3/deep").is_file());
+    fs::hard_link(p("nd/renamed"), p("hl")).unwrap();
+    assert_eq!(
+        fs::metadata(s("hl")).unwrap().ino(),
+        fs::metadata(s("nd/renamed")).unwrap().ino()
+    );
+    assert_eq!(fs::metadata(p("hl")).unwrap().nlink(), 2);
+    std::os::unix::fs::symlink("../elsewhere", p("nd/sl")).unwrap();
+    assert_eq!(
+        fs::read_link(s("nd/sl")).unwrap(),
+        Path::new("../elsewhere")
+    );
+    let fifo = c(&p("nd/fifo"));
+    // SAFETY: a valid path string.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(
+        &fs::symlink_metadata(s("nd/fifo")).unwrap().file_type()
+    ));
+    fs::remove_file(p("hl")).unwrap();
+    assert!(!s("hl").exists());
+    assert_eq!(errno_of(fs::remove_dir(p("nd"))), libc::ENOTEMPTY);
+    fs::remove_dir(p("empty")).unwrap();
+    assert!(!s("empty").exists());
+    // Modes, times, xattrs.
+    fs::set_permissions(p("d1/f1"), fs::Permissions::from_mode(0o604)).unwrap();
+    assert_eq!(fs::metadata(s("d1/f1")).unwrap().mode() & 0o7777, 0o604);
+    if set_xattr(&s("d1/f2"), "user.probe", b"1").is_ok() {
+        set_xattr(&p("d1/f2"), "user.k", b"value").unwrap();
+        assert_eq!(
+            xattrs(&s("d1/f2")).get(&b"user.k"[..]).map(Vec::as_slice),
+            Some(&b"value"[..])
+        );
+    }
+    // Errors as a local filesystem gives them: missing names, wrong types.
+    assert_eq!(errno_of(fs::read(p("missing"))), libc::ENOENT);
+    assert_eq!(errno_of(fs::remove_dir(p("d1/f1"))), libc::ENOTDIR);
+    assert_eq!(errno_of(fs::remove_file(p("d1"))), libc::EISDIR);
+    assert_eq!(errno_of(fs::create_dir(p("d1"))), libc::EEXIST);
+    assert_eq!(errno_of(fs::read_dir(p("d1/f1"))), libc::ENOTDIR);
+    assert_same_tree(&t.src, &t.mnt);
+    m.stop().assert_clean("writable directory export");
+}
+
+/// Symlinks are the caller's to follow: the daemon returns them and resolves nothing through
+/// them, so a link in the source never lets it reach outside.
+#[test]
+fn symlinks_are_never_followed_by_the_daemon() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-symlink");
+    // Where the daemon would land if it followed `../victim` from the source.
+    let victim = t.work.join("a/b/victim");
+    fs::create_dir(&victim).unwrap();
+    fs::write(victim.join("file"), b"victim\n").unwrap();
+    std::os::unix::fs::symlink("../victim", t.src.join("up")).unwrap();
+    std::os::unix::fs::symlink("/etc", t.src.join("etc")).unwrap();
+    let m = t.mount(&["--writable"]);
+    // Through the mount the kernel resolves `../victim` from the mountpoint: there is none.
+    assert_eq!(errno_of(fs::read(t.mnt.join("up/file"))), libc::ENOENT);
+    assert_eq!(
+        errno_of(fs::write(t.mnt.join("up/new"), b"x")),
+        libc::ENOENT
+    );
+    assert!(fs::symlink_metadata(t.mnt.join("up"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // An absolute link is the caller's /etc, as on any filesystem.
+    assert_eq!(
+        fs::read(t.mnt.join("etc/hostname")).ok(),
+        fs::read("/etc/hostname").ok()
+    );
+    // The root's `..` is the mountpoint's parent, never the source's.
+    let up: Vec<_> = fs::read_dir(t.mnt.join(".."))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(up.iter().any(|n| n == "mnt") && !up.iter().any(|n| n == "src"));
+    // A directory swapped for a symlink while a writer creates files in it: every file lands in
+    // the source directory or fails, never in the victim.
+    fs::create_dir(t.src.join("dir")).unwrap();
+    let (src, stop) = (
+        t.src.clone(),
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    );
+    let swapper = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let (dir, parked, link) = (src.join("dir"), src.join("parked"), src.join("dir.link"));
+            std::os::unix::fs::symlink("../victim", &link).unwrap();
+            let mut swaps = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // dir <-> symlink, atomically, back and forth.
+                fs::rename(&dir, &parked).unwrap();
+                fs::rename(&link, &dir).unwrap();
+                fs::rename(&dir, &link).unwrap();
+                fs::rename(&parked, &dir).unwrap();
+                swaps += 1;
+            }
+            swaps
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut made = 0;
+    let mut i = 0;
+    while Instant::now() < deadline {
+        if fs::write(t.mnt.join(format!("dir/f{i}")), b"x").is_ok() {
+            made += 1;
+        }
+        let _ = fs::create_dir(t.mnt.join(format!("dir/d{i}")));
+        let _ = fs::read_dir(t.mnt.join("dir")).map(|d| d.count());
+        i += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let swaps = swapper.join().unwrap();
+    assert!(swaps > 0 && i > 0);
+    let in_victim: Vec<_> = fs::read_dir(&victim)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        in_victim,
+        ["file"],
+        "nothing reached the victim ({made} files made)"
+    );
+    m.stop()
+        .assert_clean("directory export under a symlink race");
+}
+
+/// Every lookup is balanced by FORGET: after the kernel drops its caches the daemon holds
+/// about as many descriptors as before. Three rounds look up more names in all than the
+/// daemon may hold descriptors, which only works if forgotten nodes give theirs back.
+#[test]
+fn lookups_are_forgotten_and_descriptors_come_back() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-forget");
+    // SAFETY: `r` is a valid rlimit to fill.
+    let limit = unsafe {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_max.min(1 << 20) as usize
+    };
+    let per_round = (limit / 2).min(10_000);
+    let rounds = limit / per_round + 1;
+    let dirs = 10;
+    for d in 0..dirs {
+        let dir = t.src.join(format!("d{d}"));
+        fs::create_dir(&dir).unwrap();
+        for i in 0..per_round * rounds / dirs + 1 {
+            fs::File::create(dir.join(format!("f{i}"))).unwrap();
+        }
+    }
+    let m = t.mount(&[]);
+    let fds = || {
+        fs::read_dir(format!("/proc/{}/fd", m.pid()))
+            .unwrap()
+            .count()
+    };
+    let drop_caches = || fs::write("/proc/sys/vm/drop_caches", b"2").unwrap();
+    drop_caches();
+    let before = fds();
+    let mut seen = 0;
+    for round in 0..rounds {
+        for k in 0..per_round {
+            let n = round * per_round + k;
+            fs::metadata(t.mnt.join(format!("d{}/f{}", n % dirs, n / dirs)))
+                .unwrap_or_else(|e| panic!("lookup {n}: {e}"));
+            seen += 1;
+        }
+        let held = fds();
+        assert!(
+            held >= before + per_round / 2,
+            "round {round}: the lookups hold descriptors ({before} -> {held})"
+        );
+        let ok = wait_until(Instant::now() + Duration::from_secs(10), || {
+            drop_caches();
+            fds() <= before + 64
+        });
+        assert!(
+            ok,
+            "{seen} lookups: {before} descriptors before, {} after dropping the caches",
+            fds()
+        );
+    }
+    assert!(seen > limit, "{seen} lookups against a limit of {limit}");
+    m.stop().assert_clean("directory export after many lookups");
+}
+
+#[test]
+fn tar_unpacked_into_the_mount_matches_the_original() {
+    if !require_fuse_and_tools(&["tar", "diff"]) {
+        return;
+    }
+    let t = Tree::new("dirfs-tar");
+    let orig = t.work.join("orig");
+    fs::create_dir(&orig).unwrap();
+    populate(&orig);
+    fs::remove_file(orig.join("fifo")).unwrap();
+    // Owned by someone else, as a tarball from elsewhere would be.
+    std::os::unix::fs::lchown(orig.join("d1/f2"), Some(1234), Some(4321)).unwrap();
+    let tarball = t.work.join("t.tar");
+    run_ok(
+        Command::new("tar")
+            .arg("--xattrs")
+            .arg("-C")
+            .arg(&orig)
+            .arg("-cf")
+            .arg(&tarball)
+            .arg("."),
+    );
+    let m = t.mount(&["--writable"]);
+    run_ok(
+        Command::new("tar")
+            .arg("--xattrs")
+            .arg("--same-owner")
+            .arg("-p")
+            .arg("-C")
+            .arg(&t.mnt)
+            .arg("-xf")
+            .arg(&tarball),
+    );
+    diff_r(&orig, &t.mnt);
+    diff_r(&orig, &t.src);
+    let (so, sm) = (snapshot(&orig), snapshot(&t.mnt));
+    for (k, e) in &so {
+        if k.as_os_str().is_empty() {
+            continue; // the root: tar does not own the mountpoint's mode
+        }
+        let got = &sm[k];
+        assert_eq!(
+            (e.mode, e.uid, e.gid, e.nlink, &e.target, &e.content),
+            (
+                got.mode,
+                got.uid,
+                got.gid,
+                got.nlink,
+                &got.target,
+                &got.content
+            ),
+            "{}",
+            k.display()
+        );
+        if !e.xattrs.is_empty() {
+            assert_eq!(e.xattrs, got.xattrs, "{}", k.display());
+        }
+    }
+    assert_same_tree(&t.src, &t.mnt);
+    m.stop().assert_clean("tar into a directory export");
+}
+
+#[test]
+fn git_clone_into_the_mount_passes_fsck() {
+    if !require_fuse_and_tools(&["git"]) {
+        return;
+    }
+    let t = Tree::new("dirfs-git");
+    let repo = t.work.join("repo");
+    fs::create_dir(&repo).unwrap();
+    let git = |dir: &Path, args: &[&str]| {
+        run_ok(
+            Command::new("git")
+                .arg("-C")
+                .arg(dir)
+                .args([
+                    "-c",
+                    "user.name=t",
+                    "-c",
+                    "user.email=t@e",
+                    "-c",
+                    "init.defaultBranch=main",
+                ])
+                .args(args),
+        )
+    };
+    git(&repo, &["init", "-q"]);
+    let mut rng = Rng::new(9);
+    for c in 0..20 {
+        for f in 0..10 {
+            let p = repo.join(format!("dir{}/file{f}", c % 4));
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            let len = 1 + rng.below(20_000) as usize;
+            fs::write(&p, rng.bytes(len)).unwrap();
+        }
+        git(&repo, &["add", "-A"]);
+        git(&repo, &["commit", "-qm", &format!("commit {c}")]);
+    }
+    let m = t.mount(&["--writable"]);
+    let clone = t.mnt.join("clone");
+    run_ok(
+        Command::new("git")
+            .arg("clone")
+            .arg("-q")
+            .arg("--no-hardlinks")
+            .arg(&repo)
+            .arg(&clone),
+    );
+    git(&clone, &["fsck", "--full", "--strict"]);
+    diff_r(&repo.join("dir0"), &clone.join("dir0"));
+    let log = git(&clone, &["rev-list", "--count", "HEAD"]);
+    assert_eq!(String::from_utf8_lossy(&log.stdout).trim(), "20");
+    // And the source holds a repository git accepts too.
+    git(&t.src.join("clone"), &["fsck", "--full", "--strict"]);
+    m.stop().assert_clean("git in a directory export");
+}
+
+/// A normal user through `--allow-other`: what it creates is its own (uid, gid, umask, a setgid
+/// directory's group), and what the source's modes deny stays denied.
+#[test]
+fn a_normal_user_gets_what_a_local_filesystem_gives() {
+    if !require_fuse_and_tools(&["setpriv"]) {
+        return;
+    }
+    let t = Tree::new("dirfs-user");
+    fs::write(t.src.join("secret"), b"root only\n").unwrap();
+    fs::set_permissions(t.src.join("secret"), fs::Permissions::from_mode(0o600)).unwrap();
+    fs::create_dir(t.src.join("pub")).unwrap();
+    fs::set_permissions(t.src.join("pub"), fs::Permissions::from_mode(0o777)).unwrap();
+    fs::create_dir(t.src.join("sg")).unwrap();
+    std::os::unix::fs::chown(t.src.join("sg"), Some(0), Some(4242)).unwrap();
+    fs::set_permissions(t.src.join("sg"), fs::Permissions::from_mode(0o2777)).unwrap();
+    fs::create_dir(t.src.join("closed")).unwrap();
+    fs::set_permissions(t.src.join("closed"), fs::Permissions::from_mode(0o755)).unwrap();
+    let m = t.mount(&["--writable", "--allow-other"]);
+    let as_user = |script: &str| {
+        run(Command::new("setpriv").args([
+            "--reuid=65534",
+            "--regid=65533",
+            "--clear-groups",
+            "sh",
+            "-c",
+            script,
+        ]))
+    };
+    let mnt = t.mnt.display().to_string();
+    let out = as_user(&format!("cat {mnt}/secret"));
+    assert!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("Permission denied")
+    );
+    let out = as_user(&format!("touch {mnt}/closed/x"));
+    assert!(
+        !out.status.success(),
+        "a 0755 root directory refuses the user"
+    );
+    assert!(!t.src.join("closed/x").exists());
+    let out = as_user(&format!(
+        "umask 027 && echo hi > {mnt}/pub/mine && mkdir {mnt}/pub/dir && touch {mnt}/sg/ingroup && mkdir {mnt}/sg/sub"
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = |p: &str| fs::symlink_metadata(t.src.join(p)).unwrap();
+    assert_eq!((md("pub/mine").uid(), md("pub/mine").gid()), (65534, 65533));
+    assert_eq!(md("pub/mine").mode() & 0o7777, 0o640, "umask 027 applied");
+    assert_eq!(
+        (md("pub/dir").uid(), md("pub/dir").mode() & 0o7777),
+        (65534, 0o750)
+    );
+    assert_eq!(
+        (md("sg/ingroup").uid(), md("sg/ingroup").gid()),
+        (65534, 4242),
+        "setgid dir's group"
+    );
+    assert_eq!(md("sg/sub").gid(), 4242);
+    assert!(
+        md("sg/sub").mode() & libc::S_ISGID != 0,
+        "setgid inherited by a directory"
+    );
+    // The user cannot take root's file.
+    let out = as_user(&format!("chmod 666 {mnt}/secret"));
+    assert!(!out.status.success());
+    assert_eq!(md("secret").mode() & 0o7777, 0o600);
+    m.stop().assert_clean("directory export with a normal user");
+}
+
+#[test]
+fn a_file_is_not_a_source_and_a_mountpoint_must_be_a_directory() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-bad");
+    let file = t.work.join("file");
+    fs::write(&file, b"").unwrap();
+    let f = Mount::try_start(&t.work, &t.src, &file, &[])
+        .err()
+        .expect("a file as mountpoint");
+    assert!(f.stderr.contains("not a directory"), "{}", f.stderr);
+    let f = Mount::try_start(&t.work, &t.src, &t.mnt, &["--growable"])
+        .err()
+        .expect("--growable");
+    assert!(
+        f.stderr.contains("--growable is for image exports"),
+        "{}",
+        f.stderr
+    );
+}
