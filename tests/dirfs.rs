@@ -730,3 +730,54 @@ fn a_file_is_not_a_source_and_a_mountpoint_must_be_a_directory() {
         f.stderr
     );
 }
+
+/// Once serving, every thread of a directory export (io_uring workers included) holds only
+/// what acting for its callers needs, and the export still works and exits cleanly.
+#[test]
+fn a_directory_export_drops_the_privileges_it_does_not_need() {
+    if !require_fuse() {
+        return;
+    }
+    let keep: u64 = [0u32, 1, 2, 3, 4, 21].iter().fold(0, |k, &c| k | 1 << c);
+    let field = |text: &str, key: &str| -> u64 {
+        let v = text
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .unwrap_or_else(|| panic!("no {key} in {text}"));
+        u64::from_str_radix(v.trim(), 16).unwrap_or_else(|_| v.trim().parse().unwrap())
+    };
+    let own = field(&fs::read_to_string("/proc/self/status").unwrap(), "CapPrm");
+    let t = Tree::new("dirfs-caps");
+    fs::create_dir(t.src.join("pub")).unwrap();
+    fs::set_permissions(t.src.join("pub"), fs::Permissions::from_mode(0o777)).unwrap();
+    let m = t.mount(&["--writable", "--allow-other"]);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || m.stderr().contains("INFO privileges: ")),
+        "no privilege drop logged:\n{}",
+        m.stderr()
+    );
+    // Make the ring fork a worker or two, then look at every thread.
+    for i in 0..50 {
+        fs::write(t.mnt.join(format!("pub/f{i}")), vec![7u8; 100_000]).unwrap();
+    }
+    let mut seen = 0;
+    for e in fs::read_dir(format!("/proc/{}/task", m.pid())).unwrap() {
+        let Ok(text) = fs::read_to_string(e.unwrap().path().join("status")) else {
+            continue;
+        };
+        for key in ["CapEff", "CapPrm", "CapBnd"] {
+            assert_eq!(field(&text, key), keep & own, "{key} of thread:\n{text}");
+        }
+        assert_eq!((field(&text, "CapInh"), field(&text, "CapAmb")), (0, 0));
+        assert_eq!(field(&text, "NoNewPrivs"), 1);
+        seen += 1;
+    }
+    assert!(seen >= 3, "main, signal and queue threads");
+    // Still acting for a normal user.
+    let out = run(Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "touch"])
+        .arg(t.mnt.join("pub/users")));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(fs::metadata(t.src.join("pub/users")).unwrap().uid(), 65534);
+    m.stop().assert_clean("directory export without privileges");
+}

@@ -209,7 +209,12 @@ impl Harness {
     }
 
     /// One `/dev/fuse` request; the reply's (opcode, errno), or `None` if it took none.
-    fn legacy(&self, server: &QueueServer<export::Export<Mem>>, setup: &Setup, rec: &[u8]) -> Option<(u32, i32)> {
+    fn legacy(
+        &self,
+        server: &QueueServer<export::Export<Mem>>,
+        setup: &Setup,
+        rec: &[u8],
+    ) -> Option<(u32, i32)> {
         let l = self.legacy;
         let mut buf = self.buffer();
         // The kernel never delivers more than the read asked for.
@@ -273,7 +278,12 @@ impl Harness {
     }
 
     /// One io_uring request; the reply's (opcode, errno).
-    fn uring(&self, server: &QueueServer<export::Export<Mem>>, setup: &Setup, rec: &[u8]) -> (u32, i32) {
+    fn uring(
+        &self,
+        server: &QueueServer<export::Export<Mem>>,
+        setup: &Setup,
+        rec: &[u8],
+    ) -> (u32, i32) {
         let l = self.uring;
         let mut buf = self.buffer();
         let b = buf.as_mut_slice();

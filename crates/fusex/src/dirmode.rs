@@ -19,6 +19,7 @@ use transport::{negotiate_init, InitParams, Mount, MountConfig};
 use crate::cli::{MountArgs, OnOff, TransportArg};
 use crate::daemon::Readiness;
 use crate::memory::{self, Demand};
+use crate::privileges::Plan;
 
 /// Whether `image` names a directory (following a symlink, as the user sees it; the export
 /// itself then refuses a symlink there).
@@ -76,11 +77,15 @@ pub fn mount(
     };
     let (tx, rx) = mpsc::channel::<Msg>();
     let handle = signals.handle();
+    let privileges = Plan::directory(mnt.via_fusermount());
     {
         let tx = tx.clone();
         std::thread::Builder::new()
             .name("fusex-signals".into())
             .spawn(move || {
+                if let Err(e) = privileges.apply() {
+                    tracing::warn!("signal thread: cannot drop privileges: {e}");
+                }
                 for s in signals.forever() {
                     if tx.send(Msg::Signal(s)).is_err() {
                         break;
@@ -128,7 +133,7 @@ pub fn mount(
                 latency: args.latency == OnOff::On,
                 stats: stats.clone(),
                 fallback_slots: memory::URING_LEGACY_SLOTS,
-                before_serving: Box::new(|| Ok(())),
+                before_serving: Box::new(move || privileges.apply()),
             };
             server::queue::job(spec, fs.clone(), stop.clone(), report.clone())
         })
@@ -172,8 +177,19 @@ pub fn mount(
                 remotes.push((remote, task));
                 started += 1;
                 if started == nq && !announced {
-                    announced = true;
-                    ready.report(Ok(()));
+                    match privileges.apply() {
+                        Ok(()) => {
+                            announced = true;
+                            if let Some(kept) = privileges.kept() {
+                                tracing::info!("privileges: every thread keeps {kept}");
+                            }
+                            ready.report(Ok(()));
+                        }
+                        Err(e) => {
+                            failure.get_or_insert(format!("cannot drop privileges: {e}"));
+                            stop_serving(&mut mnt, &mut deadline);
+                        }
+                    }
                 }
             }
             Some(Msg::Queue(QueueEvent::Failed { id, error })) => {
