@@ -400,9 +400,28 @@ fn check_answer(
     match op {
         Operation::Init(_) => assert_eq!(errno, libc::EPROTO, "{}", ctx()),
         Operation::Lookup { .. } => assert_eq!(errno, libc::ENOENT, "{}", ctx()),
-        Operation::Unsupported(_) | Operation::Unknown(_) => {
-            assert_eq!(errno, libc::ENOSYS, "{}", ctx())
-        }
+        // A single file has no directory operations.
+        Operation::Unsupported(_)
+        | Operation::Unknown(_)
+        | Operation::Readlink
+        | Operation::Symlink { .. }
+        | Operation::Mknod { .. }
+        | Operation::Mkdir { .. }
+        | Operation::Unlink { .. }
+        | Operation::Rmdir { .. }
+        | Operation::Rename { .. }
+        | Operation::Link { .. }
+        | Operation::Create { .. }
+        | Operation::Opendir(_)
+        | Operation::Readdir(_)
+        | Operation::Readdirplus(_)
+        | Operation::Releasedir(_)
+        | Operation::Fsyncdir(_)
+        | Operation::Setxattr { .. }
+        | Operation::Getxattr { .. }
+        | Operation::Listxattr(_)
+        | Operation::Removexattr { .. }
+        | Operation::Access(_) => assert_eq!(errno, libc::ENOSYS, "{}", ctx()),
         // Only an io_uring entry answers these (so that it re-arms).
         Operation::Forget(_) | Operation::BatchForget { .. } | Operation::Interrupt(_) => {
             assert_eq!(framing, Framing::Uring, "{}", ctx());
