@@ -31,6 +31,10 @@ impl Tree {
         let mnt = work.join("mnt");
         fs::create_dir_all(&src).unwrap();
         fs::create_dir(&mnt).unwrap();
+        // Searchable by the other users the tests switch to, whatever the umask.
+        for d in ["a", "a/b", "a/b/src", "mnt"] {
+            fs::set_permissions(work.join(d), fs::Permissions::from_mode(0o755)).unwrap();
+        }
         Tree { work, src, mnt }
     }
 
@@ -752,7 +756,9 @@ fn a_directory_export_drops_the_privileges_it_does_not_need() {
     fs::set_permissions(t.src.join("pub"), fs::Permissions::from_mode(0o777)).unwrap();
     let m = t.mount(&["--writable", "--allow-other"]);
     assert!(
-        wait_until(Instant::now() + TIMEOUT, || m.stderr().contains("INFO privileges: ")),
+        wait_until(Instant::now() + TIMEOUT, || m
+            .stderr()
+            .contains("INFO privileges: ")),
         "no privilege drop logged:\n{}",
         m.stderr()
     );
@@ -777,7 +783,121 @@ fn a_directory_export_drops_the_privileges_it_does_not_need() {
     let out = run(Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "touch"])
         .arg(t.mnt.join("pub/users")));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(fs::metadata(t.src.join("pub/users")).unwrap().uid(), 65534);
     m.stop().assert_clean("directory export without privileges");
+}
+
+/// pjdfstest's verdicts (`name -> ok | FAILED | skipped`) from its output.
+fn pjdfstest_verdicts(out: &str) -> BTreeMap<String, String> {
+    out.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let (name, verdict) = (w.next()?, w.last()?);
+            (name.contains("::") && matches!(verdict, "ok" | "FAILED" | "skipped"))
+                .then(|| (name.to_string(), verdict.to_string()))
+        })
+        .collect()
+}
+
+/// Tests that pass on the source filesystem and fail through fusex by design, and why (the
+/// same list is in docs/dirfs.md).
+fn pjdfstest_expected_to_differ(name: &str) -> Option<&'static str> {
+    if name.ends_with("::block") || name.ends_with("::char") {
+        return Some("device nodes are not made through a directory export (MKNOD: EPERM)");
+    }
+    if name == "link::link_count_max" {
+        return Some("glibc's pathconf has no LINK_MAX for FUSE filesystems (skipped)");
+    }
+    None
+}
+
+/// pjdfstest (POSIX conformance, run as root, switching to two other users) on the source's
+/// filesystem and through a directory export: every test that passes on the first passes
+/// through fusex, but those [`pjdfstest_expected_to_differ`] names.
+#[test]
+fn pjdfstest_passes_through_fusex_what_passes_on_the_source() {
+    let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/bin/pjdfstest");
+    let bin = which("pjdfstest").or_else(|| local.is_file().then_some(local));
+    let Some(bin) = bin else {
+        skip_or_fail("pjdfstest is not installed (scripts/deps.sh installs it)");
+        return;
+    };
+    if !require_fuse() {
+        return;
+    }
+    let work = WorkDir::new("dirfs-pjdfstest");
+    // Short paths: pjdfstest binds unix sockets by path, and sun_path holds 108 bytes.
+    let short = tempfile::Builder::new()
+        .prefix("fxp")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let (base, src, mnt) = (
+        short.path().join("b"),
+        short.path().join("s"),
+        short.path().join("m"),
+    );
+    for d in [short.path(), &base, &src, &mnt] {
+        fs::create_dir_all(d).unwrap();
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let cfg = work.join("pjdfstest.toml");
+    fs::write(
+        &cfg,
+        "[features]\nposix_fallocate = {}\nutime_now = {}\nutimensat = {}\nrename_ctime = {}\n\
+         [settings]\nnaptime = 0.01\n\
+         [dummy_auth]\nentries = [[\"nobody\", \"nogroup\"], [\"daemon\", \"daemon\"]]\n",
+    )
+    .unwrap();
+    let suite = |dir: &Path| {
+        let out = run(Command::new(&bin)
+            .arg("-c")
+            .arg(&cfg)
+            .arg("-p")
+            .arg(dir)
+            .current_dir(dir));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        let v = pjdfstest_verdicts(&text);
+        assert!(
+            v.len() > 300,
+            "pjdfstest ran {} tests in {}:\n{text}",
+            v.len(),
+            dir.display()
+        );
+        v
+    };
+    // The source's own filesystem (the source directory's neighbour), then through fusex.
+    let on_source = suite(&base);
+    let m = Mount::start(&work, &src, &mnt, &["--writable", "--allow-other"]);
+    let through = suite(&mnt);
+    let mut wrong = Vec::new();
+    let mut differ = 0;
+    for (name, verdict) in &on_source {
+        let got = through.get(name).map_or("missing", String::as_str);
+        if verdict != "ok" || got == "ok" {
+            continue;
+        }
+        match pjdfstest_expected_to_differ(name) {
+            Some(_) => differ += 1,
+            None => wrong.push(format!("{name}: {got} through fusex, ok on the source")),
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} tests fail only through fusex:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
+    eprintln!(
+        "pjdfstest: {} tests, {} ok on the source, {} ok through fusex, {differ} differ by design",
+        on_source.len(),
+        on_source.values().filter(|v| *v == "ok").count(),
+        through.values().filter(|v| *v == "ok").count()
+    );
+    m.stop().assert_clean("pjdfstest on a directory export");
 }
