@@ -295,13 +295,15 @@ pub mod heading {
 // and benchmarks are hidden (`hide`): docs/design.md lists them.
 #[derive(clap::Args, Clone, Debug)]
 pub struct MountArgs {
-    /// Image file or block device (raw or qcow2), null:SIZE, or an NBD URI
+    /// Image file or block device (raw or qcow2), null:SIZE, an NBD URI, or a directory
     ///
     /// null:SIZE reads zeroes and drops writes (null:1G). An NBD export is
     /// nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH, over TLS nbds://HOST[:PORT]/EXPORT
-    /// or nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR.
+    /// or nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR. A directory's tree is served
+    /// below MOUNTPOINT, which must then be a directory.
     pub image: String,
-    /// Regular file to mount over (created if missing, removed again at exit if fusex created it)
+    /// Regular file to mount over (created if missing, removed again at exit if fusex created it);
+    /// a directory for a directory
     pub mountpoint: PathBuf,
 
     /// Image format
