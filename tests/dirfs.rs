@@ -1126,3 +1126,85 @@ fn renames_from_several_threads_lose_nothing() {
     assert_same_tree(&t.src, &t.mnt);
     m.stop().assert_clean("renames from several threads");
 }
+
+/// With passthrough the kernel serves open files' data from the source itself: the bytes are
+/// right both ways, mmap works, and no READ or WRITE reaches fusex; with it off they all do.
+#[test]
+fn passthrough_hands_file_data_to_the_kernel() {
+    if !require_fuse() {
+        return;
+    }
+    for on in [true, false] {
+        let t = Tree::new("dirfs-passthrough");
+        let mut rng = Rng::new(77);
+        let orig = rng.bytes(3 << 20);
+        fs::write(t.src.join("big"), &orig).unwrap();
+        let mode = if on { "on" } else { "off" };
+        let m = match Mount::try_start(
+            &t.work,
+            &t.src,
+            &t.mnt,
+            &["--writable", "--passthrough", mode],
+        ) {
+            Ok(m) => m,
+            Err(f) if on && f.stderr.contains("did not offer FUSE_PASSTHROUGH") => {
+                skip_or_fail("the kernel has no FUSE passthrough");
+                return;
+            }
+            Err(f) => panic!("mount --passthrough {mode}: {}", f.stderr),
+        };
+        assert_eq!(fs::read(t.mnt.join("big")).unwrap(), orig);
+        let data = rng.bytes(1 << 20);
+        fs::write(t.mnt.join("new"), &data).unwrap();
+        assert_eq!(fs::read(t.src.join("new")).unwrap(), data);
+        {
+            use std::os::unix::fs::FileExt;
+            let f = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(t.mnt.join("big"))
+                .unwrap();
+            f.write_all_at(b"patched", 4096).unwrap();
+            let mut got = vec![0u8; 7];
+            f.read_exact_at(&mut got, 4096).unwrap();
+            assert_eq!(got, b"patched");
+        }
+        assert_eq!(
+            &fs::read(t.src.join("big")).unwrap()[4096..4103],
+            b"patched"
+        );
+        {
+            // Several opens of one file at once (the kernel takes one backing file per inode).
+            use std::os::unix::fs::FileExt;
+            let r = fs::File::open(t.mnt.join("big")).unwrap();
+            let w = fs::OpenOptions::new()
+                .write(true)
+                .open(t.mnt.join("big"))
+                .unwrap();
+            let r2 = fs::File::open(t.mnt.join("hard-to-miss")).err();
+            assert!(r2.is_some());
+            w.write_all_at(b"again", 0).unwrap();
+            let mut got = vec![0u8; 5];
+            r.read_exact_at(&mut got, 0).unwrap();
+            assert_eq!(got, b"again");
+        }
+        let stopped = m.stop();
+        stopped.assert_clean("passthrough directory export");
+        let (reads, writes) = (
+            stopped.stat(&["ops", "READ"]),
+            stopped.stat(&["ops", "WRITE"]),
+        );
+        if on {
+            assert_eq!(
+                (reads, writes),
+                (0, 0),
+                "passthrough: no data through fusex"
+            );
+        } else {
+            assert!(
+                reads > 0 && writes > 0,
+                "without passthrough fusex serves the data"
+            );
+        }
+    }
+}

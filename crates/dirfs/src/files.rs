@@ -4,13 +4,15 @@
 //! atomic load: the data path takes no lock. Opening and releasing take a mutex for the free list.
 
 use std::os::fd::{IntoRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// The table. Its slots are allocated zeroed up front, so untouched ones cost no resident memory.
 pub struct Files {
     /// (generation << 32) | (fd + 1); low half 0: free.
     slots: Box<[AtomicU64]>,
+    /// The passthrough backing id registered for the slot's file (0: none), closed at release.
+    backing: Box<[AtomicI32]>,
     free: Mutex<Free>,
 }
 
@@ -27,6 +29,7 @@ impl Files {
         let capacity = capacity.clamp(1, 1 << 31);
         Files {
             slots: (0..capacity).map(|_| AtomicU64::new(0)).collect(),
+            backing: (0..capacity).map(|_| AtomicI32::new(0)).collect(),
             free: Mutex::new(Free {
                 list: Vec::new(),
                 next: 0,
@@ -36,6 +39,12 @@ impl Files {
 
     /// Keeps `fd` and returns its handle; `EMFILE` when the table is full.
     pub fn insert(&self, fd: OwnedFd) -> Result<u64, i32> {
+        self.insert_backed(fd, 0)
+    }
+
+    /// Keeps `fd`, registered under passthrough backing id `backing` (0: none), and returns its
+    /// handle; `EMFILE` when the table is full.
+    pub fn insert_backed(&self, fd: OwnedFd, backing: i32) -> Result<u64, i32> {
         let mut f = self.free.lock().unwrap_or_else(|p| p.into_inner());
         let i = match f.list.pop() {
             Some(i) => i,
@@ -49,6 +58,7 @@ impl Files {
         let slot = &self.slots[i as usize];
         let generation = (slot.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
         let raw = fd.into_raw_fd();
+        self.backing[i as usize].store(backing, Ordering::Relaxed);
         slot.store((generation << 32) | (raw as u64 + 1), Ordering::Release);
         Ok((generation << 32) | u64::from(i))
     }
@@ -60,8 +70,9 @@ impl Files {
         (fd != 0 && v >> 32 == fh >> 32).then(|| (fd - 1) as RawFd)
     }
 
-    /// Takes handle `fh` out (RELEASE, RELEASEDIR): its descriptor, now owned by the caller.
-    pub fn remove(&self, fh: u64) -> Option<OwnedFd> {
+    /// Takes handle `fh` out (RELEASE, RELEASEDIR): its descriptor, now owned by the caller,
+    /// and its backing id (0: none).
+    pub fn remove(&self, fh: u64) -> Option<(OwnedFd, i32)> {
         let i = fh as u32;
         let slot = self.slots.get(i as usize)?;
         let v = slot.load(Ordering::Acquire);
@@ -76,6 +87,7 @@ impl Files {
         {
             return None;
         }
+        let backing = self.backing[i as usize].swap(0, Ordering::Relaxed);
         self.free
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -84,7 +96,7 @@ impl Files {
         use std::os::fd::FromRawFd;
         // SAFETY: the slot owned this descriptor (put there by `insert` from an OwnedFd) and the
         // exchange above took it out, so no one else can close or reuse it.
-        Some(unsafe { OwnedFd::from_raw_fd((fd - 1) as RawFd) })
+        Some((unsafe { OwnedFd::from_raw_fd((fd - 1) as RawFd) }, backing))
     }
 
     /// Handles open now.

@@ -19,12 +19,13 @@ pub mod inodes;
 pub mod sys;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use engine::{Buf, Engine, Fd};
@@ -34,7 +35,7 @@ use fuse_abi::{
     InHeader, Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenIn, OpenOut, ReadIn,
     SetattrIn, SetxattrIn, StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH,
     FATTR_GID, FATTR_MODE, FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_KEEP_CACHE,
-    FUSE_FSYNC_FDATASYNC, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_ID,
+    FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_ID,
 };
 use zerocopy::{Immutable, IntoBytes};
 
@@ -100,6 +101,21 @@ pub struct DirFs {
     proc_fd: OwnedFd,
     /// Open handles answered minus released, as the image export counts them.
     open_files: AtomicU64,
+    /// With passthrough: a clone of the connection's `/dev/fuse` descriptor, for the backing
+    /// ioctls. Set once before the queues start.
+    passthrough: OnceLock<OwnedFd>,
+    /// Passthrough was refused once (no privilege): later opens do not try again.
+    passthrough_refused: AtomicBool,
+    /// The backing ids registered, one per source inode with files open through passthrough
+    /// (the kernel refuses two backing files for one inode): id -> (inode, opens using it).
+    backings: Mutex<Backings>,
+}
+
+/// Backing ids shared by the opens of one inode.
+#[derive(Default)]
+struct Backings {
+    by_inode: HashMap<(u64, u64), i32>,
+    by_id: HashMap<i32, ((u64, u64), u64)>,
 }
 
 use crate::files::Files;
@@ -130,7 +146,23 @@ impl DirFs {
             files: Files::new(cfg.max_open),
             proc_fd,
             open_files: AtomicU64::new(0),
+            passthrough: OnceLock::new(),
+            passthrough_refused: AtomicBool::new(false),
+            backings: Mutex::new(Backings::default()),
         })
+    }
+
+    /// Hands regular files' data to the kernel's FUSE passthrough (INIT granted
+    /// `FUSE_PASSTHROUGH`): each open file is registered as a backing file on `conn`, a
+    /// descriptor of the connection, and the kernel serves its reads, writes and mmap from the
+    /// source file. Once, before the queues start; false if it was set already.
+    pub fn set_passthrough(&self, conn: OwnedFd) -> bool {
+        self.passthrough.set(conn).is_ok()
+    }
+
+    /// The source directory's node (its descriptor tells the passthrough stack depth).
+    pub fn root(&self) -> Option<Arc<Inode>> {
+        self.inodes.get(ROOT_ID)
     }
 
     /// The configuration.
@@ -424,7 +456,9 @@ impl DirFs {
             Request::Open(a) => self.open_file(hdr, a, buf, payload),
             Request::Opendir(_) => self.opendir(hdr, buf, payload),
             Request::Release(a) | Request::Releasedir(a) => {
-                if self.files.remove(a.fh).is_some() {
+                if let Some((fd, backing)) = self.files.remove(a.fh) {
+                    self.release_backing(backing);
+                    drop(fd);
                     self.open_files.fetch_sub(1, Ordering::Relaxed);
                 }
                 Ok(Reply::Data(0))
@@ -686,23 +720,97 @@ impl DirFs {
             & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT | libc::O_TRUNC)
     }
 
-    fn open_reply(&self, fd: OwnedFd, buf: &mut Buf, payload: usize) -> R {
-        let fh = self.files.insert(fd)?;
+    /// The passthrough backing id for an open of the inode `key` (a regular file, just opened
+    /// as `fd`): the one its other opens use, else `fd` registered now. 0 when passthrough is off
+    /// or refused (then fusex serves the file's I/O itself).
+    fn backing_for(&self, key: (u64, u64), fd: &OwnedFd) -> i32 {
+        let Some(conn) = self.passthrough.get() else {
+            return 0;
+        };
+        if self.passthrough_refused.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let mut b = self.backings.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&id) = b.by_inode.get(&key) {
+            if let Some(e) = b.by_id.get_mut(&id) {
+                e.1 += 1;
+                return id;
+            }
+        }
+        match sys::backing_open(conn.as_fd(), fd.as_raw_fd()) {
+            Ok(id) => {
+                b.by_inode.insert(key, id);
+                b.by_id.insert(id, (key, 1));
+                id
+            }
+            Err(e) => {
+                if e == libc::EPERM {
+                    self.passthrough_refused.store(true, Ordering::Relaxed);
+                }
+                tracing::debug!(
+                    "passthrough refused for an open file (errno {e}); served by fusex"
+                );
+                0
+            }
+        }
+    }
+
+    /// One open using backing id `id` is released; the last one closes the id.
+    fn release_backing(&self, id: i32) {
+        let Some(conn) = self.passthrough.get() else {
+            return;
+        };
+        if id <= 0 {
+            return;
+        }
+        let mut b = self.backings.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(e) = b.by_id.get_mut(&id) else {
+            return;
+        };
+        e.1 -= 1;
+        if e.1 > 0 {
+            return;
+        }
+        let key = e.0;
+        b.by_id.remove(&id);
+        if b.by_inode.get(&key) == Some(&id) {
+            b.by_inode.remove(&key);
+        }
+        // Closed under the lock, so no open picks the id up meanwhile.
+        if let Err(e) = sys::backing_close(conn.as_fd(), id) {
+            tracing::debug!("closing passthrough backing id {id}: errno {e}");
+        }
+    }
+
+    /// Keeps an opened file and answers with its handle and open flags.
+    /// `key`: the source inode of a regular file (None: a directory).
+    fn open_out(&self, fd: OwnedFd, key: Option<(u64, u64)>) -> Result<OpenOut, Errno> {
+        let backing = key.map_or(0, |k| self.backing_for(k, &fd));
+        let fh = match self.files.insert_backed(fd, backing) {
+            Ok(fh) => fh,
+            Err(e) => {
+                self.release_backing(backing);
+                return Err(e);
+            }
+        };
         self.open_files.fetch_add(1, Ordering::Relaxed);
-        let open_flags = if self.cfg.keep_cache {
+        let open_flags = if backing > 0 {
+            FOPEN_PASSTHROUGH
+        } else if self.cfg.keep_cache {
             FOPEN_KEEP_CACHE
         } else {
             0
         };
-        put(
-            buf,
-            payload,
-            &OpenOut {
-                fh,
-                open_flags,
-                backing_id: 0,
-            },
-        )
+        Ok(OpenOut {
+            fh,
+            open_flags,
+            backing_id: backing,
+        })
+    }
+
+    fn open_reply(&self, fd: OwnedFd, key: Option<(u64, u64)>, buf: &mut Buf, payload: usize) -> R {
+        let out = self.open_out(fd, key)?;
+        put(buf, payload, &out)
     }
 
     fn open_file(&self, hdr: &InHeader, a: OpenIn, buf: &mut Buf, payload: usize) -> R {
@@ -719,7 +827,7 @@ impl DirFs {
             self.writable()?;
         }
         let fd = sys::reopen(self.proc_fd.as_fd(), node.fd().as_raw_fd(), flags)?;
-        self.open_reply(fd, buf, payload)
+        self.open_reply(fd, Some(node.key), buf, payload)
     }
 
     fn opendir(&self, hdr: &InHeader, buf: &mut Buf, payload: usize) -> R {
@@ -732,7 +840,7 @@ impl DirFs {
             node.fd().as_raw_fd(),
             libc::O_RDONLY | libc::O_DIRECTORY,
         )?;
-        self.open_reply(fd, buf, payload)
+        self.open_reply(fd, None, buf, payload)
     }
 
     fn create(&self, hdr: &InHeader, a: CreateIn, name: Span, buf: &mut Buf, payload: usize) -> R {
@@ -774,29 +882,14 @@ impl DirFs {
             st
         };
         let entry = self.remember(held, &st);
-        let fh = match self.files.insert(fd) {
-            Ok(fh) => fh,
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
+            Ok(out) => out,
             Err(e) => {
                 self.inodes.forget(entry.nodeid, 1);
                 return Err(e);
             }
         };
-        self.open_files.fetch_add(1, Ordering::Relaxed);
-        let open_flags = if self.cfg.keep_cache {
-            FOPEN_KEEP_CACHE
-        } else {
-            0
-        };
-        put2(
-            buf,
-            payload,
-            &entry,
-            &OpenOut {
-                fh,
-                open_flags,
-                backing_id: 0,
-            },
-        )
+        put2(buf, payload, &entry, &out)
     }
 
     fn mkdir(&self, hdr: &InHeader, a: MkdirIn, name: Span, buf: &mut Buf, payload: usize) -> R {

@@ -322,6 +322,46 @@ pub fn getdents(fd: RawFd, out: &mut [u8]) -> Result<usize, Errno> {
     }
 }
 
+/// Registers the open regular file `file` as a passthrough backing file of the FUSE connection
+/// `conn` (`FUSE_DEV_IOC_BACKING_OPEN`): its backing id.
+pub fn backing_open(conn: BorrowedFd<'_>, file: RawFd) -> Result<i32, Errno> {
+    let map = fuse_abi::BackingMap {
+        fd: file,
+        flags: 0,
+        padding: 0,
+    };
+    // SAFETY: the ioctl reads one `fuse_backing_map` (BackingMap is its repr(C) mirror, layout
+    // asserted in fuse-abi) from the pointer, live for the call.
+    let id = unsafe {
+        libc::ioctl(
+            conn.as_raw_fd(),
+            fuse_abi::FUSE_DEV_IOC_BACKING_OPEN as _,
+            &map,
+        )
+    };
+    match id {
+        i if i < 0 => Err(errno()),
+        // Ids start at 1; 0 would mean "no backing file" in an OPEN reply.
+        0 => Err(libc::EPROTO),
+        i => Ok(i),
+    }
+}
+
+/// Closes a passthrough backing id (`FUSE_DEV_IOC_BACKING_CLOSE`); files opened with it keep
+/// their own reference to the backing file.
+pub fn backing_close(conn: BorrowedFd<'_>, id: i32) -> Result<(), Errno> {
+    let id = id as u32;
+    // SAFETY: the ioctl reads one u32 from the pointer, live for the call.
+    check(unsafe {
+        libc::ioctl(
+            conn.as_raw_fd(),
+            fuse_abi::FUSE_DEV_IOC_BACKING_CLOSE as _,
+            &id,
+        )
+    })
+    .map(drop)
+}
+
 /// Extended attribute calls on the inode behind `fd`, through `/proc/self/fd` (an `O_PATH`
 /// descriptor has no `f*xattr`).
 pub mod xattr {

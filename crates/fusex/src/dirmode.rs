@@ -11,12 +11,12 @@ use anyhow::{bail, Context, Result};
 use dirfs::{DirConfig, DirFs};
 use fuse_abi::{
     FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING,
-    FUSE_PARALLEL_DIROPS, FUSE_READDIRPLUS_AUTO,
+    FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH, FUSE_READDIRPLUS_AUTO,
 };
 use server::{QueueEvent, QueueSpec, Source};
-use transport::{negotiate_init, InitParams, Mount, MountConfig};
+use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
 
-use crate::cli::{MountArgs, OnOff, TransportArg};
+use crate::cli::{MountArgs, OnOff, PassthroughArg, TransportArg};
 use crate::daemon::Readiness;
 use crate::memory::{self, Demand};
 use crate::privileges::Plan;
@@ -354,16 +354,39 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     if may_uring {
         want |= FUSE_OVER_IO_URING;
     }
-    let neg = negotiate_init(
-        mnt.fd().context("mount fd")?,
-        &InitParams {
-            want,
-            max_write,
-            max_pages: (max_write / 4096) as u16,
-            max_background: 1024,
-            request_timeout: args.request_timeout,
-        },
-    )?;
+    let conn = mnt.fd().context("mount fd")?;
+    let params = InitParams {
+        want,
+        max_write,
+        max_pages: (max_write / 4096) as u16,
+        max_background: 1024,
+        request_timeout: args.request_timeout,
+    };
+    let neg = if args.passthrough == PassthroughArg::Off {
+        negotiate_init(conn, &params)?
+    } else {
+        use std::os::fd::AsRawFd;
+        let depth = fs.root().map_or(1, |r| {
+            transport::passthrough::stack_depth_for(r.fd().as_raw_fd())
+        });
+        negotiate_init_passthrough(conn, &params, depth)?
+    };
+    match (args.passthrough, neg.has(FUSE_PASSTHROUGH)) {
+        (PassthroughArg::Off, _) => {}
+        (_, true) => {
+            use std::os::fd::AsRawFd;
+            let clone = transport::clone_fd(conn.as_raw_fd())?;
+            fs.set_passthrough(clone);
+            tracing::info!("passthrough: the kernel serves open files' data from the source");
+        }
+        (PassthroughArg::On, false) => bail!(
+            "--passthrough on: the kernel did not offer FUSE_PASSTHROUGH (needs Linux 6.9+ built \
+             with CONFIG_FUSE_PASSTHROUGH); or use --passthrough auto"
+        ),
+        (PassthroughArg::Auto, false) => {
+            tracing::info!("passthrough: off (the kernel did not offer FUSE_PASSTHROUGH)")
+        }
+    }
     let uring = neg.has(FUSE_OVER_IO_URING);
     if args.transport == TransportArg::Uring && !uring {
         bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto");
