@@ -1208,3 +1208,40 @@ fn passthrough_hands_file_data_to_the_kernel() {
         }
     }
 }
+
+/// `--cache never`: a change made in the source directly shows through the mount at once;
+/// `--cache always`: attributes the kernel has seen are kept (the source is meant to change only
+/// through the mount). `--cache` with an image is refused.
+#[test]
+fn cache_modes_decide_what_the_kernel_remembers() {
+    if !require_fuse() {
+        return;
+    }
+    for mode in ["never", "always"] {
+        let t = Tree::new("dirfs-cache");
+        fs::write(t.src.join("f"), b"1234").unwrap();
+        let m = t.mount(&["--cache", mode, "--passthrough", "off"]);
+        assert_eq!(fs::metadata(t.mnt.join("f")).unwrap().len(), 4);
+        assert_eq!(fs::read(t.mnt.join("f")).unwrap(), b"1234");
+        fs::write(t.src.join("f"), b"123456789").unwrap();
+        fs::write(t.src.join("g"), b"new").unwrap();
+        let len = fs::metadata(t.mnt.join("f")).unwrap().len();
+        match mode {
+            "never" => {
+                assert_eq!(len, 9, "--cache never: the new size at once");
+                assert_eq!(fs::read(t.mnt.join("f")).unwrap(), b"123456789");
+            }
+            _ => assert_eq!(len, 4, "--cache always: the size the kernel saw"),
+        }
+        // A new name is found either way (nothing negative is cached).
+        assert_eq!(fs::read(t.mnt.join("g")).unwrap(), b"new");
+        m.stop().assert_clean("directory export with --cache");
+    }
+    let t = Tree::new("dirfs-cache-image");
+    let image = t.work.join("img");
+    fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let f = Mount::try_start(&t.work, &image, &t.work.join("mp"), &["--cache", "never"])
+        .err()
+        .expect("--cache with an image");
+    assert!(f.stderr.contains("--cache is for directory exports"), "{}", f.stderr);
+}

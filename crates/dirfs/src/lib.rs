@@ -34,8 +34,9 @@ use fuse_abi::{
     AttrOut, CreateIn, Dirent, EntryOut, FallocateIn, FsyncIn, GetattrIn, GetxattrIn, GetxattrOut,
     InHeader, Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenIn, OpenOut, ReadIn,
     SetattrIn, SetxattrIn, StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH,
-    FATTR_GID, FATTR_MODE, FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_KEEP_CACHE,
-    FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_ID,
+    FATTR_GID, FATTR_MODE, FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO,
+    FOPEN_KEEP_CACHE, FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC,
+    RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_ID,
 };
 use zerocopy::{Immutable, IntoBytes};
 
@@ -54,6 +55,9 @@ pub struct DirConfig {
     /// Keep a file's cached pages across opens (`FOPEN_KEEP_CACHE`): for sources nothing else
     /// changes.
     pub keep_cache: bool,
+    /// Files are opened for direct I/O (`FOPEN_DIRECT_IO`): no kernel page cache (mmap still
+    /// works where INIT granted `FUSE_DIRECT_IO_ALLOW_MMAP`).
+    pub direct_io: bool,
     /// Most files and directories open through the mount at once.
     pub max_open: usize,
     /// Most nodes held at once (each is a descriptor): beyond it a lookup fails with `ENFILE`
@@ -68,6 +72,7 @@ impl Default for DirConfig {
             entry_valid: Duration::from_secs(1),
             attr_valid: Duration::from_secs(1),
             keep_cache: false,
+            direct_io: false,
             max_open: 1 << 16,
             max_nodes: 1 << 20,
         }
@@ -796,6 +801,10 @@ impl DirFs {
         self.open_files.fetch_add(1, Ordering::Relaxed);
         let open_flags = if backing > 0 {
             FOPEN_PASSTHROUGH
+        } else if key.is_none() {
+            0
+        } else if self.cfg.direct_io {
+            FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES
         } else if self.cfg.keep_cache {
             FOPEN_KEEP_CACHE
         } else {

@@ -165,6 +165,18 @@ pub enum LegacyReadArg {
     Poll,
 }
 
+/// How long the kernel caches a directory export's names, attributes and file pages.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum CacheArg {
+    /// Nothing: every lookup and stat asks fusex, file I/O is direct (mmap still works).
+    Never,
+    /// Names and attributes for 1 s; file pages are dropped at each open.
+    Auto,
+    /// Names and attributes for a day, file pages kept across opens: for sources that only
+    /// change through the mount.
+    Always,
+}
+
 /// Whether opens are handed to the kernel's FUSE passthrough.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum PassthroughArg {
@@ -378,6 +390,14 @@ pub struct MountArgs {
     /// passes only opens for reading (and mmap) through.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = PassthroughArg::Auto, help_heading = heading::CACHING)]
     pub passthrough: PassthroughArg,
+    /// What the kernel caches of a directory export [default: auto]
+    ///
+    /// never: every lookup and stat asks fusex and file I/O is direct; auto: names and
+    /// attributes for 1 s, file pages dropped at each open; always: names and attributes for a
+    /// day and file pages kept across opens, for sources that change only through the mount.
+    /// Only for a directory as IMAGE.
+    #[arg(long, value_enum, value_name = "MODE", help_heading = heading::CACHING)]
+    pub cache: Option<CacheArg>,
 
     /// Number of queues [default: one per online CPU]
     ///

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use dirfs::{DirConfig, DirFs};
 use fuse_abi::{
-    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING,
-    FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH, FUSE_READDIRPLUS_AUTO,
+    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DO_READDIRPLUS,
+    FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH, FUSE_READDIRPLUS_AUTO,
 };
 use server::{QueueEvent, QueueSpec, Source};
 use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
 
-use crate::cli::{MountArgs, OnOff, PassthroughArg, TransportArg};
+use crate::cli::{CacheArg, MountArgs, OnOff, PassthroughArg, TransportArg};
 use crate::daemon::Readiness;
 use crate::memory::{self, Demand};
 use crate::privileges::Plan;
@@ -300,9 +300,18 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     unsafe { libc::umask(0) };
     raise_nofile_limit();
     let fds = nofile_limit();
+    let cache = args.cache.unwrap_or(CacheArg::Auto);
+    let valid = match cache {
+        CacheArg::Never => Duration::ZERO,
+        CacheArg::Auto => Duration::from_secs(1),
+        CacheArg::Always => Duration::from_secs(86_400),
+    };
     let cfg = DirConfig {
         writable: args.writable,
-        keep_cache: args.kernel_cache,
+        entry_valid: valid,
+        attr_valid: valid,
+        keep_cache: args.kernel_cache || cache == CacheArg::Always,
+        direct_io: cache == CacheArg::Never,
         // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes.
         max_open: (fds / 4).max(16),
         max_nodes: fds.saturating_sub(fds / 4 + 256).max(64),
@@ -346,7 +355,9 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
         },
         &mut |_, _| Ok(()),
     )?;
+    // DIRECT_IO_ALLOW_MMAP: with --cache never, mmap of a file opened for direct I/O.
     let mut want = FUSE_ASYNC_READ
+        | FUSE_DIRECT_IO_ALLOW_MMAP
         | FUSE_BIG_WRITES
         | FUSE_PARALLEL_DIROPS
         | FUSE_DO_READDIRPLUS

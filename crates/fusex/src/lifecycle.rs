@@ -328,6 +328,12 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
     if args.force_share && args.no_locking {
         bail!("--force-share and --no-locking exclude each other: give one of them");
     }
+    if args.cache.is_some() {
+        bail!(
+            "--cache is for directory exports ({} is not a directory): drop --cache",
+            args.image
+        );
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
