@@ -1243,5 +1243,9 @@ fn cache_modes_decide_what_the_kernel_remembers() {
     let f = Mount::try_start(&t.work, &image, &t.work.join("mp"), &["--cache", "never"])
         .err()
         .expect("--cache with an image");
-    assert!(f.stderr.contains("--cache is for directory exports"), "{}", f.stderr);
+    assert!(
+        f.stderr.contains("--cache is for directory exports"),
+        "{}",
+        f.stderr
+    );
 }

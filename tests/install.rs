@@ -324,7 +324,10 @@ fn mount_help_is_grouped_wrapped_and_hides_test_switches() {
             .filter(|o| o.starts_with("handoff"))
             .collect::<String>();
         assert!(!handoff.is_empty(), "help lacks --handoff:\n{text}");
-        assert!(!handoff.contains("always"), "help shows --handoff always:\n{handoff}");
+        assert!(
+            !handoff.contains("always"),
+            "help shows --handoff always:\n{handoff}"
+        );
     }
     // A benchmark knob: --help (where bench/ looks for the options its targets need), not -h.
     assert!(!short.contains("--io-path"), "-h shows --io-path:\n{short}");

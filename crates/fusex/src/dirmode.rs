@@ -315,7 +315,6 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
         // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes.
         max_open: (fds / 4).max(16),
         max_nodes: fds.saturating_sub(fds / 4 + 256).max(64),
-        ..DirConfig::default()
     };
     let fs = Arc::new(
         DirFs::open(std::path::Path::new(&args.image), cfg).map_err(|e| anyhow::anyhow!("{e}"))?,
