@@ -1249,3 +1249,75 @@ fn cache_modes_decide_what_the_kernel_remembers() {
         f.stderr
     );
 }
+
+/// A normal user's own fusex (mounting through fusermount3) serves a directory of its own:
+/// files made through the mount are the user's, and passthrough, which it may not register,
+/// falls back to fusex serving the data.
+#[test]
+fn a_normal_user_serves_a_directory_of_its_own() {
+    if !require_fuse_and_tools(&["setpriv", "fusermount3"]) {
+        return;
+    }
+    let t = Tree::new("dirfs-own");
+    let files = t.work.join("files");
+    fs::create_dir(&files).unwrap();
+    fs::write(t.src.join("f"), b"mine\n").unwrap();
+    for p in [&t.src, &t.src.join("f"), &t.mnt, &files] {
+        std::os::unix::fs::lchown(p, Some(65534), Some(65534)).unwrap();
+    }
+    let opts = SpawnOpts {
+        wrapper: [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ]
+        .map(Into::into)
+        .to_vec(),
+        env: Vec::new(),
+        files_dir: Some(files),
+    };
+    let m = Mount::try_start_opts(&t.work, &t.src, &t.mnt, &["--writable"], &opts)
+        .unwrap_or_else(|f| panic!("a normal user's directory export: {}", f.stderr));
+    let user = |script: &str| {
+        run(Command::new("setpriv").args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            script,
+        ]))
+    };
+    let mnt = t.mnt.display();
+    let out = user(&format!(
+        "cat {mnt}/f && echo new > {mnt}/g && mkdir {mnt}/d && cat {mnt}/g"
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "mine\nnew\n");
+    for p in ["g", "d"] {
+        let md = fs::metadata(t.src.join(p)).unwrap();
+        assert_eq!((md.uid(), md.gid()), (65534, 65534), "{p}");
+    }
+    // Root is not let in without --allow-other.
+    assert_eq!(errno_of(fs::read(t.mnt.join("f"))), libc::EACCES);
+    let stopped = m.stop();
+    stopped.assert_clean("a normal user's directory export");
+    if stopped
+        .stderr
+        .contains("INFO passthrough: the kernel serves")
+    {
+        assert!(
+            stopped
+                .stderr
+                .contains("registering a file was not permitted"),
+            "{}",
+            stopped.stderr
+        );
+        assert!(stopped.stat(&["ops", "READ"]) > 0, "fusex served the data");
+    }
+}

@@ -749,8 +749,11 @@ impl DirFs {
                 id
             }
             Err(e) => {
-                if e == libc::EPERM {
-                    self.passthrough_refused.store(true, Ordering::Relaxed);
+                if e == libc::EPERM && !self.passthrough_refused.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        "passthrough: registering a file was not permitted (needs CAP_SYS_ADMIN \
+                         in the initial user namespace); fusex serves file data itself"
+                    );
                 }
                 tracing::debug!(
                     "passthrough refused for an open file (errno {e}); served by fusex"
