@@ -1321,3 +1321,48 @@ fn a_normal_user_serves_a_directory_of_its_own() {
         assert!(stopped.stat(&["ops", "READ"]) > 0, "fusex served the data");
     }
 }
+
+/// `O_TMPFILE`: an unnamed file, the caller's, that a link then names (as an atomic file
+/// creation would use it).
+#[test]
+fn tmpfile_makes_an_unnamed_file_that_link_names() {
+    if !require_fuse() {
+        return;
+    }
+    use std::io::{Read, Seek};
+    use std::os::fd::FromRawFd;
+    let t = Tree::new("dirfs-tmpfile");
+    let m = t.mount(&["--writable"]);
+    let dir = c(&t.mnt);
+    // SAFETY: a valid path string; the result is checked.
+    let fd = unsafe { libc::open(dir.as_ptr(), libc::O_TMPFILE | libc::O_RDWR, 0o640) };
+    assert!(fd >= 0, "O_TMPFILE: {}", std::io::Error::last_os_error());
+    // SAFETY: a descriptor just opened, owned here.
+    let mut f = unsafe { fs::File::from_raw_fd(fd) };
+    f.write_all(b"unnamed").unwrap();
+    assert_eq!(fs::read_dir(&t.src).unwrap().count(), 0, "no name yet");
+    let proc_path = c(Path::new(&format!("/proc/self/fd/{fd}")));
+    let named = c(&t.mnt.join("named"));
+    // SAFETY: valid path strings.
+    let r = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            proc_path.as_ptr(),
+            libc::AT_FDCWD,
+            named.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    assert_eq!(r, 0, "linkat: {}", std::io::Error::last_os_error());
+    f.rewind().unwrap();
+    let mut back = String::new();
+    f.read_to_string(&mut back).unwrap();
+    assert_eq!(back, "unnamed");
+    drop(f);
+    assert_eq!(fs::read(t.src.join("named")).unwrap(), b"unnamed");
+    assert_eq!(
+        fs::metadata(t.src.join("named")).unwrap().mode() & 0o7777,
+        0o640
+    );
+    m.stop().assert_clean("O_TMPFILE on a directory export");
+}

@@ -412,6 +412,7 @@ fn check_answer(
         | Operation::Rename { .. }
         | Operation::Link { .. }
         | Operation::Create { .. }
+        | Operation::Tmpfile(_)
         | Operation::Opendir(_)
         | Operation::Readdir(_)
         | Operation::Readdirplus(_)

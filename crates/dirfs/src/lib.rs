@@ -388,6 +388,7 @@ impl Filesystem for DirFs {
                     | O::Rename2
                     | O::Link
                     | O::Create
+                    | O::Tmpfile
                     | O::Opendir
                     | O::Readdir
                     | O::Readdirplus
@@ -486,6 +487,7 @@ impl DirFs {
                 Ok(Reply::Data(n))
             }
             Request::Create { arg, name } => self.create(hdr, arg, name, buf, payload),
+            Request::Tmpfile(arg) => self.tmpfile(hdr, arg, buf, payload),
             Request::Mkdir { arg, name } => self.mkdir(hdr, arg, name, buf, payload),
             Request::Mknod { arg, name } => self.mknod(hdr, arg, name, buf, payload),
             Request::Symlink { name, target } => {
@@ -893,6 +895,48 @@ impl DirFs {
             }
             st
         };
+        let entry = self.remember(held, &st);
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
+            Ok(out) => out,
+            Err(e) => {
+                self.inodes.forget(entry.nodeid, 1);
+                return Err(e);
+            }
+        };
+        put2(buf, payload, &entry, &out)
+    }
+
+    /// An unnamed regular file in the directory (`O_TMPFILE`), the caller's, opened; LINK can
+    /// give it a name later (unless opened with `O_EXCL`).
+    fn tmpfile(&self, hdr: &InHeader, a: CreateIn, buf: &mut Buf, payload: usize) -> R {
+        self.writable()?;
+        self.room()?;
+        let dir = self.node(hdr.nodeid)?;
+        if !dir.is_dir() {
+            return Err(libc::ENOTDIR);
+        }
+        let flags = Self::open_flags(a.flags) & !libc::O_TMPFILE;
+        // O_TMPFILE takes O_WRONLY or O_RDWR; `.` is the directory itself.
+        let flags = match flags & libc::O_ACCMODE {
+            libc::O_RDONLY => flags | libc::O_RDWR,
+            _ => flags,
+        };
+        // SAFETY: `.` is a valid NUL-terminated string; the result is checked below.
+        let fd = unsafe {
+            libc::openat(
+                dir.fd().as_raw_fd(),
+                c".".as_ptr(),
+                flags | libc::O_TMPFILE | libc::O_CLOEXEC,
+                (a.mode & 0o777) as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(sys::errno());
+        }
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
+        let st = self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode))?;
         let entry = self.remember(held, &st);
         let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
             Ok(out) => out,

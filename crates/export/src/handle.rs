@@ -201,6 +201,7 @@ impl<B: BlockBackend> Export<B> {
             | Request::Rename { .. }
             | Request::Link { .. }
             | Request::Create { .. }
+            | Request::Tmpfile(_)
             | Request::Opendir(_)
             | Request::Readdir(_)
             | Request::Readdirplus(_)

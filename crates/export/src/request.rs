@@ -144,6 +144,8 @@ pub enum Request {
         /// The new entry.
         name: Span,
     },
+    /// TMPFILE.
+    Tmpfile(CreateIn),
     /// OPENDIR.
     Opendir(OpenIn),
     /// READDIR.
@@ -230,6 +232,7 @@ impl Request {
             },
             Operation::Link { arg, name } => Request::Link { arg, name: s(name) },
             Operation::Create { arg, name } => Request::Create { arg, name: s(name) },
+            Operation::Tmpfile(a) => Request::Tmpfile(a),
             Operation::Opendir(a) => Request::Opendir(a),
             Operation::Readdir(a) => Request::Readdir(a),
             Operation::Readdirplus(a) => Request::Readdirplus(a),

@@ -144,6 +144,8 @@ pub enum Operation<'a> {
         /// The new entry's name.
         name: &'a [u8],
     },
+    /// Create an unnamed temporary file in the header's directory (`O_TMPFILE`) and open it.
+    Tmpfile(CreateIn),
     /// Open a directory.
     Opendir(OpenIn),
     /// Read directory entries.
@@ -475,6 +477,12 @@ fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseErr
             let (arg, rest): (CreateIn, _) = args.fixed(opcode)?;
             let name = c_str(rest, opcode)?.0;
             Operation::Create { arg, name }
+        }
+        // The kernel sends a placeholder name after the struct, as for CREATE; the file has none.
+        Opcode::Tmpfile => {
+            let (arg, rest): (CreateIn, _) = args.fixed(opcode)?;
+            c_str(rest, opcode)?;
+            Operation::Tmpfile(arg)
         }
         Opcode::Opendir => Operation::Opendir(args.fixed(opcode)?.0),
         Opcode::Readdir => Operation::Readdir(args.fixed(opcode)?.0),

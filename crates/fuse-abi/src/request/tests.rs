@@ -202,6 +202,16 @@ fn samples() -> Vec<(Opcode, Vec<u8>)> {
                 .0,
         ),
         (Opcode::Opendir, B::default().u32(0).u32(0).0),
+        (
+            Opcode::Tmpfile,
+            B::default()
+                .u32(0o2)
+                .u32(0o100600)
+                .u32(0o22)
+                .u32(0)
+                .bytes(b"/\0")
+                .0,
+        ),
         (Opcode::Readdir, read_body()),
         (Opcode::Readdirplus, read_body()),
         (
@@ -287,6 +297,7 @@ fn directory_operations() {
         (0o101, 0o100600, 0o77, &b"new"[..])
     );
     assert!(matches!(op(&get(Opcode::Opendir)), Operation::Opendir(_)));
+    assert!(matches!(op(&get(Opcode::Tmpfile)), Operation::Tmpfile(c) if c.mode == 0o100600));
     assert!(matches!(op(&get(Opcode::Readdir)), Operation::Readdir(r) if r.size == 65536));
     assert!(matches!(
         op(&get(Opcode::Readdirplus)),
