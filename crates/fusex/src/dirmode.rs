@@ -78,7 +78,7 @@ pub fn mount(
     let (tx, rx) = mpsc::channel::<Msg>();
     let handle = signals.handle();
     let privileges = Plan::directory(mnt.via_fusermount());
-    {
+    let signal_thread = {
         let tx = tx.clone();
         std::thread::Builder::new()
             .name("fusex-signals".into())
@@ -92,11 +92,26 @@ pub fn mount(
                     }
                 }
             })
-            .context("starting the signal thread")?;
+            .context("starting the signal thread")
+    };
+    if let Err(e) = signal_thread {
+        ready.report(Err(format!("{e:#}")));
+        return Err(e);
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let sources =
-        crate::lifecycle::sources(&mut mnt, threads, uring, plan.depth, args.handoff.into())?;
+    let sources = match crate::lifecycle::sources(
+        &mut mnt,
+        threads,
+        uring,
+        plan.depth,
+        args.handoff.into(),
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
     let slots = sources
         .iter()
         .map(|s| match s {
@@ -138,7 +153,13 @@ pub fn mount(
             server::queue::job(spec, fs.clone(), stop.clone(), report.clone())
         })
         .collect();
-    let placement = crate::workers::place(&args, jobs, slots, uring, false)?;
+    let placement = match crate::workers::place(&args, jobs, slots, uring, false) {
+        Ok(p) => p,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
     tracing::info!(
         "mounted directory {} at {} ({}, {} queue{}, {})",
         args.image,
