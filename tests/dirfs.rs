@@ -1366,3 +1366,27 @@ fn tmpfile_makes_an_unnamed_file_that_link_names() {
     );
     m.stop().assert_clean("O_TMPFILE on a directory export");
 }
+
+/// `--daemonize --pid-file`: the parent returns once the directory is served, the pid file names
+/// the daemon, and a stop removes both the mount and the pid file.
+#[test]
+fn a_daemonized_directory_export_keeps_its_pid_file() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-daemon");
+    fs::write(t.src.join("f"), b"x").unwrap();
+    let pid_file = t.work.join("pid");
+    let (m, mounted) = Mount::start_daemonized(&t.work, &t.src, &t.mnt, &pid_file, &[])
+        .unwrap_or_else(|f| panic!("--daemonize: {}", f.stderr));
+    assert!(mounted, "mounted when the parent returned");
+    let pid: i32 = fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(pid, m.pid());
+    assert_eq!(fs::read(t.mnt.join("f")).unwrap(), b"x");
+    m.stop().assert_clean("daemonized directory export");
+    assert!(!pid_file.exists(), "pid file removed at exit");
+}

@@ -61,11 +61,13 @@ enum Msg {
     Signal(i32),
 }
 
-/// Serves the directory export until stopped.
+/// Serves the directory export until stopped; `pid_file` (claimed already) is let go of when
+/// it stops serving.
 pub fn mount(
     args: MountArgs,
     mut ready: Readiness,
     mut signals: signal_hook::iterator::Signals,
+    pid_file: Option<&crate::files::PidFile>,
 ) -> Result<()> {
     let r = prepare(&args);
     let (fs, mut mnt, plan, uring, threads, max_write) = match r {
@@ -263,6 +265,9 @@ pub fn mount(
             .unwrap_or_else(|| "the queues ended before serving".into())));
     }
     handle.close();
+    if let Some(p) = pid_file {
+        p.stop_serving();
+    }
     let _ = mnt.abort();
     drop(mnt);
     if running == 0 {

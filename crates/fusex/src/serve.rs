@@ -23,9 +23,6 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
     // Catch SIGINT/SIGTERM from the start: a signal that lands while mounting must still end in
     // a clean unmount, not in the default action killing the process with the mount in place.
     let signals = install_signals()?;
-    if crate::dirmode::is_directory(&args.image) {
-        return crate::dirmode::mount(args, ready, signals);
-    }
     let notifier = match crate::notify::Notifier::from_env() {
         Ok(n) => n,
         Err(e) => {
@@ -47,6 +44,13 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
+    if crate::dirmode::is_directory(&args.image) {
+        let r = crate::dirmode::mount(args, ready, signals, pid_file.as_ref());
+        if let Some(p) = pid_file {
+            p.remove();
+        }
+        return r;
+    }
     // Bound before anything is mounted: an address in use fails the start in one line.
     let slot = crate::metrics::MountSlot::default();
     let metrics = args
