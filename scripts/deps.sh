@@ -10,6 +10,8 @@ have mkfs.ext4 || need+=(e2fsprogs)
 have losetup || need+=(util-linux)
 have setpriv || need+=(util-linux)
 have qemu-img || need+=(qemu-utils)
+# sfdisk: tests/partitions.rs partitions MBR and GPT disk images with it.
+have sfdisk || need+=(fdisk)
 have qemu-nbd || need+=(qemu-utils)
 # nbdfuse: a foreign FUSE filesystem that `fusex umount` must refuse (tests/lifecycle.rs).
 have nbdfuse || need+=(libnbd-bin)

@@ -592,3 +592,69 @@ fn a_runtime_directory_someone_else_made_is_never_trusted() {
     );
     m.stop().assert_clean("nobody's export");
 }
+
+/// The point of `--partition`: a normal user runs mkfs and fsck on a partition of a VMDK
+/// image, without loop devices or root.
+#[test]
+fn unprivileged_filesystem_on_a_partition_of_a_vmdk() {
+    let Some(u) = unprivileged() else { return };
+    if !require_fuse_and_tools(&["sfdisk", "qemu-img", "mkfs.ext4", "fsck.ext4"]) {
+        return;
+    }
+    let w = WorkDir::new("svc-user-part");
+    let dir = w.join("home");
+    fs::create_dir(&dir).unwrap();
+    std::os::unix::fs::chown(&dir, Some(u.uid), Some(u.gid)).unwrap();
+    let raw = w.join("disk.raw");
+    sparse_image(&raw, 64 * MIB);
+    let mut c = Command::new("sfdisk");
+    c.arg("-q").arg(&raw).stdin(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"label: dos\nstart=2048, size=20M, type=83\nsize=20M, type=83\n")
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    let img = dir.join("disk.vmdk");
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "vmdk"])
+            .arg(&raw)
+            .arg(&img),
+    );
+    std::os::unix::fs::chown(&img, Some(u.uid), Some(u.gid)).unwrap();
+    let mp = dir.join("p2.raw");
+    let m = Mount::try_start_opts(
+        &w,
+        &img,
+        &mp,
+        &["--writable", "--partition=2"],
+        &opts(u, &dir),
+    )
+    .unwrap_or_else(|f| panic!("mount as {USER} failed: {}", f.stderr));
+    for tool in [vec!["mkfs.ext4", "-q", "-F"], vec!["fsck.ext4", "-fn"]] {
+        let bin = which(tool[0]).unwrap();
+        let mut args: Vec<&std::ffi::OsStr> = vec![bin.as_os_str()];
+        args.extend(tool[1..].iter().map(std::ffi::OsStr::new));
+        args.push(mp.as_os_str());
+        let out = as_user(u, &args, b"");
+        assert!(
+            out.status.success(),
+            "{} as {USER}: {}{}",
+            tool[0],
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    m.stop().assert_clean("a normal user's partition export");
+    let check = run(Command::new("qemu-img")
+        .args(["check", "-f", "vmdk"])
+        .arg(&img));
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+}

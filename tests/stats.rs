@@ -233,17 +233,23 @@ fn latency_percentiles_agree_with_fio() {
             job["read"]["total_ios"].as_u64().unwrap(),
             "{key}: one sample per READ"
         );
-        for (q, fio_p) in [(0.5, "50.000000"), (0.99, "99.000000")] {
-            let fio = fio_clat(&job, fio_p) as f64;
-            let ours = interval.percentile_ns(q).unwrap() as f64;
-            // Ours is the upper edge of a bucket at most 12.5 % wide; fio's is its own bucket's
-            // value and includes the kernel's part, so it may sit a little above ours too.
-            let ratio = fio / ours;
-            assert!(
-                (0.85..=1.15).contains(&ratio),
-                "{key} q {q}: fusex {ours} ns, fio {fio} ns"
-            );
-        }
+        // Ours is the upper edge of a bucket at most 12.5 % wide; fio's is its own bucket's
+        // value and includes the kernel's part, so it may sit a little above ours too.
+        let fio_median = fio_clat(&job, "50.000000") as f64;
+        let ours_median = interval.percentile_ns(0.5).unwrap() as f64;
+        assert!(
+            (0.85..=1.15).contains(&(fio_median / ours_median)),
+            "{key} median: fusex {ours_median} ns, fio {fio_median} ns"
+        );
+        // The tail also holds the moments fio itself waited for a CPU, which fusex cannot see
+        // (5 ms of them were seen on a machine busy compiling): ours lies between the backend's
+        // 10 ms and what fio saw, within a bucket's width.
+        let fio_tail = fio_clat(&job, "99.000000") as f64;
+        let ours_tail = interval.percentile_ns(0.99).unwrap() as f64;
+        assert!(
+            ours_tail >= 10e6 && ours_tail <= fio_tail * 1.15,
+            "{key} q 0.99: fusex {ours_tail} ns, fio {fio_tail} ns"
+        );
     }
     m.stop().assert_clean("export with slow reads");
 }

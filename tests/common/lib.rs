@@ -708,20 +708,31 @@ pub fn send_signal(pid: i32, sig: libc::c_int) {
     }
 }
 
-/// The restart socket in root's runtime directory (`/run/fusex`) whose state file `names`
-/// accepts, if one is bound now. Files a killed daemon left behind stay there (and may name a
-/// pid in use again, or an old path), so only a socket bound now counts.
+/// The restart socket answering for the export whose state file in root's runtime directory
+/// (`/run/fusex`) `names` accepts, if one is bound now. Files a killed daemon left behind stay
+/// there (and may name a pid in use again, or an old path), so only a socket bound now counts.
 pub fn bound_runtime_socket(names: impl Fn(&str) -> bool) -> Option<PathBuf> {
     let bound = fs::read_to_string("/proc/net/unix").ok()?;
     fs::read_dir("/run/fusex")
         .ok()?
         .flatten()
         .map(|e| e.path())
-        .find(|p| {
-            p.extension().is_some_and(|x| x == "sock")
-                && bound.lines().any(|l| l.ends_with(&*p.to_string_lossy()))
-                && fs::read_to_string(p.with_extension("json")).is_ok_and(|s| names(&s))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter_map(|p| {
+            let state = fs::read_to_string(&p).ok().filter(|s| names(s))?;
+            // A `fusex serve` daemon's exports name its one socket; a `fusex mount` daemon's
+            // socket is beside its state file.
+            let socket = serde_json::from_str::<serde_json::Value>(&state)
+                .ok()
+                .and_then(|v| {
+                    v["socket"]
+                        .as_str()
+                        .map(|n| Path::new("/run/fusex").join(n))
+                })
+                .unwrap_or_else(|| p.with_extension("sock"));
+            Some(socket)
         })
+        .find(|s| bound.lines().any(|l| l.ends_with(&*s.to_string_lossy())))
 }
 
 /// Polls `cond` until it holds or `deadline` passes; returns whether it held. `cond` is checked

@@ -4,6 +4,7 @@
 
 use std::io;
 use std::path::Path;
+use std::sync::Arc;
 
 use engine::{Engine, Slice};
 
@@ -58,6 +59,9 @@ pub enum OpenError {
     /// An NBD URI that does not parse, a server that cannot be reached or refuses the export.
     #[error("{0}")]
     Nbd(String),
+    /// The partition asked for cannot be served.
+    #[error(transparent)]
+    Partition(#[from] crate::partition::PartitionError),
     /// Anything else the OS reported.
     #[error("cannot open image {path}: {error}")]
     Io {
@@ -85,14 +89,20 @@ impl OpenError {
 /// The format of an image, as given on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
-    /// Probe: qcow2 if the file starts with the qcow2 magic, raw otherwise (`null:` specs are
-    /// null). The choice is logged.
+    /// Probe: qcow2, VHD, VDI or VMDK if the file's first sector carries that format's magic, raw
+    /// otherwise (`null:` specs are null). The choice is logged.
     #[default]
     Auto,
     /// Byte for byte; never probed, so a raw image whose first bytes mimic a header stays raw.
     Raw,
     /// qcow2 (version 2 or 3).
     Qcow2,
+    /// VHD (QEMU's `vpc`): fixed or dynamic.
+    Vhd,
+    /// VMDK: a sparse extent file or a descriptor and its extents.
+    Vmdk,
+    /// VDI (VirtualBox): static or dynamic.
+    Vdi,
     /// `null:SIZE`.
     Null,
 }
@@ -120,6 +130,8 @@ pub struct OpenOptions {
     pub io_path: Option<IoPath>,
     /// For NBD URIs: timeouts, reconnecting, FUA (its `writable` is replaced by the one above).
     pub nbd: NbdOptions,
+    /// Serve only this partition of the image (numbered as Linux numbers them).
+    pub partition: Option<u32>,
 }
 
 /// Any backend fusex can serve.
@@ -130,12 +142,68 @@ pub enum AnyBackend {
     Null(NullBackend),
     /// A qcow2 image (and its backing chain).
     Qcow2(Qcow2Backend),
+    /// A VHD image.
+    Vhd(crate::vhd::VhdBackend),
+    /// A VMDK image.
+    Vmdk(crate::vmdk::VmdkBackend),
+    /// A VDI image.
+    Vdi(crate::vdi::VdiBackend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
+    /// One partition of an image opened as any of the above (never of another partition).
+    Partition(crate::partition::Bounded<Whole>),
 }
 
-/// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes.
+/// A whole image under a partition: an [`AnyBackend`] that is not itself a partition. Its own
+/// dispatch leaves the partition variant out, so a partition's futures never contain another
+/// partition's (an async call cycle would need boxing, an allocation per request).
+pub struct Whole(Arc<AnyBackend>);
+
+impl Whole {
+    /// The image.
+    pub fn image(&self) -> &AnyBackend {
+        &self.0
+    }
+}
+
+/// Serves partition `number` of an opened image; `shown` names the image in errors.
+/// `shared`: other exports serve other partitions of this very `Arc` (it cannot be handed to a
+/// `fusex restart` successor alone). An image that is itself a partition is refused.
+pub fn open_partition(
+    whole: Arc<AnyBackend>,
+    number: u32,
+    shown: &str,
+    shared: bool,
+) -> std::result::Result<AnyBackend, OpenError> {
+    if matches!(*whole, AnyBackend::Partition(_)) {
+        return Err(OpenError::FormatMismatch(format!(
+            "{shown} is a partition already: a partition has no partitions of its own"
+        )));
+    }
+    let whole = Arc::new(Whole(whole));
+    Ok(AnyBackend::Partition(crate::partition::bound(
+        whole, number, shown, shared,
+    )?))
+}
+
+/// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes;
+/// with `opts.partition`, one partition of it.
 pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
+    let Some(number) = opts.partition else {
+        return open_whole(spec, opts);
+    };
+    if opts.growable {
+        return Err(OpenError::FormatMismatch(format!(
+            "partition {number} of {spec} cannot grow (the partition table fixes its size): \
+             drop --growable"
+        )));
+    }
+    let whole = open_whole(spec, opts)?;
+    open_partition(Arc::new(whole), number, spec, false)
+}
+
+/// [`open`] of the whole image.
+fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
     if nbd::uri::is_nbd_uri(spec) {
         if !matches!(opts.format, Format::Auto | Format::Raw) {
             return Err(OpenError::FormatMismatch(format!(
@@ -188,7 +256,7 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
             if qcow2 {
                 Format::Qcow2
             } else {
-                Format::Raw
+                probe_table_formats(path).map_err(|e| OpenError::from_io(spec, e))?
             }
         }
         Format::Qcow2 => {
@@ -208,8 +276,71 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
             Format::Qcow2
         }
         Format::Raw => Format::Raw,
+        Format::Vhd | Format::Vmdk | Format::Vdi => {
+            let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
+            if !(meta.is_file() || meta.file_type().is_block_device()) {
+                return Err(OpenError::NotFileOrDevice(spec.to_string()));
+            }
+            opts.format
+        }
     };
     open_as(path, format, opts)
+}
+
+/// Whether IMAGE opened as `format` is served through an image format's metadata (qcow2,
+/// VHD, ...) rather than byte for byte: such an image's tables change while a writable export
+/// serves it, so a successor must not open it before its predecessor let go.
+pub fn has_metadata(spec: &str, format: Format) -> bool {
+    let path = Path::new(spec);
+    match format {
+        Format::Raw | Format::Null => false,
+        Format::Auto => {
+            !spec.starts_with("null:")
+                && (crate::qcow2::probe(path).unwrap_or(false)
+                    || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
+        }
+        Format::Qcow2 | Format::Vhd | Format::Vmdk | Format::Vdi => true,
+    }
+}
+
+/// `--format auto` past qcow2: the block-table formats whose magic is at the start of the
+/// file (a fixed VHD has its footer only at the end, and is raw to auto, as to QEMU).
+fn probe_table_formats(path: &Path) -> io::Result<Format> {
+    if crate::vhd::probe(path)? {
+        return Ok(Format::Vhd);
+    }
+    if crate::vmdk::probe(path)? {
+        return Ok(Format::Vmdk);
+    }
+    if crate::vdi::probe(path)? {
+        return Ok(Format::Vdi);
+    }
+    Ok(Format::Raw)
+}
+
+/// Refuses options a block-table format cannot honour: its metadata writes are a few bytes
+/// (no O_DIRECT), and it does not grow.
+fn table_format_options(
+    path: &Path,
+    name: &'static str,
+    opts: &OpenOptions,
+) -> std::result::Result<(), OpenError> {
+    let refuse = |reason: &str| OpenError::Format {
+        path: path.display().to_string(),
+        format: name,
+        reason: reason.to_string(),
+    };
+    if opts.direct {
+        return Err(refuse(
+            "fusex serves these images through the page cache: drop --direct",
+        ));
+    }
+    if opts.growable {
+        return Err(refuse(
+            "fusex does not grow these images: drop --growable (resize with `qemu-img resize`)",
+        ));
+    }
+    Ok(())
 }
 
 /// Opens the image at `path` as `format` (raw or qcow2).
@@ -229,6 +360,34 @@ fn open_as(
                 trust_backing: opts.trust_backing,
             },
         )?)),
+        Format::Vhd => {
+            table_format_options(path, "vhd", &opts)?;
+            Ok(AnyBackend::Vhd(crate::vhd::open(
+                path,
+                opts.writable,
+                opts.locking,
+            )?))
+        }
+        Format::Vmdk => {
+            table_format_options(path, "vmdk", &opts)?;
+            Ok(AnyBackend::Vmdk(crate::vmdk::open(
+                path,
+                crate::vmdk::VmdkOptions {
+                    writable: opts.writable,
+                    locking: opts.locking,
+                    no_backing: opts.no_backing,
+                    trust_backing: opts.trust_backing,
+                },
+            )?))
+        }
+        Format::Vdi => {
+            table_format_options(path, "vdi", &opts)?;
+            Ok(AnyBackend::Vdi(crate::vdi::open(
+                path,
+                opts.writable,
+                opts.locking,
+            )?))
+        }
         _ => {
             let raw = RawBackend::open(path, opts.writable, opts.direct, opts.io_path)?;
             // The O_DIRECT backend's buffered twin stays unlocked: one description per file
@@ -248,6 +407,16 @@ impl AnyBackend {
     /// multi-conn, block sizes, block status, structured replies); None when there is nothing
     /// beyond the format.
     pub fn details(&self) -> Option<String> {
+        if let AnyBackend::Partition(p) = self {
+            let whole = p.inner().image().details();
+            return Some(format!(
+                "partition {} ({} bytes at byte {}){}",
+                p.number(),
+                p.size(),
+                p.start(),
+                whole.map(|w| format!(" of {w}")).unwrap_or_default()
+            ));
+        }
         let AnyBackend::Nbd(n) = self else {
             return None;
         };
@@ -275,8 +444,17 @@ impl AnyBackend {
             (AnyBackend::Raw(_), true) => "raw (auto: no qcow2 magic at its start)",
             (AnyBackend::Qcow2(_), false) => "qcow2",
             (AnyBackend::Qcow2(_), true) => "qcow2 (auto: the image starts with the qcow2 magic)",
+            (AnyBackend::Vhd(_), false) => "vhd",
+            (AnyBackend::Vhd(_), true) => "vhd (auto: the image starts with a VHD footer)",
+            (AnyBackend::Vmdk(_), false) => "vmdk",
+            (AnyBackend::Vmdk(_), true) => {
+                "vmdk (auto: the image starts with a VMDK sparse header or descriptor)"
+            }
+            (AnyBackend::Vdi(_), false) => "vdi",
+            (AnyBackend::Vdi(_), true) => "vdi (auto: the image carries the VDI signature)",
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
+            (AnyBackend::Partition(p), probed) => p.inner().image().format_description(probed),
         }
     }
 
@@ -287,7 +465,11 @@ impl AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.owner().ok(),
             AnyBackend::Qcow2(q) => q.owner().ok(),
+            AnyBackend::Vhd(v) => v.owner().ok(),
+            AnyBackend::Vmdk(v) => v.owner().ok(),
+            AnyBackend::Vdi(v) => v.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
+            AnyBackend::Partition(p) => p.inner().image().owner(),
         }
     }
 
@@ -296,6 +478,8 @@ impl AnyBackend {
         match self {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
+            AnyBackend::Partition(p) => p.inner().image().io_fds(),
+            AnyBackend::Vhd(_) | AnyBackend::Vmdk(_) | AnyBackend::Vdi(_) => Vec::new(),
         }
     }
 }
@@ -306,9 +490,100 @@ macro_rules! each {
             AnyBackend::Raw($b) => $e,
             AnyBackend::Null($b) => $e,
             AnyBackend::Qcow2($b) => $e,
+            AnyBackend::Vhd($b) => $e,
+            AnyBackend::Vmdk($b) => $e,
+            AnyBackend::Vdi($b) => $e,
             AnyBackend::Nbd($b) => $e,
+            AnyBackend::Partition($b) => $e,
         }
     };
+}
+
+/// [`each`] for [`Whole`]: the partition variant, which [`open_partition`] never puts under a
+/// partition, answers `$none`.
+macro_rules! each_whole {
+    ($self:ident, $b:ident => $e:expr, $none:expr) => {
+        match &*$self.0 {
+            AnyBackend::Raw($b) => $e,
+            AnyBackend::Null($b) => $e,
+            AnyBackend::Qcow2($b) => $e,
+            AnyBackend::Vhd($b) => $e,
+            AnyBackend::Vmdk($b) => $e,
+            AnyBackend::Vdi($b) => $e,
+            AnyBackend::Nbd($b) => $e,
+            AnyBackend::Partition(_) => $none,
+        }
+    };
+}
+
+fn nested() -> crate::BackendError {
+    crate::BackendError::Io(io::Error::from_raw_os_error(libc::EIO))
+}
+
+impl BlockBackend for Whole {
+    fn size(&self) -> u64 {
+        each_whole!(self, b => b.size(), 0)
+    }
+    fn refresh_size(&self) -> Result<u64> {
+        each_whole!(self, b => b.refresh_size(), Err(nested()))
+    }
+    fn size_limit(&self) -> u64 {
+        each_whole!(self, b => b.size_limit(), 0)
+    }
+    fn capabilities(&self) -> Capabilities {
+        each_whole!(self, b => b.capabilities(), Capabilities::default())
+    }
+    fn durable_writes(&self) -> bool {
+        each_whole!(self, b => b.durable_writes(), false)
+    }
+    async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
+        each_whole!(self, b => b.attrs(eng).await, Err(nested()))
+    }
+    async fn read_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        each_whole!(self, b => b.read_at(eng, win, off).await, (Err(nested()), win))
+    }
+    async fn write_at(&self, eng: &Engine, win: Slice, off: u64) -> (Result<usize>, Slice) {
+        each_whole!(self, b => b.write_at(eng, win, off).await, (Err(nested()), win))
+    }
+    async fn flush(&self, eng: &Engine) -> Result<()> {
+        each_whole!(self, b => b.flush(eng).await, Err(nested()))
+    }
+    async fn discard(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        each_whole!(self, b => b.discard(eng, off, len).await, Err(nested()))
+    }
+    async fn write_zeroes(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        each_whole!(self, b => b.write_zeroes(eng, off, len).await, Err(nested()))
+    }
+    async fn allocate(&self, eng: &Engine, off: u64, len: u64) -> Result<()> {
+        each_whole!(self, b => b.allocate(eng, off, len).await, Err(nested()))
+    }
+    async fn seek(&self, eng: &Engine, off: u64, whence: Seek) -> Result<Option<u64>> {
+        each_whole!(self, b => b.seek(eng, off, whence).await, Err(nested()))
+    }
+    async fn resize(&self, eng: &Engine, new_size: u64) -> Result<()> {
+        each_whole!(self, b => b.resize(eng, new_size).await, Err(nested()))
+    }
+    async fn grow_to(&self, eng: &Engine, new_size: u64) -> Result<()> {
+        each_whole!(self, b => b.grow_to(eng, new_size).await, Err(nested()))
+    }
+    fn written_to(&self, end: u64) {
+        each_whole!(self, b => b.written_to(end), ())
+    }
+    fn set_times(&self, atime: Option<(i64, u32)>, mtime: Option<(i64, u32)>) -> Result<()> {
+        each_whole!(self, b => b.set_times(atime, mtime), Err(nested()))
+    }
+    fn queue_stopping(&self) {
+        each_whole!(self, b => b.queue_stopping(), ())
+    }
+    fn queue_ended(&self) {
+        each_whole!(self, b => b.queue_ended(), ())
+    }
+    fn trouble(&self) -> Option<String> {
+        each_whole!(self, b => b.trouble(), None)
+    }
+    fn stats(&self) -> crate::BackendStats {
+        each_whole!(self, b => b.stats(), crate::BackendStats::default())
+    }
 }
 
 impl BlockBackend for AnyBackend {
@@ -327,7 +602,13 @@ impl BlockBackend for AnyBackend {
     fn splice_fd(&self) -> Option<std::os::fd::RawFd> {
         match self {
             AnyBackend::Raw(r) => r.splice_fd(),
-            AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => None,
+            AnyBackend::Null(_)
+            | AnyBackend::Qcow2(_)
+            | AnyBackend::Nbd(_)
+            | AnyBackend::Vhd(_)
+            | AnyBackend::Vmdk(_)
+            | AnyBackend::Vdi(_)
+            | AnyBackend::Partition(_) => None,
         }
     }
     fn durable_writes(&self) -> bool {

@@ -10,19 +10,26 @@ use std::io;
 use engine::{Engine, Slice};
 
 mod any;
+pub mod blocktable;
 mod cow;
 mod fault;
 mod gate;
 pub mod lock;
 pub mod nbd_client;
 mod null;
+pub mod partition;
 pub mod qcow2;
 mod raw;
 mod regions;
 mod ringfile;
 mod stats;
+pub mod vdi;
+pub mod vhd;
+pub mod vmdk;
 
-pub use any::{open, AnyBackend, Format, OpenError, OpenOptions};
+pub use any::{
+    has_metadata, open, open_partition, AnyBackend, Format, OpenError, OpenOptions, Whole,
+};
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use lock::{LockError, Locking};
 pub use nbd_client::{NbdBackend, NbdOptions};

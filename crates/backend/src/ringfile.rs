@@ -75,6 +75,11 @@ impl RingFile {
         &self.file
     }
 
+    /// The path the file was opened at.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
     fn fd(&self) -> Fd {
         Fd::Raw(self.file.as_raw_fd())
     }
@@ -84,7 +89,9 @@ impl RingFile {
         !borrowed::in_engine() || (self.memory_fs && borrowed::current_load() <= 1)
     }
 
-    async fn read_full(&self, mut buf: &mut [u8], mut off: u64) -> io::Result<()> {
+    /// Fills `buf` from `off` (zeroes past the end of the file), on this thread's ring where an
+    /// engine runs: also the I/O of the block-table formats (`crate::blocktable`).
+    pub(crate) async fn read_full(&self, mut buf: &mut [u8], mut off: u64) -> io::Result<()> {
         while !buf.is_empty() {
             let n = if self.inline() {
                 self.file.read_at(buf, off)?
@@ -114,7 +121,8 @@ impl RingFile {
             || (self.memory_fs && off.saturating_add(len as u64) > self.end.load(Ordering::Relaxed))
     }
 
-    async fn write_full(&self, mut buf: &[u8], mut off: u64) -> io::Result<()> {
+    /// Writes all of `buf` at `off`, on this thread's ring where an engine runs.
+    pub(crate) async fn write_full(&self, mut buf: &[u8], mut off: u64) -> io::Result<()> {
         while !buf.is_empty() {
             let n = if self.write_inline(off, buf.len()) {
                 self.file.write_at(buf, off)?
@@ -147,6 +155,55 @@ impl RingFile {
             } else {
                 Ok(())
             }
+        }
+    }
+}
+
+impl RingFile {
+    /// Grows the file to at least `len` bytes (never shrinks it). Only for a caller that
+    /// serializes every change of the file's length (the block-table allocator's lock).
+    pub(crate) fn extend_to(&self, len: u64) -> io::Result<()> {
+        if self.file.metadata()?.len() < len {
+            self.file.set_len(len)?;
+        }
+        self.end.fetch_max(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// `fdatasync(2)` of the file, on this thread's ring where an engine runs.
+    pub(crate) async fn sync_data(&self) -> io::Result<()> {
+        if borrowed::in_engine() {
+            borrowed::fsync(self.fd(), true).await.map(drop)
+        } else {
+            self.file.sync_data()
+        }
+    }
+
+    /// Makes `offset..offset + length` read as zeroes without writing them (zero range, or a
+    /// punched hole where that is unsupported); what lies past the end of the file is skipped.
+    pub(crate) async fn zero_range(&self, offset: u64, length: u64) -> io::Result<()> {
+        // What lies past the end of the file reads as zeroes already: a cluster qcow2 just
+        // allocated at the end of the image needs no zeroing (most allocating writes).
+        let end = match self.file.metadata() {
+            Ok(m) if m.is_file() => offset.saturating_add(length).min(m.len()),
+            _ => offset.saturating_add(length),
+        };
+        if end <= offset {
+            return Ok(());
+        }
+        let length = end - offset;
+        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        if self.no_zero_range.load(Ordering::Relaxed) {
+            return self.fallocate(punch, offset, length).await;
+        }
+        let zero = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+        match self.fallocate(zero, offset, length).await {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                // tmpfs lacks ZERO_RANGE: a punched hole reads back as zeroes too.
+                self.no_zero_range.store(true, Ordering::Relaxed);
+                self.fallocate(punch, offset, length).await
+            }
+            r => r,
         }
     }
 }
@@ -239,29 +296,7 @@ impl Storage for RingFile {
     }
 
     async unsafe fn pure_write_zeroes(&self, offset: u64, length: u64) -> io::Result<()> {
-        // What lies past the end of the file reads as zeroes already: a cluster qcow2 just
-        // allocated at the end of the image needs no zeroing (most allocating writes).
-        let end = match self.file.metadata() {
-            Ok(m) if m.is_file() => offset.saturating_add(length).min(m.len()),
-            _ => offset.saturating_add(length),
-        };
-        if end <= offset {
-            return Ok(());
-        }
-        let length = end - offset;
-        let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        if self.no_zero_range.load(Ordering::Relaxed) {
-            return self.fallocate(punch, offset, length).await;
-        }
-        let zero = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
-        match self.fallocate(zero, offset, length).await {
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                // tmpfs lacks ZERO_RANGE: a punched hole reads back as zeroes too.
-                self.no_zero_range.store(true, Ordering::Relaxed);
-                self.fallocate(punch, offset, length).await
-            }
-            r => r,
-        }
+        self.zero_range(offset, length).await
     }
 
     async unsafe fn pure_discard(&self, offset: u64, length: u64) -> io::Result<()> {
@@ -279,11 +314,7 @@ impl Storage for RingFile {
     }
 
     async fn sync(&self) -> io::Result<()> {
-        if borrowed::in_engine() {
-            borrowed::fsync(self.fd(), true).await.map(drop)
-        } else {
-            self.file.sync_data()
-        }
+        self.sync_data().await
     }
 
     async unsafe fn invalidate_cache(&self) -> io::Result<()> {

@@ -22,12 +22,17 @@ pub fn allowed_cpus() -> Vec<usize> {
 }
 
 /// Number of possible CPUs (`/sys/devices/system/cpu/possible`): the kernel makes one
-/// FUSE-over-io_uring queue per possible CPU, and each must be served.
+/// FUSE-over-io_uring queue per possible CPU, and each must be served. Read once: the set is
+/// fixed at boot (hotplug moves CPUs in and out of it, never the set itself), and a daemon
+/// adding exports asked twice per export.
 pub fn possible_cpus() -> usize {
-    std::fs::read_to_string("/sys/devices/system/cpu/possible")
-        .ok()
-        .and_then(|s| parse_cpu_list(s.trim()))
-        .unwrap_or_else(|| allowed_cpus().last().map_or(1, |c| c + 1))
+    static POSSIBLE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *POSSIBLE.get_or_init(|| {
+        std::fs::read_to_string("/sys/devices/system/cpu/possible")
+            .ok()
+            .and_then(|s| parse_cpu_list(s.trim()))
+            .unwrap_or_else(|| allowed_cpus().last().map_or(1, |c| c + 1))
+    })
 }
 
 /// Highest CPU index + 1 in a list such as `0-3,6,8-9`.

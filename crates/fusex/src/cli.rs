@@ -244,13 +244,20 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2 if the image starts with the qcow2 magic, raw otherwise (null for null:SIZE); the
-    /// choice is logged.
+    /// qcow2, vhd, vdi or vmdk if the image's first sector carries that format's magic, raw
+    /// otherwise (null for null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
     Raw,
     /// qcow2 (v2 or v3), with its backing chain.
     Qcow2,
+    /// VHD, fixed or dynamic (QEMU's vpc).
+    #[value(alias = "vpc")]
+    Vhd,
+    /// VMDK: monolithic or split, sparse or flat (read-write), streamOptimized (read-only).
+    Vmdk,
+    /// VDI, static or dynamic (VirtualBox).
+    Vdi,
     /// null:SIZE.
     Null,
 }
@@ -261,6 +268,9 @@ impl From<FormatArg> for backend::Format {
             FormatArg::Auto => backend::Format::Auto,
             FormatArg::Raw => backend::Format::Raw,
             FormatArg::Qcow2 => backend::Format::Qcow2,
+            FormatArg::Vhd => backend::Format::Vhd,
+            FormatArg::Vmdk => backend::Format::Vmdk,
+            FormatArg::Vdi => backend::Format::Vdi,
             FormatArg::Null => backend::Format::Null,
         }
     }
@@ -321,9 +331,19 @@ pub struct MountArgs {
     /// Image format
     ///
     /// Give raw for raw images from untrusted sources: auto would read a raw image whose first
-    /// bytes mimic a qcow2 header as qcow2.
+    /// bytes mimic a qcow2, VHD or VDI header as that format.
     #[arg(long, value_enum, default_value_t = FormatArg::Auto, help_heading = heading::IMAGE)]
     pub format: FormatArg,
+    /// Export only partition N of the image (MBR or GPT), bounded to it
+    ///
+    /// Numbered as Linux numbers them: MBR primaries 1-4, logical partitions from 5, GPT
+    /// entries from 1. Reads and writes cannot leave the partition, and its size is fixed.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), help_heading = heading::IMAGE)]
+    pub partition: Option<u32>,
+    /// `fusex serve`: where the whole image of `--partition` comes from when other exports
+    /// serve other partitions of it (one opened image for all of them); never on a command line.
+    #[arg(skip)]
+    pub shared_image: Option<crate::lifecycle::SharedImage>,
     /// Refuse to open the backing or data files a qcow2 image names
     ///
     /// For untrusted images, whose header may name any file.
@@ -695,7 +715,7 @@ pub struct ServeArgs {
     /// A block node, as qemu-storage-daemon takes it (repeatable)
     ///
     /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
-    /// raw, qcow2, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
+    /// raw, qcow2, vpc, vdi, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
     /// file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,

@@ -31,6 +31,25 @@ use crate::privileges::{Access, Needs, Plan};
 /// pass-through).
 pub type Served = Faulty<AnyBackend>;
 
+/// An image several exports share, opened by the first of them: `fusex serve` exports
+/// partitions of one image from one opened image (a qcow2 image opened twice for writing would
+/// be two allocators over one file). Called with the image and how the export would open it.
+#[derive(Clone)]
+#[allow(clippy::type_complexity)]
+pub struct SharedImage(
+    pub  Arc<
+        dyn Fn(&str, OpenOptions) -> std::result::Result<Arc<AnyBackend>, backend::OpenError>
+            + Send
+            + Sync,
+    >,
+);
+
+impl std::fmt::Debug for SharedImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedImage")
+    }
+}
+
 /// What an export's supervisor waits for.
 pub enum Event {
     /// From a queue thread.
@@ -307,6 +326,7 @@ impl Prepared {
             queues: self.settled.queues,
             writable: self.args.writable,
             state: state.into(),
+            socket: None,
         }
     }
 }
@@ -534,25 +554,46 @@ pub fn open_export(
             timeout: Duration::from_secs_f64(args.nbd_timeout),
             reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
         },
+        partition: args.partition,
     };
-    // On a thread of its own: opening a qcow2 image reads it through an io_uring of the opening
-    // thread, and reads the kernel punts to io-wq fork workers with that thread's full
-    // capabilities, which live as long as the thread. This one ends here, so no such worker
-    // outlives the privilege drop.
-    let backend = std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name("fusex-open".into())
-            .spawn_scoped(s, || backend::open(&args.image, options))
-            .context("starting the thread that opens the image")?
-            .join()
-            .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
-            .map_err(|e| match e {
-                backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
-                    in_use_by_a_dead_mount(&args.image, l)
-                }
-                e => anyhow::Error::from(e),
-            })
-    })?;
+    if args.partition.is_some() && args.growable {
+        bail!(
+            "a partition of {} cannot grow (the partition table fixes its size): drop --growable",
+            args.image
+        );
+    }
+    let explain = |e| match e {
+        backend::OpenError::Lock(l @ backend::LockError::InUse { .. }) => {
+            in_use_by_a_dead_mount(&args.image, l)
+        }
+        e => anyhow::Error::from(e),
+    };
+    let open = || match (&args.shared_image, args.partition) {
+        (Some(shared), Some(n)) => {
+            let whole = (shared.0)(&args.image, options)?;
+            backend::open_partition(whole, n, &args.image, true)
+        }
+        _ => backend::open(&args.image, options),
+    };
+    let backend = if args.image.starts_with("null:") && args.shared_image.is_none() {
+        // Nothing to read: no ring, no thread (a daemon adding and removing null exports paid
+        // a thread per open).
+        open().map_err(explain)?
+    } else {
+        // On a thread of its own: opening a qcow2 image reads it through an io_uring of the
+        // opening thread, and reads the kernel punts to io-wq fork workers with that thread's
+        // full capabilities, which live as long as the thread. This one ends here, so no such
+        // worker outlives the privilege drop.
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("fusex-open".into())
+                .spawn_scoped(s, open)
+                .context("starting the thread that opens the image")?
+                .join()
+                .map_err(|_| anyhow::anyhow!("opening {} panicked", args.image))?
+                .map_err(explain)
+        })?
+    };
     if let AnyBackend::Raw(r) = &backend {
         tracing::debug!(paths = ?r.io_paths(), "raw image data paths");
     }

@@ -64,14 +64,19 @@ fn collect() -> Vec<Value> {
             if path.extension().is_none_or(|x| x != "json") {
                 continue;
             }
-            let socket = path.with_extension("sock");
+            let Some(parsed) = crate::files::read_regular(&path)
+                .and_then(|t| serde_json::from_str::<crate::runtime::ExportState>(&t).ok())
+            else {
+                continue;
+            };
+            let socket = crate::runtime::answering_socket(&dir, &path, Some(&parsed));
             if !listening.has(&socket) {
                 continue;
             }
-            let Some(mut state) = crate::files::read_regular(&path)
-                .and_then(|t| serde_json::from_str::<crate::runtime::ExportState>(&t).ok())
-                .and_then(|s| serde_json::to_value(s).ok())
-            else {
+            let Ok(mut state) = serde_json::to_value(crate::runtime::ExportState {
+                socket: None,
+                ..parsed
+            }) else {
                 continue;
             };
             state["user"] = uid.into();

@@ -32,6 +32,8 @@ pub enum NotUsed {
     BlockDevice(String),
     /// An image format (qcow2): the file's bytes are not the guest's, fusex must translate.
     Formatted(String),
+    /// One partition of the image (`--partition`): passthrough serves whole files only.
+    Partition(String),
     /// `--kernel-cache` wants the FUSE page cache, which passthrough bypasses.
     KernelCache,
     /// `--fault` injects faults into the I/O fusex does itself.
@@ -66,7 +68,11 @@ impl fmt::Display for NotUsed {
             ),
             NotUsed::Formatted(img) => write!(
                 f,
-                "{img} is a formatted image (qcow2): only raw images can be passed through"
+                "{img} is a formatted image (qcow2, vhd, ...): only raw images can be passed through"
+            ),
+            NotUsed::Partition(img) => write!(
+                f,
+                "a partition of {img} is served: the kernel would pass the whole image through"
             ),
             NotUsed::KernelCache => write!(
                 f,
@@ -130,7 +136,14 @@ impl Plan {
             (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
                 Err(NotUsed::NoBackingFile(args.image.clone()))
             }
-            (_, AnyBackend::Qcow2(_)) => Err(NotUsed::Formatted(args.image.clone())),
+            (
+                _,
+                AnyBackend::Qcow2(_)
+                | AnyBackend::Vhd(_)
+                | AnyBackend::Vdi(_)
+                | AnyBackend::Vmdk(_),
+            ) => Err(NotUsed::Formatted(args.image.clone())),
+            (_, AnyBackend::Partition(_)) => Err(NotUsed::Partition(args.image.clone())),
             (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),
             _ if !args.fault.is_empty() => Err(NotUsed::Faults),

@@ -67,7 +67,7 @@ impl Listening {
 /// directory (see [`crate::runtime`]): None when the directory cannot be trusted.
 pub fn socket_of(uid: u32, id: &MountIdentity) -> Option<PathBuf> {
     let dir = crate::runtime::checked(uid, false).ok()?;
-    Some(crate::runtime::socket_path(&dir, id))
+    Some(crate::runtime::socket_for(&dir, id))
 }
 
 /// Binds the restart socket at `path`, replacing what a predecessor (`fusex restart`) left there:
@@ -87,7 +87,7 @@ pub fn listen(path: &Path) -> io::Result<UnixListener> {
 /// the peer only if it is root or the mount's user ([`peer`]), so a squatter is refused.
 pub fn connect(dir: &Path, id: &MountIdentity) -> io::Result<UnixStream> {
     use std::os::linux::net::SocketAddrExt;
-    match UnixStream::connect(crate::runtime::socket_path(dir, id)) {
+    match UnixStream::connect(crate::runtime::socket_for(dir, id)) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             let (maj, min) = id.dev();
             let name = format!("fusex-restart/{maj}:{min}/{}", id.mount_id());

@@ -73,9 +73,40 @@ pub fn key(id: &MountIdentity) -> String {
     format!("{maj}:{min}-{}", id.mount_id())
 }
 
-/// The `fusex restart` socket of the mount `id` in `dir`.
+/// The `fusex restart` socket of the mount `id` in `dir` that a `fusex mount` daemon binds
+/// (a `fusex serve` daemon answers for all its exports on one socket, which their state files
+/// name: see [`answering_socket`]).
 pub fn socket_path(dir: &Path, id: &MountIdentity) -> PathBuf {
     dir.join(format!("{}.sock", key(id)))
+}
+
+/// The socket of the daemon that answers for the export whose state file is `state` in `dir`:
+/// the one the state names (a `fusex serve` daemon's, shared by its exports), else the file
+/// beside it. A name with a `/` or `..` in it leaves the directory, so it is not believed.
+pub fn answering_socket(dir: &Path, state_file: &Path, state: Option<&ExportState>) -> PathBuf {
+    match state.and_then(|s| s.socket.as_deref()) {
+        Some(name) if is_plain_name(name) => dir.join(name),
+        _ => state_file.with_extension("sock"),
+    }
+}
+
+/// The socket answering for the mount `id` of `dir`'s user, read from its state file (see
+/// [`answering_socket`]).
+pub fn socket_for(dir: &Path, id: &MountIdentity) -> PathBuf {
+    let state_file = state_path(dir, id);
+    let state = crate::files::read_regular(&state_file)
+        .and_then(|t| serde_json::from_str::<ExportState>(&t).ok());
+    answering_socket(dir, &state_file, state.as_ref())
+}
+
+/// A file name of the directory itself: not empty, no `/`, not `.` or `..`.
+fn is_plain_name(name: &str) -> bool {
+    !name.is_empty() && !name.contains('/') && name != "." && name != ".."
+}
+
+/// The one restart socket of the `fusex serve` daemon `pid`, in the checked directory `dir`.
+pub fn serve_socket(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("serve-{pid}.sock"))
 }
 
 /// The control socket `fusex serve` listens on when given none, in the checked directory `dir`
@@ -104,6 +135,11 @@ pub struct ExportState {
     pub writable: bool,
     /// `serving`, or `stopping (N open)`.
     pub state: String,
+    /// The file name (in the same directory) of the socket that answers for this export, when
+    /// it is not the one beside the state file: a `fusex serve` daemon answers for every export
+    /// on one socket rather than binding one per export.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket: Option<String>,
 }
 
 /// A serving daemon's files in its runtime directory: removed when dropped, unless the export was
@@ -112,15 +148,30 @@ pub struct Entry {
     dir: PathBuf,
     id: MountIdentity,
     leave: bool,
+    /// The socket beside the state file is this entry's (a `fusex mount` daemon's); a `fusex
+    /// serve` export's state names its daemon's shared socket instead.
+    own_socket: bool,
 }
 
 impl Entry {
-    /// The files of the mount `id` in the checked directory `dir`.
+    /// The files of the mount `id` in the checked directory `dir`: its state file and the
+    /// restart socket beside it.
     pub fn new(dir: PathBuf, id: MountIdentity) -> Entry {
         Entry {
             dir,
             id,
             leave: false,
+            own_socket: true,
+        }
+    }
+
+    /// The state file alone of the mount `id` (its state names the socket answering for it).
+    pub fn state_only(dir: PathBuf, id: MountIdentity) -> Entry {
+        Entry {
+            dir,
+            id,
+            leave: false,
+            own_socket: false,
         }
     }
 
@@ -149,9 +200,10 @@ impl Drop for Entry {
         if self.leave {
             return;
         }
-        for p in [self.socket(), state_path(&self.dir, &self.id)] {
-            let _ = std::fs::remove_file(p);
+        if self.own_socket {
+            let _ = std::fs::remove_file(self.socket());
         }
+        let _ = std::fs::remove_file(state_path(&self.dir, &self.id));
     }
 }
 

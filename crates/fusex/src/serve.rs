@@ -551,14 +551,11 @@ impl Adoption {
             bail!("the daemon's command line is not fusex mount");
         };
         let args = *args;
-        // A writable qcow2 image's tables change while the old daemon serves it: opened now,
-        // this process would cache stale ones. So it is only tried now (read-only, no locks: can
-        // it be opened at all?) and opened for real once the old daemon has flushed it and let
-        // go.
-        let reopen = args.writable
-            && args.format != crate::cli::FormatArg::Raw
-            && !args.image.starts_with("null:")
-            && backend::qcow2::probe(Path::new(&args.image)).unwrap_or(false);
+        // A writable formatted image's tables (qcow2, VHD, ...) change while the old daemon
+        // serves it: opened now, this process would cache stale ones. So it is only tried now
+        // (read-only, no locks: can it be opened at all?) and opened for real once the old
+        // daemon has flushed it and let go.
+        let reopen = args.writable && backend::has_metadata(&args.image, args.format.into());
         let opened = if reopen {
             let mut trial = args.clone();
             (trial.writable, trial.growable, trial.max_size) = (false, false, None);

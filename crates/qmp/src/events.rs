@@ -8,11 +8,38 @@ use serde_json::Value;
 
 use crate::protocol::Event;
 
+/// What offering a line to a client's queue did.
+#[derive(Debug)]
+pub enum Offered {
+    /// It is queued: the client's writer sends it.
+    Queued,
+    /// The queue is full (the client stopped reading); the line comes back.
+    Full(Arc<str>),
+    /// The client is gone.
+    Gone,
+}
+
+/// A client's outgoing queue, as the bus sees it: offering never blocks.
+pub trait Queue: Send {
+    /// Queues `line` if there is room.
+    fn offer(&self, line: Arc<str>) -> Offered;
+}
+
+impl Queue for SyncSender<Arc<str>> {
+    fn offer(&self, line: Arc<str>) -> Offered {
+        match self.try_send(line) {
+            Ok(()) => Offered::Queued,
+            Err(TrySendError::Full(back)) => Offered::Full(back),
+            Err(TrySendError::Disconnected(_)) => Offered::Gone,
+        }
+    }
+}
+
 /// A client's way to get events: its outgoing queue, and how to cut it off when the queue is
 /// full (a client that stops reading must not hold memory without bound or stall the emitter).
 struct Subscriber {
     id: u64,
-    queue: SyncSender<Arc<str>>,
+    queue: Box<dyn Queue>,
     kick: Box<dyn Fn() + Send>,
 }
 
@@ -47,17 +74,17 @@ impl EventBus {
         let line: Arc<str> = Arc::from(format!("{}\n", event.to_json()));
         let mut subs = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let mut sent = 0;
-        subs.retain(|s| match s.queue.try_send(line.clone()) {
-            Ok(()) => {
+        subs.retain(|s| match s.queue.offer(line.clone()) {
+            Offered::Queued => {
                 sent += 1;
                 true
             }
-            Err(TrySendError::Full(_)) => {
+            Offered::Full(_) => {
                 tracing::warn!(client = s.id, event = %event.name, "QMP client does not read its events: disconnecting it");
                 (s.kick)();
                 false
             }
-            Err(TrySendError::Disconnected(_)) => false,
+            Offered::Gone => false,
         });
         sent
     }
@@ -65,12 +92,16 @@ impl EventBus {
     /// Adds a client's queue; `kick` closes its connection if the queue overflows.
     pub fn subscribe(
         &self,
-        queue: SyncSender<Arc<str>>,
+        queue: impl Queue + 'static,
         kick: Box<dyn Fn() + Send>,
     ) -> SubscriberId {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut subs = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        subs.push(Subscriber { id, queue, kick });
+        subs.push(Subscriber {
+            id,
+            queue: Box::new(queue),
+            kick,
+        });
         SubscriberId(id)
     }
 
@@ -80,22 +111,23 @@ impl EventBus {
     /// waits, as queueing any reply does; a queue whose reader is gone is not added.
     pub fn subscribe_after(
         &self,
-        queue: SyncSender<Arc<str>>,
+        queue: impl Queue + 'static,
         kick: Box<dyn Fn() + Send>,
         first: Arc<str>,
     ) -> Option<SubscriberId> {
+        let queue: Box<dyn Queue> = Box::new(queue);
         let mut first = first;
         loop {
             {
                 let mut subs = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-                match queue.try_send(first) {
-                    Ok(()) => {
+                match queue.offer(first) {
+                    Offered::Queued => {
                         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                         subs.push(Subscriber { id, queue, kick });
                         return Some(SubscriberId(id));
                     }
-                    Err(TrySendError::Disconnected(_)) => return None,
-                    Err(TrySendError::Full(back)) => first = back,
+                    Offered::Gone => return None,
+                    Offered::Full(back) => first = back,
                 }
             }
             std::thread::sleep(std::time::Duration::from_millis(1));

@@ -7,6 +7,7 @@
 //! - [`dispatch`]: the [`Dispatcher`] trait the embedder implements for its commands;
 //! - [`args`]: typed arguments with QEMU's error texts ([`parse_args`]);
 //! - [`events`]: the [`EventBus`] that broadcasts events to clients in command mode;
+//! - [`outbox`]: a client's outgoing lines (replies written at once, events queued);
 //! - [`server`]: the unix socket server ([`Server`]), synchronous std with a thread per client;
 //! - [`keyval`]: `driver=qcow2,file.filename=/a,,b` to a JSON object.
 //!
@@ -18,6 +19,7 @@ pub mod error;
 pub mod events;
 pub mod json;
 pub mod keyval;
+pub mod outbox;
 pub mod protocol;
 pub mod server;
 pub mod session;
@@ -25,7 +27,7 @@ pub mod session;
 pub use args::parse_args;
 pub use dispatch::{Dispatcher, BUILTIN_COMMANDS};
 pub use error::{ErrorClass, QmpError, ServerError};
-pub use events::{EventBus, SubscriberId};
+pub use events::{EventBus, Offered, Queue, SubscriberId};
 pub use protocol::{Event, Request, ServerInfo, Timestamp};
 pub use server::{peer_credentials, serve_stream, Server, ServerConfig, ShutdownHandle};
 pub use session::{Session, DEFAULT_MAX_REQUEST};

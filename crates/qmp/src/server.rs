@@ -1,5 +1,5 @@
-//! The QMP server over a unix socket: one thread per client (plus one writing its replies and
-//! events), so a client that connects and never speaks, or stops reading, holds only its own
+//! The QMP server over a unix socket: one thread per client (plus one writing its events, see
+//! [`crate::outbox`]), so a client that connects and never speaks, or stops reading, holds only its own
 //! threads; a poll loop accepts connections and waits for shutdown.
 
 use std::collections::HashMap;
@@ -11,7 +11,6 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt}
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -396,20 +395,10 @@ pub fn serve_stream<R, W>(
         Arc::new(config.info.clone()),
         config.max_request,
     );
-    let (tx, rx) = sync_channel::<Arc<str>>(config.queue_len.max(1));
+    let (outbox, drain) = crate::outbox::outbox(writer, config.queue_len);
     let writer_thread = std::thread::Builder::new()
         .name("qmp-writer".into())
-        .spawn(move || {
-            let mut w = writer;
-            for line in rx {
-                if w.write_all(line.as_bytes())
-                    .and_then(|()| w.flush())
-                    .is_err()
-                {
-                    break;
-                }
-            }
-        });
+        .spawn(move || drain.run());
     let Ok(writer_thread) = writer_thread else {
         return;
     };
@@ -417,7 +406,7 @@ pub fn serve_stream<R, W>(
     let mut subscription = None;
     let mut kick = Some(kick);
     let mut buf = vec![0u8; 64 * 1024];
-    let mut open = tx.send(line(&session.greeting())).is_ok();
+    let mut open = outbox.reply(line(&session.greeting()));
     while open {
         let n = match reader.read(&mut buf) {
             Ok(0) => break,
@@ -431,12 +420,14 @@ pub fn serve_stream<R, W>(
                 // The reply that ended negotiation: queued together with the subscription, so
                 // events start right after it, before the client's next request runs.
                 Some(k) if session.command_mode() => {
-                    subscription = config.events.subscribe_after(tx.clone(), k, line(&reply));
+                    subscription = config
+                        .events
+                        .subscribe_after(outbox.clone(), k, line(&reply));
                     open = subscription.is_some();
                 }
                 k => {
                     kick = k;
-                    open = tx.send(line(&reply)).is_ok();
+                    open = outbox.reply(line(&reply));
                 }
             }
             if close {
@@ -451,6 +442,6 @@ pub fn serve_stream<R, W>(
     if let Some(id) = subscription {
         config.events.unsubscribe(id);
     }
-    drop(tx);
+    drop(outbox);
     let _ = writer_thread.join();
 }

@@ -154,7 +154,13 @@ pub struct Service {
     publisher: Option<published::Publisher>,
     /// systemd's notification socket, handed to a `fusex restart` successor.
     notify_socket: Mutex<Option<String>>,
+    /// The images partition exports share, by the node their partition nodes stand on: opened
+    /// by the first export of one of its partitions, closed once the last has ended.
+    shared: SharedImages,
 }
+
+/// The opened images of [`Service::shared`].
+type SharedImages = Arc<Mutex<BTreeMap<String, std::sync::Weak<backend::AnyBackend>>>>;
 
 /// The commands, in the order `query-commands` lists them.
 const COMMANDS: &[&str] = &[
@@ -197,6 +203,7 @@ impl Service {
                 .ok()
             },
             notify_socket: Mutex::new(None),
+            shared: SharedImages::default(),
         });
         let weak = Arc::downgrade(&service);
         std::thread::Builder::new()
@@ -356,10 +363,14 @@ impl Service {
                 )));
             }
         }
-        let mut words = vec!["--no-locking".to_string(), "--no-backing".to_string()];
-        words.extend(format.map(|f| format!("--format={f}")));
+        let mut words = vec!["--no-locking".to_string()];
         // --no-backing: a qcow2 image's backing file is opened by the export (unless `backing:
-        // null`); here only the image itself is checked.
+        // null`); here only the image itself is checked. A VMDK's extent files are the image.
+        if format != Some("vmdk") {
+            words.push("--no-backing".to_string());
+        }
+        words.extend(format.map(|f| format!("--format={f}")));
+        words.extend(n.partition().map(|p| format!("--partition={p}")));
         let (args, _) = options::mount_args(&image, std::path::Path::new("/"), &words)
             .map_err(QmpError::generic)?;
         let (export, _) = lifecycle::open_export(&args, false)
@@ -438,13 +449,25 @@ impl Service {
             )));
         }
         let writable = a.writable.unwrap_or(false);
-        if writable && n.read_only {
+        let lookup = |name: &str| t.node(name);
+        // The node and the nodes under it (a partition's format node, a format node's file).
+        let mut chain = vec![n.clone()];
+        while let Some(c) = chain
+            .last()
+            .and_then(|l| l.file.as_deref())
+            .and_then(&lookup)
+        {
+            if chain.len() > 3 {
+                break;
+            }
+            chain.push(c);
+        }
+        if writable && chain.iter().any(|c| c.read_only) {
             return Err(QmpError::generic(format!(
                 "Cannot export read-only node '{}' as writable",
                 n.name
             )));
         }
-        let lookup = |name: &str| t.node(name);
         let Some((image, format)) = n.image(&lookup) else {
             return Err(QmpError::generic(format!(
                 "node '{}' has no image under it",
@@ -455,15 +478,20 @@ impl Service {
             .map(|f| format!("--format={f}"))
             .into_iter()
             .collect();
-        let protocol = n.file.as_deref().and_then(&lookup).unwrap_or(n.clone());
+        all.extend(n.partition().map(|p| format!("--partition={p}")));
+        let protocol = chain.last().cloned().unwrap_or(n.clone());
+        // force-share is the exported node's own (for a partition node, also the node it
+        // stands on), as before partition nodes existed.
+        let own = if n.partition().is_some() { 2 } else { 1 };
+        let force_share = chain.iter().take(own).any(|c| c.force_share);
         for (on, flag) in [
             (writable, "--writable"),
             (a.growable.unwrap_or(false), "--growable"),
             (a.writethrough.unwrap_or(false), "--writethrough"),
-            (n.direct || protocol.direct, "--direct"),
+            (chain.iter().any(|c| c.direct), "--direct"),
             (protocol.no_locking, "--no-locking"),
-            (n.force_share && !writable, "--force-share"),
-            (n.no_backing, "--no-backing"),
+            (force_share && !writable, "--force-share"),
+            (chain.iter().any(|c| c.no_backing), "--no-backing"),
             (allow_other(a.allow_other), "--allow-other"),
         ] {
             if on {
@@ -471,8 +499,21 @@ impl Service {
             }
         }
         all.extend(words);
-        let (margs, argv) =
+        let (mut margs, argv) =
             options::mount_args(&image, &mountpoint, &all).map_err(QmpError::generic)?;
+        // Partitions of one image share the image, opened once (an NBD export is not shared:
+        // each queue thread keeps one connection per backend, which an export ending there
+        // would close under the others).
+        if let (Some(child), false) = (
+            n.partition().and(n.file.clone()),
+            nbd::uri::is_nbd_uri(&image),
+        ) {
+            margs.shared_image = Some(shared_image(
+                self.shared.clone(),
+                child,
+                !chain.iter().any(|c| c.read_only),
+            ));
+        }
         Ok(Planned {
             id: a.id,
             node: a.node_name,
@@ -623,14 +664,10 @@ impl Service {
     ) -> Result<ExportTx, String> {
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let state = prepared.describe("serving");
-        let starting = crate::runtime::ExportState {
-            state: "starting".into(),
-            ..state.clone()
-        };
         let published = self
             .publisher
             .as_ref()
-            .and_then(|p| p.publish(&prepared.mnt, starting));
+            .and_then(|p| p.publish(&prepared.mnt, state.clone()));
         let notify_socket = self
             .notify_socket
             .lock()
@@ -838,6 +875,35 @@ struct Planned {
     node: String,
     args: crate::cli::MountArgs,
     argv: Vec<String>,
+}
+
+/// Opens the image under partition nodes once for every export of its partitions: the first
+/// export opens it (writable unless a node under the partition is read-only, as QEMU opens a
+/// node), the others get the same opened image while any export of it lives.
+fn shared_image(images: SharedImages, child: String, writable: bool) -> lifecycle::SharedImage {
+    lifecycle::SharedImage(Arc::new(move |image, options| {
+        let mut map = images.lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, w| w.strong_count() > 0);
+        if let Some(open) = map.get(&child).and_then(|w| w.upgrade()) {
+            return Ok(open);
+        }
+        // Force-share is for read-only users: an image opened for writing claims its locks.
+        let locking = match options.locking {
+            backend::Locking::ForceShare if writable => backend::Locking::Exclusive,
+            l => l,
+        };
+        let whole = Arc::new(backend::open(
+            image,
+            backend::OpenOptions {
+                writable,
+                locking,
+                partition: None,
+                ..options
+            },
+        )?);
+        map.insert(child.clone(), Arc::downgrade(&whole));
+        Ok(whole)
+    }))
 }
 
 /// The export members of `block-export-add` (QEMU's `BlockExportOptions` with its `fuse`

@@ -1,13 +1,20 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`). fusex serves an image by
-//! its path (or URI), so a node is what it takes to name that image and how to open it; the
-//! image is opened once when the node is added (to check it as QEMU does, and to learn its size)
-//! and again by each export of it.
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`, `vmdk`), under
+//! an optional partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex
+//! serves an image by its path (or URI), so a node is what it takes to name that image and how to
+//! open it; the image is opened once when the node is added (to check it as QEMU does, and to
+//! learn its size) and again by each export of it.
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use qmp::{parse_args, QmpError};
+
+/// fusex's partition driver, named by QMP's convention for a downstream's own names
+/// (`__RFQDN_name`), so no driver QEMU adds can clash: `{"driver": "__org.fusex_partition",
+/// "node-name": "p1", "file": "disk", "partition": 1}` is partition 1 of node `disk`. Every
+/// partition node over one child shares that child's opened image.
+pub const PARTITION_DRIVER: &str = "__org.fusex_partition";
 
 /// What kind of node, with what only that kind has.
 #[derive(Clone, Debug, PartialEq)]
@@ -22,6 +29,14 @@ pub enum Driver {
     Raw,
     /// A qcow2 format node over its `file` child.
     Qcow2,
+    /// One partition (numbered as Linux does) of its `file` child's image.
+    Partition { number: u32 },
+    /// A VHD format node (QEMU's `vpc`) over its `file` child.
+    Vpc,
+    /// A VMDK format node over its `file` child (a descriptor or a sparse extent).
+    Vmdk,
+    /// A VDI format node over its `file` child.
+    Vdi,
 }
 
 impl Driver {
@@ -34,6 +49,10 @@ impl Driver {
             Driver::Null { .. } => "null-co",
             Driver::Raw => "raw",
             Driver::Qcow2 => "qcow2",
+            Driver::Partition { .. } => PARTITION_DRIVER,
+            Driver::Vpc => "vpc",
+            Driver::Vmdk => "vmdk",
+            Driver::Vdi => "vdi",
         }
     }
 }
@@ -130,8 +149,10 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "file" | "host_device" => &["filename", "locking"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
+        "vpc" | "vdi" | "vmdk" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
+        PARTITION_DRIVER => &["file", "partition"],
         _ => &[],
     }
 }
@@ -171,11 +192,8 @@ const OTHER_DRIVERS: &[&str] = &[
     "replication",
     "ssh",
     "throttle",
-    "vdi",
     "vhdx",
     "virtio-blk-vfio-pci",
-    "vmdk",
-    "vpc",
     "vvfat",
 ];
 
@@ -291,7 +309,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, nbd and null-co nodes"
+                 qcow2, vpc, vdi, vmdk, nbd, null-co and {PARTITION_DRIVER} nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -363,7 +381,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" => {
+        "raw" | "qcow2" | "vpc" | "vdi" | "vmdk" | PARTITION_DRIVER => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -392,21 +410,57 @@ pub fn parse(
                     )))
                 }
             });
-            match members.get("backing") {
-                None => {}
-                Some(Value::Null) => node.no_backing = true,
-                Some(_) => {
+            if driver == PARTITION_DRIVER {
+                let child = node
+                    .file
+                    .as_deref()
+                    .and_then(|c| node_of(c).or_else(|| out.iter().find(|n| n.name == c).cloned()));
+                if child.is_some_and(|c| matches!(c.driver, Driver::Partition { .. })) {
                     return Err(QmpError::generic(format!(
+                        "'{}' is a partition node: a partition has no partitions of its own",
+                        named("file")
+                    )));
+                }
+                let number = match members.get("partition") {
+                    Some(Value::Number(n)) => {
+                        n.as_u64().filter(|&n| (1..=u32::MAX as u64).contains(&n))
+                    }
+                    Some(_) => None,
+                    None => {
+                        return Err(QmpError::generic(format!(
+                            "Parameter '{}' is missing",
+                            named("partition")
+                        )))
+                    }
+                };
+                let Some(number) = number else {
+                    return Err(QmpError::generic(format!(
+                        "Parameter '{}' expects a partition number from 1",
+                        named("partition")
+                    )));
+                };
+                Driver::Partition {
+                    number: number as u32,
+                }
+            } else {
+                match members.get("backing") {
+                    None => {}
+                    Some(Value::Null) => node.no_backing = true,
+                    Some(_) => {
+                        return Err(QmpError::generic(format!(
                         "fusex does not support '{}' as a node: a qcow2 image's backing file is \
                          the one its header names (or give null for none)",
                         named("backing")
                     )))
+                    }
                 }
-            }
-            if driver == "raw" {
-                Driver::Raw
-            } else {
-                Driver::Qcow2
+                match driver {
+                    "raw" => Driver::Raw,
+                    "vpc" => Driver::Vpc,
+                    "vdi" => Driver::Vdi,
+                    "vmdk" => Driver::Vmdk,
+                    _ => Driver::Qcow2,
+                }
             }
         }
         _ => unreachable!("own_members covers these"),
@@ -500,14 +554,31 @@ impl Node {
             Driver::File { filename, .. } => Some(filename.clone()),
             Driver::Nbd { uri } => Some(uri.clone()),
             Driver::Null { size } => Some(format!("null:{size}")),
-            Driver::Raw | Driver::Qcow2 => None,
+            Driver::Raw
+            | Driver::Qcow2
+            | Driver::Vpc
+            | Driver::Vdi
+            | Driver::Vmdk
+            | Driver::Partition { .. } => None,
         };
         // NBD and null images have no format of their own: fusex mount takes them as they are.
         match self.driver {
             Driver::Raw => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("raw"))),
             Driver::Qcow2 => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("qcow2"))),
+            Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
+            Driver::Vmdk => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vmdk"))),
+            Driver::Vdi => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vdi"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
+            Driver::Partition { .. } => node_of(self.file.as_deref()?)?.image(node_of),
+        }
+    }
+
+    /// The partition this node serves of its child's image (None: the whole image).
+    pub fn partition(&self) -> Option<u32> {
+        match self.driver {
+            Driver::Partition { number } => Some(number),
+            _ => None,
         }
     }
 
@@ -517,7 +588,12 @@ impl Node {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => uri.clone(),
             Driver::Null { .. } => "null-co://".into(),
-            Driver::Raw | Driver::Qcow2 => self
+            Driver::Raw
+            | Driver::Qcow2
+            | Driver::Vpc
+            | Driver::Vdi
+            | Driver::Vmdk
+            | Driver::Partition { .. } => self
                 .file
                 .as_deref()
                 .and_then(node_of)
@@ -602,15 +678,64 @@ mod tests {
             nodes(json!({"driver": "raw", "node-name": "x", "file": "nope"})).unwrap_err(),
             "Cannot find device='' nor node-name='nope'"
         );
-        assert!(nodes(json!({"driver": "vmdk", "node-name": "x"}))
+        assert!(nodes(json!({"driver": "dmg", "node-name": "x"}))
             .unwrap_err()
-            .contains("does not support driver 'vmdk'"));
+            .contains("does not support driver 'dmg'"));
         assert!(
             nodes(json!({"driver": "qcow2", "node-name": "x", "file": "file0",
                              "lazy-refcounts": true}))
             .unwrap_err()
             .contains("'lazy-refcounts'")
         );
+    }
+
+    #[test]
+    fn partition_nodes_stand_on_a_node_and_name_a_number() {
+        let v = nodes(json!({"driver": PARTITION_DRIVER, "node-name": "p",
+                             "file": "file0", "partition": 5}))
+        .unwrap();
+        assert_eq!(v[0].driver, Driver::Partition { number: 5 });
+        assert_eq!(v[0].partition(), Some(5));
+        assert_eq!(v[0].file.as_deref(), Some("file0"));
+        for (bad, want) in [
+            (json!(0), "expects a partition number"),
+            (json!("1"), "expects a partition number"),
+            (json!(1u64 << 40), "expects a partition number"),
+        ] {
+            let e = nodes(json!({"driver": PARTITION_DRIVER, "node-name": "p",
+                                 "file": "file0", "partition": bad}))
+            .unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        let e = nodes(json!({"driver": PARTITION_DRIVER, "node-name": "p", "file": "file0"}))
+            .unwrap_err();
+        assert_eq!(e, "Parameter 'partition' is missing");
+        // Not over another partition node, even inline.
+        let e = nodes(
+            json!({"driver": PARTITION_DRIVER, "node-name": "p", "partition": 1,
+                             "file": {"driver": PARTITION_DRIVER, "partition": 2,
+                                      "file": "file0"}}),
+        )
+        .unwrap_err();
+        assert!(e.contains("a partition has no partitions"), "{e}");
+    }
+
+    #[test]
+    fn a_vpc_node_is_a_vhd_image() {
+        let v = nodes(json!({"driver": "vpc", "node-name": "v",
+                             "file": {"driver": "file", "filename": "/d.vhd"}}))
+        .unwrap();
+        assert_eq!(v[1].driver, Driver::Vpc);
+        let file = v[0].clone();
+        let lookup = |n: &str| (n == file.name).then(|| file.clone());
+        assert_eq!(v[1].image(&lookup), Some(("/d.vhd".into(), Some("vhd"))));
+        let v = nodes(json!({"driver": "vdi", "node-name": "w", "file": "file0"})).unwrap();
+        assert_eq!(v[0].driver, Driver::Vdi);
+        assert!(nodes(
+            json!({"driver": "vpc", "node-name": "x", "file": "file0", "backing": null})
+        )
+        .unwrap_err()
+        .contains("'backing' is unexpected"));
     }
 
     #[test]

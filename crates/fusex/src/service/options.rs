@@ -3,10 +3,11 @@
 //! option `fusex mount` takes works per export, with the same names, defaults and errors.
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use serde_json::Value;
 
-use crate::cli::{Cli, Command, MountArgs};
+use crate::cli::MountArgs;
 
 /// The prefix of fusex's own members in QMP requests (QMP's convention for a downstream's
 /// extensions, `__RFQDN_name`), so they never clash with a member QEMU adds:
@@ -78,14 +79,27 @@ pub fn mount_args(
     argv.push("--".into());
     argv.push(image.to_string());
     argv.push(mountpoint.to_string_lossy().into_owned());
-    match <Cli as clap::Parser>::try_parse_from(&argv) {
-        Ok(Cli {
-            command: Some(Command::Mount(args)),
-            ..
-        }) => Ok((*args, argv)),
-        Ok(_) => Err("not an export".into()),
+    let parsed = mount_parser()
+        .try_get_matches_from(&argv[1..])
+        .and_then(|m| <MountArgs as clap::FromArgMatches>::from_arg_matches(&m));
+    match parsed {
+        Ok(args) => Ok((args, argv)),
         Err(e) => Err(crate::cli::one_line(&e, "fusex mount")),
     }
+}
+
+/// The `fusex mount` parser alone, built once: building the whole command line's parser (every
+/// subcommand) for each export a daemon adds was a tenth of the daemon's work per export.
+fn mount_parser() -> clap::Command {
+    static PARSER: OnceLock<clap::Command> = OnceLock::new();
+    PARSER
+        .get_or_init(|| {
+            let mount = clap::Command::new("mount").bin_name("fusex mount");
+            let mut mount = <MountArgs as clap::Args>::augment_args(mount);
+            mount.build();
+            mount
+        })
+        .clone()
 }
 
 #[cfg(test)]

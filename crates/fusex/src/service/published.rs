@@ -1,117 +1,90 @@
-//! What `fusex list` and `fusex restart` see of `fusex serve`'s exports: each export has its
-//! files in the runtime directory, as a `fusex mount` daemon's export has (a state file, and a
-//! socket bound while it serves, which is how `fusex list` tells a live export from a dead
-//! mount). One thread answers every export's socket: `fusex restart` of any export of a `fusex
-//! serve` daemon hands the whole daemon over ([`super::Service::hand_over`]).
+//! What `fusex list` and `fusex restart` see of `fusex serve`'s exports: each export has a state
+//! file in the runtime directory, as a `fusex mount` daemon's export has, and the daemon binds one
+//! socket for all of them (`serve-PID.sock`), which each state file names. A socket per export
+//! cost two inodes made and removed per export added and removed. `fusex list` tells a live
+//! export from a dead mount by that socket listening; `fusex restart` of any export of a `fusex
+//! serve` daemon connects to it and hands the whole daemon over ([`super::Service::hand_over`]).
 
-use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::runtime::{Entry, ExportState};
 
-/// The sockets the acceptor thread answers, by the export's runtime key.
-#[derive(Default)]
-struct Sockets {
-    listeners: BTreeMap<String, UnixListener>,
-}
-
-/// The acceptor shared by every export of the daemon.
+/// The daemon's restart socket and the thread that answers it.
 pub struct Publisher {
-    sockets: Arc<Mutex<Sockets>>,
+    listener: Arc<UnixListener>,
+    /// Its path, removed with it.
+    path: PathBuf,
+    /// Its file name in the runtime directory, which the state files carry.
+    name: String,
 }
 
 /// What the acceptor does with a connection (`fusex restart`): the daemon's hand-over.
 pub type OnConnect = Box<dyn Fn(std::os::unix::net::UnixStream) + Send>;
 
-/// One export's published files; removed when dropped.
+/// One export's published state file; removed when dropped. Written first when the export
+/// serves ([`Published::set_state`]), so an export that never serves leaves nothing.
 pub struct Published {
     entry: Entry,
-    key: String,
-    sockets: Arc<Mutex<Sockets>>,
     state: ExportState,
 }
 
-/// How often the acceptor looks at sockets added since it last waited.
-const RESCAN: Duration = Duration::from_millis(200);
-
 impl Publisher {
-    /// Starts the acceptor thread, which passes each connection to `on_connect`.
-    pub fn start(on_connect: OnConnect) -> std::io::Result<Publisher> {
-        let sockets = Arc::new(Mutex::new(Sockets::default()));
-        let weak = Arc::downgrade(&sockets);
+    /// Binds the daemon's restart socket in the runtime directory and starts the thread that
+    /// passes each connection to `on_connect`. An error when the directory cannot be used (the
+    /// exports then serve unlisted).
+    pub fn start(on_connect: OnConnect) -> anyhow::Result<Publisher> {
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        let dir = crate::runtime::checked(euid, true)?;
+        let path = crate::runtime::serve_socket(&dir, std::process::id());
+        let listener = crate::restart::listen(&path)
+            .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", path.display()))?;
+        let listener = Arc::new(listener);
+        let accepting = listener.clone();
         std::thread::Builder::new()
             .name("fusex-restart".into())
             .spawn(move || {
-                while let Some(s) = weak.upgrade() {
-                    let fds: Vec<RawFd> = s
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .listeners
-                        .values()
-                        .map(|l| l.as_raw_fd())
-                        .collect();
-                    drop(s);
-                    let ready = wait_readable(&fds, RESCAN);
-                    let Some(s) = weak.upgrade() else { return };
-                    let accepted: Vec<_> = {
-                        let s = s.lock().unwrap_or_else(|p| p.into_inner());
-                        s.listeners
-                            .values()
-                            .filter(|l| ready.contains(&l.as_raw_fd()))
-                            .filter_map(|l| l.accept().ok().map(|(stream, _)| stream))
-                            .collect()
-                    };
-                    // Unlocked: a hand-over leaves exports, which takes this lock.
-                    for stream in accepted {
-                        let _ = stream.set_nonblocking(false);
-                        on_connect(stream);
-                    }
+                // Ends when the socket is shut down (the publisher dropped) or fails.
+                while let Ok((stream, _)) = accepting.accept() {
+                    on_connect(stream);
                 }
             })?;
-        Ok(Publisher { sockets })
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(Publisher {
+            listener,
+            path,
+            name,
+        })
     }
 
-    /// Publishes an export that serves now: its state file, and its socket. None (logged) when
-    /// the runtime directory cannot be used: the export serves regardless.
+    /// The state file of an export that serves from now on, written by its first
+    /// [`Published::set_state`]. None (logged) when the runtime directory cannot be used: the
+    /// export serves regardless.
     pub fn publish(&self, mnt: &transport::Mount, state: ExportState) -> Option<Published> {
         let handover = mnt.handover()?;
-        // SAFETY: geteuid has no preconditions.
-        let euid = unsafe { libc::geteuid() };
-        let dir = match crate::runtime::checked(euid, true) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::warn!("fusex list will not show this export: {e}");
-                return None;
-            }
-        };
-        let entry = Entry::new(dir, handover.identity);
-        let listener = match crate::restart::listen(&entry.socket()) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(
-                    "fusex list will not show this export: cannot bind {}: {e}",
-                    entry.socket().display()
-                );
-                return None;
-            }
-        };
-        let _ = listener.set_nonblocking(true);
-        let key = crate::runtime::key(&handover.identity);
-        entry.write_state(&state);
-        self.sockets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .listeners
-            .insert(key.clone(), listener);
+        let dir = self.path.parent()?.to_path_buf();
         Some(Published {
-            entry,
-            key,
-            sockets: self.sockets.clone(),
-            state,
+            entry: Entry::state_only(dir, handover.identity),
+            state: ExportState {
+                socket: Some(self.name.clone()),
+                ..state
+            },
         })
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        // SAFETY: shutdown on a socket this value owns (through the Arc); it makes a blocked
+        // accept return, and changes nothing else.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -126,48 +99,4 @@ impl Published {
         self.state.state = state.to_string();
         self.entry.write_state(&self.state);
     }
-}
-
-impl Drop for Published {
-    fn drop(&mut self) {
-        // The socket closes here; the entry's files go as it drops.
-        self.sockets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .listeners
-            .remove(&self.key);
-    }
-}
-
-/// The fds of `fds` that are readable within `timeout`.
-fn wait_readable(fds: &[RawFd], timeout: Duration) -> Vec<RawFd> {
-    if fds.is_empty() {
-        std::thread::sleep(timeout);
-        return Vec::new();
-    }
-    let mut polled: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    // SAFETY: `polled` is a valid array of `polled.len()` pollfd structs that lives across the
-    // call; poll writes only their `revents`.
-    let n = unsafe {
-        libc::poll(
-            polled.as_mut_ptr(),
-            polled.len() as libc::nfds_t,
-            timeout.as_millis() as libc::c_int,
-        )
-    };
-    if n <= 0 {
-        return Vec::new();
-    }
-    polled
-        .iter()
-        .filter(|p| p.revents & libc::POLLIN != 0)
-        .map(|p| p.fd)
-        .collect()
 }

@@ -1,0 +1,587 @@
+//! A hosted sparse extent (`KDMV`) on the block-table core: grains are the core's blocks,
+//! the grain directory and grain tables are read once at open into the core's table, and a
+//! new grain is written data first, then its grain table entry (and the redundant one).
+//!
+//! Grain tables missing from the directory (a directory entry of 0) are made at open when the
+//! extent is opened for writing: zeroed tables appended at the file's end, then the directory
+//! entries pointing at them; so an allocation never has to make a table, and never writes
+//! anywhere but into the new grain and one table entry (or two, with the redundant tables).
+//!
+//! streamOptimized extents (compressed grains behind markers) are read-only: their table
+//! entries are flagged, and [`BlockFormat::read_flagged`] inflates the grain.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use crate::blocktable::{BlockFormat, Entry, Layout, Table, MAX_HOST};
+use crate::ringfile::RingFile;
+
+use super::header::{Header, FLAG_COMPRESSED, FLAG_REDUNDANT, FLAG_ZEROED_GRAIN, GD_AT_END, MAGIC};
+
+const SECTOR: u64 = 512;
+
+/// An entry flag: the grain is compressed behind a grain marker.
+const COMPRESSED: u8 = 1;
+
+/// A grain marker: the guest sector (u64) and the compressed size (u32) before the data.
+const MARKER: u64 = 12;
+
+/// The format state the core calls back into.
+pub struct Sparse {
+    grain_bytes: u64,
+    gtes: u64,
+    /// Each grain table's file offset (bytes), by directory index.
+    gd: Vec<u64>,
+    /// The redundant tables' offsets, when the extent keeps them.
+    rgd: Option<Vec<u64>>,
+    /// Grains live below here (a grain table entry holds a u32 sector number).
+    max_host: u64,
+}
+
+impl BlockFormat for Sparse {
+    fn name(&self) -> &'static str {
+        "vmdk"
+    }
+
+    fn footprint(&self) -> u64 {
+        self.grain_bytes
+    }
+
+    fn data_at(&self, host: u64) -> u64 {
+        host
+    }
+
+    async fn reserve(&self, file: &RingFile, _host: u64, end: u64) -> io::Result<bool> {
+        if end > self.max_host {
+            // A grain table entry cannot point there.
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        // The whole grain exists in the file from now on (qemu-img check wants every grain
+        // inside it), and past the old end it reads as zeroes.
+        file.extend_to(end)?;
+        Ok(true)
+    }
+
+    async fn commit(&self, file: &RingFile, block: u64, host: u64) -> io::Result<Entry> {
+        let (gt, i) = ((block / self.gtes) as usize, block % self.gtes);
+        let value = ((host / SECTOR) as u32).to_le_bytes();
+        let at = self.gd.get(gt).copied().unwrap_or(0);
+        if at == 0 {
+            // Every table was made at open; a missing one means the table was bad.
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        file.write_full(&value, at + 4 * i).await?;
+        if let Some(r) = self
+            .rgd
+            .as_ref()
+            .and_then(|r| r.get(gt))
+            .filter(|&&r| r != 0)
+        {
+            file.write_full(&value, r + 4 * i).await?;
+        }
+        Ok(Entry::Data { host, flags: 0 })
+    }
+
+    async fn read_flagged(
+        &self,
+        file: &RingFile,
+        _table: &Table,
+        block: u64,
+        entry: Entry,
+        within: u64,
+        buf: &mut [u8],
+    ) -> io::Result<()> {
+        let Entry::Data { host, .. } = entry else {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        };
+        let eio = || io::Error::from_raw_os_error(libc::EIO);
+        let mut head = [0u8; MARKER as usize];
+        file.read_full(&mut head, host).await?;
+        let lba = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
+        let size = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) as u64;
+        // A compressed grain is no larger than the grain (plus deflate's few bytes of framing
+        // for data that does not compress).
+        if size == 0 || size > self.grain_bytes + 4096 || lba != block * (self.grain_bytes / SECTOR)
+        {
+            return Err(eio());
+        }
+        let mut packed = vec![0u8; size as usize];
+        file.read_full(&mut packed, host + MARKER).await?;
+        let grain = miniz_oxide::inflate::decompress_to_vec_zlib_with_limit(
+            &packed,
+            self.grain_bytes as usize,
+        )
+        .map_err(|_| eio())?;
+        let from = within as usize;
+        for (i, b) in buf.iter_mut().enumerate() {
+            // A short last grain reads as zeroes past its end.
+            *b = grain.get(from + i).copied().unwrap_or(0);
+        }
+        Ok(())
+    }
+
+    async fn write_flagged(
+        &self,
+        _file: &RingFile,
+        _table: &Table,
+        _block: u64,
+        _entry: Entry,
+        _within: u64,
+        _data: &[u8],
+    ) -> io::Result<Entry> {
+        // Compressed extents are opened read-only.
+        Err(io::Error::from_raw_os_error(libc::EROFS))
+    }
+}
+
+/// What opening a sparse extent found.
+pub struct Opened {
+    /// The format state.
+    pub fmt: Sparse,
+    /// Every grain's entry.
+    pub table: Table,
+    /// For the core.
+    pub layout: Layout,
+    /// The embedded descriptor's bytes, if any.
+    pub descriptor: Option<Vec<u8>>,
+}
+
+/// Why a sparse extent cannot be served: a line for the operator, or the OS's error.
+#[derive(Debug)]
+pub enum OpenFail {
+    /// The extent is damaged or unsupported.
+    Bad(String),
+    /// Reading it failed.
+    Io(io::Error),
+}
+
+impl From<io::Error> for OpenFail {
+    fn from(e: io::Error) -> OpenFail {
+        OpenFail::Io(e)
+    }
+}
+
+impl From<String> for OpenFail {
+    fn from(s: String) -> OpenFail {
+        OpenFail::Bad(s)
+    }
+}
+
+/// A byte range of metadata in the file.
+type Range = (u64, u64);
+
+fn overlaps(a: Range, b: Range) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+/// `n` bytes of `f` at `off`, which the caller checked lie inside it.
+fn read_at(f: &File, off: u64, n: u64) -> io::Result<Vec<u8>> {
+    let mut v = vec![0u8; n as usize];
+    f.read_exact_at(&mut v, off)?;
+    Ok(v)
+}
+
+/// The header in force: the first sector's, or for a stream the footer's (the sector before
+/// the end-of-stream marker, after a footer marker).
+fn header(f: &File, len: u64) -> Result<(Header, Option<Range>), OpenFail> {
+    if len < SECTOR {
+        return Err("it is shorter than a sparse extent header"
+            .to_string()
+            .into());
+    }
+    let first = Header::parse(&read_at(f, 0, SECTOR)?)?;
+    if first.gd_offset != GD_AT_END {
+        return Ok((first, None));
+    }
+    if len < 3 * SECTOR {
+        return Err(
+            "its grain directory is in a footer, but the file ends first"
+                .to_string()
+                .into(),
+        );
+    }
+    let tail = read_at(f, len - 3 * SECTOR, 3 * SECTOR)?;
+    let marker_type = u32::from_le_bytes(tail[12..16].try_into().unwrap_or_default());
+    let eos = &tail[1024..];
+    let footer_ok = u32::from_le_bytes(tail[8..12].try_into().unwrap_or_default()) == 0
+        && marker_type == 3
+        && eos.iter().all(|&b| b == 0)
+        && u32::from_le_bytes(tail[512..516].try_into().unwrap_or_default()) == MAGIC;
+    if !footer_ok {
+        return Err(
+            "its grain directory is in a footer, but there is no valid footer at the \
+                    file's end (an unfinished stream?)"
+                .to_string()
+                .into(),
+        );
+    }
+    let footer = Header::parse(&tail[512..1024])?;
+    if footer.gd_offset == GD_AT_END {
+        return Err("its footer does not say where the grain directory is"
+            .to_string()
+            .into());
+    }
+    Ok((footer, Some((len - 3 * SECTOR, len))))
+}
+
+/// Sector `s` as a byte offset with `n` bytes after it inside a file of `len` bytes.
+fn inside(s: u64, n: u64, len: u64) -> Option<Range> {
+    let at = s.checked_mul(SECTOR)?;
+    let end = at.checked_add(n)?;
+    (end <= len).then_some((at, end))
+}
+
+/// Reads a sparse extent file of `len` bytes: header, embedded descriptor, grain directory
+/// and tables, every grain's entry checked (inside the file, clear of metadata and of other
+/// grains; a bad one fails its reads with EIO, and makes a writable open fail). For writing,
+/// missing grain tables are made now (see the module docs).
+pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
+    let (h, footer) = header(f, len)?;
+    let compressed = h.flags & FLAG_COMPRESSED != 0;
+    if compressed && writable {
+        return Err(
+            "it is streamOptimized (compressed grains), which fusex serves read-only: \
+                    drop --writable, or convert it with qemu-img convert -O vmdk"
+                .to_string()
+                .into(),
+        );
+    }
+    let mut fixed: Vec<Range> = vec![(0, SECTOR)];
+    fixed.extend(footer);
+    let descriptor = if h.desc_offset != 0 && h.desc_size != 0 {
+        let r = inside(h.desc_offset, h.desc_size * SECTOR, len)
+            .ok_or_else(|| "its embedded descriptor lies past the file's end".to_string())?;
+        fixed.push(r);
+        Some(read_at(f, r.0, r.1 - r.0)?)
+    } else {
+        None
+    };
+    let grains = h.grains();
+    let table = Table::new(grains).map_err(|e| e.to_string())?;
+    let gdes = h.gdes();
+    let gd_bytes = gdes * 4;
+    let dir = |off: u64, what: &str| -> Result<Vec<u64>, OpenFail> {
+        let r = inside(off, gd_bytes, len)
+            .ok_or_else(|| format!("its {what} (sector {off}) lies past the file's end"))?;
+        if overlaps(r, (0, SECTOR)) {
+            return Err(format!("its {what} overlaps the header").into());
+        }
+        let raw = read_at(f, r.0, gd_bytes)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64 * SECTOR)
+            .collect())
+    };
+    let mut gd = dir(h.gd_offset, "grain directory")?;
+    fixed.push((
+        h.gd_offset * SECTOR,
+        (h.gd_offset * SECTOR + gd_bytes).next_multiple_of(SECTOR),
+    ));
+    let redundant = h.flags & FLAG_REDUNDANT != 0 && h.rgd_offset != 0 && !compressed;
+    let mut rgd = if redundant {
+        let r = dir(h.rgd_offset, "redundant grain directory")?;
+        fixed.push((
+            h.rgd_offset * SECTOR,
+            (h.rgd_offset * SECTOR + gd_bytes).next_multiple_of(SECTOR),
+        ));
+        Some(r)
+    } else {
+        None
+    };
+    let gt_bytes = h.gt_bytes();
+    // Grain tables: inside the file, clear of the fixed metadata and of each other; a bad
+    // one makes its grains bad.
+    let mut tables: Vec<(Range, usize, bool)> = Vec::new();
+    let mut bad_gt = vec![false; gd.len()];
+    let mut bad_rgt = false;
+    for (redundant, list) in [(false, Some(&gd)), (true, rgd.as_ref())] {
+        let Some(list) = list else { continue };
+        for (i, &off) in list.iter().enumerate() {
+            if off == 0 {
+                continue;
+            }
+            let ok = inside(off / SECTOR, gt_bytes, len)
+                .filter(|r| !fixed.iter().any(|&m| overlaps(*r, m)));
+            match ok {
+                Some(r) => tables.push((r, i, redundant)),
+                None if redundant => bad_rgt = true,
+                None => bad_gt[i] = true,
+            }
+        }
+    }
+    tables.sort();
+    for w in 0..tables.len().saturating_sub(1) {
+        let ((a, ia, ra), (b, ib, rb)) = (tables[w], tables[w + 1]);
+        if overlaps(a, b) {
+            for (i, r) in [(ia, ra), (ib, rb)] {
+                if r {
+                    bad_rgt = true;
+                } else {
+                    bad_gt[i] = true;
+                }
+            }
+        }
+    }
+    let mut meta: Vec<Range> = fixed.clone();
+    meta.extend(tables.iter().map(|t| t.0));
+    meta.sort();
+    let hits_meta = |r: Range| {
+        // Ranges are sorted by start: only those starting before r's end can overlap.
+        let upto = meta.partition_point(|m| m.0 < r.1);
+        meta[..upto].iter().any(|&m| overlaps(r, m))
+    };
+    let grain_bytes = h.grain_bytes();
+    let zeroed = h.flags & FLAG_ZEROED_GRAIN != 0;
+    // (sector, grain): a grain table entry is a u32 sector and the table has at most 8 Mi
+    // grains, so 8 bytes a grain.
+    let mut grains_at: Vec<(u32, u32)> = Vec::new();
+    let mut bad = 0u64;
+    for (gt, &off) in gd.iter().enumerate() {
+        let first = gt as u64 * h.gtes as u64;
+        let count = (h.gtes as u64).min(grains.saturating_sub(first));
+        if bad_gt[gt] {
+            for b in first..first + count {
+                table.set(b, Entry::Bad);
+            }
+            bad += count;
+            continue;
+        }
+        if off == 0 {
+            continue;
+        }
+        let raw = read_at(f, off, gt_bytes)?;
+        for i in 0..count {
+            let at = i as usize * 4;
+            let v = u32::from_le_bytes([raw[at], raw[at + 1], raw[at + 2], raw[at + 3]]) as u64;
+            let block = first + i;
+            let entry = match v {
+                0 => Entry::Unallocated,
+                1 if zeroed => Entry::Zero,
+                v => {
+                    let host = v * SECTOR;
+                    let span = if compressed { MARKER } else { grain_bytes };
+                    let end = host + span;
+                    if host >= len || end > MAX_HOST || hits_meta((host, end)) {
+                        Entry::Bad
+                    } else {
+                        if !compressed {
+                            grains_at.push((v as u32, block as u32));
+                        }
+                        Entry::Data {
+                            host,
+                            flags: if compressed { COMPRESSED } else { 0 },
+                        }
+                    }
+                }
+            };
+            if entry == Entry::Bad {
+                bad += 1;
+            }
+            table.set(block, entry);
+        }
+    }
+    // Two grains sharing file space: both bad (a write to one would change the other).
+    grains_at.sort();
+    for w in 0..grains_at.len().saturating_sub(1) {
+        let ((a, ba), (b, bb)) = (grains_at[w], grains_at[w + 1]);
+        if (b as u64) * SECTOR < a as u64 * SECTOR + grain_bytes {
+            for blk in [ba as u64, bb as u64] {
+                if table.get(blk) != Entry::Bad {
+                    table.set(blk, Entry::Bad);
+                    bad += 1;
+                }
+            }
+        }
+    }
+    let mut next_free = len
+        .next_multiple_of(SECTOR)
+        .max(h.overhead.saturating_mul(SECTOR));
+    if writable {
+        if bad > 0 || bad_gt.iter().any(|&b| b) || bad_rgt {
+            return Err(format!(
+                "{bad} of its grain table entries (or its grain tables) point outside the file, \
+                 into its metadata or at another grain's data: fusex serves it read-only only \
+                 (drop --writable; `qemu-img check` shows the damage)"
+            )
+            .into());
+        }
+        let table_span = gt_bytes.next_multiple_of(SECTOR);
+        // Missing tables (and their redundant twins): zeroed space first, then the entries.
+        let mut made = Vec::new();
+        for (i, off) in gd.iter_mut().enumerate() {
+            if *off != 0 {
+                continue;
+            }
+            let at = next_free;
+            next_free += table_span;
+            let twin = match rgd.as_mut() {
+                Some(r) if r.get(i) == Some(&0) => {
+                    let t = next_free;
+                    next_free += table_span;
+                    r[i] = t;
+                    Some(t)
+                }
+                _ => None,
+            };
+            *off = at;
+            made.push((i, at, twin));
+        }
+        if !made.is_empty() {
+            if next_free / SECTOR > u32::MAX as u64 {
+                return Err(
+                    "its grain tables would lie past what a directory entry can \
+                            address"
+                        .to_string()
+                        .into(),
+                );
+            }
+            if f.metadata()?.len() < next_free {
+                f.set_len(next_free)?;
+            }
+            for (i, at, twin) in made {
+                let v = ((at / SECTOR) as u32).to_le_bytes();
+                f.write_all_at(&v, h.gd_offset * SECTOR + 4 * i as u64)?;
+                if let Some(t) = twin {
+                    let v = ((t / SECTOR) as u32).to_le_bytes();
+                    f.write_all_at(&v, h.rgd_offset * SECTOR + 4 * i as u64)?;
+                }
+            }
+            f.sync_data()?;
+        }
+    }
+    Ok(Opened {
+        fmt: Sparse {
+            grain_bytes,
+            gtes: h.gtes as u64,
+            gd,
+            rgd,
+            max_host: (u32::MAX as u64) * SECTOR,
+        },
+        table,
+        layout: Layout {
+            block_shift: grain_bytes.trailing_zeros(),
+            size: h.capacity * SECTOR,
+            next_free,
+            writable,
+        },
+        descriptor,
+    })
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    /// A sparse extent of 128 grains of 4 KiB (64 per grain table), redundant tables, the
+    /// zeroed-grain flag; the first four entries of grain tables `gt0` and `gt1` (None: no
+    /// table), grains at sectors 8, 16 and 24.
+    pub(super) fn image(gt0: Option<[u32; 4]>, gt1: Option<[u32; 4]>) -> tempfile::NamedTempFile {
+        let mut b = vec![0u8; 32 * 512];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&1u32.to_le_bytes());
+        b[8..12].copy_from_slice(&(1u32 | FLAG_REDUNDANT | FLAG_ZEROED_GRAIN).to_le_bytes());
+        b[12..20].copy_from_slice(&1024u64.to_le_bytes());
+        b[20..28].copy_from_slice(&8u64.to_le_bytes());
+        b[44..48].copy_from_slice(&64u32.to_le_bytes());
+        b[48..56].copy_from_slice(&2u64.to_le_bytes());
+        b[56..64].copy_from_slice(&1u64.to_le_bytes());
+        b[64..72].copy_from_slice(&8u64.to_le_bytes());
+        for (i, (gt, sector, twin)) in [(gt0, 3u32, 5u32), (gt1, 4, 6)].into_iter().enumerate() {
+            let Some(gt) = gt else { continue };
+            b[512 + 4 * i..512 + 4 * i + 4].copy_from_slice(&sector.to_le_bytes());
+            b[1024 + 4 * i..1024 + 4 * i + 4].copy_from_slice(&twin.to_le_bytes());
+            for (j, v) in gt.iter().enumerate() {
+                for s in [sector, twin] {
+                    let at = s as usize * 512 + 4 * j;
+                    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().write_all_at(&b, 0).unwrap();
+        f
+    }
+
+    #[test]
+    fn every_entry_is_checked() {
+        let f = image(Some([8, 0, 16, 1]), Some([24, 24, 3, 0xffff]));
+        let o = open(f.as_file(), 32 * 512, false).ok().unwrap();
+        assert!((4..64)
+            .chain(68..128)
+            .all(|i| o.table.get(i) == Entry::Unallocated));
+        let got: Vec<Entry> = [0, 1, 2, 3, 64, 65, 66, 67]
+            .iter()
+            .map(|&i| o.table.get(i))
+            .collect();
+        let data = |s: u64| Entry::Data {
+            host: s * 512,
+            flags: 0,
+        };
+        assert_eq!(
+            got,
+            [
+                data(8),
+                Entry::Unallocated,
+                data(16),
+                Entry::Zero,
+                // Two grains at one place, a grain in a grain table, one past the end.
+                Entry::Bad,
+                Entry::Bad,
+                Entry::Bad,
+                Entry::Bad,
+            ]
+        );
+        match open(f.as_file(), 32 * 512, true) {
+            Err(OpenFail::Bad(why)) => assert!(why.contains("read-only only"), "{why}"),
+            _ => panic!("a writable open of a damaged extent must fail"),
+        }
+    }
+
+    #[test]
+    fn a_writable_open_makes_missing_tables() {
+        let f = image(Some([8, 0, 16, 0]), None);
+        let o = open(f.as_file(), 32 * 512, true).ok().unwrap();
+        // Table 1 and its twin appended at the old end (sector 32), then the directories.
+        assert_eq!(o.fmt.gd, [3 * 512, 32 * 512]);
+        assert_eq!(o.fmt.rgd.as_deref(), Some(&[5 * 512, 33 * 512][..]));
+        assert_eq!(o.layout.next_free, 34 * 512);
+        let mut e = [0u8; 4];
+        f.as_file().read_exact_at(&mut e, 512 + 4).unwrap();
+        assert_eq!(u32::from_le_bytes(e), 32);
+        f.as_file().read_exact_at(&mut e, 1024 + 4).unwrap();
+        assert_eq!(u32::from_le_bytes(e), 33);
+        assert_eq!(f.as_file().metadata().unwrap().len(), 34 * 512);
+    }
+}
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// A valid small extent with random bytes planted in its header and tables: opening
+        /// never panics, and every grain it maps lies inside the file, clear of the header.
+        #[test]
+        fn planted_damage_is_contained(
+            flips in proptest::collection::vec((0usize..8 * 512, any::<u8>()), 1..16),
+        ) {
+            let f = super::tests::image(Some([8, 0, 16, 1]), Some([24, 0, 0, 0]));
+            for (at, v) in flips {
+                f.as_file().write_all_at(&[v], at as u64).unwrap();
+            }
+            let len = 32 * 512;
+            if let Ok(o) = open(f.as_file(), len, false) {
+                for b in 0..o.table.len() {
+                    if let Entry::Data { host, .. } = o.table.get(b) {
+                        // Never the header, never past the end.
+                        prop_assert!((512..len).contains(&host), "grain {b} at {host}");
+                    }
+                }
+            }
+        }
+    }
+}
