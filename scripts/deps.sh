@@ -40,6 +40,13 @@ have groff || need+=(groff-base)
 have tmux || need+=(tmux)
 # prometheus and promtool: tests/metrics.rs checks --metrics-listen's output with promtool and
 # scrapes it with a real Prometheus server.
+# git, tar, make and a C compiler: tests/dirfs.rs clones, unpacks and builds inside a directory
+# export.
+have git || need+=(git)
+have tar || need+=(tar)
+have diff || need+=(diffutils)
+have make || need+=(make)
+have cc || need+=(gcc)
 have promtool || need+=(prometheus)
 have prometheus || need+=(prometheus)
 if [ "${1:-}" = "--bench" ]; then
@@ -78,6 +85,13 @@ fi
 for c in clippy rustfmt; do
   rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c" >/dev/null 2>&1 || true
 done
+
+# pjdfstest, the POSIX file system conformance suite (crates.io): tests/dirfs.rs runs it on the
+# source directory and through a directory export and compares.
+if ! have pjdfstest && [ ! -x "$root/target/tools/bin/pjdfstest" ]; then
+  echo "installing pjdfstest into target/tools"
+  cargo install --quiet --locked pjdfstest --version 0.2.2 --root "$root/target/tools"
+fi
 
 # Unprivileged FUSE needs /dev/fuse open to everyone (fusermount3 opens it as the user); udev
 # makes it 0666 on a normal Debian system, a machine without udev may leave it 0600.

@@ -313,9 +313,21 @@ fn mount_help_is_grouped_wrapped_and_hides_test_switches() {
     ] {
         assert!(short.contains(option), "-h lacks {option}:\n{short}");
     }
-    for hidden in ["--fault", "--splice-min", "--fixed-files", "always"] {
+    for hidden in ["--fault", "--splice-min", "--fixed-files"] {
         assert!(!short.contains(hidden), "-h shows {hidden}:\n{short}");
         assert!(!long.contains(hidden), "--help shows {hidden}:\n{long}");
+    }
+    // --handoff's hidden value (--cache has an always of its own).
+    for text in [&short, &long] {
+        let handoff = text
+            .split("\n      --")
+            .filter(|o| o.starts_with("handoff"))
+            .collect::<String>();
+        assert!(!handoff.is_empty(), "help lacks --handoff:\n{text}");
+        assert!(
+            !handoff.contains("always"),
+            "help shows --handoff always:\n{handoff}"
+        );
     }
     // A benchmark knob: --help (where bench/ looks for the options its targets need), not -h.
     assert!(!short.contains("--io-path"), "-h shows --io-path:\n{short}");

@@ -52,7 +52,7 @@ fn check_op(op: &Operation<'_>, source: &[u8]) {
             assert!(!name.contains(&0), "LOOKUP name holds its NUL");
             assert!(within(name, source), "LOOKUP name outside the request");
         }
-        Operation::BatchForget { count } => {
+        Operation::BatchForget { count, .. } => {
             let need = u64::from(*count) * 16;
             assert!(need <= source.len() as u64, "BATCH_FORGET entries missing");
         }

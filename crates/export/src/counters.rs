@@ -168,11 +168,13 @@ impl Counters {
     pub fn malformed(&self) {
         bump(&self.malformed, 1);
     }
-    pub(crate) fn read(&self, bytes: usize) {
+    /// Counts `bytes` read for the client.
+    pub fn read(&self, bytes: usize) {
         bump(&self.backend_reads, 1);
         bump(&self.bytes_read, bytes as u64);
     }
-    pub(crate) fn write(&self, bytes: usize) {
+    /// Counts `bytes` written for the client.
+    pub fn write(&self, bytes: usize) {
         bump(&self.backend_writes, 1);
         bump(&self.bytes_written, bytes as u64);
     }
@@ -290,11 +292,13 @@ impl<'a> Tally<'a> {
         }
     }
 
-    pub(crate) fn read(&self, bytes: usize) {
+    /// Counts `bytes` read for the client.
+    pub fn read(&self, bytes: usize) {
         self.counters.read(bytes);
     }
 
-    pub(crate) fn write(&self, bytes: usize) {
+    /// Counts `bytes` written for the client.
+    pub fn write(&self, bytes: usize) {
         self.counters.write(bytes);
     }
 

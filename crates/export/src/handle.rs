@@ -149,7 +149,13 @@ impl<B: BlockBackend> Export<B> {
     ) -> (Reply, Buf) {
         let payload = window.start;
         if hdr.nodeid != ROOT_ID
-            && !matches!(req, Request::Forget | Request::Interrupt | Request::Destroy)
+            && !matches!(
+                req,
+                Request::Forget(_)
+                    | Request::BatchForget { .. }
+                    | Request::Interrupt
+                    | Request::Destroy
+            )
         {
             // Only the root exists; the kernel never names another node (LOOKUP always fails).
             return (Reply::Error(libc::ENOENT), buf);
@@ -161,7 +167,7 @@ impl<B: BlockBackend> Export<B> {
         let r = match req {
             Request::Read(a) => return self.read(eng, a, buf, payload, cap, tally).await,
             Request::Write(a) => return self.write(eng, a, buf, payload, cap, tally).await,
-            Request::Getattr => self.getattr(eng, &mut buf, payload).await,
+            Request::Getattr(_) => self.getattr(eng, &mut buf, payload).await,
             Request::Setattr(a) => self.setattr(eng, a, &mut buf, payload).await,
             Request::Open(a) => {
                 let r = self.open(a, &mut buf, payload);
@@ -170,19 +176,42 @@ impl<B: BlockBackend> Export<B> {
                 }
                 r
             }
-            Request::Release => {
+            Request::Release(_) => {
                 self.open_files.fetch_sub(1, Ordering::Relaxed);
                 Ok(Reply::Data(0))
             }
-            Request::Flush | Request::Fsync(_) => self.flush(eng, hdr.opcode, tally).await,
+            Request::Flush(_) | Request::Fsync(_) => self.flush(eng, hdr.opcode, tally).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
             Request::Lseek(a) => self.lseek(eng, a, &mut buf, payload).await,
             Request::Statfs => self.statfs(&mut buf, payload),
-            Request::Lookup => Err(libc::ENOENT),
-            Request::Forget | Request::Interrupt => Ok(Reply::None),
+            Request::Lookup { .. } => Err(libc::ENOENT),
+            Request::Forget(_) | Request::BatchForget { .. } | Request::Interrupt => {
+                Ok(Reply::None)
+            }
             Request::Destroy => Ok(Reply::Data(0)),
             Request::Init => Err(libc::EPROTO),
-            Request::Unsupported(_) => Err(libc::ENOSYS),
+            // A single file has no directory operations.
+            Request::Unsupported(_)
+            | Request::Readlink
+            | Request::Symlink { .. }
+            | Request::Mknod { .. }
+            | Request::Mkdir { .. }
+            | Request::Unlink { .. }
+            | Request::Rmdir { .. }
+            | Request::Rename { .. }
+            | Request::Link { .. }
+            | Request::Create { .. }
+            | Request::Tmpfile(_)
+            | Request::Opendir(_)
+            | Request::Readdir(_)
+            | Request::Readdirplus(_)
+            | Request::Releasedir(_)
+            | Request::Fsyncdir(_)
+            | Request::Setxattr { .. }
+            | Request::Getxattr { .. }
+            | Request::Listxattr(_)
+            | Request::Removexattr { .. }
+            | Request::Access(_) => Err(libc::ENOSYS),
         };
         (r.unwrap_or_else(Reply::Error), buf)
     }
@@ -542,6 +571,63 @@ impl<B: BlockBackend> Export<B> {
             ..Kstatfs::default()
         };
         put(buf, payload, &StatfsOut { st })
+    }
+}
+
+impl<B: BlockBackend + 'static> crate::Filesystem for Export<B> {
+    fn serves(opcode: u32) -> bool {
+        use fuse_abi::Opcode as O;
+        matches!(
+            fuse_abi::Opcode::from_u32(opcode),
+            Some(
+                O::Init
+                    | O::Destroy
+                    | O::Lookup
+                    | O::Forget
+                    | O::BatchForget
+                    | O::Interrupt
+                    | O::Getattr
+                    | O::Setattr
+                    | O::Open
+                    | O::Release
+                    | O::Read
+                    | O::Write
+                    | O::Flush
+                    | O::Fsync
+                    | O::Fallocate
+                    | O::Lseek
+                    | O::Statfs
+            )
+        )
+    }
+
+    async fn handle(
+        &self,
+        eng: &Engine,
+        hdr: &InHeader,
+        req: Request,
+        buf: Buf,
+        window: std::ops::Range<usize>,
+        tally: &Tally<'_>,
+    ) -> (Reply, Buf) {
+        Export::handle(self, eng, hdr, req, buf, window, tally).await
+    }
+
+    fn splice_read(
+        &self,
+        hdr: &InHeader,
+        a: &ReadIn,
+        cap: usize,
+    ) -> Option<(std::os::fd::RawFd, u64, usize)> {
+        Export::splice_read(self, hdr, a, cap)
+    }
+
+    fn queue_stopping(&self) {
+        self.backend.queue_stopping();
+    }
+
+    fn queue_ended(&self) {
+        self.backend.queue_ended();
     }
 }
 

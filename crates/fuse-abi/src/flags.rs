@@ -207,6 +207,14 @@ pub const SEEK_DATA: u32 = 3;
 /// `LseekIn::whence`: next hole at or after the offset.
 pub const SEEK_HOLE: u32 = 4;
 
+// RENAME2 flags (`renameat2(2)`).
+/// Fail with EEXIST rather than replace the target.
+pub const RENAME_NOREPLACE: u32 = 1 << 0;
+/// Swap the two entries atomically.
+pub const RENAME_EXCHANGE: u32 = 1 << 1;
+/// Leave an overlayfs whiteout at the source.
+pub const RENAME_WHITEOUT: u32 = 1 << 2;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,8 +10,10 @@ use zerocopy::FromBytes;
 
 use crate::opcode::Opcode;
 use crate::structs::{
-    BatchForgetIn, FallocateIn, FlushIn, ForgetIn, ForgetOne, FsyncIn, GetattrIn, InHeader, InitIn,
-    InterruptIn, LseekIn, OpenIn, ReadIn, ReleaseIn, SetattrIn, WriteIn, INIT_IN_COMPAT_SIZE,
+    AccessIn, BatchForgetIn, CreateIn, FallocateIn, FlushIn, ForgetIn, ForgetOne, FsyncIn,
+    GetattrIn, GetxattrIn, InHeader, InitIn, InterruptIn, LinkIn, LseekIn, MkdirIn, MknodIn,
+    OpenIn, ReadIn, ReleaseIn, Rename2In, RenameIn, SetattrIn, SetxattrIn, WriteIn,
+    INIT_IN_COMPAT_SIZE,
 };
 
 /// Size of [`InHeader`], the prefix of every request.
@@ -51,6 +53,9 @@ pub enum Operation<'a> {
     BatchForget {
         /// Number of [`ForgetOne`] entries in the request.
         count: u32,
+        /// Exactly `count` [`ForgetOne`] entries, as bytes (read them with
+        /// [`forget_entries`]).
+        entries: &'a [u8],
     },
     /// Read attributes.
     Getattr(GetattrIn),
@@ -81,6 +86,101 @@ pub enum Operation<'a> {
     Statfs,
     /// Interrupt an earlier request.
     Interrupt(InterruptIn),
+    /// Read the target of a symlink.
+    Readlink,
+    /// Create a symlink `name` pointing to `target` (both without their NUL).
+    Symlink {
+        /// The new entry's name.
+        name: &'a [u8],
+        /// What the link holds.
+        target: &'a [u8],
+    },
+    /// Create a special file (or a regular one) named `name`.
+    Mknod {
+        /// Mode, device and umask.
+        arg: MknodIn,
+        /// The new entry's name.
+        name: &'a [u8],
+    },
+    /// Create a directory named `name`.
+    Mkdir {
+        /// Mode and umask.
+        arg: MkdirIn,
+        /// The new entry's name.
+        name: &'a [u8],
+    },
+    /// Remove the non-directory `name`.
+    Unlink {
+        /// The entry's name.
+        name: &'a [u8],
+    },
+    /// Remove the empty directory `name`.
+    Rmdir {
+        /// The entry's name.
+        name: &'a [u8],
+    },
+    /// RENAME (flags 0) and RENAME2: move `old` of the header's directory to `new` of `newdir`.
+    Rename {
+        /// Node of the target directory.
+        newdir: u64,
+        /// `RENAME_*` flags (0 for RENAME).
+        flags: u32,
+        /// The entry's name.
+        old: &'a [u8],
+        /// Its new name.
+        new: &'a [u8],
+    },
+    /// Hard-link `arg.oldnodeid` as `name` in the header's directory.
+    Link {
+        /// The node linked.
+        arg: LinkIn,
+        /// The new name.
+        name: &'a [u8],
+    },
+    /// Create and open the regular file `name`.
+    Create {
+        /// Flags, mode and umask.
+        arg: CreateIn,
+        /// The new entry's name.
+        name: &'a [u8],
+    },
+    /// Create an unnamed temporary file in the header's directory (`O_TMPFILE`) and open it.
+    Tmpfile(CreateIn),
+    /// Open a directory.
+    Opendir(OpenIn),
+    /// Read directory entries.
+    Readdir(ReadIn),
+    /// Read directory entries with their attributes (each one a lookup).
+    Readdirplus(ReadIn),
+    /// Last close of a directory.
+    Releasedir(ReleaseIn),
+    /// fsync of a directory.
+    Fsyncdir(FsyncIn),
+    /// Set the extended attribute `name` to `value`.
+    Setxattr {
+        /// Size and flags.
+        arg: SetxattrIn,
+        /// The attribute's name.
+        name: &'a [u8],
+        /// Exactly `arg.size` bytes.
+        value: &'a [u8],
+    },
+    /// Read the extended attribute `name`.
+    Getxattr {
+        /// Room for the value.
+        arg: GetxattrIn,
+        /// The attribute's name.
+        name: &'a [u8],
+    },
+    /// List extended attribute names.
+    Listxattr(GetxattrIn),
+    /// Remove the extended attribute `name`.
+    Removexattr {
+        /// The attribute's name.
+        name: &'a [u8],
+    },
+    /// `access(2)` check.
+    Access(AccessIn),
     /// A known opcode fusex does not implement (the server answers ENOSYS).
     Unsupported(Opcode),
     /// An opcode number this crate does not know.
@@ -131,6 +231,19 @@ impl ParseError {
         match self {
             ParseError::TooShort { .. } | ParseError::LengthMismatch { .. } => EIO,
             ParseError::Truncated { .. } | ParseError::Inconsistent { .. } => EINVAL,
+        }
+    }
+
+    /// The opcode whose own arguments are bad (the header and its extensions being sound), if
+    /// that is the problem: a server that does not implement that opcode may answer ENOSYS, as
+    /// it would for well-formed arguments.
+    pub fn arguments_of(&self) -> Option<u32> {
+        match *self {
+            ParseError::Truncated { opcode, .. } => Some(opcode),
+            ParseError::Inconsistent { opcode, what } if what != EXTENSIONS_TOO_LONG => {
+                Some(opcode)
+            }
+            _ => None,
         }
     }
 }
@@ -195,9 +308,11 @@ fn strip_extensions<'a>(header: &InHeader, body: &'a [u8]) -> Result<&'a [u8], P
         .and_then(|keep| body.get(..keep))
         .ok_or(ParseError::Inconsistent {
             opcode: header.opcode,
-            what: "extensions are longer than the request",
+            what: EXTENSIONS_TOO_LONG,
         })
 }
+
+const EXTENSIONS_TOO_LONG: &str = "extensions are longer than the request";
 
 /// Where an opcode's arguments live.
 #[derive(Clone, Copy)]
@@ -287,7 +402,10 @@ fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseErr
                     have: core::mem::size_of::<BatchForgetIn>() + rest.len(),
                 });
             }
-            Operation::BatchForget { count: arg.count }
+            Operation::BatchForget {
+                count: arg.count,
+                entries: &rest[..entries],
+            }
         }
         Opcode::Getattr => Operation::Getattr(args.fixed(opcode)?.0),
         Opcode::Setattr => Operation::Setattr(args.fixed(opcode)?.0),
@@ -306,9 +424,113 @@ fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseErr
         Opcode::Fallocate => Operation::Fallocate(args.fixed::<FallocateIn>(opcode)?.0),
         Opcode::Lseek => Operation::Lseek(args.fixed::<LseekIn>(opcode)?.0),
         Opcode::Interrupt => Operation::Interrupt(args.fixed::<InterruptIn>(opcode)?.0),
+        Opcode::Readlink => Operation::Readlink,
+        Opcode::Symlink => {
+            let (name, rest) = c_str(args.variable(), opcode)?;
+            let (target, _) = c_str(rest, opcode)?;
+            Operation::Symlink { name, target }
+        }
+        Opcode::Mknod => {
+            let (arg, rest): (MknodIn, _) = args.fixed(opcode)?;
+            let name = c_str(rest, opcode)?.0;
+            Operation::Mknod { arg, name }
+        }
+        Opcode::Mkdir => {
+            let (arg, rest): (MkdirIn, _) = args.fixed(opcode)?;
+            let name = c_str(rest, opcode)?.0;
+            Operation::Mkdir { arg, name }
+        }
+        Opcode::Unlink => Operation::Unlink {
+            name: c_str(args.variable(), opcode)?.0,
+        },
+        Opcode::Rmdir => Operation::Rmdir {
+            name: c_str(args.variable(), opcode)?.0,
+        },
+        Opcode::Rename => {
+            let (arg, rest): (RenameIn, _) = args.fixed(opcode)?;
+            let (old, rest) = c_str(rest, opcode)?;
+            let (new, _) = c_str(rest, opcode)?;
+            Operation::Rename {
+                newdir: arg.newdir,
+                flags: 0,
+                old,
+                new,
+            }
+        }
+        Opcode::Rename2 => {
+            let (arg, rest): (Rename2In, _) = args.fixed(opcode)?;
+            let (old, rest) = c_str(rest, opcode)?;
+            let (new, _) = c_str(rest, opcode)?;
+            Operation::Rename {
+                newdir: arg.newdir,
+                flags: arg.flags,
+                old,
+                new,
+            }
+        }
+        Opcode::Link => {
+            let (arg, rest): (LinkIn, _) = args.fixed(opcode)?;
+            let name = c_str(rest, opcode)?.0;
+            Operation::Link { arg, name }
+        }
+        Opcode::Create => {
+            let (arg, rest): (CreateIn, _) = args.fixed(opcode)?;
+            let name = c_str(rest, opcode)?.0;
+            Operation::Create { arg, name }
+        }
+        // The kernel sends a placeholder name after the struct, as for CREATE; the file has none.
+        Opcode::Tmpfile => {
+            let (arg, rest): (CreateIn, _) = args.fixed(opcode)?;
+            c_str(rest, opcode)?;
+            Operation::Tmpfile(arg)
+        }
+        Opcode::Opendir => Operation::Opendir(args.fixed(opcode)?.0),
+        Opcode::Readdir => Operation::Readdir(args.fixed(opcode)?.0),
+        Opcode::Readdirplus => Operation::Readdirplus(args.fixed(opcode)?.0),
+        Opcode::Releasedir => Operation::Releasedir(args.fixed(opcode)?.0),
+        Opcode::Fsyncdir => Operation::Fsyncdir(args.fixed(opcode)?.0),
+        Opcode::Setxattr => {
+            let (arg, rest): (SetxattrIn, _) = args.fixed(opcode)?;
+            let (name, rest) = c_str(rest, opcode)?;
+            let value = usize::try_from(arg.size)
+                .ok()
+                .and_then(|n| rest.get(..n))
+                .ok_or_else(|| inconsistent("xattr value is shorter than its size"))?;
+            Operation::Setxattr { arg, name, value }
+        }
+        Opcode::Getxattr => {
+            let (arg, rest): (GetxattrIn, _) = args.fixed(opcode)?;
+            let name = c_str(rest, opcode)?.0;
+            Operation::Getxattr { arg, name }
+        }
+        Opcode::Listxattr => Operation::Listxattr(args.fixed(opcode)?.0),
+        Opcode::Removexattr => Operation::Removexattr {
+            name: c_str(args.variable(), opcode)?.0,
+        },
+        Opcode::Access => Operation::Access(args.fixed(opcode)?.0),
         other => Operation::Unsupported(other),
     };
     Ok(op)
+}
+
+/// Splits a NUL-terminated string off the front of `raw`: the bytes before the NUL, and what
+/// follows it.
+fn c_str(raw: &[u8], opcode: u32) -> Result<(&[u8], &[u8]), ParseError> {
+    let end = raw
+        .iter()
+        .position(|&b| b == 0)
+        .ok_or(ParseError::Inconsistent {
+            opcode,
+            what: "name is not NUL-terminated",
+        })?;
+    Ok((&raw[..end], &raw[end + 1..]))
+}
+
+/// The entries of a BATCH_FORGET, as `Operation::BatchForget::entries` holds them.
+pub fn forget_entries(entries: &[u8]) -> impl Iterator<Item = ForgetOne> + '_ {
+    entries
+        .chunks_exact(core::mem::size_of::<ForgetOne>())
+        .filter_map(|c| ForgetOne::read_from_bytes(c).ok())
 }
 
 #[cfg(test)]

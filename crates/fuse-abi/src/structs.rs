@@ -599,6 +599,164 @@ pub struct ExtHeader {
 }
 assert_layout!(ExtHeader, 8, { size: 0, ext_type: 4 });
 
+/// Derives the traits every plain ABI struct has.
+macro_rules! abi_struct {
+    ($(#[$doc:meta])* pub struct $name:ident { $($(#[$fdoc:meta])* pub $field:ident : $ty:ty,)* }) => {
+        $(#[$doc])*
+        #[repr(C)]
+        #[derive(
+            Debug, Clone, Copy, Default, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout,
+        )]
+        pub struct $name { $($(#[$fdoc])* pub $field: $ty,)* }
+    };
+}
+
+abi_struct! {
+    /// MKNOD request head (`fuse_mknod_in`); the new name follows, NUL-terminated.
+    pub struct MknodIn {
+        /// File type and permission bits.
+        pub mode: u32,
+        /// Device number (character and block devices).
+        pub rdev: u32,
+        /// The caller's umask (applied by the server with `FUSE_DONT_MASK`).
+        pub umask: u32,
+        /// Unused.
+        pub padding: u32,
+    }
+}
+assert_layout!(MknodIn, 16, { mode: 0, rdev: 4, umask: 8, padding: 12 });
+
+abi_struct! {
+    /// MKDIR request head (`fuse_mkdir_in`); the new name follows, NUL-terminated.
+    pub struct MkdirIn {
+        /// Permission bits (the kernel adds nothing else).
+        pub mode: u32,
+        /// The caller's umask (applied by the server with `FUSE_DONT_MASK`).
+        pub umask: u32,
+    }
+}
+assert_layout!(MkdirIn, 8, { mode: 0, umask: 4 });
+
+abi_struct! {
+    /// RENAME request head (`fuse_rename_in`); old and new names follow, each NUL-terminated.
+    pub struct RenameIn {
+        /// Node of the directory the entry moves into.
+        pub newdir: u64,
+    }
+}
+assert_layout!(RenameIn, 8, { newdir: 0 });
+
+abi_struct! {
+    /// RENAME2 request head (`fuse_rename2_in`); old and new names follow.
+    pub struct Rename2In {
+        /// Node of the directory the entry moves into.
+        pub newdir: u64,
+        /// `RENAME_NOREPLACE`, `RENAME_EXCHANGE`, `RENAME_WHITEOUT`.
+        pub flags: u32,
+        /// Unused.
+        pub padding: u32,
+    }
+}
+assert_layout!(Rename2In, 16, { newdir: 0, flags: 8, padding: 12 });
+
+abi_struct! {
+    /// LINK request head (`fuse_link_in`); the new name follows. The header's node is the
+    /// directory the link goes into.
+    pub struct LinkIn {
+        /// Node being linked.
+        pub oldnodeid: u64,
+    }
+}
+assert_layout!(LinkIn, 8, { oldnodeid: 0 });
+
+abi_struct! {
+    /// CREATE (and TMPFILE) request head (`fuse_create_in`); the new name follows.
+    pub struct CreateIn {
+        /// `open(2)` flags.
+        pub flags: u32,
+        /// File type and permission bits.
+        pub mode: u32,
+        /// The caller's umask (applied by the server with `FUSE_DONT_MASK`).
+        pub umask: u32,
+        /// `FUSE_OPEN_*` flags.
+        pub open_flags: u32,
+    }
+}
+assert_layout!(CreateIn, 16, { flags: 0, mode: 4, umask: 8, open_flags: 12 });
+
+abi_struct! {
+    /// SETXATTR request head as sent without `FUSE_SETXATTR_EXT` (the first 8 bytes of
+    /// `fuse_setxattr_in`, `FUSE_COMPAT_SETXATTR_IN_SIZE`); the name (NUL-terminated) and `size`
+    /// bytes of value follow.
+    pub struct SetxattrIn {
+        /// Bytes of value.
+        pub size: u32,
+        /// `XATTR_CREATE` / `XATTR_REPLACE`.
+        pub flags: u32,
+    }
+}
+assert_layout!(SetxattrIn, 8, { size: 0, flags: 4 });
+
+abi_struct! {
+    /// GETXATTR and LISTXATTR request head (`fuse_getxattr_in`); GETXATTR's name follows.
+    pub struct GetxattrIn {
+        /// Room the caller has for the value (0: asks for its size).
+        pub size: u32,
+        /// Unused.
+        pub padding: u32,
+    }
+}
+assert_layout!(GetxattrIn, 8, { size: 0, padding: 4 });
+
+abi_struct! {
+    /// GETXATTR / LISTXATTR reply when the request's size was 0 (`fuse_getxattr_out`).
+    pub struct GetxattrOut {
+        /// Bytes the value (or the name list) takes.
+        pub size: u32,
+        /// Unused.
+        pub padding: u32,
+    }
+}
+assert_layout!(GetxattrOut, 8, { size: 0, padding: 4 });
+
+abi_struct! {
+    /// ACCESS request (`fuse_access_in`).
+    pub struct AccessIn {
+        /// `R_OK`, `W_OK`, `X_OK` bits (`F_OK` is 0).
+        pub mask: u32,
+        /// Unused.
+        pub padding: u32,
+    }
+}
+assert_layout!(AccessIn, 8, { mask: 0, padding: 4 });
+
+abi_struct! {
+    /// Head of one READDIR entry (`fuse_dirent`); `namelen` name bytes follow, then zero
+    /// padding to a multiple of 8 ([`dirent_size`]).
+    pub struct Dirent {
+        /// Inode number.
+        pub ino: u64,
+        /// Offset to resume reading after this entry.
+        pub off: u64,
+        /// Bytes of name.
+        pub namelen: u32,
+        /// File type (`DT_*`, i.e. `st_mode >> 12`).
+        pub typ: u32,
+    }
+}
+assert_layout!(Dirent, 24, { ino: 0, off: 8, namelen: 16, typ: 20 });
+
+/// Bytes one READDIR entry with a name of `namelen` bytes takes (`FUSE_DIRENT_SIZE`).
+pub const fn dirent_size(namelen: usize) -> usize {
+    (core::mem::size_of::<Dirent>() + namelen + 7) & !7
+}
+
+/// Bytes one READDIRPLUS entry with a name of `namelen` bytes takes (`FUSE_DIRENTPLUS_SIZE`):
+/// an [`EntryOut`], then a [`Dirent`] with its name, padded to 8.
+pub const fn direntplus_size(namelen: usize) -> usize {
+    (core::mem::size_of::<EntryOut>() + core::mem::size_of::<Dirent>() + namelen + 7) & !7
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -165,6 +165,18 @@ pub enum LegacyReadArg {
     Poll,
 }
 
+/// How long the kernel caches a directory export's names, attributes and file pages.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum CacheArg {
+    /// Nothing: every lookup and stat asks fusex, file I/O is direct (mmap still works).
+    Never,
+    /// Names and attributes for 1 s; file pages are dropped at each open.
+    Auto,
+    /// Names and attributes for a day, file pages kept across opens: for sources that only
+    /// change through the mount.
+    Always,
+}
+
 /// Whether opens are handed to the kernel's FUSE passthrough.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum PassthroughArg {
@@ -305,13 +317,15 @@ pub mod heading {
 // and benchmarks are hidden (`hide`): docs/design.md lists them.
 #[derive(clap::Args, Clone, Debug)]
 pub struct MountArgs {
-    /// Image file or block device (raw or qcow2), null:SIZE, or an NBD URI
+    /// Image file or block device (raw or qcow2), null:SIZE, an NBD URI, or a directory
     ///
     /// null:SIZE reads zeroes and drops writes (null:1G). An NBD export is
     /// nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH, over TLS nbds://HOST[:PORT]/EXPORT
-    /// or nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR.
+    /// or nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR. A directory's tree is served
+    /// below MOUNTPOINT, which must then be a directory.
     pub image: String,
-    /// Regular file to mount over (created if missing, removed again at exit if fusex created it)
+    /// Regular file to mount over (created if missing, removed again at exit if fusex created it);
+    /// a directory for a directory
     pub mountpoint: PathBuf,
 
     /// Image format
@@ -396,6 +410,14 @@ pub struct MountArgs {
     /// passes only opens for reading (and mmap) through.
     #[arg(long, value_enum, value_name = "MODE", default_value_t = PassthroughArg::Auto, help_heading = heading::CACHING)]
     pub passthrough: PassthroughArg,
+    /// What the kernel caches of a directory export [default: auto]
+    ///
+    /// never: every lookup and stat asks fusex and file I/O is direct; auto: names and
+    /// attributes for 1 s, file pages dropped at each open; always: names and attributes for a
+    /// day and file pages kept across opens, for sources that change only through the mount.
+    /// Only for a directory as IMAGE.
+    #[arg(long, value_enum, value_name = "MODE", help_heading = heading::CACHING)]
+    pub cache: Option<CacheArg>,
 
     /// Number of queues [default: one per online CPU]
     ///

@@ -348,6 +348,12 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
     if args.force_share && args.no_locking {
         bail!("--force-share and --no-locking exclude each other: give one of them");
     }
+    if args.cache.is_some() {
+        bail!(
+            "--cache is for directory exports ({} is not a directory): drop --cache",
+            args.image
+        );
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
@@ -395,6 +401,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
             read_only: !args.writable,
             allow_other: args.allow_other,
             max_read: max_write,
+            directory: false,
         },
         &mut |mountpoint, id| {
             if args.auto_unmount {
@@ -724,7 +731,7 @@ pub fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Nee
 }
 
 /// Request sources for each queue thread.
-fn sources(
+pub(crate) fn sources(
     mnt: &mut Mount,
     threads: usize,
     uring: bool,

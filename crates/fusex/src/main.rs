@@ -4,6 +4,7 @@ mod affinity;
 mod cli;
 mod ctl;
 mod daemon;
+mod dirmode;
 mod files;
 mod generate;
 mod lifecycle;

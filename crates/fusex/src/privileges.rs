@@ -37,17 +37,22 @@ use std::path::{Path, PathBuf};
 /// A capability number: its bit in the kernel's 64-bit capability sets.
 type Cap = u32;
 
+const CAP_CHOWN: Cap = 0;
 const CAP_DAC_OVERRIDE: Cap = 1;
 const CAP_DAC_READ_SEARCH: Cap = 2;
 const CAP_FOWNER: Cap = 3;
+const CAP_FSETID: Cap = 4;
 const CAP_SETPCAP: Cap = 8;
 const CAP_SYS_ADMIN: Cap = 21;
 
 /// The capabilities fusex may keep, by name, for the log line.
-const NAMES: [(Cap, &str); 3] = [
+const NAMES: [(Cap, &str); 6] = [
     (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"),
     (CAP_DAC_OVERRIDE, "CAP_DAC_OVERRIDE"),
     (CAP_FOWNER, "CAP_FOWNER"),
+    (CAP_CHOWN, "CAP_CHOWN"),
+    (CAP_DAC_READ_SEARCH, "CAP_DAC_READ_SEARCH"),
+    (CAP_FSETID, "CAP_FSETID"),
 ];
 
 const fn bit(cap: Cap) -> u64 {
@@ -238,6 +243,34 @@ impl Plan {
         Plan {
             keep: Some(keep & cur.permitted),
             no_new_privs: !needs.exits_through_setuid_helper,
+        }
+    }
+
+    /// What a directory export keeps: besides `CAP_SYS_ADMIN` (the unmount at exit, `trusted.*`
+    /// attributes the kernel allowed the caller), what acting on files for their callers takes
+    /// once the kernel checked the caller's permission (`default_permissions`): `CAP_CHOWN` (new
+    /// entries given to their creator), `CAP_DAC_OVERRIDE` and `CAP_DAC_READ_SEARCH` (files the
+    /// daemon's own uid could not open or search), `CAP_FOWNER` (modes, times and attributes of
+    /// files it does not own) and `CAP_FSETID` (set-id bits kept on others' files). Everything
+    /// else goes (`CAP_SETUID`, `CAP_MKNOD`, `CAP_SYS_PTRACE`, network, ...).
+    pub fn directory(exits_through_setuid_helper: bool) -> Plan {
+        let cur = match capget() {
+            Ok(c) if c.permitted != 0 => c,
+            _ => return Plan::none(),
+        };
+        let keep = [
+            CAP_SYS_ADMIN,
+            CAP_CHOWN,
+            CAP_DAC_OVERRIDE,
+            CAP_DAC_READ_SEARCH,
+            CAP_FOWNER,
+            CAP_FSETID,
+        ]
+        .iter()
+        .fold(0, |k, &c| k | bit(c));
+        Plan {
+            keep: Some(keep & cur.permitted),
+            no_new_privs: !exits_through_setuid_helper,
         }
     }
 

@@ -44,6 +44,13 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
             return Err(e);
         }
     };
+    if crate::dirmode::is_directory(&args.image) {
+        let r = crate::dirmode::mount(args, ready, signals, pid_file.as_ref());
+        if let Some(p) = pid_file {
+            p.remove();
+        }
+        return r;
+    }
     // Bound before anything is mounted: an address in use fails the start in one line.
     let slot = crate::metrics::MountSlot::default();
     let metrics = args

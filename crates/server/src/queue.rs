@@ -12,9 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 
-use backend::BlockBackend;
 use engine::{Buf, BufPool, Engine, EngineError, EngineStats, Remote, TaskId};
-use export::{Export, Snapshot};
+use export::{Filesystem, Snapshot};
 use thiserror::Error;
 use transport::{Layout, LegacyQueue, TransportError, UringLayout, UringQueue};
 
@@ -126,9 +125,9 @@ pub type Report = Arc<dyn Fn(QueueEvent) + Send + Sync>;
 /// A queue to start on a worker thread ([`crate::Workers::submit`]): it becomes a tenant of that
 /// thread's engine and reports through `report` until it has ended. `stop` set (and the
 /// `Started` task woken) makes it stop taking requests.
-pub fn job<B: BlockBackend + 'static>(
+pub fn job<F: Filesystem>(
     spec: QueueSpec,
-    export: Arc<Export<B>>,
+    export: Arc<F>,
     stop: Arc<AtomicBool>,
     report: Report,
 ) -> Box<dyn Job> {
@@ -140,14 +139,14 @@ pub fn job<B: BlockBackend + 'static>(
     })
 }
 
-struct QueueJob<B> {
+struct QueueJob<F> {
     spec: QueueSpec,
-    export: Arc<Export<B>>,
+    export: Arc<F>,
     stop: Arc<AtomicBool>,
     report: Report,
 }
 
-impl<B: BlockBackend + 'static> Job for QueueJob<B> {
+impl<F: Filesystem> Job for QueueJob<F> {
     fn run(self: Box<Self>, eng: &Rc<Engine>) {
         let QueueJob {
             spec,
@@ -207,9 +206,9 @@ impl Drop for Held {
 }
 
 /// Sets a queue up on `eng` and spawns its tasks. On an error nothing of it stays behind.
-fn start<B: BlockBackend + 'static>(
+fn start<F: Filesystem>(
     spec: QueueSpec,
-    export: Arc<Export<B>>,
+    export: Arc<F>,
     stop: Arc<AtomicBool>,
     report: Report,
     eng: &Rc<Engine>,
@@ -296,7 +295,7 @@ fn start<B: BlockBackend + 'static>(
                 entries: st.entries_registered(),
             };
             // Per-thread backend state (an NBD connection) goes with the queue.
-            st.server().export().backend().queue_ended();
+            st.server().export().queue_ended();
             drop(held);
             drop(conn);
             if let Some(crew) = crew {

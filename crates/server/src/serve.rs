@@ -2,18 +2,19 @@
 
 use std::sync::Arc;
 
-use backend::BlockBackend;
 use engine::{Buf, Engine};
-use export::{Counters, Export, Reply, Request, Tally};
+use export::{Counters, Filesystem, Reply, Request, Tally};
 use fuse_abi::{parse, parse_op_split, peek_unique, write_header, InHeader, Operation, ParseError};
 use transport::{Delivered, Layout, UringLayout};
+use zerocopy::FromBytes;
 
 use crate::reply::reply_parts;
 
-/// Serves the requests of one queue: shared export, per-queue counters (written by this queue's
-/// thread only; shared so the main thread can read them live).
-pub struct QueueServer<B> {
-    export: Arc<Export<B>>,
+/// Serves the requests of one queue: the shared filesystem (an image export or a directory
+/// tree), per-queue counters (written by this queue's thread only; shared so the main thread can
+/// read them live).
+pub struct QueueServer<F> {
+    export: Arc<F>,
     counters: Arc<Counters>,
     splice_min: usize,
 }
@@ -40,9 +41,9 @@ pub enum LegacyReply {
     },
 }
 
-impl<B: BlockBackend> QueueServer<B> {
+impl<F: Filesystem> QueueServer<F> {
     /// A server for one queue of `export`.
-    pub fn new(export: Arc<Export<B>>) -> QueueServer<B> {
+    pub fn new(export: Arc<F>) -> QueueServer<F> {
         QueueServer {
             export,
             counters: Arc::new(Counters::default()),
@@ -76,7 +77,7 @@ impl<B: BlockBackend> QueueServer<B> {
     }
 
     /// The export served.
-    pub fn export(&self) -> &Export<B> {
+    pub fn export(&self) -> &F {
         &self.export
     }
 
@@ -96,7 +97,10 @@ impl<B: BlockBackend> QueueServer<B> {
         };
         let decoded = match parse(raw) {
             Ok(r) => Ok((r.header, lower(&r.op, buf.as_slice()))),
-            Err(e) => Err((peek_unique(raw), e)),
+            Err(e) => match InHeader::read_from_prefix(raw) {
+                Ok((hdr, _)) if unserved::<F>(&e) => Ok((hdr, (unsupported(&hdr), None))),
+                _ => Err((peek_unique(raw), e)),
+            },
         };
         let window = l.payload..buf.len();
         let capacity = window.len();
@@ -152,6 +156,11 @@ impl<B: BlockBackend> QueueServer<B> {
             Ok(op) => {
                 let op = lower(&op, b);
                 let window = l.payload..l.payload + l.payload_len;
+                self.dispatch(eng, &hdr, op, buf, window).await
+            }
+            Err(e) if unserved::<F>(&e) => {
+                let window = l.payload..l.payload + l.payload_len;
+                let op = (unsupported(&hdr), None);
                 self.dispatch(eng, &hdr, op, buf, window).await
             }
             Err(e) => (self.malformed(&e), buf),
@@ -219,6 +228,16 @@ impl<B: BlockBackend> QueueServer<B> {
     }
 }
 
+/// Whether a decoding error is in the arguments of an opcode `F` does not implement: such a
+/// request is answered as unsupported, whatever its arguments.
+fn unserved<F: Filesystem>(e: &ParseError) -> bool {
+    e.arguments_of().is_some_and(|op| !F::serves(op))
+}
+
+fn unsupported(hdr: &InHeader) -> Request {
+    Request::Unsupported(hdr.opcode)
+}
+
 /// The owned form of an operation, plus where WRITE data sits in the buffer `base`.
 fn lower(op: &Operation<'_>, base: &[u8]) -> (Request, Option<(usize, usize)>) {
     let write = match op {
@@ -227,7 +246,7 @@ fn lower(op: &Operation<'_>, base: &[u8]) -> (Request, Option<(usize, usize)>) {
         }
         _ => None,
     };
-    (Request::from_operation(op), write)
+    (Request::from_operation(op, base), write)
 }
 
 #[cfg(test)]

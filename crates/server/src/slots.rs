@@ -12,8 +12,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::task::Poll;
 
-use backend::BlockBackend;
 use engine::{Buf, Engine, TaskId};
+use export::Filesystem;
 use transport::{Fetched, LegacyQueue, ReadOutcome, Spliced, TransportError, UringQueue};
 
 use crate::crew::{Crew, Migrant};
@@ -69,12 +69,12 @@ struct QidEntries {
 pub const INITIAL_ENTRIES: usize = 1;
 
 /// What a queue does once its last task has ended (see [`QueueState::set_on_end`]).
-pub type OnEnd<B> = Box<dyn FnOnce(&QueueState<B>)>;
+pub type OnEnd<F> = Box<dyn FnOnce(&QueueState<F>)>;
 
 /// State the request loops of one queue share (single-threaded).
-pub struct QueueState<B> {
+pub struct QueueState<F> {
     eng: Rc<Engine>,
-    server: QueueServer<B>,
+    server: QueueServer<F>,
     legacy: Option<LegacyQueue>,
     failure: Cell<Option<String>>,
     stopping: Cell<bool>,
@@ -94,13 +94,13 @@ pub struct QueueState<B> {
     /// This queue's tasks on the engine (which may run other queues' too).
     tasks: Cell<usize>,
     /// Run once the last of them has ended.
-    on_end: Cell<Option<OnEnd<B>>>,
+    on_end: Cell<Option<OnEnd<F>>>,
 }
 
-impl<B: BlockBackend> QueueState<B> {
+impl<F: Filesystem> QueueState<F> {
     /// The state of a queue that runs on `eng`, serves through `server`, and (for a legacy
     /// queue, or an io_uring queue's fallback reader) reads `legacy`.
-    pub fn new(eng: Rc<Engine>, server: QueueServer<B>, legacy: Option<LegacyQueue>) -> Rc<Self> {
+    pub fn new(eng: Rc<Engine>, server: QueueServer<F>, legacy: Option<LegacyQueue>) -> Rc<Self> {
         Rc::new(QueueState {
             eng,
             server,
@@ -130,7 +130,7 @@ impl<B: BlockBackend> QueueState<B> {
     }
 
     /// What to do once the queue's last task has ended (report, give its resources back).
-    pub fn set_on_end(&self, f: OnEnd<B>) {
+    pub fn set_on_end(&self, f: OnEnd<F>) {
         self.on_end.set(Some(f));
     }
 
@@ -336,7 +336,7 @@ impl<B: BlockBackend> QueueState<B> {
     }
 
     /// The queue's server (for its counters).
-    pub fn server(&self) -> &QueueServer<B> {
+    pub fn server(&self) -> &QueueServer<F> {
         &self.server
     }
 
@@ -369,7 +369,7 @@ impl<B: BlockBackend> QueueState<B> {
     pub fn begin_stop(&self) {
         self.stopping.set(true);
         // Requests waiting for something only a live queue needs (an NBD reconnect) give up.
-        self.server.export().backend().queue_stopping();
+        self.server.export().queue_stopping();
         if let Some(q) = &self.legacy {
             q.stop(&self.eng);
         }
@@ -583,9 +583,9 @@ impl<B: BlockBackend> QueueState<B> {
 }
 
 /// Held by each task of a queue: its drop counts the task as ended.
-struct Member<B: BlockBackend>(Rc<QueueState<B>>);
+struct Member<F: Filesystem>(Rc<QueueState<F>>);
 
-impl<B: BlockBackend> Drop for Member<B> {
+impl<F: Filesystem> Drop for Member<F> {
     fn drop(&mut self) {
         self.0.task_ended();
     }

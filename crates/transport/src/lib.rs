@@ -44,6 +44,9 @@ pub enum TransportError {
     #[error("cannot open /dev/fuse: {0}")]
     DevFuse(io::Error),
     /// The mountpoint is a directory; fusex exports a single file.
+    /// A directory export's mountpoint is not a directory.
+    #[error("{0} is not a directory: a directory export is mounted on a directory")]
+    MountpointNotDir(String),
     #[error("mountpoint {0} is a directory: give a regular file path (it is created if missing)")]
     MountpointIsDir(String),
     /// The mountpoint's parent directory does not exist.

@@ -25,6 +25,9 @@ pub struct MountConfig {
     pub allow_other: bool,
     /// Largest read the kernel sends (`max_read=`).
     pub max_read: u32,
+    /// The mount's root is a directory (a directory export): the mountpoint must be an existing
+    /// directory, never created or removed by fusex.
+    pub directory: bool,
 }
 
 /// Runs once a new mount exists and before anything can see it (see [`Mount::establish`]).
@@ -67,6 +70,8 @@ pub struct Mount {
     /// Set while mounted: which mount is ours.
     identity: Option<MountIdentity>,
     via: Via,
+    /// The root is a directory ([`MountConfig::directory`]).
+    directory: bool,
 }
 
 /// Opens `/dev/fuse` with errors a user can act on.
@@ -214,6 +219,7 @@ impl Mount {
             created: None,
             identity: None,
             via: Via::Kernel,
+            directory: cfg.directory,
         })
     }
 
@@ -237,6 +243,14 @@ impl Mount {
             error,
         };
         match std::fs::symlink_metadata(&self.mountpoint) {
+            Ok(m) if self.directory => {
+                if m.is_dir() {
+                    Ok(None)
+                } else {
+                    Err(TransportError::MountpointNotDir(shown.to_string()))
+                }
+            }
+            Err(e) if self.directory => Err(create_err(e)),
             Ok(m) if m.is_dir() => Err(TransportError::MountpointIsDir(shown.to_string())),
             Ok(m) if !m.is_file() => Err(TransportError::MountpointNotFile(shown.to_string())),
             Ok(_) => Ok(None),
@@ -320,6 +334,8 @@ impl Mount {
             } else {
                 Via::Kernel
             },
+            // Only image exports are handed over.
+            directory: false,
         }
     }
 
@@ -362,10 +378,24 @@ impl Mount {
         };
         let fd = crate::identity::open_path(&self.mountpoint).map_err(mount_err)?;
         let (id, kind) = crate::identity::fd_file(fd.as_fd()).map_err(mount_err)?;
-        if kind != libc::S_IFREG || self.created.is_some_and(|made| made != id) {
+        let want = if self.directory {
+            libc::S_IFDIR
+        } else {
+            libc::S_IFREG
+        };
+        if kind != want || self.created.is_some_and(|made| made != id) {
             return Err(TransportError::MountpointChanged(shown.to_string()));
         }
         Ok(fd)
+    }
+
+    /// The root's file type and mode before INIT (`rootmode=`).
+    fn root_mode(&self) -> u32 {
+        if self.directory {
+            libc::S_IFDIR | 0o755
+        } else {
+            libc::S_IFREG | 0o644
+        }
     }
 
     /// The mount options, as mount(2) and `fsconfig` both take them.
@@ -375,7 +405,7 @@ impl Mount {
         let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
         let mut opts = vec![
             ("fd", Some(fd.to_string())),
-            ("rootmode", Some(format!("{:o}", libc::S_IFREG | 0o644))),
+            ("rootmode", Some(format!("{:o}", self.root_mode()))),
             ("user_id", Some(uid.to_string())),
             ("group_id", Some(gid.to_string())),
             ("default_permissions", None),

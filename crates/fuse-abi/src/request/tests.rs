@@ -167,7 +167,216 @@ fn samples() -> Vec<(Opcode, Vec<u8>)> {
         ),
         (Opcode::Statfs, vec![]),
         (Opcode::Interrupt, B::default().u64(UNIQUE - 2).0),
+        (Opcode::Readlink, vec![]),
+        (Opcode::Symlink, b"link\0/etc/passwd\0".to_vec()),
+        (
+            Opcode::Mknod,
+            B::default()
+                .u32(0o10644)
+                .u32(0)
+                .u32(0o22)
+                .u32(0)
+                .bytes(b"fifo\0")
+                .0,
+        ),
+        (
+            Opcode::Mkdir,
+            B::default().u32(0o755).u32(0o22).bytes(b"dir\0").0,
+        ),
+        (Opcode::Unlink, b"gone\0".to_vec()),
+        (Opcode::Rmdir, b"dir\0".to_vec()),
+        (Opcode::Rename, B::default().u64(9).bytes(b"a\0bb\0").0),
+        (
+            Opcode::Rename2,
+            B::default().u64(9).u32(1).u32(0).bytes(b"a\0bb\0").0,
+        ),
+        (Opcode::Link, B::default().u64(12).bytes(b"hard\0").0),
+        (
+            Opcode::Create,
+            B::default()
+                .u32(0o101)
+                .u32(0o100600)
+                .u32(0o77)
+                .u32(0)
+                .bytes(b"new\0")
+                .0,
+        ),
+        (Opcode::Opendir, B::default().u32(0).u32(0).0),
+        (
+            Opcode::Tmpfile,
+            B::default()
+                .u32(0o2)
+                .u32(0o100600)
+                .u32(0o22)
+                .u32(0)
+                .bytes(b"/\0")
+                .0,
+        ),
+        (Opcode::Readdir, read_body()),
+        (Opcode::Readdirplus, read_body()),
+        (
+            Opcode::Releasedir,
+            B::default().u64(5).u32(0).u32(0).u64(0).0,
+        ),
+        (Opcode::Fsyncdir, B::default().u64(5).u32(0).u32(0).0),
+        (
+            Opcode::Setxattr,
+            B::default().u32(3).u32(1).bytes(b"user.x\0abc").0,
+        ),
+        (
+            Opcode::Getxattr,
+            B::default().u32(64).u32(0).bytes(b"user.x\0").0,
+        ),
+        (Opcode::Listxattr, B::default().u32(0).u32(0).0),
+        (Opcode::Removexattr, b"user.x\0".to_vec()),
+        (Opcode::Access, B::default().u32(4).u32(0).0),
     ]
+}
+
+#[test]
+fn directory_operations() {
+    let ops: Vec<(Opcode, Vec<u8>)> = samples();
+    let get = |code: Opcode| {
+        let body = &ops.iter().find(|(o, _)| *o == code).unwrap().1;
+        request(code, body)
+    };
+    assert_eq!(op(&get(Opcode::Readlink)), Operation::Readlink);
+    assert_eq!(
+        op(&get(Opcode::Symlink)),
+        Operation::Symlink {
+            name: b"link",
+            target: b"/etc/passwd"
+        }
+    );
+    let req = get(Opcode::Mknod);
+    let Operation::Mknod { arg, name } = op(&req) else {
+        panic!("not mknod")
+    };
+    assert_eq!((arg.mode, arg.umask, name), (0o10644, 0o22, &b"fifo"[..]));
+    let req = get(Opcode::Mkdir);
+    let Operation::Mkdir { arg, name } = op(&req) else {
+        panic!("not mkdir")
+    };
+    assert_eq!((arg.mode, arg.umask, name), (0o755, 0o22, &b"dir"[..]));
+    assert_eq!(
+        op(&get(Opcode::Unlink)),
+        Operation::Unlink { name: b"gone" }
+    );
+    assert_eq!(op(&get(Opcode::Rmdir)), Operation::Rmdir { name: b"dir" });
+    assert_eq!(
+        op(&get(Opcode::Rename)),
+        Operation::Rename {
+            newdir: 9,
+            flags: 0,
+            old: b"a",
+            new: b"bb"
+        }
+    );
+    assert_eq!(
+        op(&get(Opcode::Rename2)),
+        Operation::Rename {
+            newdir: 9,
+            flags: 1,
+            old: b"a",
+            new: b"bb"
+        }
+    );
+    assert_eq!(
+        op(&get(Opcode::Link)),
+        Operation::Link {
+            arg: LinkIn { oldnodeid: 12 },
+            name: b"hard"
+        }
+    );
+    let req = get(Opcode::Create);
+    let Operation::Create { arg, name } = op(&req) else {
+        panic!("not create")
+    };
+    assert_eq!(
+        (arg.flags, arg.mode, arg.umask, name),
+        (0o101, 0o100600, 0o77, &b"new"[..])
+    );
+    assert!(matches!(op(&get(Opcode::Opendir)), Operation::Opendir(_)));
+    assert!(matches!(op(&get(Opcode::Tmpfile)), Operation::Tmpfile(c) if c.mode == 0o100600));
+    assert!(matches!(op(&get(Opcode::Readdir)), Operation::Readdir(r) if r.size == 65536));
+    assert!(matches!(
+        op(&get(Opcode::Readdirplus)),
+        Operation::Readdirplus(_)
+    ));
+    assert!(matches!(op(&get(Opcode::Releasedir)), Operation::Releasedir(r) if r.fh == 5));
+    assert!(matches!(op(&get(Opcode::Fsyncdir)), Operation::Fsyncdir(f) if f.fh == 5));
+    assert_eq!(
+        op(&get(Opcode::Setxattr)),
+        Operation::Setxattr {
+            arg: SetxattrIn { size: 3, flags: 1 },
+            name: b"user.x",
+            value: b"abc"
+        }
+    );
+    assert_eq!(
+        op(&get(Opcode::Getxattr)),
+        Operation::Getxattr {
+            arg: GetxattrIn {
+                size: 64,
+                padding: 0
+            },
+            name: b"user.x"
+        }
+    );
+    assert_eq!(
+        op(&get(Opcode::Removexattr)),
+        Operation::Removexattr { name: b"user.x" }
+    );
+    assert_eq!(
+        op(&get(Opcode::Access)),
+        Operation::Access(AccessIn {
+            mask: 4,
+            padding: 0
+        })
+    );
+}
+
+#[test]
+fn names_without_nul_and_short_values_are_refused() {
+    for (code, body) in [
+        (Opcode::Unlink, b"abc".to_vec()),
+        (Opcode::Symlink, b"name\0target".to_vec()),
+        (Opcode::Rename, B::default().u64(1).bytes(b"old\0new").0),
+        (
+            Opcode::Setxattr,
+            B::default().u32(4).u32(0).bytes(b"user.x\0abc").0,
+        ),
+        (
+            Opcode::Setxattr,
+            B::default().u32(u32::MAX).u32(0).bytes(b"user.x\0").0,
+        ),
+    ] {
+        let e = parse(&request(code, &body)).expect_err(code.name());
+        assert_eq!(e.errno(), 22, "{}", code.name());
+    }
+}
+
+#[test]
+fn split_framing_reads_names_from_the_payload() {
+    let mut op_in = [0u8; 128];
+    op_in[..8].copy_from_slice(&0o755u32.to_ne_bytes().repeat(2));
+    let hdr = InHeader {
+        len: 80,
+        opcode: Opcode::Mkdir as u32,
+        unique: 1,
+        nodeid: 1,
+        ..Default::default()
+    };
+    assert_eq!(
+        parse_op_split(&hdr, &op_in, b"sub\0").unwrap(),
+        Operation::Mkdir {
+            arg: MkdirIn {
+                mode: 0o755,
+                umask: 0o755
+            },
+            name: b"sub"
+        }
+    );
 }
 
 // ---------------------------------------------------- one test per op
@@ -264,8 +473,19 @@ fn batch_forget() {
     let body = B::default().u32(2).u32(0).u64(1).u64(1).u64(2).u64(5).0;
     assert_eq!(
         op(&request(Opcode::BatchForget, &body)),
-        Operation::BatchForget { count: 2 }
+        Operation::BatchForget {
+            count: 2,
+            entries: &body[8..]
+        }
     );
+    let req = request(Opcode::BatchForget, &body);
+    let Operation::BatchForget { entries, .. } = op(&req) else {
+        panic!("not batch forget")
+    };
+    let got: Vec<_> = forget_entries(entries)
+        .map(|e| (e.nodeid, e.nlookup))
+        .collect();
+    assert_eq!(got, [(1, 1), (2, 5)]);
     // Count larger than the entries present.
     let body = B::default().u32(3).u32(0).u64(1).u64(1).0;
     assert_eq!(
@@ -671,7 +891,18 @@ fn any_opcode() -> impl Strategy<Value = u32> {
 fn check_invariants(res: &Result<Operation<'_>, ParseError>) {
     match res {
         Ok(Operation::Write { arg, data }) => assert_eq!(arg.size as usize, data.len()),
-        Ok(Operation::Lookup { name }) => assert!(!name.contains(&0)),
+        Ok(Operation::Lookup { name })
+        | Ok(Operation::Unlink { name })
+        | Ok(Operation::Rmdir { name })
+        | Ok(Operation::Mkdir { name, .. })
+        | Ok(Operation::Create { name, .. }) => assert!(!name.contains(&0)),
+        Ok(Operation::Rename { old, new, .. }) => {
+            assert!(!old.contains(&0) && !new.contains(&0))
+        }
+        Ok(Operation::Setxattr { arg, value, .. }) => assert_eq!(arg.size as usize, value.len()),
+        Ok(Operation::BatchForget { count, entries }) => {
+            assert_eq!(*count as usize * 16, entries.len())
+        }
         _ => {}
     }
 }

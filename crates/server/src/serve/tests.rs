@@ -323,7 +323,7 @@ mod harness {
     /// A server over a [`Mem`] export, its engine and the two slot layouts.
     pub struct Harness {
         pub eng: Engine,
-        pub server: QueueServer<Mem>,
+        pub server: QueueServer<export::Export<Mem>>,
         pub legacy: Layout,
         pub uring: UringLayout,
         unique: Cell<u64>,

@@ -1,0 +1,1178 @@
+//! The directory export: a source directory tree served through FUSE.
+//!
+//! [`DirFs`] implements [`export::Filesystem`], so the queue server drives it exactly as it
+//! drives an image export (static dispatch, the same buffers and framings). Nodes are inodes of
+//! the source held by `O_PATH` descriptors ([`inodes`]); open files and directories are
+//! descriptors behind checked handles ([`files`]).
+//!
+//! What keeps the daemon inside the source ([`sys`] holds every call that takes a path):
+//! every name the kernel sends is one component, checked (never empty, `.`, `..` or holding `/`),
+//! and resolved with `*at()` calls in the parent's descriptor without following a final symlink;
+//! an inode already held is reached through its descriptor (re-opened through
+//! `/proc/self/fd`), never by a path; symlinks are created, read and returned, never followed.
+//! Permission checks are the kernel's (`default_permissions`) against the attributes returned;
+//! what the caller creates is given the caller's uid and gid (a setgid directory's gid instead).
+
+mod attr;
+pub mod files;
+pub mod inodes;
+pub mod sys;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::CStr;
+use std::ops::Range;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use engine::{Buf, Engine, Fd};
+use export::{Filesystem, Reply, Request, Span, Tally};
+use fuse_abi::{
+    AttrOut, CreateIn, Dirent, EntryOut, FallocateIn, FsyncIn, GetattrIn, GetxattrIn, GetxattrOut,
+    InHeader, Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenIn, OpenOut, ReadIn,
+    SetattrIn, SetxattrIn, StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH,
+    FATTR_GID, FATTR_MODE, FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO,
+    FOPEN_KEEP_CACHE, FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC,
+    RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_ID,
+};
+use zerocopy::{Immutable, IntoBytes};
+
+use crate::inodes::{Inode, Inodes};
+use crate::sys::{Errno, Name};
+
+/// How the directory export behaves; fixed for its lifetime.
+#[derive(Clone, Copy, Debug)]
+pub struct DirConfig {
+    /// Accept changes (otherwise every one is `EROFS`).
+    pub writable: bool,
+    /// How long the kernel may cache a name's lookup.
+    pub entry_valid: Duration,
+    /// How long the kernel may cache attributes.
+    pub attr_valid: Duration,
+    /// Keep a file's cached pages across opens (`FOPEN_KEEP_CACHE`): for sources nothing else
+    /// changes.
+    pub keep_cache: bool,
+    /// Files are opened for direct I/O (`FOPEN_DIRECT_IO`): no kernel page cache (mmap still
+    /// works where INIT granted `FUSE_DIRECT_IO_ALLOW_MMAP`).
+    pub direct_io: bool,
+    /// Most files and directories open through the mount at once.
+    pub max_open: usize,
+    /// Most nodes held at once (each is a descriptor): beyond it a lookup fails with `ENFILE`
+    /// until the kernel forgets some, so the daemon keeps descriptors for its own needs.
+    pub max_nodes: usize,
+}
+
+impl Default for DirConfig {
+    fn default() -> Self {
+        DirConfig {
+            writable: false,
+            entry_valid: Duration::from_secs(1),
+            attr_valid: Duration::from_secs(1),
+            keep_cache: false,
+            direct_io: false,
+            max_open: 1 << 16,
+            max_nodes: 1 << 20,
+        }
+    }
+}
+
+/// Why a directory export could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DirError {
+    /// The source path holds a NUL byte.
+    #[error("{0}: the path holds a NUL byte")]
+    Nul(String),
+    /// The source could not be opened as a directory (not one, a symlink, missing, ...).
+    #[error("cannot open the source directory {path}: {error}")]
+    Open {
+        /// The path.
+        path: String,
+        /// What open(2) said.
+        error: std::io::Error,
+    },
+    /// `/proc/self/fd` is not there (fusex re-opens held inodes through it).
+    #[error("cannot open /proc/self/fd: {0} (mount /proc)")]
+    Proc(std::io::Error),
+}
+
+/// A directory tree served through FUSE, shared by every queue thread.
+pub struct DirFs {
+    cfg: DirConfig,
+    inodes: Inodes,
+    files: Files,
+    proc_fd: OwnedFd,
+    /// Open handles answered minus released, as the image export counts them.
+    open_files: AtomicU64,
+    /// With passthrough: a clone of the connection's `/dev/fuse` descriptor, for the backing
+    /// ioctls. Set once before the queues start.
+    passthrough: OnceLock<OwnedFd>,
+    /// Passthrough was refused once (no privilege): later opens do not try again.
+    passthrough_refused: AtomicBool,
+    /// The backing ids registered, one per source inode with files open through passthrough
+    /// (the kernel refuses two backing files for one inode): id -> (inode, opens using it).
+    backings: Mutex<Backings>,
+}
+
+/// Backing ids shared by the opens of one inode.
+#[derive(Default)]
+struct Backings {
+    by_inode: HashMap<(u64, u64), i32>,
+    by_id: HashMap<i32, ((u64, u64), u64)>,
+}
+
+use crate::files::Files;
+
+type R = Result<Reply, Errno>;
+
+fn errno_of(e: Errno) -> std::io::Error {
+    std::io::Error::from_raw_os_error(e)
+}
+
+impl DirFs {
+    /// Opens `path` (a directory; a symlink there is refused) as the export's root.
+    pub fn open(path: &Path, cfg: DirConfig) -> Result<DirFs, DirError> {
+        use std::os::unix::ffi::OsStrExt;
+        let shown = path.display().to_string();
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| DirError::Nul(shown.clone()))?;
+        let open_err = |e: Errno| DirError::Open {
+            path: shown.clone(),
+            error: errno_of(e),
+        };
+        let root = sys::open_root(&c).map_err(open_err)?;
+        let st = sys::stat_fd(root.as_fd()).map_err(open_err)?;
+        let proc_fd = sys::open_root(c"/proc/self/fd").map_err(|e| DirError::Proc(errno_of(e)))?;
+        Ok(DirFs {
+            cfg,
+            inodes: Inodes::new(root, (st.st_dev, st.st_ino)),
+            files: Files::new(cfg.max_open),
+            proc_fd,
+            open_files: AtomicU64::new(0),
+            passthrough: OnceLock::new(),
+            passthrough_refused: AtomicBool::new(false),
+            backings: Mutex::new(Backings::default()),
+        })
+    }
+
+    /// Hands regular files' data to the kernel's FUSE passthrough (INIT granted
+    /// `FUSE_PASSTHROUGH`): each open file is registered as a backing file on `conn`, a
+    /// descriptor of the connection, and the kernel serves its reads, writes and mmap from the
+    /// source file. Once, before the queues start; false if it was set already.
+    pub fn set_passthrough(&self, conn: OwnedFd) -> bool {
+        self.passthrough.set(conn).is_ok()
+    }
+
+    /// The source directory's node (its descriptor tells the passthrough stack depth).
+    pub fn root(&self) -> Option<Arc<Inode>> {
+        self.inodes.get(ROOT_ID)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DirConfig {
+        &self.cfg
+    }
+
+    /// Nodes the kernel holds (the root included).
+    pub fn nodes(&self) -> usize {
+        self.inodes.len()
+    }
+
+    /// Files and directories open through the mount now.
+    pub fn open_files(&self) -> u64 {
+        self.open_files.load(Ordering::Relaxed)
+    }
+
+    fn node(&self, id: u64) -> Result<Arc<Inode>, Errno> {
+        self.inodes.get(id).ok_or(libc::ENOENT)
+    }
+
+    /// Whether one more node may be held ([`DirConfig::max_nodes`]).
+    fn room(&self) -> Result<(), Errno> {
+        if self.inodes.len() >= self.cfg.max_nodes {
+            Err(libc::ENFILE)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn writable(&self) -> Result<(), Errno> {
+        if self.cfg.writable {
+            Ok(())
+        } else {
+            Err(libc::EROFS)
+        }
+    }
+
+    fn attr_out(&self, st: &libc::stat) -> AttrOut {
+        AttrOut {
+            attr_valid: self.cfg.attr_valid.as_secs(),
+            attr_valid_nsec: self.cfg.attr_valid.subsec_nanos(),
+            dummy: 0,
+            attr: attr::attr(st),
+        }
+    }
+
+    fn entry_out(&self, nodeid: u64, generation: u64, st: &libc::stat) -> EntryOut {
+        EntryOut {
+            nodeid,
+            generation,
+            entry_valid: self.cfg.entry_valid.as_secs(),
+            attr_valid: self.cfg.attr_valid.as_secs(),
+            entry_valid_nsec: self.cfg.entry_valid.subsec_nanos(),
+            attr_valid_nsec: self.cfg.attr_valid.subsec_nanos(),
+            attr: attr::attr(st),
+        }
+    }
+
+    /// Takes `fd` (an `O_PATH` descriptor of an inode) into the table: one lookup more.
+    fn remember(&self, fd: OwnedFd, st: &libc::stat) -> EntryOut {
+        // (`room` was checked before the descriptor was opened; a race of a few lookups past
+        // the bound is harmless.)
+        let (id, generation) =
+            self.inodes
+                .insert(fd, (st.st_dev, st.st_ino), st.st_mode & libc::S_IFMT);
+        self.entry_out(id, generation, st)
+    }
+
+    /// LOOKUP of `name` in the directory `dir`.
+    fn lookup_in(&self, dir: BorrowedFd<'_>, name: Name<'_>) -> Result<EntryOut, Errno> {
+        self.room()?;
+        let fd = sys::open_in(dir, name, libc::O_PATH, 0)?;
+        let st = sys::stat_fd(fd.as_fd())?;
+        Ok(self.remember(fd, &st))
+    }
+
+    /// Gives a new entry its creator: the caller's uid, and gid unless the parent is setgid
+    /// (then the parent's, which the source filesystem gave it already); then the mode asked for
+    /// (chown may clear set-id bits, and the daemon's umask may have cut some). Checks the entry
+    /// is of the type just made, so a name swapped meanwhile by someone with access to the
+    /// source is not given away.
+    fn adopt(
+        &self,
+        hdr: &InHeader,
+        parent: &Inode,
+        fd: &OwnedFd,
+        kind: u32,
+        mode: Option<u32>,
+    ) -> Result<libc::stat, Errno> {
+        let st = sys::stat_fd(fd.as_fd())?;
+        if st.st_mode & libc::S_IFMT != kind {
+            return Err(libc::EIO);
+        }
+        let pst = sys::stat_fd(parent.fd())?;
+        let gid = if pst.st_mode & libc::S_ISGID != 0 {
+            u32::MAX
+        } else {
+            hdr.gid
+        };
+        let mut st = st;
+        if st.st_uid != hdr.uid || (gid != u32::MAX && st.st_gid != gid) {
+            sys::chown_fd(fd.as_fd(), hdr.uid, gid)?;
+            st = sys::stat_fd(fd.as_fd())?;
+        }
+        if let Some(mode) = mode {
+            let mut want = mode & 0o7777;
+            if kind == libc::S_IFDIR {
+                // The source filesystem sets a setgid parent's bit on new directories.
+                want |= st.st_mode & libc::S_ISGID;
+            }
+            if st.st_mode & 0o7777 != want {
+                sys::chmod_fd(self.proc_fd.as_fd(), fd.as_raw_fd(), want)?;
+                st = sys::stat_fd(fd.as_fd())?;
+            }
+        }
+        Ok(st)
+    }
+
+    /// The common end of MKDIR, MKNOD, SYMLINK: open what was made, adopt it, remember it; undo
+    /// the creation if any of that fails.
+    fn finish_new(
+        &self,
+        hdr: &InHeader,
+        parent: &Inode,
+        name: Name<'_>,
+        kind: u32,
+        mode: Option<u32>,
+    ) -> Result<EntryOut, Errno> {
+        let r = sys::open_in(parent.fd(), name, libc::O_PATH, 0)
+            .and_then(|fd| self.adopt(hdr, parent, &fd, kind, mode).map(|st| (fd, st)));
+        match r {
+            Ok((fd, st)) => Ok(self.remember(fd, &st)),
+            Err(e) => {
+                let flags = if kind == libc::S_IFDIR {
+                    libc::AT_REMOVEDIR
+                } else {
+                    0
+                };
+                let _ = sys::unlink_in(parent.fd(), name, flags);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The checked name a span holds.
+fn name_at(buf: &[u8], span: Span) -> Result<Name<'_>, Errno> {
+    Name::new(span.c_str(buf).ok_or(libc::EINVAL)?)
+}
+
+/// Writes a reply struct at the payload window.
+fn put<T: IntoBytes + Immutable>(buf: &mut Buf, payload: usize, v: &T) -> R {
+    let b = v.as_bytes();
+    let dst = buf
+        .as_mut_slice()
+        .get_mut(payload..payload + b.len())
+        .ok_or(libc::EIO)?;
+    dst.copy_from_slice(b);
+    Ok(Reply::Data(b.len()))
+}
+
+/// Writes two reply structs back to back (CREATE: entry, then open).
+fn put2<A: IntoBytes + Immutable, B: IntoBytes + Immutable>(
+    buf: &mut Buf,
+    payload: usize,
+    a: &A,
+    b: &B,
+) -> R {
+    let (x, y) = (a.as_bytes(), b.as_bytes());
+    let dst = buf
+        .as_mut_slice()
+        .get_mut(payload..payload + x.len() + y.len())
+        .ok_or(libc::EIO)?;
+    dst[..x.len()].copy_from_slice(x);
+    dst[x.len()..].copy_from_slice(y);
+    Ok(Reply::Data(x.len() + y.len()))
+}
+
+thread_local! {
+    /// Where READDIR reads `linux_dirent64` records before encoding them: one per queue thread,
+    /// allocated on its first READDIR.
+    static DIRENTS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+const DIRENTS_LEN: usize = 32 << 10;
+
+impl Filesystem for DirFs {
+    fn serves(opcode: u32) -> bool {
+        use Opcode as O;
+        matches!(
+            Opcode::from_u32(opcode),
+            Some(
+                O::Init
+                    | O::Destroy
+                    | O::Lookup
+                    | O::Forget
+                    | O::BatchForget
+                    | O::Interrupt
+                    | O::Getattr
+                    | O::Setattr
+                    | O::Open
+                    | O::Release
+                    | O::Read
+                    | O::Write
+                    | O::Flush
+                    | O::Fsync
+                    | O::Fallocate
+                    | O::Lseek
+                    | O::Statfs
+                    | O::Readlink
+                    | O::Symlink
+                    | O::Mknod
+                    | O::Mkdir
+                    | O::Unlink
+                    | O::Rmdir
+                    | O::Rename
+                    | O::Rename2
+                    | O::Link
+                    | O::Create
+                    | O::Tmpfile
+                    | O::Opendir
+                    | O::Readdir
+                    | O::Readdirplus
+                    | O::Releasedir
+                    | O::Fsyncdir
+                    | O::Setxattr
+                    | O::Getxattr
+                    | O::Listxattr
+                    | O::Removexattr
+            )
+        )
+    }
+
+    async fn handle(
+        &self,
+        eng: &Engine,
+        hdr: &InHeader,
+        req: Request,
+        mut buf: Buf,
+        window: Range<usize>,
+        tally: &Tally<'_>,
+    ) -> (Reply, Buf) {
+        if window.start > window.end || window.end > buf.len() {
+            return (Reply::Error(libc::EIO), buf);
+        }
+        let (payload, cap) = (window.start, window.end - window.start);
+        let r = match req {
+            Request::Read(a) => return self.read(eng, a, buf, payload, cap, tally).await,
+            Request::Write(a) => return self.write(eng, a, buf, payload, cap, tally).await,
+            Request::Fsync(a) | Request::Fsyncdir(a) => self.fsync(eng, a).await,
+            Request::Fallocate(a) => self.fallocate(eng, a).await,
+            other => self.metadata(hdr, other, &mut buf, payload, cap),
+        };
+        (r.unwrap_or_else(Reply::Error), buf)
+    }
+}
+
+impl DirFs {
+    /// Every request but the data path: plain system calls on the queue thread.
+    fn metadata(
+        &self,
+        hdr: &InHeader,
+        req: Request,
+        buf: &mut Buf,
+        payload: usize,
+        cap: usize,
+    ) -> R {
+        match req {
+            Request::Lookup { name } => {
+                let dir = self.node(hdr.nodeid)?;
+                let name = name_at(buf.as_slice(), name)?;
+                let e = self.lookup_in(dir.fd(), name)?;
+                put(buf, payload, &e)
+            }
+            Request::Forget(n) => {
+                self.inodes.forget(hdr.nodeid, n);
+                Ok(Reply::None)
+            }
+            Request::BatchForget { entries } => {
+                let raw = entries.bytes(buf.as_slice()).ok_or(libc::EINVAL)?;
+                for e in fuse_abi::forget_entries(raw) {
+                    self.inodes.forget(e.nodeid, e.nlookup);
+                }
+                Ok(Reply::None)
+            }
+            Request::Interrupt => Ok(Reply::None),
+            Request::Destroy => Ok(Reply::Data(0)),
+            Request::Init => Err(libc::EPROTO),
+            Request::Getattr(a) => self.getattr(hdr, a, buf, payload),
+            Request::Setattr(a) => self.setattr(hdr, a, buf, payload),
+            Request::Open(a) => self.open_file(hdr, a, buf, payload),
+            Request::Opendir(_) => self.opendir(hdr, buf, payload),
+            Request::Release(a) | Request::Releasedir(a) => {
+                if let Some((fd, backing)) = self.files.remove(a.fh) {
+                    self.release_backing(backing);
+                    drop(fd);
+                    self.open_files.fetch_sub(1, Ordering::Relaxed);
+                }
+                Ok(Reply::Data(0))
+            }
+            Request::Flush(_) => Ok(Reply::Data(0)),
+            Request::Lseek(a) => self.lseek(a, buf, payload),
+            Request::Statfs => self.statfs(hdr, buf, payload),
+            Request::Readdir(a) => self.readdir(a, false, buf, payload, cap),
+            Request::Readdirplus(a) => self.readdir(a, true, buf, payload, cap),
+            Request::Readlink => {
+                let node = self.node(hdr.nodeid)?;
+                if node.kind != libc::S_IFLNK {
+                    return Err(libc::EINVAL);
+                }
+                let out = buf
+                    .as_mut_slice()
+                    .get_mut(payload..payload + cap)
+                    .ok_or(libc::EIO)?;
+                let n = sys::readlink_fd(node.fd(), out)?;
+                Ok(Reply::Data(n))
+            }
+            Request::Create { arg, name } => self.create(hdr, arg, name, buf, payload),
+            Request::Tmpfile(arg) => self.tmpfile(hdr, arg, buf, payload),
+            Request::Mkdir { arg, name } => self.mkdir(hdr, arg, name, buf, payload),
+            Request::Mknod { arg, name } => self.mknod(hdr, arg, name, buf, payload),
+            Request::Symlink { name, target } => {
+                self.writable()?;
+                self.room()?;
+                let dir = self.node(hdr.nodeid)?;
+                let b = buf.as_slice();
+                let n = name_at(b, name)?;
+                let t = target.c_str(b).ok_or(libc::EINVAL)?;
+                if t.is_empty() {
+                    return Err(libc::ENOENT);
+                }
+                sys::symlink_in(t, dir.fd(), n)?;
+                let e = self.finish_new(hdr, &dir, n, libc::S_IFLNK, None)?;
+                put(buf, payload, &e)
+            }
+            Request::Link { arg, name } => {
+                self.writable()?;
+                let dir = self.node(hdr.nodeid)?;
+                let node = self.node(arg.oldnodeid)?;
+                if node.is_dir() {
+                    return Err(libc::EPERM);
+                }
+                let n = name_at(buf.as_slice(), name)?;
+                sys::link_fd(self.proc_fd.as_fd(), node.fd().as_raw_fd(), dir.fd(), n)?;
+                let st = sys::stat_fd(node.fd())?;
+                let generation = self.inodes.add_lookup(arg.oldnodeid).ok_or(libc::ENOENT)?;
+                let e = self.entry_out(arg.oldnodeid, generation, &st);
+                put(buf, payload, &e)
+            }
+            Request::Unlink { name } | Request::Rmdir { name } => {
+                self.writable()?;
+                let dir = self.node(hdr.nodeid)?;
+                let n = name_at(buf.as_slice(), name)?;
+                let flags = if matches!(req, Request::Rmdir { .. }) {
+                    libc::AT_REMOVEDIR
+                } else {
+                    0
+                };
+                sys::unlink_in(dir.fd(), n, flags)?;
+                Ok(Reply::Data(0))
+            }
+            Request::Rename {
+                newdir,
+                flags,
+                old,
+                new,
+            } => {
+                self.writable()?;
+                // RENAME_WHITEOUT makes a device node: not through this export.
+                if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0 {
+                    return Err(libc::EINVAL);
+                }
+                let from = self.node(hdr.nodeid)?;
+                let to = self.node(newdir)?;
+                let b = buf.as_slice();
+                let (o, n) = (name_at(b, old)?, name_at(b, new)?);
+                sys::rename_in(from.fd(), o, to.fd(), n, flags)?;
+                Ok(Reply::Data(0))
+            }
+            Request::Setxattr { arg, name, value } => {
+                self.writable()?;
+                let node = self.node(hdr.nodeid)?;
+                let b = buf.as_slice();
+                let n = name.c_str(b).ok_or(libc::EINVAL)?;
+                let v = value.bytes(b).ok_or(libc::EINVAL)?;
+                let SetxattrIn { flags, .. } = arg;
+                self.xattr_target(&node)?;
+                sys::xattr::set(node.fd().as_raw_fd(), n, v, flags as i32)?;
+                Ok(Reply::Data(0))
+            }
+            Request::Getxattr { arg, name } => {
+                let node = self.node(hdr.nodeid)?;
+                self.xattr_target(&node)?;
+                let n = name.c_str(buf.as_slice()).ok_or(libc::EINVAL)?;
+                // The name may overlap the window the value goes to: copy it out first.
+                let mut copy = [0u8; 256];
+                let len = n.to_bytes_with_nul().len();
+                if len > copy.len() {
+                    return Err(libc::ERANGE);
+                }
+                copy[..len].copy_from_slice(n.to_bytes_with_nul());
+                let n = CStr::from_bytes_with_nul(&copy[..len]).map_err(|_| libc::EINVAL)?;
+                self.xattr_reply(arg, buf, payload, cap, |out| {
+                    sys::xattr::get(node.fd().as_raw_fd(), n, out)
+                })
+            }
+            Request::Listxattr(arg) => {
+                let node = self.node(hdr.nodeid)?;
+                self.xattr_target(&node)?;
+                self.xattr_reply(arg, buf, payload, cap, |out| {
+                    sys::xattr::list(node.fd().as_raw_fd(), out)
+                })
+            }
+            Request::Removexattr { name } => {
+                self.writable()?;
+                let node = self.node(hdr.nodeid)?;
+                self.xattr_target(&node)?;
+                let n = name.c_str(buf.as_slice()).ok_or(libc::EINVAL)?;
+                sys::xattr::remove(node.fd().as_raw_fd(), n)?;
+                Ok(Reply::Data(0))
+            }
+            // With default_permissions the kernel checks access itself and never asks; a
+            // daemon running as root could not answer for the caller anyway.
+            Request::Access(_) => Err(libc::ENOSYS),
+            Request::Read(_)
+            | Request::Write(_)
+            | Request::Fsync(_)
+            | Request::Fsyncdir(_)
+            | Request::Fallocate(_)
+            | Request::Unsupported(_) => Err(libc::ENOSYS),
+        }
+    }
+
+    /// Extended attributes are reached through `/proc/self/fd`, which follows a symlink: a
+    /// symlink's own attributes are not offered.
+    fn xattr_target(&self, node: &Inode) -> Result<(), Errno> {
+        if node.kind == libc::S_IFLNK {
+            return Err(libc::EOPNOTSUPP);
+        }
+        Ok(())
+    }
+
+    /// GETXATTR / LISTXATTR: size 0 asks for the size, else the bytes (ERANGE if they do not fit
+    /// the caller's size).
+    fn xattr_reply(
+        &self,
+        arg: GetxattrIn,
+        buf: &mut Buf,
+        payload: usize,
+        cap: usize,
+        call: impl FnOnce(&mut [u8]) -> Result<usize, Errno>,
+    ) -> R {
+        if arg.size == 0 {
+            let n = call(&mut [])?;
+            let out = GetxattrOut {
+                size: u32::try_from(n).map_err(|_| libc::E2BIG)?,
+                padding: 0,
+            };
+            return put(buf, payload, &out);
+        }
+        let room = (arg.size as usize).min(cap);
+        let out = buf
+            .as_mut_slice()
+            .get_mut(payload..payload + room)
+            .ok_or(libc::EIO)?;
+        let n = call(out)?;
+        Ok(Reply::Data(n))
+    }
+
+    fn getattr(&self, hdr: &InHeader, _a: GetattrIn, buf: &mut Buf, payload: usize) -> R {
+        let node = self.node(hdr.nodeid)?;
+        let st = sys::stat_fd(node.fd())?;
+        put(buf, payload, &self.attr_out(&st))
+    }
+
+    fn setattr(&self, hdr: &InHeader, a: SetattrIn, buf: &mut Buf, payload: usize) -> R {
+        let node = self.node(hdr.nodeid)?;
+        let changes = FATTR_MODE
+            | FATTR_UID
+            | FATTR_GID
+            | FATTR_SIZE
+            | FATTR_ATIME
+            | FATTR_MTIME
+            | FATTR_ATIME_NOW
+            | FATTR_MTIME_NOW;
+        if a.valid & changes != 0 {
+            self.writable()?;
+        }
+        let fh = (a.valid & FATTR_FH != 0)
+            .then(|| self.files.get(a.fh))
+            .flatten();
+        if a.valid & FATTR_MODE != 0 {
+            if node.kind == libc::S_IFLNK {
+                return Err(libc::EOPNOTSUPP);
+            }
+            sys::chmod_fd(self.proc_fd.as_fd(), node.fd().as_raw_fd(), a.mode & 0o7777)?;
+        }
+        if a.valid & (FATTR_UID | FATTR_GID) != 0 {
+            let uid = if a.valid & FATTR_UID != 0 {
+                a.uid
+            } else {
+                u32::MAX
+            };
+            let gid = if a.valid & FATTR_GID != 0 {
+                a.gid
+            } else {
+                u32::MAX
+            };
+            sys::chown_fd(node.fd(), uid, gid)?;
+        }
+        if a.valid & FATTR_SIZE != 0 {
+            if node.kind != libc::S_IFREG {
+                return Err(if node.is_dir() {
+                    libc::EISDIR
+                } else {
+                    libc::EINVAL
+                });
+            }
+            match fh {
+                Some(fd) => sys::ftruncate(fd, a.size)?,
+                None => sys::truncate_fd(node.fd().as_raw_fd(), a.size)?,
+            }
+        }
+        let time = |now: u32, set: u32, s: u64, ns: u32| {
+            if a.valid & now != 0 {
+                libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: libc::UTIME_NOW,
+                }
+            } else if a.valid & set != 0 {
+                libc::timespec {
+                    tv_sec: s as libc::time_t,
+                    tv_nsec: libc::c_long::from(ns as i32),
+                }
+            } else {
+                libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: libc::UTIME_OMIT,
+                }
+            }
+        };
+        if a.valid & (FATTR_ATIME | FATTR_MTIME | FATTR_ATIME_NOW | FATTR_MTIME_NOW) != 0 {
+            let times = [
+                time(FATTR_ATIME_NOW, FATTR_ATIME, a.atime, a.atimensec),
+                time(FATTR_MTIME_NOW, FATTR_MTIME, a.mtime, a.mtimensec),
+            ];
+            sys::utimes_fd(node.fd(), &times)?;
+        }
+        let st = sys::stat_fd(node.fd())?;
+        put(buf, payload, &self.attr_out(&st))
+    }
+
+    /// Open flags for the source file: what the caller asked, less what fusex decides itself.
+    fn open_flags(flags: u32) -> i32 {
+        (flags as i32)
+            & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT | libc::O_TRUNC)
+    }
+
+    /// The passthrough backing id for an open of the inode `key` (a regular file, just opened
+    /// as `fd`): the one its other opens use, else `fd` registered now. 0 when passthrough is off
+    /// or refused (then fusex serves the file's I/O itself).
+    fn backing_for(&self, key: (u64, u64), fd: &OwnedFd) -> i32 {
+        let Some(conn) = self.passthrough.get() else {
+            return 0;
+        };
+        if self.passthrough_refused.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let mut b = self.backings.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&id) = b.by_inode.get(&key) {
+            if let Some(e) = b.by_id.get_mut(&id) {
+                e.1 += 1;
+                return id;
+            }
+        }
+        match sys::backing_open(conn.as_fd(), fd.as_raw_fd()) {
+            Ok(id) => {
+                b.by_inode.insert(key, id);
+                b.by_id.insert(id, (key, 1));
+                id
+            }
+            Err(e) => {
+                if e == libc::EPERM && !self.passthrough_refused.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        "passthrough: registering a file was not permitted (needs CAP_SYS_ADMIN \
+                         in the initial user namespace); fusex serves file data itself"
+                    );
+                }
+                tracing::debug!(
+                    "passthrough refused for an open file (errno {e}); served by fusex"
+                );
+                0
+            }
+        }
+    }
+
+    /// One open using backing id `id` is released; the last one closes the id.
+    fn release_backing(&self, id: i32) {
+        let Some(conn) = self.passthrough.get() else {
+            return;
+        };
+        if id <= 0 {
+            return;
+        }
+        let mut b = self.backings.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(e) = b.by_id.get_mut(&id) else {
+            return;
+        };
+        e.1 -= 1;
+        if e.1 > 0 {
+            return;
+        }
+        let key = e.0;
+        b.by_id.remove(&id);
+        if b.by_inode.get(&key) == Some(&id) {
+            b.by_inode.remove(&key);
+        }
+        // Closed under the lock, so no open picks the id up meanwhile.
+        if let Err(e) = sys::backing_close(conn.as_fd(), id) {
+            tracing::debug!("closing passthrough backing id {id}: errno {e}");
+        }
+    }
+
+    /// Keeps an opened file and answers with its handle and open flags.
+    /// `key`: the source inode of a regular file (None: a directory).
+    fn open_out(&self, fd: OwnedFd, key: Option<(u64, u64)>) -> Result<OpenOut, Errno> {
+        let backing = key.map_or(0, |k| self.backing_for(k, &fd));
+        let fh = match self.files.insert_backed(fd, backing) {
+            Ok(fh) => fh,
+            Err(e) => {
+                self.release_backing(backing);
+                return Err(e);
+            }
+        };
+        self.open_files.fetch_add(1, Ordering::Relaxed);
+        let open_flags = if backing > 0 {
+            FOPEN_PASSTHROUGH
+        } else if key.is_none() {
+            0
+        } else if self.cfg.direct_io {
+            FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES
+        } else if self.cfg.keep_cache {
+            FOPEN_KEEP_CACHE
+        } else {
+            0
+        };
+        Ok(OpenOut {
+            fh,
+            open_flags,
+            backing_id: backing,
+        })
+    }
+
+    fn open_reply(&self, fd: OwnedFd, key: Option<(u64, u64)>, buf: &mut Buf, payload: usize) -> R {
+        let out = self.open_out(fd, key)?;
+        put(buf, payload, &out)
+    }
+
+    fn open_file(&self, hdr: &InHeader, a: OpenIn, buf: &mut Buf, payload: usize) -> R {
+        let node = self.node(hdr.nodeid)?;
+        if node.kind != libc::S_IFREG {
+            return Err(if node.is_dir() {
+                libc::EISDIR
+            } else {
+                libc::EINVAL
+            });
+        }
+        let flags = Self::open_flags(a.flags);
+        if flags & libc::O_ACCMODE != libc::O_RDONLY {
+            self.writable()?;
+        }
+        let fd = sys::reopen(self.proc_fd.as_fd(), node.fd().as_raw_fd(), flags)?;
+        self.open_reply(fd, Some(node.key), buf, payload)
+    }
+
+    fn opendir(&self, hdr: &InHeader, buf: &mut Buf, payload: usize) -> R {
+        let node = self.node(hdr.nodeid)?;
+        if !node.is_dir() {
+            return Err(libc::ENOTDIR);
+        }
+        let fd = sys::reopen(
+            self.proc_fd.as_fd(),
+            node.fd().as_raw_fd(),
+            libc::O_RDONLY | libc::O_DIRECTORY,
+        )?;
+        self.open_reply(fd, None, buf, payload)
+    }
+
+    fn create(&self, hdr: &InHeader, a: CreateIn, name: Span, buf: &mut Buf, payload: usize) -> R {
+        self.writable()?;
+        self.room()?;
+        let dir = self.node(hdr.nodeid)?;
+        let n = name_at(buf.as_slice(), name)?;
+        if a.mode & libc::S_IFMT != libc::S_IFREG && a.mode & libc::S_IFMT != 0 {
+            return Err(libc::EINVAL);
+        }
+        let flags = Self::open_flags(a.flags);
+        let exclusive = a.flags as i32 & libc::O_EXCL != 0;
+        // Always exclusive, so that only a file made here is given to the caller; a file that
+        // appeared meanwhile is opened as it is unless the caller asked for O_EXCL.
+        let (fd, made) = match sys::open_in(
+            dir.fd(),
+            n,
+            flags | libc::O_CREAT | libc::O_EXCL,
+            a.mode & 0o777,
+        ) {
+            Ok(fd) => (fd, true),
+            Err(libc::EEXIST) if !exclusive => (sys::open_in(dir.fd(), n, flags, 0)?, false),
+            Err(e) => return Err(e),
+        };
+        let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
+        let st = if made {
+            match self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode)) {
+                Ok(st) => st,
+                Err(e) => {
+                    let _ = sys::unlink_in(dir.fd(), n, 0);
+                    return Err(e);
+                }
+            }
+        } else {
+            let st = sys::stat_fd(held.as_fd())?;
+            if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+                return Err(libc::EISDIR);
+            }
+            st
+        };
+        let entry = self.remember(held, &st);
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
+            Ok(out) => out,
+            Err(e) => {
+                self.inodes.forget(entry.nodeid, 1);
+                return Err(e);
+            }
+        };
+        put2(buf, payload, &entry, &out)
+    }
+
+    /// An unnamed regular file in the directory (`O_TMPFILE`), the caller's, opened; LINK can
+    /// give it a name later (unless opened with `O_EXCL`).
+    fn tmpfile(&self, hdr: &InHeader, a: CreateIn, buf: &mut Buf, payload: usize) -> R {
+        self.writable()?;
+        self.room()?;
+        let dir = self.node(hdr.nodeid)?;
+        if !dir.is_dir() {
+            return Err(libc::ENOTDIR);
+        }
+        let flags = Self::open_flags(a.flags) & !libc::O_TMPFILE;
+        // O_TMPFILE takes O_WRONLY or O_RDWR; `.` is the directory itself.
+        let flags = match flags & libc::O_ACCMODE {
+            libc::O_RDONLY => flags | libc::O_RDWR,
+            _ => flags,
+        };
+        // SAFETY: `.` is a valid NUL-terminated string; the result is checked below.
+        let fd = unsafe {
+            libc::openat(
+                dir.fd().as_raw_fd(),
+                c".".as_ptr(),
+                flags | libc::O_TMPFILE | libc::O_CLOEXEC,
+                (a.mode & 0o777) as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(sys::errno());
+        }
+        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
+        let st = self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode))?;
+        let entry = self.remember(held, &st);
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
+            Ok(out) => out,
+            Err(e) => {
+                self.inodes.forget(entry.nodeid, 1);
+                return Err(e);
+            }
+        };
+        put2(buf, payload, &entry, &out)
+    }
+
+    fn mkdir(&self, hdr: &InHeader, a: MkdirIn, name: Span, buf: &mut Buf, payload: usize) -> R {
+        self.writable()?;
+        self.room()?;
+        let dir = self.node(hdr.nodeid)?;
+        let n = name_at(buf.as_slice(), name)?;
+        sys::mkdir_in(dir.fd(), n, a.mode & 0o777)?;
+        let e = self.finish_new(hdr, &dir, n, libc::S_IFDIR, Some(a.mode & 0o1777))?;
+        put(buf, payload, &e)
+    }
+
+    fn mknod(&self, hdr: &InHeader, a: MknodIn, name: Span, buf: &mut Buf, payload: usize) -> R {
+        self.writable()?;
+        self.room()?;
+        let dir = self.node(hdr.nodeid)?;
+        let n = name_at(buf.as_slice(), name)?;
+        let kind = a.mode & libc::S_IFMT;
+        // Fifos, sockets and plain files; device nodes are not made through this export.
+        if !matches!(kind, libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFREG) {
+            return Err(libc::EPERM);
+        }
+        sys::mknod_in(dir.fd(), n, kind | (a.mode & 0o777), 0)?;
+        let e = self.finish_new(hdr, &dir, n, kind, Some(a.mode & 0o7777))?;
+        put(buf, payload, &e)
+    }
+
+    fn lseek(&self, a: LseekIn, buf: &mut Buf, payload: usize) -> R {
+        let fd = self.files.get(a.fh).ok_or(libc::EBADF)?;
+        let off = sys::lseek(fd, a.offset, a.whence as i32)?;
+        put(buf, payload, &LseekOut { offset: off })
+    }
+
+    fn statfs(&self, hdr: &InHeader, buf: &mut Buf, payload: usize) -> R {
+        let node = self.node(hdr.nodeid).or_else(|_| self.node(ROOT_ID))?;
+        let s = sys::statfs_fd(node.fd())?;
+        let st = Kstatfs {
+            blocks: s.f_blocks,
+            bfree: s.f_bfree,
+            bavail: s.f_bavail,
+            files: s.f_files,
+            ffree: s.f_ffree,
+            bsize: s.f_bsize as u32,
+            namelen: s.f_namelen as u32,
+            frsize: s.f_frsize as u32,
+            ..Kstatfs::default()
+        };
+        put(buf, payload, &StatfsOut { st })
+    }
+
+    /// READDIR and READDIRPLUS from the handle's offset (a `d_off` cookie of the source, or 0).
+    /// Each READDIRPLUS entry but `.` and `..` is a lookup, made only once the entry is known
+    /// to fit the reply.
+    fn readdir(&self, a: ReadIn, plus: bool, buf: &mut Buf, payload: usize, cap: usize) -> R {
+        let fd = self.files.get(a.fh).ok_or(libc::EBADF)?;
+        let size = (a.size as usize).min(cap);
+        let out = buf
+            .as_mut_slice()
+            .get_mut(payload..payload + size)
+            .ok_or(libc::EIO)?;
+        sys::lseek(fd, a.offset, libc::SEEK_SET)?;
+        // SAFETY of the borrow: the scratch buffer is this thread's; nothing here awaits.
+        DIRENTS.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            if scratch.len() < DIRENTS_LEN {
+                scratch.resize(DIRENTS_LEN, 0);
+            }
+            let mut used = 0;
+            'fill: loop {
+                let n = sys::getdents(fd, &mut scratch)?;
+                if n == 0 {
+                    break;
+                }
+                let mut pos = 0;
+                while pos + 19 < n {
+                    let rec = &scratch[pos..n];
+                    let ino = u64::from_ne_bytes(rec[0..8].try_into().unwrap_or_default());
+                    let off = u64::from_ne_bytes(rec[8..16].try_into().unwrap_or_default());
+                    let reclen = usize::from(u16::from_ne_bytes([rec[16], rec[17]]));
+                    let typ = rec[18];
+                    if reclen < 20 || reclen > rec.len() {
+                        return Err(libc::EIO);
+                    }
+                    let name_raw = &rec[19..reclen];
+                    let len = name_raw.iter().position(|&b| b == 0).ok_or(libc::EIO)?;
+                    let name = &name_raw[..len];
+                    let need = if plus {
+                        fuse_abi::direntplus_size(len)
+                    } else {
+                        fuse_abi::dirent_size(len)
+                    };
+                    if used + need > out.len() {
+                        break 'fill;
+                    }
+                    let dirent = Dirent {
+                        ino,
+                        off,
+                        namelen: len as u32,
+                        typ: u32::from(typ),
+                    };
+                    let mut at = used;
+                    if plus {
+                        let dot = name == b"." || name == b"..";
+                        let entry = if dot {
+                            EntryOut::default()
+                        } else {
+                            let c = CStr::from_bytes_with_nul(&name_raw[..=len])
+                                .map_err(|_| libc::EIO)?;
+                            // An entry that vanished since getdents, or cannot be held, is
+                            // listed without attributes (node 0: the kernel links nothing).
+                            Name::new(c)
+                                .and_then(|nm| self.lookup_in(borrow(fd), nm))
+                                .unwrap_or_default()
+                        };
+                        let e = entry.as_bytes();
+                        out[at..at + e.len()].copy_from_slice(e);
+                        at += e.len();
+                    }
+                    let d = dirent.as_bytes();
+                    out[at..at + d.len()].copy_from_slice(d);
+                    at += d.len();
+                    out[at..at + len].copy_from_slice(name);
+                    at += len;
+                    let end = used + need;
+                    out[at..end].fill(0);
+                    used = end;
+                    pos += reclen;
+                }
+            }
+            Ok(Reply::Data(used))
+        })
+    }
+
+    async fn read(
+        &self,
+        eng: &Engine,
+        a: ReadIn,
+        buf: Buf,
+        payload: usize,
+        cap: usize,
+        tally: &Tally<'_>,
+    ) -> (Reply, Buf) {
+        let Some(fd) = self.files.get(a.fh) else {
+            return (Reply::Error(libc::EBADF), buf);
+        };
+        let n = (a.size as usize).min(cap);
+        if n == 0 {
+            return (Reply::Data(0), buf);
+        }
+        let started = tally.backend_start();
+        let (r, win) = eng
+            .read(Fd::Raw(fd), buf.slice(payload..payload + n), a.offset)
+            .await;
+        tally.backend_done(Opcode::Read as u32, started);
+        let buf = win.into_inner();
+        match r {
+            Ok(got) => {
+                tally.read(got);
+                (Reply::Data(got), buf)
+            }
+            Err(e) => (Reply::Error(e.raw_os_error().unwrap_or(libc::EIO)), buf),
+        }
+    }
+
+    async fn write(
+        &self,
+        eng: &Engine,
+        a: WriteIn,
+        mut buf: Buf,
+        payload: usize,
+        cap: usize,
+        tally: &Tally<'_>,
+    ) -> (Reply, Buf) {
+        if !self.cfg.writable {
+            return (Reply::Error(libc::EROFS), buf);
+        }
+        let Some(fd) = self.files.get(a.fh) else {
+            return (Reply::Error(libc::EBADF), buf);
+        };
+        let n = (a.size as usize).min(cap);
+        let started = tally.backend_start();
+        let (r, win) = eng
+            .write(Fd::Raw(fd), buf.slice(payload..payload + n), a.offset)
+            .await;
+        tally.backend_done(Opcode::Write as u32, started);
+        buf = win.into_inner();
+        match r {
+            Ok(done) => {
+                tally.write(done);
+                let out = WriteOut {
+                    size: done as u32,
+                    padding: 0,
+                };
+                (
+                    put(&mut buf, payload, &out).unwrap_or_else(Reply::Error),
+                    buf,
+                )
+            }
+            Err(e) => (Reply::Error(e.raw_os_error().unwrap_or(libc::EIO)), buf),
+        }
+    }
+
+    async fn fsync(&self, eng: &Engine, a: FsyncIn) -> R {
+        let fd = self.files.get(a.fh).ok_or(libc::EBADF)?;
+        let datasync = a.fsync_flags & FUSE_FSYNC_FDATASYNC != 0;
+        eng.fsync(Fd::Raw(fd), datasync)
+            .await
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        Ok(Reply::Data(0))
+    }
+
+    async fn fallocate(&self, eng: &Engine, a: FallocateIn) -> R {
+        self.writable()?;
+        let fd = self.files.get(a.fh).ok_or(libc::EBADF)?;
+        eng.fallocate(Fd::Raw(fd), a.mode as i32, a.offset, a.length)
+            .await
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        Ok(Reply::Data(0))
+    }
+}
+
+/// A descriptor the handle table holds, borrowed for one call.
+fn borrow<'a>(fd: std::os::fd::RawFd) -> BorrowedFd<'a> {
+    // SAFETY: the handle table keeps the descriptor open until RELEASEDIR, which the kernel
+    // sends only once no READDIR on the handle is in flight.
+    unsafe { BorrowedFd::borrow_raw(fd) }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,456 @@
+//! Thin wrappers over the `*at()` system calls the directory export uses. Every path handed to
+//! the kernel here is either empty (the call acts on the descriptor itself, `AT_EMPTY_PATH`), a
+//! single checked name component ([`Name`]) resolved in a directory descriptor without following
+//! a final symlink, or a `/proc/self/fd` entry that re-opens an inode fusex already holds.
+
+use std::ffi::CStr;
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+/// An errno, positive.
+pub type Errno = i32;
+
+/// The errno of the last failed call.
+pub fn errno() -> Errno {
+    io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+fn check(r: libc::c_int) -> Result<libc::c_int, Errno> {
+    if r < 0 {
+        Err(errno())
+    } else {
+        Ok(r)
+    }
+}
+
+fn check_fd(r: libc::c_int) -> Result<OwnedFd, Errno> {
+    let fd = check(r)?;
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A name the kernel sent for an entry of a directory: one path component, never empty, `.`,
+/// `..`, nor holding a `/` (the kernel never sends those for an entry; an untrusted request that
+/// did is refused with `EINVAL` instead of reaching a path outside the directory).
+#[derive(Clone, Copy)]
+pub struct Name<'a>(&'a CStr);
+
+impl<'a> Name<'a> {
+    /// Checks `c` is a single component.
+    pub fn new(c: &'a CStr) -> Result<Name<'a>, Errno> {
+        let b = c.to_bytes();
+        if b.is_empty() || b == b"." || b == b".." || b.contains(&b'/') {
+            return Err(libc::EINVAL);
+        }
+        if b.len() > 255 {
+            return Err(libc::ENAMETOOLONG);
+        }
+        Ok(Name(c))
+    }
+
+    /// The name as a C string.
+    pub fn as_c(&self) -> &'a CStr {
+        self.0
+    }
+
+    /// The name's bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.0.to_bytes()
+    }
+}
+
+const EMPTY: &CStr = c"";
+
+/// `openat(dir, name, flags | O_NOFOLLOW | O_CLOEXEC, mode)`.
+pub fn open_in(
+    dir: BorrowedFd<'_>,
+    name: Name<'_>,
+    flags: i32,
+    mode: u32,
+) -> Result<OwnedFd, Errno> {
+    // SAFETY: `name` is a valid NUL-terminated string; the result is checked.
+    check_fd(unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name.as_c().as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode as libc::c_uint,
+        )
+    })
+}
+
+/// Opens the root directory itself, `O_PATH`, refusing a symlink at its last component.
+pub fn open_root(path: &CStr) -> Result<OwnedFd, Errno> {
+    // SAFETY: `path` is a valid NUL-terminated string; the result is checked.
+    check_fd(unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    })
+}
+
+/// Opens the inode behind `fd` (an `O_PATH` descriptor fusex holds) again with `flags`, through
+/// its `/proc/self/fd` entry in `proc_fd`: the inode itself, whatever its names are now.
+pub fn reopen(proc_fd: BorrowedFd<'_>, fd: RawFd, flags: i32) -> Result<OwnedFd, Errno> {
+    let mut name = [0u8; 16];
+    let c = fd_name(&mut name, fd);
+    // SAFETY: `c` is a valid NUL-terminated string; the result is checked.
+    check_fd(unsafe { libc::openat(proc_fd.as_raw_fd(), c.as_ptr(), flags | libc::O_CLOEXEC, 0) })
+}
+
+/// The decimal name of `fd` in `/proc/self/fd`, NUL-terminated in `buf`.
+fn fd_name(buf: &mut [u8; 16], fd: RawFd) -> &CStr {
+    let mut n = fd.max(0) as u32;
+    let mut digits = [0u8; 10];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let len = digits.len() - i;
+    buf[..len].copy_from_slice(&digits[i..]);
+    buf[len] = 0;
+    // The digits hold no NUL and one ends them.
+    CStr::from_bytes_with_nul(&buf[..=len]).unwrap_or(c"0")
+}
+
+/// `/proc/self/fd/N` of `fd` as a path, for the calls that have no descriptor form.
+fn proc_path(buf: &mut [u8; 32], fd: RawFd) -> &CStr {
+    const PREFIX: &[u8] = b"/proc/self/fd/";
+    let mut tail = [0u8; 16];
+    let n = fd_name(&mut tail, fd).to_bytes_with_nul().len();
+    buf[..PREFIX.len()].copy_from_slice(PREFIX);
+    buf[PREFIX.len()..PREFIX.len() + n].copy_from_slice(&tail[..n]);
+    CStr::from_bytes_with_nul(&buf[..PREFIX.len() + n]).unwrap_or(c"/proc/self/fd/0")
+}
+
+/// `fstatat(fd, "", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW)`: the inode's own attributes.
+pub fn stat_fd(fd: BorrowedFd<'_>) -> Result<libc::stat, Errno> {
+    let mut st = MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: `st` is writable memory of the right type; the empty path is NUL-terminated.
+    check(unsafe {
+        libc::fstatat(
+            fd.as_raw_fd(),
+            EMPTY.as_ptr(),
+            st.as_mut_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })?;
+    // SAFETY: fstatat succeeded and filled it (and it was zeroed before).
+    Ok(unsafe { st.assume_init() })
+}
+
+/// `fchownat(fd, "", uid, gid, AT_EMPTY_PATH)` (`u32::MAX`: leave as is); works on `O_PATH`
+/// descriptors and on symlinks themselves.
+pub fn chown_fd(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> Result<(), Errno> {
+    // SAFETY: the empty path is NUL-terminated.
+    check(unsafe {
+        libc::fchownat(
+            fd.as_raw_fd(),
+            EMPTY.as_ptr(),
+            uid,
+            gid,
+            libc::AT_EMPTY_PATH,
+        )
+    })
+    .map(drop)
+}
+
+/// chmod of the inode behind `fd` (never a symlink: Linux has no modes on those), through
+/// `/proc/self/fd`.
+pub fn chmod_fd(proc_fd: BorrowedFd<'_>, fd: RawFd, mode: u32) -> Result<(), Errno> {
+    let mut name = [0u8; 16];
+    let c = fd_name(&mut name, fd);
+    // SAFETY: `c` is a valid NUL-terminated string.
+    check(unsafe { libc::fchmodat(proc_fd.as_raw_fd(), c.as_ptr(), mode, 0) }).map(drop)
+}
+
+/// Sets access and modification times of the inode behind `fd` (`UTIME_OMIT` leaves one).
+pub fn utimes_fd(fd: BorrowedFd<'_>, times: &[libc::timespec; 2]) -> Result<(), Errno> {
+    // SAFETY: `times` points to two timespecs; the empty path is NUL-terminated.
+    check(unsafe {
+        libc::utimensat(
+            fd.as_raw_fd(),
+            EMPTY.as_ptr(),
+            times.as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+    .map(drop)
+}
+
+/// `truncate(2)` of the regular file behind `fd`, through `/proc/self/fd`.
+pub fn truncate_fd(fd: RawFd, size: u64) -> Result<(), Errno> {
+    let size = libc::off_t::try_from(size).map_err(|_| libc::EFBIG)?;
+    let mut buf = [0u8; 32];
+    let p = proc_path(&mut buf, fd);
+    // SAFETY: `p` is a valid NUL-terminated string.
+    check(unsafe { libc::truncate(p.as_ptr(), size) }).map(drop)
+}
+
+/// `ftruncate(2)` of an open file.
+pub fn ftruncate(fd: RawFd, size: u64) -> Result<(), Errno> {
+    let size = libc::off_t::try_from(size).map_err(|_| libc::EFBIG)?;
+    // SAFETY: plain syscall on a descriptor.
+    check(unsafe { libc::ftruncate(fd, size) }).map(drop)
+}
+
+/// `mkdirat(dir, name, mode)`.
+pub fn mkdir_in(dir: BorrowedFd<'_>, name: Name<'_>, mode: u32) -> Result<(), Errno> {
+    // SAFETY: `name` is a valid NUL-terminated string.
+    check(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_c().as_ptr(), mode) }).map(drop)
+}
+
+/// `mknodat(dir, name, mode, rdev)`.
+pub fn mknod_in(dir: BorrowedFd<'_>, name: Name<'_>, mode: u32, rdev: u64) -> Result<(), Errno> {
+    // SAFETY: `name` is a valid NUL-terminated string.
+    check(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_c().as_ptr(), mode, rdev) }).map(drop)
+}
+
+/// `symlinkat(target, dir, name)`: the link's content is stored, never resolved.
+pub fn symlink_in(target: &CStr, dir: BorrowedFd<'_>, name: Name<'_>) -> Result<(), Errno> {
+    // SAFETY: both are valid NUL-terminated strings.
+    check(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_c().as_ptr()) })
+        .map(drop)
+}
+
+/// `unlinkat(dir, name, flags)`.
+pub fn unlink_in(dir: BorrowedFd<'_>, name: Name<'_>, flags: i32) -> Result<(), Errno> {
+    // SAFETY: `name` is a valid NUL-terminated string.
+    check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_c().as_ptr(), flags) }).map(drop)
+}
+
+/// `renameat2(old_dir, old, new_dir, new, flags)`.
+pub fn rename_in(
+    old_dir: BorrowedFd<'_>,
+    old: Name<'_>,
+    new_dir: BorrowedFd<'_>,
+    new: Name<'_>,
+    flags: u32,
+) -> Result<(), Errno> {
+    // SAFETY: both names are valid NUL-terminated strings.
+    check(unsafe {
+        libc::renameat2(
+            old_dir.as_raw_fd(),
+            old.as_c().as_ptr(),
+            new_dir.as_raw_fd(),
+            new.as_c().as_ptr(),
+            flags,
+        )
+    })
+    .map(drop)
+}
+
+/// Links the inode behind `fd` as `name` in `dir`, through its `/proc/self/fd` entry (the inode
+/// itself, a symlink included; `AT_EMPTY_PATH` would need `CAP_DAC_READ_SEARCH`).
+pub fn link_fd(
+    proc_fd: BorrowedFd<'_>,
+    fd: RawFd,
+    dir: BorrowedFd<'_>,
+    name: Name<'_>,
+) -> Result<(), Errno> {
+    let mut buf = [0u8; 16];
+    let c = fd_name(&mut buf, fd);
+    // SAFETY: both are valid NUL-terminated strings.
+    check(unsafe {
+        libc::linkat(
+            proc_fd.as_raw_fd(),
+            c.as_ptr(),
+            dir.as_raw_fd(),
+            name.as_c().as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    })
+    .map(drop)
+}
+
+/// `readlinkat(fd, "")` into `out`: the bytes read.
+pub fn readlink_fd(fd: BorrowedFd<'_>, out: &mut [u8]) -> Result<usize, Errno> {
+    // SAFETY: `out` is writable for its length; the empty path is NUL-terminated.
+    let n = unsafe {
+        libc::readlinkat(
+            fd.as_raw_fd(),
+            EMPTY.as_ptr(),
+            out.as_mut_ptr().cast(),
+            out.len(),
+        )
+    };
+    if n < 0 {
+        Err(errno())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// `fstatfs(2)`.
+pub fn statfs_fd(fd: BorrowedFd<'_>) -> Result<libc::statfs, Errno> {
+    let mut st = MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `st` is writable memory of the right type.
+    check(unsafe { libc::fstatfs(fd.as_raw_fd(), st.as_mut_ptr()) })?;
+    // SAFETY: fstatfs succeeded and filled it.
+    Ok(unsafe { st.assume_init() })
+}
+
+/// `lseek(2)`.
+pub fn lseek(fd: RawFd, off: u64, whence: i32) -> Result<u64, Errno> {
+    let off = libc::off_t::try_from(off).map_err(|_| libc::ENXIO)?;
+    // SAFETY: plain syscall on a descriptor.
+    let r = unsafe { libc::lseek(fd, off, whence) };
+    if r < 0 {
+        Err(errno())
+    } else {
+        Ok(r as u64)
+    }
+}
+
+/// `getdents64(2)` into `out`: the bytes of `linux_dirent64` records read (0 at the end).
+pub fn getdents(fd: RawFd, out: &mut [u8]) -> Result<usize, Errno> {
+    // SAFETY: `out` is writable for its length.
+    let n = unsafe { libc::syscall(libc::SYS_getdents64, fd, out.as_mut_ptr(), out.len()) };
+    if n < 0 {
+        Err(errno())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// Registers the open regular file `file` as a passthrough backing file of the FUSE connection
+/// `conn` (`FUSE_DEV_IOC_BACKING_OPEN`): its backing id.
+pub fn backing_open(conn: BorrowedFd<'_>, file: RawFd) -> Result<i32, Errno> {
+    let map = fuse_abi::BackingMap {
+        fd: file,
+        flags: 0,
+        padding: 0,
+    };
+    // SAFETY: the ioctl reads one `fuse_backing_map` (BackingMap is its repr(C) mirror, layout
+    // asserted in fuse-abi) from the pointer, live for the call.
+    let id = unsafe {
+        libc::ioctl(
+            conn.as_raw_fd(),
+            fuse_abi::FUSE_DEV_IOC_BACKING_OPEN as _,
+            &map,
+        )
+    };
+    match id {
+        i if i < 0 => Err(errno()),
+        // Ids start at 1; 0 would mean "no backing file" in an OPEN reply.
+        0 => Err(libc::EPROTO),
+        i => Ok(i),
+    }
+}
+
+/// Closes a passthrough backing id (`FUSE_DEV_IOC_BACKING_CLOSE`); files opened with it keep
+/// their own reference to the backing file.
+pub fn backing_close(conn: BorrowedFd<'_>, id: i32) -> Result<(), Errno> {
+    let id = id as u32;
+    // SAFETY: the ioctl reads one u32 from the pointer, live for the call.
+    check(unsafe {
+        libc::ioctl(
+            conn.as_raw_fd(),
+            fuse_abi::FUSE_DEV_IOC_BACKING_CLOSE as _,
+            &id,
+        )
+    })
+    .map(drop)
+}
+
+/// Extended attribute calls on the inode behind `fd`, through `/proc/self/fd` (an `O_PATH`
+/// descriptor has no `f*xattr`).
+pub mod xattr {
+    use super::*;
+
+    /// `getxattr(2)`: the value's length (with an empty `out`: its size).
+    pub fn get(fd: RawFd, name: &CStr, out: &mut [u8]) -> Result<usize, Errno> {
+        let mut buf = [0u8; 32];
+        let p = proc_path(&mut buf, fd);
+        // SAFETY: valid strings; `out` is writable for its length.
+        let n = unsafe {
+            libc::getxattr(
+                p.as_ptr(),
+                name.as_ptr(),
+                out.as_mut_ptr().cast(),
+                out.len(),
+            )
+        };
+        if n < 0 {
+            Err(errno())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// `listxattr(2)`: the list's length (with an empty `out`: its size).
+    pub fn list(fd: RawFd, out: &mut [u8]) -> Result<usize, Errno> {
+        let mut buf = [0u8; 32];
+        let p = proc_path(&mut buf, fd);
+        // SAFETY: valid string; `out` is writable for its length.
+        let n = unsafe { libc::listxattr(p.as_ptr(), out.as_mut_ptr().cast(), out.len()) };
+        if n < 0 {
+            Err(errno())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// `setxattr(2)`.
+    pub fn set(fd: RawFd, name: &CStr, value: &[u8], flags: i32) -> Result<(), Errno> {
+        let mut buf = [0u8; 32];
+        let p = proc_path(&mut buf, fd);
+        // SAFETY: valid strings; `value` is readable for its length.
+        check(unsafe {
+            libc::setxattr(
+                p.as_ptr(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                flags,
+            )
+        })
+        .map(drop)
+    }
+
+    /// `removexattr(2)`.
+    pub fn remove(fd: RawFd, name: &CStr) -> Result<(), Errno> {
+        let mut buf = [0u8; 32];
+        let p = proc_path(&mut buf, fd);
+        // SAFETY: valid strings.
+        check(unsafe { libc::removexattr(p.as_ptr(), name.as_ptr()) }).map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_single_components() {
+        assert!(Name::new(c"file").is_ok());
+        assert!(Name::new(c"..file").is_ok());
+        for bad in [c"", c".", c"..", c"a/b", c"/", c"../x"] {
+            assert_eq!(Name::new(bad).err(), Some(libc::EINVAL), "{bad:?}");
+        }
+        let long = std::ffi::CString::new(vec![b'x'; 256]).unwrap();
+        assert_eq!(Name::new(&long).err(), Some(libc::ENAMETOOLONG));
+    }
+
+    #[test]
+    fn proc_names() {
+        let mut b = [0u8; 16];
+        assert_eq!(fd_name(&mut b, 0).to_bytes(), b"0");
+        assert_eq!(fd_name(&mut b, 1234567).to_bytes(), b"1234567");
+        assert_eq!(fd_name(&mut b, i32::MAX).to_bytes(), b"2147483647");
+        let mut p = [0u8; 32];
+        assert_eq!(
+            proc_path(&mut p, i32::MAX).to_bytes(),
+            b"/proc/self/fd/2147483647"
+        );
+    }
+}

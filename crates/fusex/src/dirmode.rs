@@ -1,0 +1,492 @@
+//! `fusex mount SRC_DIR MOUNTPOINT`: a directory export (`fusex-dirfs`) served by the whole
+//! process. Mounting, INIT, the memory plan, the queue sources and threads are the image
+//! export's; the export is a [`dirfs::DirFs`], and the process around it is simpler: it serves
+//! until a signal or the unmount, then ends its queues and unmounts.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use dirfs::{DirConfig, DirFs};
+use fuse_abi::{
+    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DO_READDIRPLUS,
+    FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH, FUSE_READDIRPLUS_AUTO,
+};
+use server::{QueueEvent, QueueSpec, Source};
+use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
+
+use crate::cli::{CacheArg, MountArgs, OnOff, PassthroughArg, TransportArg};
+use crate::daemon::Readiness;
+use crate::memory::{self, Demand};
+use crate::privileges::Plan;
+
+/// Whether `image` names a directory (following a symlink, as the user sees it; the export
+/// itself then refuses a symlink there).
+pub fn is_directory(image: &str) -> bool {
+    std::fs::metadata(image).is_ok_and(|m| m.is_dir())
+}
+
+/// Refuses the image options that mean nothing for a directory.
+fn check_args(args: &MountArgs) -> Result<()> {
+    let refuse = |opt: &str| -> Result<()> {
+        bail!(
+            "{opt} is for image exports; {} is a directory: drop {opt}",
+            args.image
+        )
+    };
+    if args.growable {
+        refuse("--growable")?;
+    }
+    if args.max_size.is_some() {
+        refuse("--max-size")?;
+    }
+    if args.force_share {
+        refuse("--force-share")?;
+    }
+    if !args.fault.is_empty() {
+        refuse("--fault")?;
+    }
+    if args.control.is_some() {
+        refuse("--control")?;
+    }
+    if args.metrics_listen.is_some() {
+        refuse("--metrics-listen")?;
+    }
+    Ok(())
+}
+
+enum Msg {
+    Queue(QueueEvent),
+    Signal(i32),
+}
+
+/// Serves the directory export until stopped; `pid_file` (claimed already) is let go of when
+/// it stops serving.
+pub fn mount(
+    args: MountArgs,
+    mut ready: Readiness,
+    mut signals: signal_hook::iterator::Signals,
+    pid_file: Option<&crate::files::PidFile>,
+) -> Result<()> {
+    let r = prepare(&args);
+    let (fs, mut mnt, plan, uring, threads, max_write) = match r {
+        Ok(v) => v,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Msg>();
+    let handle = signals.handle();
+    let privileges = Plan::directory(mnt.via_fusermount());
+    let signal_thread = {
+        let tx = tx.clone();
+        std::thread::Builder::new()
+            .name("fusex-signals".into())
+            .spawn(move || {
+                if let Err(e) = privileges.apply() {
+                    tracing::warn!("signal thread: cannot drop privileges: {e}");
+                }
+                for s in signals.forever() {
+                    if tx.send(Msg::Signal(s)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .context("starting the signal thread")
+    };
+    if let Err(e) = signal_thread {
+        ready.report(Err(format!("{e:#}")));
+        return Err(e);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let sources = match crate::lifecycle::sources(
+        &mut mnt,
+        threads,
+        uring,
+        plan.depth,
+        args.handoff.into(),
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
+    let slots = sources
+        .iter()
+        .map(|s| match s {
+            Source::Uring { qids, legacy, .. } => {
+                qids.len() * plan.depth + legacy.as_ref().map_or(0, |_| memory::URING_LEGACY_SLOTS)
+            }
+            Source::Legacy(_) => plan.depth,
+        })
+        .max()
+        .unwrap_or(0);
+    let stats = Arc::new(server::ExportStats::default());
+    let report: server::Report = {
+        let tx = std::sync::Mutex::new(tx.clone());
+        Arc::new(move |ev| {
+            let _ = tx
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(Msg::Queue(ev));
+        })
+    };
+    let nq = sources.len();
+    let jobs = sources
+        .into_iter()
+        .enumerate()
+        .map(|(id, source)| {
+            let spec = QueueSpec {
+                id,
+                source,
+                depth: plan.depth,
+                max_write,
+                multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
+                fixed_files: None,
+                splice_min: 0,
+                latency: args.latency == OnOff::On,
+                stats: stats.clone(),
+                fallback_slots: memory::URING_LEGACY_SLOTS,
+                before_serving: Box::new(move || privileges.apply()),
+            };
+            server::queue::job(spec, fs.clone(), stop.clone(), report.clone())
+        })
+        .collect();
+    let placement = match crate::workers::place(&args, jobs, slots, uring, false) {
+        Ok(p) => p,
+        Err(e) => {
+            ready.report(Err(format!("{e:#}")));
+            return Err(e);
+        }
+    };
+    tracing::info!(
+        "mounted directory {} at {} ({}, {} queue{}, {})",
+        args.image,
+        mnt.mountpoint().display(),
+        if args.writable {
+            "writable"
+        } else {
+            "read-only"
+        },
+        nq,
+        if nq == 1 { "" } else { "s" },
+        if uring {
+            "io_uring"
+        } else {
+            "legacy /dev/fuse"
+        }
+    );
+    let mut remotes = Vec::new();
+    let (mut running, mut started, mut announced) = (nq, 0, false);
+    let mut failure: Option<String> = None;
+    // After a stop: when to abort the connection, and then when to give up on the queues.
+    let mut deadline: Option<Instant> = None;
+    let mut aborted = false;
+    let mut total = export::Snapshot::default();
+    while running > 0 {
+        let msg = match deadline {
+            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                Ok(m) => Some(m),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            },
+            None => rx.recv().ok(),
+        };
+        match msg {
+            Some(Msg::Queue(QueueEvent::Started { remote, task, .. })) => {
+                remotes.push((remote, task));
+                started += 1;
+                if started == nq && !announced {
+                    match privileges.apply() {
+                        Ok(()) => {
+                            announced = true;
+                            if let Some(kept) = privileges.kept() {
+                                tracing::info!("privileges: every thread keeps {kept}");
+                            }
+                            ready.report(Ok(()));
+                        }
+                        Err(e) => {
+                            failure.get_or_insert(format!("cannot drop privileges: {e}"));
+                            stop_serving(&mut mnt, &mut deadline);
+                        }
+                    }
+                }
+            }
+            Some(Msg::Queue(QueueEvent::Failed { id, error })) => {
+                failure.get_or_insert(format!("queue {id}: {error}"));
+                running -= 1;
+                stop_serving(&mut mnt, &mut deadline);
+            }
+            Some(Msg::Queue(QueueEvent::Quiesced)) => {}
+            Some(Msg::Queue(QueueEvent::Ended { id, report })) => {
+                if let Some(e) = &report.error {
+                    tracing::warn!("queue {id} ended: {e}");
+                }
+                total.merge(&report.counters);
+                running -= 1;
+                // One queue ending (the unmount, or a failure) ends the export.
+                stop_serving(&mut mnt, &mut deadline);
+            }
+            Some(Msg::Signal(s)) => match s {
+                libc::SIGINT | libc::SIGTERM | libc::SIGHUP => {
+                    tracing::info!("{}: unmounting", crate::lifecycle::signal_name(s));
+                    stop_serving(&mut mnt, &mut deadline);
+                }
+                libc::SIGUSR1 => tracing::info!(
+                    "statistics: {} requests so far, {} nodes held, {} files open",
+                    stats.total().requests(),
+                    fs.nodes(),
+                    fs.open_files()
+                ),
+                _ => crate::lifecycle::log_ignored(s),
+            },
+            None if !aborted => {
+                // Files still open keep a detached mount alive: end the connection, which ends
+                // every queue (io_uring entries too).
+                aborted = true;
+                stop_queues(&stop, &remotes);
+                if let Err(e) = mnt.abort() {
+                    tracing::warn!("cannot abort the connection: {e}");
+                }
+                deadline = Some(Instant::now() + Duration::from_secs(10));
+            }
+            None => {
+                tracing::warn!("queues did not end after the connection was aborted; exiting");
+                break;
+            }
+        }
+    }
+    if !announced {
+        ready.report(Err(failure
+            .clone()
+            .unwrap_or_else(|| "the queues ended before serving".into())));
+    }
+    handle.close();
+    if let Some(p) = pid_file {
+        p.stop_serving();
+    }
+    let _ = mnt.abort();
+    drop(mnt);
+    if running == 0 {
+        if placement.private {
+            placement.workers.shut_down();
+        }
+    } else {
+        // A queue still waits on a connection that ends only with the process.
+        std::mem::forget(placement);
+    }
+    if let Some(path) = &args.stats_file {
+        let mut json = total.to_json();
+        json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
+        json["directory"] = true.into();
+        let written = serde_json::to_vec_pretty(&json)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
+        if let Err(e) = written {
+            tracing::warn!("cannot write statistics to {}: {e}", path.display());
+        }
+    }
+    match failure {
+        Some(f) => bail!("{f}"),
+        None => Ok(()),
+    }
+}
+
+/// Stops serving: the mount is detached (with no file open the kernel then ends the connection
+/// and every queue with it); if the queues have not ended within 2 s, the connection is aborted.
+fn stop_serving(mnt: &mut Mount, deadline: &mut Option<Instant>) {
+    if deadline.is_some() {
+        return;
+    }
+    if let Err(e) = mnt.unmount() {
+        tracing::warn!("cannot unmount: {e}");
+    }
+    *deadline = Some(Instant::now() + Duration::from_secs(2));
+}
+
+/// The queues take nothing new.
+fn stop_queues(stop: &AtomicBool, remotes: &[(engine::Remote, engine::TaskId)]) {
+    stop.store(true, Ordering::Release);
+    for (r, t) in remotes {
+        r.wake(*t);
+    }
+}
+
+type Prepared = (Arc<DirFs>, Mount, memory::Plan, bool, usize, usize);
+
+/// Opens the source, mounts and negotiates INIT.
+fn prepare(args: &MountArgs) -> Result<Prepared> {
+    check_args(args)?;
+    // Entries are created with exactly the mode the kernel sends (the caller's umask applied):
+    // the daemon's own umask must cut nothing.
+    // SAFETY: umask cannot fail.
+    unsafe { libc::umask(0) };
+    raise_nofile_limit();
+    let fds = nofile_limit();
+    let cache = args.cache.unwrap_or(CacheArg::Auto);
+    let valid = match cache {
+        CacheArg::Never => Duration::ZERO,
+        CacheArg::Auto => Duration::from_secs(1),
+        CacheArg::Always => Duration::from_secs(86_400),
+    };
+    let cfg = DirConfig {
+        writable: args.writable,
+        entry_valid: valid,
+        attr_valid: valid,
+        keep_cache: args.kernel_cache || cache == CacheArg::Always,
+        direct_io: cache == CacheArg::Never,
+        // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes.
+        max_open: (fds / 4).max(16),
+        max_nodes: fds.saturating_sub(fds / 4 + 256).max(64),
+    };
+    let fs = Arc::new(
+        DirFs::open(std::path::Path::new(&args.image), cfg).map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
+    let uring_blocked = transport::uring_unavailable_reason();
+    if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
+        bail!("--transport uring is unavailable: {why}; or use --transport auto");
+    }
+    let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
+    let threads = args
+        .queues
+        .map_or(crate::affinity::allowed_cpus().len(), usize::from);
+    let possible_cpus = crate::affinity::possible_cpus();
+    let demand = Demand {
+        uring: may_uring,
+        threads,
+        possible_cpus,
+        depth: args.queue_depth.map(usize::from),
+        latency_bound: false,
+        budget: args
+            .memory_budget
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+    };
+    let planned = memory::plan(demand);
+    if let Err(why) = memory::check(&planned, &demand) {
+        bail!("{why}");
+    }
+    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
+    let mnt = Mount::establish(
+        &MountConfig {
+            mountpoint: args.mountpoint.clone(),
+            source: args.image.clone(),
+            read_only: !args.writable,
+            allow_other: args.allow_other,
+            max_read: max_write,
+            directory: true,
+        },
+        &mut |_, _| Ok(()),
+    )?;
+    // DIRECT_IO_ALLOW_MMAP: with --cache never, mmap of a file opened for direct I/O.
+    let mut want = FUSE_ASYNC_READ
+        | FUSE_DIRECT_IO_ALLOW_MMAP
+        | FUSE_BIG_WRITES
+        | FUSE_PARALLEL_DIROPS
+        | FUSE_DO_READDIRPLUS
+        | FUSE_READDIRPLUS_AUTO;
+    if may_uring {
+        want |= FUSE_OVER_IO_URING;
+    }
+    let conn = mnt.fd().context("mount fd")?;
+    let params = InitParams {
+        want,
+        max_write,
+        max_pages: (max_write / 4096) as u16,
+        max_background: 1024,
+        request_timeout: args.request_timeout,
+    };
+    let neg = if args.passthrough == PassthroughArg::Off {
+        negotiate_init(conn, &params)?
+    } else {
+        use std::os::fd::AsRawFd;
+        let depth = fs.root().map_or(1, |r| {
+            transport::passthrough::stack_depth_for(r.fd().as_raw_fd())
+        });
+        negotiate_init_passthrough(conn, &params, depth)?
+    };
+    match (args.passthrough, neg.has(FUSE_PASSTHROUGH)) {
+        (PassthroughArg::Off, _) => {}
+        (_, true) => {
+            use std::os::fd::AsRawFd;
+            let clone = transport::clone_fd(conn.as_raw_fd())?;
+            fs.set_passthrough(clone);
+            tracing::info!("passthrough: the kernel serves open files' data from the source");
+        }
+        (PassthroughArg::On, false) => bail!(
+            "--passthrough on: the kernel did not offer FUSE_PASSTHROUGH (needs Linux 6.9+ built \
+             with CONFIG_FUSE_PASSTHROUGH); or use --passthrough auto"
+        ),
+        (PassthroughArg::Auto, false) => {
+            tracing::info!("passthrough: off (the kernel did not offer FUSE_PASSTHROUGH)")
+        }
+    }
+    let uring = neg.has(FUSE_OVER_IO_URING);
+    if args.transport == TransportArg::Uring && !uring {
+        bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto");
+    }
+    let plan = if uring || !may_uring {
+        planned
+    } else {
+        memory::plan(Demand {
+            uring: false,
+            ..demand
+        })
+    };
+    let queues = if uring {
+        threads.min(possible_cpus)
+    } else {
+        threads
+    };
+    Ok((fs, mnt, plan, uring, queues, neg.max_write as usize))
+}
+
+/// Every node the kernel holds is an open descriptor: raise the limit as far as allowed (with
+/// `CAP_SYS_RESOURCE` up to `fs.nr_open`, at most 2^20; else the soft limit to the hard one).
+fn raise_nofile_limit() {
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<libc::rlim_t>().ok())
+        .unwrap_or(1 << 20)
+        .min(1 << 20);
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit to fill and then pass back.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
+            return;
+        }
+        if r.rlim_max < nr_open {
+            let up = libc::rlimit {
+                rlim_cur: nr_open,
+                rlim_max: nr_open,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &up) == 0 {
+                return;
+            }
+        }
+        if r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+/// The descriptor limit in force.
+fn nofile_limit() -> usize {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit to fill.
+    let cur = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0 {
+        r.rlim_cur
+    } else {
+        1024
+    };
+    usize::try_from(cur).unwrap_or(1 << 20).min(1 << 20)
+}
