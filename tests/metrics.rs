@@ -96,17 +96,8 @@ fn serve_with_export(w: &WorkDir) -> (Serve, u16, std::path::PathBuf) {
     let listen = format!("127.0.0.1:{port}");
     let serve = Serve::start(w.path(), &["--metrics-listen", &listen]);
     let mut q = serve.qmp();
-    q.ok(
-        "blockdev-add",
-        json!({"driver": "raw", "node-name": "busy",
-               "file": {"driver": "file", "filename": img}}),
-    );
-    q.ok(
-        "block-export-add",
-        // Passthrough off: fusex itself serves every read and write, and counts them.
-        json!({"type": "fuse", "id": "busy", "node-name": "busy", "mountpoint": mp,
-               "writable": true, "__org.fusex_passthrough": "off"}),
-    );
+    // Passthrough off: fusex itself serves every read and write, and counts them.
+    q.add_raw_export("busy", &img, &mp, json!({"__org.fusex_passthrough": "off"}));
     (serve, port, mp)
 }
 

@@ -81,16 +81,7 @@ fn exports_come_and_go_while_a_busy_export_serves_verified_io() {
     fs::write(&mp, b"").unwrap();
     let serve = Serve::start(w.path(), &[]);
     let mut q = serve.qmp();
-    q.ok(
-        "blockdev-add",
-        json!({"driver": "raw", "node-name": "busy",
-               "file": {"driver": "file", "filename": img}}),
-    );
-    q.ok(
-        "block-export-add",
-        json!({"type": "fuse", "id": "busy", "node-name": "busy", "mountpoint": mp,
-               "writable": true}),
-    );
+    q.add_raw_export("busy", &img, &mp, json!({}));
     let mut fio = ChildGuard(
         Command::new("fio")
             .args([

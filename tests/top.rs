@@ -24,16 +24,7 @@ fn two_exports(w: &WorkDir) -> (Serve, PathBuf, PathBuf) {
         sparse_image(&img, 64 * MIB);
         let mp = w.join(format!("{id}.mnt"));
         std::fs::write(&mp, b"").unwrap();
-        q.ok(
-            "blockdev-add",
-            json!({"driver": "raw", "node-name": id,
-                   "file": {"driver": "file", "filename": img}}),
-        );
-        q.ok(
-            "block-export-add",
-            json!({"type": "fuse", "id": id, "node-name": id, "mountpoint": mp,
-                   "writable": true}),
-        );
+        q.add_raw_export(id, &img, &mp, json!({}));
         mounts.push(mp);
     }
     let idle = mounts.pop().unwrap();

@@ -226,6 +226,22 @@ impl Qmp {
         self.ok("block-export-add", args);
     }
 
+    /// Adds a raw node over the image file `image` (node name `id`) and a writable fuse export
+    /// of it at `mountpoint` (which must exist), with `extra` export arguments.
+    pub fn add_raw_export(&mut self, id: &str, image: &Path, mountpoint: &Path, extra: Value) {
+        self.ok(
+            "blockdev-add",
+            json!({"driver": "raw", "node-name": id,
+                   "file": {"driver": "file", "filename": image}}),
+        );
+        let mut args = json!({"type": "fuse", "id": id, "node-name": id,
+                              "mountpoint": mountpoint, "writable": true});
+        if let (Some(a), Value::Object(e)) = (args.as_object_mut(), extra) {
+            a.extend(e);
+        }
+        self.ok("block-export-add", args);
+    }
+
     /// Removes an export (`mode`), waits until it is gone, and removes its null node.
     pub fn remove_null_export(&mut self, id: &str, mode: &str) {
         self.ok("block-export-del", json!({"id": id, "mode": mode}));
