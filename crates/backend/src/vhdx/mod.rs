@@ -11,8 +11,9 @@
 //!
 //! **The log.** A header whose log GUID is not zero has log entries that must be replayed
 //! before its metadata can be trusted. fusex does not replay the log: such an image is refused
-//! (read-only too) in one line naming the fix, `qemu-img check -r all` or opening it in
-//! Hyper-V, both of which replay it. fusex itself never writes the log.
+//! (read-only too) in one line naming the fix: `qemu-img check -r all` or opening it in
+//! Hyper-V replays it; QEMU leaves a log GUID whose log has no valid entries in place, and
+//! `qemu-img convert -O vhdx` then makes a clean copy. fusex itself never writes the log.
 //!
 //! **Writing.** Before anything else is written, the header goes to the non-current slot with
 //! the next sequence number and new file and data write GUIDs (the spec's rule for a file being
@@ -220,9 +221,10 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<Parsed, ParseErr
         ondisk::current_header([ondisk::parse_header(&raw[0]), ondisk::parse_header(&raw[1])])?;
     if h.log_guid != [0; 16] {
         return Err(
-            "its log holds changes not yet written into the image (it was not closed \
-                    cleanly), and fusex does not replay VHDX logs: replay it with `qemu-img \
-                    check -r all` (or by opening it in Hyper-V), then serve it again"
+            "its header names a log (the log GUID is set: it was not closed cleanly, and \
+             the log may hold changes not yet written into the image), and fusex does not \
+             replay VHDX logs: replay it with `qemu-img check -r all` or by opening it in \
+             Hyper-V; if fusex still refuses it, `qemu-img convert -O vhdx` makes a clean copy"
                 .into(),
         );
     }

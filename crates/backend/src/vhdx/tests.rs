@@ -175,7 +175,7 @@ fn bat_math_interleaves_sector_bitmap_entries() {
     for k in 0..10 {
         assert_eq!(block_of_index(k * (r + 1) + r, r), None);
     }
-    assert_eq!(decode_entry(0x0000_0123_4560_0006), (6, 0x1234_5600_000));
+    assert_eq!(decode_entry(0x0000_0123_4560_0006), (6, 0x0123_4560_0000));
     assert_eq!(decode_entry(present_entry(5 * MIB)), (6, 5 * MIB));
     // Reserved bits 3..19 do not leak into the offset.
     assert_eq!(decode_entry(0xf_fff8 | 2), (2, 0));
