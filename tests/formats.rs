@@ -994,3 +994,425 @@ fn serve_vpc_and_vdi_nodes() {
     qemu_img(&["compare", "-q", "-f", "vdi", "-F", "raw"], &[&vdi, &raw]);
     qemu_img(&["check", "-q", "-f", "vdi"], &[&vdi]);
 }
+
+// ---------------------------------------------------------------------------------------
+// VHDX
+// ---------------------------------------------------------------------------------------
+
+const VHDX_DYNAMIC: Sub = Sub {
+    tag: "vhdx-dynamic",
+    fmt: "vhdx",
+    opts: "subformat=dynamic,block_size=1M",
+    format: None,
+    shown: "format vhdx (auto",
+    check: true,
+    // qemu-img map reports a VHDX as data throughout: its driver has no block status.
+    sparse: false,
+};
+
+const VHDX_FIXED: Sub = Sub {
+    tag: "vhdx-fixed",
+    fmt: "vhdx",
+    opts: "subformat=fixed",
+    format: Some("vhdx"),
+    shown: "format vhdx",
+    check: true,
+    sparse: false,
+};
+
+/// A VHDX made by `qemu-img convert` reads back as `qemu-img convert -O raw` gives it, whole
+/// and in random pieces; every hole SEEK_HOLE reports reads as zeroes in the oracle (qemu-img
+/// map has no block status for VHDX to compare with), a dynamic image has holes where its
+/// zero blocks are, and a read-only export leaves the file untouched.
+fn vhdx_read_case(sub: Sub, seed: u64) {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new(&format!("fmt-ro-{}", sub.tag));
+    let src = w.join("src.raw");
+    let size = 21 * MIB + 3 * 512;
+    fs::write(&src, mixed(size, seed)).unwrap();
+    let img = w.join("disk.img");
+    qemu_img(
+        &["convert", "-f", "raw", "-O", sub.fmt, "-o", sub.opts],
+        &[&src, &img],
+    );
+    let want = oracle(&img, sub.fmt, &w.join("oracle.raw"));
+    let before = file_hash(&img);
+    let m = Mount::start(&w, &img, &w.join("export"), &sub.args(false));
+    assert!(
+        m.stderr().contains(sub.shown),
+        "{}: {}",
+        sub.tag,
+        m.stderr()
+    );
+    let f = m.open_ro();
+    assert_eq!(fstat(&f).0, want.len() as u64, "{}: st_size", sub.tag);
+    assert_bytes_eq(
+        &read_all(m.path()),
+        &want,
+        0,
+        &format!("{}: whole", sub.tag),
+    );
+    let mut rng = Rng::new(seed ^ 0x77);
+    for i in 0..150 {
+        let off = rng.below(want.len() as u64 + 4096);
+        let len = 1 + rng.below(if i % 5 == 0 { 3 * MIB } else { 70 * KIB }) as usize;
+        let got = pread_full(&f, off, len).unwrap_or_else(|e| panic!("pread {off}+{len}: {e}"));
+        let lo = off.min(want.len() as u64) as usize;
+        let hi = (off + len as u64).min(want.len() as u64) as usize;
+        assert_bytes_eq(&got, &want[lo..hi], off, &format!("{}: read #{i}", sub.tag));
+    }
+    let seek = seek_map(&f, want.len() as u64);
+    let mut at = 0u64;
+    let mut holes = 0;
+    for &(a, b) in seek
+        .iter()
+        .chain([(want.len() as u64, want.len() as u64)].iter())
+    {
+        if a > at {
+            holes += 1;
+            assert!(
+                want[at as usize..a as usize].iter().all(|&x| x == 0),
+                "{}: the hole {at}..{a} is not zeroes",
+                sub.tag
+            );
+        }
+        at = b;
+    }
+    if sub.format.is_none() {
+        assert!(
+            holes > 0,
+            "{}: no hole in a dynamic image: {seek:?}",
+            sub.tag
+        );
+    } else {
+        assert_eq!(
+            seek,
+            vec![(0, want.len() as u64)],
+            "{}: data throughout",
+            sub.tag
+        );
+    }
+    drop(f);
+    m.stop().assert_clean(sub.tag);
+    assert_eq!(
+        file_hash(&img),
+        before,
+        "{}: read-only export changed the image",
+        sub.tag
+    );
+}
+
+#[test]
+fn reads_vhdx_dynamic() {
+    vhdx_read_case(VHDX_DYNAMIC, 71);
+}
+
+#[test]
+fn reads_vhdx_fixed() {
+    vhdx_read_case(VHDX_FIXED, 72);
+}
+
+#[test]
+fn writes_vhdx_dynamic() {
+    write_case(VHDX_DYNAMIC, 73);
+}
+
+#[test]
+fn writes_vhdx_fixed() {
+    write_case(VHDX_FIXED, 74);
+}
+
+#[test]
+fn racing_writers_allocate_vhdx_blocks_once() {
+    racing_case(VHDX_DYNAMIC, MIB, MIB);
+}
+
+/// CRC-32C, as VHDX checksums its headers and region tables.
+fn crc32c(b: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &x in b {
+        c ^= u32::from(x);
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0x82f6_3b78
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// Stores the CRC-32C of `b` (its checksum field at 4 taken as zero) at 4.
+fn fix_crc32c(b: &mut [u8]) {
+    b[4..8].fill(0);
+    let c = crc32c(b);
+    b[4..8].copy_from_slice(&c.to_le_bytes());
+}
+
+fn le64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+/// Where qemu-img put a VHDX's structures: the current header, the BAT, and the file
+/// parameters and virtual disk size items.
+struct VhdxLayout {
+    header: usize,
+    bat: usize,
+    metadata: usize,
+    params: usize,
+    disk_size: usize,
+}
+
+fn vhdx_layout(b: &[u8]) -> VhdxLayout {
+    let seq = |at: usize| le64_at(b, at + 8);
+    let header = if seq(128 << 10) > seq(64 << 10) {
+        128 << 10
+    } else {
+        64 << 10
+    };
+    let rt = 192 << 10;
+    assert_eq!(&b[rt..rt + 4], b"regi", "setup: region table");
+    let (mut bat, mut metadata) = (0, 0);
+    for i in 0..u32::from_le_bytes(b[rt + 8..rt + 12].try_into().unwrap()) as usize {
+        let e = rt + 16 + 32 * i;
+        let off = le64_at(b, e + 16) as usize;
+        match b[e] {
+            0x66 => bat = off,      // 2dc27766-...
+            0x06 => metadata = off, // 8b7ca206-...
+            x => panic!("setup: region {x:#x}"),
+        }
+    }
+    assert_eq!(
+        &b[metadata..metadata + 8],
+        b"metadata",
+        "setup: metadata table"
+    );
+    let (mut params, mut disk_size) = (0, 0);
+    for i in 0..u16::from_le_bytes(b[metadata + 10..metadata + 12].try_into().unwrap()) as usize {
+        let e = metadata + 32 + 32 * i;
+        let off = metadata + u32::from_le_bytes(b[e + 16..e + 20].try_into().unwrap()) as usize;
+        match b[e] {
+            0x37 => params = off,    // caa16737-...
+            0x24 => disk_size = off, // 2fa54224-...
+            _ => {}
+        }
+    }
+    assert!(params > 0 && disk_size > 0, "setup: metadata items");
+    VhdxLayout {
+        header,
+        bat,
+        metadata,
+        params,
+        disk_size,
+    }
+}
+
+#[test]
+fn hostile_vhdx_images() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("fmt-hostile-vhdx");
+    let src = w.join("src.raw");
+    random_image(&src, 8 * MIB, 81);
+    let good = w.join("good.vhdx");
+    qemu_img(
+        &["convert", "-f", "raw", "-O", "vhdx", "-o", "block_size=1M"],
+        &[&src, &good],
+    );
+    let want = oracle(&good, "vhdx", &w.join("oracle.raw"));
+    let bytes = fs::read(&good).unwrap();
+    let l = vhdx_layout(&bytes);
+    let (hdr, bat, meta, params, dsize) = (l.header, l.bat, l.metadata, l.params, l.disk_size);
+    let e0 = le64_at(&bytes, bat);
+    assert_eq!(e0 & 7, 6, "setup: block 0 is present");
+    let block = MIB;
+    let entry = move |i: usize, v: u64| -> Damage {
+        Box::new(move |b: &mut Vec<u8>| b[bat + 8 * i..][..8].copy_from_slice(&v.to_le_bytes()))
+    };
+    let cases: Vec<(&str, Damage, Expect)> = vec![
+        (
+            "bad CRC in both headers",
+            Box::new(|b| {
+                b[(64 << 10) + 200] ^= 1;
+                b[(128 << 10) + 200] ^= 1;
+            }),
+            Expect::Refused("neither of its headers"),
+        ),
+        (
+            "bad CRC in both region tables",
+            Box::new(|b| {
+                b[(192 << 10) + 2000] ^= 1;
+                b[(256 << 10) + 2000] ^= 1;
+            }),
+            Expect::Refused("region table"),
+        ),
+        (
+            "dirty log",
+            Box::new(move |b| {
+                b[hdr + 48..hdr + 64].copy_from_slice(&[0x11; 16]);
+                fix_crc32c(&mut b[hdr..hdr + 4096]);
+            }),
+            Expect::Refused("qemu-img check -r all"),
+        ),
+        (
+            "absurd virtual size",
+            Box::new(move |b| b[dsize..dsize + 8].copy_from_slice(&(1u64 << 60).to_le_bytes())),
+            Expect::Refused("64 TiB"),
+        ),
+        (
+            "block size 3 MiB",
+            Box::new(move |b| set_le32(b, params, 3 << 20)),
+            Expect::Refused("power of two"),
+        ),
+        (
+            "block size 512 KiB",
+            Box::new(move |b| set_le32(b, params, 512 << 10)),
+            Expect::Refused("power of two"),
+        ),
+        (
+            "block size 512 MiB",
+            Box::new(move |b| set_le32(b, params, 512 << 20)),
+            Expect::Refused("power of two"),
+        ),
+        (
+            "differencing",
+            Box::new(move |b| set_le32(b, params + 4, 2)),
+            Expect::Refused("differencing"),
+        ),
+        (
+            "BAT entry past the end",
+            entry(1, (1 << 40) | 6),
+            Expect::Eio(vec![(block, block)]),
+        ),
+        (
+            "BAT entry into the metadata",
+            entry(1, meta as u64 | 6),
+            Expect::Eio(vec![(block, block)]),
+        ),
+        (
+            "BAT entry into the BAT",
+            entry(1, bat as u64 | 6),
+            Expect::Eio(vec![(block, block)]),
+        ),
+        (
+            "BAT entry into the headers",
+            entry(1, 6),
+            Expect::Eio(vec![(block, block)]),
+        ),
+        (
+            "BAT entries sharing a block",
+            entry(2, e0),
+            Expect::Eio(vec![(0, block), (2 * block, block)]),
+        ),
+        (
+            "BAT entry partially present",
+            entry(3, (e0 & !7) | 7),
+            Expect::Eio(vec![(3 * block, block)]),
+        ),
+    ];
+    hostile_cases(&w, &good, "vhdx", &want, cases);
+
+    // The advice for a dirty log: QEMU opens this one (its log has no valid entries) and
+    // `qemu-img convert` makes a clean copy that fusex serves.
+    let dirty = w.join("dirty.vhdx");
+    damaged(&good, &dirty, &move |b| {
+        b[hdr + 48..hdr + 64].copy_from_slice(&[0x11; 16]);
+        fix_crc32c(&mut b[hdr..hdr + 4096]);
+    });
+    let copy = w.join("copy.vhdx");
+    qemu_img(&["convert", "-f", "vhdx", "-O", "vhdx"], &[&dirty, &copy]);
+    let m = Mount::start(&w, &copy, &w.join("copy"), &[]);
+    assert_bytes_eq(
+        &read_all(m.path()),
+        &want,
+        0,
+        "the dirty image's clean copy",
+    );
+    m.stop().assert_clean("the dirty image's clean copy");
+
+    // One damaged header (the current one): the other serves, and a writable export writes
+    // the next header over the damaged one; qemu-img then finds the image clean.
+    let one = w.join("one-header.vhdx");
+    damaged(&good, &one, &move |b| b[hdr + 300] ^= 1);
+    let m = Mount::start(&w, &one, &w.join("one"), &["--writable"]);
+    assert_bytes_eq(&read_all(m.path()), &want, 0, "one header damaged");
+    m.stop().assert_clean("one header damaged");
+    qemu_img(&["check", "-q", "-f", "vhdx"], &[&one]);
+    qemu_img(
+        &["compare", "-q", "-f", "vhdx", "-F", "vhdx"],
+        &[&one, &good],
+    );
+}
+
+/// `--format vhdx` on a raw file is refused, `--growable` too; a writable export holds
+/// QEMU's locks; `fusex serve` serves a `vhdx` node, and what it wrote passes `qemu-img check`
+/// and `compare`.
+#[test]
+fn vhdx_format_locks_and_serve() {
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("fmt-vhdx-misc");
+    let src = w.join("src.raw");
+    let data = random_image(&src, 6 * MIB, 91);
+    match Mount::try_start(&w, &src, &w.join("raw"), &["--format", "vhdx"]) {
+        Err(f) => assert_refused(&f, "raw as vhdx", "vhdxfile"),
+        Ok(_) => panic!("a raw file was served as vhdx"),
+    }
+    let img = w.join("d.vhdx");
+    qemu_img(&["convert", "-f", "raw", "-O", "vhdx"], &[&src, &img]);
+    match Mount::try_start(&w, &img, &w.join("grow"), &["--growable", "--writable"]) {
+        Err(f) => assert_refused(&f, "--growable", "--growable"),
+        Ok(_) => panic!("--growable was accepted"),
+    }
+    let m = Mount::start(&w, &img, &w.join("locked"), &["--writable"]);
+    let out = Command::new("qemu-img")
+        .args(["info", "-f", "vhdx"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "qemu-img info ran beside a writable export"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lock"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    m.stop().assert_clean("locked");
+
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "vhdx", "node-name": "x",
+               "file": {"driver": "file", "filename": img}}),
+    );
+    let mp = w.join("mnt-x");
+    fs::write(&mp, b"").unwrap();
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "ex", "node-name": "x", "mountpoint": mp,
+               "writable": true}),
+    );
+    assert_bytes_eq(&read_all(&mp), &data, 0, "vhdx node");
+    let f = open_rw(&mp);
+    f.write_all_at(&[0x5a; 5000], MIB - 100).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    q.ok("block-export-del", json!({"id": "ex"}));
+    q.event("BLOCK_EXPORT_DELETED", "ex", TIMEOUT);
+    drop(q);
+    drop(serve);
+    let mut want = data.clone();
+    want[(MIB - 100) as usize..][..5000].fill(0x5a);
+    let raw = w.join("want.raw");
+    fs::write(&raw, &want).unwrap();
+    qemu_img(&["check", "-q", "-f", "vhdx"], &[&img]);
+    qemu_img(&["compare", "-q", "-f", "vhdx", "-F", "raw"], &[&img, &raw]);
+}

@@ -546,6 +546,57 @@ fn restarts_of_writable_vhd_and_vdi_exports_keep_their_tables_whole() {
     }
 }
 
+/// VHDX, as VHD and VDI above: each successor also writes the next header (new write GUIDs, the
+/// next sequence number) once its predecessor let go; the image then equals the model and
+/// `qemu-img check` finds it clean.
+#[test]
+fn restarts_of_a_writable_vhdx_export_keep_its_table_whole() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
+        return;
+    }
+    let w = WorkDir::new("restart-vhdx");
+    let img = w.join("disk.vhdx");
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "vhdx", "-o", "block_size=1M"])
+            .arg(&img)
+            .arg("256M"),
+    );
+    let mp = w.join("disk.raw");
+    let pid_file = w.join("fusex.pid");
+    let (mut m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &pid_file,
+        &["--writable", "--transport", "legacy"],
+    )
+    .unwrap_or_else(|f| panic!("vhdx: mount failed: {}", f.stderr));
+    let writers = Writers::start(&mp, vec![0u8; 256 * MIB as usize], 2);
+    writers.wait_for_progress(20);
+    for _ in 0..4 {
+        restart_ok(&w, &mut m, &pid_file);
+        writers.wait_for_progress(20);
+    }
+    let model = writers.finish();
+    assert_bytes_eq(&read_all(&mp), &model, 0, "vhdx: after the restarts");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "vhdx: {st:?}");
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["check", "-q", "-f", "vhdx"])
+            .arg(&img),
+    );
+    let want = w.join("model.raw");
+    fs::write(&want, &model).unwrap();
+    run_ok(
+        std::process::Command::new("qemu-img")
+            .args(["compare", "-q", "-f", "vhdx", "-F", "raw"])
+            .arg(&img)
+            .arg(&want),
+    );
+}
+
 #[test]
 fn fio_verify_runs_through_ten_restarts() {
     /// fio's queue depth: at most this many of its requests are in flight at any time.

@@ -89,8 +89,8 @@ impl OpenError {
 /// The format of an image, as given on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Format {
-    /// Probe: qcow2, VHD, VDI or VMDK if the file's first sector carries that format's magic, raw
-    /// otherwise (`null:` specs are null). The choice is logged.
+    /// Probe: qcow2, VHD, VDI, VMDK or VHDX if the file's first sector carries that format's
+    /// magic, raw otherwise (`null:` specs are null). The choice is logged.
     #[default]
     Auto,
     /// Byte for byte; never probed, so a raw image whose first bytes mimic a header stays raw.
@@ -103,6 +103,8 @@ pub enum Format {
     Vmdk,
     /// VDI (VirtualBox): static or dynamic.
     Vdi,
+    /// VHDX (Hyper-V): fixed or dynamic.
+    Vhdx,
     /// `null:SIZE`.
     Null,
 }
@@ -148,6 +150,8 @@ pub enum AnyBackend {
     Vmdk(crate::vmdk::VmdkBackend),
     /// A VDI image.
     Vdi(crate::vdi::VdiBackend),
+    /// A VHDX image.
+    Vhdx(crate::vhdx::VhdxBackend),
     /// An export of an NBD server.
     Nbd(NbdBackend),
     /// One partition of an image opened as any of the above (never of another partition).
@@ -276,7 +280,7 @@ fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, 
             Format::Qcow2
         }
         Format::Raw => Format::Raw,
-        Format::Vhd | Format::Vmdk | Format::Vdi => {
+        Format::Vhd | Format::Vmdk | Format::Vdi | Format::Vhdx => {
             let meta = std::fs::metadata(path).map_err(|e| OpenError::from_io(spec, e))?;
             if !(meta.is_file() || meta.file_type().is_block_device()) {
                 return Err(OpenError::NotFileOrDevice(spec.to_string()));
@@ -299,7 +303,7 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
                 && (crate::qcow2::probe(path).unwrap_or(false)
                     || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
         }
-        Format::Qcow2 | Format::Vhd | Format::Vmdk | Format::Vdi => true,
+        Format::Qcow2 | Format::Vhd | Format::Vmdk | Format::Vdi | Format::Vhdx => true,
     }
 }
 
@@ -314,6 +318,9 @@ fn probe_table_formats(path: &Path) -> io::Result<Format> {
     }
     if crate::vdi::probe(path)? {
         return Ok(Format::Vdi);
+    }
+    if crate::vhdx::probe(path)? {
+        return Ok(Format::Vhdx);
     }
     Ok(Format::Raw)
 }
@@ -388,6 +395,14 @@ fn open_as(
                 opts.locking,
             )?))
         }
+        Format::Vhdx => {
+            table_format_options(path, "vhdx", &opts)?;
+            Ok(AnyBackend::Vhdx(crate::vhdx::open(
+                path,
+                opts.writable,
+                opts.locking,
+            )?))
+        }
         _ => {
             let raw = RawBackend::open(path, opts.writable, opts.direct, opts.io_path)?;
             // The O_DIRECT backend's buffered twin stays unlocked: one description per file
@@ -452,6 +467,10 @@ impl AnyBackend {
             }
             (AnyBackend::Vdi(_), false) => "vdi",
             (AnyBackend::Vdi(_), true) => "vdi (auto: the image carries the VDI signature)",
+            (AnyBackend::Vhdx(_), false) => "vhdx",
+            (AnyBackend::Vhdx(_), true) => {
+                "vhdx (auto: the image starts with the VHDX file type identifier)"
+            }
             (AnyBackend::Null(_), _) => "null",
             (AnyBackend::Nbd(_), _) => "nbd",
             (AnyBackend::Partition(p), probed) => p.inner().image().format_description(probed),
@@ -468,6 +487,7 @@ impl AnyBackend {
             AnyBackend::Vhd(v) => v.owner().ok(),
             AnyBackend::Vmdk(v) => v.owner().ok(),
             AnyBackend::Vdi(v) => v.owner().ok(),
+            AnyBackend::Vhdx(v) => v.owner().ok(),
             AnyBackend::Null(_) | AnyBackend::Nbd(_) => None,
             AnyBackend::Partition(p) => p.inner().image().owner(),
         }
@@ -479,7 +499,9 @@ impl AnyBackend {
             AnyBackend::Raw(r) => r.io_fds(),
             AnyBackend::Null(_) | AnyBackend::Qcow2(_) | AnyBackend::Nbd(_) => Vec::new(),
             AnyBackend::Partition(p) => p.inner().image().io_fds(),
-            AnyBackend::Vhd(_) | AnyBackend::Vmdk(_) | AnyBackend::Vdi(_) => Vec::new(),
+            AnyBackend::Vhd(_) | AnyBackend::Vmdk(_) | AnyBackend::Vdi(_) | AnyBackend::Vhdx(_) => {
+                Vec::new()
+            }
         }
     }
 }
@@ -493,6 +515,7 @@ macro_rules! each {
             AnyBackend::Vhd($b) => $e,
             AnyBackend::Vmdk($b) => $e,
             AnyBackend::Vdi($b) => $e,
+            AnyBackend::Vhdx($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition($b) => $e,
         }
@@ -510,6 +533,7 @@ macro_rules! each_whole {
             AnyBackend::Vhd($b) => $e,
             AnyBackend::Vmdk($b) => $e,
             AnyBackend::Vdi($b) => $e,
+            AnyBackend::Vhdx($b) => $e,
             AnyBackend::Nbd($b) => $e,
             AnyBackend::Partition(_) => $none,
         }
@@ -608,6 +632,7 @@ impl BlockBackend for AnyBackend {
             | AnyBackend::Vhd(_)
             | AnyBackend::Vmdk(_)
             | AnyBackend::Vdi(_)
+            | AnyBackend::Vhdx(_)
             | AnyBackend::Partition(_) => None,
         }
     }

@@ -25,6 +25,7 @@ mod ringfile;
 mod stats;
 pub mod vdi;
 pub mod vhd;
+pub mod vhdx;
 pub mod vmdk;
 
 pub use any::{

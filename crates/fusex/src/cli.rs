@@ -244,8 +244,8 @@ impl From<HandoffArg> for server::Handoff {
 /// The image format.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum FormatArg {
-    /// qcow2, vhd, vdi or vmdk if the image's first sector carries that format's magic, raw
-    /// otherwise (null for null:SIZE); the choice is logged.
+    /// qcow2, vhd, vdi, vmdk or vhdx if the image's first sector carries that format's magic,
+    /// raw otherwise (null for null:SIZE); the choice is logged.
     Auto,
     /// The file's bytes as they are, never probed.
     Raw,
@@ -258,6 +258,8 @@ pub enum FormatArg {
     Vmdk,
     /// VDI, static or dynamic (VirtualBox).
     Vdi,
+    /// VHDX, fixed or dynamic (Hyper-V).
+    Vhdx,
     /// null:SIZE.
     Null,
 }
@@ -271,6 +273,7 @@ impl From<FormatArg> for backend::Format {
             FormatArg::Vhd => backend::Format::Vhd,
             FormatArg::Vmdk => backend::Format::Vmdk,
             FormatArg::Vdi => backend::Format::Vdi,
+            FormatArg::Vhdx => backend::Format::Vhdx,
             FormatArg::Null => backend::Format::Null,
         }
     }
@@ -331,7 +334,7 @@ pub struct MountArgs {
     /// Image format
     ///
     /// Give raw for raw images from untrusted sources: auto would read a raw image whose first
-    /// bytes mimic a qcow2, VHD or VDI header as that format.
+    /// bytes mimic a qcow2, VHD, VDI, VMDK or VHDX header as that format.
     #[arg(long, value_enum, default_value_t = FormatArg::Auto, help_heading = heading::IMAGE)]
     pub format: FormatArg,
     /// Export only partition N of the image (MBR or GPT), bounded to it
@@ -715,8 +718,8 @@ pub struct ServeArgs {
     /// A block node, as qemu-storage-daemon takes it (repeatable)
     ///
     /// key=value,... or JSON, the arguments of QMP's blockdev-add: drivers file, host_device,
-    /// raw, qcow2, vpc, vdi, nbd and null-co. For example a qcow2 image: driver=qcow2, node-name=disk,
-    /// file.driver=file, file.filename=disk.qcow2 (joined by commas).
+    /// raw, qcow2, vpc, vdi, vhdx, nbd and null-co. For example a qcow2 image: driver=qcow2,
+    /// node-name=disk, file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,
     /// An export, as qemu-storage-daemon takes it (repeatable)

@@ -141,6 +141,7 @@ impl Plan {
                 AnyBackend::Qcow2(_)
                 | AnyBackend::Vhd(_)
                 | AnyBackend::Vdi(_)
+                | AnyBackend::Vhdx(_)
                 | AnyBackend::Vmdk(_),
             ) => Err(NotUsed::Formatted(args.image.clone())),
             (_, AnyBackend::Partition(_)) => Err(NotUsed::Partition(args.image.clone())),

@@ -1,6 +1,6 @@
 //! Block nodes as QMP's `blockdev-add` declares them: a protocol node (`file`, `host_device`,
-//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`, `vmdk`), under
-//! an optional partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex
+//! `nbd`, `null-co`) under an optional format node (`raw`, `qcow2`, `vpc`, `vdi`, `vmdk`,
+//! `vhdx`), under an optional partition node (fusex's own driver [`PARTITION_DRIVER`]: QEMU has none). fusex
 //! serves an image by its path (or URI), so a node is what it takes to name that image and how to
 //! open it; the image is opened once when the node is added (to check it as QEMU does, and to
 //! learn its size) and again by each export of it.
@@ -37,6 +37,8 @@ pub enum Driver {
     Vmdk,
     /// A VDI format node over its `file` child.
     Vdi,
+    /// A VHDX format node over its `file` child.
+    Vhdx,
 }
 
 impl Driver {
@@ -53,6 +55,7 @@ impl Driver {
             Driver::Vpc => "vpc",
             Driver::Vmdk => "vmdk",
             Driver::Vdi => "vdi",
+            Driver::Vhdx => "vhdx",
         }
     }
 }
@@ -149,7 +152,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "file" | "host_device" => &["filename", "locking"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
-        "vpc" | "vdi" | "vmdk" => &["file"],
+        "vpc" | "vdi" | "vmdk" | "vhdx" => &["file"],
         "nbd" => &["server", "export"],
         "null-co" => &["size", "read-zeroes"],
         PARTITION_DRIVER => &["file", "partition"],
@@ -192,7 +195,6 @@ const OTHER_DRIVERS: &[&str] = &[
     "replication",
     "ssh",
     "throttle",
-    "vhdx",
     "virtio-blk-vfio-pci",
     "vvfat",
 ];
@@ -309,7 +311,7 @@ pub fn parse(
         if OTHER_DRIVERS.contains(&driver) {
             return Err(QmpError::generic(format!(
                 "fusex does not support driver '{driver}': it serves file, host_device, raw, \
-                 qcow2, vpc, vdi, vmdk, nbd, null-co and {PARTITION_DRIVER} nodes"
+                 qcow2, vpc, vdi, vmdk, vhdx, nbd, null-co and {PARTITION_DRIVER} nodes"
             )));
         }
         return Err(QmpError::generic(format!(
@@ -381,7 +383,7 @@ pub fn parse(
                 uri: nbd_uri(&m, &named("server"))?,
             }
         }
-        "raw" | "qcow2" | "vpc" | "vdi" | "vmdk" | PARTITION_DRIVER => {
+        "raw" | "qcow2" | "vpc" | "vdi" | "vmdk" | "vhdx" | PARTITION_DRIVER => {
             let Some(file) = members.get("file").cloned() else {
                 return Err(QmpError::generic(format!(
                     "Parameter '{}' is missing",
@@ -458,6 +460,7 @@ pub fn parse(
                     "raw" => Driver::Raw,
                     "vpc" => Driver::Vpc,
                     "vdi" => Driver::Vdi,
+                    "vhdx" => Driver::Vhdx,
                     "vmdk" => Driver::Vmdk,
                     _ => Driver::Qcow2,
                 }
@@ -558,6 +561,7 @@ impl Node {
             | Driver::Qcow2
             | Driver::Vpc
             | Driver::Vdi
+            | Driver::Vhdx
             | Driver::Vmdk
             | Driver::Partition { .. } => None,
         };
@@ -568,6 +572,7 @@ impl Node {
             Driver::Vpc => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhd"))),
             Driver::Vmdk => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vmdk"))),
             Driver::Vdi => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vdi"))),
+            Driver::Vhdx => Some((protocol(&node_of(self.file.as_deref()?)?)?, Some("vhdx"))),
             Driver::File { .. } => Some((protocol(self)?, Some("raw"))),
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
             Driver::Partition { .. } => node_of(self.file.as_deref()?)?.image(node_of),
@@ -592,6 +597,7 @@ impl Node {
             | Driver::Qcow2
             | Driver::Vpc
             | Driver::Vdi
+            | Driver::Vhdx
             | Driver::Vmdk
             | Driver::Partition { .. } => self
                 .file
@@ -731,6 +737,13 @@ mod tests {
         assert_eq!(v[1].image(&lookup), Some(("/d.vhd".into(), Some("vhd"))));
         let v = nodes(json!({"driver": "vdi", "node-name": "w", "file": "file0"})).unwrap();
         assert_eq!(v[0].driver, Driver::Vdi);
+        let v = nodes(json!({"driver": "vhdx", "node-name": "h",
+                             "file": {"driver": "file", "filename": "/d.vhdx"}}))
+        .unwrap();
+        assert_eq!(v[1].driver, Driver::Vhdx);
+        let file = v[0].clone();
+        let lookup = |n: &str| (n == file.name).then(|| file.clone());
+        assert_eq!(v[1].image(&lookup), Some(("/d.vhdx".into(), Some("vhdx"))));
         assert!(nodes(
             json!({"driver": "vpc", "node-name": "x", "file": "file0", "backing": null})
         )
