@@ -9,6 +9,7 @@ use std::fmt;
 use std::io;
 
 use super::crc32::crc32;
+use crate::fields::{le16, le32, le64};
 
 /// Partition tables use 512-byte sectors on image files; GPT is also looked for with 4096-byte
 /// ones (a disk image copied from a 4Kn drive).
@@ -136,16 +137,6 @@ pub enum TableError {
     /// Reading the image failed.
     #[error("cannot read its partition table: {0}")]
     Io(io::Error),
-}
-
-fn le32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
 }
 
 /// One of the four 16-byte entries of an MBR or EBR.
@@ -498,8 +489,8 @@ fn guid(b: &[u8]) -> String {
     format!(
         "{:08X}-{:04X}-{:04X}-{:02X}{:02X}-{}",
         le32(b, 0),
-        u16::from_le_bytes([b[4], b[5]]),
-        u16::from_le_bytes([b[6], b[7]]),
+        le16(b, 4),
+        le16(b, 6),
         b[8],
         b[9],
         b[10..16]
