@@ -35,8 +35,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::blocktable::{self, BlockFormat, Entry, Layout, Table, TableImage};
-use crate::lock::{lock_file, Claim, Locking};
+use crate::blocktable::{self, BlockFormat, Entry, Layout, ParseError, Table, TableImage};
+use crate::fields::{be16, be32, be64};
+use crate::lock::Locking;
 use crate::ringfile::RingFile;
 use crate::OpenError;
 
@@ -80,20 +81,6 @@ pub fn probe(path: &Path) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
         Err(e) => Err(e),
     }
-}
-
-fn be16(b: &[u8], o: usize) -> u16 {
-    u16::from_be_bytes([b[o], b[o + 1]])
-}
-
-fn be32(b: &[u8], o: usize) -> u32 {
-    u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
-}
-
-fn be64(b: &[u8], o: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[o..o + 8]);
-    u64::from_be_bytes(w)
 }
 
 /// The one's complement of the sum of every byte of `b` outside `skip..skip + 4`.
@@ -447,50 +434,7 @@ impl BlockFormat for Vhd {
 
 /// Opens the VHD image at `path` (fixed or dynamic), locked as QEMU's `vpc` driver locks it.
 pub fn open(path: &Path, writable: bool, locking: Locking) -> Result<VhdBackend, OpenError> {
-    let shown = path.display().to_string();
-    let (file, len) = blocktable::open_file(path, writable)?;
-    lock_file(
-        file.file(),
-        Claim::qcow2(locking, writable),
-        &format!("image {shown}"),
-    )?;
-    let bad = |reason: String| OpenError::Format {
-        path: shown.clone(),
-        format: "vhd",
-        reason,
-    };
-    let io_err = |e: io::Error| OpenError::from_io(&shown, e);
-    let (vhd, table, layout) = parse(file.file(), len, writable).map_err(|e| match e {
-        ParseError::Bad(r) => bad(r),
-        ParseError::Io(e) => io_err(e),
-    })?;
-    tracing::debug!(path = %shown, size = layout.size, "opened vhd image");
-    Ok(TableImage::new(file, vhd, table, layout))
-}
-
-/// Why parsing failed: the image (one line for the user) or the OS.
-#[derive(Debug)]
-enum ParseError {
-    Bad(String),
-    Io(io::Error),
-}
-
-impl From<io::Error> for ParseError {
-    fn from(e: io::Error) -> ParseError {
-        ParseError::Io(e)
-    }
-}
-
-impl From<String> for ParseError {
-    fn from(s: String) -> ParseError {
-        ParseError::Bad(s)
-    }
-}
-
-impl From<blocktable::TooLarge> for ParseError {
-    fn from(e: blocktable::TooLarge) -> ParseError {
-        ParseError::Bad(e.to_string())
-    }
+    blocktable::open_image(path, writable, locking, "vhd", parse)
 }
 
 /// Reads `f` (of `len` bytes) as a VHD image: its layout, block table and geometry.
@@ -644,13 +588,7 @@ fn parse_dynamic(
         // Sector and index both fit 32 bits (the BAT's own width, and the table's bound).
         placed.push((v, i as u32));
     }
-    // Two entries sharing file space: a write to one would change the other.
-    placed.sort_unstable();
-    for pair in placed.windows(2) {
-        if u64::from(pair[0].0) * SECTOR + footprint > u64::from(pair[1].0) * SECTOR {
-            bad.extend([u64::from(pair[0].1), u64::from(pair[1].1)]);
-        }
-    }
+    bad.extend(blocktable::sharing(&mut placed, SECTOR, footprint));
     for &(v, i) in &placed {
         table.set(
             u64::from(i),
@@ -660,29 +598,13 @@ fn parse_dynamic(
             },
         );
     }
-    bad.sort_unstable();
-    bad.dedup();
-    for &i in &bad {
-        table.set(i, Entry::Bad);
-    }
-    if let Some(&first) = bad.first() {
-        let what = format!(
+    let what = |first| {
+        format!(
             "the block table entry of block {first} points outside the file, into its \
-             metadata or at another block's space{}",
-            match bad.len() - 1 {
-                0 => String::new(),
-                n => format!(" (and {n} more)"),
-            }
-        );
-        if writable {
-            return Err(format!(
-                "{what}: the image is damaged; export it read-only (those blocks fail with \
-                 EIO) or repair it with `qemu-img convert`"
-            )
-            .into());
-        }
-        tracing::warn!("vhd image: {what}: reading those blocks fails with EIO");
-    }
+             metadata or at another block's space"
+        )
+    };
+    blocktable::settle_bad(&table, bad, writable, "vhd", what, "qemu-img convert")?;
     // New blocks go where the footer is now (its last sector), or past every block and table.
     let next_free = (len - FOOTER_LEN as u64).next_multiple_of(SECTOR).max(end);
     Ok((

@@ -58,6 +58,7 @@
 //! only ever goes from unallocated to allocated, so a reader that saw the old entry returns
 //! zeroes for a write that had not completed yet, which is allowed.
 
+mod open;
 mod table;
 
 use std::future::Future;
@@ -67,6 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use engine::{Engine, Slice};
 
+pub(crate) use open::{open_image, open_locked, settle_bad, sharing, ParseError};
 pub use table::{Entry, Table, TooLarge, MAX_ENTRIES, MAX_HOST};
 
 use crate::regions::RegionLocks;

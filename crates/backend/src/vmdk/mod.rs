@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use engine::{Engine, Slice};
 
-use crate::blocktable::TableImage;
+use crate::blocktable::{ParseError, TableImage};
 use crate::lock::{lock_file, Claim, Locking};
 use crate::qcow2::named::{self, shown, shown_path, OpenAs};
 use crate::ringfile::RingFile;
@@ -129,21 +129,14 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
         reason,
     };
     let io_err = |e: io::Error| OpenError::from_io(&shown_image, e);
-    let (main, main_len) = crate::blocktable::open_file(path, opts.writable)?;
-    lock_file(
-        main.file(),
-        Claim::qcow2(opts.locking, opts.writable),
-        &format!("image {shown_image}"),
-    )?;
+    let (main, main_len) = crate::blocktable::open_locked(path, opts.writable, opts.locking)?;
     let mut head = [0u8; 512];
     let n = main.file().read_at(&mut head, 0).map_err(io_err)?;
     if header::is_sparse(&head[..n]) {
         // A sparse extent file is a disk by itself: its own single extent.
         let main_file = main.file().try_clone().map_err(io_err)?;
-        let (image, desc) = sparse_extent(main, main_len, opts.writable).map_err(|e| match e {
-            sparse::OpenFail::Bad(r) => bad(r),
-            sparse::OpenFail::Io(e) => io_err(e),
-        })?;
+        let (image, desc) = sparse_extent(main, main_len, opts.writable)
+            .map_err(|e| e.into_open_error(&shown_image, "vmdk"))?;
         let create_type = match desc {
             Some(d) => {
                 let d = descriptor::parse(&d).map_err(bad)?;
@@ -201,12 +194,8 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
             }
         })
         .unwrap_or(Path::new("."));
-    let extents = open_extents(&d, dir, opts, who, main_file.metadata().map_err(io_err)?).map_err(
-        |e| match e {
-            sparse::OpenFail::Bad(r) => bad(r),
-            sparse::OpenFail::Io(e) => io_err(e),
-        },
-    )?;
+    let extents = open_extents(&d, dir, opts, who, main_file.metadata().map_err(io_err)?)
+        .map_err(|e| e.into_open_error(&shown_image, "vmdk"))?;
     let size = d.sectors() * 512;
     tracing::debug!(path = %shown_image, size, create_type = d.create_type, extents = extents.len(), "opened vmdk image");
     Ok(VmdkBackend {
@@ -230,7 +219,7 @@ fn sparse_extent(
     file: RingFile,
     len: u64,
     writable: bool,
-) -> std::result::Result<(TableImage<Sparse>, Option<Vec<u8>>), sparse::OpenFail> {
+) -> std::result::Result<(TableImage<Sparse>, Option<Vec<u8>>), ParseError> {
     let o = sparse::open(file.file(), len, writable)?;
     Ok((
         TableImage::new(file, o.fmt, o.table, o.layout),
@@ -252,7 +241,7 @@ fn open_extents(
     opts: VmdkOptions,
     who: OpenAs,
     descriptor_meta: std::fs::Metadata,
-) -> std::result::Result<Vec<Extent>, sparse::OpenFail> {
+) -> std::result::Result<Vec<Extent>, ParseError> {
     let canon_dir = std::fs::canonicalize(dir)?;
     // Files by their identity: flat extents may share one file (at different offsets); a
     // sparse extent's file is its own.
@@ -320,7 +309,7 @@ fn open_extents(
                         let rf = RingFile::from_file(file, &path, false)?;
                         let (image, _) =
                             sparse_extent(rf, flen, writable).map_err(|f| match f {
-                                sparse::OpenFail::Bad(r) => {
+                                ParseError::Bad(r) => {
                                     format!("its extent file {}: {r}", shown(name)).into()
                                 }
                                 io => io,
