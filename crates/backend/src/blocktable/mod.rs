@@ -598,4 +598,6 @@ impl<F: BlockFormat> BlockBackend for TableImage<F> {
 }
 
 #[cfg(test)]
+pub(crate) mod testing;
+#[cfg(test)]
 mod tests;

@@ -2,7 +2,7 @@
 //! `tests/formats.rs` use `qemu-img` as the oracle).
 
 use super::*;
-use engine::{Engine, EngineConfig};
+use crate::blocktable::testing::{self, read, write};
 use std::path::PathBuf;
 
 const BS: u64 = 64 * 1024;
@@ -37,35 +37,11 @@ fn set_map(img: &mut [u8], block: usize, v: u32) {
 }
 
 fn write_img(dir: &tempfile::TempDir, bytes: &[u8]) -> PathBuf {
-    let p = dir.path().join("t.vdi");
-    std::fs::write(&p, bytes).unwrap();
-    p
+    testing::write_img(dir, "t.vdi", bytes)
 }
 
 fn reason(p: &Path, writable: bool) -> String {
-    match open(p, writable, Locking::Off) {
-        Err(OpenError::Format { reason, .. }) => reason,
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("opened"),
-    }
-}
-
-fn engine() -> Engine {
-    Engine::new(&EngineConfig {
-        sq_entries: 16,
-        ..EngineConfig::default()
-    })
-    .unwrap()
-}
-
-fn read(img: &VdiBackend, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut v = vec![0xaa; len];
-    engine().block_on(img.read(&mut v, off)).unwrap()?;
-    Ok(v)
-}
-
-fn write(img: &VdiBackend, off: u64, data: &[u8]) -> io::Result<()> {
-    engine().block_on(img.write(data, off)).unwrap()
+    testing::reason(open(p, writable, Locking::Off))
 }
 
 #[test]
@@ -204,26 +180,8 @@ fn damaged_image_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)]) {
     }
     let dir = tempfile::tempdir().unwrap();
     let p = write_img(&dir, &img);
-    let eng = engine();
-    if let Ok(vdi) = open(&p, false, Locking::Off) {
-        let size = crate::BlockBackend::size(&vdi);
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let mut buf = vec![0u8; len];
-            let _ = eng.block_on(vdi.read(&mut buf, off)).unwrap();
-        }
-    }
-    if let Ok(vdi) = open(&p, true, Locking::Off) {
-        let size = crate::BlockBackend::size(&vdi);
-        let before = std::fs::metadata(&p).unwrap().len();
-        let bs = crate::blocktable::BlockFormat::footprint(vdi.format());
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let _ = eng.block_on(vdi.write(&vec![9u8; len], off)).unwrap();
-        }
-        let grown = std::fs::metadata(&p).unwrap().len().saturating_sub(before);
+    let opened = |p: &Path, writable| open(p, writable, Locking::Off);
+    if let Some((grown, bs)) = testing::exercise(&p, ops, opened) {
         // A block reused past the map's last index may lie beyond the old end by the blocks
         // the header leaves unused, but never more than the image's blocks.
         assert!(grown <= 2 * ops.len() as u64 * bs + 8 * bs, "grew {grown}");

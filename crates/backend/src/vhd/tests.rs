@@ -2,7 +2,7 @@
 //! `tests/formats.rs` use `qemu-img` as the oracle).
 
 use super::*;
-use engine::{Engine, EngineConfig};
+use crate::blocktable::testing::{self, read, write};
 use std::path::PathBuf;
 
 const MIB: u64 = 1 << 20;
@@ -58,35 +58,11 @@ fn dynamic(size: u64, bs: u32) -> Vec<u8> {
 }
 
 fn write_img(dir: &tempfile::TempDir, bytes: &[u8]) -> PathBuf {
-    let p = dir.path().join("t.vhd");
-    std::fs::write(&p, bytes).unwrap();
-    p
+    testing::write_img(dir, "t.vhd", bytes)
 }
 
 fn reason(p: &Path, writable: bool) -> String {
-    match open(p, writable, Locking::Off) {
-        Err(OpenError::Format { reason, .. }) => reason,
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("opened"),
-    }
-}
-
-fn engine() -> Engine {
-    Engine::new(&EngineConfig {
-        sq_entries: 16,
-        ..EngineConfig::default()
-    })
-    .unwrap()
-}
-
-fn read(img: &VhdBackend, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut v = vec![0xaa; len];
-    engine().block_on(img.read(&mut v, off)).unwrap()?;
-    Ok(v)
-}
-
-fn write(img: &VhdBackend, off: u64, data: &[u8]) -> io::Result<()> {
-    engine().block_on(img.write(data, off)).unwrap()
+    testing::reason(open(p, writable, Locking::Off))
 }
 
 /// Sets BAT entry `i` of an image made by [`dynamic`].
@@ -357,26 +333,8 @@ fn damaged_image_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)], fix: bo
     }
     let dir = tempfile::tempdir().unwrap();
     let p = write_img(&dir, &img);
-    let eng = engine();
-    if let Ok(vhd) = open(&p, false, Locking::Off) {
-        let size = crate::BlockBackend::size(&vhd);
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let mut buf = vec![0u8; len];
-            let _ = eng.block_on(vhd.read(&mut buf, off)).unwrap();
-        }
-    }
-    if let Ok(vhd) = open(&p, true, Locking::Off) {
-        let size = crate::BlockBackend::size(&vhd);
-        let before = std::fs::metadata(&p).unwrap().len();
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let _ = eng.block_on(vhd.write(&vec![9u8; len], off)).unwrap();
-        }
-        let footprint = crate::blocktable::BlockFormat::footprint(vhd.format());
-        let grown = std::fs::metadata(&p).unwrap().len() - before;
+    let opened = |p: &Path, writable| open(p, writable, Locking::Off);
+    if let Some((grown, footprint)) = testing::exercise(&p, ops, opened) {
         assert!(
             grown <= ops.len() as u64 * 2 * (footprint + 512),
             "grew {grown}"
