@@ -86,3 +86,24 @@ pub(crate) fn exercise<F: BlockFormat>(
         .saturating_sub(before);
     Some((grown, img.format().footprint()))
 }
+
+/// A change made to a copy of a good image.
+pub(crate) type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+
+/// Each case's damage done to a copy of `good`, written as `name` in `dir`: `reason_of` (the
+/// reason a read-only open refuses it) must contain the case's text, on one line.
+pub(crate) fn refused_in_one_line(
+    dir: &tempfile::TempDir,
+    name: &str,
+    good: &[u8],
+    cases: Vec<(&str, Damage)>,
+    reason_of: impl Fn(&Path) -> String,
+) {
+    for (want, damage) in cases {
+        let mut img = good.to_vec();
+        damage(&mut img);
+        let r = reason_of(&write_img(dir, name, &img));
+        assert!(r.contains(want), "{want}: {r}");
+        assert!(!r.contains('\n'), "{r}");
+    }
+}

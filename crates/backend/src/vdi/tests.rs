@@ -2,7 +2,7 @@
 //! `tests/formats.rs` use `qemu-img` as the oracle).
 
 use super::*;
-use crate::blocktable::testing::{self, read, write};
+use crate::blocktable::testing::{self, read, write, Damage};
 use std::path::PathBuf;
 
 const BS: u64 = 64 * 1024;
@@ -47,7 +47,6 @@ fn reason(p: &Path, writable: bool) -> String {
 #[test]
 fn bad_headers_are_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
-    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
     let cases: Vec<(&str, Damage)> = vec![
         ("no VDI signature", Box::new(|i| i[64] = 0)),
         ("version 1.0", Box::new(|i| set(i, 68, 0x0001_0000))),
@@ -74,14 +73,7 @@ fn bad_headers_are_refused_in_one_line() {
         ("block map at", Box::new(|i| set(i, 340, 1 << 30))),
         ("block map at", Box::new(|i| set(i, 344, 512))),
     ];
-    for (want, damage) in cases {
-        let mut img = image(4);
-        damage(&mut img);
-        let p = write_img(&dir, &img);
-        let r = reason(&p, false);
-        assert!(r.contains(want), "{want}: {r}");
-        assert!(!r.contains('\n'), "{r}");
-    }
+    testing::refused_in_one_line(&dir, "t.vdi", &image(4), cases, |p| reason(p, false));
 }
 
 #[test]

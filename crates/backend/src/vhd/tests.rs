@@ -2,7 +2,7 @@
 //! `tests/formats.rs` use `qemu-img` as the oracle).
 
 use super::*;
-use crate::blocktable::testing::{self, read, write};
+use crate::blocktable::testing::{self, read, write, Damage};
 use std::path::PathBuf;
 
 const MIB: u64 = 1 << 20;
@@ -100,7 +100,6 @@ fn damaged_footers_and_headers_are_refused() {
 fn whole_images_with_bad_headers_are_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let good = dynamic(8 * MIB, 2 * MIB as u32);
-    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
     let cases: Vec<(&str, Damage)> = vec![
         (
             "no VHD footer",
@@ -138,14 +137,7 @@ fn whole_images_with_bad_headers_are_refused_in_one_line() {
             Box::new(|i| i[512..1536].copy_from_slice(&header(1536, 4, 3 << 20))),
         ),
     ];
-    for (want, damage) in cases {
-        let mut img = good.clone();
-        damage(&mut img);
-        let p = write_img(&dir, &img);
-        let r = reason(&p, false);
-        assert!(r.contains(want), "{want}: {r}");
-        assert!(!r.contains('\n'), "{r}");
-    }
+    testing::refused_in_one_line(&dir, "t.vhd", &good, cases, |p| reason(p, false));
 }
 
 #[test]
