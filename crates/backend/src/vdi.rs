@@ -38,8 +38,6 @@ const TYPE_DYNAMIC: u32 = 1;
 const TYPE_STATIC: u32 = 2;
 const HEADER_LEN: usize = 512;
 const SECTOR: u64 = 512;
-/// Largest block size fusex accepts (VirtualBox and QEMU use 1 MiB).
-const MAX_BLOCK: u64 = 256 << 20;
 const UNALLOCATED: u32 = 0xffff_ffff;
 const DISCARDED: u32 = 0xffff_fffe;
 /// Where the header keeps its count of allocated blocks.
@@ -109,11 +107,7 @@ fn parse_header(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
         return Err(format!("its sector size {sector_size} is not 512"));
     }
     let block_size = u64::from(le32(b, 376));
-    if !block_size.is_power_of_two() || !(SECTOR..=MAX_BLOCK).contains(&block_size) {
-        return Err(format!(
-            "its block size {block_size} is not a power of two between 512 bytes and 256 MiB"
-        ));
-    }
+    blocktable::check_block_size(block_size)?;
     let extra = le32(b, 380);
     if extra != 0 {
         return Err(format!(
@@ -162,10 +156,6 @@ impl BlockFormat for Vdi {
         self.block_size
     }
 
-    fn data_at(&self, host: u64) -> u64 {
-        host
-    }
-
     async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
         let index = host
             .checked_sub(self.offset_data)
@@ -198,13 +188,7 @@ pub fn open(path: &Path, writable: bool, locking: Locking) -> Result<VdiBackend,
 
 /// Reads `f` (of `len` bytes) as a VDI image: its layout and block table.
 fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Layout), ParseError> {
-    if len < HEADER_LEN as u64 {
-        return Err(
-            "it is shorter than a VDI header (512 bytes): check the path"
-                .to_string()
-                .into(),
-        );
-    }
+    blocktable::at_least(len, HEADER_LEN as u64, "a VDI header")?;
     let mut hb = [0u8; HEADER_LEN];
     f.read_exact_at(&mut hb, 0)?;
     let h = parse_header(&hb)?;

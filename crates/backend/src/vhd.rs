@@ -55,8 +55,6 @@ const DISK_DIFFERENCING: u32 = 4;
 const MAX_SECTORS: u64 = 0xff00_0000;
 /// The largest CHS geometry (65535 cylinders, 16 heads, 255 sectors per track).
 const MAX_GEOMETRY: u64 = 65535 * 16 * 255;
-/// Largest block size fusex accepts (the format has no limit; real images use 2 MiB).
-const MAX_BLOCK: u64 = 256 << 20;
 /// BAT value of an unallocated block.
 const UNALLOCATED: u32 = 0xffff_ffff;
 /// Flag of a block whose bitmap has not been read yet.
@@ -93,6 +91,19 @@ fn checksum(b: &[u8], skip: usize) -> u32 {
     !sum
 }
 
+/// Checks the checksum at `at` of the `what` (`part` in the advice) held in `b`.
+fn check_sum(b: &[u8], at: usize, what: &str, part: &str) -> Result<(), String> {
+    let stored = be32(b, at);
+    let computed = checksum(b, at);
+    if stored != computed {
+        return Err(format!(
+            "its {what} checksum is wrong (stored {stored:#010x}, computed {computed:#010x}): \
+             the {part} is damaged"
+        ));
+    }
+    Ok(())
+}
+
 /// What fusex uses of a footer.
 #[derive(Debug, PartialEq, Eq)]
 struct Footer {
@@ -106,14 +117,7 @@ fn parse_footer(b: &[u8; FOOTER_LEN]) -> Result<Footer, String> {
     if b[..8] != VHD_COOKIE {
         return Err("no VHD footer cookie".into());
     }
-    let stored = be32(b, 64);
-    let computed = checksum(b, 64);
-    if stored != computed {
-        return Err(format!(
-            "its footer checksum is wrong (stored {stored:#010x}, computed {computed:#010x}): \
-             the footer is damaged"
-        ));
-    }
+    check_sum(b, 64, "footer", "footer")?;
     let chs = u64::from(be16(b, 56)) * u64::from(b[58]) * u64::from(b[59]);
     let creator: &[u8; 4] = b[28..32].try_into().unwrap_or(&[0; 4]);
     let sectors = if chs == MAX_GEOMETRY || SIZE_FROM_FOOTER.contains(&creator) {
@@ -147,20 +151,9 @@ fn parse_header(b: &[u8; HEADER_LEN]) -> Result<DynHeader, String> {
     if b[..8] != DYNAMIC_COOKIE {
         return Err("no dynamic header (cookie 'cxsparse') where the footer points".into());
     }
-    let stored = be32(b, 36);
-    let computed = checksum(b, 36);
-    if stored != computed {
-        return Err(format!(
-            "its dynamic header checksum is wrong (stored {stored:#010x}, computed \
-             {computed:#010x}): the header is damaged"
-        ));
-    }
+    check_sum(b, 36, "dynamic header", "header")?;
     let block_size = u64::from(be32(b, 32));
-    if !block_size.is_power_of_two() || !(SECTOR..=MAX_BLOCK).contains(&block_size) {
-        return Err(format!(
-            "its block size {block_size} is not a power of two between 512 bytes and 256 MiB"
-        ));
-    }
+    blocktable::check_block_size(block_size)?;
     Ok(DynHeader {
         table_offset: be64(b, 16),
         max_entries: be32(b, 28),
@@ -439,13 +432,7 @@ pub fn open(path: &Path, writable: bool, locking: Locking) -> Result<VhdBackend,
 
 /// Reads `f` (of `len` bytes) as a VHD image: its layout, block table and geometry.
 fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vhd, Table, Layout), ParseError> {
-    if len < FOOTER_LEN as u64 {
-        return Err(
-            "it is shorter than a VHD footer (512 bytes): check the path"
-                .to_string()
-                .into(),
-        );
-    }
+    blocktable::at_least(len, FOOTER_LEN as u64, "a VHD footer")?;
     let mut footer = Box::new([0u8; FOOTER_LEN]);
     f.read_exact_at(&mut footer[..], 0)?;
     if footer[..8] != VHD_COOKIE {

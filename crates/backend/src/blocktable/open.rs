@@ -85,6 +85,29 @@ pub(crate) fn open_image<F: BlockFormat>(
     Ok(TableImage::new(file, fmt, table, layout))
 }
 
+/// Refuses a file of `len` bytes, shorter than the format's first structure (`what`, of `need`
+/// bytes): most likely not an image of the format at all.
+pub(crate) fn at_least(len: u64, need: u64, what: &str) -> Result<(), ParseError> {
+    if len < need {
+        return Err(format!("it is shorter than {what} ({need} bytes): check the path").into());
+    }
+    Ok(())
+}
+
+/// The largest block size fusex accepts from a header (the formats allow more; real images
+/// use 1 or 2 MiB): a block is zeroed and copied whole.
+pub(crate) const MAX_BLOCK: u64 = 256 << 20;
+
+/// Checks a block size a header gives: a power of two from a sector to [`MAX_BLOCK`].
+pub(crate) fn check_block_size(block_size: u64) -> Result<(), String> {
+    if !block_size.is_power_of_two() || !(512..=MAX_BLOCK).contains(&block_size) {
+        return Err(format!(
+            "its block size {block_size} is not a power of two between 512 bytes and 256 MiB"
+        ));
+    }
+    Ok(())
+}
+
 /// The blocks of `placed` (pairs of where a block's footprint starts, in units of `unit`
 /// bytes, and the block) whose `footprint` bytes overlap another block's: a write to one would
 /// change the other. Sorts `placed`.

@@ -21,9 +21,6 @@ impl BlockFormat for Toy {
     fn footprint(&self) -> u64 {
         BS
     }
-    fn data_at(&self, host: u64) -> u64 {
-        host
-    }
     async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
         let old = file.file().metadata()?.len();
         file.extend_to(end)?;

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use engine::{Engine, Slice};
 
-use crate::blocktable::{ParseError, TableImage};
+use crate::blocktable::{fixed, ParseError, TableImage};
 use crate::lock::{lock_file, Claim, Locking};
 use crate::qcow2::named::{self, shown, shown_path, OpenAs};
 use crate::ringfile::RingFile;
@@ -477,12 +477,7 @@ impl BlockBackend for VmdkBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            writable: self.writable,
-            resize: false,
-            raw_file: false,
-            ..Capabilities::default()
-        }
+        fixed::capabilities(self.writable)
     }
 
     async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
@@ -495,15 +490,7 @@ impl BlockBackend for VmdkBackend {
                 Data::Zero => 0,
             };
         }
-        Ok(Attrs {
-            perm: m.mode() & 0o7777,
-            uid: m.uid(),
-            gid: m.gid(),
-            allocated,
-            atime: (m.atime(), m.atime_nsec() as u32),
-            mtime: (m.mtime(), m.mtime_nsec() as u32),
-            ctime: (m.ctime(), m.ctime_nsec() as u32),
-        })
+        Ok(fixed::attrs(&m, allocated))
     }
 
     async fn read_at(&self, _eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
@@ -592,19 +579,11 @@ impl BlockBackend for VmdkBackend {
     }
 
     async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size == self.size {
-            return Ok(());
-        }
-        tracing::warn!("resizing a vmdk image is not supported: use `qemu-img resize`");
-        Err(BackendError::Unsupported)
+        fixed::resize("vmdk", self.size, new_size)
     }
 
     async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size <= self.size {
-            Ok(())
-        } else {
-            Err(BackendError::Unsupported)
-        }
+        fixed::grow_to(self.size, new_size)
     }
 
     fn written_to(&self, _end: u64) {}

@@ -49,10 +49,6 @@ impl BlockFormat for Sparse {
         self.grain_bytes
     }
 
-    fn data_at(&self, host: u64) -> u64 {
-        host
-    }
-
     async fn reserve(&self, file: &RingFile, _host: u64, end: u64) -> io::Result<bool> {
         if end > self.max_host {
             // A grain table entry cannot point there.
