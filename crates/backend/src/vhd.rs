@@ -91,8 +91,19 @@ fn checksum(b: &[u8], skip: usize) -> u32 {
     !sum
 }
 
-/// Checks the checksum at `at` of the `what` (`part` in the advice) held in `b`.
-fn check_sum(b: &[u8], at: usize, what: &str, part: &str) -> Result<(), String> {
+/// Checks the `what` (`part` in the advice) held in `b`: that it starts with `cookie` (else
+/// `missing`) and its checksum at `at`.
+fn check_sum(
+    b: &[u8],
+    cookie: &[u8; 8],
+    missing: &str,
+    at: usize,
+    what: &str,
+    part: &str,
+) -> Result<(), String> {
+    if b[..8] != *cookie {
+        return Err(missing.into());
+    }
     let stored = be32(b, at);
     let computed = checksum(b, at);
     if stored != computed {
@@ -114,10 +125,8 @@ struct Footer {
 }
 
 fn parse_footer(b: &[u8; FOOTER_LEN]) -> Result<Footer, String> {
-    if b[..8] != VHD_COOKIE {
-        return Err("no VHD footer cookie".into());
-    }
-    check_sum(b, 64, "footer", "footer")?;
+    let missing = "no VHD footer cookie";
+    check_sum(b, &VHD_COOKIE, missing, 64, "footer", "footer")?;
     let chs = u64::from(be16(b, 56)) * u64::from(b[58]) * u64::from(b[59]);
     let creator: &[u8; 4] = b[28..32].try_into().unwrap_or(&[0; 4]);
     let sectors = if chs == MAX_GEOMETRY || SIZE_FROM_FOOTER.contains(&creator) {
@@ -148,10 +157,8 @@ struct DynHeader {
 }
 
 fn parse_header(b: &[u8; HEADER_LEN]) -> Result<DynHeader, String> {
-    if b[..8] != DYNAMIC_COOKIE {
-        return Err("no dynamic header (cookie 'cxsparse') where the footer points".into());
-    }
-    check_sum(b, 36, "dynamic header", "header")?;
+    let missing = "no dynamic header (cookie 'cxsparse') where the footer points";
+    check_sum(b, &DYNAMIC_COOKIE, missing, 36, "dynamic header", "header")?;
     let block_size = u64::from(be32(b, 32));
     blocktable::check_block_size(block_size)?;
     Ok(DynHeader {

@@ -137,16 +137,8 @@ pub trait BlockFormat: Send + Sync + 'static {
         within: u64,
         buf: &mut [u8],
     ) -> impl Future<Output = io::Result<()>> {
-        let at = match entry {
-            Entry::Data { host, .. } => Some(self.data_at(host) + within),
-            _ => None,
-        };
-        async move {
-            match at {
-                Some(at) => file.read_full(buf, at).await,
-                None => Err(io::Error::from_raw_os_error(libc::EIO)),
-            }
-        }
+        let at = plain_at(self, entry, within);
+        async move { file.read_full(buf, at?).await }
     }
 
     /// Writes `data` at `within` of a block whose entry `entry` has non-zero flags, with the
@@ -161,16 +153,17 @@ pub trait BlockFormat: Send + Sync + 'static {
         within: u64,
         data: &[u8],
     ) -> impl Future<Output = io::Result<Entry>> {
-        let at = match entry {
-            Entry::Data { host, .. } => Some(self.data_at(host) + within),
-            _ => None,
-        };
-        async move {
-            match at {
-                Some(at) => file.write_full(data, at).await.map(|()| entry),
-                None => Err(io::Error::from_raw_os_error(libc::EIO)),
-            }
-        }
+        let at = plain_at(self, entry, within);
+        async move { file.write_full(data, at?).await.map(|()| entry) }
+    }
+}
+
+/// Where byte `within` of a block with `entry` is in the file, read as a plain block's data;
+/// EIO for an entry mapping no data.
+fn plain_at<F: BlockFormat + ?Sized>(fmt: &F, entry: Entry, within: u64) -> io::Result<u64> {
+    match entry {
+        Entry::Data { host, .. } => Ok(fmt.data_at(host) + within),
+        _ => Err(io::Error::from_raw_os_error(libc::EIO)),
     }
 }
 

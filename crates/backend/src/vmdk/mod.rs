@@ -401,6 +401,14 @@ impl VmdkBackend {
         self.extents.get(i)
     }
 
+    /// The extent holding guest byte `at`, where `at` is in it, and how many of the `left`
+    /// bytes from `at` on lie in that extent.
+    fn piece(&self, at: u64, left: u64) -> io::Result<(&Extent, u64, u64)> {
+        let e = self.extent_at(at).ok_or_else(eio)?;
+        let within = at - e.start;
+        Ok((e, within, (e.len - within).min(left)))
+    }
+
     fn refused(&self, what: &str) -> io::Error {
         if !self.refused_logged.swap(true, Ordering::AcqRel) {
             tracing::warn!("a write into a {what} extent of the VMDK image failed with EIO");
@@ -411,10 +419,8 @@ impl VmdkBackend {
     async fn read(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         let mut done = 0usize;
         while done < buf.len() {
-            let at = off + done as u64;
-            let e = self.extent_at(at).ok_or_else(eio)?;
-            let within = at - e.start;
-            let n = ((e.len - within) as usize).min(buf.len() - done);
+            let (e, within, n) = self.piece(off + done as u64, (buf.len() - done) as u64)?;
+            let n = n as usize;
             let piece = &mut buf[done..done + n];
             match (&e.data, e.access) {
                 (_, Access::NoAccess) => return Err(eio()),
@@ -430,10 +436,8 @@ impl VmdkBackend {
     async fn write(&self, data: &[u8], off: u64) -> io::Result<()> {
         let mut done = 0usize;
         while done < data.len() {
-            let at = off + done as u64;
-            let e = self.extent_at(at).ok_or_else(eio)?;
-            let within = at - e.start;
-            let n = ((e.len - within) as usize).min(data.len() - done);
+            let (e, within, n) = self.piece(off + done as u64, (data.len() - done) as u64)?;
+            let n = n as usize;
             let piece = &data[done..done + n];
             match (&e.data, e.access) {
                 (_, Access::ReadOnly) => return Err(io::Error::from_raw_os_error(libc::EROFS)),
@@ -451,9 +455,7 @@ impl VmdkBackend {
         let end = off.saturating_add(len).min(self.size);
         let mut at = off;
         while at < end {
-            let e = self.extent_at(at).ok_or_else(eio)?;
-            let within = at - e.start;
-            let n = (e.len - within).min(end - at);
+            let (e, within, n) = self.piece(at, end - at)?;
             match (&e.data, e.access) {
                 (_, Access::ReadOnly) => return Err(io::Error::from_raw_os_error(libc::EROFS)),
                 (_, Access::NoAccess) => return Err(eio()),
