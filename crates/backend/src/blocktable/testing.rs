@@ -107,3 +107,28 @@ pub(crate) fn refused_in_one_line(
         assert!(!r.contains('\n'), "{r}");
     }
 }
+
+/// For an image at `path` whose first `blocks` blocks (of `bs` bytes) all have bad entries: a
+/// writable open is refused naming block 0 and the others' count, and a read-only one serves
+/// but fails reading `len` bytes of each of them with EIO.
+pub(crate) fn bad_blocks_refused<F: BlockFormat>(
+    path: &Path,
+    bs: u64,
+    blocks: u64,
+    len: usize,
+    open: impl Fn(&Path, bool) -> Result<TableImage<F>, OpenError>,
+) {
+    let r = reason(open(path, true));
+    let more = format!("{} more", blocks - 1);
+    assert!(r.contains("block 0") && r.contains(&more), "{r}");
+    let img = open(path, false).unwrap();
+    for b in 0..blocks {
+        let e = read(&img, b * bs, len).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "block {b}");
+    }
+}
+
+/// The requests [`exercise`] runs: up to five (offset, length) pairs, any offset.
+pub(crate) fn ops() -> impl proptest::strategy::Strategy<Value = Vec<(u64, u16)>> {
+    proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6)
+}

@@ -135,13 +135,7 @@ fn bad_map_entries_fail_their_blocks_read_only_and_refuse_writing() {
     set_map(&mut img, 2, 3); // past the end of the file
     set_map(&mut img, 3, 1000); // past the image's blocks
     let p = write_img(&dir, &img);
-    let r = reason(&p, true);
-    assert!(r.contains("block 0") && r.contains("3 more"), "{r}");
-    let vdi = open(&p, false, Locking::Off).unwrap();
-    for b in 0..4 {
-        let e = read(&vdi, b * BS, 10).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EIO), "block {b}");
-    }
+    testing::bad_blocks_refused(&p, BS, 4, 10, |p, w| open(p, w, Locking::Off));
     set_map(&mut img, 1, UNALLOCATED);
     let p = write_img(&dir, &img);
     let vdi = open(&p, false, Locking::Off).unwrap();
@@ -185,7 +179,7 @@ proptest::proptest! {
     #[test]
     fn damaged_images_never_panic(
         patches in proptest::collection::vec((0usize..1024, proptest::num::u8::ANY), 1..8),
-        ops in proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6),
+        ops in testing::ops(),
     ) {
         damaged_image_is_handled(&patches, &ops);
     }

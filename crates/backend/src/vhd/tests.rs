@@ -170,13 +170,7 @@ fn bad_table_entries_fail_their_blocks_read_only_and_refuse_writing() {
     set_bat(&mut img, 2, 1);
     set_bat(&mut img, 3, (b0 / 512) as u32);
     let p = write_img(&dir, &img);
-    let r = reason(&p, true);
-    assert!(r.contains("block 0") && r.contains("3 more"), "{r}");
-    let ro = open(&p, false, Locking::Off).unwrap();
-    for b in 0..4 {
-        let e = read(&ro, b * bs, 4096).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EIO), "block {b}");
-    }
+    testing::bad_blocks_refused(&p, bs, 4, 4096, |p, w| open(p, w, Locking::Off));
     // Only block 1 past the end: the rest serves.
     set_bat(&mut img, 2, UNALLOCATED);
     set_bat(&mut img, 3, UNALLOCATED);
@@ -339,7 +333,7 @@ proptest::proptest! {
     #[test]
     fn damaged_images_never_panic(
         patches in proptest::collection::vec((0usize..2048, proptest::num::u8::ANY), 1..8),
-        ops in proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6),
+        ops in testing::ops(),
         fix: bool,
     ) {
         damaged_image_is_handled(&patches, &ops, fix);
