@@ -13,6 +13,7 @@ mod any;
 pub mod blocktable;
 mod cow;
 mod fault;
+mod fields;
 mod gate;
 pub mod lock;
 pub mod nbd_client;

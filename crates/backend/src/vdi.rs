@@ -22,8 +22,11 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::blocktable::{self, BlockFormat, Entry, Layout, Table, TableImage, MAX_ENTRIES};
-use crate::lock::{lock_file, Claim, Locking};
+use crate::blocktable::{
+    self, BlockFormat, Entry, Layout, ParseError, Table, TableImage, MAX_ENTRIES,
+};
+use crate::fields::{le32, le64};
+use crate::lock::Locking;
 use crate::ringfile::RingFile;
 use crate::OpenError;
 
@@ -35,8 +38,6 @@ const TYPE_DYNAMIC: u32 = 1;
 const TYPE_STATIC: u32 = 2;
 const HEADER_LEN: usize = 512;
 const SECTOR: u64 = 512;
-/// Largest block size fusex accepts (VirtualBox and QEMU use 1 MiB).
-const MAX_BLOCK: u64 = 256 << 20;
 const UNALLOCATED: u32 = 0xffff_ffff;
 const DISCARDED: u32 = 0xffff_fffe;
 /// Where the header keeps its count of allocated blocks.
@@ -51,16 +52,6 @@ pub fn probe(path: &Path) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
         Err(e) => Err(e),
     }
-}
-
-fn le32(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
-}
-
-fn le64(b: &[u8], o: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[o..o + 8]);
-    u64::from_le_bytes(w)
 }
 
 /// What fusex uses of a header.
@@ -116,11 +107,7 @@ fn parse_header(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
         return Err(format!("its sector size {sector_size} is not 512"));
     }
     let block_size = u64::from(le32(b, 376));
-    if !block_size.is_power_of_two() || !(SECTOR..=MAX_BLOCK).contains(&block_size) {
-        return Err(format!(
-            "its block size {block_size} is not a power of two between 512 bytes and 256 MiB"
-        ));
-    }
+    blocktable::check_block_size(block_size)?;
     let extra = le32(b, 380);
     if extra != 0 {
         return Err(format!(
@@ -169,10 +156,6 @@ impl BlockFormat for Vdi {
         self.block_size
     }
 
-    fn data_at(&self, host: u64) -> u64 {
-        host
-    }
-
     async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
         let index = host
             .checked_sub(self.offset_data)
@@ -198,61 +181,20 @@ impl BlockFormat for Vdi {
     }
 }
 
-/// Why parsing failed: the image (one line for the user) or the OS.
-#[derive(Debug)]
-enum ParseError {
-    Bad(String),
-    Io(io::Error),
-}
-
-impl From<io::Error> for ParseError {
-    fn from(e: io::Error) -> ParseError {
-        ParseError::Io(e)
-    }
-}
-
-impl From<String> for ParseError {
-    fn from(s: String) -> ParseError {
-        ParseError::Bad(s)
-    }
-}
-
 /// Opens the VDI image at `path`, locked as QEMU's `vdi` driver locks it.
 pub fn open(path: &Path, writable: bool, locking: Locking) -> Result<VdiBackend, OpenError> {
-    let shown = path.display().to_string();
-    let (file, len) = blocktable::open_file(path, writable)?;
-    lock_file(
-        file.file(),
-        Claim::qcow2(locking, writable),
-        &format!("image {shown}"),
-    )?;
-    let (vdi, table, layout) = parse(file.file(), len, writable).map_err(|e| match e {
-        ParseError::Bad(reason) => OpenError::Format {
-            path: shown.clone(),
-            format: "vdi",
-            reason,
-        },
-        ParseError::Io(e) => OpenError::from_io(&shown, e),
-    })?;
-    tracing::debug!(path = %shown, size = layout.size, "opened vdi image");
-    Ok(TableImage::new(file, vdi, table, layout))
+    blocktable::open_image(path, writable, locking, "vdi", parse)
 }
 
 /// Reads `f` (of `len` bytes) as a VDI image: its layout and block table.
 fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Layout), ParseError> {
-    if len < HEADER_LEN as u64 {
-        return Err(
-            "it is shorter than a VDI header (512 bytes): check the path"
-                .to_string()
-                .into(),
-        );
-    }
+    blocktable::at_least(len, HEADER_LEN as u64, "a VDI header")?;
     let mut hb = [0u8; HEADER_LEN];
     f.read_exact_at(&mut hb, 0)?;
     let h = parse_header(&hb)?;
     let blocks = u64::from(h.blocks);
     if blocks > MAX_ENTRIES {
-        return Err(blocktable::TooLarge { entries: blocks }.to_string().into());
+        return Err(blocktable::TooLarge { entries: blocks }.into());
     }
     let map_len = (blocks * 4).next_multiple_of(SECTOR);
     if h.offset_bmap < HEADER_LEN as u64
@@ -266,7 +208,7 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
         )
         .into());
     }
-    let table = Table::new(blocks).map_err(|e| e.to_string())?;
+    let table = Table::new(blocks)?;
     let mut raw = vec![0u8; (blocks * 4) as usize];
     f.read_exact_at(&mut raw, h.offset_bmap)?;
     // Which block each data index is used by, to find two blocks sharing one.
@@ -289,12 +231,8 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
             }
         }
     }
-    users.sort_unstable();
-    for pair in users.windows(2) {
-        if pair[0].0 == pair[1].0 {
-            bad.extend([u64::from(pair[0].1), u64::from(pair[1].1)]);
-        }
-    }
+    // Data blocks are `block_size` apart: two blocks share one when their indexes are equal.
+    bad.extend(blocktable::sharing(&mut users, h.block_size, h.block_size));
     let mut next = 0u64;
     let mut count = 0u32;
     for &(k, i) in &users {
@@ -308,29 +246,13 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vdi, Table, Lay
         next = next.max(u64::from(k) + 1);
         count += 1;
     }
-    bad.sort_unstable();
-    bad.dedup();
-    for &i in &bad {
-        table.set(i, Entry::Bad);
-    }
-    if let Some(&first) = bad.first() {
-        let what = format!(
+    let what = |first| {
+        format!(
             "the block map entry of block {first} points past the image's data blocks or at a \
-             data block another block uses{}",
-            match bad.len() - 1 {
-                0 => String::new(),
-                n => format!(" (and {n} more)"),
-            }
-        );
-        if writable {
-            return Err(format!(
-                "{what}: the image is damaged; export it read-only (those blocks fail with \
-                 EIO) or repair it with `qemu-img check -r all`"
-            )
-            .into());
-        }
-        tracing::warn!("vdi image: {what}: reading those blocks fails with EIO");
-    }
+             data block another block uses"
+        )
+    };
+    blocktable::settle_bad(&table, bad, writable, "vdi", what, "qemu-img check -r all")?;
     tracing::debug!(
         static_image = h.image_type == TYPE_STATIC,
         blocks = h.blocks,

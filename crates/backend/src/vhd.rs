@@ -35,8 +35,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::blocktable::{self, BlockFormat, Entry, Layout, Table, TableImage};
-use crate::lock::{lock_file, Claim, Locking};
+use crate::blocktable::{self, BlockFormat, Entry, Layout, ParseError, Table, TableImage};
+use crate::fields::{be16, be32, be64};
+use crate::lock::Locking;
 use crate::ringfile::RingFile;
 use crate::OpenError;
 
@@ -54,8 +55,6 @@ const DISK_DIFFERENCING: u32 = 4;
 const MAX_SECTORS: u64 = 0xff00_0000;
 /// The largest CHS geometry (65535 cylinders, 16 heads, 255 sectors per track).
 const MAX_GEOMETRY: u64 = 65535 * 16 * 255;
-/// Largest block size fusex accepts (the format has no limit; real images use 2 MiB).
-const MAX_BLOCK: u64 = 256 << 20;
 /// BAT value of an unallocated block.
 const UNALLOCATED: u32 = 0xffff_ffff;
 /// Flag of a block whose bitmap has not been read yet.
@@ -82,20 +81,6 @@ pub fn probe(path: &Path) -> io::Result<bool> {
     }
 }
 
-fn be16(b: &[u8], o: usize) -> u16 {
-    u16::from_be_bytes([b[o], b[o + 1]])
-}
-
-fn be32(b: &[u8], o: usize) -> u32 {
-    u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
-}
-
-fn be64(b: &[u8], o: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[o..o + 8]);
-    u64::from_be_bytes(w)
-}
-
 /// The one's complement of the sum of every byte of `b` outside `skip..skip + 4`.
 fn checksum(b: &[u8], skip: usize) -> u32 {
     let sum = b
@@ -104,6 +89,30 @@ fn checksum(b: &[u8], skip: usize) -> u32 {
         .filter(|(i, _)| !(skip..skip + 4).contains(i))
         .fold(0u32, |s, (_, &x)| s.wrapping_add(u32::from(x)));
     !sum
+}
+
+/// Checks the `what` (`part` in the advice) held in `b`: that it starts with `cookie` (else
+/// `missing`) and its checksum at `at`.
+fn check_sum(
+    b: &[u8],
+    cookie: &[u8; 8],
+    missing: &str,
+    at: usize,
+    what: &str,
+    part: &str,
+) -> Result<(), String> {
+    if b[..8] != *cookie {
+        return Err(missing.into());
+    }
+    let stored = be32(b, at);
+    let computed = checksum(b, at);
+    if stored != computed {
+        return Err(format!(
+            "its {what} checksum is wrong (stored {stored:#010x}, computed {computed:#010x}): \
+             the {part} is damaged"
+        ));
+    }
+    Ok(())
 }
 
 /// What fusex uses of a footer.
@@ -116,17 +125,8 @@ struct Footer {
 }
 
 fn parse_footer(b: &[u8; FOOTER_LEN]) -> Result<Footer, String> {
-    if b[..8] != VHD_COOKIE {
-        return Err("no VHD footer cookie".into());
-    }
-    let stored = be32(b, 64);
-    let computed = checksum(b, 64);
-    if stored != computed {
-        return Err(format!(
-            "its footer checksum is wrong (stored {stored:#010x}, computed {computed:#010x}): \
-             the footer is damaged"
-        ));
-    }
+    let missing = "no VHD footer cookie";
+    check_sum(b, &VHD_COOKIE, missing, 64, "footer", "footer")?;
     let chs = u64::from(be16(b, 56)) * u64::from(b[58]) * u64::from(b[59]);
     let creator: &[u8; 4] = b[28..32].try_into().unwrap_or(&[0; 4]);
     let sectors = if chs == MAX_GEOMETRY || SIZE_FROM_FOOTER.contains(&creator) {
@@ -157,23 +157,10 @@ struct DynHeader {
 }
 
 fn parse_header(b: &[u8; HEADER_LEN]) -> Result<DynHeader, String> {
-    if b[..8] != DYNAMIC_COOKIE {
-        return Err("no dynamic header (cookie 'cxsparse') where the footer points".into());
-    }
-    let stored = be32(b, 36);
-    let computed = checksum(b, 36);
-    if stored != computed {
-        return Err(format!(
-            "its dynamic header checksum is wrong (stored {stored:#010x}, computed \
-             {computed:#010x}): the header is damaged"
-        ));
-    }
+    let missing = "no dynamic header (cookie 'cxsparse') where the footer points";
+    check_sum(b, &DYNAMIC_COOKIE, missing, 36, "dynamic header", "header")?;
     let block_size = u64::from(be32(b, 32));
-    if !block_size.is_power_of_two() || !(SECTOR..=MAX_BLOCK).contains(&block_size) {
-        return Err(format!(
-            "its block size {block_size} is not a power of two between 512 bytes and 256 MiB"
-        ));
-    }
+    blocktable::check_block_size(block_size)?;
     Ok(DynHeader {
         table_offset: be64(b, 16),
         max_entries: be32(b, 28),
@@ -447,61 +434,12 @@ impl BlockFormat for Vhd {
 
 /// Opens the VHD image at `path` (fixed or dynamic), locked as QEMU's `vpc` driver locks it.
 pub fn open(path: &Path, writable: bool, locking: Locking) -> Result<VhdBackend, OpenError> {
-    let shown = path.display().to_string();
-    let (file, len) = blocktable::open_file(path, writable)?;
-    lock_file(
-        file.file(),
-        Claim::qcow2(locking, writable),
-        &format!("image {shown}"),
-    )?;
-    let bad = |reason: String| OpenError::Format {
-        path: shown.clone(),
-        format: "vhd",
-        reason,
-    };
-    let io_err = |e: io::Error| OpenError::from_io(&shown, e);
-    let (vhd, table, layout) = parse(file.file(), len, writable).map_err(|e| match e {
-        ParseError::Bad(r) => bad(r),
-        ParseError::Io(e) => io_err(e),
-    })?;
-    tracing::debug!(path = %shown, size = layout.size, "opened vhd image");
-    Ok(TableImage::new(file, vhd, table, layout))
-}
-
-/// Why parsing failed: the image (one line for the user) or the OS.
-#[derive(Debug)]
-enum ParseError {
-    Bad(String),
-    Io(io::Error),
-}
-
-impl From<io::Error> for ParseError {
-    fn from(e: io::Error) -> ParseError {
-        ParseError::Io(e)
-    }
-}
-
-impl From<String> for ParseError {
-    fn from(s: String) -> ParseError {
-        ParseError::Bad(s)
-    }
-}
-
-impl From<blocktable::TooLarge> for ParseError {
-    fn from(e: blocktable::TooLarge) -> ParseError {
-        ParseError::Bad(e.to_string())
-    }
+    blocktable::open_image(path, writable, locking, "vhd", parse)
 }
 
 /// Reads `f` (of `len` bytes) as a VHD image: its layout, block table and geometry.
 fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<(Vhd, Table, Layout), ParseError> {
-    if len < FOOTER_LEN as u64 {
-        return Err(
-            "it is shorter than a VHD footer (512 bytes): check the path"
-                .to_string()
-                .into(),
-        );
-    }
+    blocktable::at_least(len, FOOTER_LEN as u64, "a VHD footer")?;
     let mut footer = Box::new([0u8; FOOTER_LEN]);
     f.read_exact_at(&mut footer[..], 0)?;
     if footer[..8] != VHD_COOKIE {
@@ -644,13 +582,7 @@ fn parse_dynamic(
         // Sector and index both fit 32 bits (the BAT's own width, and the table's bound).
         placed.push((v, i as u32));
     }
-    // Two entries sharing file space: a write to one would change the other.
-    placed.sort_unstable();
-    for pair in placed.windows(2) {
-        if u64::from(pair[0].0) * SECTOR + footprint > u64::from(pair[1].0) * SECTOR {
-            bad.extend([u64::from(pair[0].1), u64::from(pair[1].1)]);
-        }
-    }
+    bad.extend(blocktable::sharing(&mut placed, SECTOR, footprint));
     for &(v, i) in &placed {
         table.set(
             u64::from(i),
@@ -660,29 +592,13 @@ fn parse_dynamic(
             },
         );
     }
-    bad.sort_unstable();
-    bad.dedup();
-    for &i in &bad {
-        table.set(i, Entry::Bad);
-    }
-    if let Some(&first) = bad.first() {
-        let what = format!(
+    let what = |first| {
+        format!(
             "the block table entry of block {first} points outside the file, into its \
-             metadata or at another block's space{}",
-            match bad.len() - 1 {
-                0 => String::new(),
-                n => format!(" (and {n} more)"),
-            }
-        );
-        if writable {
-            return Err(format!(
-                "{what}: the image is damaged; export it read-only (those blocks fail with \
-                 EIO) or repair it with `qemu-img convert`"
-            )
-            .into());
-        }
-        tracing::warn!("vhd image: {what}: reading those blocks fails with EIO");
-    }
+             metadata or at another block's space"
+        )
+    };
+    blocktable::settle_bad(&table, bad, writable, "vhd", what, "qemu-img convert")?;
     // New blocks go where the footer is now (its last sector), or past every block and table.
     let next_free = (len - FOOTER_LEN as u64).next_multiple_of(SECTOR).max(end);
     Ok((

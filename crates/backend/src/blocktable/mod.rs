@@ -58,6 +58,8 @@
 //! only ever goes from unallocated to allocated, so a reader that saw the old entry returns
 //! zeroes for a write that had not completed yet, which is allowed.
 
+pub(crate) mod fixed;
+mod open;
 mod table;
 
 use std::future::Future;
@@ -67,6 +69,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use engine::{Engine, Slice};
 
+pub(crate) use open::{
+    at_least, check_block_size, open_image, open_locked, settle_bad, sharing, ParseError,
+};
 pub use table::{Entry, Table, TooLarge, MAX_ENTRIES, MAX_HOST};
 
 use crate::regions::RegionLocks;
@@ -82,8 +87,11 @@ pub trait BlockFormat: Send + Sync + 'static {
     /// File bytes one allocated block occupies (VHD: sector bitmap plus data).
     fn footprint(&self) -> u64;
 
-    /// Where the guest data of a block whose footprint starts at `host` begins.
-    fn data_at(&self, host: u64) -> u64;
+    /// Where the guest data of a block whose footprint starts at `host` begins. The default:
+    /// at `host` (no per-block metadata before the data).
+    fn data_at(&self, host: u64) -> u64 {
+        host
+    }
 
     /// Called under the allocator lock after `host..end` was reserved at the end of the image:
     /// makes the file hold it, and returns whether that space is fresh (past the file's old
@@ -129,16 +137,8 @@ pub trait BlockFormat: Send + Sync + 'static {
         within: u64,
         buf: &mut [u8],
     ) -> impl Future<Output = io::Result<()>> {
-        let at = match entry {
-            Entry::Data { host, .. } => Some(self.data_at(host) + within),
-            _ => None,
-        };
-        async move {
-            match at {
-                Some(at) => file.read_full(buf, at).await,
-                None => Err(io::Error::from_raw_os_error(libc::EIO)),
-            }
-        }
+        let at = plain_at(self, entry, within);
+        async move { file.read_full(buf, at?).await }
     }
 
     /// Writes `data` at `within` of a block whose entry `entry` has non-zero flags, with the
@@ -153,16 +153,17 @@ pub trait BlockFormat: Send + Sync + 'static {
         within: u64,
         data: &[u8],
     ) -> impl Future<Output = io::Result<Entry>> {
-        let at = match entry {
-            Entry::Data { host, .. } => Some(self.data_at(host) + within),
-            _ => None,
-        };
-        async move {
-            match at {
-                Some(at) => file.write_full(data, at).await.map(|()| entry),
-                None => Err(io::Error::from_raw_os_error(libc::EIO)),
-            }
-        }
+        let at = plain_at(self, entry, within);
+        async move { file.write_full(data, at?).await.map(|()| entry) }
+    }
+}
+
+/// Where byte `within` of a block with `entry` is in the file, read as a plain block's data;
+/// EIO for an entry mapping no data.
+fn plain_at<F: BlockFormat + ?Sized>(fmt: &F, entry: Entry, within: u64) -> io::Result<u64> {
+    match entry {
+        Entry::Data { host, .. } => Ok(fmt.data_at(host) + within),
+        _ => Err(io::Error::from_raw_os_error(libc::EIO)),
     }
 }
 
@@ -235,6 +236,14 @@ impl<F: BlockFormat> TableImage<F> {
         1 << self.block_shift
     }
 
+    /// The block holding guest byte `off`, where `off` is in it, and how many of the `left`
+    /// bytes from `off` on lie in that block.
+    fn piece(&self, off: u64, left: u64) -> (u64, u64, u64) {
+        let within = off & (self.block_size() - 1);
+        let n = (self.block_size() - within).min(left);
+        (off >> self.block_shift, within, n)
+    }
+
     /// EIO for a request touching a bad entry (logged once).
     fn bad(&self, block: u64) -> io::Error {
         if !self.bad_logged.swap(true, Ordering::AcqRel) {
@@ -255,9 +264,8 @@ impl<F: BlockFormat> TableImage<F> {
         let mut buf = buf;
         let mut off = off;
         while !buf.is_empty() {
-            let block = off >> self.block_shift;
-            let within = off & (bs - 1);
-            let first = (bs - within).min(buf.len() as u64) as usize;
+            let (block, within, first) = self.piece(off, buf.len() as u64);
+            let first = first as usize;
             let entry = self.table.get(block);
             let run = match entry {
                 Entry::Unallocated | Entry::Zero => {
@@ -325,13 +333,11 @@ impl<F: BlockFormat> TableImage<F> {
         if !self.writable {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
-        let bs = self.block_size();
         let mut data = data;
         let mut off = off;
         while !data.is_empty() {
-            let block = off >> self.block_shift;
-            let within = off & (bs - 1);
-            let n = (bs - within).min(data.len() as u64) as usize;
+            let (block, within, n) = self.piece(off, data.len() as u64);
+            let n = n as usize;
             let piece = &data[..n];
             match self.table.get(block) {
                 Entry::Data { host, flags: 0 } => {
@@ -407,13 +413,10 @@ impl<F: BlockFormat> TableImage<F> {
         if !self.writable {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
-        let bs = self.block_size();
         let end = off.saturating_add(len).min(self.size);
         let mut off = off;
         while off < end {
-            let block = off >> self.block_shift;
-            let within = off & (bs - 1);
-            let n = (bs - within).min(end - off);
+            let (block, within, n) = self.piece(off, end - off);
             match self.table.get(block) {
                 Entry::Unallocated | Entry::Zero => {}
                 // A flagged block too: sectors its format shows as zeroes stay so, the others
@@ -489,12 +492,7 @@ impl<F: BlockFormat> BlockBackend for TableImage<F> {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            writable: self.writable,
-            resize: false,
-            raw_file: false,
-            ..Capabilities::default()
-        }
+        fixed::capabilities(self.writable)
     }
 
     async fn attrs(&self, _eng: &Engine) -> Result<Attrs> {
@@ -504,15 +502,7 @@ impl<F: BlockFormat> BlockBackend for TableImage<F> {
             .load(Ordering::Relaxed)
             .saturating_mul(self.block_size())
             .min(self.size);
-        Ok(Attrs {
-            perm: m.mode() & 0o7777,
-            uid: m.uid(),
-            gid: m.gid(),
-            allocated,
-            atime: (m.atime(), m.atime_nsec() as u32),
-            mtime: (m.mtime(), m.mtime_nsec() as u32),
-            ctime: (m.ctime(), m.ctime_nsec() as u32),
-        })
+        Ok(fixed::attrs(&m, allocated))
     }
 
     async fn read_at(&self, _eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
@@ -569,22 +559,11 @@ impl<F: BlockFormat> BlockBackend for TableImage<F> {
     }
 
     async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size == self.size {
-            return Ok(());
-        }
-        tracing::warn!(
-            "resizing a {} image is not supported: use `qemu-img resize`",
-            self.fmt.name()
-        );
-        Err(BackendError::Unsupported)
+        fixed::resize(self.fmt.name(), self.size, new_size)
     }
 
     async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size <= self.size {
-            Ok(())
-        } else {
-            Err(BackendError::Unsupported)
-        }
+        fixed::grow_to(self.size, new_size)
     }
 
     fn written_to(&self, _end: u64) {}
@@ -595,5 +574,7 @@ impl<F: BlockFormat> BlockBackend for TableImage<F> {
     }
 }
 
+#[cfg(test)]
+pub(crate) mod testing;
 #[cfg(test)]
 mod tests;

@@ -1,8 +1,8 @@
 //! The core against a toy format: a table of little-endian u64 host offsets at the start of the
 //! file (0: unallocated), blocks appended after it.
 
+use super::testing::{engine, read, write};
 use super::*;
-use engine::EngineConfig;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -20,9 +20,6 @@ impl BlockFormat for Toy {
     }
     fn footprint(&self) -> u64 {
         BS
-    }
-    fn data_at(&self, host: u64) -> u64 {
-        host
     }
     async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
         let old = file.file().metadata()?.len();
@@ -65,24 +62,6 @@ fn open(path: &Path) -> TableImage<Toy> {
             writable: true,
         },
     )
-}
-
-fn engine() -> Engine {
-    Engine::new(&EngineConfig {
-        sq_entries: 16,
-        ..EngineConfig::default()
-    })
-    .unwrap()
-}
-
-fn read(img: &TableImage<Toy>, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut v = vec![0xaa; len];
-    engine().block_on(img.read(&mut v, off)).unwrap()?;
-    Ok(v)
-}
-
-fn write(img: &TableImage<Toy>, off: u64, data: &[u8]) -> io::Result<()> {
-    engine().block_on(img.write(data, off)).unwrap()
 }
 
 #[test]

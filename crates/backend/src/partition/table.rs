@@ -9,6 +9,7 @@ use std::fmt;
 use std::io;
 
 use super::crc32::crc32;
+use crate::fields::{le16, le32, le64};
 
 /// Partition tables use 512-byte sectors on image files; GPT is also looked for with 4096-byte
 /// ones (a disk image copied from a 4Kn drive).
@@ -136,16 +137,6 @@ pub enum TableError {
     /// Reading the image failed.
     #[error("cannot read its partition table: {0}")]
     Io(io::Error),
-}
-
-fn le32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
 }
 
 /// One of the four 16-byte entries of an MBR or EBR.
@@ -498,8 +489,8 @@ fn guid(b: &[u8]) -> String {
     format!(
         "{:08X}-{:04X}-{:04X}-{:02X}{:02X}-{}",
         le32(b, 0),
-        u16::from_le_bytes([b[4], b[5]]),
-        u16::from_le_bytes([b[6], b[7]]),
+        le16(b, 4),
+        le16(b, 6),
         b[8],
         b[9],
         b[10..16]
@@ -536,6 +527,15 @@ pub(crate) mod tests {
         eng.block_on(read(img)).unwrap()
     }
 
+    /// The table read from `img`, checked to be a `scheme` table, and its partitions as
+    /// (number, start, length).
+    fn parts_of(img: Vec<u8>, scheme: Scheme) -> (Table, Vec<(u32, u64, u64)>) {
+        let t = run(&mut Mem(img)).unwrap();
+        assert_eq!(t.scheme, scheme);
+        let got = t.parts.iter().map(|p| (p.number, p.start, p.len)).collect();
+        (t, got)
+    }
+
     fn put_entry(img: &mut [u8], sector: u64, slot: usize, kind: u8, lba: u32, n: u32) {
         let at = sector as usize * 512 + 446 + 16 * slot;
         img[at + 4] = kind;
@@ -561,10 +561,7 @@ pub(crate) mod tests {
 
     #[test]
     fn mbr_with_logical_partitions() {
-        let t = run(&mut Mem(mbr_disk())).unwrap();
-        assert_eq!(t.scheme, Scheme::Mbr);
-        let got: Vec<(u32, u64, u64)> =
-            t.parts.iter().map(|p| (p.number, p.start, p.len)).collect();
+        let (t, got) = parts_of(mbr_disk(), Scheme::Mbr);
         assert_eq!(
             got,
             [
@@ -646,10 +643,7 @@ pub(crate) mod tests {
 
     #[test]
     fn gpt_and_its_backup() {
-        let t = run(&mut Mem(gpt_disk())).unwrap();
-        assert_eq!(t.scheme, Scheme::Gpt);
-        let got: Vec<(u32, u64, u64)> =
-            t.parts.iter().map(|p| (p.number, p.start, p.len)).collect();
+        let (t, got) = parts_of(gpt_disk(), Scheme::Gpt);
         assert_eq!(got, [(1, 1 << 20, 1 << 20), (3, 4 << 20, 2 << 20)]);
         // A damaged primary header: the backup serves.
         let mut img = gpt_disk();
@@ -673,24 +667,23 @@ pub(crate) mod tests {
         img[e..e + 8].copy_from_slice(&(sectors + 10).to_le_bytes());
         let array_crc = crc32(&img[1024..1024 + 128 * 128]);
         img[512 + 88..512 + 92].copy_from_slice(&array_crc.to_le_bytes());
-        img[512 + 16..512 + 20].fill(0);
-        let c = crc32(&img[512..512 + 92]);
-        img[512 + 16..512 + 20].copy_from_slice(&c.to_le_bytes());
-        // Destroy the backup so the primary's verdict stands.
-        let n = img.len();
-        img[n - 512..n - 504].fill(0);
-        let err = run(&mut Mem(img)).unwrap_err().to_string();
-        assert!(err.contains("outside the usable sectors"), "{err}");
+        primary_refused(img, "outside the usable sectors");
         // A huge entry count.
         let mut img = gpt_disk();
         img[512 + 80..512 + 84].copy_from_slice(&u32::MAX.to_le_bytes());
+        primary_refused(img, "more than fusex reads");
+    }
+
+    /// A [`gpt_disk`] whose primary header was changed, its CRC made to match and the backup
+    /// destroyed (so the primary's verdict stands): refused with an error naming `want`.
+    fn primary_refused(mut img: Vec<u8>, want: &str) {
         img[512 + 16..512 + 20].fill(0);
         let c = crc32(&img[512..512 + 92]);
         img[512 + 16..512 + 20].copy_from_slice(&c.to_le_bytes());
         let n = img.len();
         img[n - 512..n - 504].fill(0);
         let err = run(&mut Mem(img)).unwrap_err().to_string();
-        assert!(err.contains("more than fusex reads"), "{err}");
+        assert!(err.contains(want), "{err}");
     }
 }
 

@@ -2,7 +2,7 @@
 //! `tests/formats.rs` use `qemu-img` as the oracle).
 
 use super::*;
-use engine::{Engine, EngineConfig};
+use crate::blocktable::testing::{self, read, write, Damage};
 use std::path::PathBuf;
 
 const BS: u64 = 64 * 1024;
@@ -37,41 +37,16 @@ fn set_map(img: &mut [u8], block: usize, v: u32) {
 }
 
 fn write_img(dir: &tempfile::TempDir, bytes: &[u8]) -> PathBuf {
-    let p = dir.path().join("t.vdi");
-    std::fs::write(&p, bytes).unwrap();
-    p
+    testing::write_img(dir, "t.vdi", bytes)
 }
 
 fn reason(p: &Path, writable: bool) -> String {
-    match open(p, writable, Locking::Off) {
-        Err(OpenError::Format { reason, .. }) => reason,
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("opened"),
-    }
-}
-
-fn engine() -> Engine {
-    Engine::new(&EngineConfig {
-        sq_entries: 16,
-        ..EngineConfig::default()
-    })
-    .unwrap()
-}
-
-fn read(img: &VdiBackend, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut v = vec![0xaa; len];
-    engine().block_on(img.read(&mut v, off)).unwrap()?;
-    Ok(v)
-}
-
-fn write(img: &VdiBackend, off: u64, data: &[u8]) -> io::Result<()> {
-    engine().block_on(img.write(data, off)).unwrap()
+    testing::reason(open(p, writable, Locking::Off))
 }
 
 #[test]
 fn bad_headers_are_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
-    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
     let cases: Vec<(&str, Damage)> = vec![
         ("no VDI signature", Box::new(|i| i[64] = 0)),
         ("version 1.0", Box::new(|i| set(i, 68, 0x0001_0000))),
@@ -98,14 +73,7 @@ fn bad_headers_are_refused_in_one_line() {
         ("block map at", Box::new(|i| set(i, 340, 1 << 30))),
         ("block map at", Box::new(|i| set(i, 344, 512))),
     ];
-    for (want, damage) in cases {
-        let mut img = image(4);
-        damage(&mut img);
-        let p = write_img(&dir, &img);
-        let r = reason(&p, false);
-        assert!(r.contains(want), "{want}: {r}");
-        assert!(!r.contains('\n'), "{r}");
-    }
+    testing::refused_in_one_line(&dir, "t.vdi", &image(4), cases, |p| reason(p, false));
 }
 
 #[test]
@@ -167,13 +135,7 @@ fn bad_map_entries_fail_their_blocks_read_only_and_refuse_writing() {
     set_map(&mut img, 2, 3); // past the end of the file
     set_map(&mut img, 3, 1000); // past the image's blocks
     let p = write_img(&dir, &img);
-    let r = reason(&p, true);
-    assert!(r.contains("block 0") && r.contains("3 more"), "{r}");
-    let vdi = open(&p, false, Locking::Off).unwrap();
-    for b in 0..4 {
-        let e = read(&vdi, b * BS, 10).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EIO), "block {b}");
-    }
+    testing::bad_blocks_refused(&p, BS, 4, 10, |p, w| open(p, w, Locking::Off));
     set_map(&mut img, 1, UNALLOCATED);
     let p = write_img(&dir, &img);
     let vdi = open(&p, false, Locking::Off).unwrap();
@@ -204,26 +166,8 @@ fn damaged_image_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)]) {
     }
     let dir = tempfile::tempdir().unwrap();
     let p = write_img(&dir, &img);
-    let eng = engine();
-    if let Ok(vdi) = open(&p, false, Locking::Off) {
-        let size = crate::BlockBackend::size(&vdi);
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let mut buf = vec![0u8; len];
-            let _ = eng.block_on(vdi.read(&mut buf, off)).unwrap();
-        }
-    }
-    if let Ok(vdi) = open(&p, true, Locking::Off) {
-        let size = crate::BlockBackend::size(&vdi);
-        let before = std::fs::metadata(&p).unwrap().len();
-        let bs = crate::blocktable::BlockFormat::footprint(vdi.format());
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let _ = eng.block_on(vdi.write(&vec![9u8; len], off)).unwrap();
-        }
-        let grown = std::fs::metadata(&p).unwrap().len().saturating_sub(before);
+    let opened = |p: &Path, writable| open(p, writable, Locking::Off);
+    if let Some((grown, bs)) = testing::exercise(&p, ops, opened) {
         // A block reused past the map's last index may lie beyond the old end by the blocks
         // the header leaves unused, but never more than the image's blocks.
         assert!(grown <= 2 * ops.len() as u64 * bs + 8 * bs, "grew {grown}");
@@ -235,7 +179,7 @@ proptest::proptest! {
     #[test]
     fn damaged_images_never_panic(
         patches in proptest::collection::vec((0usize..1024, proptest::num::u8::ANY), 1..8),
-        ops in proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6),
+        ops in testing::ops(),
     ) {
         damaged_image_is_handled(&patches, &ops);
     }

@@ -2,7 +2,7 @@
 //! `tests/formats.rs` use `qemu-img` as the oracle).
 
 use super::*;
-use engine::{Engine, EngineConfig};
+use crate::blocktable::testing::{self, read, write, Damage};
 use std::path::PathBuf;
 
 const MIB: u64 = 1 << 20;
@@ -58,35 +58,11 @@ fn dynamic(size: u64, bs: u32) -> Vec<u8> {
 }
 
 fn write_img(dir: &tempfile::TempDir, bytes: &[u8]) -> PathBuf {
-    let p = dir.path().join("t.vhd");
-    std::fs::write(&p, bytes).unwrap();
-    p
+    testing::write_img(dir, "t.vhd", bytes)
 }
 
 fn reason(p: &Path, writable: bool) -> String {
-    match open(p, writable, Locking::Off) {
-        Err(OpenError::Format { reason, .. }) => reason,
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => panic!("opened"),
-    }
-}
-
-fn engine() -> Engine {
-    Engine::new(&EngineConfig {
-        sq_entries: 16,
-        ..EngineConfig::default()
-    })
-    .unwrap()
-}
-
-fn read(img: &VhdBackend, off: u64, len: usize) -> io::Result<Vec<u8>> {
-    let mut v = vec![0xaa; len];
-    engine().block_on(img.read(&mut v, off)).unwrap()?;
-    Ok(v)
-}
-
-fn write(img: &VhdBackend, off: u64, data: &[u8]) -> io::Result<()> {
-    engine().block_on(img.write(data, off)).unwrap()
+    testing::reason(open(p, writable, Locking::Off))
 }
 
 /// Sets BAT entry `i` of an image made by [`dynamic`].
@@ -124,7 +100,6 @@ fn damaged_footers_and_headers_are_refused() {
 fn whole_images_with_bad_headers_are_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let good = dynamic(8 * MIB, 2 * MIB as u32);
-    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
     let cases: Vec<(&str, Damage)> = vec![
         (
             "no VHD footer",
@@ -162,14 +137,7 @@ fn whole_images_with_bad_headers_are_refused_in_one_line() {
             Box::new(|i| i[512..1536].copy_from_slice(&header(1536, 4, 3 << 20))),
         ),
     ];
-    for (want, damage) in cases {
-        let mut img = good.clone();
-        damage(&mut img);
-        let p = write_img(&dir, &img);
-        let r = reason(&p, false);
-        assert!(r.contains(want), "{want}: {r}");
-        assert!(!r.contains('\n'), "{r}");
-    }
+    testing::refused_in_one_line(&dir, "t.vhd", &good, cases, |p| reason(p, false));
 }
 
 #[test]
@@ -202,13 +170,7 @@ fn bad_table_entries_fail_their_blocks_read_only_and_refuse_writing() {
     set_bat(&mut img, 2, 1);
     set_bat(&mut img, 3, (b0 / 512) as u32);
     let p = write_img(&dir, &img);
-    let r = reason(&p, true);
-    assert!(r.contains("block 0") && r.contains("3 more"), "{r}");
-    let ro = open(&p, false, Locking::Off).unwrap();
-    for b in 0..4 {
-        let e = read(&ro, b * bs, 4096).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EIO), "block {b}");
-    }
+    testing::bad_blocks_refused(&p, bs, 4, 4096, |p, w| open(p, w, Locking::Off));
     // Only block 1 past the end: the rest serves.
     set_bat(&mut img, 2, UNALLOCATED);
     set_bat(&mut img, 3, UNALLOCATED);
@@ -357,26 +319,8 @@ fn damaged_image_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)], fix: bo
     }
     let dir = tempfile::tempdir().unwrap();
     let p = write_img(&dir, &img);
-    let eng = engine();
-    if let Ok(vhd) = open(&p, false, Locking::Off) {
-        let size = crate::BlockBackend::size(&vhd);
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let mut buf = vec![0u8; len];
-            let _ = eng.block_on(vhd.read(&mut buf, off)).unwrap();
-        }
-    }
-    if let Ok(vhd) = open(&p, true, Locking::Off) {
-        let size = crate::BlockBackend::size(&vhd);
-        let before = std::fs::metadata(&p).unwrap().len();
-        for &(off, len) in ops {
-            let off = off % size.max(1);
-            let len = u64::from(len).min(size - off) as usize;
-            let _ = eng.block_on(vhd.write(&vec![9u8; len], off)).unwrap();
-        }
-        let footprint = crate::blocktable::BlockFormat::footprint(vhd.format());
-        let grown = std::fs::metadata(&p).unwrap().len() - before;
+    let opened = |p: &Path, writable| open(p, writable, Locking::Off);
+    if let Some((grown, footprint)) = testing::exercise(&p, ops, opened) {
         assert!(
             grown <= ops.len() as u64 * 2 * (footprint + 512),
             "grew {grown}"
@@ -389,7 +333,7 @@ proptest::proptest! {
     #[test]
     fn damaged_images_never_panic(
         patches in proptest::collection::vec((0usize..2048, proptest::num::u8::ANY), 1..8),
-        ops in proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6),
+        ops in testing::ops(),
         fix: bool,
     ) {
         damaged_image_is_handled(&patches, &ops, fix);

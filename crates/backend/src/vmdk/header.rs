@@ -2,6 +2,8 @@
 //! and for streamOptimized images a copy in the footer that holds the real grain directory
 //! offset). Every field is checked before anything is sized or read from it.
 
+use crate::fields::{le16, le32, le64};
+
 /// `KDMV` as a little-endian u32 at offset 0.
 pub const MAGIC: u32 = 0x564d_444b;
 
@@ -54,16 +56,6 @@ pub struct Header {
     pub compression: u16,
 }
 
-fn le32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
-}
-
 /// Whether `b` starts with the sparse extent magic.
 pub fn is_sparse(b: &[u8]) -> bool {
     b.len() >= 4 && le32(b, 0) == MAGIC
@@ -86,7 +78,7 @@ impl Header {
             rgd_offset: le64(b, 48),
             gd_offset: le64(b, 56),
             overhead: le64(b, 64),
-            compression: u16::from_le_bytes([b[77], b[78]]),
+            compression: le16(b, 77),
         };
         if !(1..=3).contains(&h.version) {
             return Err(format!(

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use engine::{Engine, Slice};
 
-use crate::blocktable::TableImage;
+use crate::blocktable::{fixed, ParseError, TableImage};
 use crate::lock::{lock_file, Claim, Locking};
 use crate::qcow2::named::{self, shown, shown_path, OpenAs};
 use crate::ringfile::RingFile;
@@ -129,21 +129,14 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
         reason,
     };
     let io_err = |e: io::Error| OpenError::from_io(&shown_image, e);
-    let (main, main_len) = crate::blocktable::open_file(path, opts.writable)?;
-    lock_file(
-        main.file(),
-        Claim::qcow2(opts.locking, opts.writable),
-        &format!("image {shown_image}"),
-    )?;
+    let (main, main_len) = crate::blocktable::open_locked(path, opts.writable, opts.locking)?;
     let mut head = [0u8; 512];
     let n = main.file().read_at(&mut head, 0).map_err(io_err)?;
     if header::is_sparse(&head[..n]) {
         // A sparse extent file is a disk by itself: its own single extent.
         let main_file = main.file().try_clone().map_err(io_err)?;
-        let (image, desc) = sparse_extent(main, main_len, opts.writable).map_err(|e| match e {
-            sparse::OpenFail::Bad(r) => bad(r),
-            sparse::OpenFail::Io(e) => io_err(e),
-        })?;
+        let (image, desc) = sparse_extent(main, main_len, opts.writable)
+            .map_err(|e| e.into_open_error(&shown_image, "vmdk"))?;
         let create_type = match desc {
             Some(d) => {
                 let d = descriptor::parse(&d).map_err(bad)?;
@@ -201,12 +194,8 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
             }
         })
         .unwrap_or(Path::new("."));
-    let extents = open_extents(&d, dir, opts, who, main_file.metadata().map_err(io_err)?).map_err(
-        |e| match e {
-            sparse::OpenFail::Bad(r) => bad(r),
-            sparse::OpenFail::Io(e) => io_err(e),
-        },
-    )?;
+    let extents = open_extents(&d, dir, opts, who, main_file.metadata().map_err(io_err)?)
+        .map_err(|e| e.into_open_error(&shown_image, "vmdk"))?;
     let size = d.sectors() * 512;
     tracing::debug!(path = %shown_image, size, create_type = d.create_type, extents = extents.len(), "opened vmdk image");
     Ok(VmdkBackend {
@@ -230,7 +219,7 @@ fn sparse_extent(
     file: RingFile,
     len: u64,
     writable: bool,
-) -> std::result::Result<(TableImage<Sparse>, Option<Vec<u8>>), sparse::OpenFail> {
+) -> std::result::Result<(TableImage<Sparse>, Option<Vec<u8>>), ParseError> {
     let o = sparse::open(file.file(), len, writable)?;
     Ok((
         TableImage::new(file, o.fmt, o.table, o.layout),
@@ -252,7 +241,7 @@ fn open_extents(
     opts: VmdkOptions,
     who: OpenAs,
     descriptor_meta: std::fs::Metadata,
-) -> std::result::Result<Vec<Extent>, sparse::OpenFail> {
+) -> std::result::Result<Vec<Extent>, ParseError> {
     let canon_dir = std::fs::canonicalize(dir)?;
     // Files by their identity: flat extents may share one file (at different offsets); a
     // sparse extent's file is its own.
@@ -320,7 +309,7 @@ fn open_extents(
                         let rf = RingFile::from_file(file, &path, false)?;
                         let (image, _) =
                             sparse_extent(rf, flen, writable).map_err(|f| match f {
-                                sparse::OpenFail::Bad(r) => {
+                                ParseError::Bad(r) => {
                                     format!("its extent file {}: {r}", shown(name)).into()
                                 }
                                 io => io,
@@ -412,6 +401,14 @@ impl VmdkBackend {
         self.extents.get(i)
     }
 
+    /// The extent holding guest byte `at`, where `at` is in it, and how many of the `left`
+    /// bytes from `at` on lie in that extent.
+    fn piece(&self, at: u64, left: u64) -> io::Result<(&Extent, u64, u64)> {
+        let e = self.extent_at(at).ok_or_else(eio)?;
+        let within = at - e.start;
+        Ok((e, within, (e.len - within).min(left)))
+    }
+
     fn refused(&self, what: &str) -> io::Error {
         if !self.refused_logged.swap(true, Ordering::AcqRel) {
             tracing::warn!("a write into a {what} extent of the VMDK image failed with EIO");
@@ -422,10 +419,8 @@ impl VmdkBackend {
     async fn read(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         let mut done = 0usize;
         while done < buf.len() {
-            let at = off + done as u64;
-            let e = self.extent_at(at).ok_or_else(eio)?;
-            let within = at - e.start;
-            let n = ((e.len - within) as usize).min(buf.len() - done);
+            let (e, within, n) = self.piece(off + done as u64, (buf.len() - done) as u64)?;
+            let n = n as usize;
             let piece = &mut buf[done..done + n];
             match (&e.data, e.access) {
                 (_, Access::NoAccess) => return Err(eio()),
@@ -441,10 +436,8 @@ impl VmdkBackend {
     async fn write(&self, data: &[u8], off: u64) -> io::Result<()> {
         let mut done = 0usize;
         while done < data.len() {
-            let at = off + done as u64;
-            let e = self.extent_at(at).ok_or_else(eio)?;
-            let within = at - e.start;
-            let n = ((e.len - within) as usize).min(data.len() - done);
+            let (e, within, n) = self.piece(off + done as u64, (data.len() - done) as u64)?;
+            let n = n as usize;
             let piece = &data[done..done + n];
             match (&e.data, e.access) {
                 (_, Access::ReadOnly) => return Err(io::Error::from_raw_os_error(libc::EROFS)),
@@ -462,9 +455,7 @@ impl VmdkBackend {
         let end = off.saturating_add(len).min(self.size);
         let mut at = off;
         while at < end {
-            let e = self.extent_at(at).ok_or_else(eio)?;
-            let within = at - e.start;
-            let n = (e.len - within).min(end - at);
+            let (e, within, n) = self.piece(at, end - at)?;
             match (&e.data, e.access) {
                 (_, Access::ReadOnly) => return Err(io::Error::from_raw_os_error(libc::EROFS)),
                 (_, Access::NoAccess) => return Err(eio()),
@@ -488,12 +479,7 @@ impl BlockBackend for VmdkBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            writable: self.writable,
-            resize: false,
-            raw_file: false,
-            ..Capabilities::default()
-        }
+        fixed::capabilities(self.writable)
     }
 
     async fn attrs(&self, eng: &Engine) -> Result<Attrs> {
@@ -506,15 +492,7 @@ impl BlockBackend for VmdkBackend {
                 Data::Zero => 0,
             };
         }
-        Ok(Attrs {
-            perm: m.mode() & 0o7777,
-            uid: m.uid(),
-            gid: m.gid(),
-            allocated,
-            atime: (m.atime(), m.atime_nsec() as u32),
-            mtime: (m.mtime(), m.mtime_nsec() as u32),
-            ctime: (m.ctime(), m.ctime_nsec() as u32),
-        })
+        Ok(fixed::attrs(&m, allocated))
     }
 
     async fn read_at(&self, _eng: &Engine, mut win: Slice, off: u64) -> (Result<usize>, Slice) {
@@ -603,19 +581,11 @@ impl BlockBackend for VmdkBackend {
     }
 
     async fn resize(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size == self.size {
-            return Ok(());
-        }
-        tracing::warn!("resizing a vmdk image is not supported: use `qemu-img resize`");
-        Err(BackendError::Unsupported)
+        fixed::resize("vmdk", self.size, new_size)
     }
 
     async fn grow_to(&self, _eng: &Engine, new_size: u64) -> Result<()> {
-        if new_size <= self.size {
-            Ok(())
-        } else {
-            Err(BackendError::Unsupported)
-        }
+        fixed::grow_to(self.size, new_size)
     }
 
     fn written_to(&self, _end: u64) {}

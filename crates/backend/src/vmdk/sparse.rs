@@ -14,7 +14,8 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use crate::blocktable::{BlockFormat, Entry, Layout, Table, MAX_HOST};
+use crate::blocktable::{sharing, BlockFormat, Entry, Layout, ParseError, Table, MAX_HOST};
+use crate::fields::le32;
 use crate::ringfile::RingFile;
 
 use super::header::{Header, FLAG_COMPRESSED, FLAG_REDUNDANT, FLAG_ZEROED_GRAIN, GD_AT_END, MAGIC};
@@ -46,10 +47,6 @@ impl BlockFormat for Sparse {
 
     fn footprint(&self) -> u64 {
         self.grain_bytes
-    }
-
-    fn data_at(&self, host: u64) -> u64 {
-        host
     }
 
     async fn reserve(&self, file: &RingFile, _host: u64, end: u64) -> io::Result<bool> {
@@ -147,27 +144,6 @@ pub struct Opened {
     pub descriptor: Option<Vec<u8>>,
 }
 
-/// Why a sparse extent cannot be served: a line for the operator, or the OS's error.
-#[derive(Debug)]
-pub enum OpenFail {
-    /// The extent is damaged or unsupported.
-    Bad(String),
-    /// Reading it failed.
-    Io(io::Error),
-}
-
-impl From<io::Error> for OpenFail {
-    fn from(e: io::Error) -> OpenFail {
-        OpenFail::Io(e)
-    }
-}
-
-impl From<String> for OpenFail {
-    fn from(s: String) -> OpenFail {
-        OpenFail::Bad(s)
-    }
-}
-
 /// A byte range of metadata in the file.
 type Range = (u64, u64);
 
@@ -184,7 +160,7 @@ fn read_at(f: &File, off: u64, n: u64) -> io::Result<Vec<u8>> {
 
 /// The header in force: the first sector's, or for a stream the footer's (the sector before
 /// the end-of-stream marker, after a footer marker).
-fn header(f: &File, len: u64) -> Result<(Header, Option<Range>), OpenFail> {
+fn header(f: &File, len: u64) -> Result<(Header, Option<Range>), ParseError> {
     if len < SECTOR {
         return Err("it is shorter than a sparse extent header"
             .to_string()
@@ -236,7 +212,7 @@ fn inside(s: u64, n: u64, len: u64) -> Option<Range> {
 /// and tables, every grain's entry checked (inside the file, clear of metadata and of other
 /// grains; a bad one fails its reads with EIO, and makes a writable open fail). For writing,
 /// missing grain tables are made now (see the module docs).
-pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
+pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, ParseError> {
     let (h, footer) = header(f, len)?;
     let compressed = h.flags & FLAG_COMPRESSED != 0;
     if compressed && writable {
@@ -258,10 +234,10 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
         None
     };
     let grains = h.grains();
-    let table = Table::new(grains).map_err(|e| e.to_string())?;
+    let table = Table::new(grains)?;
     let gdes = h.gdes();
     let gd_bytes = gdes * 4;
-    let dir = |off: u64, what: &str| -> Result<Vec<u64>, OpenFail> {
+    let dir = |off: u64, what: &str| -> Result<Vec<u64>, ParseError> {
         let r = inside(off, gd_bytes, len)
             .ok_or_else(|| format!("its {what} (sector {off}) lies past the file's end"))?;
         if overlaps(r, (0, SECTOR)) {
@@ -270,7 +246,7 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
         let raw = read_at(f, r.0, gd_bytes)?;
         Ok(raw
             .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64 * SECTOR)
+            .map(|c| le32(c, 0) as u64 * SECTOR)
             .collect())
     };
     let mut gd = dir(h.gd_offset, "grain directory")?;
@@ -353,7 +329,7 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
         let raw = read_at(f, off, gt_bytes)?;
         for i in 0..count {
             let at = i as usize * 4;
-            let v = u32::from_le_bytes([raw[at], raw[at + 1], raw[at + 2], raw[at + 3]]) as u64;
+            let v = le32(&raw, at) as u64;
             let block = first + i;
             let entry = match v {
                 0 => Entry::Unallocated,
@@ -382,16 +358,10 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, OpenFail> {
         }
     }
     // Two grains sharing file space: both bad (a write to one would change the other).
-    grains_at.sort();
-    for w in 0..grains_at.len().saturating_sub(1) {
-        let ((a, ba), (b, bb)) = (grains_at[w], grains_at[w + 1]);
-        if (b as u64) * SECTOR < a as u64 * SECTOR + grain_bytes {
-            for blk in [ba as u64, bb as u64] {
-                if table.get(blk) != Entry::Bad {
-                    table.set(blk, Entry::Bad);
-                    bad += 1;
-                }
-            }
+    for blk in sharing(&mut grains_at, SECTOR, grain_bytes) {
+        if table.get(blk) != Entry::Bad {
+            table.set(blk, Entry::Bad);
+            bad += 1;
         }
     }
     let mut next_free = len
@@ -533,7 +503,7 @@ pub(super) mod tests {
             ]
         );
         match open(f.as_file(), 32 * 512, true) {
-            Err(OpenFail::Bad(why)) => assert!(why.contains("read-only only"), "{why}"),
+            Err(ParseError::Bad(why)) => assert!(why.contains("read-only only"), "{why}"),
             _ => panic!("a writable open of a damaged extent must fail"),
         }
     }
