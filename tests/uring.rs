@@ -417,10 +417,10 @@ fn possible_cpus() -> usize {
         .sum()
 }
 
-/// Ring entries are registered by load: an export that served one request at a time holds at
-/// most two entries per kernel queue (a queue starts with one and doubles when all of its
-/// entries are in service, which one request is to one entry); under fio at QD 32 its entries
-/// grow further, never past the depth; and the data stays intact meanwhile (fio's verify).
+/// Ring entries are registered by load: an export that served one reader holds at most four
+/// entries per kernel queue (a queue starts with one and doubles when one loop turn fills all
+/// of its entries); under fio at QD 32 its entries grow further, never past the depth; and the
+/// data stays intact meanwhile (fio's verify).
 #[test]
 fn ring_entries_follow_the_load() {
     // Lock first: the fallback test switches enable_uring off while it holds the lock.
@@ -469,10 +469,14 @@ fn ring_entries_follow_the_load() {
     assert!(got == data, "the export reads the image");
     let st = m.stop();
     st.assert_clean("idle entries");
-    let sum: u64 = entries(&st).iter().sum();
+    // A queue doubles its entries when one loop turn brings a request into each. One reader
+    // keeps one READ in flight, but the kernel sends FLUSH, RELEASE and GETATTR beside it, and
+    // on a busy machine the queue thread may reap two requests in one turn: 1 -> 2 -> 4 (seen
+    // in a clean-clone CI run). Never more than that for one reader, far below the depth.
+    let per_queue = entries(&st);
     assert!(
-        (qids..=2 * qids).contains(&sum),
-        "one or two entries per kernel queue: {}",
+        per_queue.iter().sum::<u64>() >= qids && per_queue.iter().all(|&e| e <= 4),
+        "one to four entries per kernel queue: {}",
         st.stats()
     );
 
