@@ -74,7 +74,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ramp", type=float, default=1.0, help="fio ramp seconds before measuring (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing,"
-                                   "{vmdk,vpc,vdi}-{full,fill},nbd,nbd-delay "
+                                   "{vmdk,vpc,vdi,vhdx}-{full,fill},nbd,nbd-delay "
                                    "(default: the matrix's own; quick: shm)")
     p.add_argument("--size", default="1G", help="image size for fio matrices (default 1G)")
     p.add_argument("--disk-dir", default="/var/tmp", help="directory for 'disk' images (default /var/tmp)")

@@ -24,7 +24,7 @@ configuration says whether it wants the qcow2 or a raw file of the same data
   writes change no layout).
 
 The other formats (``formats`` matrix) work the same way, one pair of kinds
-per format FMT in :data:`DISK_FORMATS` (``vmdk``, ``vpc`` = VHD, ``vdi``):
+per format FMT in :data:`DISK_FORMATS` (``vmdk``, ``vpc`` = VHD, ``vdi``, ``vhdx``):
 
 * ``FMT-full``: ``qemu-img convert -O FMT`` of a random raw file (every block
   allocated); the raw copies hold the same bytes.
@@ -56,6 +56,7 @@ DISK_FORMATS: dict[str, tuple[str, ...]] = {
     "vmdk": ("subformat=monolithicSparse",),
     "vpc": ("subformat=dynamic", "force_size=on"),
     "vdi": ("preallocation=off",),
+    "vhdx": ("subformat=dynamic",),
 }
 FORMAT_KINDS = tuple(f"{fmt}-{state}" for fmt in DISK_FORMATS for state in ("full", "fill"))
 # Kinds where every target gets its own copy (its format, or raw with the same data).

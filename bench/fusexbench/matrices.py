@@ -12,7 +12,7 @@ The originals are in ``/work/shared/seeds`` (see its README):
 * ``passthrough-fio`` - the passthrough issue's goals (fio, growable export).
 * ``qcow2``       - the qcow2 issue's goals: fusex on qcow2 vs fusex on the same
                     data as raw vs qemu-storage-daemon on the same qcow2.
-* ``formats``     - issue 30's goals: fusex on VMDK, VHD (vpc) and VDI vs fusex on
+* ``formats``     - issue 30's goals: fusex on VMDK, VHD (vpc), VDI and VHDX vs fusex on
                     the same data as raw vs qemu-storage-daemon on the same image.
 * ``nbd``         - the NBD issue's goals: fusex's NBD client vs nbdfuse, clients of one
                     qemu-nbd and of one nbdkit with 1 ms injected latency.
@@ -291,17 +291,17 @@ def qcow2() -> Matrix:
     )
 
 
-FORMAT_IMAGES = tuple(f"{fmt}-{state}" for fmt in ("vmdk", "vpc", "vdi") for state in ("full", "fill"))
+FORMAT_IMAGES = tuple(f"{fmt}-{state}" for fmt in ("vmdk", "vpc", "vdi", "vhdx") for state in ("full", "fill"))
 
 
 def formats() -> Matrix:
     return Matrix(
         name="formats",
-        title="VMDK, VHD and VDI images",
+        title="VMDK, VHD, VDI and VHDX images",
         seed="-",
         reproduces=("4k randread/randwrite QD1 and QD64, 128k sequential read and write, on a fully allocated "
                     "and on an empty (being filled) image of each format: VMDK (monolithicSparse), VHD (vpc, "
-                    "dynamic) and VDI (dynamic); fusex on the image vs fusex on the same data as raw (passthrough "
+                    "dynamic), VDI (dynamic) and VHDX (dynamic); fusex on the image vs fusex on the same data as raw (passthrough "
                     "off) vs qemu-storage-daemon on the same image (issue 30's goals)"),
         workloads=[
             _fio("randread-4k-qd1", "randread", "4k", 1, engine="psync"),
@@ -321,7 +321,7 @@ def formats() -> Matrix:
         bw_columns="all",
         notes=["`fusex` is fusex with its default options on the image (format auto-detected); `fusex-raw` is "
                "fusex with `--passthrough off` on a raw file holding the same data; `qsd` is "
-               "qemu-storage-daemon's FUSE export of the same image (`driver=vmdk|vpc|vdi` over "
+               "qemu-storage-daemon's FUSE export of the same image (`driver=vmdk|vpc|vdi|vhdx` over "
                "`driver=file,aio=io_uring`). Every target has its own copy of the image. fusex refuses "
                "`--direct` on these formats, so every server opens its copy buffered (on /dev/shm a copy "
                "either way); fio uses O_DIRECT on the exports as everywhere.",
@@ -330,7 +330,8 @@ def formats() -> Matrix:
                "`FMT-fill` an empty image from `qemu-img create` (raw copies: sparse files). VMDK: "
                "`subformat=monolithicSparse` (64 KiB grains); VHD: `subformat=dynamic,force_size=on` (2 MiB "
                "blocks; force_size keeps the virtual size exact instead of rounding it to a CHS geometry); "
-               "VDI: `preallocation=off` (1 MiB blocks).",
+               "VDI: `preallocation=off` (1 MiB blocks); VHDX: `subformat=dynamic` (QEMU's default block size, "
+               "8 MiB for images up to 1 GiB).",
                "`FMT-fill` starts every run that follows a write with a new empty image, unmounted and mounted "
                "again around it. On it a writing workload is a *fill*: each fio job goes over the whole image "
                "once (every block exactly once, in random order for the random modes; no `--time_based`, no "

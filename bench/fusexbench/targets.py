@@ -63,7 +63,7 @@ class TargetSpec:
     skipped with a note instead of failing.  ``options`` are the knobs as
     data (queues, transport, passthrough, aio) for plots and the report;
     ``options["format"] = "raw"`` asks for a raw file of the same data on the
-    per-target image kinds (qcow2, vmdk, vpc, vdi; default: the image's own format).
+    per-target image kinds (qcow2, vmdk, vpc, vdi, vhdx; default: the image's own format).
     """
 
     name: str
@@ -246,7 +246,7 @@ def fusex_help(binary: str) -> str:
 QCOW2_FLAG = "--format"  # a fusex without it has no qcow2 backend: it would export the qcow2 file as raw bytes
 # The name `fusex mount --help` lists among --format's values for each of the other formats (QEMU's vpc is
 # fusex's vhd): a fusex without that backend would export the image file as raw bytes.
-FORMAT_HELP_NAMES = {"vmdk": "vmdk", "vpc": "vhd", "vdi": "vdi"}
+FORMAT_HELP_NAMES = {"vmdk": "vmdk", "vpc": "vhd", "vdi": "vdi", "vhdx": "vhdx"}
 
 _help_cache: dict[str, str] = {}
 
@@ -593,7 +593,7 @@ def fusex_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> lis
 
 
 def qsd_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
-    """qemu-storage-daemon with a FUSE export of a raw, qcow2, vmdk, vpc or vdi file (or null-co).
+    """qemu-storage-daemon with a FUSE export of a raw, qcow2, vmdk, vpc, vdi or vhdx file (or null-co).
 
     A qcow2 overlay's base gets its own file + qcow2 nodes (read-only, same
     aio and cache mode) instead of the ones qemu would open implicitly
