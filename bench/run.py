@@ -57,7 +57,7 @@ def _maybe_reexec_in_venv() -> None:
 
 from fusexbench import machine, matrices, plots, report  # noqa: E402
 from fusexbench.fio import parse_size  # noqa: E402
-from fusexbench.images import Image, sweep_stale  # noqa: E402
+from fusexbench.images import Image, bytes_needed, shm_room, sweep_stale  # noqa: E402
 from fusexbench.runner import Options, plan, run_matrix  # noqa: E402
 from fusexbench.targets import (Interrupted, Tools, catalogue, force_unmount, mounts_under,  # noqa: E402
                                 parse_define, signal_guard, unavailable_reason)
@@ -218,9 +218,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
 
     total = 0.0
+    shm_need = 0
     for m in mats:
         specs, notes, wls = plan(m, opts, tools)
         kinds = opts.images or list(m.images)
+        # Matrices run one after another, each removing its images: the largest one counts.
+        shm_need = max(shm_need, bytes_needed(kinds, m.image_sizes(opts.size, wls), len(specs)))
         n = 0
         for kind in kinds:
             probe = Image(kind=kind, size=opts.size)
@@ -236,6 +239,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"estimated total: {total / 60:.1f} min", file=sys.stderr)
     if args.dry_run:
         return 0
+    room = shm_room()
+    if shm_need > room:
+        print(f"run.py: the images need up to {shm_need / (1 << 30):.1f} GiB in /dev/shm, which has room for "
+              f"{max(room, 0) / (1 << 30):.1f} GiB (free memory less 2 GiB): lower --size or run fewer --image "
+              "kinds at a time", file=sys.stderr)
+        return 2
 
     host = socket.gethostname().split(".")[0]
     outdir = os.path.abspath(args.out) if args.out else results_dir(os.path.join(BENCH_DIR, "results"), host)

@@ -201,6 +201,35 @@ def image_dir(kind: str, disk_dir: str, tag: str) -> Optional[str]:
     return None
 
 
+def bytes_needed(kinds: list[str], sizes: list[int], copies: int) -> int:
+    """Upper bound of what ``kinds`` of ``sizes`` take in /dev/shm for a run of ``copies`` targets:
+    a per-target kind holds one copy per target (a fill image grows to its size) plus a base or a
+    conversion source; the other shm kinds one file each."""
+    total = 0
+    for kind in kinds:
+        if image_dir(kind, "", "") is None or kind == "disk":
+            continue
+        per = copies + 1 if kind in PER_TARGET_KINDS else 1
+        total += per * sum(sizes)
+    return total
+
+
+def shm_room(path: str = "/dev/shm") -> int:
+    """Bytes a run may put in tmpfs ``path``: its free space, at most what memory has available
+    (tmpfs pages are memory; a tmpfs mounted larger than RAM would otherwise look roomier than it
+    is), less 2 GiB kept for the servers, fio and the rest of the machine."""
+    st = os.statvfs(path)
+    room = st.f_bavail * st.f_frsize
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    room = min(room, int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return room - (2 << 30)
+
+
 def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: bool = True,
                   name: Optional[str] = None, targets: Optional[dict[str, str]] = None) -> Image:
     """Create (or plan, for null) one image of ``size`` random bytes.

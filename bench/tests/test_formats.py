@@ -278,3 +278,17 @@ class GoalsReportTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SpaceTest(unittest.TestCase):
+    def test_bytes_needed_counts_a_copy_per_target_and_a_source(self):
+        gib = 1 << 30
+        # 8 format kinds x (3 targets + 1 source) x 1 GiB: more than this machine's 24 GiB of memory.
+        self.assertEqual(images.bytes_needed(list(images.FORMAT_KINDS), [gib], 3), 32 * gib)
+        self.assertEqual(images.bytes_needed(["shm", "null", "disk"], [gib], 3), gib)
+        self.assertEqual(images.bytes_needed(["vdi-fill"], [MIB, 2 * MIB], 2), 9 * MIB)
+
+    def test_shm_room_is_below_free_memory(self):
+        with open("/proc/meminfo") as fh:
+            avail = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+        self.assertLessEqual(images.shm_room(), avail - (2 << 30))
