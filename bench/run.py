@@ -13,6 +13,7 @@ Examples::
     python3 bench/run.py --matrix qcow2 --image qcow2-sparse --workloads write
     python3 bench/run.py --matrix formats --image vdi-full,vdi-fill --print-table
     python3 bench/run.py --matrix nbd --rounds 5 --print-table
+    python3 bench/run.py --matrix dirfs,metadata --fileaccess-cap 120 --print-table
     python3 bench/run.py --report bench/results/2025-11-23-vm     # re-render
     python3 bench/run.py --list
 
@@ -73,7 +74,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job (default 5)")
     p.add_argument("--ramp", type=float, default=1.0, help="fio ramp seconds before measuring (default 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--image", help="image kinds shm,disk,null,qcow2-full,qcow2-sparse,qcow2-backing,"
+    p.add_argument("--image", help="image kinds shm,disk,null,tree,qcow2-full,qcow2-sparse,qcow2-backing,"
                                    "{vmdk,vpc,vdi,vhdx}-{full,fill},nbd,nbd-delay "
                                    "(default: the matrix's own; quick: shm)")
     p.add_argument("--size", default="1G", help="image size for fio matrices (default 1G)")
@@ -88,6 +89,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--fill-cap", type=float,
                    help="seconds cap of a fill run (writing workloads on qcow2-sparse/qcow2-backing/*-fill: the whole "
                         "image once; default max(12 x runtime, 30))")
+    p.add_argument("--meta-files", type=int, default=100_000,
+                   help="metadata matrix: small files of the create/stat/readdir/unlink tree (default 100000)")
+    p.add_argument("--tree-files", type=int, default=50_000,
+                   help="metadata matrix: files of the synthetic source tree for untar/find/du/git status "
+                        "(default 50000)")
     p.add_argument("--no-rotate", action="store_true", help="same target order in every round")
     p.add_argument("--fuse-uring", choices=("auto", "on", "off"), default="auto",
                    help="fuse's enable_uring: auto = set Y (root) only during matrices that compare transports "
@@ -202,7 +208,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    size=parse_size(args.size), disk_dir=args.disk_dir, workloads=args.workloads,
                    targets=[t.strip() for t in args.targets.split(",")] if args.targets else None,
                    fileaccess_cap=args.fileaccess_cap, rotate=not args.no_rotate, catalogue=cat,
-                   fuse_uring=args.fuse_uring, fill_cap=args.fill_cap)
+                   fuse_uring=args.fuse_uring, fill_cap=args.fill_cap,
+                   meta_files=args.meta_files, tree_files=args.tree_files)
     fusex = find_fusex(args.fusex)
     tools = Tools.discover(fusex)
     try:
@@ -213,7 +220,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         list_all(opts, tools)
         return 0
-    if not shutil.which("fio"):
+    if any(m.kind == "fio" for m in mats) and not shutil.which("fio"):
         print("run.py: fio not found (bench/setup.sh installs it)", file=sys.stderr)
         return 2
 
@@ -230,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             mounts = sum(1 for s in specs if unavailable_reason(s, probe, tools) is None)
             # fio workloads run on every image; file-access ones on the image of their size
             n += mounts * len(wls) * opts.rounds
-        secs = matrices.estimate_seconds(m, n, opts.runtime, opts.ramp, opts.cap())
+        secs = matrices.estimate_seconds(m, n, opts.runtime, opts.ramp, opts.cap(), opts.meta_scale())
         total += secs
         print(f"{m.name}: targets {','.join(s.name for s in specs) or '(none)'}; {len(wls)} workloads; "
               f"images {','.join(kinds)}; ~{n} runs, ~{secs / 60:.1f} min", file=sys.stderr)

@@ -2,6 +2,7 @@
 # Install what the benchmark suite needs (Debian/Ubuntu):
 #   fio, qemu-storage-daemon (qemu-system-common), qemu-nbd (qemu-utils),
 #   nbdfuse (libnbd-bin), nbdkit (the nbd matrix's delay server), fusermount3 (fuse3),
+#   bindfs (a peer of the dirfs and metadata matrices), git (the metadata matrix's git status),
 #   gcc (for bench/fileaccess.c), g++, pkg-config and libfuse3-dev (for libfuse's passthrough_hp,
 #   which bench/peers.sh builds into bench/.peers/), valgrind (bench/instructions.sh),
 # and bench/.venv with matplotlib for the plots. Idempotent.
@@ -16,6 +17,8 @@ command -v nbdfuse >/dev/null 2>&1 || need="$need libnbd-bin"
 command -v nbdkit >/dev/null 2>&1 || need="$need nbdkit"
 command -v fusermount3 >/dev/null 2>&1 || need="$need fuse3"
 command -v gcc >/dev/null 2>&1 || need="$need gcc"
+command -v bindfs >/dev/null 2>&1 || need="$need bindfs"
+command -v git >/dev/null 2>&1 || need="$need git"
 # libfuse's passthrough_hp peer (built by bench/peers.sh)
 command -v g++ >/dev/null 2>&1 || need="$need g++"
 command -v pkg-config >/dev/null 2>&1 || need="$need pkg-config"

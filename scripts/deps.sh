@@ -56,6 +56,8 @@ if [ "${1:-}" = "--bench" ]; then
   have pkg-config || need+=(pkg-config)
   [ -f /usr/include/fuse3/fuse_lowlevel.h ] || need+=(libfuse3-dev)
   have valgrind || need+=(valgrind)
+  # bindfs: a peer of the dirfs and metadata matrices (directory exports).
+  have bindfs || need+=(bindfs)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing: ${need[*]}"

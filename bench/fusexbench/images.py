@@ -63,7 +63,8 @@ FORMAT_KINDS = tuple(f"{fmt}-{state}" for fmt in DISK_FORMATS for state in ("ful
 PER_TARGET_KINDS = QCOW2_KINDS + FORMAT_KINDS
 # Served by an NBD server the runner starts (see nbdserver.py); the clients connect to its socket.
 NBD_KINDS = ("nbd", "nbd-delay")
-IMAGE_KINDS = ("shm", "disk", "null") + QCOW2_KINDS + FORMAT_KINDS + NBD_KINDS
+# ``tree``: an empty source directory on the disk directory (the metadata matrix), no image file.
+IMAGE_KINDS = ("shm", "disk", "null", "tree") + QCOW2_KINDS + FORMAT_KINDS + NBD_KINDS
 FORMATS = ("raw", "qcow2") + tuple(DISK_FORMATS)
 CHUNK = 16 * 1024 * 1024
 
@@ -104,8 +105,8 @@ class Image:
 
     @property
     def label(self) -> str:
-        """Short label such as ``shm-1G``."""
-        return f"{self.kind}-{format_size(self.size)}"
+        """Short label such as ``shm-1G`` (``tree`` for the source directory: it has no size)."""
+        return "tree" if self.kind == "tree" else f"{self.kind}-{format_size(self.size)}"
 
     @property
     def per_target(self) -> bool:
@@ -196,7 +197,7 @@ def image_dir(kind: str, disk_dir: str, tag: str) -> Optional[str]:
     """Directory that will hold images of ``kind`` for this run."""
     if kind == "shm" or kind in PER_TARGET_KINDS or kind in NBD_KINDS:
         return os.path.join("/dev/shm", f"fusexbench-{tag}")
-    if kind == "disk":
+    if kind in ("disk", "tree"):
         return os.path.join(disk_dir, f"fusexbench-{tag}")
     return None
 
@@ -249,6 +250,12 @@ def prepare_image(kind: str, size: int, directory: Optional[str], want_direct: b
                      note="no data: reads return zeros, writes are dropped")
     assert directory is not None
     os.makedirs(directory, exist_ok=True)
+    if kind == "tree":
+        path = os.path.join(directory, name or "tree")
+        os.makedirs(path, exist_ok=True)
+        fs = fs_type(directory)
+        return Image(kind="tree", size=size, path=path, fs=fs, created=True,
+                     note=f"a source directory on {fs}; every target works in its own subdirectory of it")
     if kind in PER_TARGET_KINDS:
         img = prepare_per_target(kind, size, directory, targets or {})
     else:
@@ -445,6 +452,9 @@ def write_random(path: str, size: int) -> None:
 def remove_image(img: Image) -> None:
     """Delete an image this run created (with its copies and sources), and its directory when empty."""
     if not img.created:
+        return
+    if img.kind == "tree":
+        shutil.rmtree(img.path or "", ignore_errors=True)
         return
     paths = [c["path"] for c in img.copies.values()]
     paths += [p for role, p in img.sources.items() if role != "dir"]

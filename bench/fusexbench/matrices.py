@@ -18,6 +18,11 @@ The originals are in ``/work/shared/seeds`` (see its README):
                     qemu-nbd and of one nbdkit with 1 ms injected latency.
 * ``side-by-side`` - issue #14's goals: fusex (default, each transport, passthrough on
                     and off) vs native, qsd, nbdfuse and libfuse's passthrough_hp.
+* ``dirfs``       - seeds/004 on directory exports: fusex's directory mode (passthrough
+                    on, off, defaults) vs passthrough_hp (with and without passthrough),
+                    bindfs and native, caches dropped before every pass (issue #27).
+* ``metadata``    - issue #27's metadata goals: create/stat/readdir/unlink of 100k small
+                    files, untar of a ~50k-file source tree, find, du, git status.
 
 A matrix says which fusex configurations it compares (``fusex_variants``):
 when the user asks for ``fusex`` the runner substitutes these; a tuple means
@@ -31,9 +36,10 @@ from typing import Any, Callable, Optional, Union
 
 from .fileaccess import FileAccessWorkload
 from .fio import FioWorkload, parse_size
+from .metadata import META_OPS, TREE_OPS, MetaWorkload
 from .targets import TargetSpec
 
-Workload = Union[FioWorkload, FileAccessWorkload]
+Workload = Union[FioWorkload, FileAccessWorkload, MetaWorkload]
 Variant = Union[str, tuple[str, ...]]
 
 
@@ -70,6 +76,8 @@ class Matrix:
         if self.kind == "fileaccess":
             wl = self.workloads if workloads is None else workloads
             return sorted({w.size for w in wl if isinstance(w, FileAccessWorkload)})
+        if self.kind == "metadata":
+            return [0]  # one source directory
         return [default_size]
 
     def to_json(self) -> dict[str, object]:
@@ -432,6 +440,93 @@ def side_by_side() -> Matrix:
     )
 
 
+DIR_VARIANTS = ("fusex-dir", "fusex-dir-pt-on", "fusex-dir-pt-off")
+DIR_PEERS = ("passthrough_hp-dir", "passthrough_hp-dir-pt", "bindfs")
+DIR_TARGETS_NOTE = ("`fusex-dir` is `fusex mount --writable SRC_DIR MNT` with its defaults (passthrough auto, "
+                    "cache auto); `-pt-on`/`-pt-off` set `--passthrough`. `passthrough_hp-dir` is libfuse's "
+                    "passthrough_hp example with its defaults (splice, kernel cache) and without passthrough "
+                    "(`--nopassthrough` where the binary has passthrough, libfuse 3.17+; the libfuse bench/peers.sh "
+                    "builds has none), `passthrough_hp-dir-pt` the same with passthrough (skipped when the binary "
+                    "has none); `bindfs` is bindfs with its defaults (`-f --no-allow-other`). All mount the "
+                    "same source directory at once; `native` uses it directly.")
+
+
+def dirfs() -> Matrix:
+    wl: list[Workload] = []
+    for size in ("1M", "500M", "1000M"):
+        for mode in ("seq", "rand"):
+            for buf in ("4k", "128k", "256k"):
+                wl.append(FileAccessWorkload(name=f"{size}-{mode}-{buf}", size=parse_size(size), mode=mode,
+                                             bufsize=parse_size(buf), cache="cold"))
+    return Matrix(
+        name="dirfs",
+        title="Directory exports: the passthrough file-access test",
+        seed="004_7b719478e50ca2e8.txt",
+        reproduces=("files of 1 MiB, 500 MiB, 1000 MiB in a source directory read sequentially and randomly with "
+                    "4 KiB, 128 KiB, 256 KiB buffers, page cache dropped before every pass; fusex's directory "
+                    "export with passthrough on and off against passthrough_hp with and without passthrough, "
+                    "bindfs and native (FUSE passthrough question, Nov 2024; issue #27)"),
+        workloads=wl,
+        images=("disk",),
+        fusex_variants=DIR_VARIANTS,
+        default_targets=("native", "fusex") + DIR_PEERS,
+        backend_direct=False,
+        kind="fileaccess",
+        goals=[
+            {"a": "fusex-dir-pt-on", "b": "fusex-dir-pt-off", "min": 1.0, "rows": "all"},
+            {"a": "fusex-dir", "b": "native", "min": 0.9, "rows": "all"},
+            {"a": "fusex-dir-pt-on", "b": "native", "min": 0.9, "rows": "all"},
+        ],
+        notes=[DIR_TARGETS_NOTE,
+               "Each file is `image-SIZE.raw` of random bytes in one directory on the disk directory "
+               "(`--disk-dir`); every pass opens `MNT/image-SIZE.raw` through its target.",
+               "Cold = `sync; echo 3 > /proc/sys/vm/drop_caches` before every pass (root only).",
+               "Goals (issue #27), medians of per-round MiB/s ratios: fusex with passthrough never slower than "
+               "without (fusex-dir-pt-on/fusex-dir-pt-off >= 1.00) and fusex >= 0.90 x native "
+               "(fusex-dir and fusex-dir-pt-on) on every row."],
+    )
+
+
+def metadata() -> Matrix:
+    return Matrix(
+        name="metadata",
+        title="Directory exports: metadata",
+        seed="-",
+        reproduces=("create, stat, readdir and unlink of 100k small files in a tree, untar of a synthetic "
+                    "~50k-file source tree, find and du over it, git status in it; fusex's directory export "
+                    "against passthrough_hp, bindfs and native (issue #27)"),
+        workloads=[MetaWorkload(op, op) for op in META_OPS + TREE_OPS],
+        images=("tree",),
+        fusex_variants=DIR_VARIANTS,
+        default_targets=("native", "fusex") + DIR_PEERS,
+        backend_direct=False,
+        kind="metadata",
+        goals=[
+            {"a": "fusex-dir", "b": "bindfs", "min": 2.0, "rows": "all"},
+            {"a": "fusex-dir", "b": "passthrough_hp-dir", "min": 1.3, "rows": "all"},
+            {"a": "fusex-dir", "b": "passthrough_hp-dir-pt", "min": 1.3, "rows": "all"},
+        ],
+        notes=[DIR_TARGETS_NOTE,
+               "The source is one directory on the disk directory (`--disk-dir`); each target works in its own "
+               "subdirectory of it, through its mount (`MNT/<target>/`), natively in `SRC/native/`.",
+               "Per round and target the rows run in this order, each timed as a whole after `sync; echo 3 > "
+               "/proc/sys/vm/drop_caches`: `create` (bench/metaops.c: 100 directories of 1000 files of 100 "
+               "bytes, `--meta-files`), `stat` (lstat of each), `readdir` (each directory read, no stat), "
+               "`unlink` (every file and directory), `untar` (`tar -xf` of the synthetic source tree, "
+               "`--tree-files`), `find` (`find -type f`), `du` (`du -s`), `git-status` (`git status "
+               "--porcelain`, after one untimed run that refreshes the index). The untarred tree is removed "
+               "(untimed, through the target) before the next round's untar.",
+               "The source tree is synthetic and deterministic (no real source tree is fetched): "
+               "`bench/.build/srctree-N-v1.tar`, N files in nested directories of 5-40 files, sizes "
+               "log-uniform from 64 B to 64 KiB, text contents, committed as one git repository "
+               "(`src/.git`, included in the tarball and in the counts).",
+               "Figures: operations per second (files, or tarball entries for untar/du/git-status, or lines "
+               "for find) and the time of the whole operation.",
+               "Goals (issue #27), medians of per-round ratios: fusex (defaults) >= 2 x bindfs and >= 1.3 x "
+               "passthrough_hp on every row."],
+    )
+
+
 MATRICES: dict[str, Callable[[], Matrix]] = {
     "quick": quick,
     "coroutines": coroutines,
@@ -444,6 +539,8 @@ MATRICES: dict[str, Callable[[], Matrix]] = {
     "formats": formats,
     "nbd": nbd,
     "side-by-side": side_by_side,
+    "dirfs": dirfs,
+    "metadata": metadata,
 }
 
 
@@ -531,8 +628,11 @@ def expand_targets(requested: list[str], m: Matrix, catalogue: dict[str, TargetS
     return specs, notes
 
 
+META_JOB_S = 12.0  # one metadata row on one target at 100k files / a 50k-file tree, caches dropped
+
+
 def estimate_seconds(m: Matrix, n_jobs: int, runtime: float, ramp: float,
-                     cap: Optional[float] = None) -> float:
+                     cap: Optional[float] = None, meta_scale: float = 1.0) -> float:
     """Rough wall time of ``n_jobs`` runs of matrix ``m``.
 
     File-access passes are mostly short; the few big cold random ones hit the cap.
@@ -540,4 +640,6 @@ def estimate_seconds(m: Matrix, n_jobs: int, runtime: float, ramp: float,
     if m.kind == "fileaccess":
         c = cap if cap is not None else max(2.0 * runtime, 2.0)
         return n_jobs * (0.15 * c + 0.3)
+    if m.kind == "metadata":
+        return n_jobs * META_JOB_S * meta_scale
     return n_jobs * (runtime + ramp + 0.6)

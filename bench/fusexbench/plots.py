@@ -335,6 +335,10 @@ def make_plots(results: dict[str, Any], outdir: str) -> tuple[dict[str, list[tup
                 if fileaccess_bars(results, res, rows, image, os.path.join(outdir, base + "bars.png")):
                     files.append((base + "bars.png", f"{res['name']} on {image}: MiB/s per test"))
                 continue
+            if res.get("kind") == "metadata":
+                if bars(results, res, rows, image, os.path.join(outdir, base + "bars.png"), "ops_s", "operations/s"):
+                    files.append((base + "bars.png", f"{res['name']} on {image}: operations/s per row"))
+                continue
             if bars(results, res, rows, image, os.path.join(outdir, base + "bars.png"), "iops", "IOPS"):
                 files.append((base + "bars.png", f"{res['name']} on {image}: IOPS per workload"))
             if latency_per_qd(results, res, rows, image, os.path.join(outdir, base + "latency.png")):

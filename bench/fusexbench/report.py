@@ -193,12 +193,21 @@ def incomplete_fills(res: dict[str, Any]) -> set[tuple[str, str, str]]:
             if r.get("fill") and not r["fill"].get("complete")}
 
 
+# Per matrix kind: (figure shown per target, its unit, its format, what the ratio compares).
+GOAL_FIGURES = {"fio": ("iops", "IOPS", fmt_count, "IOPS"),
+                "fileaccess": ("mib_s", "MiB/s", fmt_sig, "MiB/s"),
+                "metadata": ("ops_s", "ops/s", fmt_count, "operations/s")}
+
+
 def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> list[str]:
     """Report lines of the matrix's goals for one image (none without goals).
 
     A goal ``{"a", "b", "min", "rows": all|allocating|other}`` asks for the
-    median per-round IOPS ratio a/b >= min on the rows of that class.
+    median per-round ratio a/b >= min on the rows of that class, of the matrix's primary figure
+    (IOPS; MiB/s for the file-access test; operations/s for the metadata matrix).
     """
+    kind = res.get("kind", "fio")
+    value, unit, fmt, rate = GOAL_FIGURES.get(kind, GOAL_FIGURES["fio"])
     rows = [r for r in rows if r["image"] == image]
     present = {t for r in rows for t in r["targets"]}  # targets that ran on this image
     goals = [g for g in res.get("goals") or [] if g["a"] in present and g["b"] in present]
@@ -221,8 +230,8 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
         for i, t in enumerate(shown):
             mt = r["targets"].get(t, {}).get("metrics", {})
             mark = " \u2021" if (image, r["workload"], t) in capped else ""
-            cells.append(cell(mt.get("iops")) + mark)
-            if i == 0 or bw_all:
+            cells.append(cell(mt.get(value), fmt) + mark)
+            if kind == "fio" and (i == 0 or bw_all):
                 cells.append(cell(mt.get("bw_mib"), fmt_sig, False))
         for a, b in pairs:
             g = next((g for g in goals if (g["a"], g["b"]) == (a, b) and g.get("rows", "all") in ("all", cls)), None)
@@ -241,12 +250,12 @@ def goals_table(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> 
         body.append(cells)
     header = ["workload"]
     for i, t in enumerate(shown):
-        header.append(f"{t} IOPS")
-        if i == 0 or bw_all:
+        header.append(f"{t} {unit}")
+        if kind == "fio" and (i == 0 or bw_all):
             header.append(f"{t} MiB/s")
     header += [f"{a}/{b}" for a, b in pairs]
-    out = [f"**Goals**: {met} of {total} met (median per-round IOPS ratio \u2265 the goal in brackets; "
-           "(alloc.) = allocating writes)", "", table(header, body)]
+    out = [f"**Goals**: {met} of {total} met (median per-round {rate} ratio \u2265 the goal in brackets"
+           + ("; (alloc.) = allocating writes)" if kind == "fio" else ")"), "", table(header, body)]
     if any(k[0] == image for k in capped):
         out += ["", "\u2021 in some round this fill hit its time cap before writing the whole image "
                 "(it then measured mostly the first, allocating writes): the ratio is biased against that target."]
@@ -504,7 +513,8 @@ def fileaccess_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: st
             calls = mt.get("read_calls", {}).get("median")
             cells.append(cell(mt.get("time_ms"), fmt_sig) + (f" ({fmt_count(calls)})" if calls else ""))
         main.append([f"`{r['workload']}`"] + cells)
-    out = [f"**Time in ms** (read calls), median \u00b1 spread", "", table(["file-size-mode-buffer-cache"] + present, main)]
+    out = goals_table(res, rows, image)
+    out += [f"**Time in ms** (read calls), median \u00b1 spread", "", table(["file-size-mode-buffer-cache"] + present, main)]
     out += ratio_table(rows, present, "**Speed ratios** (median of per-round MiB/s ratios; >1 = faster)")
     det = []
     for r in rows:
@@ -521,6 +531,29 @@ def fileaccess_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: st
             table(["workload", "target", "MiB/s", f"{MU}s per read call", f"server CPU {MU}s/call"], det,
                   ["l", "l", "r", "r", "r"]),
             "", "</details>"]
+    return "\n".join(out)
+
+
+def metadata_tables(res: dict[str, Any], rows: list[dict[str, Any]], image: str) -> str:
+    """Goals, time table, operations/s and ratio tables for the metadata matrix."""
+    targets = [t["name"] for t in res.get("targets", []) if t.get("started")]
+    rows = [r for r in rows if r["image"] == image]
+    present = [t for t in targets if any(t in r["targets"] for r in rows)]
+    timed, rates = [], []
+    for r in rows:
+        mts = [r["targets"].get(t, {}).get("metrics", {}) for t in present]
+        ops = next((m.get("ops", {}).get("median") for m in mts if m.get("ops", {}).get("median")), None)
+        name = f"`{r['workload']}`" + (f" ({fmt_count(ops)})" if ops else "")
+        timed.append([name] + [cell(m.get("time_ms"), fmt_sig) for m in mts])
+        rates.append([name] + [cell(m.get("ops_s")) for m in mts])
+    out = goals_table(res, rows, image)
+    out += ["**Time in ms** of the whole operation (operations in brackets), median \u00b1 spread", "",
+            table(["operation"] + present, timed), "", "**Operations per second**, median \u00b1 spread", "",
+            table(["operation"] + present, rates)]
+    out += ratio_table(rows, present, "**Speed ratios** (median of per-round operations/s ratios; >1 = faster)")
+    out += cpu_table(rows, present)
+    desc = _workload_desc(res)
+    out += ["", "Operations: " + "; ".join(f"`{r['workload']}` = {desc.get(r['workload'], '')}" for r in rows) + "."]
     return "\n".join(out)
 
 
@@ -564,6 +597,8 @@ def matrix_section(res: dict[str, Any], plots: Optional[list[tuple[str, str]]] =
         out += [f"### {res['name']} on `{image}`" + (f" ({info.get('fs')})" if info.get("fs") else ""), ""]
         if res.get("kind") == "fileaccess":
             out += [fileaccess_tables(res, rows, image), ""]
+        elif res.get("kind") == "metadata":
+            out += [metadata_tables(res, rows, image), ""]
         else:
             out += [fio_tables(res, rows, image), ""]
         for path, caption in (plots or []):
@@ -594,6 +629,7 @@ def summary_tables(results: dict[str, Any]) -> str:
         images = sorted({r["image"] for r in rows}, key=[r["image"] for r in rows].index)
         for image in images:
             out.append(f"### {res['name']} on `{image}`\n")
-            body = (fileaccess_tables if res.get("kind") == "fileaccess" else fio_tables)(res, rows, image)
+            body = {"fileaccess": fileaccess_tables, "metadata": metadata_tables}.get(
+                res.get("kind", "fio"), fio_tables)(res, rows, image)
             out.append(body.split("\n<details>")[0].rstrip() + "\n")
     return "\n".join(out)

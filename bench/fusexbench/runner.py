@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from . import fileaccess as fa
 from . import images as imgs
 from . import machine
+from . import metadata as meta
 from . import nbdserver
 from .fio import FioWorkload, fio_command, parse_fio_json
 from .matrices import Matrix, Workload, estimate_seconds, expand_targets, select_workloads, with_extra
@@ -49,6 +50,8 @@ class Options:
     rotate: bool = True
     fuse_uring: str = "auto"             # auto: enable for matrices that need it; on; off
     fill_cap: Optional[float] = None     # seconds cap of a fill run (fresh images); None: fill_cap_s()
+    meta_files: int = 100_000            # metadata matrix: small files in the create/stat/readdir/unlink tree
+    tree_files: int = 50_000             # metadata matrix: files of the synthetic source tree (untar...)
     catalogue: dict[str, TargetSpec] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -56,7 +59,12 @@ class Options:
                 "images": self.images, "image_size": self.size, "disk_dir": self.disk_dir,
                 "workloads": self.workloads, "targets": self.targets,
                 "fileaccess_cap_s": self.cap(), "fill_cap_s": self.fill_cap_s(),
-                "rotate_order": self.rotate, "fuse_uring": self.fuse_uring}
+                "rotate_order": self.rotate, "fuse_uring": self.fuse_uring,
+                "meta_files": self.meta_files, "tree_files": self.tree_files}
+
+    def meta_scale(self) -> float:
+        """Size of the metadata rows against the default sizes (for time estimates)."""
+        return max(self.meta_files / 100_000, self.tree_files / 50_000, 0.02)
 
     def cap(self) -> float:
         """Time cap of one file-access pass (seconds)."""
@@ -180,11 +188,19 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                         for name in order:
                             if (img.label, name) in running:
                                 jobs.append((rnd, w, img, name))
-            est = estimate_seconds(m, 1, opts.runtime, opts.ramp, opts.cap())
+            est = estimate_seconds(m, 1, opts.runtime, opts.ramp, opts.cap(), opts.meta_scale())
             log(f"{m.name}: {len(jobs)} runs ({len(running)} mounts x {len(workloads)} workloads x "
                 f"{opts.rounds} rounds), about {len(jobs) * est / 60:.1f} min")
             progress = Progress(len(jobs), est)
             fa_bin = fa.build() if m.kind == "fileaccess" else None
+            meta_bin = meta.build() if m.kind == "metadata" else None
+            tarball, entries = None, 0
+            if m.kind == "metadata" and any(w.op in meta.TREE_OPS for w in workloads
+                                            if isinstance(w, meta.MetaWorkload)):
+                log(f"{m.name}: building the synthetic source tree of {opts.tree_files} files (once)")
+                tarball = meta.build_tarball(opts.tree_files)
+                entries = meta.tarball_entries(tarball)
+                result["tarball"] = {"path": tarball, "entries": entries, "files": opts.tree_files}
             tmp = os.path.join(workdir, m.name, "out")
             os.makedirs(tmp, exist_ok=True)
             try:
@@ -201,6 +217,9 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                             t.dirty = True
                         if img.per_target:
                             run["image_allocated_bytes"] = imgs.allocated_bytes(t.image.path)
+                    elif isinstance(w, meta.MetaWorkload):
+                        assert meta_bin
+                        run = run_metadata(w, t, opts, meta_bin, tarball or "", entries)
                     else:
                         assert fa_bin
                         run = run_fileaccess(w, img, t, opts, fa_bin)
@@ -253,6 +272,8 @@ def renew_target(t: RunningTarget, img: imgs.Image, tools: Tools, group: TargetG
 def _applies(w: Workload, img: imgs.Image) -> bool:
     if isinstance(w, fa.FileAccessWorkload):
         return img.size == w.size
+    if isinstance(w, meta.MetaWorkload):
+        return img.kind == "tree"
     return True
 
 
@@ -261,6 +282,8 @@ def _workload_json(w: Workload) -> dict[str, Any]:
         return {"name": w.name, "kind": "fio", "rw": w.rw, "bs": w.bs, "iodepth": w.iodepth,
                 "numjobs": w.numjobs, "ioengine": w.ioengine, "rwmixread": w.rwmixread,
                 "options": w.options(), "description": w.describe()}
+    if isinstance(w, meta.MetaWorkload):
+        return {"name": w.name, "kind": "metadata", "op": w.op, "description": w.describe()}
     return {"name": w.name, "kind": "fileaccess", "size": w.size, "mode": w.mode,
             "bufsize": w.bufsize, "cache": w.cache, "description": w.describe()}
 
@@ -378,6 +401,61 @@ def run_fileaccess(w: fa.FileAccessWorkload, img: imgs.Image, t: RunningTarget, 
         t.check_alive()
         return rec
     metrics = fa.parse_output(p.stdout)
+    rec["metrics"] = metrics
+    rec.update(_server_cpu(t, cpu_a, cpu_b, metrics["ios"]))
+    rec["ok"] = True
+    return rec
+
+
+META_TIMEOUT_S = 3600.0
+
+
+def meta_workdir(t: RunningTarget) -> str:
+    """Where target ``t`` does the metadata rows: its own subdirectory of the source, seen through it."""
+    return os.path.join(t.path, t.name)
+
+
+def run_metadata(w: meta.MetaWorkload, t: RunningTarget, opts: Options, binary: str, tarball: str,
+                 entries: int) -> dict[str, Any]:
+    """One timed metadata row on ``t``: its untimed preparation, drop caches, the timed command."""
+    cmds = meta.commands(w, meta_workdir(t), opts.meta_files, binary, tarball)
+    rec: dict[str, Any] = {"command": cmds[-1], "ok": False, "error": None, "metrics": None, "started": _now()}
+    dead = t.check_alive()
+    if dead:
+        rec["error"] = f"target unusable: {dead}"
+        return rec
+    try:
+        os.makedirs(meta_workdir(t), exist_ok=True)
+        for prep in cmds[:-1]:
+            p = subprocess.run(prep, capture_output=True, text=True, timeout=META_TIMEOUT_S)
+            if p.returncode != 0:
+                rec["error"] = f"preparation {' '.join(prep[:3])} exit {p.returncode}: {p.stderr.strip()[-300:]}"
+                t.check_alive()
+                return rec
+        if cmds[:-1]:
+            rec["prepare"] = [" ".join(c) for c in cmds[:-1]]
+        if not imgs.drop_caches():
+            rec["error"] = "dropping caches needs root (cannot write /proc/sys/vm/drop_caches)"
+            return rec
+        cpu_a = t.cpu_parts()
+        t0 = time.monotonic_ns()
+        p = subprocess.run(cmds[-1], capture_output=True, text=True, timeout=META_TIMEOUT_S)
+        ns = time.monotonic_ns() - t0
+        cpu_b = t.cpu_parts()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        rec["error"] = f"{w.op}: {e}"
+        t.check_alive()
+        return rec
+    rec["elapsed_s"] = round(ns / 1e9, 3)
+    if p.returncode != 0:
+        rec["error"] = f"{w.op} exit {p.returncode}: {p.stderr.strip()[-300:]}"
+        t.check_alive()
+        return rec
+    try:
+        metrics = meta.parse_output(w, p.stdout, ns, entries)
+    except (ValueError, KeyError) as e:
+        rec["error"] = str(e)
+        return rec
     rec["metrics"] = metrics
     rec.update(_server_cpu(t, cpu_a, cpu_b, metrics["ios"]))
     rec["ok"] = True

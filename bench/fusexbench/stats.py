@@ -19,6 +19,8 @@ FIO_METRICS = (
     "server_cpu_us_per_io",
 )
 FILEACCESS_METRICS = ("time_ms", "read_calls", "mib_s", "us_per_call", "server_cpu_us_per_io")
+METADATA_METRICS = ("time_ms", "ops", "ops_s", "server_cpu_us_per_io")
+KIND_METRICS = {"fileaccess": FILEACCESS_METRICS, "metadata": METADATA_METRICS}
 
 
 def median(values: Iterable[float]) -> Optional[float]:
@@ -68,8 +70,8 @@ def metric(run: dict[str, Any], path: str) -> Optional[float]:
 
 
 def primary_metric(kind: str) -> str:
-    """The figure ratios compare (higher is better): IOPS, or MiB/s for fileaccess."""
-    return "mib_s" if kind == "fileaccess" else "iops"
+    """The figure ratios compare (higher is better): IOPS, MiB/s for fileaccess, operations/s for metadata."""
+    return {"fileaccess": "mib_s", "metadata": "ops_s"}.get(kind, "iops")
 
 
 def per_round_ratios(runs_a: dict[int, float], runs_b: dict[int, float]) -> list[float]:
@@ -89,7 +91,7 @@ def row_summary(runs: list[dict[str, Any]], targets: list[str], kind: str) -> di
     {"median", "spread_pct", "n"}}, "ok_rounds": n, "errors": [...]}}``.
     Ratios compare the primary metric of ``target`` to ``other`` per round.
     """
-    metrics = FILEACCESS_METRICS if kind == "fileaccess" else FIO_METRICS
+    metrics = KIND_METRICS.get(kind, FIO_METRICS)
     prim = primary_metric(kind)
     by_target: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
     for run in runs:

@@ -34,7 +34,9 @@ from typing import Any, Iterator, Optional
 from .fio import format_size
 from .images import Image
 
-KINDS = ("native", "fusex", "qsd", "nbdfuse", "passthrough_hp")
+KINDS = ("native", "fusex", "qsd", "nbdfuse", "passthrough_hp", "fusex-dir", "bindfs")
+DIR_FLAG = "--cache"  # the directory-export-only option: a fusex without it has no directory mode
+PTHP_NOPT_FLAG = "--nopassthrough"  # a passthrough_hp that lists it passes reads through by default
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MOUNT_TIMEOUT_S = 20.0
 NBD_FLAG = "--nbd-timeout"  # a fusex without it has no NBD client
@@ -128,6 +130,21 @@ def catalogue(ncpu: Optional[int] = None) -> dict[str, TargetSpec]:
                    options={"splice": True, "cache": False, "threads": "libfuse default"},
                    description="libfuse's passthrough_hp example over the image's directory: splice, "
                                "--nocache, default worker threads"),
+        # Directory exports (the dirfs and metadata matrices): the source directory mounted whole.
+        TargetSpec("fusex-dir", "fusex-dir", (), (DIR_FLAG,), {"dir": True},
+                   "fusex directory export, default options (passthrough auto, cache auto)"),
+        TargetSpec("fusex-dir-pt-on", "fusex-dir", ("--passthrough", "on"), (DIR_FLAG, "--passthrough"),
+                   {"dir": True, "passthrough": "on"}, "fusex directory export, passthrough on"),
+        TargetSpec("fusex-dir-pt-off", "fusex-dir", ("--passthrough", "off"), (DIR_FLAG, "--passthrough"),
+                   {"dir": True, "passthrough": "off"}, "fusex directory export, passthrough off"),
+        TargetSpec("passthrough_hp-dir", "passthrough_hp", (), options={"dir": True, "passthrough": "off"},
+                   description="libfuse's passthrough_hp over the source directory, its defaults (splice, "
+                               "cache), without passthrough (--nopassthrough where it has passthrough)"),
+        TargetSpec("passthrough_hp-dir-pt", "passthrough_hp", (), options={"dir": True, "passthrough": "on"},
+                   description="libfuse's passthrough_hp over the source directory, its defaults with "
+                               "passthrough (libfuse 3.17+)"),
+        TargetSpec("bindfs", "bindfs", ("--no-allow-other",), options={"dir": True},
+                   description="bindfs over the source directory, its defaults (single-threaded)"),
     ]
     return {s.name: s for s in specs}
 
@@ -173,6 +190,20 @@ class Tools:
     nbdkit: Optional[str] = None
     fusermount: Optional[str] = None
     passthrough_hp: Optional[str] = None
+    bindfs: Optional[str] = None
+    passthrough_hp_help: Optional[str] = None  # None: not asked yet
+
+    def pthp_has_passthrough(self) -> bool:
+        """True if this passthrough_hp passes reads through (lists --nopassthrough in --help)."""
+        if not self.passthrough_hp:
+            return False
+        if self.passthrough_hp_help is None:
+            try:
+                p = subprocess.run([self.passthrough_hp, "--help"], capture_output=True, text=True, timeout=10)
+                self.passthrough_hp_help = p.stdout + p.stderr
+            except (OSError, subprocess.TimeoutExpired):
+                self.passthrough_hp_help = ""
+        return PTHP_NOPT_FLAG in self.passthrough_hp_help
 
     @classmethod
     def discover(cls, fusex: Optional[str]) -> "Tools":
@@ -184,6 +215,7 @@ class Tools:
             nbdkit=shutil.which("nbdkit"),
             fusermount=shutil.which("fusermount3") or shutil.which("fusermount"),
             passthrough_hp=find_passthrough_hp(),
+            bindfs=shutil.which("bindfs"),
         )
         if t.fusex:
             t.fusex_help = fusex_help(t.fusex)
@@ -277,6 +309,8 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
         return f"{spec.name} runs on the NBD images only (nbd, nbd-delay)"
     if spec.kind == "native":
         return "native has no null image (nothing to compare against)" if image.kind == "null" else None
+    if spec.options.get("dir") or image.kind == "tree":
+        return _dir_unavailable(spec, image, tools)
     fmt = image_format(spec, image)
     if spec.kind == "fusex" and spec.options.get("binary"):
         b = spec.options["binary"]
@@ -315,6 +349,31 @@ def unavailable_reason(spec: TargetSpec, image: Image, tools: Tools) -> Optional
             return f"passthrough_hp exports files as they are (no {fmt})"
         return None if tools.passthrough_hp else passthrough_hp_missing()
     return f"unknown kind {spec.kind}"
+
+
+def _dir_unavailable(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
+    """Why ``spec`` cannot export ``image``'s directory (None if it can)."""
+    if not spec.options.get("dir"):
+        return f"{spec.name} exports an image, not a directory tree"
+    if image.kind not in ("tree", "disk", "shm"):
+        return f"directory exports need a source directory ({image.kind} has none)"
+    if spec.kind == "fusex-dir":
+        if not tools.fusex:
+            return "fusex binary not found (cargo build --release -p fusex, or --fusex PATH)"
+        missing = [r for r in spec.requires if r not in tools.fusex_flags()]
+        if missing:
+            return f"`fusex mount --help` has no {', '.join(missing)} (no directory exports)"
+        return None
+    if spec.kind == "bindfs":
+        return None if tools.bindfs else "bindfs not installed (Debian: bindfs; bench/setup.sh installs it)"
+    if spec.kind == "passthrough_hp":
+        if not tools.passthrough_hp:
+            return passthrough_hp_missing()
+        if spec.options.get("passthrough") == "on" and not tools.pthp_has_passthrough():
+            return (f"this passthrough_hp has no passthrough (no {PTHP_NOPT_FLAG} in its --help: libfuse "
+                    "before 3.17)")
+        return None
+    return f"{spec.kind} has no directory export"
 
 
 def _nbd_unavailable(spec: TargetSpec, image: Image, tools: Tools) -> Optional[str]:
@@ -635,11 +694,62 @@ def qemu_nbd_command(tools: Tools, spec: TargetSpec, image: Image, sock: str) ->
                    f"driver={image.format},file.driver=file,file.filename={image.path},file.locking=off"]
 
 
+def source_dir(image: Image) -> str:
+    """The directory a directory export mounts: the ``tree`` image itself, or the image file's directory."""
+    assert image.path
+    return os.path.abspath(image.path) if image.kind == "tree" else os.path.dirname(os.path.abspath(image.path))
+
+
 def passthrough_hp_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
     """``passthrough_hp --foreground ARGS IMAGE_DIR MNT``: libfuse's example exports a directory,
-    so it mounts the image's directory and fio opens ``MNT/<image file name>``."""
+    so it mounts the image's directory and fio opens ``MNT/<image file name>``.
+
+    A directory target without passthrough gets ``--nopassthrough`` where this passthrough_hp
+    has passthrough (libfuse 3.17+; before that it never passes through)."""
     assert tools.passthrough_hp and image.path
-    return [tools.passthrough_hp, "--foreground", *spec.args, os.path.dirname(os.path.abspath(image.path)), mnt]
+    args = list(spec.args)
+    if spec.options.get("passthrough") == "off" and tools.pthp_has_passthrough():
+        args.append(PTHP_NOPT_FLAG)
+    return [tools.passthrough_hp, "--foreground", *args, source_dir(image), mnt]
+
+
+def fusex_dir_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
+    """``fusex mount --writable ARGS SRC_DIR MNT`` (a directory export)."""
+    binary = spec.options.get("binary") or tools.fusex
+    assert binary
+    return [binary, "mount", "--writable", *spec.args, source_dir(image), mnt]
+
+
+def bindfs_command(tools: Tools, spec: TargetSpec, image: Image, mnt: str) -> list[str]:
+    """``bindfs -f ARGS SRC_DIR MNT`` (foreground, so the runner owns the daemon)."""
+    assert tools.bindfs
+    return [tools.bindfs, "-f", *spec.args, source_dir(image), mnt]
+
+
+DIR_COMMANDS = {"passthrough_hp": (passthrough_hp_command, "passthrough_hp.log"),
+                "fusex-dir": (fusex_dir_command, "fusex.log"),
+                "bindfs": (bindfs_command, "bindfs.log")}
+
+
+def start_dir_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> RunningTarget:
+    """Mount a directory export of ``image``'s source directory on ``workdir``/export.d.
+
+    The target's path is the mount point itself (``tree``) or the image file below it."""
+    cmd_of, logname = DIR_COMMANDS[spec.kind]
+    mnt = os.path.join(workdir, "export.d")
+    os.makedirs(mnt, exist_ok=True)
+    path = mnt if image.kind == "tree" else os.path.join(mnt, os.path.basename(image.path or ""))
+    t = RunningTarget(spec, image, path, workdir, mountpoint=mnt, fusermount=tools.fusermount,
+                      unmount_first=True)
+    t.config = {"exports": source_dir(image), "writable": True, "args": list(spec.args)}
+    if spec.kind == "passthrough_hp":
+        t.config["passthrough"] = tools.pthp_has_passthrough() and spec.options.get("passthrough") != "off"
+    try:
+        _launch(t, cmd_of(tools, spec, image, mnt), logname)
+    except BaseException:
+        t.stop()
+        raise
+    return t
 
 
 def start_passthrough_hp(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> RunningTarget:
@@ -672,6 +782,8 @@ def start_target(spec: TargetSpec, image: Image, workdir: str, tools: Tools) -> 
         assert image.path
         return RunningTarget(spec, image, image.path, workdir,
                              config={"what": "fio opens the image file directly"})
+    if spec.options.get("dir"):
+        return start_dir_target(spec, image, workdir, tools)
     if spec.kind == "passthrough_hp":
         return start_passthrough_hp(spec, image, workdir, tools)
     mnt = os.path.join(workdir, "export")

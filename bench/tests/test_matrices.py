@@ -18,8 +18,8 @@ class MatrixShapeTest(unittest.TestCase):
     def test_all_named(self):
         self.assertEqual(set(matrices.MATRICES),
                          {"quick", "coroutines", "multiqueue", "uring", "zerocopy", "passthrough",
-                          "passthrough-fio", "qcow2", "formats", "nbd", "side-by-side"})
-        self.assertEqual(len(matrices.resolve("all")), 11)
+                          "passthrough-fio", "qcow2", "formats", "nbd", "side-by-side", "dirfs", "metadata"})
+        self.assertEqual(len(matrices.resolve("all")), 13)
         with self.assertRaises(KeyError):
             matrices.get("nope")
 
