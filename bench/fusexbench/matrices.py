@@ -518,8 +518,8 @@ def metadata() -> Matrix:
                "(untimed, through the target) before the next round's untar.",
                "The source tree is synthetic and deterministic (no real source tree is fetched): "
                "`bench/.build/srctree-N-v1.tar`, N files in nested directories of 5-40 files, sizes "
-               "log-uniform from 64 B to 64 KiB, text contents, committed as one git repository "
-               "(`src/.git`, included in the tarball and in the counts).",
+               "log-uniform from 64 B to 32 KiB, text contents, committed as one git repository "
+               "(`src/.git`, objects in one pack, included in the tarball and in the counts).",
                "Figures: operations per second (files, or tarball entries for untar/du/git-status, or lines "
                "for find) and the time of the whole operation.",
                "Goals (issue #27), medians of per-round ratios: fusex (defaults) >= 2 x bindfs and >= 1.3 x "

@@ -85,8 +85,8 @@ def synthetic_tree(root: str, files: int, seed: int = 27) -> int:
     """Write a deterministic source-like tree of ``files`` files below ``root``; returns the count.
 
     Directories nest up to four deep with 5 to 40 files each; sizes follow a
-    log-uniform law from 64 B to 64 KiB (median about 2 KiB, like a C source
-    tree); contents are text lines from a fixed generator, so the same
+    log-uniform law from 64 B to 32 KiB (median about 1.4 KiB, mean
+    about 4.7 KiB, like a C source tree); contents are text lines from a fixed generator, so the same
     ``files`` and ``seed`` give the same bytes everywhere.
     """
     rng = random.Random(seed)
@@ -103,7 +103,7 @@ def synthetic_tree(root: str, files: int, seed: int = 27) -> int:
             os.makedirs(d, exist_ok=True)
             dirs.append(d)
         for _ in range(min(rng.randint(5, 40), files - done)):
-            size = int(2 ** rng.uniform(6, 16))
+            size = int(2 ** rng.uniform(6, 15))
             line = " ".join(rng.choice(words) for _ in range(8)) + ";\n"
             text = (line * (size // len(line) + 1))[:size]
             ext = rng.choice((".c", ".h", ".rs", ".py", ".md", ".txt"))
@@ -115,7 +115,8 @@ def synthetic_tree(root: str, files: int, seed: int = 27) -> int:
 
 def build_tarball(files: int) -> str:
     """``bench/.build/srctree-N-vV.tar``: the synthetic tree of ``files`` files as ``src/``,
-    committed into a git repository (``src/.git``), archived with fixed owners and times.
+    committed into a git repository (``src/.git``, objects in one pack), archived with fixed
+    owners and times.
 
     Built once per size (a few seconds to a minute); the same on every machine.
     """
@@ -130,7 +131,9 @@ def build_tarball(files: int) -> str:
     env = {**os.environ, "GIT_AUTHOR_NAME": "fusexbench", "GIT_AUTHOR_EMAIL": "bench@fusex",
            "GIT_COMMITTER_NAME": "fusexbench", "GIT_COMMITTER_EMAIL": "bench@fusex",
            "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
-    for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "synthetic tree"]):
+    # One pack, as in a cloned repository (single-threaded: the same pack everywhere).
+    for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "synthetic tree"],
+                ["-c", "pack.threads=1", "repack", "-adq"], ["prune-packed"]):
         subprocess.run(GIT + ["-C", src, *cmd], check=True, env=env, stdout=subprocess.DEVNULL)
 
     def norm(ti: tarfile.TarInfo) -> tarfile.TarInfo:

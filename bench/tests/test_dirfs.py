@@ -179,7 +179,7 @@ class MetadataOpsTest(unittest.TestCase):
             self.assertEqual(sa, sb)
             sizes = sorted(len(c) for _, c in sa)
             self.assertGreaterEqual(sizes[0], 64)
-            self.assertLess(sizes[-1], 65536)
+            self.assertLess(sizes[-1], 32768)
             self.assertTrue(any("/" in p for p, _ in sa))  # nested directories
 
     def test_tree_image(self):
