@@ -208,7 +208,7 @@ def bytes_needed(kinds: list[str], sizes: list[int], copies: int) -> int:
     conversion source; the other shm kinds one file each."""
     total = 0
     for kind in kinds:
-        if image_dir(kind, "", "") is None or kind == "disk":
+        if image_dir(kind, "", "") is None or kind in ("disk", "tree"):
             continue
         per = copies + 1 if kind in PER_TARGET_KINDS else 1
         total += per * sum(sizes)
