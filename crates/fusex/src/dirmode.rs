@@ -640,3 +640,58 @@ fn nofile_limit() -> usize {
     };
     usize::try_from(cur).unwrap_or(1 << 20).min(1 << 20)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The options of `fusex mount SRC MNT WORDS...`.
+    fn args(words: &[&str]) -> MountArgs {
+        let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+        crate::service::options::mount_args("/src", std::path::Path::new("/m"), &words)
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn image_options_are_refused_in_one_line_naming_them() {
+        for opt in [
+            "--growable",
+            "--format=qcow2",
+            "--partition=1",
+            "--no-backing",
+            "--trust-backing",
+            "--no-locking",
+            "--direct",
+            "--writethrough",
+            "--force-share",
+            "--max-size=1G",
+            "--fault=read:1:eio",
+        ] {
+            let e = check_args(&args(&[opt])).unwrap_err().to_string();
+            let name = opt.split('=').next().unwrap();
+            assert_eq!(
+                e,
+                format!("{name} is for image exports; /src is a directory: drop {name}")
+            );
+        }
+        // What a directory export takes passes.
+        check_args(&args(&[
+            "--writable",
+            "--allow-other",
+            "--queues=2",
+            "--transport=legacy",
+            "--passthrough=off",
+            "--cache=never",
+            "--format=auto",
+        ]))
+        .unwrap();
+    }
+
+    #[test]
+    fn the_restart_refusal_is_one_line_naming_the_mount() {
+        let why = handover_refusal(std::path::Path::new("/srv/m"));
+        assert!(why.starts_with("/srv/m is a directory export"), "{why}");
+        assert!(!why.contains('\n') && !why.contains("  "), "{why}");
+    }
+}
