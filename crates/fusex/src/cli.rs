@@ -712,7 +712,7 @@ pub struct ServeArgs {
     ///
     /// One [[export]] table per export: id, image and mountpoint, and any fusex mount option by
     /// its name (writable = true, transport = "legacy"). Relative paths are from the file's
-    /// directory.
+    /// directory. An image that is a directory is served as a directory tree.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A block node, as qemu-storage-daemon takes it (repeatable)
@@ -727,7 +727,8 @@ pub struct ServeArgs {
     /// The arguments of QMP's block-export-add, comma-separated: type=fuse, id=ID,
     /// node-name=NODE, mountpoint=PATH, and optionally writable=on, growable=on,
     /// writethrough=on, allow-other=on|off|auto. Any fusex mount option goes as
-    /// __org.fusex_OPTION=VALUE, e.g. __org.fusex_transport=legacy.
+    /// __org.fusex_OPTION=VALUE, e.g. __org.fusex_transport=legacy. A directory tree:
+    /// type=__org.fusex_dir with source=DIR instead of node-name.
     #[arg(long, value_name = "OPTIONS")]
     pub export: Vec<String>,
     /// A character device for --monitor: socket,id=ID,path=PATH,server=on,wait=off (repeatable)

@@ -27,8 +27,9 @@ pub fn is_directory(image: &str) -> bool {
     std::fs::metadata(image).is_ok_and(|m| m.is_dir())
 }
 
-/// Refuses the image options that mean nothing for a directory.
-fn check_args(args: &MountArgs) -> Result<()> {
+/// Refuses the image options that mean nothing for a directory, in one line naming the
+/// option (`fusex mount` and `fusex serve`'s directory exports alike).
+pub fn check_args(args: &MountArgs) -> Result<()> {
     let refuse = |opt: &str| -> Result<()> {
         bail!(
             "{opt} is for image exports; {} is a directory: drop {opt}",
@@ -37,6 +38,27 @@ fn check_args(args: &MountArgs) -> Result<()> {
     };
     if args.growable {
         refuse("--growable")?;
+    }
+    if args.format != crate::cli::FormatArg::Auto {
+        refuse("--format")?;
+    }
+    if args.partition.is_some() {
+        refuse("--partition")?;
+    }
+    if args.no_backing {
+        refuse("--no-backing")?;
+    }
+    if args.trust_backing {
+        refuse("--trust-backing")?;
+    }
+    if args.no_locking {
+        refuse("--no-locking")?;
+    }
+    if args.direct {
+        refuse("--direct")?;
+    }
+    if args.writethrough {
+        refuse("--writethrough")?;
     }
     if args.max_size.is_some() {
         refuse("--max-size")?;
@@ -56,6 +78,83 @@ fn check_args(args: &MountArgs) -> Result<()> {
     Ok(())
 }
 
+/// Why `fusex restart` refuses a directory export (in one line).
+pub fn handover_refusal(mountpoint: &std::path::Path) -> String {
+    format!(
+        "{} is a directory export, which cannot be handed to a new process: the node ids the \
+         kernel holds name descriptors only this daemon has (docs/dirfs.md): stop and mount it \
+         again",
+        mountpoint.display()
+    )
+}
+
+/// Publishes a serving `fusex mount` directory export in the runtime directory, as an image
+/// export is published: its state file, which `fusex list` shows, and its restart socket, whose
+/// listening tells `fusex list` the export is live; a `fusex restart` on it is refused (see
+/// [`handover_refusal`]) by a thread that answers each one. None (logged) when the runtime
+/// directory cannot be used: the export serves regardless, listed as a mount only.
+fn publish(
+    args: &MountArgs,
+    mnt: &Mount,
+    uring: bool,
+    queues: usize,
+) -> Option<(crate::runtime::Entry, crate::runtime::ExportState)> {
+    let handover = mnt.handover()?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let entry = match crate::runtime::checked(euid, true) {
+        Ok(dir) => crate::runtime::Entry::new(dir, handover.identity),
+        Err(e) => {
+            tracing::warn!("fusex list will not show the export: {e}");
+            return None;
+        }
+    };
+    let listener = match crate::restart::listen(&entry.socket()) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(
+                "fusex list will not show the export: cannot bind {}: {e}",
+                entry.socket().display()
+            );
+            return None;
+        }
+    };
+    let why = handover_refusal(&handover.mountpoint);
+    let spawned = std::thread::Builder::new()
+        .name("fusex-restart".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                // A peer that stops talking holds this thread at most greet's timeout.
+                match crate::restart::greet(&stream, euid, "this export") {
+                    Ok(pid) => {
+                        let _ = crate::restart::refuse(&stream, &why);
+                        tracing::info!("restart: refused process {pid}: {why}");
+                    }
+                    Err(e) => tracing::info!("restart: not handed over: {e:#}"),
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("fusex list will not show the export: {e}");
+        return None;
+    }
+    let state = crate::runtime::ExportState {
+        pid: std::process::id(),
+        mountpoint: handover.mountpoint.to_string_lossy().into_owned(),
+        image: std::fs::canonicalize(&args.image)
+            .map_or_else(|_| args.image.clone(), |p| p.to_string_lossy().into_owned()),
+        format: "directory".into(),
+        transport: if uring { "io_uring" } else { "legacy" }.into(),
+        queues,
+        writable: args.writable,
+        state: "serving".into(),
+        socket: None,
+    };
+    entry.write_state(&state);
+    Some((entry, state))
+}
+
 enum Msg {
     Queue(QueueEvent),
     Signal(i32),
@@ -69,8 +168,8 @@ pub fn mount(
     mut signals: signal_hook::iterator::Signals,
     pid_file: Option<&crate::files::PidFile>,
 ) -> Result<()> {
-    let r = prepare(&args);
-    let (fs, mut mnt, plan, uring, threads, max_write) = match r {
+    let r = prepare(&args, true);
+    let (fs, mut mnt, plan, uring, threads, max_write, _) = match r {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
@@ -186,7 +285,14 @@ pub fn mount(
     let mut deadline: Option<Instant> = None;
     let mut aborted = false;
     let mut total = export::Snapshot::default();
+    let mut published: Option<(crate::runtime::Entry, crate::runtime::ExportState)> = None;
     while running > 0 {
+        if let Some((entry, state)) = published.as_mut().filter(|_| deadline.is_some()) {
+            if state.state == "serving" {
+                state.state = "stopping".into();
+                entry.write_state(state);
+            }
+        }
         let msg = match deadline {
             Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
                 Ok(m) => Some(m),
@@ -203,6 +309,9 @@ pub fn mount(
                     match privileges.apply() {
                         Ok(()) => {
                             announced = true;
+                            // The thread answering `fusex restart` starts with the privileges
+                            // every thread keeps now.
+                            published = publish(&args, &mnt, uring, nq);
                             if let Some(kept) = privileges.kept() {
                                 tracing::info!("privileges: every thread keeps {kept}");
                             }
@@ -265,6 +374,8 @@ pub fn mount(
             .unwrap_or_else(|| "the queues ended before serving".into())));
     }
     handle.close();
+    // Its files in the runtime directory go as it stops serving.
+    drop(published);
     if let Some(p) = pid_file {
         p.stop_serving();
     }
@@ -315,15 +426,53 @@ fn stop_queues(stop: &AtomicBool, remotes: &[(engine::Remote, engine::TaskId)]) 
     }
 }
 
-type Prepared = (Arc<DirFs>, Mount, memory::Plan, bool, usize, usize);
+type Prepared = (
+    Arc<DirFs>,
+    Mount,
+    memory::Plan,
+    bool,
+    usize,
+    usize,
+    transport::Negotiated,
+);
 
-/// Opens the source, mounts and negotiates INIT.
-fn prepare(args: &MountArgs) -> Result<Prepared> {
+/// A directory export of `fusex serve` (an export whose image is a directory): opened, mounted
+/// and negotiated as `fusex mount SRC_DIR` does, then supervised like any export of the daemon.
+/// The process's umask is left alone (the daemon creates other files): every entry made through
+/// the export gets the mode the kernel sent after its creation anyway (`DirFs`'s adopt step).
+pub fn setup(args: &MountArgs, argv: Vec<String>) -> Result<crate::lifecycle::Prepared> {
+    let (fs, mnt, plan, _uring, queues, _max_write, negotiated) = prepare(args, false)?;
+    let mut settled =
+        crate::lifecycle::Settled::adopted(negotiated, argv, plan, queues, None, None);
+    settled.announce = Some(format!(
+        "mounted directory {} at {} ({})",
+        args.image,
+        mnt.mountpoint().display(),
+        if args.writable {
+            "writable"
+        } else {
+            "read-only"
+        }
+    ));
+    Ok(crate::lifecycle::Prepared {
+        args: args.clone(),
+        export: crate::lifecycle::Fs::Dir(fs),
+        mnt,
+        settled,
+        stats: Default::default(),
+    })
+}
+
+/// Opens the source, mounts and negotiates INIT. `whole_process`: `fusex mount`, whose umask
+/// may be set for the export.
+fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
     check_args(args)?;
-    // Entries are created with exactly the mode the kernel sends (the caller's umask applied):
-    // the daemon's own umask must cut nothing.
-    // SAFETY: umask cannot fail.
-    unsafe { libc::umask(0) };
+    if whole_process {
+        // Entries are created with exactly the mode the kernel sends (the caller's umask
+        // applied): the daemon's own umask must cut nothing.
+        // SAFETY: umask cannot fail.
+        unsafe { libc::umask(0) };
+    }
     raise_nofile_limit();
     let fds = nofile_limit();
     let cache = args.cache.unwrap_or(CacheArg::Auto);
@@ -440,7 +589,8 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     } else {
         threads
     };
-    Ok((fs, mnt, plan, uring, queues, neg.max_write as usize))
+    let max_write = neg.max_write as usize;
+    Ok((fs, mnt, plan, uring, queues, max_write, neg))
 }
 
 /// Every node the kernel holds is an open descriptor: raise the limit as far as allowed (with
@@ -489,4 +639,59 @@ fn nofile_limit() -> usize {
         1024
     };
     usize::try_from(cur).unwrap_or(1 << 20).min(1 << 20)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The options of `fusex mount SRC MNT WORDS...`.
+    fn args(words: &[&str]) -> MountArgs {
+        let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+        crate::service::options::mount_args("/src", std::path::Path::new("/m"), &words)
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn image_options_are_refused_in_one_line_naming_them() {
+        for opt in [
+            "--growable",
+            "--format=qcow2",
+            "--partition=1",
+            "--no-backing",
+            "--trust-backing",
+            "--no-locking",
+            "--direct",
+            "--writethrough",
+            "--force-share",
+            "--max-size=1G",
+            "--fault=read:1:eio",
+        ] {
+            let e = check_args(&args(&[opt])).unwrap_err().to_string();
+            let name = opt.split('=').next().unwrap();
+            assert_eq!(
+                e,
+                format!("{name} is for image exports; /src is a directory: drop {name}")
+            );
+        }
+        // What a directory export takes passes.
+        check_args(&args(&[
+            "--writable",
+            "--allow-other",
+            "--queues=2",
+            "--transport=legacy",
+            "--passthrough=off",
+            "--cache=never",
+            "--format=auto",
+        ]))
+        .unwrap();
+    }
+
+    #[test]
+    fn the_restart_refusal_is_one_line_naming_the_mount() {
+        let why = handover_refusal(std::path::Path::new("/srv/m"));
+        assert!(why.starts_with("/srv/m is a directory export"), "{why}");
+        assert!(!why.contains('\n') && !why.contains("  "), "{why}");
+    }
 }

@@ -31,6 +31,43 @@ use crate::privileges::{Access, Needs, Plan};
 /// pass-through).
 pub type Served = Faulty<AnyBackend>;
 
+/// What an export serves: an image, or a directory tree (`fusex mount SRC_DIR`, or a
+/// directory export of `fusex serve`). The queues are generic over [`export::Filesystem`];
+/// the supervisor reaches what differs (the image's size, its flush) through this.
+#[derive(Clone)]
+pub enum Fs {
+    /// An image file (or NBD server, or `null:`).
+    Image(Arc<Export<Served>>),
+    /// A directory tree ([`dirfs::DirFs`]).
+    Dir(Arc<dirfs::DirFs>),
+}
+
+impl Fs {
+    /// The image export, None for a directory.
+    pub fn image(&self) -> Option<&Arc<Export<Served>>> {
+        match self {
+            Fs::Image(e) => Some(e),
+            Fs::Dir(_) => None,
+        }
+    }
+
+    /// Files open through the export now.
+    pub fn open_files(&self) -> u64 {
+        match self {
+            Fs::Image(e) => e.open_files(),
+            Fs::Dir(d) => d.open_files(),
+        }
+    }
+
+    /// Whether it accepts changes.
+    pub fn writable(&self) -> bool {
+        match self {
+            Fs::Image(e) => e.config().writable,
+            Fs::Dir(d) => d.config().writable,
+        }
+    }
+}
+
 /// An image several exports share, opened by the first of them: `fusex serve` exports
 /// partitions of one image from one opened image (a qcow2 image opened twice for writing would
 /// be two allocators over one file). Called with the image and how the export would open it.
@@ -245,7 +282,9 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
     let Some(handover) = mnt.handover() else {
         return Ok(None);
     };
-    let refusal = if neg.uring() {
+    let refusal = if let Fs::Dir(_) = export {
+        Some(crate::dirmode::handover_refusal(&handover.mountpoint))
+    } else if neg.uring() {
         Some(format!(
             "{} is served over the io_uring transport, whose requests cannot be handed to a new \
              process without failing some (docs/design.md, Restart): stop and mount it again, or \
@@ -253,12 +292,15 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
             handover.mountpoint.display()
         ))
     } else {
-        export.backend().capabilities().no_handover.map(|why| {
-            format!(
-                "{} cannot be handed over ({why}): stop and mount it again",
-                handover.mountpoint.display()
-            )
-        })
+        export
+            .image()
+            .and_then(|e| e.backend().capabilities().no_handover)
+            .map(|why| {
+                format!(
+                    "{} cannot be handed over ({why}): stop and mount it again",
+                    handover.mountpoint.display()
+                )
+            })
     };
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
     let watcher = neg.watcher.as_ref().map(|w| w.dup()).transpose()?;
@@ -292,7 +334,8 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
 pub struct Prepared {
     /// Its options (`fusex mount`'s command line, or what `fusex serve` made of a request).
     pub args: MountArgs,
-    pub export: Arc<Export<Served>>,
+    /// What it serves.
+    pub export: Fs,
     pub mnt: Mount,
     pub settled: Settled,
     /// Its queues' statistics, which the supervisor keeps and anyone may read.
@@ -311,12 +354,10 @@ impl Prepared {
                 |_| self.args.image.clone(),
                 |p| p.to_string_lossy().into_owned(),
             ),
-            format: self
-                .export
-                .backend()
-                .inner()
-                .format_description(false)
-                .into(),
+            format: match &self.export {
+                Fs::Image(e) => e.backend().inner().format_description(false).into(),
+                Fs::Dir(_) => "directory".into(),
+            },
             transport: if self.settled.uring() {
                 "io_uring"
             } else {
@@ -333,6 +374,9 @@ impl Prepared {
 
 /// Opens the image, mounts it and negotiates INIT: the export is mounted but not yet served.
 pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepared> {
+    if crate::dirmode::is_directory(&args.image) {
+        return crate::dirmode::setup(args, argv);
+    }
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");
     }
@@ -511,7 +555,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
     };
     Ok(Prepared {
         args: args.clone(),
-        export,
+        export: Fs::Image(export),
         mnt,
         settled,
         stats: Default::default(),
@@ -697,7 +741,7 @@ fn max_size(args: &MountArgs, backend: &AnyBackend) -> Result<u64> {
 
 /// What the rest of the daemon's life needs privileges for (see [`crate::privileges`]): the
 /// paths its exit path acts on, and whether SETATTR sets times on an image another user owns.
-pub fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Needs {
+pub fn exit_needs(args: &MountArgs, export: &Fs, mnt: &Mount) -> Needs {
     let mut paths = Vec::new();
     let mountpoint_dir = Needs::parent(mnt.mountpoint());
     if mnt.created_mountpoint() {
@@ -715,13 +759,12 @@ pub fn exit_needs(args: &MountArgs, export: &Export<Served>, mnt: &Mount) -> Nee
             paths.push((p.clone(), Access::Write));
         }
     }
-    let foreign_image_owner = if export.config().writable {
-        export.backend().inner().owner().filter(|&uid| {
+    let foreign_image_owner = match export.image().filter(|e| e.config().writable) {
+        Some(export) => export.backend().inner().owner().filter(|&uid| {
             // SAFETY: geteuid has no preconditions.
             uid != unsafe { libc::geteuid() }
-        })
-    } else {
-        None
+        }),
+        None => None,
     };
     Needs {
         paths,
@@ -839,20 +882,20 @@ fn start_queues(
             depth: neg.plan.depth,
             max_write: neg.negotiated.max_write as usize,
             multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
-            fixed_files: (args.fixed_files == crate::cli::OnOff::On)
-                .then(|| export.backend().inner().io_fds()),
+            fixed_files: export
+                .image()
+                .filter(|_| args.fixed_files == crate::cli::OnOff::On)
+                .map(|e| e.backend().inner().io_fds()),
             splice_min: args.splice_min as usize,
             latency: args.latency == OnOff::On,
             stats: p.stats.clone(),
             fallback_slots: memory::URING_LEGACY_SLOTS,
             before_serving: Box::new(move || privileges.apply()),
         };
-        jobs.push(server::queue::job(
-            spec,
-            export.clone(),
-            stop.clone(),
-            report.clone(),
-        ));
+        jobs.push(match export {
+            Fs::Image(e) => server::queue::job(spec, e.clone(), stop.clone(), report.clone()),
+            Fs::Dir(d) => server::queue::job(spec, d.clone(), stop.clone(), report.clone()),
+        });
     }
     let placement = crate::workers::place(args, jobs, slots, neg.uring(), shared)?;
     Ok(Queues(placement))
@@ -946,7 +989,7 @@ impl Supervisor {
             Some(fd) => Some(clone_fd(fd.as_raw_fd())?),
             None => None,
         };
-        let known_size = p.export.backend().size();
+        let known_size = p.export.image().map_or(0, |e| e.backend().size());
         let queues = start_queues(p, &stop, privileges, report, shared)?;
         Ok(Supervisor {
             privileges,
@@ -1041,9 +1084,14 @@ impl Supervisor {
             self.closed(p);
             return;
         }
-        follow_image_size(&p.export, self.notify_fd.as_ref(), &mut self.known_size);
+        let Some(export) = p.export.image() else {
+            // A directory has no size to follow and no connection to lose.
+            self.settle(p, owner);
+            return;
+        };
+        follow_image_size(export, self.notify_fd.as_ref(), &mut self.known_size);
         // Said when it starts and when it ends, not at each new reason between.
-        let now = p.export.backend().trouble();
+        let now = export.backend().trouble();
         if now.is_some() != self.trouble.is_some() {
             owner.trouble(now.as_deref());
         }
@@ -1527,7 +1575,7 @@ fn dump_live(args: &MountArgs, stats: &server::ExportStats, dump: u64, uring: bo
 /// that nothing new can open it while the files open on it are served until they are closed (the
 /// kernel ends the connection after the last one, and the queues with it). Returns when the grace
 /// period ends.
-fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> Instant {
+fn detach(name: &str, export: &Fs, mnt: &mut Mount, grace: u32) -> Instant {
     if let Err(e) = mnt.unmount() {
         tracing::warn!("{name}: cannot detach the export: {e}");
     }
@@ -1547,7 +1595,7 @@ fn detach(name: &str, export: &Export<Served>, mnt: &mut Mount, grace: u32) -> I
 }
 
 /// Says what aborting the export means for the applications that still hold it open.
-fn log_abort(why: &str, export: &Export<Served>) {
+fn log_abort(why: &str, export: &Fs) {
     let n = export.open_files();
     if n == 0 {
         // Nothing open, yet the connection did not end: the export is mounted elsewhere too (a
@@ -1570,7 +1618,7 @@ fn log_abort(why: &str, export: &Export<Served>) {
 
 /// Ends the export once every queue answered what it had taken: flush, then abort the
 /// connection and unmount (which also ends io_uring queues, whose entries then complete).
-fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut Mount) {
+fn finish(flushed: &mut Option<Result<bool>>, export: &Fs, mnt: &mut Mount) {
     if flushed.is_none() {
         *flushed = Some(final_flush(export));
         if let Err(e) = mnt.abort() {
@@ -1579,11 +1627,14 @@ fn finish(flushed: &mut Option<Result<bool>>, export: &Export<Served>, mnt: &mut
     }
 }
 
-/// Flushes a writable export's image once every queue has ended; says whether it flushed.
-fn final_flush(export: &Export<Served>) -> Result<bool> {
-    if !export.config().writable {
+/// Flushes a writable export's image once every queue has ended; says whether it flushed. A
+/// directory export has nothing of its own to flush: every write reached the source files
+/// before it was answered, and FSYNC requests synced them (syncing the source's whole
+/// filesystem would hold every other export of `fusex serve` back meanwhile).
+fn final_flush(export: &Fs) -> Result<bool> {
+    let Some(export) = export.image().filter(|e| e.config().writable) else {
         return Ok(false);
-    }
+    };
     if export.backend().capabilities().flushes_on_close {
         // Each queue's connection flushes what it wrote as it closes (a new connection might
         // not even be accepted while they are open, and without multi-conn would not cover them).

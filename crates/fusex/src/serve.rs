@@ -643,7 +643,7 @@ impl Adoption {
         let settled = Settled::adopted(negotiated, state.argv, plan, queues, backing, watcher);
         Ok(Prepared {
             args,
-            export,
+            export: lifecycle::Fs::Image(export),
             mnt,
             settled,
             stats: Default::default(),

@@ -71,8 +71,8 @@ impl ExportMetrics {
 pub struct Meter {
     /// The queues' counters.
     pub stats: std::sync::Arc<server::ExportStats>,
-    /// The export (for its backend's statistics).
-    pub export: std::sync::Arc<export::Export<crate::lifecycle::Served>>,
+    /// The export (for its backend's statistics; a directory has none).
+    pub export: crate::lifecycle::Fs,
 }
 
 impl Meter {
@@ -93,7 +93,11 @@ impl Meter {
             mountpoint: mountpoint.to_string(),
             uptime: self.stats.since().elapsed(),
             queues: self.stats.queues(),
-            backend: self.export.backend().stats(),
+            backend: self
+                .export
+                .image()
+                .map(|e| e.backend().stats())
+                .unwrap_or_default(),
         }
     }
 }

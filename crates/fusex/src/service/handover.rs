@@ -194,7 +194,7 @@ impl Service {
             }
             t.exports.insert(
                 id.to_string(),
-                Entry::starting(serial, node_name.to_string(), config),
+                Entry::starting(serial, node_name.to_string(), None, config),
             );
         }
         match self.supervise(id, serial, prepared) {

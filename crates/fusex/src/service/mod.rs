@@ -41,6 +41,12 @@ pub const EXPORT_FAILING_EVENT: &str = "__org.fusex_BLOCK_EXPORT_FAILING";
 /// The event fusex sends when such an export reaches its image again.
 pub const EXPORT_RECOVERED_EVENT: &str = "__org.fusex_BLOCK_EXPORT_RECOVERED";
 
+/// fusex's own export type for a directory tree (QMP's `__RFQDN_name` convention for a
+/// downstream's names, as the `__org.fusex_partition` driver): `block-export-add` with this
+/// `type`, `source` (the directory) instead of `node-name`, and the `fuse` type's members that
+/// mean something for a directory (`mountpoint`, `writable`, `allow-other`, fusex's own).
+pub const DIR_EXPORT_TYPE: &str = "__org.fusex_dir";
+
 /// What the daemon's main thread is asked to do.
 #[derive(Debug)]
 pub enum Control {
@@ -65,7 +71,10 @@ pub enum Control {
 struct Entry {
     /// Tells this entry from an earlier export of the same id.
     serial: u64,
+    /// Its block node (empty for a directory export, which has none).
     node: String,
+    /// A directory export's source directory.
+    source: Option<String>,
     /// The supervisor's events (None while the export starts).
     tx: Option<ExportTx>,
     shutting_down: bool,
@@ -82,10 +91,11 @@ struct Entry {
 
 impl Entry {
     /// An export being mounted: its id is taken, it serves nothing yet.
-    fn starting(serial: u64, node: String, config: Option<Value>) -> Entry {
+    fn starting(serial: u64, node: String, source: Option<String>, config: Option<Value>) -> Entry {
         Entry {
             serial,
             node,
+            source,
             tx: None,
             shutting_down: false,
             state: crate::runtime::ExportState {
@@ -426,6 +436,9 @@ impl Service {
             let name = &k[options::EXTENSION.len()..];
             words.extend(options::words(name, &v, &k).map_err(QmpError::generic)?);
         }
+        if map.get("type").and_then(Value::as_str) == Some(DIR_EXPORT_TYPE) {
+            return self.plan_dir_export(map, words);
+        }
         let a: ExportArgs = parse_export(map)?;
         let t = self.table();
         if t.quitting {
@@ -522,6 +535,80 @@ impl Service {
         })
     }
 
+    /// A `block-export-add` of [`DIR_EXPORT_TYPE`]: the `fusex mount SRC_DIR MOUNTPOINT`
+    /// options it stands for, checked as `fusex mount` checks them (image-only options are
+    /// refused in one line).
+    fn plan_dir_export(
+        &self,
+        map: Map<String, Value>,
+        mut words: Vec<String>,
+    ) -> Result<Planned, QmpError> {
+        let a: DirExportArgs = parse_args(Value::Object(map))?;
+        let refuse = |member: &str| {
+            QmpError::generic(format!(
+                "{member} is for image exports; {} is a directory: drop {member}",
+                a.source
+            ))
+        };
+        if a.node_name.is_some() {
+            return Err(QmpError::generic(format!(
+                "a {DIR_EXPORT_TYPE} export has no block node: give source=DIR, not node-name"
+            )));
+        }
+        if a.growable.is_some() {
+            return Err(refuse("growable"));
+        }
+        if a.writethrough.is_some() {
+            return Err(refuse("writethrough"));
+        }
+        if a.iothread.is_some() {
+            return Err(QmpError::generic(
+                "fusex does not support 'iothread': exports run on worker threads shared per CPU; leave it out",
+            ));
+        }
+        if !crate::dirmode::is_directory(&a.source) {
+            return Err(QmpError::generic(format!(
+                "source '{}' is not a directory: a {DIR_EXPORT_TYPE} export serves a directory \
+                 tree (export an image through a block node, type fuse)",
+                a.source
+            )));
+        }
+        {
+            let t = self.table();
+            if t.quitting {
+                return Err(QmpError::generic("fusex is shutting down"));
+            }
+            if t.exports.contains_key(&a.id) {
+                return Err(id_in_use(&a.id));
+            }
+        }
+        let mountpoint = PathBuf::from(&a.mountpoint);
+        if let Err(e) = std::fs::metadata(&mountpoint) {
+            return Err(QmpError::generic(format!(
+                "Failed to stat '{}': {}",
+                a.mountpoint,
+                strerror(&e)
+            )));
+        }
+        let mut all = Vec::new();
+        if a.writable.unwrap_or(false) {
+            all.push("--writable".to_string());
+        }
+        if allow_other(a.allow_other) {
+            all.push("--allow-other".to_string());
+        }
+        all.append(&mut words);
+        let (margs, argv) =
+            options::mount_args(&a.source, &mountpoint, &all).map_err(QmpError::generic)?;
+        crate::dirmode::check_args(&margs).map_err(|e| QmpError::generic(format!("{e:#}")))?;
+        Ok(Planned {
+            id: a.id,
+            node: String::new(),
+            args: margs,
+            argv,
+        })
+    }
+
     /// Checks `block-export-add` requests given together (the command line) against the table
     /// and each other, so that none is mounted when one is wrong.
     pub fn check_exports(&self, requests: &[Value]) -> Result<(), (usize, QmpError)> {
@@ -572,6 +659,13 @@ impl Service {
         let mountpoint = PathBuf::from(&a.mountpoint);
         let (margs, argv) =
             options::mount_args(&a.image, &mountpoint, &words).map_err(QmpError::generic)?;
+        if crate::dirmode::is_directory(&a.image) {
+            // A directory export: no block node stands for it.
+            crate::dirmode::check_args(&margs).map_err(|e| QmpError::generic(format!("{e:#}")))?;
+            return self
+                .launch(a.id, String::new(), config, margs, argv)
+                .map(|()| json!({}));
+        }
         let node = own_node(&a.id);
         {
             let mut t = self.table();
@@ -612,8 +706,10 @@ impl Service {
             return Err(id_in_use(&id));
         }
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        // Only a directory export has no node.
+        let source = node.is_empty().then(|| margs.image.clone());
         t.exports
-            .insert(id.clone(), Entry::starting(serial, node, config));
+            .insert(id.clone(), Entry::starting(serial, node, source, config));
         drop(t);
         // Mounting takes a while (an NBD server may be slow to answer): other commands run
         // meanwhile; the table holds the id.
@@ -799,13 +895,21 @@ impl Service {
         Value::Array(
             t.exports
                 .iter()
-                .map(|(id, e)| {
-                    json!({
+                .map(|(id, e)| match &e.source {
+                    None => json!({
                         "type": "fuse",
                         "id": id,
                         "node-name": e.node,
                         "shutting-down": e.shutting_down,
-                    })
+                    }),
+                    // No node: its source instead, as fusex's own member.
+                    Some(source) => json!({
+                        "type": DIR_EXPORT_TYPE,
+                        "id": id,
+                        "node-name": "",
+                        "shutting-down": e.shutting_down,
+                        "__org.fusex_source": source,
+                    }),
                 })
                 .collect(),
         )
@@ -920,6 +1024,26 @@ struct ExportArgs {
     allow_other: Option<AllowOther>,
 }
 
+/// The members of a `block-export-add` of [`DIR_EXPORT_TYPE`]; the image-only ones are here to
+/// be refused by name.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct DirExportArgs {
+    #[allow(dead_code)] // checked before these are parsed
+    r#type: String,
+    id: String,
+    source: String,
+    mountpoint: String,
+    writable: Option<bool>,
+    allow_other: Option<AllowOther>,
+    node_name: Option<String>,
+    growable: Option<bool>,
+    writethrough: Option<bool>,
+    iothread: Option<String>,
+    #[allow(dead_code)] // accepted and meaningless, as for image exports
+    fixed_iothread: Option<bool>,
+}
+
 #[derive(Deserialize, Clone, Copy, PartialEq)]
 #[serde(rename_all = "kebab-case")]
 enum AllowOther {
@@ -964,7 +1088,7 @@ fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
         Kind::Nbd => return Err(QmpError::generic("NBD server not running")),
         _ => {
             return Err(QmpError::generic(
-                "fusex exports only type 'fuse': give type fuse",
+                "fusex exports only type 'fuse' (an image's node) and '__org.fusex_dir' (a directory): give one of them",
             ))
         }
     }
