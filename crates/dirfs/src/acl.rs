@@ -108,7 +108,12 @@ impl DirFs {
 
     /// After a SETXATTR of `name` on `node`: an access ACL set with
     /// `FUSE_SETXATTR_ACL_KILL_SGID` clears the setgid bit, as the caller's own filesystem would.
-    pub(crate) fn acl_set(&self, node: &Inode, name: &CStr, setxattr_flags: u32) -> Result<(), Errno> {
+    pub(crate) fn acl_set(
+        &self,
+        node: &Inode,
+        name: &CStr,
+        setxattr_flags: u32,
+    ) -> Result<(), Errno> {
         if setxattr_flags & FUSE_SETXATTR_ACL_KILL_SGID == 0 || name != ACCESS {
             return Ok(());
         }

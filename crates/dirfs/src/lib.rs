@@ -888,7 +888,12 @@ impl DirFs {
         // Always exclusive, so that only a file made here is given to the caller; a file that
         // appeared meanwhile is opened as it is unless the caller asked for O_EXCL.
         let (fd, made) = match acl::with_umask(a.umask, || {
-            sys::open_in(dir.fd(), n, flags | libc::O_CREAT | libc::O_EXCL, a.mode & 0o777)
+            sys::open_in(
+                dir.fd(),
+                n,
+                flags | libc::O_CREAT | libc::O_EXCL,
+                a.mode & 0o777,
+            )
         }) {
             Ok(fd) => (fd, true),
             Err(libc::EEXIST) if !exclusive => (sys::open_in(dir.fd(), n, flags, 0)?, false),

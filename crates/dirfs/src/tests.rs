@@ -567,7 +567,13 @@ impl H {
         Ok((e, OpenOut::read_from_bytes(&b[128..]).unwrap().fh))
     }
 
-    fn setxattr(&self, node: u64, name: &[u8], value: &[u8], setxattr_flags: u32) -> Result<(), i32> {
+    fn setxattr(
+        &self,
+        node: u64,
+        name: &[u8],
+        value: &[u8],
+        setxattr_flags: u32,
+    ) -> Result<(), i32> {
         self.call(
             node,
             |s| Request::Setxattr {
@@ -620,7 +626,11 @@ fn statx_answers_what_the_source_says_birth_time_included() {
         );
         assert_eq!(
             (got.mtime.tv_sec, got.mtime.tv_nsec, got.ctime.tv_sec),
-            (want.stx_mtime.tv_sec, want.stx_mtime.tv_nsec, want.stx_ctime.tv_sec),
+            (
+                want.stx_mtime.tv_sec,
+                want.stx_mtime.tv_nsec,
+                want.stx_ctime.tv_sec
+            ),
             "{path}"
         );
         assert_eq!(
@@ -642,7 +652,10 @@ fn statx_answers_what_the_source_says_birth_time_included() {
     assert_eq!(got.ino, want.stx_ino);
     assert_eq!(got.btime.tv_sec, want.stx_btime.tv_sec);
     // A node the kernel does not hold.
-    assert_eq!(h.statx(999, None, libc::STATX_BASIC_STATS).unwrap_err(), libc::ENOENT);
+    assert_eq!(
+        h.statx(999, None, libc::STATX_BASIC_STATS).unwrap_err(),
+        libc::ENOENT
+    );
 }
 
 #[test]
@@ -762,14 +775,7 @@ fn xattr_of(p: &std::path::Path, name: &str) -> Option<Vec<u8>> {
     let n = std::ffi::CString::new(name).unwrap();
     let mut buf = vec![0u8; 4096];
     // SAFETY: valid strings and a writable buffer of its length.
-    let r = unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
+    let r = unsafe { libc::lgetxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     (r >= 0).then(|| buf[..r as usize].to_vec())
 }
 
@@ -848,7 +854,11 @@ fn the_callers_umask_or_the_parents_default_acl_decides_a_new_entrys_mode() {
         }
     }
     assert!(xattr_of(&h.path("d/remote"), "system.posix_acl_access").is_some());
-    assert_eq!(mode("d/remote"), 0o660, "mask rw- from the mode, other from the ACL");
+    assert_eq!(
+        mode("d/remote"),
+        0o660,
+        "mask rw- from the mode, other from the ACL"
+    );
 }
 
 #[test]

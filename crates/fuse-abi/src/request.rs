@@ -10,10 +10,10 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use crate::opcode::Opcode;
 use crate::structs::{
-    AccessIn, BatchForgetIn, CopyFileRangeIn, CreateIn, FallocateIn, FlushIn, ForgetIn, ForgetOne, FsyncIn,
-    GetattrIn, GetxattrIn, InHeader, InitIn, InterruptIn, LinkIn, LseekIn, MkdirIn, MknodIn,
-    OpenIn, ReadIn, ReleaseIn, Rename2In, RenameIn, SetattrIn, SetxattrIn, StatxIn, WriteIn,
-    INIT_IN_COMPAT_SIZE, SETXATTR_IN_COMPAT_SIZE,
+    AccessIn, BatchForgetIn, CopyFileRangeIn, CreateIn, FallocateIn, FlushIn, ForgetIn, ForgetOne,
+    FsyncIn, GetattrIn, GetxattrIn, InHeader, InitIn, InterruptIn, LinkIn, LseekIn, MkdirIn,
+    MknodIn, OpenIn, ReadIn, ReleaseIn, Rename2In, RenameIn, SetattrIn, SetxattrIn, StatxIn,
+    WriteIn, INIT_IN_COMPAT_SIZE, SETXATTR_IN_COMPAT_SIZE,
 };
 
 /// Size of [`InHeader`], the prefix of every request.

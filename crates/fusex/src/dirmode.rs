@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use dirfs::{DirConfig, DirFs};
 use fuse_abi::{
-    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DO_READDIRPLUS,
-    FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH, FUSE_READDIRPLUS_AUTO,
+    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DONT_MASK,
+    FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH,
+    FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT,
 };
 use server::{QueueEvent, QueueSpec, Source};
 use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
@@ -320,8 +321,8 @@ type Prepared = (Arc<DirFs>, Mount, memory::Plan, bool, usize, usize);
 /// Opens the source, mounts and negotiates INIT.
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_args(args)?;
-    // Entries are created with exactly the mode the kernel sends (the caller's umask applied):
-    // the daemon's own umask must cut nothing.
+    // Entries are created with the caller's umask (the kernel sends it), set per creation on
+    // the queue thread (dirfs::acl): the daemon's own umask must cut nothing.
     // SAFETY: umask cannot fail.
     unsafe { libc::umask(0) };
     raise_nofile_limit();
@@ -381,12 +382,20 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
         &mut |_, _| Ok(()),
     )?;
     // DIRECT_IO_ALLOW_MMAP: with --cache never, mmap of a file opened for direct I/O.
+    // DONT_MASK: new entries' modes come without the caller's umask, which the source applies
+    // unless the parent has a default ACL (POSIX_ACL: the kernel checks ACLs; SETXATTR_EXT:
+    // it says when setting an ACL clears the setgid bit). No ACLs if the source keeps none.
     let mut want = FUSE_ASYNC_READ
         | FUSE_DIRECT_IO_ALLOW_MMAP
         | FUSE_BIG_WRITES
         | FUSE_PARALLEL_DIROPS
         | FUSE_DO_READDIRPLUS
-        | FUSE_READDIRPLUS_AUTO;
+        | FUSE_READDIRPLUS_AUTO
+        | FUSE_DONT_MASK
+        | FUSE_SETXATTR_EXT;
+    if fs.source_has_acls() {
+        want |= FUSE_POSIX_ACL;
+    }
     if may_uring {
         want |= FUSE_OVER_IO_URING;
     }
@@ -423,6 +432,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
             tracing::info!("passthrough: off (the kernel did not offer FUSE_PASSTHROUGH)")
         }
     }
+    fs.set_granted(neg.flags);
     let uring = neg.has(FUSE_OVER_IO_URING);
     if args.transport == TransportArg::Uring && !uring {
         bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto");

@@ -155,20 +155,20 @@ impl<F: Filesystem> QueueServer<F> {
         let b = buf.as_slice();
         let op_in = &b[l.op_in()..l.op_in() + 128];
         let payload = &b[l.payload..l.payload + d.payload_sz.min(l.payload_len)];
-        let (reply, mut buf) = match parse_op_split_laid_out(&hdr, op_in, payload, self.export.layouts())
-        {
-            Ok(op) => {
-                let op = lower(&op, b);
-                let window = l.payload..l.payload + l.payload_len;
-                self.dispatch(eng, &hdr, op, buf, window).await
-            }
-            Err(e) if unserved::<F>(&e) => {
-                let window = l.payload..l.payload + l.payload_len;
-                let op = (unsupported(&hdr), None);
-                self.dispatch(eng, &hdr, op, buf, window).await
-            }
-            Err(e) => (self.malformed(&e), buf),
-        };
+        let (reply, mut buf) =
+            match parse_op_split_laid_out(&hdr, op_in, payload, self.export.layouts()) {
+                Ok(op) => {
+                    let op = lower(&op, b);
+                    let window = l.payload..l.payload + l.payload_len;
+                    self.dispatch(eng, &hdr, op, buf, window).await
+                }
+                Err(e) if unserved::<F>(&e) => {
+                    let window = l.payload..l.payload + l.payload_len;
+                    let op = (unsupported(&hdr), None);
+                    self.dispatch(eng, &hdr, op, buf, window).await
+                }
+                Err(e) => (self.malformed(&e), buf),
+            };
         // Nothing without a reply travels over the ring (FORGET and INTERRUPT come through
         // /dev/fuse); should one arrive, answer so the entry re-arms.
         let (error, len) = reply_parts(reply, l.payload_len).unwrap_or((-libc::ENOSYS, 0));
