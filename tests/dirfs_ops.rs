@@ -395,6 +395,18 @@ except OSError as e:
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// `flock(2)` on an open file: 0 or -1.
+fn flock(f: &fs::File, op: libc::c_int) -> libc::c_int {
+    // SAFETY: an open descriptor; no pointers.
+    unsafe { libc::flock(f.as_raw_fd(), op) }
+}
+
+/// `fcntl(2)` with a lock command (`F_SETLK`, `F_GETLK`) on an open file: 0 or -1.
+fn fcntl_lock(f: &fs::File, cmd: libc::c_int, fl: &mut libc::flock) -> libc::c_int {
+    // SAFETY: an open descriptor and a valid, writable flock struct.
+    unsafe { libc::fcntl(f.as_raw_fd(), cmd, fl as *mut libc::flock) }
+}
+
 #[test]
 fn posix_and_flock_locks_hold_between_processes_through_the_mount() {
     if !require_fuse_and_tools(&["python3"]) {
@@ -412,54 +424,39 @@ fn posix_and_flock_locks_hold_between_processes_through_the_mount() {
 
     // A POSIX write lock held here: another process's non-blocking attempt fails, then
     // succeeds once it is released.
-    let mut fl = libc::flock {
-        l_type: libc::F_WRLCK as i16,
+    let whole = |l_type: libc::c_int| libc::flock {
+        l_type: l_type as i16,
         l_whence: libc::SEEK_SET as i16,
         l_start: 0,
         l_len: 0,
         l_pid: 0,
     };
-    // SAFETY: an open descriptor and a valid flock struct.
-    assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLK, &fl) }, 0);
+    assert_eq!(fcntl_lock(&f, libc::F_SETLK, &mut whole(libc::F_WRLCK)), 0);
     let refused = try_lock_elsewhere("posix", &p);
     assert!(
         refused == "EAGAIN" || refused == "EACCES",
         "a held POSIX lock refuses another process: {refused}"
     );
-    // F_GETLK names the holder.
-    let mut probe = fl;
-    // SAFETY: as above.
-    assert_eq!(
-        unsafe { libc::fcntl(f.as_raw_fd(), libc::F_GETLK, &mut probe) },
-        0
-    );
-    fl.l_type = libc::F_UNLCK as i16;
-    // SAFETY: as above.
-    assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLK, &fl) }, 0);
+    // This process's own F_GETLK sees no conflict with itself.
+    let mut probe = whole(libc::F_WRLCK);
+    assert_eq!(fcntl_lock(&f, libc::F_GETLK, &mut probe), 0);
+    assert_eq!(i32::from(probe.l_type), libc::F_UNLCK);
+    assert_eq!(fcntl_lock(&f, libc::F_SETLK, &mut whole(libc::F_UNLCK)), 0);
     assert_eq!(try_lock_elsewhere("posix", &p), "ok", "released");
 
     // The same with flock.
-    // SAFETY: an open descriptor.
-    assert_eq!(
-        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
-        0
-    );
+    assert_eq!(flock(&f, libc::LOCK_EX | libc::LOCK_NB), 0);
     assert_eq!(
         try_lock_elsewhere("flock", &p),
         "EAGAIN",
         "a held flock lock refuses another process (EWOULDBLOCK)"
     );
-    // SAFETY: as above.
-    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) }, 0);
+    assert_eq!(flock(&f, libc::LOCK_UN), 0);
     assert_eq!(try_lock_elsewhere("flock", &p), "ok", "released");
 
     // The locks are the mount's own (the kernel's local locks): the source's file is not
     // locked by them.
-    // SAFETY: an open descriptor.
-    assert_eq!(
-        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
-        0
-    );
+    assert_eq!(flock(&f, libc::LOCK_EX | libc::LOCK_NB), 0);
     assert_eq!(try_lock_elsewhere("flock", &t.src.join("f")), "ok");
     drop(f);
     assert_eq!(try_lock_elsewhere("flock", &p), "ok", "closing releases");

@@ -2,8 +2,6 @@
 //! the `STATX_ATTR_*` flags). The kernel asks for it when a caller's `statx` wants a field beyond
 //! the basic ones; without an answer it falls back to GETATTR and reports no birth time.
 
-use std::os::fd::BorrowedFd;
-
 use engine::Buf;
 use fuse_abi::{InHeader, Statx, StatxIn, StatxOut, SxTime, FUSE_GETATTR_FH};
 
@@ -24,10 +22,10 @@ impl DirFs {
             .then(|| self.files.get(a.fh))
             .flatten();
         let sync = (a.sx_flags as i32) & libc::AT_STATX_SYNC_TYPE;
+        // The handle table keeps a handle's descriptor open until RELEASE, which the kernel
+        // sends only once no request on the handle is in flight.
         let sx = match handle {
-            // SAFETY of the borrow: the handle table keeps the descriptor open until RELEASE,
-            // which the kernel sends only once no request on the handle is in flight.
-            Some(fd) => sys::statx_fd(unsafe { BorrowedFd::borrow_raw(fd) }, sync, a.sx_mask)?,
+            Some(fd) => sys::statx_fd(crate::borrow(fd), sync, a.sx_mask)?,
             None => sys::statx_fd(node.fd(), sync, a.sx_mask)?,
         };
         let out = StatxOut {
