@@ -47,6 +47,9 @@ have tar || need+=(tar)
 have diff || need+=(diffutils)
 have make || need+=(make)
 have cc || need+=(gcc)
+# setfacl and getfacl: tests/dirfs_ops.rs sets and reads POSIX ACLs through a directory export
+# and on its source.
+have setfacl || need+=(acl)
 have promtool || need+=(prometheus)
 have prometheus || need+=(prometheus)
 if [ "${1:-}" = "--bench" ]; then

@@ -422,7 +422,10 @@ fn check_answer(
         | Operation::Getxattr { .. }
         | Operation::Listxattr(_)
         | Operation::Removexattr { .. }
-        | Operation::Access(_) => assert_eq!(errno, libc::ENOSYS, "{}", ctx()),
+        | Operation::Access(_)
+        | Operation::Statx(_)
+        | Operation::CopyFileRange(_)
+        | Operation::CopyFileRange64(_) => assert_eq!(errno, libc::ENOSYS, "{}", ctx()),
         // Only an io_uring entry answers these (so that it re-arms).
         Operation::Forget(_) | Operation::BatchForget { .. } | Operation::Interrupt(_) => {
             assert_eq!(framing, Framing::Uring, "{}", ctx());

@@ -13,9 +13,12 @@
 //! Permission checks are the kernel's (`default_permissions`) against the attributes returned;
 //! what the caller creates is given the caller's uid and gid (a setgid directory's gid instead).
 
+mod acl;
 mod attr;
+mod copy;
 pub mod files;
 pub mod inodes;
+mod statx;
 pub mod sys;
 
 use std::cell::RefCell;
@@ -114,6 +117,8 @@ pub struct DirFs {
     /// The backing ids registered, one per source inode with files open through passthrough
     /// (the kernel refuses two backing files for one inode): id -> (inode, opens using it).
     backings: Mutex<Backings>,
+    /// The INIT flags the kernel granted ([`DirFs::set_granted`]).
+    granted: AtomicU64,
 }
 
 /// Backing ids shared by the opens of one inode.
@@ -154,6 +159,7 @@ impl DirFs {
             passthrough: OnceLock::new(),
             passthrough_refused: AtomicBool::new(false),
             backings: Mutex::new(Backings::default()),
+            granted: AtomicU64::new(0),
         })
     }
 
@@ -274,7 +280,8 @@ impl DirFs {
             st = sys::stat_fd(fd.as_fd())?;
         }
         if let Some(mode) = mode {
-            let mut want = mode & 0o7777;
+            // Permission bits as the source made them (umask or default ACL), set-id bits asked.
+            let mut want = acl::created_mode(st.st_mode, mode);
             if kind == libc::S_IFDIR {
                 // The source filesystem sets a setgid parent's bit on new directories.
                 want |= st.st_mode & libc::S_ISGID;
@@ -398,8 +405,15 @@ impl Filesystem for DirFs {
                     | O::Getxattr
                     | O::Listxattr
                     | O::Removexattr
+                    | O::Statx
+                    | O::CopyFileRange
+                    | O::CopyFileRange64
             )
         )
+    }
+
+    fn layouts(&self) -> fuse_abi::Layouts {
+        acl::layouts(self.granted.load(Ordering::Relaxed))
     }
 
     async fn handle(
@@ -557,6 +571,7 @@ impl DirFs {
                 let SetxattrIn { flags, .. } = arg;
                 self.xattr_target(&node)?;
                 sys::xattr::set(node.fd().as_raw_fd(), n, v, flags as i32)?;
+                self.acl_set(&node, n, arg.setxattr_flags)?;
                 Ok(Reply::Data(0))
             }
             Request::Getxattr { arg, name } => {
@@ -593,6 +608,9 @@ impl DirFs {
             // With default_permissions the kernel checks access itself and never asks; a
             // daemon running as root could not answer for the caller anyway.
             Request::Access(_) => Err(libc::ENOSYS),
+            Request::Statx(a) => self.statx(hdr, a, buf, payload),
+            Request::CopyFileRange(a) => self.copy_file_range(a, false, buf, payload),
+            Request::CopyFileRange64(a) => self.copy_file_range(a, true, buf, payload),
             Request::Read(_)
             | Request::Write(_)
             | Request::Fsync(_)
@@ -869,12 +887,14 @@ impl DirFs {
         let exclusive = a.flags as i32 & libc::O_EXCL != 0;
         // Always exclusive, so that only a file made here is given to the caller; a file that
         // appeared meanwhile is opened as it is unless the caller asked for O_EXCL.
-        let (fd, made) = match sys::open_in(
-            dir.fd(),
-            n,
-            flags | libc::O_CREAT | libc::O_EXCL,
-            a.mode & 0o777,
-        ) {
+        let (fd, made) = match acl::with_umask(a.umask, || {
+            sys::open_in(
+                dir.fd(),
+                n,
+                flags | libc::O_CREAT | libc::O_EXCL,
+                a.mode & 0o777,
+            )
+        }) {
             Ok(fd) => (fd, true),
             Err(libc::EEXIST) if !exclusive => (sys::open_in(dir.fd(), n, flags, 0)?, false),
             Err(e) => return Err(e),
@@ -921,18 +941,22 @@ impl DirFs {
             libc::O_RDONLY => flags | libc::O_RDWR,
             _ => flags,
         };
-        // SAFETY: `.` is a valid NUL-terminated string; the result is checked below.
-        let fd = unsafe {
-            libc::openat(
-                dir.fd().as_raw_fd(),
-                c".".as_ptr(),
-                flags | libc::O_TMPFILE | libc::O_CLOEXEC,
-                (a.mode & 0o777) as libc::c_uint,
-            )
-        };
-        if fd < 0 {
-            return Err(sys::errno());
-        }
+        let fd = acl::with_umask(a.umask, || {
+            // SAFETY: `.` is a valid NUL-terminated string; the result is checked below.
+            let fd = unsafe {
+                libc::openat(
+                    dir.fd().as_raw_fd(),
+                    c".".as_ptr(),
+                    flags | libc::O_TMPFILE | libc::O_CLOEXEC,
+                    (a.mode & 0o777) as libc::c_uint,
+                )
+            };
+            if fd < 0 {
+                Err(sys::errno())
+            } else {
+                Ok(fd)
+            }
+        })?;
         // SAFETY: the kernel just returned this descriptor; nothing else owns it.
         let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
@@ -953,7 +977,7 @@ impl DirFs {
         self.room()?;
         let dir = self.node(hdr.nodeid)?;
         let n = name_at(buf.as_slice(), name)?;
-        sys::mkdir_in(dir.fd(), n, a.mode & 0o777)?;
+        acl::with_umask(a.umask, || sys::mkdir_in(dir.fd(), n, a.mode & 0o777))?;
         let e = self.finish_new(hdr, &dir, n, libc::S_IFDIR, Some(a.mode & 0o1777))?;
         put(buf, payload, &e)
     }
@@ -968,7 +992,9 @@ impl DirFs {
         if !matches!(kind, libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFREG) {
             return Err(libc::EPERM);
         }
-        sys::mknod_in(dir.fd(), n, kind | (a.mode & 0o777), 0)?;
+        acl::with_umask(a.umask, || {
+            sys::mknod_in(dir.fd(), n, kind | (a.mode & 0o777), 0)
+        })?;
         let e = self.finish_new(hdr, &dir, n, kind, Some(a.mode & 0o7777))?;
         put(buf, payload, &e)
     }

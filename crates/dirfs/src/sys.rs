@@ -362,6 +362,45 @@ pub fn backing_close(conn: BorrowedFd<'_>, id: i32) -> Result<(), Errno> {
     .map(drop)
 }
 
+/// `statx(fd, "", AT_EMPTY_PATH | sync, mask)`: the inode's own extended attributes (a
+/// symlink's own, for an `O_PATH` descriptor of one). `sync` is `AT_STATX_FORCE_SYNC`,
+/// `AT_STATX_DONT_SYNC` or 0.
+pub fn statx_fd(fd: BorrowedFd<'_>, sync: i32, mask: u32) -> Result<libc::statx, Errno> {
+    let mut sx = MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: `sx` is writable memory of the right type; the empty path is NUL-terminated.
+    check(unsafe {
+        libc::statx(
+            fd.as_raw_fd(),
+            EMPTY.as_ptr(),
+            libc::AT_EMPTY_PATH | (sync & libc::AT_STATX_SYNC_TYPE),
+            mask,
+            sx.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: statx succeeded and filled it (and it was zeroed before).
+    Ok(unsafe { sx.assume_init() })
+}
+
+/// `copy_file_range(2)` of `len` bytes from `from` at `off_in` to `to` at `off_out`: the bytes
+/// copied (fewer at the source's end, or when the filesystem copies less in one call).
+pub fn copy_range(
+    from: RawFd,
+    off_in: u64,
+    to: RawFd,
+    off_out: u64,
+    len: usize,
+) -> Result<usize, Errno> {
+    let mut off_in = i64::try_from(off_in).map_err(|_| libc::EINVAL)?;
+    let mut off_out = i64::try_from(off_out).map_err(|_| libc::EINVAL)?;
+    // SAFETY: the offsets are valid, writable i64s; no buffer is involved.
+    let n = unsafe { libc::copy_file_range(from, &mut off_in, to, &mut off_out, len, 0) };
+    if n < 0 {
+        Err(errno())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 /// Extended attribute calls on the inode behind `fd`, through `/proc/self/fd` (an `O_PATH`
 /// descriptor has no `f*xattr`).
 pub mod xattr {

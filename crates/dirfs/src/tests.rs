@@ -1,7 +1,7 @@
 //! DirFs driven directly with requests, on a real engine and a temporary source tree (no
 //! kernel mount: the end-to-end tests in `tests/dirfs.rs` mount it).
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 
 use engine::EngineConfig;
 use fuse_abi::FUSE_GETATTR_FH;
@@ -447,7 +447,10 @@ fn xattrs_round_trip() {
     let set = h.call(
         e.nodeid,
         |s| Request::Setxattr {
-            arg: SetxattrIn { size: 3, flags: 0 },
+            arg: SetxattrIn {
+                size: 3,
+                ..Default::default()
+            },
             name: s[0],
             value: Span {
                 at: s[1].at,
@@ -500,4 +503,403 @@ fn xattrs_round_trip() {
     )
     .unwrap();
     assert_eq!(get(64).unwrap_err(), libc::ENODATA);
+}
+
+// ------------------------------------------------------ STATX, COPY_FILE_RANGE, ACLs
+
+/// `statx(2)` of a path on the source, the oracle.
+fn statx_path(p: &std::path::Path) -> libc::statx {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    let mut sx = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: a valid path and a writable statx.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_BASIC_STATS | libc::STATX_BTIME,
+            sx.as_mut_ptr(),
+        )
+    };
+    assert_eq!(r, 0, "statx {}", p.display());
+    // SAFETY: statx succeeded.
+    unsafe { sx.assume_init() }
+}
+
+impl H {
+    fn statx(&self, node: u64, fh: Option<u64>, mask: u32) -> Result<fuse_abi::Statx, i32> {
+        let b = self.call(
+            node,
+            |_| {
+                Request::Statx(fuse_abi::StatxIn {
+                    getattr_flags: if fh.is_some() { FUSE_GETATTR_FH } else { 0 },
+                    fh: fh.unwrap_or(0),
+                    sx_flags: libc::AT_STATX_FORCE_SYNC as u32,
+                    sx_mask: mask,
+                    ..Default::default()
+                })
+            },
+            &[],
+            &[],
+        )?;
+        let out = fuse_abi::StatxOut::read_from_bytes(&b).unwrap();
+        assert_eq!(out.attr_valid, 1);
+        Ok(out.stat)
+    }
+
+    fn create(&self, dir: u64, name: &[u8], mode: u32, umask: u32) -> Result<(EntryOut, u64), i32> {
+        let b = self.call(
+            dir,
+            |s| Request::Create {
+                arg: CreateIn {
+                    flags: (libc::O_CREAT | libc::O_RDWR) as u32,
+                    mode: libc::S_IFREG | mode,
+                    umask,
+                    open_flags: 0,
+                },
+                name: s[0],
+            },
+            &[name],
+            &[],
+        )?;
+        let e = EntryOut::read_from_bytes(&b[..128]).unwrap();
+        Ok((e, OpenOut::read_from_bytes(&b[128..]).unwrap().fh))
+    }
+
+    fn setxattr(
+        &self,
+        node: u64,
+        name: &[u8],
+        value: &[u8],
+        setxattr_flags: u32,
+    ) -> Result<(), i32> {
+        self.call(
+            node,
+            |s| Request::Setxattr {
+                arg: SetxattrIn {
+                    size: value.len() as u32,
+                    flags: 0,
+                    setxattr_flags,
+                    padding: 0,
+                },
+                name: s[0],
+                value: Span {
+                    at: s[1].at,
+                    len: value.len(),
+                },
+            },
+            &[name, value],
+            &[],
+        )
+        .map(drop)
+    }
+}
+
+#[test]
+fn statx_answers_what_the_source_says_birth_time_included() {
+    let h = H::new(false);
+    for (name, path) in [(&b"file"[..], "file"), (b"sub", "sub"), (b"link", "link")] {
+        let e = h.lookup(ROOT_ID, name).unwrap();
+        let want = statx_path(&h.path(path));
+        let got = h
+            .statx(e.nodeid, None, libc::STATX_BASIC_STATS | libc::STATX_BTIME)
+            .unwrap();
+        let carried = libc::STATX_BASIC_STATS | libc::STATX_BTIME;
+        assert_eq!(got.mask, want.stx_mask & carried, "{path}");
+        assert_eq!(
+            (got.mode, got.ino, got.size, got.nlink, got.uid, got.gid),
+            (
+                want.stx_mode,
+                want.stx_ino,
+                want.stx_size,
+                want.stx_nlink,
+                want.stx_uid,
+                want.stx_gid
+            ),
+            "{path}"
+        );
+        assert_eq!(
+            (got.btime.tv_sec, got.btime.tv_nsec),
+            (want.stx_btime.tv_sec, want.stx_btime.tv_nsec),
+            "{path} birth time"
+        );
+        assert_eq!(
+            (got.mtime.tv_sec, got.mtime.tv_nsec, got.ctime.tv_sec),
+            (
+                want.stx_mtime.tv_sec,
+                want.stx_mtime.tv_nsec,
+                want.stx_ctime.tv_sec
+            ),
+            "{path}"
+        );
+        assert_eq!(
+            (got.dev_major, got.dev_minor, got.blocks, got.attributes),
+            (
+                want.stx_dev_major,
+                want.stx_dev_minor,
+                want.stx_blocks,
+                want.stx_attributes
+            ),
+            "{path}"
+        );
+    }
+    // Through an open handle: the same file.
+    let e = h.lookup(ROOT_ID, b"file").unwrap();
+    let fh = h.open(e.nodeid, libc::O_RDONLY).unwrap();
+    let got = h.statx(e.nodeid, Some(fh), libc::STATX_BTIME).unwrap();
+    let want = statx_path(&h.path("file"));
+    assert_eq!(got.ino, want.stx_ino);
+    assert_eq!(got.btime.tv_sec, want.stx_btime.tv_sec);
+    // A node the kernel does not hold.
+    assert_eq!(
+        h.statx(999, None, libc::STATX_BASIC_STATS).unwrap_err(),
+        libc::ENOENT
+    );
+}
+
+#[test]
+fn copy_file_range_copies_between_handles() {
+    let h = H::new(true);
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+    std::fs::write(h.path("src"), &data).unwrap();
+    std::fs::write(h.path("dst"), vec![0xEEu8; 1000]).unwrap();
+    let src = h.lookup(ROOT_ID, b"src").unwrap();
+    let dst = h.lookup(ROOT_ID, b"dst").unwrap();
+    let fin = h.open(src.nodeid, libc::O_RDONLY).unwrap();
+    let fout = h.open(dst.nodeid, libc::O_RDWR).unwrap();
+    let copy = |wide: bool, off_in: u64, off_out: u64, len: u64| -> Result<u64, i32> {
+        let arg = fuse_abi::CopyFileRangeIn {
+            fh_in: fin,
+            off_in,
+            nodeid_out: dst.nodeid,
+            fh_out: fout,
+            off_out,
+            len,
+            flags: 0,
+        };
+        let b = h.call(
+            src.nodeid,
+            |_| {
+                if wide {
+                    Request::CopyFileRange64(arg)
+                } else {
+                    Request::CopyFileRange(arg)
+                }
+            },
+            &[],
+            &[],
+        )?;
+        Ok(if wide {
+            fuse_abi::CopyFileRangeOut::read_from_bytes(&b)
+                .unwrap()
+                .bytes_copied
+        } else {
+            u64::from(WriteOut::read_from_bytes(&b).unwrap().size)
+        })
+    };
+    // A middle range to an offset inside the destination, then one past its end (a hole
+    // between), then one that runs past the source's end (short).
+    assert_eq!(copy(true, 1000, 10, 5000), Ok(5000));
+    assert_eq!(copy(false, 7, 200_000, 12_345), Ok(12_345));
+    assert_eq!(copy(true, 290_000, 0, 50_000), Ok(10_000));
+    assert_eq!(copy(true, 400_000, 0, 10), Ok(0), "past the end: nothing");
+    let mut want = vec![0xEEu8; 1000];
+    want.resize(5010, 0);
+    want[10..5010].copy_from_slice(&data[1000..6000]);
+    want.resize(200_000 + 12_345, 0);
+    want[200_000..].copy_from_slice(&data[7..7 + 12_345]);
+    want[..10_000].copy_from_slice(&data[290_000..]);
+    assert_eq!(std::fs::read(h.path("dst")).unwrap(), want);
+    // Stale handles and flags are refused.
+    let bad = fuse_abi::CopyFileRangeIn {
+        fh_in: 12345,
+        fh_out: fout,
+        len: 1,
+        ..Default::default()
+    };
+    assert_eq!(
+        h.call(1, |_| Request::CopyFileRange64(bad), &[], &[]),
+        Err(libc::EBADF)
+    );
+    let flagged = fuse_abi::CopyFileRangeIn {
+        fh_in: fin,
+        fh_out: fout,
+        len: 1,
+        flags: 1,
+        ..Default::default()
+    };
+    assert_eq!(
+        h.call(1, |_| Request::CopyFileRange64(flagged), &[], &[]),
+        Err(libc::EINVAL)
+    );
+    // Read-only exports copy nothing.
+    let ro = H::new(false);
+    let f = ro.lookup(ROOT_ID, b"file").unwrap();
+    let fh = ro.open(f.nodeid, libc::O_RDONLY).unwrap();
+    let arg = fuse_abi::CopyFileRangeIn {
+        fh_in: fh,
+        fh_out: fh,
+        off_out: 100,
+        len: 5,
+        ..Default::default()
+    };
+    assert_eq!(
+        ro.call(1, |_| Request::CopyFileRange(arg), &[], &[]),
+        Err(libc::EROFS)
+    );
+    assert_eq!(std::fs::read(ro.path("file")).unwrap(), b"hello world");
+}
+
+/// An ACL as its xattr value: version 2, then (tag, perm, id) entries.
+fn acl_value(entries: &[(u16, u16, u32)]) -> Vec<u8> {
+    let mut v = 2u32.to_le_bytes().to_vec();
+    for &(tag, perm, id) in entries {
+        v.extend_from_slice(&tag.to_le_bytes());
+        v.extend_from_slice(&perm.to_le_bytes());
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    v
+}
+
+const ACL_USER_OBJ: u16 = 1;
+const ACL_USER: u16 = 2;
+const ACL_GROUP_OBJ: u16 = 4;
+const ACL_MASK: u16 = 0x10;
+const ACL_OTHER: u16 = 0x20;
+const NO_ID: u32 = u32::MAX;
+
+fn xattr_of(p: &std::path::Path, name: &str) -> Option<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: valid strings and a writable buffer of its length.
+    let r = unsafe { libc::lgetxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    (r >= 0).then(|| buf[..r as usize].to_vec())
+}
+
+#[test]
+fn the_callers_umask_or_the_parents_default_acl_decides_a_new_entrys_mode() {
+    let h = H::new(true);
+    // No default ACL: the caller's umask applies (the kernel sends it beside the mode).
+    let (_, _) = h.create(ROOT_ID, b"masked", 0o666, 0o022).unwrap();
+    let mode = |p: &str| std::fs::symlink_metadata(h.path(p)).unwrap().mode() & 0o7777;
+    assert_eq!(mode("masked"), 0o644);
+    let b = h
+        .call(
+            ROOT_ID,
+            |s| Request::Mkdir {
+                arg: MkdirIn {
+                    mode: 0o1777,
+                    umask: 0o027,
+                },
+                name: s[0],
+            },
+            &[b"d"],
+            &[],
+        )
+        .unwrap();
+    let d = EntryOut::read_from_bytes(&b).unwrap();
+    assert_eq!(mode("d"), 0o1750, "umask applied, sticky bit kept");
+
+    // A default ACL on the directory: the umask is ignored, the ACL decides, as locally.
+    let default = acl_value(&[
+        (ACL_USER_OBJ, 7, NO_ID),
+        (ACL_USER, 7, 65534),
+        (ACL_GROUP_OBJ, 5, NO_ID),
+        (ACL_MASK, 7, NO_ID),
+        (ACL_OTHER, 0, NO_ID),
+    ]);
+    let set = h.setxattr(d.nodeid, b"system.posix_acl_default", &default, 0);
+    if set == Err(libc::EOPNOTSUPP) {
+        return; // the temporary directory's filesystem has no ACLs
+    }
+    set.unwrap();
+    assert!(h.fs.source_has_acls());
+    // The oracle: the same creations made on the source directly (any umask: the default ACL
+    // overrides it).
+    std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o666)
+        .open(h.path("d/local"))
+        .unwrap();
+    std::fs::DirBuilder::new()
+        .mode(0o775)
+        .create(h.path("d/localdir"))
+        .unwrap();
+    h.create(d.nodeid, b"remote", 0o666, 0o077).unwrap();
+    h.call(
+        d.nodeid,
+        |s| Request::Mkdir {
+            arg: MkdirIn {
+                mode: 0o775,
+                umask: 0o077,
+            },
+            name: s[0],
+        },
+        &[b"remotedir"],
+        &[],
+    )
+    .unwrap();
+    for (local, remote) in [("d/local", "d/remote"), ("d/localdir", "d/remotedir")] {
+        assert_eq!(mode(remote), mode(local), "{remote}");
+        for attr in ["system.posix_acl_access", "system.posix_acl_default"] {
+            assert_eq!(
+                xattr_of(&h.path(remote), attr),
+                xattr_of(&h.path(local), attr),
+                "{remote} {attr}"
+            );
+        }
+    }
+    assert!(xattr_of(&h.path("d/remote"), "system.posix_acl_access").is_some());
+    assert_eq!(
+        mode("d/remote"),
+        0o660,
+        "mask rw- from the mode, other from the ACL"
+    );
+}
+
+#[test]
+fn setting_an_access_acl_clears_setgid_when_the_kernel_says_so() {
+    let h = H::new(true);
+    std::fs::set_permissions(h.path("file"), std::fs::Permissions::from_mode(0o2775)).unwrap();
+    let e = h.lookup(ROOT_ID, b"file").unwrap();
+    let acl = acl_value(&[
+        (ACL_USER_OBJ, 7, NO_ID),
+        (ACL_USER, 5, 65534),
+        (ACL_GROUP_OBJ, 5, NO_ID),
+        (ACL_MASK, 5, NO_ID),
+        (ACL_OTHER, 5, NO_ID),
+    ]);
+    let mode = || std::fs::metadata(h.path("file")).unwrap().mode() & 0o7777;
+    let set = h.setxattr(e.nodeid, b"system.posix_acl_access", &acl, 0);
+    if set == Err(libc::EOPNOTSUPP) {
+        return;
+    }
+    set.unwrap();
+    assert_eq!(mode(), 0o2755, "no flag: the setgid bit stays");
+    h.setxattr(
+        e.nodeid,
+        b"system.posix_acl_access",
+        &acl,
+        fuse_abi::FUSE_SETXATTR_ACL_KILL_SGID,
+    )
+    .unwrap();
+    assert_eq!(mode(), 0o755, "FUSE_SETXATTR_ACL_KILL_SGID: cleared");
+    assert_eq!(
+        xattr_of(&h.path("file"), "system.posix_acl_access"),
+        Some(acl),
+        "the ACL is untouched by the chmod"
+    );
+    // Other attributes with the flag change nothing.
+    std::fs::set_permissions(h.path("file"), std::fs::Permissions::from_mode(0o2775)).unwrap();
+    let _ = h.setxattr(
+        e.nodeid,
+        b"user.x",
+        b"1",
+        fuse_abi::FUSE_SETXATTR_ACL_KILL_SGID,
+    );
+    assert_eq!(mode() & libc::S_ISGID, libc::S_ISGID);
 }

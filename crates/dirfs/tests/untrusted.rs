@@ -100,6 +100,7 @@ proptest! {
     #[test]
     fn arbitrary_requests_are_answered_and_stay_inside(
         reqs in prop::collection::vec((opcode(), prop_oneof![Just(1u64), 0u64..6, any::<u64>()], body()), 1..24),
+        setxattr_ext in any::<bool>(),
     ) {
         let top = tempfile::tempdir().unwrap();
         let (src, outside) = (top.path().join("src"), top.path().join("outside"));
@@ -110,6 +111,8 @@ proptest! {
         std::os::unix::fs::symlink("../outside", src.join("up")).unwrap();
         let before = listing(&outside);
         let fs = Arc::new(DirFs::open(&src, DirConfig { writable: true, ..DirConfig::default() }).unwrap());
+        // SETXATTR in either layout (FUSE_SETXATTR_EXT granted or not).
+        fs.set_granted(if setxattr_ext { fuse_abi::FUSE_SETXATTR_EXT } else { 0 });
         let l = Layout::new(MAX_WRITE);
         let eng = Engine::new(&EngineConfig {
             sq_entries: 8,

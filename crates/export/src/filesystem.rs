@@ -43,6 +43,12 @@ pub trait Filesystem: Send + Sync + 'static {
         None
     }
 
+    /// How INIT's answer lays out the requests the kernel sends (`FUSE_SETXATTR_EXT`): read
+    /// for every request, so it must be cheap.
+    fn layouts(&self) -> fuse_abi::Layouts {
+        fuse_abi::Layouts::default()
+    }
+
     /// The calling queue thread stops taking requests (per-thread state may wind down).
     fn queue_stopping(&self) {}
 

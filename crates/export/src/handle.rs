@@ -211,7 +211,10 @@ impl<B: BlockBackend> Export<B> {
             | Request::Getxattr { .. }
             | Request::Listxattr(_)
             | Request::Removexattr { .. }
-            | Request::Access(_) => Err(libc::ENOSYS),
+            | Request::Access(_)
+            | Request::Statx(_)
+            | Request::CopyFileRange(_)
+            | Request::CopyFileRange64(_) => Err(libc::ENOSYS),
         };
         (r.unwrap_or_else(Reply::Error), buf)
     }

@@ -3,8 +3,9 @@
 use std::ffi::CStr;
 
 use fuse_abi::{
-    AccessIn, CreateIn, FallocateIn, FlushIn, FsyncIn, GetattrIn, GetxattrIn, LinkIn, LseekIn,
-    MkdirIn, MknodIn, OpenIn, Operation, ReadIn, ReleaseIn, SetattrIn, SetxattrIn, WriteIn,
+    AccessIn, CopyFileRangeIn, CreateIn, FallocateIn, FlushIn, FsyncIn, GetattrIn, GetxattrIn,
+    LinkIn, LseekIn, MkdirIn, MknodIn, OpenIn, Operation, ReadIn, ReleaseIn, SetattrIn, SetxattrIn,
+    StatxIn, WriteIn,
 };
 
 /// Where a name, a value or other variable bytes of a request sit in its slot buffer: offsets,
@@ -181,6 +182,12 @@ pub enum Request {
     },
     /// ACCESS.
     Access(AccessIn),
+    /// STATX.
+    Statx(StatxIn),
+    /// COPY_FILE_RANGE (a 32-bit count in the reply).
+    CopyFileRange(CopyFileRangeIn),
+    /// COPY_FILE_RANGE_64 (a 64-bit count in the reply).
+    CopyFileRange64(CopyFileRangeIn),
     /// Anything else: ENOSYS.
     Unsupported(u32),
 }
@@ -247,6 +254,9 @@ impl Request {
             Operation::Listxattr(a) => Request::Listxattr(a),
             Operation::Removexattr { name } => Request::Removexattr { name: s(name) },
             Operation::Access(a) => Request::Access(a),
+            Operation::Statx(a) => Request::Statx(a),
+            Operation::CopyFileRange(a) => Request::CopyFileRange(a),
+            Operation::CopyFileRange64(a) => Request::CopyFileRange64(a),
             Operation::Unsupported(op) => Request::Unsupported(op as u32),
             Operation::Unknown(n) => Request::Unsupported(n),
         }
@@ -261,7 +271,10 @@ mod tests {
     fn spans_point_into_the_buffer() {
         let buf = b"\x00\x00name\x00value";
         let op = Operation::Setxattr {
-            arg: SetxattrIn { size: 5, flags: 0 },
+            arg: SetxattrIn {
+                size: 5,
+                ..Default::default()
+            },
             name: &buf[2..6],
             value: &buf[7..],
         };

@@ -177,6 +177,10 @@ pub const FUSE_RELEASE_FLUSH: u32 = 1 << 0;
 /// `ReleaseIn::release_flags`: drop flock locks.
 pub const FUSE_RELEASE_FLOCK_UNLOCK: u32 = 1 << 1;
 
+/// `SetxattrIn::setxattr_flags`: setting `system.posix_acl_access` clears the file's setgid bit
+/// (the caller is neither in the file's group nor has `CAP_FSETID`).
+pub const FUSE_SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
+
 // ------------------------------------------------ fallocate(2) mode bits
 
 /// Do not change the file size.

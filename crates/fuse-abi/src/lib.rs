@@ -53,8 +53,8 @@ pub use flags::*;
 pub use opcode::{Opcode, MAX_OPCODE};
 pub use reply::{encode, encode_bytes, encode_error, write_header, EncodeError, OUT_HEADER_LEN};
 pub use request::{
-    forget_entries, parse, parse_op, parse_op_split, parse_with_len_check, peek_unique, Operation,
-    ParseError, Request, IN_HEADER_LEN,
+    forget_entries, parse, parse_laid_out, parse_op, parse_op_split, parse_op_split_laid_out,
+    parse_with_len_check, peek_unique, Layouts, Operation, ParseError, Request, IN_HEADER_LEN,
 };
 pub use structs::*;
 pub use uring::*;

@@ -6,14 +6,14 @@
 //! request before the arguments are looked at, so they can never be mistaken
 //! for a name or for write data.
 
-use zerocopy::FromBytes;
+use zerocopy::{FromBytes, IntoBytes};
 
 use crate::opcode::Opcode;
 use crate::structs::{
-    AccessIn, BatchForgetIn, CreateIn, FallocateIn, FlushIn, ForgetIn, ForgetOne, FsyncIn,
-    GetattrIn, GetxattrIn, InHeader, InitIn, InterruptIn, LinkIn, LseekIn, MkdirIn, MknodIn,
-    OpenIn, ReadIn, ReleaseIn, Rename2In, RenameIn, SetattrIn, SetxattrIn, WriteIn,
-    INIT_IN_COMPAT_SIZE,
+    AccessIn, BatchForgetIn, CopyFileRangeIn, CreateIn, FallocateIn, FlushIn, ForgetIn, ForgetOne,
+    FsyncIn, GetattrIn, GetxattrIn, InHeader, InitIn, InterruptIn, LinkIn, LseekIn, MkdirIn,
+    MknodIn, OpenIn, ReadIn, ReleaseIn, Rename2In, RenameIn, SetattrIn, SetxattrIn, StatxIn,
+    WriteIn, INIT_IN_COMPAT_SIZE, SETXATTR_IN_COMPAT_SIZE,
 };
 
 /// Size of [`InHeader`], the prefix of every request.
@@ -181,6 +181,12 @@ pub enum Operation<'a> {
     },
     /// `access(2)` check.
     Access(AccessIn),
+    /// `statx(2)` attributes (birth time among them).
+    Statx(StatxIn),
+    /// Server-side copy between two open files, answered with a 32-bit count ([`crate::WriteOut`]).
+    CopyFileRange(CopyFileRangeIn),
+    /// The same, answered with a 64-bit count ([`crate::CopyFileRangeOut`]).
+    CopyFileRange64(CopyFileRangeIn),
     /// A known opcode fusex does not implement (the server answers ENOSYS).
     Unsupported(Opcode),
     /// An opcode number this crate does not know.
@@ -248,6 +254,15 @@ impl ParseError {
     }
 }
 
+/// What INIT negotiated that changes how the kernel lays requests out; the default is what a
+/// connection without those flags gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Layouts {
+    /// `FUSE_SETXATTR_EXT` was granted: SETXATTR carries the whole 16-byte [`SetxattrIn`]
+    /// (otherwise its first 8 bytes).
+    pub setxattr_ext: bool,
+}
+
 /// The `unique` of a request whose header is present (at least 40 bytes),
 /// even if the rest is malformed, so the server can still send an error reply.
 pub fn peek_unique(buf: &[u8]) -> Option<u64> {
@@ -267,6 +282,15 @@ pub fn parse(buf: &[u8]) -> Result<Request<'_>, ParseError> {
 /// compared with `buf.len()`; the arguments are then everything after the
 /// header.
 pub fn parse_with_len_check(buf: &[u8], check_len: bool) -> Result<Request<'_>, ParseError> {
+    parse_laid_out(buf, check_len, Layouts::default())
+}
+
+/// Like [`parse_with_len_check`], for a connection whose INIT negotiated `layouts`.
+pub fn parse_laid_out(
+    buf: &[u8],
+    check_len: bool,
+    layouts: Layouts,
+) -> Result<Request<'_>, ParseError> {
     let (header, body) =
         InHeader::read_from_prefix(buf).map_err(|_| ParseError::TooShort { len: buf.len() })?;
     if check_len && usize::try_from(header.len).ok() != Some(buf.len()) {
@@ -275,7 +299,8 @@ pub fn parse_with_len_check(buf: &[u8], check_len: bool) -> Result<Request<'_>, 
             actual: buf.len(),
         });
     }
-    let op = parse_op(&header, body)?;
+    let body = strip_extensions(&header, body)?;
+    let op = decode(header.opcode, Args::Joined(body), layouts)?;
     Ok(Request { header, op })
 }
 
@@ -284,7 +309,7 @@ pub fn parse_with_len_check(buf: &[u8], check_len: bool) -> Result<Request<'_>, 
 /// included).
 pub fn parse_op<'a>(header: &InHeader, body: &'a [u8]) -> Result<Operation<'a>, ParseError> {
     let body = strip_extensions(header, body)?;
-    decode(header.opcode, Args::Joined(body))
+    decode(header.opcode, Args::Joined(body), Layouts::default())
 }
 
 /// Decodes the arguments of an io_uring request: the opcode's fixed struct
@@ -296,8 +321,18 @@ pub fn parse_op_split<'a>(
     op_in: &[u8],
     payload: &'a [u8],
 ) -> Result<Operation<'a>, ParseError> {
+    parse_op_split_laid_out(header, op_in, payload, Layouts::default())
+}
+
+/// Like [`parse_op_split`], for a connection whose INIT negotiated `layouts`.
+pub fn parse_op_split_laid_out<'a>(
+    header: &InHeader,
+    op_in: &[u8],
+    payload: &'a [u8],
+    layouts: Layouts,
+) -> Result<Operation<'a>, ParseError> {
     let payload = strip_extensions(header, payload)?;
-    decode(header.opcode, Args::Split { op: op_in, payload })
+    decode(header.opcode, Args::Split { op: op_in, payload }, layouts)
 }
 
 /// Removes the `total_extlen * 8` extension bytes at the end of `body`.
@@ -339,6 +374,32 @@ impl<'a> Args<'a, '_> {
         }
     }
 
+    /// The first `len` bytes of the opcode's fixed struct (an older, shorter form of it), the
+    /// rest zero-filled, and the variable data after them.
+    fn fixed_prefix<T: FromBytes + IntoBytes>(
+        self,
+        opcode: u32,
+        len: usize,
+    ) -> Result<(T, &'a [u8]), ParseError> {
+        let len = len.min(core::mem::size_of::<T>());
+        let src = match self {
+            Args::Joined(body) => body,
+            Args::Split { op, .. } => op,
+        };
+        let head = src.get(..len).ok_or(ParseError::Truncated {
+            opcode,
+            need: len,
+            have: src.len(),
+        })?;
+        let mut value = T::new_zeroed();
+        value.as_mut_bytes()[..len].copy_from_slice(head);
+        let rest = match self {
+            Args::Joined(body) => &body[len..],
+            Args::Split { payload, .. } => payload,
+        };
+        Ok((value, rest))
+    }
+
     /// Variable data of an opcode that has no fixed struct.
     fn variable(self) -> &'a [u8] {
         match self {
@@ -371,7 +432,11 @@ impl<'a> Args<'a, '_> {
     }
 }
 
-fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseError> {
+fn decode<'a>(
+    opcode: u32,
+    args: Args<'a, '_>,
+    layouts: Layouts,
+) -> Result<Operation<'a>, ParseError> {
     let Some(known) = Opcode::from_u32(opcode) else {
         return Ok(Operation::Unknown(opcode));
     };
@@ -490,7 +555,11 @@ fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseErr
         Opcode::Releasedir => Operation::Releasedir(args.fixed(opcode)?.0),
         Opcode::Fsyncdir => Operation::Fsyncdir(args.fixed(opcode)?.0),
         Opcode::Setxattr => {
-            let (arg, rest): (SetxattrIn, _) = args.fixed(opcode)?;
+            let (arg, rest): (SetxattrIn, _) = if layouts.setxattr_ext {
+                args.fixed(opcode)?
+            } else {
+                args.fixed_prefix(opcode, SETXATTR_IN_COMPAT_SIZE)?
+            };
             let (name, rest) = c_str(rest, opcode)?;
             let value = usize::try_from(arg.size)
                 .ok()
@@ -508,6 +577,9 @@ fn decode<'a>(opcode: u32, args: Args<'a, '_>) -> Result<Operation<'a>, ParseErr
             name: c_str(args.variable(), opcode)?.0,
         },
         Opcode::Access => Operation::Access(args.fixed(opcode)?.0),
+        Opcode::Statx => Operation::Statx(args.fixed(opcode)?.0),
+        Opcode::CopyFileRange => Operation::CopyFileRange(args.fixed(opcode)?.0),
+        Opcode::CopyFileRange64 => Operation::CopyFileRange64(args.fixed(opcode)?.0),
         other => Operation::Unsupported(other),
     };
     Ok(op)

@@ -685,17 +685,160 @@ abi_struct! {
 assert_layout!(CreateIn, 16, { flags: 0, mode: 4, umask: 8, open_flags: 12 });
 
 abi_struct! {
-    /// SETXATTR request head as sent without `FUSE_SETXATTR_EXT` (the first 8 bytes of
-    /// `fuse_setxattr_in`, `FUSE_COMPAT_SETXATTR_IN_SIZE`); the name (NUL-terminated) and `size`
-    /// bytes of value follow.
+    /// SETXATTR request head (`fuse_setxattr_in`); the name (NUL-terminated) and `size` bytes of
+    /// value follow. Without `FUSE_SETXATTR_EXT` the kernel sends only the first
+    /// [`SETXATTR_IN_COMPAT_SIZE`] bytes (the decoder zero-fills the rest).
     pub struct SetxattrIn {
         /// Bytes of value.
         pub size: u32,
         /// `XATTR_CREATE` / `XATTR_REPLACE`.
         pub flags: u32,
+        /// `FUSE_SETXATTR_ACL_KILL_SGID` (with `FUSE_SETXATTR_EXT` only).
+        pub setxattr_flags: u32,
+        /// Unused.
+        pub padding: u32,
     }
 }
-assert_layout!(SetxattrIn, 8, { size: 0, flags: 4 });
+assert_layout!(SetxattrIn, 16, { size: 0, flags: 4, setxattr_flags: 8, padding: 12 });
+
+/// Bytes of [`SetxattrIn`] a kernel sends without `FUSE_SETXATTR_EXT`
+/// (`FUSE_COMPAT_SETXATTR_IN_SIZE`).
+pub const SETXATTR_IN_COMPAT_SIZE: usize = 8;
+
+abi_struct! {
+    /// COPY_FILE_RANGE and COPY_FILE_RANGE_64 request (`fuse_copy_file_range_in`); the header's
+    /// node is the source file.
+    pub struct CopyFileRangeIn {
+        /// Handle of the source file.
+        pub fh_in: u64,
+        /// Offset in the source.
+        pub off_in: u64,
+        /// Node of the destination file.
+        pub nodeid_out: u64,
+        /// Handle of the destination file.
+        pub fh_out: u64,
+        /// Offset in the destination.
+        pub off_out: u64,
+        /// Bytes to copy.
+        pub len: u64,
+        /// `copy_file_range(2)` flags (0).
+        pub flags: u64,
+    }
+}
+assert_layout!(CopyFileRangeIn, 56, {
+    fh_in: 0, off_in: 8, nodeid_out: 16, fh_out: 24, off_out: 32, len: 40, flags: 48,
+});
+
+abi_struct! {
+    /// COPY_FILE_RANGE_64 reply (`fuse_copy_file_range_out`); COPY_FILE_RANGE answers with a
+    /// [`WriteOut`] instead, whose 32-bit count cannot say more than 4 GiB.
+    pub struct CopyFileRangeOut {
+        /// Bytes copied.
+        pub bytes_copied: u64,
+    }
+}
+assert_layout!(CopyFileRangeOut, 8, { bytes_copied: 0 });
+
+abi_struct! {
+    /// STATX request (`fuse_statx_in`).
+    pub struct StatxIn {
+        /// `FUSE_GETATTR_FH`: `fh` is an open handle of the node.
+        pub getattr_flags: u32,
+        /// Unused.
+        pub reserved: u32,
+        /// The handle, with `FUSE_GETATTR_FH`.
+        pub fh: u64,
+        /// `statx(2)` flags: `AT_STATX_FORCE_SYNC` / `AT_STATX_DONT_SYNC`.
+        pub sx_flags: u32,
+        /// `STATX_*` fields asked for.
+        pub sx_mask: u32,
+    }
+}
+assert_layout!(StatxIn, 24, { getattr_flags: 0, reserved: 4, fh: 8, sx_flags: 16, sx_mask: 20 });
+
+abi_struct! {
+    /// A `statx(2)` timestamp (`fuse_sx_time`, laid out as `struct statx_timestamp`).
+    pub struct SxTime {
+        /// Seconds since the epoch.
+        pub tv_sec: i64,
+        /// Nanoseconds.
+        pub tv_nsec: u32,
+        /// Unused.
+        pub reserved: i32,
+    }
+}
+assert_layout!(SxTime, 16, { tv_sec: 0, tv_nsec: 8, reserved: 12 });
+
+abi_struct! {
+    /// Extended attributes (`fuse_statx`): `struct statx` up to `stx_dev_minor`, the rest
+    /// spare.
+    pub struct Statx {
+        /// `STATX_*` fields filled in.
+        pub mask: u32,
+        /// Preferred I/O size.
+        pub blksize: u32,
+        /// `STATX_ATTR_*` flags.
+        pub attributes: u64,
+        /// Hard links.
+        pub nlink: u32,
+        /// Owner.
+        pub uid: u32,
+        /// Group.
+        pub gid: u32,
+        /// Type and permission bits.
+        pub mode: u16,
+        /// Unused.
+        pub spare0: u16,
+        /// Inode number.
+        pub ino: u64,
+        /// Size in bytes.
+        pub size: u64,
+        /// 512-byte blocks allocated.
+        pub blocks: u64,
+        /// Which `attributes` bits the filesystem supports.
+        pub attributes_mask: u64,
+        /// Last access.
+        pub atime: SxTime,
+        /// Creation (birth).
+        pub btime: SxTime,
+        /// Last status change.
+        pub ctime: SxTime,
+        /// Last modification.
+        pub mtime: SxTime,
+        /// Device number, major (device nodes).
+        pub rdev_major: u32,
+        /// Device number, minor.
+        pub rdev_minor: u32,
+        /// Containing device, major.
+        pub dev_major: u32,
+        /// Containing device, minor.
+        pub dev_minor: u32,
+        /// Unused.
+        pub spare2: [u64; 14],
+    }
+}
+assert_layout!(Statx, 256, {
+    mask: 0, blksize: 4, attributes: 8, nlink: 16, uid: 20, gid: 24, mode: 28, spare0: 30,
+    ino: 32, size: 40, blocks: 48, attributes_mask: 56, atime: 64, btime: 80, ctime: 96,
+    mtime: 112, rdev_major: 128, rdev_minor: 132, dev_major: 136, dev_minor: 140, spare2: 144,
+});
+
+abi_struct! {
+    /// STATX reply (`fuse_statx_out`).
+    pub struct StatxOut {
+        /// How long the kernel may cache the attributes, seconds.
+        pub attr_valid: u64,
+        /// Nanoseconds of the same.
+        pub attr_valid_nsec: u32,
+        /// Unused (no flags are defined).
+        pub flags: u32,
+        /// Unused.
+        pub spare: [u64; 2],
+        /// The attributes.
+        pub stat: Statx,
+    }
+}
+assert_layout!(StatxOut, 288, { attr_valid: 0, attr_valid_nsec: 8, flags: 12, spare: 16, stat: 32 });
 
 abi_struct! {
     /// GETXATTR and LISTXATTR request head (`fuse_getxattr_in`); GETXATTR's name follows.

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use dirfs::{DirConfig, DirFs};
 use fuse_abi::{
-    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DO_READDIRPLUS,
-    FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH, FUSE_READDIRPLUS_AUTO,
+    FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DONT_MASK,
+    FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH,
+    FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT,
 };
 use server::{QueueEvent, QueueSpec, Source};
 use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
@@ -439,7 +440,8 @@ type Prepared = (
 /// A directory export of `fusex serve` (an export whose image is a directory): opened, mounted
 /// and negotiated as `fusex mount SRC_DIR` does, then supervised like any export of the daemon.
 /// The process's umask is left alone (the daemon creates other files): every entry made through
-/// the export gets the mode the kernel sent after its creation anyway (`DirFs`'s adopt step).
+/// the export is created with its caller's umask, set for the creation on the queue thread
+/// (`dirfs::acl`).
 pub fn setup(args: &MountArgs, argv: Vec<String>) -> Result<crate::lifecycle::Prepared> {
     let (fs, mnt, plan, _uring, queues, _max_write, negotiated) = prepare(args, false)?;
     let mut settled =
@@ -468,8 +470,9 @@ pub fn setup(args: &MountArgs, argv: Vec<String>) -> Result<crate::lifecycle::Pr
 fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
     check_args(args)?;
     if whole_process {
-        // Entries are created with exactly the mode the kernel sends (the caller's umask
-        // applied): the daemon's own umask must cut nothing.
+        // Entries are created with the caller's umask (the kernel sends it), set per creation
+        // on the queue thread (dirfs::acl), which then restores its own; the daemon's umask is
+        // made 0 so that nothing else it creates for the export is cut either.
         // SAFETY: umask cannot fail.
         unsafe { libc::umask(0) };
     }
@@ -530,12 +533,20 @@ fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
         &mut |_, _| Ok(()),
     )?;
     // DIRECT_IO_ALLOW_MMAP: with --cache never, mmap of a file opened for direct I/O.
+    // DONT_MASK: new entries' modes come without the caller's umask, which the source applies
+    // unless the parent has a default ACL (POSIX_ACL: the kernel checks ACLs; SETXATTR_EXT:
+    // it says when setting an ACL clears the setgid bit). No ACLs if the source keeps none.
     let mut want = FUSE_ASYNC_READ
         | FUSE_DIRECT_IO_ALLOW_MMAP
         | FUSE_BIG_WRITES
         | FUSE_PARALLEL_DIROPS
         | FUSE_DO_READDIRPLUS
-        | FUSE_READDIRPLUS_AUTO;
+        | FUSE_READDIRPLUS_AUTO
+        | FUSE_DONT_MASK
+        | FUSE_SETXATTR_EXT;
+    if fs.source_has_acls() {
+        want |= FUSE_POSIX_ACL;
+    }
     if may_uring {
         want |= FUSE_OVER_IO_URING;
     }
@@ -572,6 +583,7 @@ fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
             tracing::info!("passthrough: off (the kernel did not offer FUSE_PASSTHROUGH)")
         }
     }
+    fs.set_granted(neg.flags);
     let uring = neg.has(FUSE_OVER_IO_URING);
     if args.transport == TransportArg::Uring && !uring {
         bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto");

@@ -4,7 +4,10 @@ use std::sync::Arc;
 
 use engine::{Buf, Engine};
 use export::{Counters, Filesystem, Reply, Request, Tally};
-use fuse_abi::{parse, parse_op_split, peek_unique, write_header, InHeader, Operation, ParseError};
+use fuse_abi::{
+    parse_laid_out, parse_op_split_laid_out, peek_unique, write_header, InHeader, Operation,
+    ParseError,
+};
 use transport::{Delivered, Layout, UringLayout};
 use zerocopy::FromBytes;
 
@@ -95,7 +98,7 @@ impl<F: Filesystem> QueueServer<F> {
         let Some(raw) = buf.as_slice().get(l.request..l.request.saturating_add(n)) else {
             return (buf, LegacyReply::None);
         };
-        let decoded = match parse(raw) {
+        let decoded = match parse_laid_out(raw, true, self.export.layouts()) {
             Ok(r) => Ok((r.header, lower(&r.op, buf.as_slice()))),
             Err(e) => match InHeader::read_from_prefix(raw) {
                 Ok((hdr, _)) if unserved::<F>(&e) => Ok((hdr, (unsupported(&hdr), None))),
@@ -152,19 +155,20 @@ impl<F: Filesystem> QueueServer<F> {
         let b = buf.as_slice();
         let op_in = &b[l.op_in()..l.op_in() + 128];
         let payload = &b[l.payload..l.payload + d.payload_sz.min(l.payload_len)];
-        let (reply, mut buf) = match parse_op_split(&hdr, op_in, payload) {
-            Ok(op) => {
-                let op = lower(&op, b);
-                let window = l.payload..l.payload + l.payload_len;
-                self.dispatch(eng, &hdr, op, buf, window).await
-            }
-            Err(e) if unserved::<F>(&e) => {
-                let window = l.payload..l.payload + l.payload_len;
-                let op = (unsupported(&hdr), None);
-                self.dispatch(eng, &hdr, op, buf, window).await
-            }
-            Err(e) => (self.malformed(&e), buf),
-        };
+        let (reply, mut buf) =
+            match parse_op_split_laid_out(&hdr, op_in, payload, self.export.layouts()) {
+                Ok(op) => {
+                    let op = lower(&op, b);
+                    let window = l.payload..l.payload + l.payload_len;
+                    self.dispatch(eng, &hdr, op, buf, window).await
+                }
+                Err(e) if unserved::<F>(&e) => {
+                    let window = l.payload..l.payload + l.payload_len;
+                    let op = (unsupported(&hdr), None);
+                    self.dispatch(eng, &hdr, op, buf, window).await
+                }
+                Err(e) => (self.malformed(&e), buf),
+            };
         // Nothing without a reply travels over the ring (FORGET and INTERRUPT come through
         // /dev/fuse); should one arrive, answer so the entry re-arms.
         let (error, len) = reply_parts(reply, l.payload_len).unwrap_or((-libc::ENOSYS, 0));

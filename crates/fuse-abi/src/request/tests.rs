@@ -230,6 +230,12 @@ fn samples() -> Vec<(Opcode, Vec<u8>)> {
         (Opcode::Listxattr, B::default().u32(0).u32(0).0),
         (Opcode::Removexattr, b"user.x\0".to_vec()),
         (Opcode::Access, B::default().u32(4).u32(0).0),
+        (
+            Opcode::Statx,
+            B::default().u32(0).u32(0).u64(0).u32(0).u32(0x800).0,
+        ),
+        (Opcode::CopyFileRange, B::default().zeros(56).0),
+        (Opcode::CopyFileRange64, B::default().zeros(56).0),
     ]
 }
 
@@ -308,7 +314,11 @@ fn directory_operations() {
     assert_eq!(
         op(&get(Opcode::Setxattr)),
         Operation::Setxattr {
-            arg: SetxattrIn { size: 3, flags: 1 },
+            arg: SetxattrIn {
+                size: 3,
+                flags: 1,
+                ..Default::default()
+            },
             name: b"user.x",
             value: b"abc"
         }
@@ -511,6 +521,112 @@ fn getattr() {
             fh: 77
         })
     );
+}
+
+#[test]
+fn setxattr_in_both_layouts() {
+    // Without FUSE_SETXATTR_EXT: 8 bytes, then the name.
+    let short = request(
+        Opcode::Setxattr,
+        &B::default().u32(2).u32(1).bytes(b"user.a\0xy").0,
+    );
+    // With it: 16 bytes (setxattr_flags, padding), then the name.
+    let long = request(
+        Opcode::Setxattr,
+        &B::default()
+            .u32(2)
+            .u32(1)
+            .u32(FUSE_SETXATTR_ACL_KILL_SGID)
+            .u32(0)
+            .bytes(b"system.posix_acl_access\0xy")
+            .0,
+    );
+    let ext = Layouts { setxattr_ext: true };
+    let Operation::Setxattr { arg, name, value } = parse(&short).unwrap().op else {
+        panic!("not setxattr")
+    };
+    assert_eq!((arg.size, arg.flags, arg.setxattr_flags), (2, 1, 0));
+    assert_eq!((name, value), (&b"user.a"[..], &b"xy"[..]));
+    let Operation::Setxattr { arg, name, value } = parse_laid_out(&long, true, ext).unwrap().op
+    else {
+        panic!("not setxattr")
+    };
+    assert_eq!(
+        (arg.size, arg.flags, arg.setxattr_flags),
+        (2, 1, FUSE_SETXATTR_ACL_KILL_SGID)
+    );
+    assert_eq!((name, value), (&b"system.posix_acl_access"[..], &b"xy"[..]));
+    // Read as the short form, the long one names another attribute: the layout must be known.
+    assert!(matches!(
+        parse(&long).map(|r| r.op),
+        Ok(Operation::Setxattr { name: b"\x01", .. })
+    ));
+
+    // io_uring: the struct is in op_in (stale bytes after the short form), names in the payload.
+    let mut op_in = [0xaau8; 128];
+    op_in[..8].copy_from_slice(&B::default().u32(2).u32(0).0);
+    let hdr = InHeader {
+        opcode: Opcode::Setxattr as u32,
+        ..Default::default()
+    };
+    let Operation::Setxattr { arg, .. } =
+        parse_op_split_laid_out(&hdr, &op_in, b"user.a\0xy", Layouts::default()).unwrap()
+    else {
+        panic!("not setxattr")
+    };
+    assert_eq!(
+        (arg.setxattr_flags, arg.padding),
+        (0, 0),
+        "stale bytes ignored"
+    );
+    op_in[8..16].copy_from_slice(&B::default().u32(1).u32(0).0);
+    let Operation::Setxattr { arg, .. } =
+        parse_op_split_laid_out(&hdr, &op_in, b"user.a\0xy", ext).unwrap()
+    else {
+        panic!("not setxattr")
+    };
+    assert_eq!(arg.setxattr_flags, 1);
+}
+
+#[test]
+fn statx_and_copy_file_range() {
+    let body = B::default()
+        .u32(FUSE_GETATTR_FH)
+        .u32(0)
+        .u64(9)
+        .u32(0x2000)
+        .u32(0xfff)
+        .0;
+    assert_eq!(
+        op(&request(Opcode::Statx, &body)),
+        Operation::Statx(StatxIn {
+            getattr_flags: FUSE_GETATTR_FH,
+            reserved: 0,
+            fh: 9,
+            sx_flags: 0x2000,
+            sx_mask: 0xfff
+        })
+    );
+    assert!(parse(&request(Opcode::Statx, &body[..20])).is_err());
+    let body = (1..=7u64).fold(B::default(), |b, v| b.u64(v)).0;
+    let want = CopyFileRangeIn {
+        fh_in: 1,
+        off_in: 2,
+        nodeid_out: 3,
+        fh_out: 4,
+        off_out: 5,
+        len: 6,
+        flags: 7,
+    };
+    assert_eq!(
+        op(&request(Opcode::CopyFileRange, &body)),
+        Operation::CopyFileRange(want)
+    );
+    assert_eq!(
+        op(&request(Opcode::CopyFileRange64, &body)),
+        Operation::CopyFileRange64(want)
+    );
+    assert!(parse(&request(Opcode::CopyFileRange64, &body[..55])).is_err());
 }
 
 #[test]
