@@ -141,7 +141,7 @@ class MetadataOpsTest(unittest.TestCase):
         self.assertEqual(mk("create"), [["rm", "-rf", "/m/t/files"],
                                         ["/b/metaops", "create", "/m/t/files", "100", "1000", "100"]])
         self.assertEqual(mk("unlink"), [["/b/metaops", "unlink", "/m/t/files", "100", "1000", "100"]])
-        self.assertEqual(mk("untar"), [["rm", "-rf", "/m/t/src"], ["tar", "-xf", "/b/src.tar", "-C", "/m/t"]])
+        self.assertEqual(mk("untar"), [["rm", "-rf", "/m/t/src"], ["tar", "-xmf", "/b/src.tar", "-C", "/m/t"]])
         self.assertEqual(mk("find"), [["find", "/m/t/src", "-type", "f"]])
         self.assertEqual(mk("du"), [["du", "-s", "/m/t/src"]])
         git = mk("git-status")
