@@ -266,11 +266,7 @@ pub fn mount(
         "mounted directory {} at {} ({}, {} queue{}, {})",
         args.image,
         mnt.mountpoint().display(),
-        if args.writable {
-            "writable"
-        } else {
-            "read-only"
-        },
+        access(args.writable),
         nq,
         if nq == 1 { "" } else { "s" },
         if uring {
@@ -450,11 +446,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>) -> Result<crate::lifecycle::Pr
         "mounted directory {} at {} ({})",
         args.image,
         mnt.mountpoint().display(),
-        if args.writable {
-            "writable"
-        } else {
-            "read-only"
-        }
+        access(args.writable)
     ));
     Ok(crate::lifecycle::Prepared {
         args: args.clone(),
@@ -463,6 +455,15 @@ pub fn setup(args: &MountArgs, argv: Vec<String>) -> Result<crate::lifecycle::Pr
         settled,
         stats: Default::default(),
     })
+}
+
+/// How a directory export is mounted, in its start-up lines.
+fn access(writable: bool) -> &'static str {
+    if writable {
+        "writable"
+    } else {
+        "read-only"
+    }
 }
 
 /// Opens the source, mounts and negotiates INIT. `whole_process`: `fusex mount`, whose umask

@@ -453,14 +453,7 @@ impl Service {
                 a.node_name
             )));
         };
-        let mountpoint = PathBuf::from(&a.mountpoint);
-        if let Err(e) = std::fs::metadata(&mountpoint) {
-            return Err(QmpError::generic(format!(
-                "Failed to stat '{}': {}",
-                a.mountpoint,
-                strerror(&e)
-            )));
-        }
+        let mountpoint = existing_mountpoint(&a.mountpoint)?;
         let writable = a.writable.unwrap_or(false);
         let lookup = |name: &str| t.node(name);
         // The node and the nodes under it (a partition's format node, a format node's file).
@@ -582,14 +575,7 @@ impl Service {
                 return Err(id_in_use(&a.id));
             }
         }
-        let mountpoint = PathBuf::from(&a.mountpoint);
-        if let Err(e) = std::fs::metadata(&mountpoint) {
-            return Err(QmpError::generic(format!(
-                "Failed to stat '{}': {}",
-                a.mountpoint,
-                strerror(&e)
-            )));
-        }
+        let mountpoint = existing_mountpoint(&a.mountpoint)?;
         let mut all = Vec::new();
         if a.writable.unwrap_or(false) {
             all.push("--writable".to_string());
@@ -1105,6 +1091,18 @@ fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
 /// The node made for an export that names its image itself (`fusex ctl add`, the config file).
 fn own_node(id: &str) -> String {
     format!("#{id}")
+}
+
+/// `mountpoint` as a path, once it is known to exist: QEMU's error text when it does not, so a
+/// client sees the same refusal from both daemons.
+fn existing_mountpoint(mountpoint: &str) -> Result<PathBuf, QmpError> {
+    match std::fs::metadata(mountpoint) {
+        Ok(_) => Ok(PathBuf::from(mountpoint)),
+        Err(e) => Err(QmpError::generic(format!(
+            "Failed to stat '{mountpoint}': {}",
+            strerror(&e)
+        ))),
+    }
 }
 
 /// QEMU's error for an export id that is taken.
