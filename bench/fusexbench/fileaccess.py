@@ -43,16 +43,21 @@ class FileAccessWorkload:
                 f" with {format_size(self.bufsize)} buffers, {self.cache} cache")
 
 
-def build(cc: Optional[str] = None) -> str:
-    """Compile fileaccess.c if needed; return the binary path."""
-    if os.path.exists(BINARY) and os.path.getmtime(BINARY) >= os.path.getmtime(SOURCE):
-        return BINARY
+def build_c(source: str, binary: str, cc: Optional[str] = None) -> str:
+    """Compile the C helper ``source`` into ``binary`` unless it is newer; return ``binary``."""
+    if os.path.exists(binary) and os.path.getmtime(binary) >= os.path.getmtime(source):
+        return binary
     compiler = cc or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
-        raise RuntimeError("no C compiler (apt-get install gcc) for bench/fileaccess.c")
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    subprocess.run([compiler, "-O2", "-Wall", "-Wextra", "-o", BINARY, SOURCE], check=True)
-    return BINARY
+        raise RuntimeError(f"no C compiler (apt-get install gcc) for bench/{os.path.basename(source)}")
+    os.makedirs(os.path.dirname(binary), exist_ok=True)
+    subprocess.run([compiler, "-O2", "-Wall", "-Wextra", "-o", binary, source], check=True)
+    return binary
+
+
+def build(cc: Optional[str] = None) -> str:
+    """Compile fileaccess.c if needed; return the binary path."""
+    return build_c(SOURCE, BINARY, cc)
 
 
 def command(binary: str, path: str, w: FileAccessWorkload, max_seconds: float) -> list[str]:

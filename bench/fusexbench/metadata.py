@@ -26,6 +26,8 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .fileaccess import build_c
+
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(BENCH_DIR, "metaops.c")
 BUILD_DIR = os.path.join(BENCH_DIR, ".build")
@@ -67,14 +69,7 @@ def tree_shape(files: int) -> tuple[int, int]:
 
 def build(cc: Optional[str] = None) -> str:
     """Compile metaops.c if needed; return the binary path."""
-    if os.path.exists(BINARY) and os.path.getmtime(BINARY) >= os.path.getmtime(SOURCE):
-        return BINARY
-    compiler = cc or shutil.which("gcc") or shutil.which("cc")
-    if not compiler:
-        raise RuntimeError("no C compiler (apt-get install gcc) for bench/metaops.c")
-    os.makedirs(BUILD_DIR, exist_ok=True)
-    subprocess.run([compiler, "-O2", "-Wall", "-Wextra", "-o", BINARY, SOURCE], check=True)
-    return BINARY
+    return build_c(SOURCE, BINARY, cc)
 
 
 def tarball_path(files: int) -> str:
