@@ -36,21 +36,30 @@
 //! The first write into an unallocated block:
 //!
 //! 1. takes the block's allocation lock ([`RegionLocks`], exclusive on the block's region) and
-//!    checks the entry again: a write that raced with it finds the block allocated and just
-//!    writes into it, so a block is never allocated twice;
+//!    looks for an allocation of the block under way, then at the entry again: a write that
+//!    raced with it finds the block allocated and just writes into it, so a block is never
+//!    allocated twice;
 //! 2. under the image-wide allocator lock, reserves [`BlockFormat::footprint`] bytes at the
 //!    end of the image (`next_free`) and lets [`BlockFormat::reserve`] make the file hold them
 //!    (the lock is held for that one step only, so file-end metadata such as VHD's footer copy is
-//!    always written in allocation order);
-//! 3. [`BlockFormat::prepare`], then the guest data, each completing before the next starts;
+//!    always written in allocation order); announces the allocation and leaves the block's lock;
+//! 3. [`BlockFormat::prepare`] and the guest data at once, both completing before
 //! 4. [`BlockFormat::commit`] writes the on-disk entry, and only then is the block published in
-//!    the in-memory table.
+//!    the in-memory table and the allocation withdrawn.
+//!
+//! Other writes into the block meanwhile (a sequential writer keeps several in flight in one
+//! block) find the allocation under way and write their data into the reserved space at once,
+//! then wait for the entry to be published before they complete, so a read issued after any
+//! write completed finds its bytes. They do not wait for the 3-4 steps above to start their own
+//! transfer; if the reserved space is not fresh they wait for the entry first (the allocator
+//! zeroes it), and if the allocation failed they start again from the entry.
 //!
 //! A crash therefore never leaves an entry that points at bytes the format did not write: before
 //! step 4 the entry still says unallocated (the reserved space is leaked, which `qemu-img check`
 //! reports as a leak, never as corruption), and the reserved space is fresh (past the old end of
 //! the file, reading as zeroes) unless the format says otherwise, in which case the core zeroes
-//! the block before writing into it.
+//! the block before writing into it. A joining write still in flight at the crash was never
+//! reported complete, and its bytes read as zeroes.
 //!
 //! Writes into allocated plain blocks take no lock (one atomic load of the entry); reads of
 //! plain and unallocated blocks never lock. A flagged block is read with its lock shared and
@@ -62,10 +71,13 @@ pub(crate) mod fixed;
 mod open;
 mod table;
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
 
 use engine::{Engine, Slice};
 
@@ -179,6 +191,63 @@ pub struct Layout {
     pub writable: bool,
 }
 
+/// A block being allocated, as writes into it see it.
+struct Pending {
+    /// Where its footprint was reserved.
+    host: u64,
+    /// The reserved space reads as zeroes: other writes may land in it before the entry is
+    /// written (otherwise the allocator zeroes it first, and they wait for the entry).
+    fresh: bool,
+    /// Held for writing by the allocator until it sets it: true once the entry is published,
+    /// false if the allocation failed.
+    outcome: Arc<tokio::sync::RwLock<bool>>,
+}
+
+/// What the allocator of a block holds between reserving its footprint and publishing it.
+struct Allocation {
+    host: u64,
+    fresh: bool,
+    held: tokio::sync::OwnedRwLockWriteGuard<bool>,
+}
+
+/// What a write into an unallocated or flagged block does once it has looked under the lock.
+enum Step {
+    /// Allocate the block: its footprint is reserved.
+    Allocate(Allocation),
+    /// Another write is allocating the block: write into its reserved space.
+    Join(Arc<Pending>),
+}
+
+/// Runs two fallible futures at once (per-block metadata and data of a new block are
+/// independent) and fails with the first error, once both ended.
+async fn both<A, B>(
+    a: impl Future<Output = io::Result<A>>,
+    b: impl Future<Output = io::Result<B>>,
+) -> io::Result<(A, B)> {
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    let (mut ra, mut rb) = (None, None);
+    std::future::poll_fn(|cx| {
+        if ra.is_none() {
+            if let Poll::Ready(r) = a.as_mut().poll(cx) {
+                ra = Some(r);
+            }
+        }
+        if rb.is_none() {
+            if let Poll::Ready(r) = b.as_mut().poll(cx) {
+                rb = Some(r);
+            }
+        }
+        match (ra.take(), rb.take()) {
+            (Some(x), Some(y)) => Poll::Ready(x.and_then(|x| y.map(|y| (x, y)))),
+            (x, y) => {
+                (ra, rb) = (x, y);
+                Poll::Pending
+            }
+        }
+    })
+    .await
+}
+
 /// A block-table image served as its guest bytes: the [`BlockBackend`] of every format built
 /// on [`BlockFormat`].
 pub struct TableImage<F: BlockFormat> {
@@ -193,6 +262,8 @@ pub struct TableImage<F: BlockFormat> {
     locks: RegionLocks,
     /// Next free file offset; held only while a footprint is reserved.
     next_free: tokio::sync::Mutex<u64>,
+    /// Blocks being allocated (a handful at a time: one per write in flight at most).
+    pending: std::sync::Mutex<HashMap<u64, Arc<Pending>>>,
     /// Blocks mapped to data, for `st_blocks`.
     allocated: AtomicU64,
     /// A bad entry was logged (once per export: a hostile table must not flood the log).
@@ -211,6 +282,7 @@ impl<F: BlockFormat> TableImage<F> {
             writable: layout.writable,
             locks: RegionLocks::new(layout.block_shift),
             next_free: tokio::sync::Mutex::new(layout.next_free),
+            pending: std::sync::Mutex::new(HashMap::new()),
             allocated: AtomicU64::new(allocated),
             bad_logged: AtomicBool::new(false),
             table,
@@ -355,34 +427,84 @@ impl<F: BlockFormat> TableImage<F> {
         Ok(())
     }
 
-    /// A write into a block that is unallocated or flagged: under the block's lock.
+    /// A write into a block that is unallocated or flagged: decided under the block's lock.
     async fn write_locked(&self, block: u64, within: u64, piece: &[u8]) -> io::Result<()> {
-        let _x = self
-            .locks
-            .region_of(block << self.block_shift)
-            .exclusive()
-            .await;
-        match self.table.get(block) {
-            Entry::Data { host, flags: 0 } => {
-                self.file
-                    .write_full(piece, self.fmt.data_at(host) + within)
-                    .await
+        loop {
+            let step = {
+                let _x = self
+                    .locks
+                    .region_of(block << self.block_shift)
+                    .exclusive()
+                    .await;
+                // The allocation under way first: its allocator publishes the entry before it
+                // withdraws the allocation, so a block seen in neither is really unallocated.
+                if let Some(p) = self.under_way(block) {
+                    Step::Join(p)
+                } else {
+                    match self.table.get(block) {
+                        Entry::Data { host, flags: 0 } => {
+                            return self
+                                .file
+                                .write_full(piece, self.fmt.data_at(host) + within)
+                                .await
+                        }
+                        e @ Entry::Data { .. } => {
+                            let new = self
+                                .fmt
+                                .write_flagged(&self.file, &self.table, block, e, within, piece)
+                                .await?;
+                            self.table.set(block, new);
+                            return Ok(());
+                        }
+                        Entry::Unallocated | Entry::Zero => {
+                            Step::Allocate(self.reserve(block).await?)
+                        }
+                        Entry::Bad => return Err(self.bad(block)),
+                    }
+                }
+            };
+            match step {
+                Step::Allocate(a) => return self.allocate(block, within, piece, a).await,
+                Step::Join(p) => {
+                    // Into the reserved space while the allocator writes its own piece and
+                    // the entry; complete only once the entry is published, so a read after
+                    // this write returns finds it.
+                    if p.fresh {
+                        self.file
+                            .write_full(piece, self.fmt.data_at(p.host) + within)
+                            .await?;
+                    }
+                    let published = *p.outcome.read().await;
+                    if published
+                        && p.fresh
+                        && self.table.get(block)
+                            == (Entry::Data {
+                                host: p.host,
+                                flags: 0,
+                            })
+                    {
+                        return Ok(());
+                    }
+                    // Space that is not fresh is zeroed by the allocator, so this piece goes in
+                    // after it; a failed allocation leaves the block unallocated. Either way:
+                    // again, from the entry.
+                }
             }
-            e @ Entry::Data { .. } => {
-                let new = self
-                    .fmt
-                    .write_flagged(&self.file, &self.table, block, e, within, piece)
-                    .await?;
-                self.table.set(block, new);
-                Ok(())
-            }
-            Entry::Unallocated | Entry::Zero => self.allocate(block, within, piece).await,
-            Entry::Bad => Err(self.bad(block)),
         }
     }
 
-    /// Allocates `block` (its lock held) and writes `piece` at `within` of it.
-    async fn allocate(&self, block: u64, within: u64, piece: &[u8]) -> io::Result<()> {
+    /// The allocation of `block` under way, if any.
+    fn under_way(&self, block: u64) -> Option<Arc<Pending>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&block)
+            .cloned()
+    }
+
+    /// Reserves a footprint for `block` (its lock held, no allocation of it under way) and
+    /// announces the allocation, so writes into the block join it instead of waiting for it.
+    async fn reserve(&self, block: u64) -> io::Result<Allocation> {
         let footprint = self.fmt.footprint();
         let (host, fresh) = {
             let mut next = self.next_free.lock().await;
@@ -395,16 +517,60 @@ impl<F: BlockFormat> TableImage<F> {
             *next = end;
             (host, fresh)
         };
-        self.fmt.prepare(&self.file, block, host).await?;
-        let data = self.fmt.data_at(host);
-        if !fresh {
-            self.file.zero_range(data, self.block_size()).await?;
+        let outcome = Arc::new(tokio::sync::RwLock::new(false));
+        // Uncontended: nobody has seen this lock yet.
+        let held = outcome.clone().write_owned().await;
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                block,
+                Arc::new(Pending {
+                    host,
+                    fresh,
+                    outcome,
+                }),
+            );
+        Ok(Allocation { host, fresh, held })
+    }
+
+    /// Completes the allocation of `block` reserved as `a`, writing `piece` at `within` of
+    /// it: the format's per-block metadata and the data at once, then the entry; then publishes
+    /// the block and withdraws the allocation (in that order, see [`Self::write_locked`]).
+    async fn allocate(
+        &self,
+        block: u64,
+        within: u64,
+        piece: &[u8],
+        a: Allocation,
+    ) -> io::Result<()> {
+        let Allocation {
+            host,
+            fresh,
+            mut held,
+        } = a;
+        let done = async {
+            let data = self.fmt.data_at(host);
+            let write = async {
+                if !fresh {
+                    self.file.zero_range(data, self.block_size()).await?;
+                }
+                self.file.write_full(piece, data + within).await
+            };
+            both(self.fmt.prepare(&self.file, block, host), write).await?;
+            let entry = self.fmt.commit(&self.file, block, host).await?;
+            self.table.set(block, entry);
+            self.allocated.fetch_add(1, Ordering::Relaxed);
+            Ok(())
         }
-        self.file.write_full(piece, data + within).await?;
-        let entry = self.fmt.commit(&self.file, block, host).await?;
-        self.table.set(block, entry);
-        self.allocated.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        .await;
+        *held = done.is_ok();
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&block);
+        drop(held);
+        done
     }
 
     /// Makes `off..off + len` read as zeroes: allocated blocks get the range zeroed in the file

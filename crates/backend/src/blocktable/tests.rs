@@ -124,6 +124,82 @@ fn racing_writers_allocate_a_block_once() {
     }
 }
 
+/// The toy format whose first commit fails (its table write refused).
+struct Flaky {
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl BlockFormat for Flaky {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+    fn footprint(&self) -> u64 {
+        BS
+    }
+    async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
+        Toy.reserve(file, host, end).await
+    }
+    async fn commit(&self, file: &RingFile, block: u64, host: u64) -> io::Result<Entry> {
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Toy.commit(file, block, host).await
+    }
+}
+
+#[test]
+fn writes_joining_a_failed_allocation_allocate_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.img");
+    create(&p);
+    let toy = open(&p);
+    let img = Arc::new(TableImage::new(
+        toy.file,
+        Flaky {
+            failed: AtomicBool::new(false),
+        },
+        toy.table,
+        Layout {
+            block_shift: SHIFT,
+            size: BLOCKS * BS,
+            next_free: HEADER,
+            writable: true,
+        },
+    ));
+    let threads: Vec<_> = (0..8u8)
+        .map(|t| {
+            let img = img.clone();
+            std::thread::spawn(move || write(&img, 5 * BS + u64::from(t) * 512, &[t + 1; 512]))
+        })
+        .collect();
+    let outcomes: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    // The first allocator's commit failed: that write fails, every other one lands in a block
+    // allocated again (whether it had joined the failed allocation or came after it).
+    let failed: Vec<_> = (0..8).filter(|&t| outcomes[t].is_err()).collect();
+    assert_eq!(failed.len(), 1, "{outcomes:?}");
+    assert_eq!(
+        outcomes[failed[0]].as_ref().unwrap_err().raw_os_error(),
+        Some(libc::EIO)
+    );
+    assert_eq!(img.table().count_data(), 1);
+    let got = read(&img, 5 * BS, BS as usize).unwrap();
+    for t in (0..8u8).filter(|&t| usize::from(t) != failed[0]) {
+        assert!(
+            got[t as usize * 512..][..512].iter().all(|&b| b == t + 1),
+            "writer {t}"
+        );
+    }
+    // The failed allocation's space is leaked, never reused or pointed at.
+    let entry = img.table().get(5);
+    assert_eq!(
+        entry,
+        Entry::Data {
+            host: HEADER + BS,
+            flags: 0
+        }
+    );
+}
+
 #[test]
 fn bad_entries_fail_only_their_block() {
     let dir = tempfile::tempdir().unwrap();
