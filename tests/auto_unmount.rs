@@ -79,6 +79,42 @@ fn auto_unmount_removes_the_mount_of_a_killed_daemonized_daemon() {
     kill_and_expect_unmount(m, "daemonized");
 }
 
+/// A directory export's mount goes with its killed daemon as an image export's does, and the
+/// source is left as it was.
+#[test]
+fn auto_unmount_removes_the_mount_of_a_killed_directory_export() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("au-kill-dir");
+    let src = w.join("src");
+    let mp = w.join("mnt");
+    fs::create_dir(&src).unwrap();
+    fs::create_dir(&mp).unwrap();
+    fs::write(src.join("kept"), b"source file\n").unwrap();
+    let m = Mount::start(&w, &src, &mp, &["--auto-unmount"]);
+    assert_eq!(fs::read(mp.join("kept")).unwrap(), b"source file\n");
+    let watcher = watcher_of(m.pid());
+    m.signal(libc::SIGKILL);
+    let gone = wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(&mp));
+    assert!(
+        gone,
+        "the dead daemon's mount is still there after {TIMEOUT:?}"
+    );
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !pid_alive(watcher)),
+        "the watcher did not exit"
+    );
+    let st = m.wait_exit();
+    assert!(st.exited && !st.left_mounted, "{st:?}");
+    assert_eq!(
+        fs::read_dir(&mp).unwrap().count(),
+        0,
+        "the mountpoint is the empty directory again"
+    );
+    assert_eq!(fs::read(src.join("kept")).unwrap(), b"source file\n");
+}
+
 /// A clean stop with `--auto-unmount` is as clean as without: the daemon unmounts itself and the
 /// watcher, finding nothing of its own, just exits.
 #[test]

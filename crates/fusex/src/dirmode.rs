@@ -168,15 +168,18 @@ pub fn mount(
     mut ready: Readiness,
     mut signals: signal_hook::iterator::Signals,
     pid_file: Option<&crate::files::PidFile>,
+    verbose: u8,
 ) -> Result<()> {
-    let r = prepare(&args, true);
-    let (fs, mut mnt, plan, uring, threads, max_write, _) = match r {
+    let r = prepare(&args, true, verbose);
+    let (fs, mounted, plan, uring, threads, max_write, _, watcher) = match r {
         Ok(v) => v,
         Err(e) => {
             ready.report(Err(format!("{e:#}")));
             return Err(e);
         }
     };
+    // Bound after the watcher, so an early return drops (unmounts) it before the watcher goes.
+    let mut mnt = mounted;
     let (tx, rx) = mpsc::channel::<Msg>();
     let handle = signals.handle();
     let privileges = Plan::directory(mnt.via_fusermount());
@@ -378,6 +381,8 @@ pub fn mount(
     }
     let _ = mnt.abort();
     drop(mnt);
+    // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
+    drop(watcher);
     if running == 0 {
         if placement.private {
             placement.workers.shut_down();
@@ -431,6 +436,7 @@ type Prepared = (
     usize,
     usize,
     transport::Negotiated,
+    Option<crate::watcher::Watcher>,
 );
 
 /// A directory export of `fusex serve` (an export whose image is a directory): opened, mounted
@@ -438,10 +444,15 @@ type Prepared = (
 /// The process's umask is left alone (the daemon creates other files): every entry made through
 /// the export is created with its caller's umask, set for the creation on the queue thread
 /// (`dirfs::acl`).
-pub fn setup(args: &MountArgs, argv: Vec<String>) -> Result<crate::lifecycle::Prepared> {
-    let (fs, mnt, plan, _uring, queues, _max_write, negotiated) = prepare(args, false)?;
+pub fn setup(
+    args: &MountArgs,
+    argv: Vec<String>,
+    verbose: u8,
+) -> Result<crate::lifecycle::Prepared> {
+    let (fs, mnt, plan, _uring, queues, _max_write, negotiated, watcher) =
+        prepare(args, false, verbose)?;
     let mut settled =
-        crate::lifecycle::Settled::adopted(negotiated, argv, plan, queues, None, None);
+        crate::lifecycle::Settled::adopted(negotiated, argv, plan, queues, None, watcher);
     settled.announce = Some(format!(
         "mounted directory {} at {} ({})",
         args.image,
@@ -468,7 +479,7 @@ fn access(writable: bool) -> &'static str {
 
 /// Opens the source, mounts and negotiates INIT. `whole_process`: `fusex mount`, whose umask
 /// may be set for the export.
-fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
+fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepared> {
     check_args(args)?;
     if whole_process {
         // Entries are created with the caller's umask (the kernel sends it), set per creation
@@ -522,6 +533,9 @@ fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
         bail!("{why}");
     }
     let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
+    // The --auto-unmount watcher starts once the mount exists and before anything can see it,
+    // as for an image export.
+    let mut watcher = None;
     let mnt = Mount::establish(
         &MountConfig {
             mountpoint: args.mountpoint.clone(),
@@ -531,7 +545,15 @@ fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
             max_read: max_write,
             directory: true,
         },
-        &mut |_, _| Ok(()),
+        &mut |mountpoint, id| {
+            if args.auto_unmount {
+                watcher = Some(
+                    crate::watcher::spawn(mountpoint, id, verbose, args.daemonize)
+                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?,
+                );
+            }
+            Ok(())
+        },
     )?;
     // DIRECT_IO_ALLOW_MMAP: with --cache never, mmap of a file opened for direct I/O.
     // DONT_MASK: new entries' modes come without the caller's umask, which the source applies
@@ -603,7 +625,7 @@ fn prepare(args: &MountArgs, whole_process: bool) -> Result<Prepared> {
         threads
     };
     let max_write = neg.max_write as usize;
-    Ok((fs, mnt, plan, uring, queues, max_write, neg))
+    Ok((fs, mnt, plan, uring, queues, max_write, neg, watcher))
 }
 
 /// Every node the kernel holds is an open descriptor: raise the limit as far as allowed (with

@@ -375,7 +375,7 @@ impl Prepared {
 /// Opens the image, mounts it and negotiates INIT: the export is mounted but not yet served.
 pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepared> {
     if crate::dirmode::is_directory(&args.image) {
-        return crate::dirmode::setup(args, argv);
+        return crate::dirmode::setup(args, argv, verbose);
     }
     if args.growable && !args.writable {
         bail!("--growable needs --writable: add --writable or drop --growable");

@@ -45,7 +45,7 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
         }
     };
     if crate::dirmode::is_directory(&args.image) {
-        let r = crate::dirmode::mount(args, ready, signals, pid_file.as_ref());
+        let r = crate::dirmode::mount(args, ready, signals, pid_file.as_ref(), verbose);
         if let Some(p) = pid_file {
             p.remove();
         }
