@@ -807,7 +807,9 @@ impl DirFs {
         let flags = Self::open_flags(a.flags);
         let exclusive = a.flags as i32 & libc::O_EXCL != 0;
         // Always exclusive, so that only a file made here is given to the caller; a file that
-        // appeared meanwhile is opened as it is unless the caller asked for O_EXCL.
+        // appeared meanwhile is opened as it is unless the caller asked for O_EXCL. A plain
+        // call, not a ring op: it needs the caller's umask as this thread's, which an io-wq
+        // worker running the op would not have (see `ring`).
         let (fd, made) = match acl::with_umask(a.umask, || {
             sys::open_in(
                 dir.fd(),
