@@ -557,11 +557,15 @@ fn a_held_open_does_not_block_other_requests() {
     let t = Tree::new("dirfs-held-open");
     fs::write(t.src.join("held"), b"held\n").unwrap();
     fs::write(t.src.join("other"), b"other\n").unwrap();
+    // Without passthrough, so the only open of the held file is the daemon's (with it, the
+    // kernel opens the backing file again in the caller's open).
+    let _m = t.mount(&["--queues", "1", "--passthrough", "off"]);
+    // After the mount, so it is dropped first: closing the group lets a held open go on, which
+    // the unmount in the mount's drop waits for.
     let Some(gate) = OpenGate::on(&t.src.join("held")) else {
         skip_or_fail("fanotify FAN_OPEN_PERM (CONFIG_FANOTIFY_ACCESS_PERMISSIONS and root)");
         return;
     };
-    let _m = t.mount(&["--queues", "1"]);
 
     let (a_tx, a_rx) = std::sync::mpsc::channel();
     let held = t.mnt.join("held");
@@ -586,6 +590,8 @@ fn a_held_open_does_not_block_other_requests() {
     let other = b_rx.recv_timeout(TIMEOUT);
     let a_finished_early = a_rx.try_recv().is_ok();
     gate.allow(ev);
+    // Closing the group lets any other open of the file go on, and stops holding new ones.
+    drop(gate);
 
     let (len, data) = other.expect("the other file was served while the held open waited");
     assert_eq!(len.unwrap(), 6);
