@@ -462,3 +462,144 @@ fn posix_and_flock_locks_hold_between_processes_through_the_mount() {
     assert_eq!(try_lock_elsewhere("flock", &p), "ok", "closing releases");
     m.stop().assert_clean("locks through a directory export");
 }
+
+/// A fanotify group whose `FAN_OPEN_PERM` mark on one file holds every open of it until the
+/// test answers.
+struct OpenGate {
+    fan: std::os::fd::OwnedFd,
+}
+
+impl OpenGate {
+    /// None where fanotify permission events are not available (kernel without
+    /// `CONFIG_FANOTIFY_ACCESS_PERMISSIONS`, or no `CAP_SYS_ADMIN`).
+    fn on(file: &Path) -> Option<OpenGate> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain syscall with integer arguments; the result is checked.
+        let fd = unsafe {
+            libc::fanotify_init(
+                libc::FAN_CLASS_CONTENT | libc::FAN_CLOEXEC,
+                libc::O_RDONLY as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: just returned by the kernel, owned here.
+        let fan = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        let p = c(file);
+        // SAFETY: a valid path; the result is checked.
+        let r = unsafe {
+            libc::fanotify_mark(
+                fan.as_raw_fd(),
+                libc::FAN_MARK_ADD,
+                libc::FAN_OPEN_PERM,
+                libc::AT_FDCWD,
+                p.as_ptr(),
+            )
+        };
+        (r == 0).then_some(OpenGate { fan })
+    }
+
+    /// Waits (at most `TIMEOUT`) for an open of the file to be held; returns the event's
+    /// descriptor, to answer with [`OpenGate::allow`].
+    fn held(&self) -> Option<i32> {
+        let mut pfd = libc::pollfd {
+            fd: self.fan.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, TIMEOUT.as_millis() as libc::c_int) };
+        if n != 1 {
+            return None;
+        }
+        let mut ev = std::mem::MaybeUninit::<libc::fanotify_event_metadata>::zeroed();
+        let size = std::mem::size_of::<libc::fanotify_event_metadata>();
+        // SAFETY: reads at most one event's metadata into writable memory of that size.
+        let got = unsafe { libc::read(self.fan.as_raw_fd(), ev.as_mut_ptr().cast(), size) };
+        assert_eq!(got, size as isize, "one fanotify event");
+        // SAFETY: filled by the read (and zeroed before).
+        let ev = unsafe { ev.assume_init() };
+        assert!(ev.mask & libc::FAN_OPEN_PERM != 0, "mask {:#x}", ev.mask);
+        Some(ev.fd)
+    }
+
+    /// Lets the held open (event descriptor `fd`) go on.
+    fn allow(&self, fd: i32) {
+        let answer = libc::fanotify_response {
+            fd,
+            response: libc::FAN_ALLOW,
+        };
+        let size = std::mem::size_of::<libc::fanotify_response>();
+        // SAFETY: writes one response from a live value of that size; then closes the event's
+        // descriptor, which the kernel opened for this listener.
+        unsafe {
+            let w = libc::write(
+                self.fan.as_raw_fd(),
+                (&answer as *const libc::fanotify_response).cast(),
+                size,
+            );
+            assert_eq!(w, size as isize, "fanotify answer");
+            libc::close(fd);
+        }
+    }
+}
+
+/// A slow source file holds up only the requests that wait on it: while a fanotify permission
+/// listener holds the daemon's open of one file, a lookup, a stat and an open and read of
+/// another file complete on the same single-queue mount. Ordering, not timing: the other file's
+/// operations finish before the test lets the held open go on.
+#[test]
+fn a_held_open_does_not_block_other_requests() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-held-open");
+    fs::write(t.src.join("held"), b"held\n").unwrap();
+    fs::write(t.src.join("other"), b"other\n").unwrap();
+    // Without passthrough, so the only open of the held file is the daemon's (with it, the
+    // kernel opens the backing file again in the caller's open).
+    let _m = t.mount(&["--queues", "1", "--passthrough", "off"]);
+    // After the mount, so it is dropped first: closing the group lets a held open go on, which
+    // the unmount in the mount's drop waits for.
+    let Some(gate) = OpenGate::on(&t.src.join("held")) else {
+        skip_or_fail("fanotify FAN_OPEN_PERM (CONFIG_FANOTIFY_ACCESS_PERMISSIONS and root)");
+        return;
+    };
+
+    let (a_tx, a_rx) = std::sync::mpsc::channel();
+    let held = t.mnt.join("held");
+    let a = std::thread::spawn(move || {
+        let r = fs::read(held);
+        a_tx.send(()).unwrap();
+        r
+    });
+    let ev = gate
+        .held()
+        .expect("the daemon's open of the held file reaches the listener");
+
+    // The held open waits in the kernel; the same queue serves another file meanwhile.
+    let (b_tx, b_rx) = std::sync::mpsc::channel();
+    let mnt = t.mnt.clone();
+    let b = std::thread::spawn(move || {
+        let len = fs::symlink_metadata(mnt.join("other")).map(|m| m.len());
+        let data = fs::read(mnt.join("other"));
+        b_tx.send((len, data)).unwrap();
+    });
+    // (TIMEOUT only detects a hang: the test answers the listener either way.)
+    let other = b_rx.recv_timeout(TIMEOUT);
+    let a_finished_early = a_rx.try_recv().is_ok();
+    gate.allow(ev);
+    // Closing the group lets any other open of the file go on, and stops holding new ones.
+    drop(gate);
+
+    let (len, data) = other.expect("the other file was served while the held open waited");
+    assert_eq!(len.unwrap(), 6);
+    assert_eq!(data.unwrap(), b"other\n");
+    assert!(
+        !a_finished_early,
+        "the held open finished before it was allowed"
+    );
+    assert_eq!(a.join().unwrap().unwrap(), b"held\n");
+    b.join().unwrap();
+}

@@ -18,6 +18,7 @@ mod attr;
 mod copy;
 pub mod files;
 pub mod inodes;
+mod ring;
 mod statx;
 pub mod sys;
 
@@ -34,12 +35,11 @@ use std::time::Duration;
 use engine::{Buf, Engine, Fd};
 use export::{Filesystem, Reply, Request, Span, Tally};
 use fuse_abi::{
-    AttrOut, CreateIn, Dirent, EntryOut, FallocateIn, FsyncIn, GetattrIn, GetxattrIn, GetxattrOut,
-    InHeader, Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenIn, OpenOut, ReadIn,
-    SetattrIn, SetxattrIn, StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH,
-    FATTR_GID, FATTR_MODE, FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO,
-    FOPEN_KEEP_CACHE, FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC,
-    RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_ID,
+    AttrOut, CreateIn, Dirent, EntryOut, FallocateIn, FsyncIn, GetxattrIn, GetxattrOut, InHeader,
+    Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenOut, ReadIn, SetattrIn, SetxattrIn,
+    StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_MODE,
+    FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
+    FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, ROOT_ID,
 };
 use zerocopy::{Immutable, IntoBytes};
 
@@ -434,15 +434,16 @@ impl Filesystem for DirFs {
             Request::Write(a) => return self.write(eng, a, buf, payload, cap, tally).await,
             Request::Fsync(a) | Request::Fsyncdir(a) => self.fsync(eng, a).await,
             Request::Fallocate(a) => self.fallocate(eng, a).await,
-            other => self.metadata(hdr, other, &mut buf, payload, cap),
+            other => self.on_ring(eng, hdr, other, &mut buf, payload, cap).await,
         };
         (r.unwrap_or_else(Reply::Error), buf)
     }
 }
 
 impl DirFs {
-    /// Every request but the data path: plain system calls on the queue thread.
-    fn metadata(
+    /// The requests io_uring has no operation for: plain system calls on the queue thread
+    /// (the creations among them on purpose, see [`ring`]).
+    pub(crate) fn metadata(
         &self,
         hdr: &InHeader,
         req: Request,
@@ -451,12 +452,6 @@ impl DirFs {
         cap: usize,
     ) -> R {
         match req {
-            Request::Lookup { name } => {
-                let dir = self.node(hdr.nodeid)?;
-                let name = name_at(buf.as_slice(), name)?;
-                let e = self.lookup_in(dir.fd(), name)?;
-                put(buf, payload, &e)
-            }
             Request::Forget(n) => {
                 self.inodes.forget(hdr.nodeid, n);
                 Ok(Reply::None)
@@ -471,10 +466,7 @@ impl DirFs {
             Request::Interrupt => Ok(Reply::None),
             Request::Destroy => Ok(Reply::Data(0)),
             Request::Init => Err(libc::EPROTO),
-            Request::Getattr(a) => self.getattr(hdr, a, buf, payload),
             Request::Setattr(a) => self.setattr(hdr, a, buf, payload),
-            Request::Open(a) => self.open_file(hdr, a, buf, payload),
-            Request::Opendir(_) => self.opendir(hdr, buf, payload),
             Request::Release(a) | Request::Releasedir(a) => {
                 if let Some((fd, backing)) = self.files.remove(a.fh) {
                     self.release_backing(backing);
@@ -517,50 +509,6 @@ impl DirFs {
                 sys::symlink_in(t, dir.fd(), n)?;
                 let e = self.finish_new(hdr, &dir, n, libc::S_IFLNK, None)?;
                 put(buf, payload, &e)
-            }
-            Request::Link { arg, name } => {
-                self.writable()?;
-                let dir = self.node(hdr.nodeid)?;
-                let node = self.node(arg.oldnodeid)?;
-                if node.is_dir() {
-                    return Err(libc::EPERM);
-                }
-                let n = name_at(buf.as_slice(), name)?;
-                sys::link_fd(self.proc_fd.as_fd(), node.fd().as_raw_fd(), dir.fd(), n)?;
-                let st = sys::stat_fd(node.fd())?;
-                let generation = self.inodes.add_lookup(arg.oldnodeid).ok_or(libc::ENOENT)?;
-                let e = self.entry_out(arg.oldnodeid, generation, &st);
-                put(buf, payload, &e)
-            }
-            Request::Unlink { name } | Request::Rmdir { name } => {
-                self.writable()?;
-                let dir = self.node(hdr.nodeid)?;
-                let n = name_at(buf.as_slice(), name)?;
-                let flags = if matches!(req, Request::Rmdir { .. }) {
-                    libc::AT_REMOVEDIR
-                } else {
-                    0
-                };
-                sys::unlink_in(dir.fd(), n, flags)?;
-                Ok(Reply::Data(0))
-            }
-            Request::Rename {
-                newdir,
-                flags,
-                old,
-                new,
-            } => {
-                self.writable()?;
-                // RENAME_WHITEOUT makes a device node: not through this export.
-                if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0 {
-                    return Err(libc::EINVAL);
-                }
-                let from = self.node(hdr.nodeid)?;
-                let to = self.node(newdir)?;
-                let b = buf.as_slice();
-                let (o, n) = (name_at(b, old)?, name_at(b, new)?);
-                sys::rename_in(from.fd(), o, to.fd(), n, flags)?;
-                Ok(Reply::Data(0))
             }
             Request::Setxattr { arg, name, value } => {
                 self.writable()?;
@@ -608,14 +556,23 @@ impl DirFs {
             // With default_permissions the kernel checks access itself and never asks; a
             // daemon running as root could not answer for the caller anyway.
             Request::Access(_) => Err(libc::ENOSYS),
-            Request::Statx(a) => self.statx(hdr, a, buf, payload),
             Request::CopyFileRange(a) => self.copy_file_range(a, false, buf, payload),
             Request::CopyFileRange64(a) => self.copy_file_range(a, true, buf, payload),
+            // Served on the ring (`handle`, `on_ring`), never passed here.
             Request::Read(_)
             | Request::Write(_)
             | Request::Fsync(_)
             | Request::Fsyncdir(_)
             | Request::Fallocate(_)
+            | Request::Lookup { .. }
+            | Request::Getattr(_)
+            | Request::Statx(_)
+            | Request::Open(_)
+            | Request::Opendir(_)
+            | Request::Unlink { .. }
+            | Request::Rmdir { .. }
+            | Request::Rename { .. }
+            | Request::Link { .. }
             | Request::Unsupported(_) => Err(libc::ENOSYS),
         }
     }
@@ -654,12 +611,6 @@ impl DirFs {
             .ok_or(libc::EIO)?;
         let n = call(out)?;
         Ok(Reply::Data(n))
-    }
-
-    fn getattr(&self, hdr: &InHeader, _a: GetattrIn, buf: &mut Buf, payload: usize) -> R {
-        let node = self.node(hdr.nodeid)?;
-        let st = sys::stat_fd(node.fd())?;
-        put(buf, payload, &self.attr_out(&st))
     }
 
     fn setattr(&self, hdr: &InHeader, a: SetattrIn, buf: &mut Buf, payload: usize) -> R {
@@ -845,36 +796,6 @@ impl DirFs {
         put(buf, payload, &out)
     }
 
-    fn open_file(&self, hdr: &InHeader, a: OpenIn, buf: &mut Buf, payload: usize) -> R {
-        let node = self.node(hdr.nodeid)?;
-        if node.kind != libc::S_IFREG {
-            return Err(if node.is_dir() {
-                libc::EISDIR
-            } else {
-                libc::EINVAL
-            });
-        }
-        let flags = Self::open_flags(a.flags);
-        if flags & libc::O_ACCMODE != libc::O_RDONLY {
-            self.writable()?;
-        }
-        let fd = sys::reopen(self.proc_fd.as_fd(), node.fd().as_raw_fd(), flags)?;
-        self.open_reply(fd, Some(node.key), buf, payload)
-    }
-
-    fn opendir(&self, hdr: &InHeader, buf: &mut Buf, payload: usize) -> R {
-        let node = self.node(hdr.nodeid)?;
-        if !node.is_dir() {
-            return Err(libc::ENOTDIR);
-        }
-        let fd = sys::reopen(
-            self.proc_fd.as_fd(),
-            node.fd().as_raw_fd(),
-            libc::O_RDONLY | libc::O_DIRECTORY,
-        )?;
-        self.open_reply(fd, None, buf, payload)
-    }
-
     fn create(&self, hdr: &InHeader, a: CreateIn, name: Span, buf: &mut Buf, payload: usize) -> R {
         self.writable()?;
         self.room()?;
@@ -886,7 +807,9 @@ impl DirFs {
         let flags = Self::open_flags(a.flags);
         let exclusive = a.flags as i32 & libc::O_EXCL != 0;
         // Always exclusive, so that only a file made here is given to the caller; a file that
-        // appeared meanwhile is opened as it is unless the caller asked for O_EXCL.
+        // appeared meanwhile is opened as it is unless the caller asked for O_EXCL. A plain
+        // call, not a ring op: it needs the caller's umask as this thread's, which an io-wq
+        // worker running the op would not have (see `ring`).
         let (fd, made) = match acl::with_umask(a.umask, || {
             sys::open_in(
                 dir.fd(),

@@ -1,11 +1,11 @@
-//! STATX: `statx(2)` of the node, for what GETATTR's `fuse_attr` cannot carry (the birth time,
+//! STATX: `statx(2)` of the node (on the ring), for what GETATTR's `fuse_attr` cannot carry (the birth time,
 //! the `STATX_ATTR_*` flags). The kernel asks for it when a caller's `statx` wants a field beyond
 //! the basic ones; without an answer it falls back to GETATTR and reports no birth time.
 
-use engine::Buf;
+use engine::{Buf, Engine};
 use fuse_abi::{InHeader, Statx, StatxIn, StatxOut, SxTime, FUSE_GETATTR_FH};
 
-use crate::sys;
+use crate::ring;
 use crate::{put, DirFs, R};
 
 /// The fields `fuse_statx` has room for: the basic ones and the birth time. Newer ones the
@@ -16,7 +16,14 @@ impl DirFs {
     /// STATX: the node's `statx(2)` (of the open file, when the kernel names a handle), with
     /// the fields and the sync behaviour (`AT_STATX_FORCE_SYNC`, `AT_STATX_DONT_SYNC`) the kernel
     /// asked for.
-    pub(crate) fn statx(&self, hdr: &InHeader, a: StatxIn, buf: &mut Buf, payload: usize) -> R {
+    pub(crate) async fn statx(
+        &self,
+        eng: &Engine,
+        hdr: &InHeader,
+        a: StatxIn,
+        buf: &mut Buf,
+        payload: usize,
+    ) -> R {
         let node = self.node(hdr.nodeid)?;
         let handle = (a.getattr_flags & FUSE_GETATTR_FH != 0)
             .then(|| self.files.get(a.fh))
@@ -25,8 +32,8 @@ impl DirFs {
         // The handle table keeps a handle's descriptor open until RELEASE, which the kernel
         // sends only once no request on the handle is in flight.
         let sx = match handle {
-            Some(fd) => sys::statx_fd(crate::borrow(fd), sync, a.sx_mask)?,
-            None => sys::statx_fd(node.fd(), sync, a.sx_mask)?,
+            Some(fd) => ring::statx_fd(eng, crate::borrow(fd), sync, a.sx_mask).await?,
+            None => ring::statx_fd(eng, node.fd(), sync, a.sx_mask).await?,
         };
         let out = StatxOut {
             attr_valid: self.cfg.attr_valid.as_secs(),

@@ -2,6 +2,8 @@
 //! the kernel here is either empty (the call acts on the descriptor itself, `AT_EMPTY_PATH`), a
 //! single checked name component ([`Name`]) resolved in a directory descriptor without following
 //! a final symlink, or a `/proc/self/fd` entry that re-opens an inode fusex already holds.
+//! The calls io_uring has an operation for are made on the queue's ring instead, with the same
+//! arguments (`ring.rs`); what is here runs on the queue thread.
 
 use std::ffi::CStr;
 use std::io;
@@ -103,7 +105,7 @@ pub fn reopen(proc_fd: BorrowedFd<'_>, fd: RawFd, flags: i32) -> Result<OwnedFd,
 }
 
 /// The decimal name of `fd` in `/proc/self/fd`, NUL-terminated in `buf`.
-fn fd_name(buf: &mut [u8; 16], fd: RawFd) -> &CStr {
+pub(crate) fn fd_name(buf: &mut [u8; 16], fd: RawFd) -> &CStr {
     let mut n = fd.max(0) as u32;
     let mut digits = [0u8; 10];
     let mut i = digits.len();
@@ -226,50 +228,6 @@ pub fn symlink_in(target: &CStr, dir: BorrowedFd<'_>, name: Name<'_>) -> Result<
 pub fn unlink_in(dir: BorrowedFd<'_>, name: Name<'_>, flags: i32) -> Result<(), Errno> {
     // SAFETY: `name` is a valid NUL-terminated string.
     check(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_c().as_ptr(), flags) }).map(drop)
-}
-
-/// `renameat2(old_dir, old, new_dir, new, flags)`.
-pub fn rename_in(
-    old_dir: BorrowedFd<'_>,
-    old: Name<'_>,
-    new_dir: BorrowedFd<'_>,
-    new: Name<'_>,
-    flags: u32,
-) -> Result<(), Errno> {
-    // SAFETY: both names are valid NUL-terminated strings.
-    check(unsafe {
-        libc::renameat2(
-            old_dir.as_raw_fd(),
-            old.as_c().as_ptr(),
-            new_dir.as_raw_fd(),
-            new.as_c().as_ptr(),
-            flags,
-        )
-    })
-    .map(drop)
-}
-
-/// Links the inode behind `fd` as `name` in `dir`, through its `/proc/self/fd` entry (the inode
-/// itself, a symlink included; `AT_EMPTY_PATH` would need `CAP_DAC_READ_SEARCH`).
-pub fn link_fd(
-    proc_fd: BorrowedFd<'_>,
-    fd: RawFd,
-    dir: BorrowedFd<'_>,
-    name: Name<'_>,
-) -> Result<(), Errno> {
-    let mut buf = [0u8; 16];
-    let c = fd_name(&mut buf, fd);
-    // SAFETY: both are valid NUL-terminated strings.
-    check(unsafe {
-        libc::linkat(
-            proc_fd.as_raw_fd(),
-            c.as_ptr(),
-            dir.as_raw_fd(),
-            name.as_c().as_ptr(),
-            libc::AT_SYMLINK_FOLLOW,
-        )
-    })
-    .map(drop)
 }
 
 /// `readlinkat(fd, "")` into `out`: the bytes read.

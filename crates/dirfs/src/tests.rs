@@ -4,7 +4,7 @@
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 
 use engine::EngineConfig;
-use fuse_abi::FUSE_GETATTR_FH;
+use fuse_abi::{GetattrIn, OpenIn, FUSE_GETATTR_FH, RENAME_NOREPLACE};
 use zerocopy::FromBytes;
 
 use super::*;

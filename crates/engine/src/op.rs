@@ -32,6 +32,34 @@ pub(crate) enum Owned {
     Bytes(Vec<u8>),
     /// Bytes and the deadline of the linked timeout.
     BytesTimed(Vec<u8>, crate::net::Timeout),
+    /// The path (or two: rename, link) of a `*at` call (the kernel reads them, at submission or
+    /// in an io-wq worker).
+    Paths {
+        _path: std::ffi::CString,
+        _second: Option<std::ffi::CString>,
+    },
+    /// An `openat`'s path: a completion no future takes any more carries a descriptor that is
+    /// closed then (see [`Owned::orphan_done`]).
+    Open { _path: std::ffi::CString },
+    /// A `statx`'s path and the buffer the kernel fills.
+    Statx {
+        _path: std::ffi::CString,
+        buf: Box<std::mem::MaybeUninit<libc::statx>>,
+    },
+}
+
+impl Owned {
+    /// The completion `res` of an op whose future is gone: what it made is undone (an opened
+    /// descriptor closed), so an abandoned op leaks nothing.
+    fn orphan_done(&self, res: i32) {
+        if let Owned::Open { .. } = self {
+            if res >= 0 {
+                // SAFETY: the kernel just opened this descriptor for the op, whose owner is
+                // gone: nothing else knows or owns it.
+                unsafe { libc::close(res) };
+            }
+        }
+    }
 }
 
 /// State of one slot of the op table; the slot index is the SQE's `user_data`.
@@ -53,7 +81,7 @@ pub(crate) enum Slot {
     },
     /// Its future was dropped before the completion: the slot holds `owned` until it arrives.
     Orphan {
-        _owned: Owned,
+        owned: Owned,
     },
     /// A multishot op still armed: completions go to multishot queue `queue`, with the buffer
     /// their id names in provided-buffer group `group` (each pool has its own group, and ids
@@ -202,7 +230,8 @@ impl OpTable {
                 self.in_flight -= 1;
                 woken
             }
-            Slot::Orphan { .. } => {
+            Slot::Orphan { owned } => {
+                owned.orphan_done(res);
                 self.in_flight -= 1;
                 drop(self.release(i as u32));
                 None
@@ -264,11 +293,13 @@ impl OpTable {
         match slot {
             Slot::Waiting { owned, .. } => {
                 let owned = std::mem::take(owned);
-                *slot = Slot::Orphan { _owned: owned };
+                *slot = Slot::Orphan { owned };
                 true
             }
             _ => {
-                drop(self.release(idx));
+                if let Slot::Done { res, owned } = self.release(idx) {
+                    owned.orphan_done(res);
+                }
                 false
             }
         }

@@ -4,14 +4,17 @@
 //! gives it back with the result, so safe code cannot touch memory the kernel may still write,
 //! whatever happens to the future: dropping it early orphans the operation, and the engine keeps
 //! the memory until the kernel's completion (see [`crate::op`]). Operations that lend nothing
-//! (fsync, fallocate, cancel) take no buffer.
+//! (fsync, fallocate, cancel) take no buffer; the path operations (statx, openat, unlinkat,
+//! renameat, linkat) copy their paths into memory the op owns.
 
+use std::ffi::{CStr, CString};
 use std::io;
+use std::mem::MaybeUninit;
 use std::ops::Range;
-use std::os::fd::RawFd;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
-use io_uring::{opcode, types};
+use io_uring::{opcode, squeue, types};
 
 use crate::buf::{Buf, Slice};
 use crate::executor::Engine;
@@ -189,6 +192,193 @@ impl Engine {
             .into());
         // SAFETY: a fallocate references no memory.
         let (res, _) = unsafe { self.start(sqe, Owned::None) }.await;
+        bytes(res).map(drop)
+    }
+
+    /// `statx(2)` of `path` in `dirfd` (`AT_FDCWD` or a directory; with `AT_EMPTY_PATH` and an
+    /// empty path, the descriptor's own inode) with `flags` and the fields of `mask`. The path
+    /// is copied: the op owns it, and the buffer the kernel fills, until the completion.
+    pub async fn statx(
+        &self,
+        dirfd: RawFd,
+        path: &CStr,
+        flags: i32,
+        mask: u32,
+    ) -> io::Result<libc::statx> {
+        let path = CString::from(path);
+        let mut sx = Box::new(MaybeUninit::<libc::statx>::zeroed());
+        let sqe: Sqe = opcode::Statx::new(
+            types::Fd(dirfd),
+            path.as_ptr(),
+            sx.as_mut_ptr().cast::<types::statx>(),
+        )
+        .flags(flags)
+        .mask(mask)
+        .build()
+        .into();
+        // SAFETY: the path and the statx buffer are heap memory the op owns (moving the
+        // `CString` and the `Box` into the table does not move what they point to) until the
+        // completion; nothing else reaches the buffer meanwhile.
+        let (res, owned) = unsafe {
+            self.start(
+                sqe,
+                Owned::Statx {
+                    _path: path,
+                    buf: sx,
+                },
+            )
+        }
+        .await;
+        bytes(res)?;
+        match owned {
+            // SAFETY: the kernel filled the buffer (statx succeeded), and it was zeroed before,
+            // so every field is initialized either way.
+            Owned::Statx { buf, .. } => Ok(unsafe { buf.assume_init_read() }),
+            _ => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
+    /// `openat(2)` of `path` in `dirfd` with `flags` and `mode` (the caller adds `O_CLOEXEC`,
+    /// `O_NOFOLLOW` as it needs). The kernel may first try it on the submitting thread, without
+    /// blocking where it can tell; see [`Engine::openat_punted`] for opens that can block where
+    /// it cannot. If the future is dropped before the completion, the descriptor the kernel
+    /// opens is closed then.
+    pub async fn openat(
+        &self,
+        dirfd: RawFd,
+        path: &CStr,
+        flags: i32,
+        mode: u32,
+    ) -> io::Result<OwnedFd> {
+        self.openat_as(dirfd, path, flags, mode, false).await
+    }
+
+    /// [`Engine::openat`] submitted with `IOSQE_ASYNC`: straight to an io-wq worker, never tried
+    /// on the submitting thread. For opens that can wait inside the open itself where a
+    /// non-blocking attempt does not see it coming (a fanotify `FAN_OPEN_PERM` listener holds
+    /// the open until it answers: inline, that stalls the whole ring's thread).
+    pub async fn openat_punted(
+        &self,
+        dirfd: RawFd,
+        path: &CStr,
+        flags: i32,
+        mode: u32,
+    ) -> io::Result<OwnedFd> {
+        self.openat_as(dirfd, path, flags, mode, true).await
+    }
+
+    async fn openat_as(
+        &self,
+        dirfd: RawFd,
+        path: &CStr,
+        flags: i32,
+        mode: u32,
+        punt: bool,
+    ) -> io::Result<OwnedFd> {
+        let path = CString::from(path);
+        let sqe = opcode::OpenAt::new(types::Fd(dirfd), path.as_ptr())
+            .flags(flags)
+            .mode(mode)
+            .build();
+        let sqe: Sqe = if punt {
+            sqe.flags(squeue::Flags::ASYNC).into()
+        } else {
+            sqe.into()
+        };
+        // SAFETY: the path is heap memory the op owns until the completion (and a descriptor
+        // an orphaned open returns is closed by the table, see `Owned::Open`).
+        let (res, _) = unsafe { self.start(sqe, Owned::Open { _path: path }) }.await;
+        let fd = bytes(res)? as RawFd;
+        // SAFETY: the kernel just opened this descriptor for us; nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// `unlinkat(2)` of `path` in `dirfd` (`flags`: 0 or `AT_REMOVEDIR`).
+    pub async fn unlinkat(&self, dirfd: RawFd, path: &CStr, flags: i32) -> io::Result<()> {
+        let path = CString::from(path);
+        let sqe: Sqe = opcode::UnlinkAt::new(types::Fd(dirfd), path.as_ptr())
+            .flags(flags)
+            .build()
+            .into();
+        // SAFETY: the path is heap memory the op owns until the completion.
+        let (res, _) = unsafe {
+            self.start(
+                sqe,
+                Owned::Paths {
+                    _path: path,
+                    _second: None,
+                },
+            )
+        }
+        .await;
+        bytes(res).map(drop)
+    }
+
+    /// `renameat2(2)` of `old` in `olddirfd` to `new` in `newdirfd` with `flags`
+    /// (`RENAME_NOREPLACE`, `RENAME_EXCHANGE`, ...).
+    pub async fn renameat(
+        &self,
+        olddirfd: RawFd,
+        old: &CStr,
+        newdirfd: RawFd,
+        new: &CStr,
+        flags: u32,
+    ) -> io::Result<()> {
+        let (old, new) = (CString::from(old), CString::from(new));
+        let sqe: Sqe = opcode::RenameAt::new(
+            types::Fd(olddirfd),
+            old.as_ptr(),
+            types::Fd(newdirfd),
+            new.as_ptr(),
+        )
+        .flags(flags)
+        .build()
+        .into();
+        // SAFETY: both paths are heap memory the op owns until the completion.
+        let (res, _) = unsafe {
+            self.start(
+                sqe,
+                Owned::Paths {
+                    _path: old,
+                    _second: Some(new),
+                },
+            )
+        }
+        .await;
+        bytes(res).map(drop)
+    }
+
+    /// `linkat(2)`: `old` in `olddirfd` linked as `new` in `newdirfd` (`flags`:
+    /// `AT_SYMLINK_FOLLOW`, `AT_EMPTY_PATH`).
+    pub async fn linkat(
+        &self,
+        olddirfd: RawFd,
+        old: &CStr,
+        newdirfd: RawFd,
+        new: &CStr,
+        flags: i32,
+    ) -> io::Result<()> {
+        let (old, new) = (CString::from(old), CString::from(new));
+        let sqe: Sqe = opcode::LinkAt::new(
+            types::Fd(olddirfd),
+            old.as_ptr(),
+            types::Fd(newdirfd),
+            new.as_ptr(),
+        )
+        .flags(flags)
+        .build()
+        .into();
+        // SAFETY: both paths are heap memory the op owns until the completion.
+        let (res, _) = unsafe {
+            self.start(
+                sqe,
+                Owned::Paths {
+                    _path: old,
+                    _second: Some(new),
+                },
+            )
+        }
+        .await;
         bytes(res).map(drop)
     }
 
