@@ -119,6 +119,10 @@ pub struct DirFs {
     backings: Mutex<Backings>,
     /// The INIT flags the kernel granted ([`DirFs::set_granted`]).
     granted: AtomicU64,
+    /// The source is a memory filesystem (tmpfs, ramfs): its stat and unlink never wait on a
+    /// device, so they are called on the queue thread, saving the io-wq hop io_uring always
+    /// makes for them (see `ring`).
+    in_memory: bool,
 }
 
 /// Backing ids shared by the opens of one inode.
@@ -150,6 +154,11 @@ impl DirFs {
         let root = sys::open_root(&c).map_err(open_err)?;
         let st = sys::stat_fd(root.as_fd()).map_err(open_err)?;
         let proc_fd = sys::open_root(c"/proc/self/fd").map_err(|e| DirError::Proc(errno_of(e)))?;
+        // ramfs's magic (include/uapi/linux/magic.h), which the libc crate does not name.
+        const RAMFS_MAGIC: libc::__fsword_t = 0x8584_58f6;
+        let in_memory = sys::statfs_fd(root.as_fd()).is_ok_and(|f| {
+            f.f_type == libc::TMPFS_MAGIC as libc::__fsword_t || f.f_type == RAMFS_MAGIC
+        });
         Ok(DirFs {
             cfg,
             inodes: Inodes::new(root, (st.st_dev, st.st_ino)),
@@ -160,6 +169,7 @@ impl DirFs {
             passthrough_refused: AtomicBool::new(false),
             backings: Mutex::new(Backings::default()),
             granted: AtomicU64::new(0),
+            in_memory,
         })
     }
 

@@ -30,24 +30,36 @@ pub(crate) fn errno_of(e: std::io::Error) -> Errno {
     e.raw_os_error().unwrap_or(libc::EIO)
 }
 
-/// `statx(fd, "", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW | sync, mask)` on the ring: the inode's own
-/// attributes (a symlink's own, for an `O_PATH` descriptor of one).
-pub(crate) async fn statx_fd(
-    eng: &Engine,
-    fd: BorrowedFd<'_>,
-    sync: i32,
-    mask: u32,
-) -> Result<libc::statx, Errno> {
-    let flags = libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW | (sync & libc::AT_STATX_SYNC_TYPE);
-    eng.statx(fd.as_raw_fd(), c"", flags, mask)
-        .await
-        .map_err(errno_of)
-}
+impl DirFs {
+    /// `statx(fd, "", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW | sync, mask)`: the inode's own
+    /// attributes (a symlink's own, for an `O_PATH` descriptor of one). On the ring, where
+    /// io_uring always hands it to an io-wq worker; called directly on a memory filesystem,
+    /// where it cannot wait.
+    pub(crate) async fn statx_fd(
+        &self,
+        eng: &Engine,
+        fd: BorrowedFd<'_>,
+        sync: i32,
+        mask: u32,
+    ) -> Result<libc::statx, Errno> {
+        if self.in_memory {
+            return sys::statx_fd(fd, sync, mask);
+        }
+        let flags =
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW | (sync & libc::AT_STATX_SYNC_TYPE);
+        eng.statx(fd.as_raw_fd(), c"", flags, mask)
+            .await
+            .map_err(errno_of)
+    }
 
-/// [`sys::stat_fd`] on the ring.
-async fn stat_fd(eng: &Engine, fd: BorrowedFd<'_>) -> Result<libc::stat, Errno> {
-    let sx = statx_fd(eng, fd, 0, libc::STATX_BASIC_STATS).await?;
-    Ok(stat_of(&sx))
+    /// [`sys::stat_fd`], on the ring unless the source is in memory (see [`Self::statx_fd`]).
+    async fn stat_fd(&self, eng: &Engine, fd: BorrowedFd<'_>) -> Result<libc::stat, Errno> {
+        if self.in_memory {
+            return sys::stat_fd(fd);
+        }
+        let sx = self.statx_fd(eng, fd, 0, libc::STATX_BASIC_STATS).await?;
+        Ok(stat_of(&sx))
+    }
 }
 
 /// The kernel's `new_encode_dev`, as `fstatat` reports device numbers (so node keys made from
@@ -110,9 +122,13 @@ impl DirFs {
                 } else {
                     0
                 };
-                eng.unlinkat(dir.fd().as_raw_fd(), n.as_c(), flags)
-                    .await
-                    .map_err(errno_of)?;
+                if self.in_memory {
+                    sys::unlink_in(dir.fd(), n, flags)?;
+                } else {
+                    eng.unlinkat(dir.fd().as_raw_fd(), n.as_c(), flags)
+                        .await
+                        .map_err(errno_of)?;
+                }
                 Ok(export::Reply::Data(0))
             }
             Request::Rename {
@@ -163,7 +179,7 @@ impl DirFs {
                 )
                 .await
                 .map_err(errno_of)?;
-                let st = stat_fd(eng, node.fd()).await?;
+                let st = self.stat_fd(eng, node.fd()).await?;
                 let generation = self.inodes.add_lookup(arg.oldnodeid).ok_or(libc::ENOENT)?;
                 let e = self.entry_out(arg.oldnodeid, generation, &st);
                 put(buf, payload, &e)
@@ -173,13 +189,16 @@ impl DirFs {
     }
 
     /// LOOKUP of `name` in the directory `dir`: an `O_PATH` open of the name (never following
-    /// it), then its attributes, both on the ring.
+    /// it), then its attributes, both on the ring (both directly on a memory filesystem).
     async fn lookup_ring(
         &self,
         eng: &Engine,
         dir: &Inode,
         name: Name<'_>,
     ) -> Result<EntryOut, Errno> {
+        if self.in_memory {
+            return self.lookup_in(dir.fd(), name);
+        }
         self.room()?;
         // O_PATH opens are not open events for fanotify (no FAN_OPEN_PERM wait): the kernel
         // may run them inline.
@@ -192,7 +211,7 @@ impl DirFs {
             )
             .await
             .map_err(errno_of)?;
-        let st = stat_fd(eng, fd.as_fd()).await?;
+        let st = self.stat_fd(eng, fd.as_fd()).await?;
         Ok(self.remember(fd, &st))
     }
 
@@ -205,7 +224,7 @@ impl DirFs {
         payload: usize,
     ) -> R {
         let node = self.node(hdr.nodeid)?;
-        let st = stat_fd(eng, node.fd()).await?;
+        let st = self.stat_fd(eng, node.fd()).await?;
         put(buf, payload, &self.attr_out(&st))
     }
 

@@ -5,7 +5,6 @@
 use engine::{Buf, Engine};
 use fuse_abi::{InHeader, Statx, StatxIn, StatxOut, SxTime, FUSE_GETATTR_FH};
 
-use crate::ring;
 use crate::{put, DirFs, R};
 
 /// The fields `fuse_statx` has room for: the basic ones and the birth time. Newer ones the
@@ -32,8 +31,11 @@ impl DirFs {
         // The handle table keeps a handle's descriptor open until RELEASE, which the kernel
         // sends only once no request on the handle is in flight.
         let sx = match handle {
-            Some(fd) => ring::statx_fd(eng, crate::borrow(fd), sync, a.sx_mask).await?,
-            None => ring::statx_fd(eng, node.fd(), sync, a.sx_mask).await?,
+            Some(fd) => {
+                self.statx_fd(eng, crate::borrow(fd), sync, a.sx_mask)
+                    .await?
+            }
+            None => self.statx_fd(eng, node.fd(), sync, a.sx_mask).await?,
         };
         let out = StatxOut {
             attr_valid: self.cfg.attr_valid.as_secs(),

@@ -20,7 +20,15 @@ struct H {
 
 impl H {
     fn new(writable: bool) -> H {
-        let dir = tempfile::tempdir().unwrap();
+        H::new_in(writable, None)
+    }
+
+    /// A fresh source tree in `base` (default: the system's temporary directory).
+    fn new_in(writable: bool, base: Option<&str>) -> H {
+        let dir = match base {
+            Some(b) => tempfile::tempdir_in(b).unwrap(),
+            None => tempfile::tempdir().unwrap(),
+        };
         std::fs::write(dir.path().join("file"), b"hello world").unwrap();
         std::fs::create_dir(dir.path().join("sub")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("link")).unwrap();
@@ -245,7 +253,20 @@ fn symlinks_are_returned_never_followed() {
 
 #[test]
 fn create_write_rename_unlink() {
-    let h = H::new(true);
+    // On the ring unless the system's temporary directory is tmpfs (the end-to-end tests'
+    // sources are under target/).
+    create_write_rename_unlink_on(H::new(true));
+}
+
+/// The same calls on a tmpfs source, where stat, lookup and unlink are made directly.
+#[test]
+fn create_write_rename_unlink_on_tmpfs() {
+    let h = H::new_in(true, Some("/dev/shm"));
+    assert!(h.fs.in_memory, "/dev/shm is tmpfs");
+    create_write_rename_unlink_on(h);
+}
+
+fn create_write_rename_unlink_on(h: H) {
     let sub = h.lookup(ROOT_ID, b"sub").unwrap().nodeid;
     let b = h
         .call(
