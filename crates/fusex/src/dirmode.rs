@@ -546,12 +546,7 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
             directory: true,
         },
         &mut |mountpoint, id| {
-            if args.auto_unmount {
-                watcher = Some(
-                    crate::watcher::spawn(mountpoint, id, verbose, args.daemonize)
-                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?,
-                );
-            }
+            watcher = crate::watcher::for_mount(args, mountpoint, id, verbose)?;
             Ok(())
         },
     )?;

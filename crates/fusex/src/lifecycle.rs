@@ -448,12 +448,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
             directory: false,
         },
         &mut |mountpoint, id| {
-            if args.auto_unmount {
-                watcher = Some(
-                    crate::watcher::spawn(mountpoint, id, verbose, args.daemonize)
-                        .map_err(|e| std::io::Error::other(format!("{e:#}")))?,
-                );
-            }
+            watcher = crate::watcher::for_mount(args, mountpoint, id, verbose)?;
             Ok(())
         },
     )?;

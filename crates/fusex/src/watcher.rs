@@ -36,6 +36,23 @@ impl Watcher {
     }
 }
 
+/// The watcher `args` ask for (`--auto-unmount`), started for the mount `id` at `mountpoint`:
+/// what image and directory exports call from `Mount::establish`'s callback, which reports an
+/// `io::Error`.
+pub fn for_mount(
+    args: &crate::cli::MountArgs,
+    mountpoint: &Path,
+    id: &MountIdentity,
+    verbose: u8,
+) -> std::io::Result<Option<Watcher>> {
+    if !args.auto_unmount {
+        return Ok(None);
+    }
+    spawn(mountpoint, id, verbose, args.daemonize)
+        .map(Some)
+        .map_err(|e| std::io::Error::other(format!("{e:#}")))
+}
+
 /// Starts the watcher for the mount `id` at `mountpoint`. `quiet` sends its log to /dev/null
 /// (a daemonized fusex must not keep the caller's stderr open through it).
 pub fn spawn(mountpoint: &Path, id: &MountIdentity, verbose: u8, quiet: bool) -> Result<Watcher> {

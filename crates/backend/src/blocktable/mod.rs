@@ -457,7 +457,7 @@ impl<F: BlockFormat> TableImage<F> {
                             return Ok(());
                         }
                         Entry::Unallocated | Entry::Zero => {
-                            Step::Allocate(self.reserve(block).await?)
+                            Step::Allocate(self.begin_allocation(block).await?)
                         }
                         Entry::Bad => return Err(self.bad(block)),
                     }
@@ -504,7 +504,7 @@ impl<F: BlockFormat> TableImage<F> {
 
     /// Reserves a footprint for `block` (its lock held, no allocation of it under way) and
     /// announces the allocation, so writes into the block join it instead of waiting for it.
-    async fn reserve(&self, block: u64) -> io::Result<Allocation> {
+    async fn begin_allocation(&self, block: u64) -> io::Result<Allocation> {
         let footprint = self.fmt.footprint();
         let (host, fresh) = {
             let mut next = self.next_free.lock().await;
