@@ -8,7 +8,7 @@ use std::ffi::CString;
 use std::fs;
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -523,6 +523,113 @@ fn lookups_are_forgotten_and_descriptors_come_back() {
     }
     assert!(seen > limit, "{seen} lookups against a limit of {limit}");
     m.stop().assert_clean("directory export after many lookups");
+}
+
+/// A tree with more entries than the daemon may hold descriptors (its open-file limit is 1024
+/// here), every one kept by the kernel at once (the test holds an `O_PATH` descriptor of each,
+/// so other tests dropping the caches cannot make the kernel forget them): nodes beyond the
+/// descriptor budget are held by file handle, so every file is found again (`--cache never`:
+/// each stat is a LOOKUP of a node held already), read, renamed and its bytes checked, while
+/// the daemon's descriptors stay under its limit.
+#[test]
+fn a_tree_larger_than_the_descriptor_limit_is_served_whole() {
+    if !require_fuse_and_tools(&["prlimit"]) {
+        return;
+    }
+    let t = Tree::new("dirfs-handles");
+    let (dirs, per_dir) = (4, 1000);
+    let name = |d: usize, i: usize| format!("d{d}/f{i}");
+    for d in 0..dirs {
+        fs::create_dir(t.src.join(format!("d{d}"))).unwrap();
+        for i in 0..per_dir {
+            fs::write(t.src.join(name(d, i)), format!("{d}/{i}\n")).unwrap();
+        }
+    }
+    let opts = SpawnOpts {
+        wrapper: ["prlimit", "--nofile=1024:1024", "--"]
+            .map(Into::into)
+            .to_vec(),
+        ..SpawnOpts::default()
+    };
+    let m = Mount::try_start_opts(
+        &t.work,
+        &t.src,
+        &t.mnt,
+        &["--writable", "--cache", "never"],
+        &opts,
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let fds = || {
+        fs::read_dir(format!("/proc/{}/fd", m.pid()))
+            .unwrap()
+            .count()
+    };
+    let mut pins = Vec::new();
+    for pass in 0..2 {
+        for d in 0..dirs {
+            for i in 0..per_dir {
+                let p = t.mnt.join(name(d, i));
+                if pass == 0 {
+                    let pin = fs::OpenOptions::new()
+                        .read(true)
+                        .custom_flags(libc::O_PATH)
+                        .open(&p)
+                        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+                    pins.push(pin);
+                }
+                let md = fs::metadata(&p).unwrap_or_else(|e| panic!("pass {pass}: {p:?}: {e}"));
+                let src = fs::metadata(t.src.join(name(d, i))).unwrap();
+                assert_eq!((md.ino(), md.len()), (src.ino(), src.len()), "{p:?}");
+            }
+        }
+        assert!(fds() < 1024, "pass {pass}: {} descriptors", fds());
+    }
+    // Every node is still held (the kernel caches them all); reads, renames and writes reach
+    // those held by handle.
+    for d in 0..dirs {
+        for i in 0..per_dir {
+            let (from, to) = (t.mnt.join(name(d, i)), t.mnt.join(format!("d{d}/g{i}")));
+            assert_eq!(fs::read_to_string(&from).unwrap(), format!("{d}/{i}\n"));
+            fs::rename(&from, &to).unwrap();
+            fs::OpenOptions::new()
+                .append(true)
+                .open(&to)
+                .unwrap()
+                .write_all(b"+")
+                .unwrap();
+        }
+    }
+    for d in 0..dirs {
+        for i in 0..per_dir {
+            let got = fs::read_to_string(t.src.join(format!("d{d}/g{i}"))).unwrap();
+            assert_eq!(got, format!("{d}/{i}\n+"));
+        }
+    }
+    assert!(fds() < 1024, "{} descriptors", fds());
+    m.signal(libc::SIGUSR1);
+    let held = wait_until(Instant::now() + Duration::from_secs(10), || {
+        m.stderr().contains("nodes held (")
+    });
+    assert!(held, "no statistics after SIGUSR1:\n{}", m.stderr());
+    let line = m
+        .stderr()
+        .lines()
+        .find(|l| l.contains("nodes held ("))
+        .unwrap()
+        .to_string();
+    let nodes: usize = line
+        .split(" nodes held")
+        .next()
+        .and_then(|h| h.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(
+        nodes > dirs * per_dir,
+        "the kernel holds every file: {line}"
+    );
+    drop(pins);
+    m.stop()
+        .assert_clean("directory export of a tree past its descriptor limit");
 }
 
 #[test]

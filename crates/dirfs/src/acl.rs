@@ -100,8 +100,9 @@ impl DirFs {
         let Some(root) = self.root() else {
             return false;
         };
+        let Ok(fd) = root.fd() else { return false };
         matches!(
-            sys::xattr::get(root.fd().as_raw_fd(), ACCESS, &mut []),
+            sys::xattr::get(fd.as_raw_fd(), ACCESS, &mut []),
             Ok(_) | Err(libc::ENODATA)
         )
     }
@@ -117,13 +118,13 @@ impl DirFs {
         if setxattr_flags & FUSE_SETXATTR_ACL_KILL_SGID == 0 || name != ACCESS {
             return Ok(());
         }
-        let st = sys::stat_fd(node.fd())?;
+        let st = sys::stat_fd(node.fd()?.as_fd())?;
         if st.st_mode & libc::S_ISGID == 0 {
             return Ok(());
         }
         sys::chmod_fd(
             self.proc_fd.as_fd(),
-            node.fd().as_raw_fd(),
+            node.fd()?.as_raw_fd(),
             st.st_mode & 0o7777 & !libc::S_ISGID,
         )
     }

@@ -1,36 +1,104 @@
 //! The inode table: every node the kernel knows, keyed by the source's (device, inode) so one
-//! file reached by several names (hard links) is one node, holding an `O_PATH` descriptor of the
-//! inode and the kernel's lookup count. A node lives while the kernel holds lookups on it: every
-//! successful LOOKUP, CREATE, MKNOD, MKDIR, SYMLINK, LINK and READDIRPLUS entry adds one, FORGET
-//! and BATCH_FORGET take them back, and at zero the node and its descriptor are gone. Memory and
-//! descriptors so follow what the kernel caches, not how many lookups were ever made.
+//! file reached by several names (hard links) is one node, holding the inode and the kernel's
+//! lookup count. A node lives while the kernel holds lookups on it: every successful LOOKUP,
+//! CREATE, MKNOD, MKDIR, SYMLINK, LINK and READDIRPLUS entry adds one, FORGET and BATCH_FORGET
+//! take them back, and at zero the node and what it held are gone. Memory and descriptors so
+//! follow what the kernel caches, not how many lookups were ever made.
+//!
+//! A node holds its inode by an `O_PATH` descriptor while the export's descriptor budget
+//! allows, and beyond it by a file handle ([`Held`]), so a tree larger than the process's
+//! descriptor limit is served whole: the kernel may cache millions of entries, the limit here
+//! is 20000.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuse_abi::ROOT_ID;
 
+use crate::sys::{self, Errno, Handle};
+
+/// How a node holds its inode.
+#[derive(Debug)]
+pub enum Held {
+    /// An `O_PATH` descriptor: the inode itself, pinned while held.
+    Fd(OwnedFd),
+    /// A file handle, opened (`O_PATH`) for each request that needs a descriptor; `mount` is a
+    /// descriptor of the filesystem it came from. `ESTALE` once the inode is gone.
+    Handle {
+        /// The filesystem's descriptor ([`sys::open_handle`]).
+        mount: Arc<OwnedFd>,
+        /// The handle.
+        handle: Handle,
+    },
+}
+
 /// One inode of the source tree.
 #[derive(Debug)]
 pub struct Inode {
-    fd: OwnedFd,
+    held: Held,
     /// `st_dev`, `st_ino`: the key.
     pub key: (u64, u64),
     /// `S_IFMT` bits: the type never changes.
     pub kind: u32,
 }
 
+/// A descriptor of a node's inode for one request: the node's own, or one opened from its
+/// handle and closed when this is dropped (after the request's calls, ring ones included).
+pub enum NodeFd<'a> {
+    /// The node's held descriptor.
+    Held(BorrowedFd<'a>),
+    /// Opened from the node's handle for this request.
+    Opened(OwnedFd),
+}
+
+impl AsFd for NodeFd<'_> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            NodeFd::Held(fd) => *fd,
+            NodeFd::Opened(fd) => fd.as_fd(),
+        }
+    }
+}
+
+impl AsRawFd for NodeFd<'_> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.as_fd().as_raw_fd()
+    }
+}
+
 impl Inode {
-    /// The `O_PATH` descriptor.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// An `O_PATH` descriptor of the inode, for as long as the result lives.
+    pub fn fd(&self) -> Result<NodeFd<'_>, Errno> {
+        match &self.held {
+            Held::Fd(fd) => Ok(NodeFd::Held(fd.as_fd())),
+            Held::Handle { mount, handle } => {
+                sys::open_handle(mount.as_fd(), handle, libc::O_PATH).map(NodeFd::Opened)
+            }
+        }
+    }
+
+    /// Whether it is held by a descriptor (not a handle).
+    pub fn pinned(&self) -> bool {
+        matches!(self.held, Held::Fd(_))
     }
 
     /// Whether it is a directory.
     pub fn is_dir(&self) -> bool {
         self.kind == libc::S_IFDIR
     }
+}
+
+/// What the table holds for a key already ([`Inodes::peek`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peek {
+    /// No node.
+    Absent,
+    /// A node holding a descriptor: the same inode for sure.
+    Pinned,
+    /// A node holding a handle: the same inode only if the handles match (the inode number may
+    /// have been reused since).
+    Named,
 }
 
 struct Slot {
@@ -46,6 +114,8 @@ struct Table {
     free: Vec<usize>,
     by_key: HashMap<(u64, u64), usize>,
     generation: u64,
+    /// Nodes holding a descriptor (the root included).
+    pinned: usize,
 }
 
 /// The table, shared by every queue thread (a mutex held for a few instructions per metadata
@@ -61,7 +131,7 @@ impl Inodes {
         t.slots.push(None);
         t.slots.push(Some(Slot {
             inode: Arc::new(Inode {
-                fd: root,
+                held: Held::Fd(root),
                 key,
                 kind: libc::S_IFDIR,
             }),
@@ -69,6 +139,7 @@ impl Inodes {
             generation: 0,
         }));
         t.by_key.insert(key, ROOT_ID as usize);
+        t.pinned = 1;
         Inodes {
             table: Mutex::new(t),
         }
@@ -87,19 +158,49 @@ impl Inodes {
         t.slots.get(i)?.as_ref().map(|s| s.inode.clone())
     }
 
-    /// Adds one lookup of the inode `fd` (of `key` and type `kind`): the node already holding
-    /// that inode (and `fd` is closed), or a new one. Returns (node id, generation).
-    pub fn insert(&self, fd: OwnedFd, key: (u64, u64), kind: u32) -> (u64, u64) {
+    /// What the table holds for `key` now, and how many nodes hold a descriptor.
+    pub fn peek(&self, key: (u64, u64)) -> (Peek, usize) {
+        let t = self.lock();
+        let p = match t.by_key.get(&key).and_then(|&i| t.slots[i].as_ref()) {
+            None => Peek::Absent,
+            Some(s) if s.inode.pinned() => Peek::Pinned,
+            Some(_) => Peek::Named,
+        };
+        (p, t.pinned)
+    }
+
+    /// Nodes holding a descriptor.
+    pub fn pinned(&self) -> usize {
+        self.lock().pinned
+    }
+
+    /// Adds one lookup of the inode `held` (of `key` and type `kind`): the node already holding
+    /// that inode (and `held` is dropped), or a new one. A node of the same key holding another
+    /// handle is of an inode gone since, whose number the source reused: the key then names
+    /// the new node, and the old one lives on, unreachable by lookups, until forgotten.
+    /// Returns (node id, generation).
+    pub fn insert(&self, held: Held, key: (u64, u64), kind: u32) -> (u64, u64) {
         let mut t = self.lock();
         if let Some(&i) = t.by_key.get(&key) {
             if let Some(s) = t.slots[i].as_mut() {
-                s.nlookup = s.nlookup.saturating_add(1);
-                return (i as u64, s.generation);
+                let same = match (&s.inode.held, &held) {
+                    (Held::Handle { handle: a, .. }, Held::Handle { handle: b, .. }) => a == b,
+                    // A descriptor pins the inode, so its number is not reused meanwhile; a
+                    // descriptor racing a handle node (the budget changed) is taken as the same.
+                    _ => true,
+                };
+                if same {
+                    s.nlookup = s.nlookup.saturating_add(1);
+                    return (i as u64, s.generation);
+                }
             }
         }
         t.generation += 1;
+        if matches!(held, Held::Fd(_)) {
+            t.pinned += 1;
+        }
         let slot = Slot {
-            inode: Arc::new(Inode { fd, key, kind }),
+            inode: Arc::new(Inode { held, key, kind }),
             nlookup: 1,
             generation: t.generation,
         };
@@ -142,6 +243,9 @@ impl Inodes {
             return;
         }
         let key = s.inode.key;
+        if s.inode.pinned() {
+            t.pinned -= 1;
+        }
         t.slots[i] = None;
         if t.by_key.get(&key) == Some(&i) {
             t.by_key.remove(&key);
@@ -151,7 +255,8 @@ impl Inodes {
 
     /// Nodes held (the root included), for tests and statistics.
     pub fn len(&self) -> usize {
-        self.lock().by_key.len()
+        let t = self.lock();
+        t.slots.len() - 1 - t.free.len()
     }
 
     /// Whether only the root is held.
@@ -171,11 +276,11 @@ mod tests {
     #[test]
     fn lookups_balance_with_forgets() {
         let t = Inodes::new(fd(), (1, 2));
-        let (a, ga) = t.insert(fd(), (1, 10), libc::S_IFREG);
+        let (a, ga) = t.insert(Held::Fd(fd()), (1, 10), libc::S_IFREG);
         assert_ne!(a, ROOT_ID);
         // The same inode by another name is the same node.
-        assert_eq!(t.insert(fd(), (1, 10), libc::S_IFREG), (a, ga));
-        let (b, gb) = t.insert(fd(), (1, 11), libc::S_IFDIR);
+        assert_eq!(t.insert(Held::Fd(fd()), (1, 10), libc::S_IFREG), (a, ga));
+        let (b, gb) = t.insert(Held::Fd(fd()), (1, 11), libc::S_IFDIR);
         assert_ne!(a, b);
         assert_eq!(t.len(), 3);
         t.forget(a, 1);
@@ -183,7 +288,7 @@ mod tests {
         t.forget(a, 1);
         assert!(t.get(a).is_none());
         // The slot is reused with a new generation.
-        let (c, gc) = t.insert(fd(), (1, 12), libc::S_IFREG);
+        let (c, gc) = t.insert(Held::Fd(fd()), (1, 12), libc::S_IFREG);
         assert_eq!(c, a);
         assert!(gc > gb && gc > ga);
         t.forget(b, 5);
@@ -197,12 +302,48 @@ mod tests {
         assert!(t.get(u64::MAX).is_none());
     }
 
+    /// A handle node is the same node only for the same handle: an inode number reused by a new
+    /// inode gets a new node, and the old one is forgotten without disturbing it.
+    #[test]
+    fn handle_nodes_are_matched_by_handle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = |n: &str| {
+            std::fs::write(dir.path().join(n), n).unwrap();
+            let f: OwnedFd = std::fs::File::open(dir.path().join(n)).unwrap().into();
+            sys::handle_of(f.as_fd()).unwrap()
+        };
+        let mount = Arc::new(fd());
+        let held = |h| Held::Handle {
+            mount: mount.clone(),
+            handle: h,
+        };
+        let t = Inodes::new(fd(), (1, 2));
+        let (a, _) = t.insert(held(path("a")), (9, 1), libc::S_IFREG);
+        assert_eq!(t.peek((9, 1)).0, Peek::Named);
+        assert_eq!(t.insert(held(path("a")), (9, 1), libc::S_IFREG).0, a);
+        let (b, _) = t.insert(held(path("b")), (9, 1), libc::S_IFREG);
+        assert_ne!(a, b, "another inode under a reused number is another node");
+        assert_eq!(t.len(), 3);
+        assert_eq!(t.pinned(), 1, "only the root holds a descriptor");
+        t.forget(a, 2);
+        assert!(t.get(b).is_some());
+        assert_eq!(t.insert(held(path("b")), (9, 1), libc::S_IFREG).0, b);
+        t.forget(b, 2);
+        assert!(t.is_empty());
+        assert_eq!(t.peek((9, 1)).0, Peek::Absent);
+        t.insert(Held::Fd(fd()), (9, 1), libc::S_IFREG);
+        assert_eq!(t.peek((9, 1)), (Peek::Pinned, 2));
+    }
+
     #[test]
     fn many_lookups_keep_the_table_bounded() {
         let t = Inodes::new(fd(), (1, 2));
         for round in 0..50u64 {
             let ids: Vec<u64> = (0..100)
-                .map(|i| t.insert(fd(), (2, round * 1000 + i), libc::S_IFREG).0)
+                .map(|i| {
+                    t.insert(Held::Fd(fd()), (2, round * 1000 + i), libc::S_IFREG)
+                        .0
+                })
                 .collect();
             for id in ids {
                 t.forget(id, 1);

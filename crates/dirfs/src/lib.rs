@@ -43,7 +43,7 @@ use fuse_abi::{
 };
 use zerocopy::{Immutable, IntoBytes};
 
-use crate::inodes::{Inode, Inodes};
+use crate::inodes::{Held, Inode, Inodes, Peek};
 use crate::sys::{Errno, Name};
 
 /// How the directory export behaves; fixed for its lifetime.
@@ -63,9 +63,17 @@ pub struct DirConfig {
     pub direct_io: bool,
     /// Most files and directories open through the mount at once.
     pub max_open: usize,
-    /// Most nodes held at once (each is a descriptor): beyond it a lookup fails with `ENFILE`
-    /// until the kernel forgets some, so the daemon keeps descriptors for its own needs.
+    /// Most nodes held at once: beyond it a lookup fails with `ENFILE` until the kernel forgets
+    /// some.
     pub max_nodes: usize,
+    /// Most nodes holding a descriptor of their inode; beyond it nodes hold file handles
+    /// instead (when [`DirConfig::file_handles`] and the source allow), or else a lookup fails
+    /// with `ENFILE` until the kernel forgets some: the daemon keeps descriptors for its own
+    /// needs.
+    pub max_node_fds: usize,
+    /// Hold nodes beyond [`DirConfig::max_node_fds`] by file handle. Taken only where the
+    /// source filesystem gives handles and the daemon may open them (`CAP_DAC_READ_SEARCH`).
+    pub file_handles: bool,
 }
 
 impl Default for DirConfig {
@@ -78,6 +86,8 @@ impl Default for DirConfig {
             direct_io: false,
             max_open: 1 << 16,
             max_nodes: 1 << 20,
+            max_node_fds: 1 << 16,
+            file_handles: true,
         }
     }
 }
@@ -123,6 +133,12 @@ pub struct DirFs {
     /// device, so they are called on the queue thread, saving the io-wq hop io_uring always
     /// makes for them (see `ring`).
     in_memory: bool,
+    /// A descriptor (not `O_PATH`) of the source's filesystem, to open the file handles of
+    /// nodes beyond the descriptor budget; `None` where handles cannot be used.
+    handles: Option<Arc<OwnedFd>>,
+    /// The source root's device: nodes on other filesystems (mounts inside the source) always
+    /// hold descriptors.
+    root_dev: u64,
 }
 
 /// Backing ids shared by the opens of one inode.
@@ -159,8 +175,15 @@ impl DirFs {
         let in_memory = sys::statfs_fd(root.as_fd()).is_ok_and(|f| {
             f.f_type == libc::TMPFS_MAGIC as libc::__fsword_t || f.f_type == RAMFS_MAGIC
         });
+        let handles = if cfg.file_handles {
+            handle_mount(&root, &proc_fd, &st)
+        } else {
+            None
+        };
         Ok(DirFs {
             cfg,
+            handles,
+            root_dev: st.st_dev,
             inodes: Inodes::new(root, (st.st_dev, st.st_ino)),
             files: Files::new(cfg.max_open),
             proc_fd,
@@ -205,9 +228,25 @@ impl DirFs {
         self.inodes.get(id).ok_or(libc::ENOENT)
     }
 
-    /// Whether one more node may be held ([`DirConfig::max_nodes`]).
+    /// Whether nodes beyond the descriptor budget are held by file handle.
+    pub fn file_handles(&self) -> bool {
+        self.handles.is_some()
+    }
+
+    /// Nodes holding a descriptor (the rest hold file handles).
+    pub fn pinned_nodes(&self) -> usize {
+        self.inodes.pinned()
+    }
+
+    /// Whether one more node may be held ([`DirConfig::max_nodes`], and
+    /// [`DirConfig::max_node_fds`] without file handles).
     fn room(&self) -> Result<(), Errno> {
-        if self.inodes.len() >= self.cfg.max_nodes {
+        let bound = if self.handles.is_some() {
+            self.cfg.max_nodes
+        } else {
+            self.cfg.max_nodes.min(self.cfg.max_node_fds)
+        };
+        if self.inodes.len() >= bound {
             Err(libc::ENFILE)
         } else {
             Ok(())
@@ -247,10 +286,44 @@ impl DirFs {
     fn remember(&self, fd: OwnedFd, st: &libc::stat) -> EntryOut {
         // (`room` was checked before the descriptor was opened; a race of a few lookups past
         // the bound is harmless.)
-        let (id, generation) =
-            self.inodes
-                .insert(fd, (st.st_dev, st.st_ino), st.st_mode & libc::S_IFMT);
+        let key = (st.st_dev, st.st_ino);
+        let kind = st.st_mode & libc::S_IFMT;
+        let held = self.hold(fd, key, kind);
+        let (id, generation) = self.inodes.insert(held, key, kind);
         self.entry_out(id, generation, st)
+    }
+
+    /// How a lookup of the inode `fd` (of `key`, `kind`) holds it: by the descriptor while the
+    /// budget allows, else by file handle. Directories, the parents of every lookup and
+    /// creation, may use the whole budget, other nodes three quarters of it, so that in a tree
+    /// of many files the directories keep descriptors.
+    fn hold(&self, fd: OwnedFd, key: (u64, u64), kind: u32) -> Held {
+        let Some(mount) = self.handles.as_ref().filter(|_| key.0 == self.root_dev) else {
+            return Held::Fd(fd);
+        };
+        let by_handle = match self.inodes.peek(key) {
+            (Peek::Pinned, _) => false,
+            // The handle tells whether it is that node's inode or a new one under its number.
+            (Peek::Named, _) => true,
+            (Peek::Absent, pinned) => {
+                let budget = self.cfg.max_node_fds;
+                pinned
+                    >= if kind == libc::S_IFDIR {
+                        budget
+                    } else {
+                        budget / 4 * 3
+                    }
+            }
+        };
+        if by_handle {
+            if let Ok(handle) = sys::handle_of(fd.as_fd()) {
+                return Held::Handle {
+                    mount: mount.clone(),
+                    handle,
+                };
+            }
+        }
+        Held::Fd(fd)
     }
 
     /// LOOKUP of `name` in the directory `dir`.
@@ -278,7 +351,7 @@ impl DirFs {
         if st.st_mode & libc::S_IFMT != kind {
             return Err(libc::EIO);
         }
-        let pst = sys::stat_fd(parent.fd())?;
+        let pst = sys::stat_fd(parent.fd()?.as_fd())?;
         let gid = if pst.st_mode & libc::S_ISGID != 0 {
             u32::MAX
         } else {
@@ -314,7 +387,7 @@ impl DirFs {
         kind: u32,
         mode: Option<u32>,
     ) -> Result<EntryOut, Errno> {
-        let r = sys::open_in(parent.fd(), name, libc::O_PATH, 0)
+        let r = sys::open_in(parent.fd()?.as_fd(), name, libc::O_PATH, 0)
             .and_then(|fd| self.adopt(hdr, parent, &fd, kind, mode).map(|st| (fd, st)));
         match r {
             Ok((fd, st)) => Ok(self.remember(fd, &st)),
@@ -324,11 +397,28 @@ impl DirFs {
                 } else {
                     0
                 };
-                let _ = sys::unlink_in(parent.fd(), name, flags);
+                if let Ok(p) = parent.fd() {
+                    let _ = sys::unlink_in(p.as_fd(), name, flags);
+                }
                 Err(e)
             }
         }
     }
+}
+
+/// A descriptor of the source's filesystem to open file handles with, if handles work there:
+/// the root's handle is taken and opened again, and must be the root.
+fn handle_mount(root: &OwnedFd, proc_fd: &OwnedFd, st: &libc::stat) -> Option<Arc<OwnedFd>> {
+    let mount = sys::reopen(
+        proc_fd.as_fd(),
+        root.as_raw_fd(),
+        libc::O_RDONLY | libc::O_DIRECTORY,
+    )
+    .ok()?;
+    let handle = sys::handle_of(root.as_fd()).ok()?;
+    let again = sys::open_handle(mount.as_fd(), &handle, libc::O_PATH).ok()?;
+    let st2 = sys::stat_fd(again.as_fd()).ok()?;
+    ((st2.st_dev, st2.st_ino) == (st.st_dev, st.st_ino)).then(|| Arc::new(mount))
 }
 
 /// The checked name a span holds.
@@ -499,7 +589,7 @@ impl DirFs {
                     .as_mut_slice()
                     .get_mut(payload..payload + cap)
                     .ok_or(libc::EIO)?;
-                let n = sys::readlink_fd(node.fd(), out)?;
+                let n = sys::readlink_fd(node.fd()?.as_fd(), out)?;
                 Ok(Reply::Data(n))
             }
             Request::Create { arg, name } => self.create(hdr, arg, name, buf, payload),
@@ -516,7 +606,7 @@ impl DirFs {
                 if t.is_empty() {
                     return Err(libc::ENOENT);
                 }
-                sys::symlink_in(t, dir.fd(), n)?;
+                sys::symlink_in(t, dir.fd()?.as_fd(), n)?;
                 let e = self.finish_new(hdr, &dir, n, libc::S_IFLNK, None)?;
                 put(buf, payload, &e)
             }
@@ -528,7 +618,7 @@ impl DirFs {
                 let v = value.bytes(b).ok_or(libc::EINVAL)?;
                 let SetxattrIn { flags, .. } = arg;
                 self.xattr_target(&node)?;
-                sys::xattr::set(node.fd().as_raw_fd(), n, v, flags as i32)?;
+                sys::xattr::set(node.fd()?.as_raw_fd(), n, v, flags as i32)?;
                 self.acl_set(&node, n, arg.setxattr_flags)?;
                 Ok(Reply::Data(0))
             }
@@ -545,14 +635,14 @@ impl DirFs {
                 copy[..len].copy_from_slice(n.to_bytes_with_nul());
                 let n = CStr::from_bytes_with_nul(&copy[..len]).map_err(|_| libc::EINVAL)?;
                 self.xattr_reply(arg, buf, payload, cap, |out| {
-                    sys::xattr::get(node.fd().as_raw_fd(), n, out)
+                    sys::xattr::get(node.fd()?.as_raw_fd(), n, out)
                 })
             }
             Request::Listxattr(arg) => {
                 let node = self.node(hdr.nodeid)?;
                 self.xattr_target(&node)?;
                 self.xattr_reply(arg, buf, payload, cap, |out| {
-                    sys::xattr::list(node.fd().as_raw_fd(), out)
+                    sys::xattr::list(node.fd()?.as_raw_fd(), out)
                 })
             }
             Request::Removexattr { name } => {
@@ -560,7 +650,7 @@ impl DirFs {
                 let node = self.node(hdr.nodeid)?;
                 self.xattr_target(&node)?;
                 let n = name.c_str(buf.as_slice()).ok_or(libc::EINVAL)?;
-                sys::xattr::remove(node.fd().as_raw_fd(), n)?;
+                sys::xattr::remove(node.fd()?.as_raw_fd(), n)?;
                 Ok(Reply::Data(0))
             }
             // With default_permissions the kernel checks access itself and never asks; a
@@ -643,7 +733,11 @@ impl DirFs {
             if node.kind == libc::S_IFLNK {
                 return Err(libc::EOPNOTSUPP);
             }
-            sys::chmod_fd(self.proc_fd.as_fd(), node.fd().as_raw_fd(), a.mode & 0o7777)?;
+            sys::chmod_fd(
+                self.proc_fd.as_fd(),
+                node.fd()?.as_raw_fd(),
+                a.mode & 0o7777,
+            )?;
         }
         if a.valid & (FATTR_UID | FATTR_GID) != 0 {
             let uid = if a.valid & FATTR_UID != 0 {
@@ -656,7 +750,7 @@ impl DirFs {
             } else {
                 u32::MAX
             };
-            sys::chown_fd(node.fd(), uid, gid)?;
+            sys::chown_fd(node.fd()?.as_fd(), uid, gid)?;
         }
         if a.valid & FATTR_SIZE != 0 {
             if node.kind != libc::S_IFREG {
@@ -668,7 +762,7 @@ impl DirFs {
             }
             match fh {
                 Some(fd) => sys::ftruncate(fd, a.size)?,
-                None => sys::truncate_fd(node.fd().as_raw_fd(), a.size)?,
+                None => sys::truncate_fd(node.fd()?.as_raw_fd(), a.size)?,
             }
         }
         let time = |now: u32, set: u32, s: u64, ns: u32| {
@@ -694,9 +788,12 @@ impl DirFs {
                 time(FATTR_ATIME_NOW, FATTR_ATIME, a.atime, a.atimensec),
                 time(FATTR_MTIME_NOW, FATTR_MTIME, a.mtime, a.mtimensec),
             ];
-            sys::utimes_fd(node.fd(), &times)?;
+            sys::utimes_fd(node.fd()?.as_fd(), &times)?;
         }
-        let st = sys::stat_fd(node.fd())?;
+        let st = match fh {
+            Some(fd) => sys::stat_fd(borrow(fd))?,
+            None => sys::stat_fd(node.fd()?.as_fd())?,
+        };
         put(buf, payload, &self.attr_out(&st))
     }
 
@@ -822,14 +919,16 @@ impl DirFs {
         // worker running the op would not have (see `ring`).
         let (fd, made) = match acl::with_umask(a.umask, || {
             sys::open_in(
-                dir.fd(),
+                dir.fd()?.as_fd(),
                 n,
                 flags | libc::O_CREAT | libc::O_EXCL,
                 a.mode & 0o777,
             )
         }) {
             Ok(fd) => (fd, true),
-            Err(libc::EEXIST) if !exclusive => (sys::open_in(dir.fd(), n, flags, 0)?, false),
+            Err(libc::EEXIST) if !exclusive => {
+                (sys::open_in(dir.fd()?.as_fd(), n, flags, 0)?, false)
+            }
             Err(e) => return Err(e),
         };
         let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
@@ -837,7 +936,9 @@ impl DirFs {
             match self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode)) {
                 Ok(st) => st,
                 Err(e) => {
-                    let _ = sys::unlink_in(dir.fd(), n, 0);
+                    if let Ok(d) = dir.fd() {
+                        let _ = sys::unlink_in(d.as_fd(), n, 0);
+                    }
                     return Err(e);
                 }
             }
@@ -878,7 +979,7 @@ impl DirFs {
             // SAFETY: `.` is a valid NUL-terminated string; the result is checked below.
             let fd = unsafe {
                 libc::openat(
-                    dir.fd().as_raw_fd(),
+                    dir.fd()?.as_raw_fd(),
                     c".".as_ptr(),
                     flags | libc::O_TMPFILE | libc::O_CLOEXEC,
                     (a.mode & 0o777) as libc::c_uint,
@@ -910,7 +1011,9 @@ impl DirFs {
         self.room()?;
         let dir = self.node(hdr.nodeid)?;
         let n = name_at(buf.as_slice(), name)?;
-        acl::with_umask(a.umask, || sys::mkdir_in(dir.fd(), n, a.mode & 0o777))?;
+        acl::with_umask(a.umask, || {
+            sys::mkdir_in(dir.fd()?.as_fd(), n, a.mode & 0o777)
+        })?;
         let e = self.finish_new(hdr, &dir, n, libc::S_IFDIR, Some(a.mode & 0o1777))?;
         put(buf, payload, &e)
     }
@@ -926,7 +1029,7 @@ impl DirFs {
             return Err(libc::EPERM);
         }
         acl::with_umask(a.umask, || {
-            sys::mknod_in(dir.fd(), n, kind | (a.mode & 0o777), 0)
+            sys::mknod_in(dir.fd()?.as_fd(), n, kind | (a.mode & 0o777), 0)
         })?;
         let e = self.finish_new(hdr, &dir, n, kind, Some(a.mode & 0o7777))?;
         put(buf, payload, &e)
@@ -940,7 +1043,7 @@ impl DirFs {
 
     fn statfs(&self, hdr: &InHeader, buf: &mut Buf, payload: usize) -> R {
         let node = self.node(hdr.nodeid).or_else(|_| self.node(ROOT_ID))?;
-        let s = sys::statfs_fd(node.fd())?;
+        let s = sys::statfs_fd(node.fd()?.as_fd())?;
         let st = Kstatfs {
             blocks: s.f_blocks,
             bfree: s.f_bfree,

@@ -123,9 +123,9 @@ impl DirFs {
                     0
                 };
                 if self.in_memory {
-                    sys::unlink_in(dir.fd(), n, flags)?;
+                    sys::unlink_in(dir.fd()?.as_fd(), n, flags)?;
                 } else {
-                    eng.unlinkat(dir.fd().as_raw_fd(), n.as_c(), flags)
+                    eng.unlinkat(dir.fd()?.as_raw_fd(), n.as_c(), flags)
                         .await
                         .map_err(errno_of)?;
                 }
@@ -147,9 +147,9 @@ impl DirFs {
                 let b = buf.as_slice();
                 let (o, n) = (name_at(b, old)?, name_at(b, new)?);
                 eng.renameat(
-                    from.fd().as_raw_fd(),
+                    from.fd()?.as_raw_fd(),
                     o.as_c(),
-                    to.fd().as_raw_fd(),
+                    to.fd()?.as_raw_fd(),
                     n.as_c(),
                     flags,
                 )
@@ -169,17 +169,20 @@ impl DirFs {
                 // (`AT_EMPTY_PATH` would need `CAP_DAC_READ_SEARCH`): `AT_SYMLINK_FOLLOW`
                 // follows only that magic link.
                 let mut digits = [0u8; 16];
-                let old = sys::fd_name(&mut digits, node.fd().as_raw_fd());
+                // (Held until the link is made: a descriptor opened from a handle closes with
+                // it.)
+                let held = node.fd()?;
+                let old = sys::fd_name(&mut digits, held.as_raw_fd());
                 eng.linkat(
                     self.proc_fd.as_raw_fd(),
                     old,
-                    dir.fd().as_raw_fd(),
+                    dir.fd()?.as_raw_fd(),
                     n.as_c(),
                     libc::AT_SYMLINK_FOLLOW,
                 )
                 .await
                 .map_err(errno_of)?;
-                let st = self.stat_fd(eng, node.fd()).await?;
+                let st = self.stat_fd(eng, node.fd()?.as_fd()).await?;
                 let generation = self.inodes.add_lookup(arg.oldnodeid).ok_or(libc::ENOENT)?;
                 let e = self.entry_out(arg.oldnodeid, generation, &st);
                 put(buf, payload, &e)
@@ -197,14 +200,14 @@ impl DirFs {
         name: Name<'_>,
     ) -> Result<EntryOut, Errno> {
         if self.in_memory {
-            return self.lookup_in(dir.fd(), name);
+            return self.lookup_in(dir.fd()?.as_fd(), name);
         }
         self.room()?;
         // O_PATH opens are not open events for fanotify (no FAN_OPEN_PERM wait): the kernel
         // may run them inline.
         let fd = eng
             .openat(
-                dir.fd().as_raw_fd(),
+                dir.fd()?.as_raw_fd(),
                 name.as_c(),
                 libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
                 0,
@@ -219,12 +222,21 @@ impl DirFs {
         &self,
         eng: &Engine,
         hdr: &InHeader,
-        _a: GetattrIn,
+        a: GetattrIn,
         buf: &mut Buf,
         payload: usize,
     ) -> R {
         let node = self.node(hdr.nodeid)?;
-        let st = self.stat_fd(eng, node.fd()).await?;
+        // An open file's own descriptor where the kernel names one (fstat): it answers for an
+        // unlinked file too, which a node held by file handle no longer reaches. The handle
+        // table keeps it open until RELEASE, sent only once no request on it is in flight.
+        let open = (a.getattr_flags & fuse_abi::FUSE_GETATTR_FH != 0)
+            .then(|| self.files.get(a.fh))
+            .flatten();
+        let st = match open {
+            Some(fd) => self.stat_fd(eng, crate::borrow(fd)).await?,
+            None => self.stat_fd(eng, node.fd()?.as_fd()).await?,
+        };
         put(buf, payload, &self.attr_out(&st))
     }
 
@@ -239,7 +251,9 @@ impl DirFs {
         flags: i32,
     ) -> Result<std::os::fd::OwnedFd, Errno> {
         let mut digits = [0u8; 16];
-        let name = sys::fd_name(&mut digits, node.fd().as_raw_fd());
+        // (Held until the open is made: a descriptor opened from a handle closes with it.)
+        let held = node.fd()?;
+        let name = sys::fd_name(&mut digits, held.as_raw_fd());
         eng.openat_punted(self.proc_fd.as_raw_fd(), name, flags | libc::O_CLOEXEC, 0)
             .await
             .map_err(errno_of)

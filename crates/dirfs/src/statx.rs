@@ -2,6 +2,8 @@
 //! the `STATX_ATTR_*` flags). The kernel asks for it when a caller's `statx` wants a field beyond
 //! the basic ones; without an answer it falls back to GETATTR and reports no birth time.
 
+use std::os::fd::AsFd;
+
 use engine::{Buf, Engine};
 use fuse_abi::{InHeader, Statx, StatxIn, StatxOut, SxTime, FUSE_GETATTR_FH};
 
@@ -35,7 +37,10 @@ impl DirFs {
                 self.statx_fd(eng, crate::borrow(fd), sync, a.sx_mask)
                     .await?
             }
-            None => self.statx_fd(eng, node.fd(), sync, a.sx_mask).await?,
+            None => {
+                self.statx_fd(eng, node.fd()?.as_fd(), sync, a.sx_mask)
+                    .await?
+            }
         };
         let out = StatxOut {
             attr_valid: self.cfg.attr_valid.as_secs(),

@@ -451,3 +451,71 @@ mod tests {
         );
     }
 }
+
+/// The kernel's `MAX_HANDLE_SZ`: the largest `f_handle` any filesystem returns.
+const MAX_HANDLE_SZ: usize = 128;
+
+/// `struct file_handle` (`include/linux/fcntl.h`'s `name_to_handle_at` argument) with room for
+/// the largest handle: `handle_bytes`, `handle_type`, then the opaque bytes.
+#[repr(C)]
+struct RawHandle {
+    handle_bytes: u32,
+    handle_type: i32,
+    f_handle: [u8; MAX_HANDLE_SZ],
+}
+
+/// A file handle: names an inode of one filesystem for as long as the inode exists, without
+/// holding a descriptor (`name_to_handle_at(2)`). Handles of two different inodes differ, even
+/// when the second reuses the first's inode number.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Handle {
+    kind: i32,
+    bytes: Box<[u8]>,
+}
+
+/// The handle of the inode `fd` refers to (an `O_PATH` descriptor works).
+pub fn handle_of(fd: BorrowedFd<'_>) -> Result<Handle, Errno> {
+    let mut raw = RawHandle {
+        handle_bytes: MAX_HANDLE_SZ as u32,
+        handle_type: 0,
+        f_handle: [0; MAX_HANDLE_SZ],
+    };
+    let mut mount_id: libc::c_int = 0;
+    // SAFETY: `raw` is a file_handle with `handle_bytes` of room after its header; the empty
+    // path is NUL-terminated; the result is checked.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_name_to_handle_at,
+            fd.as_raw_fd(),
+            EMPTY.as_ptr(),
+            &mut raw as *mut RawHandle,
+            &mut mount_id as *mut libc::c_int,
+            libc::AT_EMPTY_PATH,
+        ) as libc::c_int
+    })?;
+    let n = (raw.handle_bytes as usize).min(MAX_HANDLE_SZ);
+    Ok(Handle {
+        kind: raw.handle_type,
+        bytes: raw.f_handle[..n].into(),
+    })
+}
+
+/// Opens the inode `h` names with `flags`, `mount` being a descriptor (not `O_PATH`) of the
+/// filesystem the handle came from. Needs `CAP_DAC_READ_SEARCH`; `ESTALE` once the inode is gone.
+pub fn open_handle(mount: BorrowedFd<'_>, h: &Handle, flags: i32) -> Result<OwnedFd, Errno> {
+    let mut raw = RawHandle {
+        handle_bytes: h.bytes.len() as u32,
+        handle_type: h.kind,
+        f_handle: [0; MAX_HANDLE_SZ],
+    };
+    raw.f_handle[..h.bytes.len()].copy_from_slice(&h.bytes);
+    // SAFETY: `raw` is a valid file_handle of `handle_bytes` bytes; the result is checked.
+    check_fd(unsafe {
+        libc::syscall(
+            libc::SYS_open_by_handle_at,
+            mount.as_raw_fd(),
+            &mut raw as *mut RawHandle,
+            flags | libc::O_CLOEXEC,
+        ) as libc::c_int
+    })
+}

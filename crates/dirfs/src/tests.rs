@@ -25,6 +25,17 @@ impl H {
 
     /// A fresh source tree in `base` (default: the system's temporary directory).
     fn new_in(writable: bool, base: Option<&str>) -> H {
+        H::with_config(
+            DirConfig {
+                writable,
+                ..DirConfig::default()
+            },
+            base,
+        )
+    }
+
+    /// A fresh source tree in `base`, served with `cfg`.
+    fn with_config(cfg: DirConfig, base: Option<&str>) -> H {
         let dir = match base {
             Some(b) => tempfile::tempdir_in(b).unwrap(),
             None => tempfile::tempdir().unwrap(),
@@ -39,14 +50,7 @@ impl H {
             ..EngineConfig::default()
         })
         .expect("io_uring available");
-        let fs = DirFs::open(
-            dir.path(),
-            DirConfig {
-                writable,
-                ..DirConfig::default()
-            },
-        )
-        .unwrap();
+        let fs = DirFs::open(dir.path(), cfg).unwrap();
         H {
             eng,
             fs,
@@ -132,6 +136,22 @@ impl H {
             &[],
             &[],
         )
+    }
+
+    fn getattr(&self, node: u64, fh: Option<u64>) -> Result<AttrOut, i32> {
+        let b = self.call(
+            node,
+            |_| {
+                Request::Getattr(GetattrIn {
+                    getattr_flags: if fh.is_some() { FUSE_GETATTR_FH } else { 0 },
+                    dummy: 0,
+                    fh: fh.unwrap_or(0),
+                })
+            },
+            &[],
+            &[],
+        )?;
+        Ok(AttrOut::read_from_bytes(&b).unwrap())
     }
 
     fn path(&self, p: &str) -> std::path::PathBuf {
@@ -923,4 +943,101 @@ fn setting_an_access_acl_clears_setgid_when_the_kernel_says_so() {
         fuse_abi::FUSE_SETXATTR_ACL_KILL_SGID,
     );
     assert_eq!(mode() & libc::S_ISGID, libc::S_ISGID);
+}
+
+/// Beyond the descriptor budget nodes are held by file handle: a tree larger than the budget is
+/// served whole (lookups, attributes, opens, links, renames of such nodes), the nodes holding a
+/// descriptor stay within the budget, an open file unlinked meanwhile still answers GETATTR by
+/// its handle, and a node whose inode is gone answers ESTALE. Without handles the budget bounds
+/// the nodes.
+#[test]
+fn nodes_beyond_the_descriptor_budget_are_held_by_file_handle() {
+    let cfg = DirConfig {
+        writable: true,
+        max_node_fds: 8,
+        ..DirConfig::default()
+    };
+    let h = H::with_config(cfg, None);
+    assert!(
+        h.fs.file_handles(),
+        "the tests run as root on a filesystem with file handles"
+    );
+    let names: Vec<String> = (0..100).map(|i| format!("f{i}")).collect();
+    for (i, n) in names.iter().enumerate() {
+        std::fs::write(h.path(n), i.to_string()).unwrap();
+    }
+    let ids: Vec<u64> = names
+        .iter()
+        .map(|n| h.lookup(ROOT_ID, n.as_bytes()).unwrap().nodeid)
+        .collect();
+    assert_eq!(h.fs.nodes(), 101);
+    assert!(h.fs.pinned_nodes() <= 8, "{} pinned", h.fs.pinned_nodes());
+    // A second lookup of a handle node is the same node.
+    assert_eq!(h.lookup(ROOT_ID, b"f99").unwrap().nodeid, ids[99]);
+    for (i, (n, &id)) in names.iter().zip(&ids).enumerate() {
+        let a = h.getattr(id, None).unwrap().attr;
+        let md = std::fs::metadata(h.path(n)).unwrap();
+        assert_eq!((a.ino, a.size), (md.ino(), md.len()), "{n}");
+        assert_eq!(a.size, i.to_string().len() as u64);
+    }
+    // Opened, linked and renamed through its handle.
+    let last = ids[99];
+    let fh = h.open(last, libc::O_RDWR).unwrap();
+    assert_eq!(h.read(fh, 0, 10).unwrap(), b"99");
+    let l = h
+        .call(
+            ROOT_ID,
+            |s| Request::Link {
+                arg: fuse_abi::LinkIn { oldnodeid: last },
+                name: s[0],
+            },
+            &[b"hard"],
+            &[],
+        )
+        .unwrap();
+    assert_eq!(EntryOut::read_from_bytes(&l).unwrap().nodeid, last);
+    assert_eq!(std::fs::metadata(h.path("hard")).unwrap().nlink(), 2);
+    // Gone from the source under both names, still open: fstat answers by the open file.
+    std::fs::remove_file(h.path("hard")).unwrap();
+    std::fs::remove_file(h.path("f99")).unwrap();
+    assert_eq!(h.getattr(last, Some(fh)).unwrap().attr.nlink, 0);
+    h.call(
+        1,
+        |_| {
+            Request::Release(fuse_abi::ReleaseIn {
+                fh,
+                ..Default::default()
+            })
+        },
+        &[],
+        &[],
+    )
+    .unwrap();
+    // Closed too: the inode is gone, and its handle says so.
+    assert_eq!(h.getattr(last, None).unwrap_err(), libc::ESTALE);
+    // A new file under the name is a new node.
+    std::fs::write(h.path("f99"), b"new").unwrap();
+    let again = h.lookup(ROOT_ID, b"f99").unwrap();
+    assert_eq!(again.attr.size, 3);
+    assert_eq!(h.getattr(again.nodeid, None).unwrap().attr.size, 3);
+    for id in ids.iter().chain([&last, &last, &again.nodeid]) {
+        h.call(*id, |_| Request::Forget(1), &[], &[]).unwrap();
+    }
+    assert_eq!((h.fs.nodes(), h.fs.pinned_nodes()), (1, 1), "all forgotten");
+
+    // Without handles the budget bounds the nodes: the root and 7 more.
+    let h = H::with_config(
+        DirConfig {
+            file_handles: false,
+            ..cfg
+        },
+        None,
+    );
+    assert!(!h.fs.file_handles());
+    for n in &names[..7] {
+        std::fs::write(h.path(n), b"x").unwrap();
+        h.lookup(ROOT_ID, n.as_bytes()).unwrap();
+    }
+    std::fs::write(h.path("f7"), b"x").unwrap();
+    assert_eq!(h.lookup(ROOT_ID, b"f7").unwrap_err(), libc::ENFILE);
 }

@@ -101,6 +101,7 @@ proptest! {
     fn arbitrary_requests_are_answered_and_stay_inside(
         reqs in prop::collection::vec((opcode(), prop_oneof![Just(1u64), 0u64..6, any::<u64>()], body()), 1..24),
         setxattr_ext in any::<bool>(),
+        by_handle in any::<bool>(),
     ) {
         let top = tempfile::tempdir().unwrap();
         let (src, outside) = (top.path().join("src"), top.path().join("outside"));
@@ -110,7 +111,9 @@ proptest! {
         std::fs::write(outside.join("victim"), b"victim").unwrap();
         std::os::unix::fs::symlink("../outside", src.join("up")).unwrap();
         let before = listing(&outside);
-        let fs = Arc::new(DirFs::open(&src, DirConfig { writable: true, ..DirConfig::default() }).unwrap());
+        // With a descriptor budget of 2, every node but the root and one more is held by file handle.
+        let max_node_fds = if by_handle { 2 } else { DirConfig::default().max_node_fds };
+        let fs = Arc::new(DirFs::open(&src, DirConfig { writable: true, max_node_fds, ..DirConfig::default() }).unwrap());
         // SETXATTR in either layout (FUSE_SETXATTR_EXT granted or not).
         fs.set_granted(if setxattr_ext { fuse_abi::FUSE_SETXATTR_EXT } else { 0 });
         let l = Layout::new(MAX_WRITE);

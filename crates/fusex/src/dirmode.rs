@@ -345,9 +345,10 @@ pub fn mount(
                     stop_serving(&mut mnt, &mut deadline);
                 }
                 libc::SIGUSR1 => tracing::info!(
-                    "statistics: {} requests so far, {} nodes held, {} files open",
+                    "statistics: {} requests so far, {} nodes held ({} by descriptor), {} files open",
                     stats.total().requests(),
                     fs.nodes(),
+                    fs.pinned_nodes(),
                     fs.open_files()
                 ),
                 _ => crate::lifecycle::log_ignored(s),
@@ -502,13 +503,23 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
         attr_valid: valid,
         keep_cache: args.kernel_cache || cache == CacheArg::Always,
         direct_io: cache == CacheArg::Never,
-        // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes.
+        // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes;
+        // nodes beyond them are held by file handle where the source allows.
         max_open: (fds / 4).max(16),
-        max_nodes: fds.saturating_sub(fds / 4 + 256).max(64),
+        max_node_fds: fds.saturating_sub(fds / 4 + 256).max(64),
+        ..DirConfig::default()
     };
     let fs = Arc::new(
         DirFs::open(std::path::Path::new(&args.image), cfg).map_err(|e| anyhow::anyhow!("{e}"))?,
     );
+    if !fs.file_handles() {
+        tracing::info!(
+            "nodes: the source gives no file handles (or CAP_DAC_READ_SEARCH is missing): at most \
+             {} files and directories are known to the kernel at once, one descriptor each; \
+             raise the open-file limit (ulimit -n) for larger trees",
+            cfg.max_node_fds
+        );
+    }
     let uring_blocked = transport::uring_unavailable_reason();
     if let (TransportArg::Uring, Some(why)) = (args.transport, &uring_blocked) {
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
@@ -581,7 +592,9 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
     } else {
         use std::os::fd::AsRawFd;
         let depth = fs.root().map_or(1, |r| {
-            transport::passthrough::stack_depth_for(r.fd().as_raw_fd())
+            r.fd().map_or(1, |fd| {
+                transport::passthrough::stack_depth_for(fd.as_raw_fd())
+            })
         });
         negotiate_init_passthrough(conn, &params, depth)?
     };

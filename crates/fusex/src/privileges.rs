@@ -250,7 +250,8 @@ impl Plan {
     /// attributes the kernel allowed the caller), what acting on files for their callers takes
     /// once the kernel checked the caller's permission (`default_permissions`): `CAP_CHOWN` (new
     /// entries given to their creator), `CAP_DAC_OVERRIDE` and `CAP_DAC_READ_SEARCH` (files the
-    /// daemon's own uid could not open or search), `CAP_FOWNER` (modes, times and attributes of
+    /// daemon's own uid could not open or search; opening the file handles that hold nodes
+    /// beyond the descriptor budget), `CAP_FOWNER` (modes, times and attributes of
     /// files it does not own) and `CAP_FSETID` (set-id bits kept on others' files). Everything
     /// else goes (`CAP_SETUID`, `CAP_MKNOD`, `CAP_SYS_PTRACE`, network, ...).
     pub fn directory(exits_through_setuid_helper: bool) -> Plan {
