@@ -71,6 +71,11 @@ pub struct DirConfig {
     /// with `ENFILE` until the kernel forgets some: the daemon keeps descriptors for its own
     /// needs.
     pub max_node_fds: usize,
+    /// Whether LOOKUP, GETATTR, STATX and UNLINK/RMDIR are io_uring operations (true) or plain
+    /// calls on the queue thread (false); `None`: plain calls on a local filesystem
+    /// ([`local_filesystem`]), ring operations on any other (a network or FUSE filesystem,
+    /// where a call can wait on a server). See `ring` for why.
+    pub metadata_on_ring: Option<bool>,
     /// Hold nodes beyond [`DirConfig::max_node_fds`] by file handle. Taken only where the
     /// source filesystem gives handles and the daemon may open them (`CAP_DAC_READ_SEARCH`).
     pub file_handles: bool,
@@ -87,6 +92,7 @@ impl Default for DirConfig {
             max_open: 1 << 16,
             max_nodes: 1 << 20,
             max_node_fds: 1 << 16,
+            metadata_on_ring: None,
             file_handles: true,
         }
     }
@@ -129,10 +135,9 @@ pub struct DirFs {
     backings: Mutex<Backings>,
     /// The INIT flags the kernel granted ([`DirFs::set_granted`]).
     granted: AtomicU64,
-    /// The source is a memory filesystem (tmpfs, ramfs): its stat and unlink never wait on a
-    /// device, so they are called on the queue thread, saving the io-wq hop io_uring always
-    /// makes for them (see `ring`).
-    in_memory: bool,
+    /// LOOKUP, GETATTR, STATX and UNLINK/RMDIR are plain calls on the queue thread, not ring
+    /// operations ([`DirConfig::metadata_on_ring`]; see `ring`).
+    inline_metadata: bool,
     /// A descriptor (not `O_PATH`) of the source's filesystem, to open the file handles of
     /// nodes beyond the descriptor budget; `None` where handles cannot be used.
     handles: Option<Arc<OwnedFd>>,
@@ -170,11 +175,10 @@ impl DirFs {
         let root = sys::open_root(&c).map_err(open_err)?;
         let st = sys::stat_fd(root.as_fd()).map_err(open_err)?;
         let proc_fd = sys::open_root(c"/proc/self/fd").map_err(|e| DirError::Proc(errno_of(e)))?;
-        // ramfs's magic (include/uapi/linux/magic.h), which the libc crate does not name.
-        const RAMFS_MAGIC: libc::__fsword_t = 0x8584_58f6;
-        let in_memory = sys::statfs_fd(root.as_fd()).is_ok_and(|f| {
-            f.f_type == libc::TMPFS_MAGIC as libc::__fsword_t || f.f_type == RAMFS_MAGIC
-        });
+        let inline_metadata = match cfg.metadata_on_ring {
+            Some(ring) => !ring,
+            None => sys::statfs_fd(root.as_fd()).is_ok_and(|f| local_filesystem(f.f_type)),
+        };
         let handles = if cfg.file_handles {
             handle_mount(&root, &proc_fd, &st)
         } else {
@@ -192,7 +196,7 @@ impl DirFs {
             passthrough_refused: AtomicBool::new(false),
             backings: Mutex::new(Backings::default()),
             granted: AtomicU64::new(0),
-            in_memory,
+            inline_metadata,
         })
     }
 
@@ -404,6 +408,22 @@ impl DirFs {
             }
         }
     }
+}
+
+/// Whether a filesystem of `statfs` type `f_type` is local: in memory (tmpfs, ramfs) or on a
+/// block device (ext2/3/4, xfs, btrfs, f2fs). There a lookup, an attribute read or an unlink
+/// waits at most for a metadata block of the device, never for a server or a listener.
+pub fn local_filesystem(f_type: libc::__fsword_t) -> bool {
+    // The magics of include/uapi/linux/magic.h, as `statfs` reports them.
+    const LOCAL: [u32; 6] = [
+        0x0102_1994, // tmpfs
+        0x8584_58f6, // ramfs
+        0xef53,      // ext2, ext3, ext4
+        0x5846_5342, // xfs
+        0x9123_683e, // btrfs
+        0xf2f5_2010, // f2fs
+    ];
+    LOCAL.contains(&(f_type as u32))
 }
 
 /// A descriptor of the source's filesystem to open file handles with, if handles work there:
