@@ -246,11 +246,16 @@ impl Inodes {
         if s.inode.pinned() {
             t.pinned -= 1;
         }
-        t.slots[i] = None;
+        let gone = t.slots[i].take();
         if t.by_key.get(&key) == Some(&i) {
             t.by_key.remove(&key);
         }
         t.free.push(i);
+        // The descriptor is closed after the table is free again: the last close of an unlinked
+        // file evicts its inode, which can wait for the device (ext4 with `discard` issues the
+        // discard then and waits for it), and every queue's lookups need the table.
+        drop(t);
+        drop(gone);
     }
 
     /// Nodes held (the root included), for tests and statistics.
