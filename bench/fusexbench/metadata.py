@@ -37,6 +37,19 @@ FILES_PER_DIR = 1000
 TREE_VERSION = 1  # bump when build_tarball changes what it writes
 META_OPS = ("create", "stat", "readdir", "unlink")
 TREE_OPS = ("untar", "find", "du", "git-status")
+# The row whose result a row works on, in the same round and target: after a failed `create`
+# or `untar` (a peer out of descriptors, say) the tree is incomplete, and a later row over it
+# would time less work than the others did.
+PREREQUISITE = {"stat": "create", "readdir": "create", "unlink": "create",
+                "find": "untar", "du": "untar", "git-status": "untar"}
+
+
+def skipped_after(op: str, failed: dict[str, str]) -> Optional[str]:
+    """Why row ``op`` is not run, given ``failed`` (op -> error) of this round and target."""
+    pre = PREREQUISITE.get(op)
+    if pre is None or pre not in failed:
+        return None
+    return f"not run: the {pre} of this round failed ({failed[pre][:120]}), so the tree is incomplete"
 GIT = ["git", "-c", "safe.directory=*", "-c", "core.fsmonitor=false", "-c", "core.untrackedCache=false"]
 
 

@@ -203,6 +203,7 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                 result["tarball"] = {"path": tarball, "entries": entries, "files": opts.tree_files}
             tmp = os.path.join(workdir, m.name, "out")
             os.makedirs(tmp, exist_ok=True)
+            meta_failed: dict[tuple[str, int], dict[str, str]] = {}  # (target, round) -> op -> error
             try:
                 for i, (rnd, w, img, name) in enumerate(jobs):
                     progress.show(f"{m.name} r{rnd} {w.name} @ {name}" +
@@ -219,7 +220,15 @@ def run_matrix(m: Matrix, opts: Options, tools: Tools, workdir: str, tag: str,
                             run["image_allocated_bytes"] = imgs.allocated_bytes(t.image.path)
                     elif isinstance(w, meta.MetaWorkload):
                         assert meta_bin
-                        run = run_metadata(w, t, opts, meta_bin, tarball or "", entries)
+                        failed = meta_failed.setdefault((name, rnd), {})
+                        why = meta.skipped_after(w.op, failed)
+                        if why:
+                            run = {"command": None, "ok": False, "error": why, "metrics": None,
+                                   "started": _now()}
+                        else:
+                            run = run_metadata(w, t, opts, meta_bin, tarball or "", entries)
+                        if not run["ok"]:
+                            failed[w.op] = run["error"] or "failed"
                     else:
                         assert fa_bin
                         run = run_fileaccess(w, img, t, opts, fa_bin)

@@ -264,3 +264,18 @@ class GoalTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MetadataPrerequisiteTest(unittest.TestCase):
+    def test_rows_over_a_failed_tree_are_not_run(self):
+        from fusexbench import metadata as meta
+        self.assertIsNone(meta.skipped_after("stat", {}))
+        self.assertIsNone(meta.skipped_after("create", {"untar": "x"}))
+        why = meta.skipped_after("find", {"untar": "untar exit 2: Too many open files"})
+        self.assertIn("untar", why)
+        self.assertIn("Too many open files", why)
+        self.assertIsNotNone(meta.skipped_after("unlink", {"create": "x"}))
+        self.assertIsNone(meta.skipped_after("du", {"create": "x"}))
+        for op, pre in meta.PREREQUISITE.items():
+            self.assertIn(op, meta.META_OPS + meta.TREE_OPS)
+            self.assertIn(pre, meta.META_OPS + meta.TREE_OPS)
