@@ -232,6 +232,16 @@ impl DirFs {
         self.inodes.get(id).ok_or(libc::ENOENT)
     }
 
+    /// The descriptor of the open file a GETATTR or STATX names (`FUSE_GETATTR_FH` in
+    /// `getattr_flags`, as fstat sends): it answers for an unlinked file too, which a node held
+    /// by file handle no longer reaches. The handle table keeps it open until RELEASE, which
+    /// the kernel sends only once no request on the handle is in flight.
+    fn named_file(&self, getattr_flags: u32, fh: u64) -> Option<std::os::fd::RawFd> {
+        (getattr_flags & fuse_abi::FUSE_GETATTR_FH != 0)
+            .then(|| self.files.get(fh))
+            .flatten()
+    }
+
     /// Whether nodes beyond the descriptor budget are held by file handle.
     pub fn file_handles(&self) -> bool {
         self.handles.is_some()

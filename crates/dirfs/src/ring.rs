@@ -236,13 +236,7 @@ impl DirFs {
         payload: usize,
     ) -> R {
         let node = self.node(hdr.nodeid)?;
-        // An open file's own descriptor where the kernel names one (fstat): it answers for an
-        // unlinked file too, which a node held by file handle no longer reaches. The handle
-        // table keeps it open until RELEASE, sent only once no request on it is in flight.
-        let open = (a.getattr_flags & fuse_abi::FUSE_GETATTR_FH != 0)
-            .then(|| self.files.get(a.fh))
-            .flatten();
-        let st = match open {
+        let st = match self.named_file(a.getattr_flags, a.fh) {
             Some(fd) => self.stat_fd(eng, crate::borrow(fd)).await?,
             None => self.stat_fd(eng, node.fd()?.as_fd()).await?,
         };

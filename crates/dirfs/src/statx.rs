@@ -5,7 +5,7 @@
 use std::os::fd::AsFd;
 
 use engine::{Buf, Engine};
-use fuse_abi::{InHeader, Statx, StatxIn, StatxOut, SxTime, FUSE_GETATTR_FH};
+use fuse_abi::{InHeader, Statx, StatxIn, StatxOut, SxTime};
 
 use crate::{put, DirFs, R};
 
@@ -26,13 +26,8 @@ impl DirFs {
         payload: usize,
     ) -> R {
         let node = self.node(hdr.nodeid)?;
-        let handle = (a.getattr_flags & FUSE_GETATTR_FH != 0)
-            .then(|| self.files.get(a.fh))
-            .flatten();
         let sync = (a.sx_flags as i32) & libc::AT_STATX_SYNC_TYPE;
-        // The handle table keeps a handle's descriptor open until RELEASE, which the kernel
-        // sends only once no request on the handle is in flight.
-        let sx = match handle {
+        let sx = match self.named_file(a.getattr_flags, a.fh) {
             Some(fd) => {
                 self.statx_fd(eng, crate::borrow(fd), sync, a.sx_mask)
                     .await?

@@ -293,6 +293,33 @@ impl Engine {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
+    /// Runs `sqe`, a path operation (unlinkat, renameat, linkat) whose paths are `path` and
+    /// `second`, which the op owns until its completion (a `CString`'s bytes stay where they are
+    /// when it moves); 0 or the error.
+    ///
+    /// # Safety
+    ///
+    /// `sqe` points at no memory but the bytes of `path` and `second`.
+    async unsafe fn paths_op(
+        &self,
+        sqe: Sqe,
+        path: CString,
+        second: Option<CString>,
+    ) -> io::Result<()> {
+        // SAFETY: (the caller's) the paths are heap memory the op owns until the completion.
+        let (res, _) = unsafe {
+            self.start(
+                sqe,
+                Owned::Paths {
+                    _path: path,
+                    _second: second,
+                },
+            )
+        }
+        .await;
+        bytes(res).map(drop)
+    }
+
     /// `unlinkat(2)` of `path` in `dirfd` (`flags`: 0 or `AT_REMOVEDIR`).
     pub async fn unlinkat(&self, dirfd: RawFd, path: &CStr, flags: i32) -> io::Result<()> {
         let path = CString::from(path);
@@ -300,18 +327,8 @@ impl Engine {
             .flags(flags)
             .build()
             .into();
-        // SAFETY: the path is heap memory the op owns until the completion.
-        let (res, _) = unsafe {
-            self.start(
-                sqe,
-                Owned::Paths {
-                    _path: path,
-                    _second: None,
-                },
-            )
-        }
-        .await;
-        bytes(res).map(drop)
+        // SAFETY: the entry points only at `path`'s bytes.
+        unsafe { self.paths_op(sqe, path, None) }.await
     }
 
     /// `renameat2(2)` of `old` in `olddirfd` to `new` in `newdirfd` with `flags`
@@ -334,18 +351,8 @@ impl Engine {
         .flags(flags)
         .build()
         .into();
-        // SAFETY: both paths are heap memory the op owns until the completion.
-        let (res, _) = unsafe {
-            self.start(
-                sqe,
-                Owned::Paths {
-                    _path: old,
-                    _second: Some(new),
-                },
-            )
-        }
-        .await;
-        bytes(res).map(drop)
+        // SAFETY: the entry points only at `old`'s and `new`'s bytes.
+        unsafe { self.paths_op(sqe, old, Some(new)) }.await
     }
 
     /// `linkat(2)`: `old` in `olddirfd` linked as `new` in `newdirfd` (`flags`:
@@ -368,18 +375,8 @@ impl Engine {
         .flags(flags)
         .build()
         .into();
-        // SAFETY: both paths are heap memory the op owns until the completion.
-        let (res, _) = unsafe {
-            self.start(
-                sqe,
-                Owned::Paths {
-                    _path: old,
-                    _second: Some(new),
-                },
-            )
-        }
-        .await;
-        bytes(res).map(drop)
+        // SAFETY: the entry points only at `old`'s and `new`'s bytes.
+        unsafe { self.paths_op(sqe, old, Some(new)) }.await
     }
 
     /// Waits `d` on the ring (an `IORING_OP_TIMEOUT`): the thread keeps serving other tasks.
