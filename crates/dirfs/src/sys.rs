@@ -438,6 +438,42 @@ mod tests {
         assert_eq!(Name::new(&long).err(), Some(libc::ENAMETOOLONG));
     }
 
+    /// The handle of a deleted file answers `ESTALE`, also while another thread creates files
+    /// that take its inode number (mid-creation the kernel refuses the number with `ENOMEM`).
+    #[test]
+    fn a_deleted_files_handle_is_stale_while_its_number_is_reused() {
+        use std::os::fd::AsFd;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let mount = std::fs::File::open(dir.path()).unwrap();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    for i in 0..16 {
+                        std::fs::File::create(dir.path().join(format!("c{i}"))).unwrap();
+                    }
+                    for i in 0..16 {
+                        std::fs::remove_file(dir.path().join(format!("c{i}"))).unwrap();
+                    }
+                }
+            });
+            let checked = std::panic::catch_unwind(|| {
+                for i in 0..3000 {
+                    let p = dir.path().join(format!("v{i}"));
+                    let f = std::fs::File::create(&p).unwrap();
+                    let h = handle_of(f.as_fd()).unwrap();
+                    drop(f);
+                    std::fs::remove_file(&p).unwrap();
+                    let r = open_handle(mount.as_fd(), &h, libc::O_PATH);
+                    assert_eq!(r.err(), Some(libc::ESTALE), "file {i}");
+                }
+            });
+            stop.store(true, Ordering::Relaxed);
+            checked.unwrap();
+        });
+    }
+
     #[test]
     fn proc_names() {
         let mut b = [0u8; 16];
@@ -502,20 +538,38 @@ pub fn handle_of(fd: BorrowedFd<'_>) -> Result<Handle, Errno> {
 
 /// Opens the inode `h` names with `flags`, `mount` being a descriptor (not `O_PATH`) of the
 /// filesystem the handle came from. Needs `CAP_DAC_READ_SEARCH`; `ESTALE` once the inode is gone.
+///
+/// `ENOMEM` is retried for a while: while a new file is being created under the inode number of
+/// a deleted one, the kernel's inode cache refuses that number and ext4 reports the refusal as
+/// `ENOMEM`. Once the creation completes the same call answers `ESTALE` (the generation differs),
+/// which is the truth for the old handle.
 pub fn open_handle(mount: BorrowedFd<'_>, h: &Handle, flags: i32) -> Result<OwnedFd, Errno> {
+    /// Retries of an `ENOMEM`, 1 ms apart: a creation that outlasts them is reported as the
+    /// kernel's `ENOMEM`.
+    const ENOMEM_RETRIES: u32 = 100;
     let mut raw = RawHandle {
         handle_bytes: h.bytes.len() as u32,
         handle_type: h.kind,
         f_handle: [0; MAX_HANDLE_SZ],
     };
     raw.f_handle[..h.bytes.len()].copy_from_slice(&h.bytes);
-    // SAFETY: `raw` is a valid file_handle of `handle_bytes` bytes; the result is checked.
-    check_fd(unsafe {
-        libc::syscall(
-            libc::SYS_open_by_handle_at,
-            mount.as_raw_fd(),
-            &mut raw as *mut RawHandle,
-            flags | libc::O_CLOEXEC,
-        ) as libc::c_int
-    })
+    let mut tries = 0;
+    loop {
+        // SAFETY: `raw` is a valid file_handle of `handle_bytes` bytes; the result is checked.
+        let r = check_fd(unsafe {
+            libc::syscall(
+                libc::SYS_open_by_handle_at,
+                mount.as_raw_fd(),
+                &mut raw as *mut RawHandle,
+                flags | libc::O_CLOEXEC,
+            ) as libc::c_int
+        });
+        match r {
+            Err(libc::ENOMEM) if tries < ENOMEM_RETRIES => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            r => return r,
+        }
+    }
 }
