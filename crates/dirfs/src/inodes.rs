@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use fuse_abi::ROOT_ID;
 
+use crate::listing::Mark;
 use crate::sys::{self, Errno, Handle};
 
 /// How a node holds its inode.
@@ -41,6 +42,8 @@ pub struct Inode {
     pub key: (u64, u64),
     /// `S_IFMT` bits: the type never changes.
     pub kind: u32,
+    /// A directory's [`crate::listing`] mark.
+    pub listed: Mark,
 }
 
 /// A descriptor of a node's inode for one request: the node's own, or one opened from its
@@ -134,6 +137,7 @@ impl Inodes {
                 held: Held::Fd(root),
                 key,
                 kind: libc::S_IFDIR,
+                listed: Mark::default(),
             }),
             nlookup: 1,
             generation: 0,
@@ -200,7 +204,12 @@ impl Inodes {
             t.pinned += 1;
         }
         let slot = Slot {
-            inode: Arc::new(Inode { held, key, kind }),
+            inode: Arc::new(Inode {
+                held,
+                key,
+                kind,
+                listed: Mark::default(),
+            }),
             nlookup: 1,
             generation: t.generation,
         };

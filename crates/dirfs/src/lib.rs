@@ -18,6 +18,7 @@ mod attr;
 mod copy;
 pub mod files;
 pub mod inodes;
+mod listing;
 mod ring;
 mod statx;
 pub mod sys;
@@ -44,6 +45,7 @@ use fuse_abi::{
 use zerocopy::{Immutable, IntoBytes};
 
 use crate::inodes::{Held, Inode, Inodes, Peek};
+use crate::listing::Listing;
 use crate::sys::{Errno, Name};
 
 /// How the directory export behaves; fixed for its lifetime.
@@ -138,6 +140,8 @@ pub struct DirFs {
     /// LOOKUP, GETATTR, STATX and UNLINK/RMDIR are plain calls on the queue thread, not ring
     /// operations ([`DirConfig::metadata_on_ring`]; see `ring`).
     inline_metadata: bool,
+    /// Whether first READDIRPLUS replies look up files ([`listing`]).
+    listing: Listing,
     /// A descriptor (not `O_PATH`) of the source's filesystem, to open the file handles of
     /// nodes beyond the descriptor budget; `None` where handles cannot be used.
     handles: Option<Arc<OwnedFd>>,
@@ -197,6 +201,7 @@ impl DirFs {
             backings: Mutex::new(Backings::default()),
             granted: AtomicU64::new(0),
             inline_metadata,
+            listing: Listing::default(),
         })
     }
 
@@ -510,7 +515,6 @@ impl Filesystem for DirFs {
                     | O::Release
                     | O::Read
                     | O::Write
-                    | O::Flush
                     | O::Fsync
                     | O::Fallocate
                     | O::Lseek
@@ -605,11 +609,15 @@ impl DirFs {
                 }
                 Ok(Reply::Data(0))
             }
-            Request::Flush(_) => Ok(Reply::Data(0)),
+            // Nothing to do at close: writes reach the source as they come, and locks are the
+            // kernel's. ENOSYS tells the kernel so once, and it sends no FLUSH from then on
+            // (one round trip less per close; dirty pages of writeback caching are still written
+            // back at close, before the FLUSH it no longer sends).
+            Request::Flush(_) => Err(libc::ENOSYS),
             Request::Lseek(a) => self.lseek(a, buf, payload),
             Request::Statfs => self.statfs(hdr, buf, payload),
-            Request::Readdir(a) => self.readdir(a, false, buf, payload, cap),
-            Request::Readdirplus(a) => self.readdir(a, true, buf, payload, cap),
+            Request::Readdir(a) => self.readdir(hdr, a, false, buf, payload, cap),
+            Request::Readdirplus(a) => self.readdir(hdr, a, true, buf, payload, cap),
             Request::Readlink => {
                 let node = self.node(hdr.nodeid)?;
                 if node.kind != libc::S_IFLNK {
@@ -1090,16 +1098,24 @@ impl DirFs {
 
     /// READDIR and READDIRPLUS from the handle's offset (a `d_off` cookie of the source, or 0).
     /// A READDIRPLUS entry is a lookup, made only once the entry is known to fit the reply, of
-    /// every entry but `.` and `..` in a later reply of the directory, and of subdirectories
-    /// only in its first. The kernel (`FUSE_READDIRPLUS_AUTO`) asks for READDIRPLUS for the
-    /// first read of every directory whoever reads it, and for later ones only when entries of
-    /// the directory were looked up meanwhile: a reader that stats what it lists. A tree walk
-    /// descends into each subdirectory, so those are worth answering at once; looking up every
-    /// file of the first reply made a plain listing (`ls`, `find -type f`) read the inode of
-    /// each file it listed, 2-3 times slower than without READDIRPLUS on a cold ext4 source.
-    fn readdir(&self, a: ReadIn, plus: bool, buf: &mut Buf, payload: usize, cap: usize) -> R {
+    /// every entry but `.` and `..` in a later reply of the directory (the kernel asks for one
+    /// only when entries were looked up meanwhile), and in its first reply of subdirectories,
+    /// and of files while readers stat what they list ([`listing`]).
+    fn readdir(
+        &self,
+        hdr: &InHeader,
+        a: ReadIn,
+        plus: bool,
+        buf: &mut Buf,
+        payload: usize,
+        cap: usize,
+    ) -> R {
         let fd = self.files.get(a.fh).ok_or(libc::EBADF)?;
-        let files_too = a.offset != 0;
+        let files_too = a.offset != 0
+            || !plus
+            || self
+                .node(hdr.nodeid)
+                .is_ok_and(|dir| self.listing.files_in_first_reply(&dir.listed));
         let size = (a.size as usize).min(cap);
         let out = buf
             .as_mut_slice()

@@ -116,6 +116,8 @@ impl DirFs {
                 let dir = self.node(hdr.nodeid)?;
                 let name = name_at(buf.as_slice(), name)?;
                 let e = self.lookup_ring(eng, &dir, name).await?;
+                self.listing
+                    .looked_up(&dir.listed, e.attr.mode & libc::S_IFMT == libc::S_IFDIR);
                 put(buf, payload, &e)
             }
             Request::Getattr(a) => self.getattr(eng, hdr, a, buf, payload).await,

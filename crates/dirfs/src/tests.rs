@@ -122,6 +122,20 @@ impl H {
         Ok(OpenOut::read_from_bytes(&b).unwrap().fh)
     }
 
+    /// RELEASE (RELEASEDIR with `dir`) of `fh`.
+    fn release(&self, fh: u64, dir: bool) {
+        let a = fuse_abi::ReleaseIn {
+            fh,
+            ..Default::default()
+        };
+        let req = if dir {
+            Request::Releasedir(a)
+        } else {
+            Request::Release(a)
+        };
+        self.call(1, |_| req, &[], &[]).unwrap();
+    }
+
     fn read(&self, fh: u64, off: u64, size: u32) -> Result<Vec<u8>, i32> {
         self.call(
             1,
@@ -181,18 +195,16 @@ fn lookup_read_and_forget() {
     assert_eq!(h.fs.nodes(), 2);
     let fh = h.open(e.nodeid, libc::O_RDONLY).unwrap();
     assert_eq!(h.read(fh, 6, 100).unwrap(), b"world");
-    h.call(
-        1,
-        |_| {
-            Request::Release(fuse_abi::ReleaseIn {
-                fh,
-                ..Default::default()
-            })
-        },
-        &[],
-        &[],
-    )
-    .unwrap();
+    // Nothing to do at close: the kernel is told once, and stops sending FLUSH.
+    let flush = fuse_abi::FlushIn {
+        fh,
+        ..Default::default()
+    };
+    assert_eq!(
+        h.call(e.nodeid, |_| Request::Flush(flush), &[], &[]),
+        Err(libc::ENOSYS)
+    );
+    h.release(fh, false);
     assert_eq!(h.read(fh, 0, 5), Err(libc::EBADF), "released");
     h.call(e.nodeid, |_| Request::Forget(2), &[], &[]).unwrap();
     assert_eq!(h.fs.nodes(), 1);
@@ -423,7 +435,12 @@ fn readdir_and_readdirplus_list_every_entry() {
     }
     std::fs::create_dir(h.path("sub/dir")).unwrap();
     let sub = h.lookup(ROOT_ID, b"sub").unwrap().nodeid;
-    for plus in [false, true] {
+    // Plain; plus for a reader that only lists; plus once a file the last first reply left out
+    // was looked up (a reader that stats what it lists).
+    for (plus, statting) in [(false, false), (true, false), (true, true)] {
+        if statting {
+            h.lookup(sub, b"f000").unwrap();
+        }
         let fh = {
             let b = h
                 .call(sub, |_| Request::Opendir(OpenIn::default()), &[], &[])
@@ -463,10 +480,11 @@ fn readdir_and_readdirplus_list_every_entry() {
                 let d = Dirent::read_from_bytes(&b[head..head + 24]).unwrap();
                 let name = &b[head + 24..head + 24 + d.namelen as usize];
                 if let Some(node) = node {
-                    // The first reply looks up subdirectories only; later ones (the kernel
-                    // asks for them only for a reader that looks entries up) every entry.
+                    // The first reply looks up subdirectories, and files only for a reader
+                    // that stats them; later ones (the kernel asks for them only for a reader
+                    // that looks entries up) every entry.
                     let dot = name == b"." || name == b"..";
-                    let want = !dot && (!first || d.typ == u32::from(libc::DT_DIR));
+                    let want = !dot && (!first || statting || d.typ == u32::from(libc::DT_DIR));
                     assert_eq!(node != 0, want, "{:?}, first reply: {first}", name);
                 }
                 names.push(String::from_utf8(name.to_vec()).unwrap());
@@ -481,22 +499,13 @@ fn readdir_and_readdirplus_list_every_entry() {
         names.sort();
         assert_eq!(names.len(), 303, "plus={plus}");
         assert_eq!(&names[..2], [".", ".."]);
-        if plus {
+        if statting {
+            assert_eq!(linked, 301);
+        } else if plus {
             assert!(linked > 100 && linked < 301, "{linked} linked");
             assert_eq!(h.fs.nodes(), 2 + linked, "root, sub and every entry linked");
         }
-        h.call(
-            sub,
-            |_| {
-                Request::Releasedir(fuse_abi::ReleaseIn {
-                    fh,
-                    ..Default::default()
-                })
-            },
-            &[],
-            &[],
-        )
-        .unwrap();
+        h.release(fh, true);
     }
     assert_eq!(h.fs.open_files(), 0);
 }
@@ -1022,18 +1031,7 @@ fn nodes_beyond_the_descriptor_budget_are_held_by_file_handle() {
     std::fs::remove_file(h.path("hard")).unwrap();
     std::fs::remove_file(h.path("f99")).unwrap();
     assert_eq!(h.getattr(last, Some(fh)).unwrap().attr.nlink, 0);
-    h.call(
-        1,
-        |_| {
-            Request::Release(fuse_abi::ReleaseIn {
-                fh,
-                ..Default::default()
-            })
-        },
-        &[],
-        &[],
-    )
-    .unwrap();
+    h.release(fh, false);
     // Closed too: the inode is gone, and its handle says so (or, while the kernel has not
     // evicted it yet, still answers for that unlinked inode, never for another).
     match h.getattr(last, None) {
