@@ -3,7 +3,10 @@
 #   bench/.peers/bin/passthrough_hp: libfuse 3's example server example/passthrough_hp.cc
 #   (splices reads and writes; a libfuse server without passthrough), taken from the Debian source
 #   package of the installed libfuse3 (so it matches the library it links against) and built with
-#   g++ -O2 -std=c++17 ... $(pkg-config --cflags --libs fuse3) -lpthread.
+#   g++ -O2 -std=c++17 $features ... $(pkg-config --cflags --libs fuse3) -lpthread, where
+#   $features are the HAVE_* macros libfuse's own build (meson's config.h) defines on Linux with
+#   glibc: without HAVE_SETXATTR the example has no xattr operations at all (the kernel then stops
+#   asking it for any, so it would skip round trips a complete passthrough cannot).
 # The source comes through apt-get itself (`apt-get source --download-only`) with a private apt
 # configuration under bench/.peers/apt whose deb-src entries are made from this machine's own deb
 # entries: the system's apt configuration is not changed. Nothing of libfuse is kept in the repo.
@@ -25,7 +28,12 @@ fail() {
 pkg=libfuse3-3
 ver=$(dpkg-query -W -f='${Version}' "$pkg" 2>/dev/null) || ver=""
 src=$(dpkg-query -W -f='${source:Package}' "$pkg" 2>/dev/null) || src=""
-if [ -x "$bin" ] && [ "$(cat "$bin.version" 2>/dev/null)" = "$src $ver" ]; then
+# What libfuse's meson build finds on Linux/glibc (its test_funcs, and setxattr).
+features="-DHAVE_FORK -DHAVE_FSTATAT -DHAVE_OPENAT -DHAVE_READLINKAT -DHAVE_PIPE2 -DHAVE_SPLICE
+ -DHAVE_VMSPLICE -DHAVE_POSIX_FALLOCATE -DHAVE_FDATASYNC -DHAVE_UTIMENSAT -DHAVE_COPY_FILE_RANGE
+ -DHAVE_FALLOCATE -DHAVE_SETXATTR"
+stamp="$src $ver features-v1"
+if [ -x "$bin" ] && [ "$(cat "$bin.version" 2>/dev/null)" = "$stamp" ]; then
     echo "peers.sh: passthrough_hp ready ($src $ver)" >&2
     exit 0
 fi
@@ -67,11 +75,11 @@ tar -xf "$orig" -C "$work" --wildcards '*/example/passthrough_hp.cc' '*/example/
 cc=$(ls "$work"/*/example/passthrough_hp.cc)
 
 echo "peers.sh: building passthrough_hp" >&2
-# shellcheck disable=SC2046
-g++ -O2 -std=c++17 -o "$bin.tmp" "$cc" $(pkg-config --cflags --libs fuse3) -lpthread >>"$log" 2>&1 \
+# shellcheck disable=SC2046,SC2086
+g++ -O2 -std=c++17 $features -o "$bin.tmp" "$cc" $(pkg-config --cflags --libs fuse3) -lpthread >>"$log" 2>&1 \
     || fail "g++ failed on $cc"
 mv "$bin.tmp" "$bin"
-echo "$src $ver" >"$bin.version"
+echo "$stamp" >"$bin.version"
 rm -rf "$work" "$apt"
 mv "$log" "$bin.build.log"
 echo "peers.sh: built $bin ($src $ver)" >&2
