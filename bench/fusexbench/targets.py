@@ -172,6 +172,9 @@ def parse_define(text: str) -> TargetSpec:
         options["format"] = "raw"
     if kind == "fusex" and "binary" not in options:
         requires = tuple(a.split("=")[0] for a in args if a.startswith("--"))
+    if kind == "fusex-dir":  # a directory export with other options, e.g. fusex-dir-spin0=fusex-dir:--spin-us 0
+        options["dir"] = True
+        requires = (DIR_FLAG,) + tuple(a.split("=")[0] for a in args if a.startswith("--"))
     return TargetSpec(name.strip(), kind, args, requires, options, f"{rest.split(':', 1)[0]} {argstr}".strip())
 
 

@@ -15,8 +15,8 @@ from fusexbench.metadata import MetaWorkload
 from fusexbench.report import goals_table, metadata_tables, render_report, summary_tables
 from fusexbench.runner import Options, plan
 from fusexbench.stats import primary_metric, summarize_matrix
-from fusexbench.targets import (Tools, bindfs_command, catalogue, fusex_dir_command, passthrough_hp_command,
-                                source_dir, unavailable_reason)
+from fusexbench.targets import (Tools, bindfs_command, catalogue, fusex_dir_command, parse_define,
+                                passthrough_hp_command, source_dir, unavailable_reason)
 
 DIR_HELP = "  --writable\n  --passthrough <MODE>\n  --cache <MODE>\n"
 TOOLS = Tools(fusex="/bin/fusex", fusex_help=DIR_HELP, passthrough_hp="/p/passthrough_hp",
@@ -100,6 +100,14 @@ class TargetTest(unittest.TestCase):
                          ["/bin/fusex", "mount", "--writable", "--passthrough", "off", "/var/tmp/fb", "/m"])
         self.assertEqual(fusex_dir_command(TOOLS, self.cat["fusex-dir-pt-on"], DISK, "/m")[3:5],
                          ["--passthrough", "on"])
+
+    def test_defined_fusex_dir(self):
+        # --define NAME=fusex-dir:ARGS is a directory export with those options.
+        spec = parse_define("fusex-dir-spin0=fusex-dir:--spin-us 0")
+        self.assertIsNone(unavailable_reason(spec, TREE, Tools(fusex="/bin/fusex", fusex_help=DIR_HELP + "  --spin-us\n")))
+        self.assertIn("--spin-us", unavailable_reason(spec, TREE, TOOLS))
+        self.assertEqual(fusex_dir_command(TOOLS, spec, TREE, "/m"),
+                         ["/bin/fusex", "mount", "--writable", "--spin-us", "0", "/var/tmp/fb/tree", "/m"])
 
     def test_passthrough_hp_dir(self):
         # libfuse before 3.17: no passthrough, so nothing to turn off.
