@@ -32,26 +32,7 @@ impl DirFs {
         let from = self.files.get(a.fh_in).ok_or(libc::EBADF)?;
         let to = self.files.get(a.fh_out).ok_or(libc::EBADF)?;
         let len = a.len.min(COPY_CHUNK) as usize;
-        // copy_file_range(2) may stop short of what is left: without reflinks it copies through
-        // a pipe of 16 pages per round and may return after one. Go on until the count asked
-        // is copied, the source ends (0) or an error comes; an error after some bytes reports
-        // those bytes, as the kernel does.
-        let mut n = 0;
-        while n < len {
-            let at = n as u64;
-            match sys::copy_range(
-                from,
-                a.off_in.saturating_add(at),
-                to,
-                a.off_out.saturating_add(at),
-                len - n,
-            ) {
-                Ok(0) => break,
-                Ok(got) => n += got,
-                Err(e) if n == 0 => return Err(e),
-                Err(_) => break,
-            }
-        }
+        let n = sys::copy_range(from, a.off_in, to, a.off_out, len)?;
         if wide {
             put(
                 buf,

@@ -340,7 +340,10 @@ pub fn statx_fd(fd: BorrowedFd<'_>, sync: i32, mask: u32) -> Result<libc::statx,
 }
 
 /// `copy_file_range(2)` of `len` bytes from `from` at `off_in` to `to` at `off_out`: the bytes
-/// copied (fewer at the source's end, or when the filesystem copies less in one call).
+/// copied, fewer only at the source's end or when an error follows some bytes (those bytes are
+/// answered, as the kernel does). A call that stops short of what is left (without reflinks the
+/// kernel copies through a pipe of 16 pages per round and may return after one) is followed by
+/// another from where the kernel left both offsets.
 pub fn copy_range(
     from: RawFd,
     off_in: u64,
@@ -350,13 +353,19 @@ pub fn copy_range(
 ) -> Result<usize, Errno> {
     let mut off_in = i64::try_from(off_in).map_err(|_| libc::EINVAL)?;
     let mut off_out = i64::try_from(off_out).map_err(|_| libc::EINVAL)?;
-    // SAFETY: the offsets are valid, writable i64s; no buffer is involved.
-    let n = unsafe { libc::copy_file_range(from, &mut off_in, to, &mut off_out, len, 0) };
-    if n < 0 {
-        Err(errno())
-    } else {
-        Ok(n as usize)
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the offsets are valid, writable i64s; no buffer is involved.
+        let n =
+            unsafe { libc::copy_file_range(from, &mut off_in, to, &mut off_out, len - done, 0) };
+        match n {
+            0 => break,
+            n if n > 0 => done += n as usize,
+            _ if done == 0 => return Err(errno()),
+            _ => break,
+        }
     }
+    Ok(done)
 }
 
 /// Extended attribute calls on the inode behind `fd`, through `/proc/self/fd` (an `O_PATH`
