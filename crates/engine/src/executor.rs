@@ -182,6 +182,8 @@ pub struct Engine {
     pub(crate) multi: RefCell<MultiQueues>,
     /// Declared after `ring`, so the registration is gone before its memory is freed.
     pub(crate) provided: Provided,
+    /// Memory the path operations own until their completion, reused.
+    pub(crate) scratch: crate::scratch::Scratch,
     tasks: RefCell<Vec<Option<Task>>>,
     wakers: RefCell<Vec<Waker>>,
     scheduled: RefCell<Vec<bool>>,
@@ -334,6 +336,7 @@ impl Engine {
             ops: RefCell::new(OpTable::new(entries as usize * 2)),
             multi: RefCell::new(MultiQueues::default()),
             provided: Provided::default(),
+            scratch: Default::default(),
             tasks: RefCell::new(Vec::new()),
             wakers: RefCell::new(Vec::new()),
             scheduled: RefCell::new(Vec::new()),

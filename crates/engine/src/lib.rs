@@ -31,6 +31,7 @@ mod net;
 mod op;
 mod ops;
 pub mod remote;
+mod scratch;
 pub mod sync;
 mod table;
 mod tenant;

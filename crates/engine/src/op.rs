@@ -35,15 +35,15 @@ pub(crate) enum Owned {
     /// The path (or two: rename, link) of a `*at` call (the kernel reads them, at submission or
     /// in an io-wq worker).
     Paths {
-        _path: std::ffi::CString,
-        _second: Option<std::ffi::CString>,
+        path: crate::scratch::CPath,
+        second: Option<crate::scratch::CPath>,
     },
     /// An `openat`'s path: a completion no future takes any more carries a descriptor that is
     /// closed then (see [`Owned::orphan_done`]).
-    Open { _path: std::ffi::CString },
+    Open { path: crate::scratch::CPath },
     /// A `statx`'s path and the buffer the kernel fills.
     Statx {
-        _path: std::ffi::CString,
+        path: crate::scratch::CPath,
         buf: Box<std::mem::MaybeUninit<libc::statx>>,
     },
 }

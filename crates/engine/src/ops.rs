@@ -5,11 +5,11 @@
 //! whatever happens to the future: dropping it early orphans the operation, and the engine keeps
 //! the memory until the kernel's completion (see [`crate::op`]). Operations that lend nothing
 //! (fsync, fallocate, cancel) take no buffer; the path operations (statx, openat, unlinkat,
-//! renameat, linkat) copy their paths into memory the op owns.
+//! renameat, linkat) copy their paths into memory the op owns, taken from the engine's free
+//! lists ([`crate::scratch`]) and given back at the completion.
 
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::io;
-use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
@@ -20,6 +20,7 @@ use crate::buf::{Buf, Slice};
 use crate::executor::Engine;
 use crate::multishot::{BufGroup, MultiOp};
 use crate::op::{Op, OpState, Owned};
+use crate::scratch::CPath;
 use crate::Sqe;
 use std::future::Future;
 use std::pin::Pin;
@@ -197,7 +198,8 @@ impl Engine {
 
     /// `statx(2)` of `path` in `dirfd` (`AT_FDCWD` or a directory; with `AT_EMPTY_PATH` and an
     /// empty path, the descriptor's own inode) with `flags` and the fields of `mask`. The path
-    /// is copied: the op owns it, and the buffer the kernel fills, until the completion.
+    /// is copied: the op owns it, and the buffer the kernel fills, until the completion (both
+    /// reused from the engine's free lists).
     pub async fn statx(
         &self,
         dirfd: RawFd,
@@ -205,8 +207,8 @@ impl Engine {
         flags: i32,
         mask: u32,
     ) -> io::Result<libc::statx> {
-        let path = CString::from(path);
-        let mut sx = Box::new(MaybeUninit::<libc::statx>::zeroed());
+        let path = self.scratch.path(path);
+        let mut sx = self.scratch.statx_buf();
         let sqe: Sqe = opcode::Statx::new(
             types::Fd(dirfd),
             path.as_ptr(),
@@ -217,25 +219,17 @@ impl Engine {
         .build()
         .into();
         // SAFETY: the path and the statx buffer are heap memory the op owns (moving the
-        // `CString` and the `Box` into the table does not move what they point to) until the
+        // `CPath` and the `Box` into the table does not move what they point to) until the
         // completion; nothing else reaches the buffer meanwhile.
-        let (res, owned) = unsafe {
-            self.start(
-                sqe,
-                Owned::Statx {
-                    _path: path,
-                    buf: sx,
-                },
-            )
-        }
-        .await;
-        bytes(res)?;
-        match owned {
-            // SAFETY: the kernel filled the buffer (statx succeeded), and it was zeroed before,
-            // so every field is initialized either way.
-            Owned::Statx { buf, .. } => Ok(unsafe { buf.assume_init_read() }),
-            _ => Err(io::Error::from_raw_os_error(libc::EIO)),
-        }
+        let (res, owned) = unsafe { self.start(sqe, Owned::Statx { path, buf: sx }) }.await;
+        let Owned::Statx { path, buf } = owned else {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        };
+        // SAFETY: the buffer was zeroed before the kernel (maybe) filled it, so every field is
+        // initialized either way; it is read only if statx succeeded.
+        let sx = unsafe { buf.assume_init_read() };
+        self.scratch.give_back(Owned::Statx { path, buf });
+        bytes(res).map(|_| sx)
     }
 
     /// `openat(2)` of `path` in `dirfd` with `flags` and `mode` (the caller adds `O_CLOEXEC`,
@@ -275,7 +269,7 @@ impl Engine {
         mode: u32,
         punt: bool,
     ) -> io::Result<OwnedFd> {
-        let path = CString::from(path);
+        let path = self.scratch.path(path);
         let sqe = opcode::OpenAt::new(types::Fd(dirfd), path.as_ptr())
             .flags(flags)
             .mode(mode)
@@ -287,14 +281,15 @@ impl Engine {
         };
         // SAFETY: the path is heap memory the op owns until the completion (and a descriptor
         // an orphaned open returns is closed by the table, see `Owned::Open`).
-        let (res, _) = unsafe { self.start(sqe, Owned::Open { _path: path }) }.await;
+        let (res, owned) = unsafe { self.start(sqe, Owned::Open { path }) }.await;
+        self.scratch.give_back(owned);
         let fd = bytes(res)? as RawFd;
         // SAFETY: the kernel just opened this descriptor for us; nothing else owns it.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     /// Runs `sqe`, a path operation (unlinkat, renameat, linkat) whose paths are `path` and
-    /// `second`, which the op owns until its completion (a `CString`'s bytes stay where they are
+    /// `second`, which the op owns until its completion (a `CPath`'s bytes stay where they are
     /// when it moves); 0 or the error.
     ///
     /// # Safety
@@ -303,26 +298,18 @@ impl Engine {
     async unsafe fn paths_op(
         &self,
         sqe: Sqe,
-        path: CString,
-        second: Option<CString>,
+        path: CPath,
+        second: Option<CPath>,
     ) -> io::Result<()> {
         // SAFETY: (the caller's) the paths are heap memory the op owns until the completion.
-        let (res, _) = unsafe {
-            self.start(
-                sqe,
-                Owned::Paths {
-                    _path: path,
-                    _second: second,
-                },
-            )
-        }
-        .await;
+        let (res, owned) = unsafe { self.start(sqe, Owned::Paths { path, second }) }.await;
+        self.scratch.give_back(owned);
         bytes(res).map(drop)
     }
 
     /// `unlinkat(2)` of `path` in `dirfd` (`flags`: 0 or `AT_REMOVEDIR`).
     pub async fn unlinkat(&self, dirfd: RawFd, path: &CStr, flags: i32) -> io::Result<()> {
-        let path = CString::from(path);
+        let path = self.scratch.path(path);
         let sqe: Sqe = opcode::UnlinkAt::new(types::Fd(dirfd), path.as_ptr())
             .flags(flags)
             .build()
@@ -341,7 +328,7 @@ impl Engine {
         new: &CStr,
         flags: u32,
     ) -> io::Result<()> {
-        let (old, new) = (CString::from(old), CString::from(new));
+        let (old, new) = (self.scratch.path(old), self.scratch.path(new));
         let sqe: Sqe = opcode::RenameAt::new(
             types::Fd(olddirfd),
             old.as_ptr(),
@@ -365,7 +352,7 @@ impl Engine {
         new: &CStr,
         flags: i32,
     ) -> io::Result<()> {
-        let (old, new) = (CString::from(old), CString::from(new));
+        let (old, new) = (self.scratch.path(old), self.scratch.path(new));
         let sqe: Sqe = opcode::LinkAt::new(
             types::Fd(olddirfd),
             old.as_ptr(),

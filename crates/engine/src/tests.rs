@@ -658,6 +658,65 @@ fn an_abandoned_openat_closes_its_descriptor() {
     }
 }
 
+/// Path operations reuse their memory: once the first of each kind ran, a thousand more (one
+/// at a time, failed ones included) take nothing more from the allocator, and a path longer
+/// than a name still works.
+#[test]
+fn path_ops_reuse_their_memory() {
+    let eng = engine(1, false);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir_fd(dir.path());
+    let fd = d.as_raw_fd();
+    let round = |i: usize| {
+        let name = std::ffi::CString::new(format!("f{i}")).unwrap();
+        let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC;
+        drop(
+            eng.block_on(eng.openat(fd, &name, flags, 0o600))
+                .unwrap()
+                .unwrap(),
+        );
+        let sx = eng
+            .block_on(eng.statx(fd, &name, 0, libc::STATX_BASIC_STATS))
+            .unwrap()
+            .unwrap();
+        assert_eq!(u32::from(sx.stx_mode) & libc::S_IFMT, libc::S_IFREG);
+        eng.block_on(eng.renameat(fd, &name, fd, c"g", 0))
+            .unwrap()
+            .unwrap();
+        eng.block_on(eng.linkat(fd, c"g", fd, c"h", 0))
+            .unwrap()
+            .unwrap();
+        for n in [c"g", c"h"] {
+            eng.block_on(eng.unlinkat(fd, n, 0)).unwrap().unwrap();
+        }
+        let e = eng
+            .block_on(eng.statx(fd, c"missing", 0, libc::STATX_BASIC_STATS))
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+    };
+    round(0);
+    let warm = eng.scratch.made();
+    assert!(warm > 0);
+    for i in 1..1000 {
+        round(i);
+    }
+    assert_eq!(
+        eng.scratch.made(),
+        warm,
+        "a warm engine allocates no path memory"
+    );
+    // A path of more than 255 bytes: its own allocation, same answer.
+    let sub = std::ffi::CString::new(format!("{}/{}", "x".repeat(250), "y".repeat(10))).unwrap();
+    std::fs::create_dir(dir.path().join("x".repeat(250))).unwrap();
+    std::fs::write(dir.path().join("x".repeat(250)).join("y".repeat(10)), b"12").unwrap();
+    let sx = eng
+        .block_on(eng.statx(fd, &sub, 0, libc::STATX_BASIC_STATS))
+        .unwrap()
+        .unwrap();
+    assert_eq!(sx.stx_size, 2);
+}
+
 #[test]
 fn unlinkat_removes_files_and_directories() {
     let eng = engine(1, false);
