@@ -218,12 +218,9 @@ enum Step {
     Join(Arc<Pending>),
 }
 
-/// Runs two fallible futures at once (per-block metadata and data of a new block are
-/// independent) and fails with the first error, once both ended.
-async fn both<A, B>(
-    a: impl Future<Output = io::Result<A>>,
-    b: impl Future<Output = io::Result<B>>,
-) -> io::Result<(A, B)> {
+/// Runs two futures at once and gives both outputs once both ended (no allocation: both are
+/// pinned on the caller's stack).
+pub(crate) async fn join2<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
     let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
     let (mut ra, mut rb) = (None, None);
     std::future::poll_fn(|cx| {
@@ -238,7 +235,7 @@ async fn both<A, B>(
             }
         }
         match (ra.take(), rb.take()) {
-            (Some(x), Some(y)) => Poll::Ready(x.and_then(|x| y.map(|y| (x, y)))),
+            (Some(x), Some(y)) => Poll::Ready((x, y)),
             (x, y) => {
                 (ra, rb) = (x, y);
                 Poll::Pending
@@ -247,6 +244,24 @@ async fn both<A, B>(
     })
     .await
 }
+
+/// Runs two fallible futures at once (per-block metadata and data of a new block are
+/// independent) and fails with the first error, once both ended.
+pub(crate) async fn both<A, B>(
+    a: impl Future<Output = io::Result<A>>,
+    b: impl Future<Output = io::Result<B>>,
+) -> io::Result<(A, B)> {
+    let (x, y) = join2(a, b).await;
+    x.and_then(|x| y.map(|y| (x, y)))
+}
+
+/// Pieces of one write (each in its own block) that run at once when the first of them is not
+/// a plain overwrite: allocations of consecutive blocks (a 128 KiB write into 64 KiB VMDK
+/// grains) overlap instead of following one another.
+const PIECES_AT_ONCE: usize = 4;
+
+/// One block's piece of a write: the block, where in it, and the bytes.
+type Piece<'a> = (u64, u64, &'a [u8]);
 
 /// A block-table image served as its guest bytes: the [`BlockBackend`] of every format built
 /// on [`BlockFormat`].
@@ -330,9 +345,28 @@ impl<F: BlockFormat> TableImage<F> {
         io::Error::from_raw_os_error(libc::EIO)
     }
 
+    /// How many of `len` bytes, from a piece of `first` bytes in allocated `block` (data at
+    /// `host`), one transfer covers: later blocks whose data follows in the file join it.
+    fn contiguous(&self, block: u64, host: u64, first: usize, len: usize) -> usize {
+        let bs = self.block_size();
+        let mut run = first;
+        let mut expect = self.fmt.data_at(host) + bs;
+        let mut next = block + 1;
+        while run < len {
+            match self.table.get(next) {
+                Entry::Data { host, flags: 0 } if self.fmt.data_at(host) == expect => {
+                    run += (bs as usize).min(len - run);
+                    expect += bs;
+                    next += 1;
+                }
+                _ => break,
+            }
+        }
+        run
+    }
+
     /// Fills `buf` with the guest bytes at `off` (the caller keeps it inside the image).
     pub async fn read(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
-        let bs = self.block_size();
         let mut buf = buf;
         let mut off = off;
         while !buf.is_empty() {
@@ -345,20 +379,7 @@ impl<F: BlockFormat> TableImage<F> {
                     first
                 }
                 Entry::Data { host, flags: 0 } => {
-                    // Later blocks whose data follows in the file join this transfer.
-                    let mut run = first;
-                    let mut expect = self.fmt.data_at(host) + bs;
-                    let mut next = block + 1;
-                    while run < buf.len() {
-                        match self.table.get(next) {
-                            Entry::Data { host, flags: 0 } if self.fmt.data_at(host) == expect => {
-                                run += (bs as usize).min(buf.len() - run);
-                                expect += bs;
-                                next += 1;
-                            }
-                            _ => break,
-                        }
-                    }
+                    let run = self.contiguous(block, host, first, buf.len());
                     self.file
                         .read_full(&mut buf[..run], self.fmt.data_at(host) + within)
                         .await?;
@@ -408,23 +429,61 @@ impl<F: BlockFormat> TableImage<F> {
         let mut data = data;
         let mut off = off;
         while !data.is_empty() {
-            let (block, within, n) = self.piece(off, data.len() as u64);
-            let n = n as usize;
-            let piece = &data[..n];
-            match self.table.get(block) {
-                Entry::Data { host, flags: 0 } => {
-                    self.file
-                        .write_full(piece, self.fmt.data_at(host) + within)
-                        .await?
-                }
-                Entry::Bad => return Err(self.bad(block)),
-                _ => self.write_locked(block, within, piece).await?,
+            let (block, within, first) = self.piece(off, data.len() as u64);
+            if let Entry::Data { host, flags: 0 } = self.table.get(block) {
+                // An overwrite: later blocks whose data follows in the file join it.
+                let run = self.contiguous(block, host, first as usize, data.len());
+                self.file
+                    .write_full(&data[..run], self.fmt.data_at(host) + within)
+                    .await?;
+                *done += run;
+                data = &data[run..];
+                off += run as u64;
+                continue;
             }
-            *done += n;
-            data = &data[n..];
-            off += n as u64;
+            // Up to PIECES_AT_ONCE pieces from here, each into its own block, at once.
+            let mut pieces: [Piece<'_>; PIECES_AT_ONCE] = [(0, 0, &[]); PIECES_AT_ONCE];
+            let mut taken = 0;
+            for p in pieces.iter_mut() {
+                if taken == data.len() {
+                    break;
+                }
+                let (block, within, n) =
+                    self.piece(off + taken as u64, (data.len() - taken) as u64);
+                *p = (block, within, &data[taken..taken + n as usize]);
+                taken += n as usize;
+            }
+            let [p0, p1, p2, p3] = pieces;
+            let ((r0, r1), (r2, r3)) = join2(
+                join2(self.write_piece(p0), self.write_piece(p1)),
+                join2(self.write_piece(p2), self.write_piece(p3)),
+            )
+            .await;
+            // Counted in order: the pieces before a failed one are what the write wrote.
+            for (r, p) in [r0, r1, r2, r3].into_iter().zip(pieces) {
+                r?;
+                *done += p.2.len();
+            }
+            data = &data[taken..];
+            off += taken as u64;
         }
         Ok(())
+    }
+
+    /// Writes one block's piece (nothing for an empty one), allocating the block if needed.
+    async fn write_piece(&self, (block, within, piece): Piece<'_>) -> io::Result<()> {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        match self.table.get(block) {
+            Entry::Data { host, flags: 0 } => {
+                self.file
+                    .write_full(piece, self.fmt.data_at(host) + within)
+                    .await
+            }
+            Entry::Bad => Err(self.bad(block)),
+            _ => self.write_locked(block, within, piece).await,
+        }
     }
 
     /// A write into a block that is unallocated or flagged: decided under the block's lock.

@@ -308,3 +308,118 @@ fn a_random_workload_matches_a_model_and_survives_reopening() {
     drop(img);
     assert_eq!(read(&open(&p), 0, size).unwrap(), model);
 }
+
+/// The toy format whose commits wait, yielding, until `want` commits are under way at once (or
+/// fail with `ETIMEDOUT` after a second): a write whose allocations run one after another
+/// cannot get through it. A commit of block `fail` fails with EIO once the others arrived.
+struct Gathering {
+    arrived: std::sync::atomic::AtomicUsize,
+    want: usize,
+    fail: Option<u64>,
+}
+
+/// Gives the executor one turn (the other futures of the task run meanwhile).
+async fn yield_once() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            Poll::Ready(())
+        } else {
+            yielded = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+impl BlockFormat for Gathering {
+    fn name(&self) -> &'static str {
+        "gathering"
+    }
+    fn footprint(&self) -> u64 {
+        BS
+    }
+    async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
+        Toy.reserve(file, host, end).await
+    }
+    async fn commit(&self, file: &RingFile, block: u64, host: u64) -> io::Result<Entry> {
+        self.arrived.fetch_add(1, Ordering::AcqRel);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        while self.arrived.load(Ordering::Acquire) < self.want {
+            if std::time::Instant::now() > deadline {
+                return Err(io::Error::from_raw_os_error(libc::ETIMEDOUT));
+            }
+            yield_once().await;
+        }
+        if self.fail == Some(block) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Toy.commit(file, block, host).await
+    }
+}
+
+fn gathering(p: &Path, want: usize, fail: Option<u64>) -> TableImage<Gathering> {
+    create(p);
+    let toy = open(p);
+    TableImage::new(
+        toy.file,
+        Gathering {
+            arrived: std::sync::atomic::AtomicUsize::new(0),
+            want,
+            fail,
+        },
+        toy.table,
+        Layout {
+            block_shift: SHIFT,
+            size: BLOCKS * BS,
+            next_free: HEADER,
+            writable: true,
+        },
+    )
+}
+
+#[test]
+fn a_write_allocates_the_blocks_it_spans_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.img");
+    // Four blocks (from the middle of block 2 to the middle of block 6): the four
+    // allocations of the first group meet, then block 6's alone.
+    let img = gathering(&p, 4, None);
+    let data: Vec<u8> = (0..4 * BS).map(|i| (i % 251) as u8 + 1).collect();
+    let off = 2 * BS + BS / 2;
+    write(&img, off, &data).unwrap();
+    assert_eq!(img.table().count_data(), 5);
+    assert_eq!(read(&img, off, data.len()).unwrap(), data);
+    assert_eq!(read(&img, 0, off as usize).unwrap(), vec![0; off as usize]);
+}
+
+#[test]
+fn a_write_whose_later_block_fails_reports_the_pieces_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.img");
+    let img = gathering(&p, 3, Some(4));
+    let eng = engine::Engine::new(&engine::EngineConfig {
+        buffers: 1,
+        buffer_size: (3 * BS) as usize,
+        ..engine::EngineConfig::default()
+    })
+    .unwrap();
+    let mut buf = eng.take_buffer().unwrap();
+    buf.as_mut_slice().fill(5);
+    let (r, _) = eng
+        .block_on(crate::BlockBackend::write_at(
+            &img,
+            &eng,
+            buf.slice(0..(3 * BS) as usize),
+            3 * BS,
+        ))
+        .unwrap();
+    // Block 3 landed; block 4 failed; block 5 may have landed but is not counted.
+    assert_eq!(r.unwrap(), BS as usize, "a short write of the first block");
+    assert_eq!(
+        read(&img, 3 * BS, BS as usize).unwrap(),
+        vec![5; BS as usize]
+    );
+    assert_eq!(img.table().get(4), Entry::Unallocated);
+}

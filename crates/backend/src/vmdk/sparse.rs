@@ -14,7 +14,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 
-use crate::blocktable::{sharing, BlockFormat, Entry, Layout, ParseError, Table, MAX_HOST};
+use crate::blocktable::{both, sharing, BlockFormat, Entry, Layout, ParseError, Table, MAX_HOST};
 use crate::fields::le32;
 use crate::ringfile::RingFile;
 
@@ -68,15 +68,21 @@ impl BlockFormat for Sparse {
             // Every table was made at open; a missing one means the table was bad.
             return Err(io::Error::from_raw_os_error(libc::EIO));
         }
-        file.write_full(&value, at + 4 * i).await?;
-        if let Some(r) = self
+        let redundant = self
             .rgd
             .as_ref()
             .and_then(|r| r.get(gt))
-            .filter(|&&r| r != 0)
-        {
-            file.write_full(&value, r + 4 * i).await?;
-        }
+            .copied()
+            .filter(|&r| r != 0);
+        // The two tables' entries at once: each lands whole or not at all (one aligned 4-byte
+        // write), and the grain is in use only once both did.
+        let second = async {
+            match redundant {
+                Some(r) => file.write_full(&value, r + 4 * i).await,
+                None => Ok(()),
+            }
+        };
+        both(file.write_full(&value, at + 4 * i), second).await?;
         Ok(Entry::Data { host, flags: 0 })
     }
 
