@@ -124,46 +124,15 @@ fn racing_writers_allocate_a_block_once() {
     }
 }
 
-/// The toy format whose first commit fails (its table write refused).
-struct Flaky {
-    failed: std::sync::atomic::AtomicBool,
-}
-
-impl BlockFormat for Flaky {
-    fn name(&self) -> &'static str {
-        "flaky"
-    }
-    fn footprint(&self) -> u64 {
-        BS
-    }
-    async fn reserve(&self, file: &RingFile, host: u64, end: u64) -> io::Result<bool> {
-        Toy.reserve(file, host, end).await
-    }
-    async fn commit(&self, file: &RingFile, block: u64, host: u64) -> io::Result<Entry> {
-        if !self.failed.swap(true, Ordering::AcqRel) {
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
-        Toy.commit(file, block, host).await
-    }
-}
-
 #[test]
 fn writes_joining_a_failed_allocation_allocate_again() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("t.img");
-    create(&p);
-    let toy = open(&p);
-    let img = Arc::new(TableImage::new(
-        toy.file,
-        Flaky {
-            failed: AtomicBool::new(false),
-        },
-        toy.table,
-        Layout {
-            block_shift: SHIFT,
-            size: BLOCKS * BS,
-            next_free: HEADER,
-            writable: true,
+    let img = Arc::new(scripted(
+        &p,
+        Scripted {
+            fail_first: Some(AtomicBool::new(false)),
+            ..Scripted::default()
         },
     ));
     let threads: Vec<_> = (0..8u8)
@@ -309,10 +278,13 @@ fn a_random_workload_matches_a_model_and_survives_reopening() {
     assert_eq!(read(&open(&p), 0, size).unwrap(), model);
 }
 
-/// The toy format whose commits wait, yielding, until `want` commits are under way at once (or
-/// fail with `ETIMEDOUT` after a second): a write whose allocations run one after another
-/// cannot get through it. A commit of block `fail` fails with EIO once the others arrived.
-struct Gathering {
+/// The toy format with scripted commits: with `fail_first` the first commit fails (its table
+/// write refused); each commit waits, yielding, until `want` commits are under way at once (or
+/// fails with `ETIMEDOUT` after a second: a write whose allocations run one after another cannot
+/// get through); a commit of block `fail` fails with EIO once the others arrived.
+#[derive(Default)]
+struct Scripted {
+    fail_first: Option<AtomicBool>,
     arrived: std::sync::atomic::AtomicUsize,
     want: usize,
     fail: Option<u64>,
@@ -333,9 +305,9 @@ async fn yield_once() {
     .await
 }
 
-impl BlockFormat for Gathering {
+impl BlockFormat for Scripted {
     fn name(&self) -> &'static str {
-        "gathering"
+        "scripted"
     }
     fn footprint(&self) -> u64 {
         BS
@@ -344,6 +316,11 @@ impl BlockFormat for Gathering {
         Toy.reserve(file, host, end).await
     }
     async fn commit(&self, file: &RingFile, block: u64, host: u64) -> io::Result<Entry> {
+        if let Some(f) = &self.fail_first {
+            if !f.swap(true, Ordering::AcqRel) {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+        }
         self.arrived.fetch_add(1, Ordering::AcqRel);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
         while self.arrived.load(Ordering::Acquire) < self.want {
@@ -359,16 +336,13 @@ impl BlockFormat for Gathering {
     }
 }
 
-fn gathering(p: &Path, want: usize, fail: Option<u64>) -> TableImage<Gathering> {
+/// A new empty toy image at `p`, served with `fmt`'s commits.
+fn scripted(p: &Path, fmt: Scripted) -> TableImage<Scripted> {
     create(p);
     let toy = open(p);
     TableImage::new(
         toy.file,
-        Gathering {
-            arrived: std::sync::atomic::AtomicUsize::new(0),
-            want,
-            fail,
-        },
+        fmt,
         toy.table,
         Layout {
             block_shift: SHIFT,
@@ -385,7 +359,13 @@ fn a_write_allocates_the_blocks_it_spans_at_once() {
     let p = dir.path().join("t.img");
     // Four blocks (from the middle of block 2 to the middle of block 6): the four
     // allocations of the first group meet, then block 6's alone.
-    let img = gathering(&p, 4, None);
+    let img = scripted(
+        &p,
+        Scripted {
+            want: 4,
+            ..Scripted::default()
+        },
+    );
     let data: Vec<u8> = (0..4 * BS).map(|i| (i % 251) as u8 + 1).collect();
     let off = 2 * BS + BS / 2;
     write(&img, off, &data).unwrap();
@@ -398,7 +378,14 @@ fn a_write_allocates_the_blocks_it_spans_at_once() {
 fn a_write_whose_later_block_fails_reports_the_pieces_before_it() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("t.img");
-    let img = gathering(&p, 3, Some(4));
+    let img = scripted(
+        &p,
+        Scripted {
+            want: 3,
+            fail: Some(4),
+            ..Scripted::default()
+        },
+    );
     let eng = engine::Engine::new(&engine::EngineConfig {
         buffers: 1,
         buffer_size: (3 * BS) as usize,
