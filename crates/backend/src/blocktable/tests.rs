@@ -280,8 +280,9 @@ fn a_random_workload_matches_a_model_and_survives_reopening() {
 
 /// The toy format with scripted commits: with `fail_first` the first commit fails (its table
 /// write refused); each commit waits, yielding, until `want` commits are under way at once (or
-/// fails with `ETIMEDOUT` after a second: a write whose allocations run one after another cannot
-/// get through); a commit of block `fail` fails with EIO once the others arrived.
+/// fails with `ETIMEDOUT` after 10 s, far longer than the others take to arrive: a write whose
+/// allocations run one after another cannot get through); a commit of block `fail` fails with
+/// EIO once the others arrived.
 #[derive(Default)]
 struct Scripted {
     fail_first: Option<AtomicBool>,
@@ -322,7 +323,7 @@ impl BlockFormat for Scripted {
             }
         }
         self.arrived.fetch_add(1, Ordering::AcqRel);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while self.arrived.load(Ordering::Acquire) < self.want {
             if std::time::Instant::now() > deadline {
                 return Err(io::Error::from_raw_os_error(libc::ETIMEDOUT));
