@@ -75,6 +75,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::os::unix::fs::MetadataExt;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
@@ -441,33 +442,69 @@ impl<F: BlockFormat> TableImage<F> {
                 off += run as u64;
                 continue;
             }
-            // Up to PIECES_AT_ONCE pieces from here, each into its own block, at once.
-            let mut pieces: [Piece<'_>; PIECES_AT_ONCE] = [(0, 0, &[]); PIECES_AT_ONCE];
-            let mut taken = 0;
-            for p in pieces.iter_mut() {
-                if taken == data.len() {
-                    break;
+            // Up to PIECES_AT_ONCE pieces from here, each into its own block, at once (the
+            // pieces are made in a block of their own: kept across the await, they would grow
+            // the future).
+            let (taken, one, group) = {
+                let mut pieces: [Piece<'_>; PIECES_AT_ONCE] = [(0, 0, &[]); PIECES_AT_ONCE];
+                let mut taken = 0;
+                for p in pieces.iter_mut() {
+                    if taken == data.len() {
+                        break;
+                    }
+                    let (block, within, n) =
+                        self.piece(off + taken as u64, (data.len() - taken) as u64);
+                    *p = (block, within, &data[taken..taken + n as usize]);
+                    taken += n as usize;
                 }
-                let (block, within, n) =
-                    self.piece(off + taken as u64, (data.len() - taken) as u64);
-                *p = (block, within, &data[taken..taken + n as usize]);
-                taken += n as usize;
+                if taken == pieces[0].2.len() {
+                    // One piece: no group (and no allocation for one).
+                    (taken, Some(pieces[0]), None)
+                } else {
+                    (taken, None, Some(self.write_group(pieces)))
+                }
+            };
+            if let Some((block, within, piece)) = one {
+                // Not a plain overwrite (checked above); decided under the block's lock.
+                self.write_locked(block, within, piece).await?;
+                *done += taken;
             }
+            if let Some(g) = group {
+                let (landed, r) = g.await;
+                *done += landed;
+                r?;
+            }
+            data = &data[taken..];
+            off += taken as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes `pieces` (consecutive, each in its own block; empty ones do nothing) at once: how
+    /// many bytes landed before the first that failed (those count as a short write), and that
+    /// failure. Boxed: four allocations' state inline would make the write future, and with it
+    /// every request slot's task of every export whatever its format, 15 times larger; one
+    /// allocation per write that allocates blocks is nothing beside the allocations themselves.
+    fn write_group<'a>(
+        &'a self,
+        pieces: [Piece<'a>; PIECES_AT_ONCE],
+    ) -> Pin<Box<dyn Future<Output = (usize, io::Result<()>)> + 'a>> {
+        Box::pin(async move {
             let [p0, p1, p2, p3] = pieces;
             let ((r0, r1), (r2, r3)) = join2(
                 join2(self.write_piece(p0), self.write_piece(p1)),
                 join2(self.write_piece(p2), self.write_piece(p3)),
             )
             .await;
-            // Counted in order: the pieces before a failed one are what the write wrote.
+            let mut landed = 0;
             for (r, p) in [r0, r1, r2, r3].into_iter().zip(pieces) {
-                r?;
-                *done += p.2.len();
+                if let Err(e) = r {
+                    return (landed, Err(e));
+                }
+                landed += p.2.len();
             }
-            data = &data[taken..];
-            off += taken as u64;
-        }
-        Ok(())
+            (landed, Ok(()))
+        })
     }
 
     /// Writes one block's piece (nothing for an empty one), allocating the block if needed.
