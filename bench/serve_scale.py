@@ -23,11 +23,14 @@ qemu-storage-daemon's command line), in a fresh daemon per run:
    whole round. Median, p90, p99 and max in ms (nearest-rank percentiles).
 4. --busy: an extra export of a 256 MiB raw file full of data; fio 4k randread QD64 (or, with
    --busy-workload randrw70, 70/30 random read/write QD64 x 4 jobs on a writable export)
-   (libaio, direct=1, time based, --busy-runtime s after --busy-ramp s of warm-up) on it once
-   before the churn (baseline) and once while churning (the churn loop runs for as long as fio
-   does; those rounds' latencies are reported separately as busy_churn in the JSON; "busy rounds"
-   is how many ran). "busy ratio" = IOPS during churn / baseline. A faster daemon churns more
-   rounds in the same time: pass --busy-rate N (rounds/s) to load every target the same.
+   (libaio, direct=1, time based, --busy-runtime s after --busy-ramp s of warm-up) on it, in
+   passes that alternate: a baseline, a pass while churning (the churn loop runs for as long as
+   fio does), a baseline, ... --busy-passes K churning passes, K+1 baselines. Each churning
+   pass's ratio is its IOPS over the mean of the two baselines around it; "busy ratio" is the
+   median of the K ratios (min and max beside it), so a drift of the machine during the run is
+   not taken for the churn's cost. The churning passes' rounds are reported as busy_churn in
+   the JSON ("busy rounds" is how many ran). A faster daemon churns more rounds in the same
+   time: pass --busy-rate N (rounds/s) to load every target the same.
    fusex serves a raw image file with FUSE passthrough by default (the kernel reads the file,
    fusex sees no READ): --export-args fusex='{"__org.fusex_passthrough": "off"}' makes its
    busy export (and the raw ones at launch) go through the daemon, as they do in qsd.
@@ -52,6 +55,7 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -438,6 +442,31 @@ class Run:
                 "lat_mean_us": rd["lat_ns"]["mean"] / 1e3,
                 "io_kbytes": rd["io_kbytes"] + wr["io_kbytes"]}
 
+    async def churning_pass(self, lat):
+        """One fio pass on the busy export while the churn loop runs (paced by --busy-rate);
+        the rounds' latencies are appended to ``lat``."""
+        self.events.clear()
+        fio_task = asyncio.create_task(self.fio("churn"))
+        r = 0
+        t0 = time.perf_counter()
+        try:
+            while not fio_task.done():
+                if self.o.busy_rate:  # pace the rounds: the same churn load on every target
+                    wait = t0 + r / self.o.busy_rate - time.perf_counter()
+                    if wait > 0:
+                        await asyncio.wait({fio_task}, timeout=wait)
+                        continue
+                await self.churn_round("b", len(lat["total"]), lat)
+                r += 1
+            return await fio_task
+        finally:
+            if not fio_task.done():
+                fio_task.cancel()
+                try:
+                    await fio_task
+                except BaseException:
+                    pass
+
     async def busy(self):
         await self.cmd("blockdev-add", {"driver": "raw", "node-name": "nbusy",
                                         "file": {"driver": "file", "filename": self.p("busy.raw")}})
@@ -451,41 +480,45 @@ class Run:
             # of a first run meaningless; an unmeasured pass first.
             log(f"  [{self.name}] fio warm-up ({self.o.busy_runtime} s, not counted)")
             await self.fio("warmup")
-        log(f"  [{self.name}] fio baseline ({self.o.busy_runtime} s)")
-        base = await self.fio("baseline")
-        self.r["fio_baseline"] = base
-        log(f"  [{self.name}] fio baseline: {base['iops']:.0f} IOPS")
-
-        self.events.clear()
+        # Baseline and churning passes alternate, starting and ending with a baseline (B C B C
+        # ... B): each churning pass is compared with the mean of the baselines either side of
+        # it, so a drift of the machine over the run (another tenant, the host) is not taken
+        # for the churn's cost. The busy ratio is the median of those per-pass ratios.
+        passes = max(1, self.o.busy_passes)
+        bases, churns, ratios = [], [], []
         lat = {"node_add": [], "add": [], "del": [], "total": []}
-        log(f"  [{self.name}] fio while churning ({self.o.busy_runtime} s)")
-        fio_task = asyncio.create_task(self.fio("churn"))
-        r = 0
-        t0 = time.perf_counter()
-        try:
-            while not fio_task.done():
-                if self.o.busy_rate:  # pace the rounds: the same churn load on every target
-                    wait = t0 + r / self.o.busy_rate - time.perf_counter()
-                    if wait > 0:
-                        await asyncio.wait({fio_task}, timeout=wait)
-                        continue
-                await self.churn_round("b", r, lat)
-                r += 1
-            busy = await fio_task
-        finally:
-            if not fio_task.done():
-                fio_task.cancel()
-                try:
-                    await fio_task
-                except BaseException:
-                    pass
-            self.r["busy_churn_rounds"] = len(lat["total"])
-            self.r["busy_churn_ms"] = lat
-            self.r["busy_churn"] = {k: summary(v) for k, v in lat.items()}
-        self.r["fio_churn"] = busy
-        self.r["busy_ratio"] = busy["iops"] / base["iops"] if base["iops"] else None
-        log(f"  [{self.name}] fio during churn: {busy['iops']:.0f} IOPS "
-            f"(ratio {self.r['busy_ratio']:.3f}, {r} churn rounds)")
+        for k in range(passes + 1):
+            log(f"  [{self.name}] fio baseline {k + 1}/{passes + 1} ({self.o.busy_runtime} s)")
+            base = await self.fio("baseline")
+            bases.append(base)
+            log(f"  [{self.name}] fio baseline: {base['iops']:.0f} IOPS")
+            if k > 0:
+                around = (bases[k - 1]["iops"] + base["iops"]) / 2
+                ratios.append(churns[-1]["iops"] / around if around else None)
+                if ratios[-1] is not None:
+                    log(f"  [{self.name}] churning pass {k}/{passes}: ratio {ratios[-1]:.3f}")
+            if k == passes:
+                break
+            log(f"  [{self.name}] fio while churning {k + 1}/{passes} ({self.o.busy_runtime} s)")
+            churns.append(await self.churning_pass(lat))
+            log(f"  [{self.name}] fio during churn: {churns[-1]['iops']:.0f} IOPS")
+        self.r["busy_churn_rounds"] = len(lat["total"])
+        self.r["busy_churn_ms"] = lat
+        self.r["busy_churn"] = {k: summary(v) for k, v in lat.items()}
+        self.r["fio_baseline"] = bases[0]
+        self.r["fio_baselines"] = bases
+        self.r["fio_churn"] = churns[0]
+        self.r["fio_churns"] = churns
+        self.r["busy_ratios"] = ratios
+        good = sorted(x for x in ratios if x is not None)
+        self.r["busy_ratio"] = statistics.median(good) if good else None
+        self.r["busy_ratio_min"] = good[0] if good else None
+        self.r["busy_ratio_max"] = good[-1] if good else None
+        if good:
+            log(f"  [{self.name}] busy ratio: median {self.r['busy_ratio']:.3f} of {len(good)} "
+                f"passes ({good[0]:.3f}–{good[-1]:.3f}), {len(lat['total'])} churn rounds")
+        else:
+            raise RunError("no baseline pass completed any I/O: no busy ratio")
         await self.cmd("block-export-del", {"id": "busy"})
         await self.wait_deleted("busy")
         await self.cmd("blockdev-del", {"node-name": "nbusy"})
@@ -606,6 +639,8 @@ FIGURES = [  # (column, path, format)
     ("add+del med ms", ("churn", "total", "median"), "{:.2f}"),
     ("add+del p99 ms", ("churn", "total", "p99"), "{:.2f}"),
     ("busy ratio", ("busy_ratio",), "{:.3f}"),
+    ("busy ratio min", ("busy_ratio_min",), "{:.3f}"),
+    ("busy ratio max", ("busy_ratio_max",), "{:.3f}"),
     ("busy rounds", ("busy_churn_rounds",), "{}"),
     ("RSS after churn MiB", ("after_churn", "rss_mib"), "{:.1f}"),
     ("quit s", ("quit_s",), "{:.2f}"),
@@ -661,6 +696,9 @@ def parse_args():
                     help="fio on the busy export: 4k randread QD64 (default), or randrw70: "
                          "4k 70/30 random read/write QD64 x 4 jobs (the export is writable)")
     ap.add_argument("--busy-runtime", type=int, default=10, help="fio seconds per run (10)")
+    ap.add_argument("--busy-passes", type=int, default=5, metavar="K",
+                    help="churning fio passes, each between two baseline passes (5); the busy "
+                    "ratio is the median of their ratios")
     ap.add_argument("--busy-ramp", type=int, default=2,
                     help="fio warm-up seconds before each measured --busy-runtime (2)")
     ap.add_argument("--busy-rate", type=float, default=0, metavar="N",
@@ -751,7 +789,8 @@ async def main():
         doc = {"config": {"targets": [{"name": n, "argv": a} for n, a in targets],
                           "exports": o.exports, "rounds": o.rounds, "busy": o.busy,
                           "busy_runtime": o.busy_runtime, "busy_ramp": o.busy_ramp,
-                          "busy_rate": o.busy_rate, "export_args": o.export_args,
+                          "busy_rate": o.busy_rate, "busy_passes": o.busy_passes,
+                          "export_args": o.export_args,
                           "interleave": o.interleave,
                           "timeout": o.timeout, "workdir": work,
                           "host": os.uname().nodename, "kernel": os.uname().release,
