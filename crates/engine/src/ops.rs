@@ -222,13 +222,13 @@ impl Engine {
         // `CPath` and the `Box` into the table does not move what they point to) until the
         // completion; nothing else reaches the buffer meanwhile.
         let (res, owned) = unsafe { self.start(sqe, Owned::Statx { path, buf: sx }) }.await;
-        let Owned::Statx { path, buf } = owned else {
+        let Owned::Statx { buf, .. } = &owned else {
             return Err(io::Error::from_raw_os_error(libc::EIO));
         };
         // SAFETY: the buffer was zeroed before the kernel (maybe) filled it, so every field is
         // initialized either way; it is read only if statx succeeded.
         let sx = unsafe { buf.assume_init_read() };
-        self.scratch.give_back(Owned::Statx { path, buf });
+        self.scratch.give_back(owned);
         bytes(res).map(|_| sx)
     }
 
