@@ -3,7 +3,7 @@
 //! option `fusex mount` takes works per export, with the same names, defaults and errors.
 
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use serde_json::Value;
 
@@ -79,27 +79,30 @@ pub fn mount_args(
     argv.push("--".into());
     argv.push(image.to_string());
     argv.push(mountpoint.to_string_lossy().into_owned());
-    let parsed = mount_parser()
-        .try_get_matches_from(&argv[1..])
-        .and_then(|m| <MountArgs as clap::FromArgMatches>::from_arg_matches(&m));
+    let parsed = {
+        let mut parser = mount_parser().lock().unwrap_or_else(|p| p.into_inner());
+        parser
+            .try_get_matches_from_mut(&argv[1..])
+            .and_then(|m| <MountArgs as clap::FromArgMatches>::from_arg_matches(&m))
+    };
     match parsed {
         Ok(args) => Ok((args, argv)),
         Err(e) => Err(crate::cli::one_line(&e, "fusex mount")),
     }
 }
 
-/// The `fusex mount` parser alone, built once: building the whole command line's parser (every
-/// subcommand) for each export a daemon adds was a tenth of the daemon's work per export.
-fn mount_parser() -> clap::Command {
-    static PARSER: OnceLock<clap::Command> = OnceLock::new();
-    PARSER
-        .get_or_init(|| {
-            let mount = clap::Command::new("mount").bin_name("fusex mount");
-            let mut mount = <MountArgs as clap::Args>::augment_args(mount);
-            mount.build();
-            mount
-        })
-        .clone()
+/// The `fusex mount` parser alone, built once and reused for every export (parsing does not
+/// consume it): building the whole command line's parser (every subcommand) for each export a
+/// daemon adds was a tenth of the daemon's work per export, and cloning the built one half of
+/// what was left of the parse.
+fn mount_parser() -> &'static Mutex<clap::Command> {
+    static PARSER: OnceLock<Mutex<clap::Command>> = OnceLock::new();
+    PARSER.get_or_init(|| {
+        let mount = clap::Command::new("mount").bin_name("fusex mount");
+        let mut mount = <MountArgs as clap::Args>::augment_args(mount);
+        mount.build();
+        Mutex::new(mount)
+    })
 }
 
 #[cfg(test)]
@@ -146,5 +149,11 @@ mod tests {
         assert!(!e.contains('\n'));
         let e = mount_args("/i", Path::new("/m"), &["--nonsense".into()]).unwrap_err();
         assert!(e.contains("--nonsense"), "{e}");
+        // The parser is reused: nothing of an earlier parse (a switch, an error) carries over.
+        let (again, _) = mount_args("/j", Path::new("/n"), &[]).unwrap();
+        assert_eq!(again.image, "/j");
+        assert!(!again.writable);
+        assert_eq!(args.transport, crate::cli::TransportArg::Legacy);
+        assert_eq!(again.transport, crate::cli::TransportArg::Auto);
     }
 }
