@@ -297,6 +297,72 @@ fn fusex_list_shows_serving_stopping_and_dead_exports() {
     assert!(listed(&mp_qcow).is_none());
 }
 
+/// Sets a file's modification time `secs` into the past (a socket too: `touch` does not open it).
+fn backdate(path: &Path, secs: u64) {
+    let then = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - secs;
+    run_ok(Command::new("touch").arg(format!("-d@{then}")).arg(path));
+}
+
+/// A killed daemon leaves its socket and state file in `/run/fusex`; the next daemon to start
+/// removes them once they are old enough, and leaves alone those of a daemon that still serves,
+/// however old.
+#[test]
+fn a_new_daemon_removes_the_files_a_killed_one_left() {
+    if !require_fuse_and_tools(&["touch"]) {
+        return;
+    }
+    let w = WorkDir::new("sweep");
+    let img = w.join("disk.img");
+    let data = random_image(&img, MIB, 11);
+    let (mp_dead, mp_live, mp_new) = (w.join("dead"), w.join("live"), w.join("new"));
+    let mut dead = Mount::start(&w, &img, &mp_dead, &[]);
+    let live = Mount::start(&w, &img, &mp_live, &[]);
+    let dead_files = {
+        let s = root_daemon_socket(dead.pid());
+        [s.with_extension("json"), s]
+    };
+    let live_files = {
+        let s = root_daemon_socket(live.pid());
+        [s.with_extension("json"), s]
+    };
+    dead.signal(libc::SIGKILL);
+    assert!(dead.wait_gone(Instant::now() + TIMEOUT));
+    run_ok(Command::new(fusex_bin()).arg("umount").arg(&mp_dead));
+    for f in dead_files.iter().chain(&live_files) {
+        assert!(f.exists(), "{} is there", f.display());
+        // Older than a sweep's threshold (a minute).
+        backdate(f, 600);
+    }
+    // Any daemon that starts now sweeps the directory; this one at least.
+    let new = Mount::start(&w, &img, &mp_new, &[]);
+    root_daemon_socket(new.pid());
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || dead_files
+            .iter()
+            .all(|f| !f.exists())),
+        "the killed daemon's files were removed: {dead_files:?}"
+    );
+    for f in &live_files {
+        assert!(f.exists(), "{} of the serving daemon stays", f.display());
+    }
+    assert_eq!(
+        fs::read(&mp_live).unwrap(),
+        data,
+        "the other export serves on"
+    );
+    for m in [live, new] {
+        let st = m.stop();
+        assert!(st.exited && !st.left_mounted, "{st:?}");
+    }
+    for f in &live_files {
+        assert!(!f.exists(), "{} is removed at exit", f.display());
+    }
+}
+
 /// A daemon of a release before the runtime directory listens on the abstract name
 /// `fusex-restart/MAJ:MIN/ID`, which `fusex restart` still tries when the export has no socket
 /// file, so such a daemon can be upgraded in place. Anyone may bind that name: a squatter (here

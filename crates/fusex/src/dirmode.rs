@@ -103,7 +103,7 @@ fn publish(
     let handover = mnt.handover()?;
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    let entry = match crate::runtime::checked(euid, true) {
+    let entry = match crate::runtime::for_daemon(euid) {
         Ok(dir) => crate::runtime::Entry::new(dir, handover.identity),
         Err(e) => {
             tracing::warn!("fusex list will not show the export: {e}");

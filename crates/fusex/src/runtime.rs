@@ -15,8 +15,10 @@
 //! An export's files are named after its mount ([`transport::MountIdentity`]: the connection's
 //! device number and the never-reused mount id), so a new export never meets an old one's files.
 //! A daemon removes its files when it ends, and leaves them to its successor after `fusex restart`
-//! (which binds the socket anew and writes its own state). Files of a killed daemon stay until the
-//! directory is cleared (tmpfs: at reboot); nothing reads them once the mount is gone.
+//! (which binds the socket anew and writes its own state). A killed daemon cannot remove its
+//! files: each daemon that starts sweeps the directory once, in the background ([`sweep`]), so
+//! they do not pile up where `/run` outlives the daemons (a disk rather than tmpfs, a long-lived
+//! host where test daemons are killed).
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -65,6 +67,105 @@ pub fn checked(uid: u32, create: bool) -> Result<PathBuf> {
         "runtime directory {shown} is {what}, not a directory only user {uid} can use: remove it \
          (fusex makes it anew)"
     ))
+}
+
+/// The runtime directory of `uid` as the daemon uses it: [`checked`] (made when missing), and
+/// swept once per process, in the background, of what killed daemons left there ([`sweep`]).
+pub fn for_daemon(uid: u32) -> Result<PathBuf> {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    let dir = checked(uid, true)?;
+    SWEPT.call_once(|| {
+        let swept = dir.clone();
+        let started = std::thread::Builder::new()
+            .name("fusex-sweep".into())
+            .spawn(move || {
+                let removed = sweep(&swept, STALE_AFTER);
+                if removed > 0 {
+                    tracing::info!(
+                        "removed {removed} files of daemons that are gone from {}",
+                        swept.display()
+                    );
+                }
+            });
+        if let Err(e) = started {
+            tracing::debug!("not sweeping {}: {e}", dir.display());
+        }
+    });
+    Ok(dir)
+}
+
+/// How old a file of the runtime directory must be before a sweep may take it for a dead
+/// daemon's: far longer than any daemon takes between binding its socket and listening on it,
+/// or between creating a state file's temporary copy and renaming it into place.
+pub const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes from the runtime directory `dir` the files of daemons that are gone, each at least
+/// `min_age` old: a socket no one listens on (connecting is refused), a state file whose
+/// answering socket is such a socket or missing, and the temporary copy of a state file a daemon
+/// was killed while writing. A socket counts as answered when this network namespace's socket
+/// table lists it, or else when a connection to it is accepted (a daemon in another network
+/// namespace sharing the directory; it sees the connection end at once, and hands nothing
+/// over). Anything that cannot be told stays. Returns how many files it removed.
+pub fn sweep(dir: &Path, min_age: std::time::Duration) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let listening = crate::restart::Listening::read();
+    let answered = |socket: &Path| {
+        listening.has(socket)
+            || match std::os::unix::net::UnixStream::connect(socket) {
+                Ok(_) => true,
+                Err(e) => !matches!(e.raw_os_error(), Some(libc::ECONNREFUSED | libc::ENOENT)),
+            }
+    };
+    let old_enough = |meta: &std::fs::Metadata| {
+        meta.modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|age| age >= min_age)
+    };
+    // Removed only if the name still holds the file looked at (a `fusex restart` successor binds
+    // its socket anew at the same name).
+    let remove = |(path, ino): &(PathBuf, u64)| {
+        std::fs::symlink_metadata(path).is_ok_and(|m| m.ino() == *ino)
+            && std::fs::remove_file(path).is_ok()
+    };
+    let mut states = Vec::new();
+    let mut sockets = Vec::new();
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if !old_enough(&meta) {
+            continue;
+        }
+        let kind = meta.file_type();
+        let found = (path, meta.ino());
+        if kind.is_file() && name.starts_with('.') && name.contains(".json.new.") {
+            removed += usize::from(remove(&found));
+        } else if kind.is_file() && name.ends_with(".json") {
+            states.push(found);
+        } else if std::os::unix::fs::FileTypeExt::is_socket(&kind) && name.ends_with(".sock") {
+            sockets.push(found);
+        }
+    }
+    // State files first: their answering sockets are still there to be asked.
+    for found in states {
+        let state = crate::files::read_regular(&found.0)
+            .and_then(|t| serde_json::from_str::<ExportState>(&t).ok());
+        if !answered(&answering_socket(dir, &found.0, state.as_ref())) {
+            removed += usize::from(remove(&found));
+        }
+    }
+    for found in sockets {
+        if !answered(&found.0) {
+            removed += usize::from(remove(&found));
+        }
+    }
+    removed
 }
 
 /// The name an export's files share in the runtime directory.
@@ -225,6 +326,64 @@ mod tests {
             state_path(Path::new("/d"), &id),
             Path::new("/d/0:52-77.json")
         );
+    }
+
+    /// A socket file with no one listening on it, as a killed daemon leaves it.
+    fn dead_socket(path: &Path) {
+        drop(std::os::unix::net::UnixListener::bind(path).unwrap());
+    }
+
+    #[test]
+    fn a_sweep_removes_what_dead_daemons_left_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let state = |name: &str, socket: Option<&str>| {
+            let s = ExportState {
+                socket: socket.map(str::to_string),
+                ..ExportState::default()
+            };
+            std::fs::write(d.join(name), serde_json::to_vec(&s).unwrap()).unwrap();
+        };
+        // A `fusex mount` daemon that was killed: its state and its socket.
+        state("0:50-1.json", None);
+        dead_socket(&d.join("0:50-1.sock"));
+        // One that serves: its socket listens.
+        state("0:50-2.json", None);
+        let live = std::os::unix::net::UnixListener::bind(d.join("0:50-2.sock")).unwrap();
+        // A `fusex serve` daemon's export, answered on the daemon's socket, which listens...
+        state("0:50-3.json", Some("serve-7.sock"));
+        let serve = std::os::unix::net::UnixListener::bind(d.join("serve-7.sock")).unwrap();
+        // ... and one of a killed `fusex serve` daemon, whose socket is gone too.
+        state("0:50-4.json", Some("serve-8.sock"));
+        dead_socket(&d.join("serve-8.sock"));
+        // A state file whose daemon was killed while writing it.
+        std::fs::write(d.join(".0:50-5.json.new.99"), b"{").unwrap();
+        // Something fusex does not make.
+        std::fs::write(d.join("notes.txt"), b"x").unwrap();
+
+        // Nothing is old enough yet: a daemon between bind and listen is never taken for dead.
+        assert_eq!(sweep(d, STALE_AFTER), 0);
+        assert_eq!(sweep(d, std::time::Duration::ZERO), 5);
+        let mut left: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "0:50-2.json",
+                "0:50-2.sock",
+                "0:50-3.json",
+                "notes.txt",
+                "serve-7.sock"
+            ]
+        );
+        // The live daemons still answer on the sockets they bound.
+        for s in ["0:50-2.sock", "serve-7.sock"] {
+            std::os::unix::net::UnixStream::connect(d.join(s)).unwrap();
+        }
+        drop((live, serve));
     }
 
     #[test]

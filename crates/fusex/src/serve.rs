@@ -302,7 +302,7 @@ fn spawn_restart_listener(
     };
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    let entry = match crate::runtime::checked(euid, true) {
+    let entry = match crate::runtime::for_daemon(euid) {
         Ok(dir) => crate::runtime::Entry::new(dir, handover.identity),
         Err(e) => {
             tracing::warn!("restart: not listening for fusex restart: {e}");

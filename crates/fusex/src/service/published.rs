@@ -38,7 +38,7 @@ impl Publisher {
     pub fn start(on_connect: OnConnect) -> anyhow::Result<Publisher> {
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
-        let dir = crate::runtime::checked(euid, true)?;
+        let dir = crate::runtime::for_daemon(euid)?;
         let path = crate::runtime::serve_socket(&dir, std::process::id());
         let listener = crate::restart::listen(&path)
             .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", path.display()))?;
