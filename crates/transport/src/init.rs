@@ -88,19 +88,24 @@ fn negotiate(
     p: &InitParams,
     passthrough_depth: Option<u32>,
 ) -> Result<Negotiated, TransportError> {
-    // INIT is small, but the kernel insists the read buffer could hold any request.
-    let mut buf = vec![0u8; p.max_write as usize + 8192];
+    // INIT is small, but the kernel insists the read buffer could hold any request. Not zeroed:
+    // only what the kernel wrote is read, and clearing a megabyte per export added was 1.4 % of
+    // a `fusex serve` daemon's CPU in rounds of adding and removing exports.
+    let mut buf: Vec<u8> = Vec::with_capacity(p.max_write as usize + 8192);
     let n = loop {
-        // SAFETY: reads into a live, owned buffer of buf.len() bytes.
-        let r = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        // SAFETY: the kernel writes at most `capacity` bytes into the vector's own allocation,
+        // which lives across the call; nothing reads it before `set_len` below.
+        let r = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.capacity()) };
         if r >= 0 {
-            break r as usize;
+            break (r as usize).min(buf.capacity());
         }
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EINTR) {
             return Err(TransportError::Io(e));
         }
     };
+    // SAFETY: the read initialized the first `n` bytes (at most the capacity).
+    unsafe { buf.set_len(n) };
     let req = parse(&buf[..n]).map_err(|e| TransportError::Init(e.to_string()))?;
     let unique = req.header.unique;
     let Operation::Init(init) = req.op else {
