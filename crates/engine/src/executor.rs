@@ -134,7 +134,8 @@ pub struct EngineConfig {
     /// 0: the first `register_files` sizes it to exactly the descriptors it names; later ones
     /// still count references, and descriptors that find no slot go by number.
     pub file_table: u32,
-    /// Busy-poll the completion queue this long before sleeping in `io_uring_enter`.
+    /// Poll the completion queue this long before sleeping in `io_uring_enter`, yielding the CPU
+    /// between looks (to the application waiting for it, if any).
     pub spin: Duration,
     /// Register a provided-buffer ring (for [`Engine::read_multishot`]) whose buffer ids are the
     /// pool's indexes.
@@ -825,13 +826,21 @@ impl Engine {
             // Completions of polls and FUSE commands are delivered as task work, which (with
             // COOP_TASKRUN) runs only when this thread enters the kernel: the TASKRUN flag says
             // some is waiting, and a zero-wait enter runs it.
+            //
+            // Between looks the thread yields its CPU rather than spinning on it: FUSE-over-
+            // io_uring hands a request to the queue of the CPU its application runs on, so the
+            // application that is to send the next request (just woken by this reply) often
+            // waits for this very CPU. Yielding lets it run and send, and costs nothing when
+            // nothing else is runnable (the CPU stays busy, so it never halts, which is what the
+            // spin is for). du and find over a directory export went 20 % faster; image exports
+            // at queue depth 1 and 64 did not change (docs/uring.md).
             let until = Instant::now() + self.spin;
             while ring.completion().is_empty() && Instant::now() < until {
                 if ring.submission().taskrun() {
                     st.enters += 1;
                     submit_retry(&ring, 0)?;
                 } else {
-                    std::hint::spin_loop();
+                    std::thread::yield_now();
                 }
             }
         }

@@ -454,11 +454,11 @@ pub struct MountArgs {
     /// Pin queue i to CPU i (mod the CPUs fusex may run on)
     #[arg(long, value_enum, value_name = "MODE", default_value_t = Affinity::Auto, help_heading = heading::PERFORMANCE)]
     pub cpu_affinity: Affinity,
-    /// Busy-poll the ring this many microseconds before sleeping [default: 20 with io_uring, 0
-    /// with legacy]
+    /// Poll the ring this many microseconds before sleeping [default: 20 with io_uring, 0 with
+    /// legacy]
     ///
-    /// On small VMs waking a halted vCPU costs more than a request; a short spin keeps a queue
-    /// responsive at queue depth 1. With fewer legacy queues than CPUs a spin pays too; with as
+    /// On small VMs waking a halted vCPU costs more than a request; a short poll (yielding the
+    /// CPU to any other runnable thread between looks) keeps a queue responsive at queue depth 1. With fewer legacy queues than CPUs a spin pays too; with as
     /// many queues as CPUs it takes CPU from the submitters, hence the legacy default.
     #[arg(long, value_name = "MICROSECONDS", help_heading = heading::PERFORMANCE)]
     pub spin_us: Option<u64>,
