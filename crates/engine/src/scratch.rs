@@ -111,7 +111,7 @@ impl Scratch {
     }
 
     /// Takes back a statx buffer whose contents were read.
-    pub(crate) fn give_back_statx(&self, b: Box<MaybeUninit<libc::statx>>) {
+    fn give_back_statx(&self, b: Box<MaybeUninit<libc::statx>>) {
         let mut free = self.statx.borrow_mut();
         if free.len() < KEEP {
             free.push(b);
