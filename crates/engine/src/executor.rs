@@ -832,8 +832,8 @@ impl Engine {
             // application that is to send the next request (just woken by this reply) often
             // waits for this very CPU. Yielding lets it run and send, and costs nothing when
             // nothing else is runnable (the CPU stays busy, so it never halts, which is what the
-            // spin is for). du and find over a directory export went 20 % faster; image exports
-            // at queue depth 1 and 64 did not change (docs/uring.md).
+            // spin is for). du over a directory export went 10-15 % faster and find 9-28 %;
+            // image exports at queue depth 1 and 64 did not change (docs/uring.md).
             let until = Instant::now() + self.spin;
             while ring.completion().is_empty() && Instant::now() < until {
                 if ring.submission().taskrun() {

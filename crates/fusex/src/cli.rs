@@ -458,8 +458,9 @@ pub struct MountArgs {
     /// legacy]
     ///
     /// On small VMs waking a halted vCPU costs more than a request; a short poll (yielding the
-    /// CPU to any other runnable thread between looks) keeps a queue responsive at queue depth 1. With fewer legacy queues than CPUs a spin pays too; with as
-    /// many queues as CPUs it takes CPU from the submitters, hence the legacy default.
+    /// CPU to any other runnable thread between looks) keeps a queue responsive at queue
+    /// depth 1. With fewer legacy queues than CPUs a poll pays too; with as many queues as CPUs
+    /// it takes CPU from the submitters, hence the legacy default.
     #[arg(long, value_name = "MICROSECONDS", help_heading = heading::PERFORMANCE)]
     pub spin_us: Option<u64>,
     /// How raw-image I/O is issued (for measurements: auto is the one to use)
