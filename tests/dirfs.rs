@@ -1493,6 +1493,8 @@ fn a_daemonized_directory_export_keeps_its_pid_file() {
         .parse()
         .unwrap();
     assert_eq!(pid, m.pid());
+    // Published before the parent returned: `fusex list` shows it serving at once.
+    assert_listed_serving(&t.mnt, pid);
     assert_eq!(fs::read(t.mnt.join("f")).unwrap(), b"x");
     m.stop().assert_clean("daemonized directory export");
     assert!(!pid_file.exists(), "pid file removed at exit");

@@ -285,6 +285,8 @@ fn daemonize_returns_once_mounted() {
         Some(me),
         "the daemon must not be our direct child (it should have forked)"
     );
+    // Published before the parent returned: `fusex list` shows it serving at once.
+    assert_listed_serving(&mp, pid);
 
     assert_bytes_eq(
         &read_all(&mp),

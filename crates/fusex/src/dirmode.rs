@@ -265,7 +265,9 @@ pub fn mount(
             return Err(e);
         }
     };
-    tracing::info!(
+    // Logged once the export is published (below): a `fusex list` that follows the line shows it
+    // serving, as it does an image export's.
+    let announce = format!(
         "mounted directory {} at {} ({}, {} queue{}, {})",
         args.image,
         mnt.mountpoint().display(),
@@ -312,6 +314,7 @@ pub fn mount(
                             // The thread answering `fusex restart` starts with the privileges
                             // every thread keeps now.
                             published = publish(&args, &mnt, uring, nq);
+                            tracing::info!("{announce}");
                             if let Some(kept) = privileges.kept() {
                                 tracing::info!("privileges: every thread keeps {kept}");
                             }

@@ -1169,8 +1169,10 @@ impl Supervisor {
                                      dropped, no_new_privs is set)"
                                 );
                             }
-                            owner.serving();
+                            // Published before readiness: `fusex list` after a `--daemonize`
+                            // parent returns (or systemd's READY) shows the export serving.
                             owner.state("serving");
+                            owner.serving();
                         }
                         Err(e) => {
                             let msg = format!("cannot drop privileges: {e}");
