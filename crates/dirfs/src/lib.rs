@@ -14,6 +14,7 @@
 //! what the caller creates is given the caller's uid and gid (a setgid directory's gid instead).
 
 mod acl;
+pub mod ahead;
 mod attr;
 mod copy;
 pub mod files;
@@ -81,6 +82,10 @@ pub struct DirConfig {
     /// Hold nodes beyond [`DirConfig::max_node_fds`] by file handle. Taken only where the
     /// source filesystem gives handles and the daemon may open them (`CAP_DAC_READ_SEARCH`).
     pub file_handles: bool,
+    /// While readers stat what they list, warm the source's caches with the tree below a
+    /// directory being listed ([`ahead`]); only where metadata calls are plain calls (a local
+    /// source), so a network source is never sent speculative requests.
+    pub read_ahead: bool,
 }
 
 impl Default for DirConfig {
@@ -96,6 +101,7 @@ impl Default for DirConfig {
             max_node_fds: 1 << 16,
             metadata_on_ring: None,
             file_handles: true,
+            read_ahead: true,
         }
     }
 }
@@ -1111,11 +1117,15 @@ impl DirFs {
         cap: usize,
     ) -> R {
         let fd = self.files.get(a.fh).ok_or(libc::EBADF)?;
-        let files_too = a.offset != 0
-            || !plus
-            || self
+        let first_with_files = plus
+            && a.offset == 0
+            && self
                 .node(hdr.nodeid)
                 .is_ok_and(|dir| self.listing.files_in_first_reply(&dir.listed));
+        if first_with_files && self.cfg.read_ahead && self.inline_metadata {
+            ahead::read_ahead(borrow(fd));
+        }
+        let files_too = a.offset != 0 || !plus || first_with_files;
         let size = (a.size as usize).min(cap);
         let out = buf
             .as_mut_slice()

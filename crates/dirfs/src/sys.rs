@@ -84,6 +84,38 @@ pub fn open_in(
     })
 }
 
+/// Opens the directory `name` in `dir` (`dir` itself for `None`, as a new open file) to be
+/// listed: `O_NOFOLLOW`, and `O_NOATIME` where the daemon may (it owns the directory or has
+/// `CAP_FOWNER`), so that listing it for no reader leaves its access time alone.
+pub fn open_to_list(dir: BorrowedFd<'_>, name: Option<Name<'_>>) -> Result<OwnedFd, Errno> {
+    let name = name.map_or(c".", |n| n.as_c());
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NONBLOCK | libc::O_NOFOLLOW;
+    let open = |flags: i32| {
+        // SAFETY: `name` is a valid NUL-terminated string; the result is checked.
+        check_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) })
+    };
+    match open(flags | libc::O_NOATIME) {
+        Err(libc::EPERM) => open(flags),
+        r => r,
+    }
+}
+
+/// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT)`: the entry's own attributes.
+pub fn stat_in(dir: BorrowedFd<'_>, name: Name<'_>) -> Result<libc::stat, Errno> {
+    let mut st = MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: `st` is writable memory of the right type; `name` is NUL-terminated.
+    check(unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_c().as_ptr(),
+            st.as_mut_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT,
+        )
+    })?;
+    // SAFETY: fstatat succeeded and filled it (and it was zeroed before).
+    Ok(unsafe { st.assume_init() })
+}
+
 /// Opens the root directory itself, `O_PATH`, refusing a symlink at its last component.
 pub fn open_root(path: &CStr) -> Result<OwnedFd, Errno> {
     // SAFETY: `path` is a valid NUL-terminated string; the result is checked.

@@ -1,0 +1,199 @@
+//! Metadata read-ahead for tree walks.
+//!
+//! A reader that stats what it lists (`du`, `ls -lR`, `git status`, a backup tool) walks a tree
+//! one directory at a time, and each READDIRPLUS of a directory not in the source's caches waits
+//! for its blocks and its entries' inodes to be read, one after the other, while the walker
+//! waits for the reply. When a first READDIRPLUS reply looks up files (the readers stat what
+//! they list, see `listing`), the directory is handed to one read-ahead thread, which walks the
+//! tree below it in the order a walk does (a directory's entries, then each subdirectory in
+//! turn), stat'ing each entry, so that when the walker arrives the source's caches hold what it
+//! asks for. The thread runs on the CPU that the walker and the queue thread leave idle while
+//! each waits for the other.
+//!
+//! It only warms caches: nothing it reads is kept or answered, so what the kernel is told is
+//! what the source says when the request is served. It stays below the directory handed to it
+//! (names from `getdents`, one component each, a symlink never followed, `O_NOATIME` where the
+//! daemon may) and is bounded: [`BUDGET`] entries and [`DEPTH`] levels per directory handed
+//! over, and [`QUEUED`] directories waiting (a hand-over that finds the queue full is dropped),
+//! of which only the latest is walked: it is where the walker is now.
+
+use std::ffi::CStr;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::OnceLock;
+
+use crate::sys::{self, Name};
+
+/// Directories waiting for the read-ahead thread.
+pub const QUEUED: usize = 64;
+/// Entries stat'ed per directory handed over. Measured with `du` over a cold 10k-entry tree
+/// through a directory export: 74k entries/s with 2048, 80k with 8192, 57k without read-ahead.
+pub const BUDGET: usize = 8192;
+/// How many levels below a directory handed over the walk goes.
+pub const DEPTH: usize = 16;
+/// The `getdents` buffer of each level.
+const DIRENTS_LEN: usize = 32 << 10;
+
+/// The process's read-ahead thread, started by the first hand-over; `None` if it could not be.
+static AHEAD: OnceLock<Option<SyncSender<OwnedFd>>> = OnceLock::new();
+
+/// Hands `dir` (a descriptor of a directory being listed) to the read-ahead thread. Costs the
+/// caller a `dup` and, when the thread sleeps, a wake-up; never blocks.
+pub fn read_ahead(dir: BorrowedFd<'_>) {
+    let Some(tx) = AHEAD.get_or_init(start) else {
+        return;
+    };
+    if let Ok(fd) = dir.try_clone_to_owned() {
+        // Full: the thread is behind, and walks the latest of those queued next anyway.
+        let _ = tx.try_send(fd);
+    }
+}
+
+fn start() -> Option<SyncSender<OwnedFd>> {
+    let (tx, rx) = sync_channel(QUEUED);
+    match std::thread::Builder::new()
+        .name("fusex-ahead".into())
+        .spawn(move || serve(rx))
+    {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            tracing::debug!("no metadata read-ahead: cannot start its thread: {e}");
+            None
+        }
+    }
+}
+
+fn serve(rx: Receiver<OwnedFd>) {
+    let mut walker = Walker::default();
+    while let Ok(mut dir) = rx.recv() {
+        while let Ok(newer) = rx.try_recv() {
+            dir = newer;
+        }
+        walker.walk(dir.as_fd(), BUDGET);
+    }
+}
+
+/// One walk's `getdents` buffers, one per level, kept from walk to walk.
+#[derive(Default)]
+pub struct Walker {
+    bufs: Vec<Vec<u8>>,
+}
+
+impl Walker {
+    /// Walks the tree below `dir` (through an open file of its own: the caller's offset is left
+    /// alone) as a tree walk does, stat'ing each entry without following symlinks, until
+    /// `budget` entries are stat'ed or [`DEPTH`] levels are below `dir`; how many it stat'ed.
+    pub fn walk(&mut self, dir: BorrowedFd<'_>, budget: usize) -> usize {
+        let mut left = budget;
+        if let Ok(d) = sys::open_to_list(dir, None) {
+            self.level(d.as_fd(), 0, &mut left);
+        }
+        budget - left
+    }
+
+    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, left: &mut usize) {
+        if self.bufs.len() <= depth {
+            self.bufs.resize_with(depth + 1, || vec![0u8; DIRENTS_LEN]);
+        }
+        let mut buf = std::mem::take(&mut self.bufs[depth]);
+        while *left > 0 {
+            let Ok(n @ 1..) = sys::getdents(d.as_raw_fd(), &mut buf) else {
+                break;
+            };
+            for (_, name) in dirents(&buf[..n]).take(*left) {
+                if let Ok(name) = Name::new(name) {
+                    let _ = sys::stat_in(d, name);
+                    *left -= 1;
+                }
+            }
+            if depth + 1 == DEPTH {
+                continue;
+            }
+            for (typ, name) in dirents(&buf[..n]) {
+                if *left == 0 {
+                    break;
+                }
+                let Ok(name) = Name::new(name) else { continue };
+                if typ == libc::DT_DIR {
+                    if let Ok(sub) = sys::open_to_list(d, Some(name)) {
+                        self.level(sub.as_fd(), depth + 1, left);
+                    }
+                }
+            }
+        }
+        self.bufs[depth] = buf;
+    }
+}
+
+/// The `(d_type, name)` of each `linux_dirent64` record in `buf` but `.` and `..`; stops at the
+/// first malformed one.
+fn dirents(buf: &[u8]) -> impl Iterator<Item = (u8, &CStr)> {
+    let mut pos = 0;
+    std::iter::from_fn(move || loop {
+        let rec = buf.get(pos..)?;
+        let reclen = usize::from(u16::from_ne_bytes([*rec.get(16)?, *rec.get(17)?]));
+        if reclen < 20 || reclen > rec.len() {
+            return None;
+        }
+        pos += reclen;
+        let typ = rec[18];
+        let name = CStr::from_bytes_until_nul(&rec[19..reclen]).ok()?;
+        if name != c"." && name != c".." {
+            return Some((typ, name));
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn a_walk_stats_the_tree_below_and_never_leaves_it() {
+        let t = tempfile::tempdir().unwrap();
+        let (root, outside) = (t.path().join("root"), t.path().join("outside"));
+        for d in ["a", "b/deep"] {
+            fs::create_dir_all(root.join(d)).unwrap();
+        }
+        fs::create_dir(&outside).unwrap();
+        for i in 0..5 {
+            fs::write(outside.join(format!("o{i}")), b"x").unwrap();
+        }
+        for f in ["a/f1", "a/f2", "b/f3", "b/deep/f4", "top"] {
+            fs::write(root.join(f), b"x").unwrap();
+        }
+        // Symlinks to a directory outside are stat'ed themselves, never followed.
+        symlink(&outside, root.join("out")).unwrap();
+        symlink(&outside, root.join("a/out")).unwrap();
+        let dir: OwnedFd = fs::File::open(&root).unwrap().into();
+        let mut w = Walker::default();
+        // root: a, b, top, out; a: f1, f2, out; b: f3, deep; deep: f4.
+        assert_eq!(w.walk(dir.as_fd(), BUDGET), 10);
+        // The budget bounds it; the caller's own listing is left where it was.
+        assert_eq!(w.walk(dir.as_fd(), 6), 6);
+        let mut buf = vec![0u8; DIRENTS_LEN];
+        let n = sys::getdents(dir.as_raw_fd(), &mut buf).unwrap();
+        assert_eq!(dirents(&buf[..n]).count(), 4, "a, b, top, out");
+    }
+
+    #[test]
+    fn malformed_records_end_the_listing() {
+        let mut rec = vec![0u8; 24];
+        rec[16..18].copy_from_slice(&24u16.to_ne_bytes());
+        rec[18] = libc::DT_REG;
+        rec[19..21].copy_from_slice(b"f\0");
+        assert_eq!(dirents(&rec).count(), 1);
+        // A record length past the buffer, or too short to hold a name, stops the listing.
+        rec[16..18].copy_from_slice(&25u16.to_ne_bytes());
+        assert_eq!(dirents(&rec).count(), 0);
+        rec[16..18].copy_from_slice(&19u16.to_ne_bytes());
+        assert_eq!(dirents(&rec).count(), 0);
+        // A name without its NUL stops it too.
+        rec[16..18].copy_from_slice(&24u16.to_ne_bytes());
+        rec[19..24].copy_from_slice(b"fffff");
+        assert_eq!(dirents(&rec).count(), 0);
+        assert_eq!(dirents(&[]).count(), 0);
+    }
+}
