@@ -8,7 +8,12 @@
 //! tree below it in the order a walk does (a directory's entries, then each subdirectory in
 //! turn), stat'ing each entry, so that when the walker arrives the source's caches hold what it
 //! asks for. The thread runs on the CPU that the walker and the queue thread leave idle while
-//! each waits for the other.
+//! each waits for the other, at nice 10, so that a reader busy on every CPU itself (`git
+//! status` stats with several threads) keeps them.
+//!
+//! A reader that looks files up one by one without listing (`stat` of each name of a list, `git
+//! status` checking its index) is read ahead the same way, one directory's entries only: the
+//! second file looked up in a directory hands that directory over, once per node.
 //!
 //! It only warms caches: nothing it reads is kept or answered, so what the kernel is told is
 //! what the source says when the request is served. It stays below the directory handed to it
@@ -19,6 +24,7 @@
 
 use std::ffi::CStr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::OnceLock;
 
@@ -27,29 +33,62 @@ use crate::sys::{self, Name};
 /// Directories waiting for the read-ahead thread.
 pub const QUEUED: usize = 64;
 /// Entries stat'ed per directory handed over. Measured with `du` over a cold 10k-entry tree
-/// through a directory export: 74k entries/s with 2048, 80k with 8192, 57k without read-ahead.
+/// through a directory export, tree read-ahead only: 74k entries/s with 2048, 80k with 8192,
+/// 57k without.
 pub const BUDGET: usize = 8192;
 /// How many levels below a directory handed over the walk goes.
 pub const DEPTH: usize = 16;
 /// The `getdents` buffer of each level.
 const DIRENTS_LEN: usize = 32 << 10;
 
-/// The process's read-ahead thread, started by the first hand-over; `None` if it could not be.
-static AHEAD: OnceLock<Option<SyncSender<OwnedFd>>> = OnceLock::new();
+/// What to read ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// The tree below a directory being listed ([`DEPTH`] levels).
+    Tree,
+    /// The entries of a directory whose files are being looked up one by one, not below.
+    Entries,
+}
 
-/// Hands `dir` (a descriptor of a directory being listed) to the read-ahead thread. Costs the
-/// caller a `dup` and, when the thread sleeps, a wake-up; never blocks.
-pub fn read_ahead(dir: BorrowedFd<'_>) {
+impl Reach {
+    fn levels(self) -> usize {
+        match self {
+            Reach::Tree => DEPTH,
+            Reach::Entries => 1,
+        }
+    }
+}
+
+/// The process's read-ahead thread, started by the first hand-over; `None` if it could not be.
+static AHEAD: OnceLock<Option<SyncSender<(OwnedFd, Reach)>>> = OnceLock::new();
+
+/// Hands `dir` (a descriptor of a directory, `O_PATH` or open) to the read-ahead thread. Costs
+/// the caller a `dup` and, when the thread sleeps, a wake-up; never blocks.
+pub fn read_ahead(dir: BorrowedFd<'_>, reach: Reach) {
     let Some(tx) = AHEAD.get_or_init(start) else {
         return;
     };
     if let Ok(fd) = dir.try_clone_to_owned() {
         // Full: the thread is behind, and walks the latest of those queued next anyway.
-        let _ = tx.try_send(fd);
+        let _ = tx.try_send((fd, reach));
     }
 }
 
-fn start() -> Option<SyncSender<OwnedFd>> {
+/// A directory's count of files looked up by name, for [`Reach::Entries`]: a reader that
+/// looks up a second file of a directory (`stat` of each file of a list, `git status` checking
+/// its index) is likely to go on through it.
+#[derive(Debug, Default)]
+pub struct Lookups(AtomicU8);
+
+impl Lookups {
+    /// Counts one file looked up; true exactly once per directory node, at the second.
+    pub fn second(&self) -> bool {
+        // (The load first: once past two, nothing shared is written again.)
+        self.0.load(Ordering::Relaxed) < 2 && self.0.fetch_add(1, Ordering::Relaxed) == 1
+    }
+}
+
+fn start() -> Option<SyncSender<(OwnedFd, Reach)>> {
     let (tx, rx) = sync_channel(QUEUED);
     match std::thread::Builder::new()
         .name("fusex-ahead".into())
@@ -63,13 +102,14 @@ fn start() -> Option<SyncSender<OwnedFd>> {
     }
 }
 
-fn serve(rx: Receiver<OwnedFd>) {
+fn serve(rx: Receiver<(OwnedFd, Reach)>) {
+    sys::lower_priority();
     let mut walker = Walker::default();
-    while let Ok(mut dir) = rx.recv() {
+    while let Ok(mut job) = rx.recv() {
         while let Ok(newer) = rx.try_recv() {
-            dir = newer;
+            job = newer;
         }
-        walker.walk(dir.as_fd(), BUDGET);
+        walker.walk(job.0.as_fd(), job.1, BUDGET);
     }
 }
 
@@ -80,18 +120,18 @@ pub struct Walker {
 }
 
 impl Walker {
-    /// Walks the tree below `dir` (through an open file of its own: the caller's offset is left
-    /// alone) as a tree walk does, stat'ing each entry without following symlinks, until
-    /// `budget` entries are stat'ed or [`DEPTH`] levels are below `dir`; how many it stat'ed.
-    pub fn walk(&mut self, dir: BorrowedFd<'_>, budget: usize) -> usize {
+    /// Walks what `reach` says of `dir` (through an open file of its own: the caller's offset is
+    /// left alone) as a tree walk does, stat'ing each entry without following symlinks, until
+    /// `budget` entries are stat'ed; how many it stat'ed.
+    pub fn walk(&mut self, dir: BorrowedFd<'_>, reach: Reach, budget: usize) -> usize {
         let mut left = budget;
         if let Ok(d) = sys::open_to_list(dir, None) {
-            self.level(d.as_fd(), 0, &mut left);
+            self.level(d.as_fd(), 0, reach.levels(), &mut left);
         }
         budget - left
     }
 
-    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, left: &mut usize) {
+    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, levels: usize, left: &mut usize) {
         if self.bufs.len() <= depth {
             self.bufs.resize_with(depth + 1, || vec![0u8; DIRENTS_LEN]);
         }
@@ -106,7 +146,7 @@ impl Walker {
                     *left -= 1;
                 }
             }
-            if depth + 1 == DEPTH {
+            if depth + 1 == levels {
                 continue;
             }
             for (typ, name) in dirents(&buf[..n]) {
@@ -116,7 +156,7 @@ impl Walker {
                 let Ok(name) = Name::new(name) else { continue };
                 if typ == libc::DT_DIR {
                     if let Ok(sub) = sys::open_to_list(d, Some(name)) {
-                        self.level(sub.as_fd(), depth + 1, left);
+                        self.level(sub.as_fd(), depth + 1, levels, left);
                     }
                 }
             }
@@ -170,12 +210,29 @@ mod tests {
         let dir: OwnedFd = fs::File::open(&root).unwrap().into();
         let mut w = Walker::default();
         // root: a, b, top, out; a: f1, f2, out; b: f3, deep; deep: f4.
-        assert_eq!(w.walk(dir.as_fd(), BUDGET), 10);
-        // The budget bounds it; the caller's own listing is left where it was.
-        assert_eq!(w.walk(dir.as_fd(), 6), 6);
+        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, BUDGET), 10);
+        // The budget bounds it, and Entries stays in the directory.
+        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, 6), 6);
+        assert_eq!(w.walk(dir.as_fd(), Reach::Entries, BUDGET), 4);
+        // An O_PATH descriptor of the directory will do.
+        let opath =
+            sys::open_root(&std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).unwrap())
+                .unwrap();
+        assert_eq!(w.walk(opath.as_fd(), Reach::Entries, BUDGET), 4);
+        // The caller's own listing is left where it was.
         let mut buf = vec![0u8; DIRENTS_LEN];
         let n = sys::getdents(dir.as_raw_fd(), &mut buf).unwrap();
         assert_eq!(dirents(&buf[..n]).count(), 4, "a, b, top, out");
+    }
+
+    #[test]
+    fn the_second_file_looked_up_hands_the_directory_over_once() {
+        let l = Lookups::default();
+        assert!(!l.second());
+        assert!(l.second());
+        for _ in 0..300 {
+            assert!(!l.second());
+        }
     }
 
     #[test]

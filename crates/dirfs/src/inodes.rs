@@ -44,6 +44,8 @@ pub struct Inode {
     pub kind: u32,
     /// A directory's [`crate::listing`] mark.
     pub listed: Mark,
+    /// A directory's files looked up by name, for the read-ahead ([`crate::ahead`]).
+    pub lookups: crate::ahead::Lookups,
 }
 
 /// A descriptor of a node's inode for one request: the node's own, or one opened from its
@@ -138,6 +140,7 @@ impl Inodes {
                 key,
                 kind: libc::S_IFDIR,
                 listed: Mark::default(),
+                lookups: Default::default(),
             }),
             nlookup: 1,
             generation: 0,
@@ -209,6 +212,7 @@ impl Inodes {
                 key,
                 kind,
                 listed: Mark::default(),
+                lookups: Default::default(),
             }),
             nlookup: 1,
             generation: t.generation,

@@ -1123,7 +1123,7 @@ impl DirFs {
                 .node(hdr.nodeid)
                 .is_ok_and(|dir| self.listing.files_in_first_reply(&dir.listed));
         if first_with_files && self.cfg.read_ahead && self.inline_metadata {
-            ahead::read_ahead(borrow(fd));
+            ahead::read_ahead(borrow(fd), ahead::Reach::Tree);
         }
         let files_too = a.offset != 0 || !plus || first_with_files;
         let size = (a.size as usize).min(cap);

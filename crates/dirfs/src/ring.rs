@@ -116,8 +116,13 @@ impl DirFs {
                 let dir = self.node(hdr.nodeid)?;
                 let name = name_at(buf.as_slice(), name)?;
                 let e = self.lookup_ring(eng, &dir, name).await?;
-                self.listing
-                    .looked_up(&dir.listed, e.attr.mode & libc::S_IFMT == libc::S_IFDIR);
+                let is_dir = e.attr.mode & libc::S_IFMT == libc::S_IFDIR;
+                self.listing.looked_up(&dir.listed, is_dir);
+                if !is_dir && self.cfg.read_ahead && self.inline_metadata && dir.lookups.second() {
+                    if let Ok(fd) = dir.fd() {
+                        crate::ahead::read_ahead(fd.as_fd(), crate::ahead::Reach::Entries);
+                    }
+                }
                 put(buf, payload, &e)
             }
             Request::Getattr(a) => self.getattr(eng, hdr, a, buf, payload).await,

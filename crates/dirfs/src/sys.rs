@@ -116,6 +116,15 @@ pub fn stat_in(dir: BorrowedFd<'_>, name: Name<'_>) -> Result<libc::stat, Errno>
     Ok(unsafe { st.assume_init() })
 }
 
+/// Lowers the calling thread's scheduling priority (nice 10): it runs behind the threads
+/// serving requests and the programs waiting for them when the CPUs are busy.
+pub fn lower_priority() {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority on this thread's own id; a failure leaves the priority as it was.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10) };
+}
+
 /// Opens the root directory itself, `O_PATH`, refusing a symlink at its last component.
 pub fn open_root(path: &CStr) -> Result<OwnedFd, Errno> {
     // SAFETY: `path` is a valid NUL-terminated string; the result is checked.
