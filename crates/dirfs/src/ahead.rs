@@ -17,8 +17,8 @@
 //!
 //! It only warms caches: nothing it reads is kept or answered, so what the kernel is told is
 //! what the source says when the request is served. It stays below the directory handed to it
-//! (names from `getdents`, one component each, a symlink never followed, `O_NOATIME` where the
-//! daemon may) and is bounded: [`BUDGET`] entries and [`DEPTH`] levels per directory handed
+//! (names from `getdents`, one component each, a symlink never followed, no other filesystem
+//! mounted inside entered, `O_NOATIME` where the daemon may) and is bounded: [`BUDGET`] entries and [`DEPTH`] levels per directory handed
 //! over, and [`QUEUED`] directories waiting (a hand-over that finds the queue full is dropped),
 //! of which only the latest is walked: it is where the walker is now.
 
@@ -113,6 +113,13 @@ fn serve(rx: Receiver<(OwnedFd, Reach)>) {
     }
 }
 
+/// How far one walk goes: levels, and the filesystem it started on.
+#[derive(Clone, Copy)]
+struct Limits {
+    levels: usize,
+    dev: u64,
+}
+
 /// One walk's `getdents` buffers, one per level, kept from walk to walk.
 #[derive(Default)]
 pub struct Walker {
@@ -121,17 +128,23 @@ pub struct Walker {
 
 impl Walker {
     /// Walks what `reach` says of `dir` (through an open file of its own: the caller's offset is
-    /// left alone) as a tree walk does, stat'ing each entry without following symlinks, until
-    /// `budget` entries are stat'ed; how many it stat'ed.
+    /// left alone) as a tree walk does, stat'ing each entry without following symlinks or
+    /// entering another filesystem, until `budget` entries are stat'ed; how many it stat'ed.
     pub fn walk(&mut self, dir: BorrowedFd<'_>, reach: Reach, budget: usize) -> usize {
         let mut left = budget;
         if let Ok(d) = sys::open_to_list(dir, None) {
-            self.level(d.as_fd(), 0, reach.levels(), &mut left);
+            if let Ok(st) = sys::stat_fd(d.as_fd()) {
+                let limits = Limits {
+                    levels: reach.levels(),
+                    dev: st.st_dev,
+                };
+                self.level(d.as_fd(), 0, limits, &mut left);
+            }
         }
         budget - left
     }
 
-    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, levels: usize, left: &mut usize) {
+    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, limits: Limits, left: &mut usize) {
         if self.bufs.len() <= depth {
             self.bufs.resize_with(depth + 1, || vec![0u8; DIRENTS_LEN]);
         }
@@ -146,7 +159,7 @@ impl Walker {
                     *left -= 1;
                 }
             }
-            if depth + 1 == levels {
+            if depth + 1 == limits.levels {
                 continue;
             }
             for (typ, name) in dirents(&buf[..n]) {
@@ -154,10 +167,15 @@ impl Walker {
                     break;
                 }
                 let Ok(name) = Name::new(name) else { continue };
-                if typ == libc::DT_DIR {
-                    if let Ok(sub) = sys::open_to_list(d, Some(name)) {
-                        self.level(sub.as_fd(), depth + 1, levels, left);
-                    }
+                if typ != libc::DT_DIR {
+                    continue;
+                }
+                let Ok(sub) = sys::open_to_list(d, Some(name)) else {
+                    continue;
+                };
+                // A filesystem mounted inside is not read ahead (it may be a network one).
+                if sys::stat_fd(sub.as_fd()).is_ok_and(|st| st.st_dev == limits.dev) {
+                    self.level(sub.as_fd(), depth + 1, limits, left);
                 }
             }
         }
@@ -223,6 +241,53 @@ mod tests {
         let mut buf = vec![0u8; DIRENTS_LEN];
         let n = sys::getdents(dir.as_raw_fd(), &mut buf).unwrap();
         assert_eq!(dirents(&buf[..n]).count(), 4, "a, b, top, out");
+    }
+
+    /// Unmounts (lazily) on drop, also when the test fails.
+    struct Mounted(std::path::PathBuf);
+
+    impl Drop for Mounted {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+
+    #[test]
+    fn a_walk_does_not_enter_a_filesystem_mounted_inside() {
+        if !is_root() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI runs the tests as root: this one mounts a tmpfs"
+            );
+            eprintln!("skipped: mounting a tmpfs needs root");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let m = t.path().join("m");
+        fs::create_dir(&m).unwrap();
+        fs::write(t.path().join("f"), b"x").unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "fusex-ahead-test"])
+            .arg(&m)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mount -t tmpfs on {}", m.display());
+        let _guard = Mounted(m.clone());
+        for i in 0..3 {
+            fs::write(m.join(format!("in{i}")), b"x").unwrap();
+        }
+        let dir: OwnedFd = fs::File::open(t.path()).unwrap().into();
+        // f and m are stat'ed; nothing inside the tmpfs is.
+        assert_eq!(Walker::default().walk(dir.as_fd(), Reach::Tree, BUDGET), 2);
+    }
+
+    fn is_root() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() == 0 }
     }
 
     #[test]
