@@ -14,7 +14,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use fusex_e2e::*;
-use serde_json::Value;
 
 /// The system's Python, which another user can run (a `python3` earlier on root's PATH, a pyenv
 /// shim say, may not be).
@@ -191,17 +190,6 @@ fn the_restart_socket_sits_where_only_root_can_bind() {
     assert!(st.exited && !st.left_mounted, "{st:?}");
     assert!(!socket.exists(), "the socket is removed at exit");
     assert!(!socket.with_extension("json").exists());
-}
-
-/// A fusex export as `fusex list --json` shows it, found by mountpoint.
-fn listed(mp: &Path) -> Option<Value> {
-    let out = run_ok(Command::new(fusex_bin()).args(["list", "--json"]));
-    let rows: Value = serde_json::from_slice(&out.stdout).expect("fusex list --json is JSON");
-    rows.as_array()
-        .expect("an array")
-        .iter()
-        .find(|r| r["mountpoint"].as_str() == Some(&*mp.to_string_lossy()))
-        .cloned()
 }
 
 /// `fusex list` shows every export with its image, format, transport, pid and state; a stop with

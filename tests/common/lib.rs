@@ -203,19 +203,24 @@ pub fn run(cmd: &mut Command) -> Output {
         .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
 }
 
+/// The `fusex list --json` row of the export at `mountpoint`, if it is listed.
+pub fn listed(mountpoint: &Path) -> Option<serde_json::Value> {
+    let out = run_ok(Command::new(fusex_bin()).args(["list", "--json"]));
+    let rows: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("fusex list --json is JSON");
+    rows.as_array()
+        .expect("an array")
+        .iter()
+        .find(|r| r["mountpoint"].as_str() == Some(&*mountpoint.to_string_lossy()))
+        .cloned()
+}
+
 /// Asserts `fusex list --json` shows the export at `mountpoint` serving from process `pid`: what
 /// a user sees once `fusex mount` says it serves.
 #[track_caller]
 pub fn assert_listed_serving(mountpoint: &Path, pid: i32) {
-    let out = run_ok(Command::new(fusex_bin()).args(["list", "--json"]));
-    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("fusex list --json");
-    let row = rows
-        .as_array()
-        .and_then(|r| {
-            r.iter()
-                .find(|r| r["mountpoint"] == *mountpoint.to_string_lossy())
-        })
-        .unwrap_or_else(|| panic!("fusex list lacks {}: {rows}", mountpoint.display()));
+    let row =
+        listed(mountpoint).unwrap_or_else(|| panic!("fusex list lacks {}", mountpoint.display()));
     assert_eq!(row["state"], "serving", "{row}");
     assert_eq!(row["pid"], pid, "{row}");
 }

@@ -18,9 +18,10 @@
 //! It only warms caches: nothing it reads is kept or answered, so what the kernel is told is
 //! what the source says when the request is served. It stays below the directory handed to it
 //! (names from `getdents`, one component each, a symlink never followed, no other filesystem
-//! mounted inside entered, `O_NOATIME` where the daemon may) and is bounded: [`BUDGET`] entries and [`DEPTH`] levels per directory handed
-//! over, and [`QUEUED`] directories waiting (a hand-over that finds the queue full is dropped),
-//! of which only the latest is walked: it is where the walker is now.
+//! mounted inside entered, `O_NOATIME` where the daemon may) and is bounded: [`BUDGET`]
+//! entries and [`DEPTH`] levels per directory handed over, and [`QUEUED`] directories waiting
+//! (a hand-over that finds the queue full is dropped), of which only the latest is walked: it
+//! is where the walker is now.
 
 use std::ffi::CStr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -29,6 +30,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::OnceLock;
 
 use crate::sys::{self, Name};
+use crate::DIRENTS_LEN;
 
 /// Directories waiting for the read-ahead thread.
 pub const QUEUED: usize = 64;
@@ -38,8 +40,6 @@ pub const QUEUED: usize = 64;
 pub const BUDGET: usize = 8192;
 /// How many levels below a directory handed over the walk goes.
 pub const DEPTH: usize = 16;
-/// The `getdents` buffer of each level.
-const DIRENTS_LEN: usize = 32 << 10;
 
 /// What to read ahead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,10 +166,10 @@ impl Walker {
                 if *left == 0 {
                     break;
                 }
-                let Ok(name) = Name::new(name) else { continue };
                 if typ != libc::DT_DIR {
                     continue;
                 }
+                let Ok(name) = Name::new(name) else { continue };
                 let Ok(sub) = sys::open_to_list(d, Some(name)) else {
                     continue;
                 };
@@ -188,16 +188,10 @@ impl Walker {
 fn dirents(buf: &[u8]) -> impl Iterator<Item = (u8, &CStr)> {
     let mut pos = 0;
     std::iter::from_fn(move || loop {
-        let rec = buf.get(pos..)?;
-        let reclen = usize::from(u16::from_ne_bytes([*rec.get(16)?, *rec.get(17)?]));
-        if reclen < 20 || reclen > rec.len() {
-            return None;
-        }
-        pos += reclen;
-        let typ = rec[18];
-        let name = CStr::from_bytes_until_nul(&rec[19..reclen]).ok()?;
-        if name != c"." && name != c".." {
-            return Some((typ, name));
+        let rec = sys::dir_record(buf.get(pos..)?)?;
+        pos += rec.reclen;
+        if rec.name != c"." && rec.name != c".." {
+            return Some((rec.typ, rec.name));
         }
     })
 }

@@ -351,6 +351,14 @@ impl DirFs {
         Held::Fd(fd)
     }
 
+    /// Hands `dir` to the metadata read-ahead ([`ahead`]) where it is on: configured, and a
+    /// local source (a network one is never sent speculative requests).
+    fn read_ahead(&self, dir: BorrowedFd<'_>, reach: ahead::Reach) {
+        if self.cfg.read_ahead && self.inline_metadata {
+            ahead::read_ahead(dir, reach);
+        }
+    }
+
     /// LOOKUP of `name` in the directory `dir`.
     fn lookup_in(&self, dir: BorrowedFd<'_>, name: Name<'_>) -> Result<EntryOut, Errno> {
         self.room()?;
@@ -501,7 +509,8 @@ thread_local! {
     static DIRENTS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-const DIRENTS_LEN: usize = 32 << 10;
+/// A `getdents64` buffer: READDIR's, per queue thread, and the read-ahead's, per level.
+pub(crate) const DIRENTS_LEN: usize = 32 << 10;
 
 impl Filesystem for DirFs {
     fn serves(opcode: u32) -> bool {
@@ -1122,8 +1131,8 @@ impl DirFs {
             && self
                 .node(hdr.nodeid)
                 .is_ok_and(|dir| self.listing.files_in_first_reply(&dir.listed));
-        if first_with_files && self.cfg.read_ahead && self.inline_metadata {
-            ahead::read_ahead(borrow(fd), ahead::Reach::Tree);
+        if first_with_files {
+            self.read_ahead(borrow(fd), ahead::Reach::Tree);
         }
         let files_too = a.offset != 0 || !plus || first_with_files;
         let size = (a.size as usize).min(cap);
@@ -1146,17 +1155,9 @@ impl DirFs {
                 }
                 let mut pos = 0;
                 while pos + 19 < n {
-                    let rec = &scratch[pos..n];
-                    let ino = u64::from_ne_bytes(rec[0..8].try_into().unwrap_or_default());
-                    let off = u64::from_ne_bytes(rec[8..16].try_into().unwrap_or_default());
-                    let reclen = usize::from(u16::from_ne_bytes([rec[16], rec[17]]));
-                    let typ = rec[18];
-                    if reclen < 20 || reclen > rec.len() {
-                        return Err(libc::EIO);
-                    }
-                    let name_raw = &rec[19..reclen];
-                    let len = name_raw.iter().position(|&b| b == 0).ok_or(libc::EIO)?;
-                    let name = &name_raw[..len];
+                    let rec = sys::dir_record(&scratch[pos..n]).ok_or(libc::EIO)?;
+                    let (name, typ) = (rec.name.to_bytes(), rec.typ);
+                    let len = name.len();
                     let need = if plus {
                         fuse_abi::direntplus_size(len)
                     } else {
@@ -1166,8 +1167,8 @@ impl DirFs {
                         break 'fill;
                     }
                     let dirent = Dirent {
-                        ino,
-                        off,
+                        ino: rec.ino,
+                        off: rec.off,
                         namelen: len as u32,
                         typ: u32::from(typ),
                     };
@@ -1178,11 +1179,9 @@ impl DirFs {
                         let entry = if dot || skip {
                             EntryOut::default()
                         } else {
-                            let c = CStr::from_bytes_with_nul(&name_raw[..=len])
-                                .map_err(|_| libc::EIO)?;
                             // An entry that vanished since getdents, or cannot be held, is
                             // listed without attributes (node 0: the kernel links nothing).
-                            Name::new(c)
+                            Name::new(rec.name)
                                 .and_then(|nm| self.lookup_in(borrow(fd), nm))
                                 .unwrap_or_default()
                         };
@@ -1198,7 +1197,7 @@ impl DirFs {
                     let end = used + need;
                     out[at..end].fill(0);
                     used = end;
-                    pos += reclen;
+                    pos += rec.reclen;
                 }
             }
             Ok(Reply::Data(used))

@@ -118,9 +118,9 @@ impl DirFs {
                 let e = self.lookup_ring(eng, &dir, name).await?;
                 let is_dir = e.attr.mode & libc::S_IFMT == libc::S_IFDIR;
                 self.listing.looked_up(&dir.listed, is_dir);
-                if !is_dir && self.cfg.read_ahead && self.inline_metadata && dir.lookups.second() {
+                if !is_dir && dir.lookups.second() {
                     if let Ok(fd) = dir.fd() {
-                        crate::ahead::read_ahead(fd.as_fd(), crate::ahead::Reach::Entries);
+                        self.read_ahead(fd.as_fd(), crate::ahead::Reach::Entries);
                     }
                 }
                 put(buf, payload, &e)

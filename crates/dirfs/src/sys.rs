@@ -321,6 +321,35 @@ pub fn getdents(fd: RawFd, out: &mut [u8]) -> Result<usize, Errno> {
     }
 }
 
+/// One `linux_dirent64` record as `getdents64` wrote it.
+pub struct DirRecord<'a> {
+    pub ino: u64,
+    /// The source's cookie for the position after this entry.
+    pub off: u64,
+    /// `DT_*`.
+    pub typ: u8,
+    pub name: &'a CStr,
+    /// The record's length: where the next one starts.
+    pub reclen: usize,
+}
+
+/// The record at the start of `buf` (a `getdents64` result from a record boundary on); `None`
+/// when it is malformed: shorter than its header, longer than `buf`, or a name without its NUL.
+pub fn dir_record(buf: &[u8]) -> Option<DirRecord<'_>> {
+    let head = buf.get(..19)?;
+    let reclen = usize::from(u16::from_ne_bytes([head[16], head[17]]));
+    if reclen < 20 || reclen > buf.len() {
+        return None;
+    }
+    Some(DirRecord {
+        ino: u64::from_ne_bytes(head[0..8].try_into().ok()?),
+        off: u64::from_ne_bytes(head[8..16].try_into().ok()?),
+        typ: head[18],
+        name: CStr::from_bytes_until_nul(&buf[19..reclen]).ok()?,
+        reclen,
+    })
+}
+
 /// Registers the open regular file `file` as a passthrough backing file of the FUSE connection
 /// `conn` (`FUSE_DEV_IOC_BACKING_OPEN`): its backing id.
 pub fn backing_open(conn: BorrowedFd<'_>, file: RawFd) -> Result<i32, Errno> {
