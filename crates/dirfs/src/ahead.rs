@@ -22,12 +22,20 @@
 //! entries and [`DEPTH`] levels per directory handed over, and [`QUEUED`] directories waiting
 //! (a hand-over that finds the queue full is dropped), of which only the latest is walked: it
 //! is where the walker is now.
+//!
+//! The subdirectories a tree walk opens to list are then kept open ([`Parked`], at most
+//! [`PARKED`] per export) for the reader's OPENDIR of them: an open can wait inside the kernel
+//! (a fanotify permission listener), so a queue thread never opens a directory itself but hands
+//! the open to an io-wq worker, a thread switch there and back per directory listed. A
+//! directory this thread opened already is taken instead, with no open on the queue thread and
+//! none waiting there. It is the same open the reader's would be: the daemon's, of the same
+//! inode, with the caller's permission checked by the kernel before OPENDIR is sent.
 
 use std::ffi::CStr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, Weak};
 
 use crate::sys::{self, Name};
 use crate::DIRENTS_LEN;
@@ -40,6 +48,10 @@ pub const QUEUED: usize = 64;
 pub const BUDGET: usize = 8192;
 /// How many levels below a directory handed over the walk goes.
 pub const DEPTH: usize = 16;
+/// Directories kept open for the reader per export ([`Parked`]): a walk restarts where the
+/// reader is at each directory it lists, so those it parks first are those the reader opens
+/// next; descriptors beyond the daemon's reserve are not spent on it.
+pub const PARKED: usize = 64;
 
 /// What to read ahead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,18 +71,75 @@ impl Reach {
     }
 }
 
-/// The process's read-ahead thread, started by the first hand-over; `None` if it could not be.
-static AHEAD: OnceLock<Option<SyncSender<(OwnedFd, Reach)>>> = OnceLock::new();
+/// A directory handed over: what to walk, how far, and where to park the subdirectories opened
+/// (gone with its export).
+type Job = (OwnedFd, Reach, Weak<Parked>);
 
-/// Hands `dir` (a descriptor of a directory, `O_PATH` or open) to the read-ahead thread. Costs
-/// the caller a `dup` and, when the thread sleeps, a wake-up; never blocks.
-pub fn read_ahead(dir: BorrowedFd<'_>, reach: Reach) {
+/// The process's read-ahead thread, started by the first hand-over; `None` if it could not be.
+static AHEAD: OnceLock<Option<SyncSender<Job>>> = OnceLock::new();
+
+/// Hands `dir` (a descriptor of a directory, `O_PATH` or open) to the read-ahead thread, which
+/// parks the subdirectories it lists in `parked`. Costs the caller a `dup` and, when the thread
+/// sleeps, a wake-up; never blocks.
+pub fn read_ahead(dir: BorrowedFd<'_>, reach: Reach, parked: Weak<Parked>) {
     let Some(tx) = AHEAD.get_or_init(start) else {
         return;
     };
     if let Ok(fd) = dir.try_clone_to_owned() {
         // Full: the thread is behind, and walks the latest of those queued next anyway.
-        let _ = tx.try_send((fd, reach));
+        let _ = tx.try_send((fd, reach, parked));
+    }
+}
+
+/// Directories a tree walk opened and listed, kept open for the reader's OPENDIR ([`PARKED`]
+/// at most, the oldest dropped first), by inode (`st_dev`, `st_ino`). One per export: dropped
+/// with it, so none outlives the export.
+#[derive(Default)]
+pub struct Parked {
+    /// How many are parked: an OPENDIR with none parked takes no lock.
+    count: AtomicUsize,
+    dirs: Mutex<Vec<((u64, u64), OwnedFd)>>,
+}
+
+impl Parked {
+    /// The directory `key` if a walk parked it, opened `O_RDONLY | O_DIRECTORY`; its offset is
+    /// anywhere (READDIR seeks to the one asked for).
+    pub fn take(&self, key: (u64, u64)) -> Option<OwnedFd> {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let mut dirs = self.dirs.lock().ok()?;
+        let i = dirs.iter().position(|(k, _)| *k == key)?;
+        let (_, fd) = dirs.remove(i);
+        self.count.store(dirs.len(), Ordering::Relaxed);
+        Some(fd)
+    }
+
+    /// Parks `fd`, the directory `key`, in place of an older one of it, dropping the oldest when
+    /// full.
+    fn park(&self, key: (u64, u64), fd: OwnedFd) {
+        let Ok(mut dirs) = self.dirs.lock() else {
+            return;
+        };
+        let gone = match dirs.iter().position(|(k, _)| *k == key) {
+            Some(i) => Some(dirs.remove(i)),
+            None if dirs.len() >= PARKED => Some(dirs.remove(0)),
+            None => None,
+        };
+        dirs.push((key, fd));
+        self.count.store(dirs.len(), Ordering::Relaxed);
+        drop(dirs);
+        drop(gone);
+    }
+
+    /// How many are parked.
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -88,7 +157,7 @@ impl Lookups {
     }
 }
 
-fn start() -> Option<SyncSender<(OwnedFd, Reach)>> {
+fn start() -> Option<SyncSender<Job>> {
     let (tx, rx) = sync_channel(QUEUED);
     match std::thread::Builder::new()
         .name("fusex-ahead".into())
@@ -102,22 +171,25 @@ fn start() -> Option<SyncSender<(OwnedFd, Reach)>> {
     }
 }
 
-fn serve(rx: Receiver<(OwnedFd, Reach)>) {
+fn serve(rx: Receiver<Job>) {
     sys::lower_priority();
     let mut walker = Walker::default();
     while let Ok(mut job) = rx.recv() {
         while let Ok(newer) = rx.try_recv() {
             job = newer;
         }
-        walker.walk(job.0.as_fd(), job.1, BUDGET);
+        let (dir, reach, parked) = job;
+        walker.walk(dir.as_fd(), reach, BUDGET, &parked);
     }
 }
 
-/// How far one walk goes: levels, and the filesystem it started on.
+/// How far one walk goes (levels, and the filesystem it started on) and where it parks what it
+/// opened.
 #[derive(Clone, Copy)]
-struct Limits {
+struct Limits<'a> {
     levels: usize,
     dev: u64,
+    parked: &'a Weak<Parked>,
 }
 
 /// One walk's `getdents` buffers, one per level, kept from walk to walk.
@@ -130,13 +202,21 @@ impl Walker {
     /// Walks what `reach` says of `dir` (through an open file of its own: the caller's offset is
     /// left alone) as a tree walk does, stat'ing each entry without following symlinks or
     /// entering another filesystem, until `budget` entries are stat'ed; how many it stat'ed.
-    pub fn walk(&mut self, dir: BorrowedFd<'_>, reach: Reach, budget: usize) -> usize {
+    /// Parks the subdirectories it listed in `parked` (while it is still there).
+    pub fn walk(
+        &mut self,
+        dir: BorrowedFd<'_>,
+        reach: Reach,
+        budget: usize,
+        parked: &Weak<Parked>,
+    ) -> usize {
         let mut left = budget;
         if let Ok(d) = sys::open_to_list(dir, None) {
             if let Ok(st) = sys::stat_fd(d.as_fd()) {
                 let limits = Limits {
                     levels: reach.levels(),
                     dev: st.st_dev,
+                    parked,
                 };
                 self.level(d.as_fd(), 0, limits, &mut left);
             }
@@ -144,7 +224,7 @@ impl Walker {
         budget - left
     }
 
-    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, limits: Limits, left: &mut usize) {
+    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, limits: Limits<'_>, left: &mut usize) {
         if self.bufs.len() <= depth {
             self.bufs.resize_with(depth + 1, || vec![0u8; DIRENTS_LEN]);
         }
@@ -174,8 +254,14 @@ impl Walker {
                     continue;
                 };
                 // A filesystem mounted inside is not read ahead (it may be a network one).
-                if sys::stat_fd(sub.as_fd()).is_ok_and(|st| st.st_dev == limits.dev) {
+                let Ok(st) = sys::stat_fd(sub.as_fd()) else {
+                    continue;
+                };
+                if st.st_dev == limits.dev {
                     self.level(sub.as_fd(), depth + 1, limits, left);
+                    if let Some(parked) = limits.parked.upgrade() {
+                        parked.park((st.st_dev, st.st_ino), sub);
+                    }
                 }
             }
         }
@@ -222,19 +308,78 @@ mod tests {
         let dir: OwnedFd = fs::File::open(&root).unwrap().into();
         let mut w = Walker::default();
         // root: a, b, top, out; a: f1, f2, out; b: f3, deep; deep: f4.
-        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, BUDGET), 10);
+        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Weak::new()), 10);
         // The budget bounds it, and Entries stays in the directory.
-        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, 6), 6);
-        assert_eq!(w.walk(dir.as_fd(), Reach::Entries, BUDGET), 4);
+        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, 6, &Weak::new()), 6);
+        assert_eq!(w.walk(dir.as_fd(), Reach::Entries, BUDGET, &Weak::new()), 4);
         // An O_PATH descriptor of the directory will do.
         let opath =
             sys::open_root(&std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).unwrap())
                 .unwrap();
-        assert_eq!(w.walk(opath.as_fd(), Reach::Entries, BUDGET), 4);
+        assert_eq!(
+            w.walk(opath.as_fd(), Reach::Entries, BUDGET, &Weak::new()),
+            4
+        );
         // The caller's own listing is left where it was.
         let mut buf = vec![0u8; DIRENTS_LEN];
         let n = sys::getdents(dir.as_raw_fd(), &mut buf).unwrap();
         assert_eq!(dirents(&buf[..n]).count(), 4, "a, b, top, out");
+    }
+
+    fn key(p: &std::path::Path) -> (u64, u64) {
+        use std::os::unix::fs::MetadataExt;
+        let m = fs::symlink_metadata(p).unwrap();
+        (m.dev(), m.ino())
+    }
+
+    /// A tree walk parks each subdirectory it listed, open for listing; an export's OPENDIR
+    /// takes it once. A list of entries parks none, and no more than [`PARKED`] are kept.
+    #[test]
+    fn a_tree_walk_parks_the_directories_it_listed() {
+        use std::sync::Arc;
+        let t = tempfile::tempdir().unwrap();
+        fs::create_dir_all(t.path().join("a/b")).unwrap();
+        fs::write(t.path().join("a/b/f"), b"x").unwrap();
+        fs::write(t.path().join("a/g"), b"x").unwrap();
+        let dir: OwnedFd = fs::File::open(t.path()).unwrap().into();
+        let parked = Arc::new(Parked::default());
+        let mut w = Walker::default();
+        w.walk(
+            dir.as_fd(),
+            Reach::Entries,
+            BUDGET,
+            &Arc::downgrade(&parked),
+        );
+        assert!(parked.is_empty(), "a list of entries opens no subdirectory");
+        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Arc::downgrade(&parked));
+        assert_eq!(parked.len(), 2, "a and a/b");
+        let b = parked.take(key(&t.path().join("a/b"))).expect("a/b parked");
+        assert_eq!(parked.take(key(&t.path().join("a/b"))).map(drop), None);
+        let st = sys::stat_fd(b.as_fd()).unwrap();
+        assert_eq!((st.st_dev, st.st_ino), key(&t.path().join("a/b")));
+        // Open for listing, from wherever the walk left it.
+        sys::lseek(b.as_raw_fd(), 0, libc::SEEK_SET).unwrap();
+        let mut buf = vec![0u8; DIRENTS_LEN];
+        let n = sys::getdents(b.as_raw_fd(), &mut buf).unwrap();
+        assert_eq!(
+            dirents(&buf[..n])
+                .map(|(_, n)| n.to_owned())
+                .collect::<Vec<_>>(),
+            [c"f"]
+        );
+        // A second walk parks a again in place of the first one's.
+        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Arc::downgrade(&parked));
+        assert_eq!(parked.len(), 2, "a and a/b, once each");
+        // Bounded: the oldest go first.
+        for i in 0..PARKED + 5 {
+            fs::create_dir(t.path().join(format!("d{i:03}"))).unwrap();
+        }
+        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Arc::downgrade(&parked));
+        assert_eq!(parked.len(), PARKED);
+        // Nothing is parked for an export that is gone.
+        let gone = Arc::downgrade(&parked);
+        drop(parked);
+        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &gone);
     }
 
     /// Unmounts (lazily) on drop, also when the test fails.
@@ -276,7 +421,15 @@ mod tests {
         }
         let dir: OwnedFd = fs::File::open(t.path()).unwrap().into();
         // f and m are stat'ed; nothing inside the tmpfs is.
-        assert_eq!(Walker::default().walk(dir.as_fd(), Reach::Tree, BUDGET), 2);
+        let parked = std::sync::Arc::new(Parked::default());
+        let walked = Walker::default().walk(
+            dir.as_fd(),
+            Reach::Tree,
+            BUDGET,
+            &std::sync::Arc::downgrade(&parked),
+        );
+        assert_eq!(walked, 2);
+        assert!(parked.is_empty(), "the tmpfs is neither listed nor parked");
     }
 
     fn is_root() -> bool {

@@ -154,6 +154,8 @@ pub struct DirFs {
     /// The source root's device: nodes on other filesystems (mounts inside the source) always
     /// hold descriptors.
     root_dev: u64,
+    /// Directories the read-ahead opened for the reader's OPENDIR ([`ahead::Parked`]).
+    parked: Arc<ahead::Parked>,
 }
 
 /// Backing ids shared by the opens of one inode.
@@ -198,6 +200,7 @@ impl DirFs {
             cfg,
             handles,
             root_dev: st.st_dev,
+            parked: Arc::default(),
             inodes: Inodes::new(root, (st.st_dev, st.st_ino)),
             files: Files::new(cfg.max_open),
             proc_fd,
@@ -355,7 +358,7 @@ impl DirFs {
     /// local source (a network one is never sent speculative requests).
     fn read_ahead(&self, dir: BorrowedFd<'_>, reach: ahead::Reach) {
         if self.cfg.read_ahead && self.inline_metadata {
-            ahead::read_ahead(dir, reach);
+            ahead::read_ahead(dir, reach, Arc::downgrade(&self.parked));
         }
     }
 

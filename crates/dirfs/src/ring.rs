@@ -298,6 +298,12 @@ impl DirFs {
         if !node.is_dir() {
             return Err(libc::ENOTDIR);
         }
+        if let Some(fd) = self.parked.take(node.key) {
+            // As the reader's own open would be: atime kept, blocking.
+            if sys::set_status_flags(fd.as_fd(), 0).is_ok() {
+                return self.open_reply(fd, None, buf, payload);
+            }
+        }
         let fd = self
             .reopen(eng, &node, libc::O_RDONLY | libc::O_DIRECTORY)
             .await?;

@@ -298,6 +298,13 @@ pub fn statfs_fd(fd: BorrowedFd<'_>) -> Result<libc::statfs, Errno> {
     Ok(unsafe { st.assume_init() })
 }
 
+/// `fcntl(F_SETFL)`: sets a descriptor's status flags (`O_NONBLOCK`, `O_NOATIME`, ...), the
+/// others of its open flags unchanged.
+pub fn set_status_flags(fd: BorrowedFd<'_>, flags: i32) -> Result<(), Errno> {
+    // SAFETY: plain syscall on a descriptor; the result is checked.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags) }).map(drop)
+}
+
 /// `lseek(2)`.
 pub fn lseek(fd: RawFd, off: u64, whence: i32) -> Result<u64, Errno> {
     let off = libc::off_t::try_from(off).map_err(|_| libc::ENXIO)?;

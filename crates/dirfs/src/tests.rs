@@ -1064,3 +1064,87 @@ fn nodes_beyond_the_descriptor_budget_are_held_by_file_handle() {
     std::fs::write(h.path("f7"), b"x").unwrap();
     assert_eq!(h.lookup(ROOT_ID, b"f7").unwrap_err(), libc::ENFILE);
 }
+
+/// The read-ahead's tree walk parks the subdirectories it listed in the export's own
+/// [`ahead::Parked`], and OPENDIR of one takes that descriptor: the handle lists the directory
+/// from its start although the walk read it to the end; the next OPENDIR opens it anew.
+#[test]
+fn opendir_takes_the_directory_the_read_ahead_parked() {
+    let tree = |h: &H| {
+        for f in ["sub/deep/a", "sub/deep/b"] {
+            let p = h.path(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, b"x").unwrap();
+        }
+        let sub = h.lookup(ROOT_ID, b"sub").unwrap().nodeid;
+        let fd =
+            h.fs.node(sub)
+                .unwrap()
+                .fd()
+                .unwrap()
+                .as_fd()
+                .try_clone_to_owned();
+        (sub, fd.unwrap())
+    };
+    // Handed over, the tree below is walked on the process's read-ahead thread. The thread is
+    // shared with other tests' exports and walks only the latest directory handed to it: hand
+    // this one over until something is parked.
+    let h = H::new_in(false, Some("/dev/shm"));
+    let (_, sub_fd) = tree(&h);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while h.fs.parked.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sub/deep never parked"
+        );
+        h.fs.read_ahead(sub_fd.as_fd(), ahead::Reach::Tree);
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // Taken by OPENDIR (a walk made here: no other walk parks into this export meanwhile).
+    let h = H::new_in(false, Some("/dev/shm"));
+    let (sub, sub_fd) = tree(&h);
+    let walked = ahead::Walker::default().walk(
+        sub_fd.as_fd(),
+        ahead::Reach::Tree,
+        ahead::BUDGET,
+        &std::sync::Arc::downgrade(&h.fs.parked),
+    );
+    assert_eq!(
+        (walked, h.fs.parked.len()),
+        (3, 1),
+        "deep, a, b; deep parked"
+    );
+    let deep = h.lookup(sub, b"deep").unwrap().nodeid;
+    let list = |fh: u64| {
+        let a = ReadIn {
+            fh,
+            size: 4096,
+            ..ReadIn::default()
+        };
+        let b = h.call(deep, |_| Request::Readdir(a), &[], &[]).unwrap();
+        let (mut names, mut p) = (Vec::new(), 0);
+        while p < b.len() {
+            let d = Dirent::read_from_bytes(&b[p..p + 24]).unwrap();
+            names.push(b[p + 24..p + 24 + d.namelen as usize].to_vec());
+            p += fuse_abi::dirent_size(d.namelen as usize);
+        }
+        names.sort();
+        names
+    };
+    for _ in 0..2 {
+        let b = h
+            .call(deep, |_| Request::Opendir(OpenIn::default()), &[], &[])
+            .unwrap();
+        let fh = OpenOut::read_from_bytes(&b).unwrap().fh;
+        assert!(h.fs.parked.is_empty(), "taken");
+        // Opened as the reader's own open would be: access times kept, blocking.
+        let fd = h.fs.files.get(fh).unwrap();
+        // SAFETY: F_GETFL on a descriptor the handle table holds open.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        assert_eq!(flags & (libc::O_NOATIME | libc::O_NONBLOCK), 0);
+        let want: [&[u8]; 4] = [b".", b"..", b"a", b"b"];
+        assert_eq!(list(fh), want);
+        h.release(fh, true);
+    }
+    assert_eq!(h.fs.open_files(), 0);
+}
