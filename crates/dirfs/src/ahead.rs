@@ -15,13 +15,19 @@
 //! status` checking its index) is read ahead the same way, one directory's entries only: the
 //! second file looked up in a directory hands that directory over, once per node.
 //!
+//! A reader that only lists (`find -type f`, `ls -R`: a first reply that looks up no file) waits
+//! the same way for each directory's blocks and its subdirectories' inodes: the tree below a
+//! directory it lists with subdirectories in it is walked listing each directory, with no other
+//! entry stat'ed ([`Reach::Listing`]). So is the tree below a directory whose second
+//! subdirectory is looked up by name (a program opening each directory of a tree by its path).
+//!
 //! It only warms caches: nothing it reads is kept or answered, so what the kernel is told is
 //! what the source says when the request is served. It stays below the directory handed to it
 //! (names from `getdents`, one component each, a symlink never followed, no other filesystem
 //! mounted inside entered, `O_NOATIME` where the daemon may) and is bounded: [`BUDGET`]
 //! entries and [`DEPTH`] levels per directory handed over, and [`QUEUED`] directories waiting
-//! (a hand-over that finds the queue full is dropped), of which only the latest is walked: it
-//! is where the walker is now.
+//! (a hand-over that finds the queue full is dropped), of which only the latest is walked (it
+//! is where the walker is now), a tree to stat before any other.
 //!
 //! The subdirectories a tree walk opens to list are then kept open ([`Parked`], at most
 //! [`PARKED`] per export) for the reader's OPENDIR of them: an open can wait inside the kernel
@@ -56,8 +62,13 @@ pub const PARKED: usize = 64;
 /// What to read ahead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reach {
-    /// The tree below a directory being listed ([`DEPTH`] levels).
+    /// The tree below a directory being listed by a reader that stats what it lists
+    /// ([`DEPTH`] levels): every entry stat'ed.
     Tree,
+    /// The tree below a directory being listed by a reader that only lists (`find -type f`,
+    /// `ls -R`), or whose subdirectories are opened one by one ([`DEPTH`] levels): each
+    /// directory listed, no other entry stat'ed.
+    Listing,
     /// The entries of a directory whose files are being looked up one by one, not below.
     Entries,
 }
@@ -65,9 +76,14 @@ pub enum Reach {
 impl Reach {
     fn levels(self) -> usize {
         match self {
-            Reach::Tree => DEPTH,
+            Reach::Tree | Reach::Listing => DEPTH,
             Reach::Entries => 1,
         }
+    }
+
+    /// Whether each entry is stat'ed (else only directories are, by opening them).
+    fn stats(self) -> bool {
+        self != Reach::Listing
     }
 }
 
@@ -143,17 +159,28 @@ impl Parked {
     }
 }
 
-/// A directory's count of files looked up by name, for [`Reach::Entries`]: a reader that
-/// looks up a second file of a directory (`stat` of each file of a list, `git status` checking
-/// its index) is likely to go on through it.
+/// A directory's counts of files and of subdirectories looked up by name: a reader that looks
+/// up a second file of a directory (`stat` of each file of a list, `git status` checking its
+/// index) is likely to go on through its entries ([`Reach::Entries`]), and one that looks up a
+/// second subdirectory (a program opening each directory of a tree by its path) through its
+/// subdirectories ([`Reach::Listing`]).
 #[derive(Debug, Default)]
 pub struct Lookups(AtomicU8);
 
 impl Lookups {
-    /// Counts one file looked up; true exactly once per directory node, at the second.
-    pub fn second(&self) -> bool {
-        // (The load first: once past two, nothing shared is written again.)
-        self.0.load(Ordering::Relaxed) < 2 && self.0.fetch_add(1, Ordering::Relaxed) == 1
+    /// Counts one entry looked up, a subdirectory (`dir`) or another; true exactly once per
+    /// directory node and kind, at the second. Two bits per kind, which stop counting at two.
+    pub fn second(&self, dir: bool) -> bool {
+        let shift = if dir { 2 } else { 0 };
+        let count = |v: u8| (v >> shift) & 3;
+        // (The load first: once both are at two, nothing shared is written again.)
+        count(self.0.load(Ordering::Relaxed)) < 2
+            && self
+                .0
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    (count(v) < 2).then_some(v + (1 << shift))
+                })
+                .is_ok_and(|v| count(v) == 1)
     }
 }
 
@@ -176,18 +203,23 @@ fn serve(rx: Receiver<Job>) {
     let mut walker = Walker::default();
     while let Ok(mut job) = rx.recv() {
         while let Ok(newer) = rx.try_recv() {
-            job = newer;
+            // The latest, but a walk of what a reader stats before any other: a `du` also
+            // opens subdirectories by name.
+            if newer.1 == Reach::Tree || job.1 != Reach::Tree {
+                job = newer;
+            }
         }
         let (dir, reach, parked) = job;
         walker.walk(dir.as_fd(), reach, BUDGET, &parked);
     }
 }
 
-/// How far one walk goes (levels, and the filesystem it started on) and where it parks what it
-/// opened.
+/// How far one walk goes (levels, and the filesystem it started on), whether it stats each
+/// entry, and where it parks what it opened.
 #[derive(Clone, Copy)]
 struct Limits<'a> {
     levels: usize,
+    stats: bool,
     dev: u64,
     parked: &'a Weak<Parked>,
 }
@@ -200,8 +232,9 @@ pub struct Walker {
 
 impl Walker {
     /// Walks what `reach` says of `dir` (through an open file of its own: the caller's offset is
-    /// left alone) as a tree walk does, stat'ing each entry without following symlinks or
-    /// entering another filesystem, until `budget` entries are stat'ed; how many it stat'ed.
+    /// left alone) as a tree walk does, listing each directory and stat'ing each entry (or, for
+    /// [`Reach::Listing`], only opening the subdirectories) without following symlinks or
+    /// entering another filesystem, until `budget` entries are listed; how many it listed.
     /// Parks the subdirectories it listed in `parked` (while it is still there).
     pub fn walk(
         &mut self,
@@ -215,6 +248,7 @@ impl Walker {
             if let Ok(st) = sys::stat_fd(d.as_fd()) {
                 let limits = Limits {
                     levels: reach.levels(),
+                    stats: reach.stats(),
                     dev: st.st_dev,
                     parked,
                 };
@@ -234,9 +268,9 @@ impl Walker {
                 break;
             };
             for (_, name) in dirents(&buf[..n]).take(*left) {
-                if let Ok(name) = Name::new(name) {
+                *left -= 1;
+                if let (true, Ok(name)) = (limits.stats, Name::new(name)) {
                     let _ = sys::stat_in(d, name);
-                    *left -= 1;
                 }
             }
             if depth + 1 == limits.levels {
@@ -309,6 +343,11 @@ mod tests {
         let mut w = Walker::default();
         // root: a, b, top, out; a: f1, f2, out; b: f3, deep; deep: f4.
         assert_eq!(w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Weak::new()), 10);
+        // A listing lists the same entries (stat'ing none but the subdirectories it opens).
+        assert_eq!(
+            w.walk(dir.as_fd(), Reach::Listing, BUDGET, &Weak::new()),
+            10
+        );
         // The budget bounds it, and Entries stays in the directory.
         assert_eq!(w.walk(dir.as_fd(), Reach::Tree, 6, &Weak::new()), 6);
         assert_eq!(w.walk(dir.as_fd(), Reach::Entries, BUDGET, &Weak::new()), 4);
@@ -438,12 +477,21 @@ mod tests {
     }
 
     #[test]
-    fn the_second_file_looked_up_hands_the_directory_over_once() {
+    fn the_second_file_or_subdirectory_looked_up_hands_the_directory_over_once() {
         let l = Lookups::default();
-        assert!(!l.second());
-        assert!(l.second());
+        assert!(!l.second(false));
+        assert!(
+            !l.second(true),
+            "files and subdirectories are counted apart"
+        );
+        assert!(l.second(false));
         for _ in 0..300 {
-            assert!(!l.second());
+            assert!(!l.second(false));
+        }
+        assert!(l.second(true));
+        for _ in 0..300 {
+            assert!(!l.second(true));
+            assert!(!l.second(false));
         }
     }
 

@@ -1145,12 +1145,12 @@ impl DirFs {
             .ok_or(libc::EIO)?;
         sys::lseek(fd, a.offset, libc::SEEK_SET)?;
         // SAFETY of the borrow: the scratch buffer is this thread's; nothing here awaits.
-        DIRENTS.with(|cell| {
+        let (used, subdirs) = DIRENTS.with(|cell| {
             let mut scratch = cell.borrow_mut();
             if scratch.len() < DIRENTS_LEN {
                 scratch.resize(DIRENTS_LEN, 0);
             }
-            let mut used = 0;
+            let (mut used, mut subdirs) = (0, false);
             'fill: loop {
                 let n = sys::getdents(fd, &mut scratch)?;
                 if n == 0 {
@@ -1176,8 +1176,9 @@ impl DirFs {
                         typ: u32::from(typ),
                     };
                     let mut at = used;
+                    let dot = name == b"." || name == b"..";
+                    subdirs |= typ == libc::DT_DIR && !dot;
                     if plus {
-                        let dot = name == b"." || name == b"..";
                         let skip = !files_too && typ != libc::DT_DIR && typ != libc::DT_UNKNOWN;
                         let entry = if dot || skip {
                             EntryOut::default()
@@ -1203,8 +1204,14 @@ impl DirFs {
                     pos += rec.reclen;
                 }
             }
-            Ok(Reply::Data(used))
-        })
+            Ok::<_, Errno>((used, subdirs))
+        })?;
+        // A first reply for a reader that only lists: the tree below is read ahead without
+        // stats, when there is one.
+        if a.offset == 0 && !first_with_files && subdirs {
+            self.read_ahead(borrow(fd), ahead::Reach::Listing);
+        }
+        Ok(Reply::Data(used))
     }
 
     async fn read(

@@ -118,9 +118,15 @@ impl DirFs {
                 let e = self.lookup_ring(eng, &dir, name).await?;
                 let is_dir = e.attr.mode & libc::S_IFMT == libc::S_IFDIR;
                 self.listing.looked_up(&dir.listed, is_dir);
-                if !is_dir && dir.lookups.second() {
+                if dir.lookups.second(is_dir) {
                     if let Ok(fd) = dir.fd() {
-                        self.read_ahead(fd.as_fd(), crate::ahead::Reach::Entries);
+                        use crate::ahead::Reach;
+                        let reach = if is_dir {
+                            Reach::Listing
+                        } else {
+                            Reach::Entries
+                        };
+                        self.read_ahead(fd.as_fd(), reach);
                     }
                 }
                 put(buf, payload, &e)

@@ -1086,20 +1086,10 @@ fn opendir_takes_the_directory_the_read_ahead_parked() {
                 .try_clone_to_owned();
         (sub, fd.unwrap())
     };
-    // Handed over, the tree below is walked on the process's read-ahead thread. The thread is
-    // shared with other tests' exports and walks only the latest directory handed to it: hand
-    // this one over until something is parked.
+    // Handed over, the tree below is walked on the process's read-ahead thread.
     let h = H::new_in(false, Some("/dev/shm"));
     let (_, sub_fd) = tree(&h);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while h.fs.parked.is_empty() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "sub/deep never parked"
-        );
-        h.fs.read_ahead(sub_fd.as_fd(), ahead::Reach::Tree);
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    until_parked(&h, |_| h.fs.read_ahead(sub_fd.as_fd(), ahead::Reach::Tree));
     // Taken by OPENDIR (a walk made here: no other walk parks into this export meanwhile).
     let h = H::new_in(false, Some("/dev/shm"));
     let (sub, sub_fd) = tree(&h);
@@ -1147,4 +1137,51 @@ fn opendir_takes_the_directory_the_read_ahead_parked() {
         h.release(fh, true);
     }
     assert_eq!(h.fs.open_files(), 0);
+}
+
+/// Hands over until `parked` holds something: the read-ahead thread is the process's, shared
+/// with other tests' exports, and walks only the latest directory handed to it. `hand_over`
+/// makes a fresh hand-over each time.
+fn until_parked(h: &H, mut hand_over: impl FnMut(usize)) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut i = 0;
+    while h.fs.parked.is_empty() {
+        assert!(std::time::Instant::now() < deadline, "nothing parked");
+        hand_over(i);
+        i += 1;
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// A reader that only lists (a first READDIR, or READDIRPLUS leaving files out, of a directory
+/// with subdirectories), or opens a second subdirectory of a directory by name, hands the tree
+/// below to the read-ahead, which lists it (and parks the subdirectories it opened).
+#[test]
+fn a_listing_or_a_second_subdirectory_hands_the_tree_below_over() {
+    let h = H::new_in(false, Some("/dev/shm"));
+    std::fs::create_dir_all(h.path("sub/deep")).unwrap();
+    let sub = h.lookup(ROOT_ID, b"sub").unwrap().nodeid;
+    until_parked(&h, |_| {
+        let b = h
+            .call(sub, |_| Request::Opendir(OpenIn::default()), &[], &[])
+            .unwrap();
+        let fh = OpenOut::read_from_bytes(&b).unwrap().fh;
+        let a = ReadIn {
+            fh,
+            size: 4096,
+            ..ReadIn::default()
+        };
+        h.call(sub, |_| Request::Readdir(a), &[], &[]).unwrap();
+        h.release(fh, true);
+    });
+    let h = H::new_in(false, Some("/dev/shm"));
+    until_parked(&h, |i| {
+        let top = format!("t{i}");
+        for d in ["a/x", "b/x"] {
+            std::fs::create_dir_all(h.path(&format!("{top}/{d}"))).unwrap();
+        }
+        let t = h.lookup(ROOT_ID, top.as_bytes()).unwrap().nodeid;
+        h.lookup(t, b"a").unwrap();
+        h.lookup(t, b"b").unwrap();
+    });
 }
