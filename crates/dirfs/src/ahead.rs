@@ -54,9 +54,10 @@ pub const QUEUED: usize = 64;
 pub const BUDGET: usize = 8192;
 /// How many levels below a directory handed over the walk goes.
 pub const DEPTH: usize = 16;
-/// Directories kept open for the reader per export ([`Parked`]): a walk restarts where the
-/// reader is at each directory it lists, so those it parks first are those the reader opens
-/// next; descriptors beyond the daemon's reserve are not spent on it.
+/// Directories kept open for the reader per export ([`Parked`]). A walk goes in the reader's
+/// order, and each later one starts where the reader then is, so what the reader opens next was
+/// parked recently; the oldest are dropped first, so that directories the reader skipped do
+/// not stay. Descriptors beyond the daemon's reserve are not spent on it.
 pub const PARKED: usize = 64;
 
 /// What to read ahead.
