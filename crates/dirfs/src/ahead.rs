@@ -202,16 +202,74 @@ fn start() -> Option<SyncSender<Job>> {
 fn serve(rx: Receiver<Job>) {
     sys::lower_priority();
     let mut walker = Walker::default();
-    while let Ok(mut job) = rx.recv() {
-        while let Ok(newer) = rx.try_recv() {
-            // The latest, but a walk of what a reader stats before any other: a `du` also
-            // opens subdirectories by name.
-            if newer.1 == Reach::Tree || job.1 != Reach::Tree {
-                job = newer;
-            }
+    let mut queue = Queue::default();
+    loop {
+        if queue.next.is_none() {
+            let Ok((dir, reach, parked)) = rx.recv() else {
+                return;
+            };
+            queue.offer((dir, parked), reach);
         }
-        let (dir, reach, parked) = job;
-        walker.walk(dir.as_fd(), reach, BUDGET, &parked);
+        while let Ok((dir, reach, parked)) = rx.try_recv() {
+            queue.offer((dir, parked), reach);
+        }
+        let Some(((dir, parked), reach)) = queue.next.take() else {
+            continue;
+        };
+        walker.walk(dir.as_fd(), reach, BUDGET, &parked, &mut || {
+            while let Ok((dir, reach, parked)) = rx.try_recv() {
+                queue.offer((dir, parked), reach);
+            }
+            queue.preempts(reach)
+        });
+    }
+}
+
+/// The directory the thread walks next, chosen among the hand-overs as they come: the latest
+/// (it is where the reader is now), but a tree to stat before any other while readers stat
+/// what they list (a `du` hands over the odd listing too, when the `listing` policy checks
+/// whether it still stats, and opens subdirectories by name). Two listings handed over with
+/// no tree to stat between say the readers only list now (a `find` after a `du`): a tree to
+/// stat then gives way, also one being walked, whose stats the reader no longer waits for.
+#[derive(Debug)]
+struct Queue<T> {
+    next: Option<(T, Reach)>,
+    /// Listings handed over since the last tree to stat.
+    listings: u32,
+}
+
+impl<T> Default for Queue<T> {
+    fn default() -> Self {
+        Queue {
+            next: None,
+            listings: 0,
+        }
+    }
+}
+
+impl<T> Queue<T> {
+    /// Takes in a hand-over.
+    fn offer(&mut self, job: T, reach: Reach) {
+        match reach {
+            Reach::Tree => self.listings = 0,
+            Reach::Listing => self.listings += 1,
+            Reach::Entries => {}
+        }
+        let keep = self.next.as_ref().is_some_and(|(_, r)| *r == Reach::Tree)
+            && reach != Reach::Tree
+            && !self.only_listing();
+        if !keep {
+            self.next = Some((job, reach));
+        }
+    }
+
+    fn only_listing(&self) -> bool {
+        self.listings >= 2
+    }
+
+    /// Whether a walk of `reach` in progress stops for the one waiting.
+    fn preempts(&self, reach: Reach) -> bool {
+        reach == Reach::Tree && self.only_listing() && self.next.is_some()
     }
 }
 
@@ -229,6 +287,8 @@ struct Limits<'a> {
 #[derive(Default)]
 pub struct Walker {
     bufs: Vec<Vec<u8>>,
+    /// The walk in progress was told to stop.
+    stopped: bool,
 }
 
 impl Walker {
@@ -236,15 +296,18 @@ impl Walker {
     /// left alone) as a tree walk does, listing each directory and stat'ing each entry (or, for
     /// [`Reach::Listing`], only opening the subdirectories) without following symlinks or
     /// entering another filesystem, until `budget` entries are listed; how many it listed.
-    /// Parks the subdirectories it listed in `parked` (while it is still there).
+    /// Parks the subdirectories it listed in `parked` (while it is still there). Asks `stop`
+    /// between directories whether to stop early.
     pub fn walk(
         &mut self,
         dir: BorrowedFd<'_>,
         reach: Reach,
         budget: usize,
         parked: &Weak<Parked>,
+        stop: &mut dyn FnMut() -> bool,
     ) -> usize {
         let mut left = budget;
+        self.stopped = false;
         if let Ok(d) = sys::open_to_list(dir, None) {
             if let Ok(st) = sys::stat_fd(d.as_fd()) {
                 let limits = Limits {
@@ -253,18 +316,29 @@ impl Walker {
                     dev: st.st_dev,
                     parked,
                 };
-                self.level(d.as_fd(), 0, limits, &mut left);
+                self.level(d.as_fd(), 0, limits, &mut left, stop);
             }
         }
         budget - left
     }
 
-    fn level(&mut self, d: BorrowedFd<'_>, depth: usize, limits: Limits<'_>, left: &mut usize) {
+    fn level(
+        &mut self,
+        d: BorrowedFd<'_>,
+        depth: usize,
+        limits: Limits<'_>,
+        left: &mut usize,
+        stop: &mut dyn FnMut() -> bool,
+    ) {
         if self.bufs.len() <= depth {
             self.bufs.resize_with(depth + 1, || vec![0u8; DIRENTS_LEN]);
         }
         let mut buf = std::mem::take(&mut self.bufs[depth]);
-        while *left > 0 {
+        while *left > 0 && !self.stopped {
+            if stop() {
+                self.stopped = true;
+                break;
+            }
             let Ok(n @ 1..) = sys::getdents(d.as_raw_fd(), &mut buf) else {
                 break;
             };
@@ -278,7 +352,7 @@ impl Walker {
                 continue;
             }
             for (typ, name) in dirents(&buf[..n]) {
-                if *left == 0 {
+                if *left == 0 || self.stopped {
                     break;
                 }
                 if typ != libc::DT_DIR {
@@ -293,7 +367,7 @@ impl Walker {
                     continue;
                 };
                 if st.st_dev == limits.dev {
-                    self.level(sub.as_fd(), depth + 1, limits, left);
+                    self.level(sub.as_fd(), depth + 1, limits, left, stop);
                     if let Some(parked) = limits.parked.upgrade() {
                         parked.park((st.st_dev, st.st_ino), sub);
                     }
@@ -343,21 +417,50 @@ mod tests {
         let dir: OwnedFd = fs::File::open(&root).unwrap().into();
         let mut w = Walker::default();
         // root: a, b, top, out; a: f1, f2, out; b: f3, deep; deep: f4.
-        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Weak::new()), 10);
+        assert_eq!(
+            w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Weak::new(), &mut || {
+                false
+            }),
+            10
+        );
         // A listing lists the same entries (stat'ing none but the subdirectories it opens).
         assert_eq!(
-            w.walk(dir.as_fd(), Reach::Listing, BUDGET, &Weak::new()),
+            w.walk(
+                dir.as_fd(),
+                Reach::Listing,
+                BUDGET,
+                &Weak::new(),
+                &mut || false
+            ),
             10
         );
         // The budget bounds it, and Entries stays in the directory.
-        assert_eq!(w.walk(dir.as_fd(), Reach::Tree, 6, &Weak::new()), 6);
-        assert_eq!(w.walk(dir.as_fd(), Reach::Entries, BUDGET, &Weak::new()), 4);
+        assert_eq!(
+            w.walk(dir.as_fd(), Reach::Tree, 6, &Weak::new(), &mut || false),
+            6
+        );
+        assert_eq!(
+            w.walk(
+                dir.as_fd(),
+                Reach::Entries,
+                BUDGET,
+                &Weak::new(),
+                &mut || false
+            ),
+            4
+        );
         // An O_PATH descriptor of the directory will do.
         let opath =
             sys::open_root(&std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).unwrap())
                 .unwrap();
         assert_eq!(
-            w.walk(opath.as_fd(), Reach::Entries, BUDGET, &Weak::new()),
+            w.walk(
+                opath.as_fd(),
+                Reach::Entries,
+                BUDGET,
+                &Weak::new(),
+                &mut || false
+            ),
             4
         );
         // The caller's own listing is left where it was.
@@ -389,9 +492,16 @@ mod tests {
             Reach::Entries,
             BUDGET,
             &Arc::downgrade(&parked),
+            &mut || false,
         );
         assert!(parked.is_empty(), "a list of entries opens no subdirectory");
-        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Arc::downgrade(&parked));
+        w.walk(
+            dir.as_fd(),
+            Reach::Tree,
+            BUDGET,
+            &Arc::downgrade(&parked),
+            &mut || false,
+        );
         assert_eq!(parked.len(), 2, "a and a/b");
         let b = parked.take(key(&t.path().join("a/b"))).expect("a/b parked");
         assert_eq!(parked.take(key(&t.path().join("a/b"))).map(drop), None);
@@ -408,18 +518,30 @@ mod tests {
             [c"f"]
         );
         // A second walk parks a again in place of the first one's.
-        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Arc::downgrade(&parked));
+        w.walk(
+            dir.as_fd(),
+            Reach::Tree,
+            BUDGET,
+            &Arc::downgrade(&parked),
+            &mut || false,
+        );
         assert_eq!(parked.len(), 2, "a and a/b, once each");
         // Bounded: the oldest go first.
         for i in 0..PARKED + 5 {
             fs::create_dir(t.path().join(format!("d{i:03}"))).unwrap();
         }
-        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &Arc::downgrade(&parked));
+        w.walk(
+            dir.as_fd(),
+            Reach::Tree,
+            BUDGET,
+            &Arc::downgrade(&parked),
+            &mut || false,
+        );
         assert_eq!(parked.len(), PARKED);
         // Nothing is parked for an export that is gone.
         let gone = Arc::downgrade(&parked);
         drop(parked);
-        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &gone);
+        w.walk(dir.as_fd(), Reach::Tree, BUDGET, &gone, &mut || false);
     }
 
     /// Unmounts (lazily) on drop, also when the test fails.
@@ -467,6 +589,7 @@ mod tests {
             Reach::Tree,
             BUDGET,
             &std::sync::Arc::downgrade(&parked),
+            &mut || false,
         );
         assert_eq!(walked, 2);
         assert!(parked.is_empty(), "the tmpfs is neither listed nor parked");
@@ -494,6 +617,51 @@ mod tests {
             assert!(!l.second(true));
             assert!(!l.second(false));
         }
+    }
+
+    /// The latest hand-over is walked, but a tree to stat before any other until two listings
+    /// come with no tree between (the readers only list now), which also stops such a walk.
+    #[test]
+    fn the_queue_keeps_a_tree_to_stat_until_readers_only_list() {
+        use Reach::*;
+        // A `du`: trees, and now and then a listing (the policy's probe) or a lookup's entries.
+        let mut q = Queue::default();
+        for (i, reach) in [Tree, Listing, Entries, Tree, Tree, Listing, Entries]
+            .into_iter()
+            .enumerate()
+        {
+            q.offer(i, reach);
+            assert!(!q.preempts(Tree), "a du's walk is never stopped");
+        }
+        assert_eq!(q.next.take(), Some((4, Tree)), "the latest tree");
+        // A `find` after it: a tree left over, then listings.
+        q.offer(7, Tree);
+        q.offer(8, Listing);
+        assert_eq!(q.next.as_ref().map(|j| j.0), Some(7));
+        assert!(!q.preempts(Tree));
+        q.offer(9, Listing);
+        assert_eq!(
+            q.next.as_ref().map(|j| j.0),
+            Some(9),
+            "the readers only list now"
+        );
+        assert!(q.preempts(Tree), "a tree being walked stops for it");
+        assert!(!q.preempts(Listing), "a listing being walked does not");
+        q.next.take();
+        assert!(!q.preempts(Tree), "nothing waits");
+        // Stopped walks end early.
+        let t = tempfile::tempdir().unwrap();
+        for d in ["a", "b", "c"] {
+            fs::create_dir(t.path().join(d)).unwrap();
+        }
+        let dir: OwnedFd = fs::File::open(t.path()).unwrap().into();
+        let mut asked = 0;
+        let mut stop = || {
+            asked += 1;
+            asked > 1
+        };
+        let n = Walker::default().walk(dir.as_fd(), Tree, BUDGET, &Weak::new(), &mut stop);
+        assert_eq!(n, 3, "the top directory's entries, none below");
     }
 
     #[test]

@@ -1098,6 +1098,7 @@ fn opendir_takes_the_directory_the_read_ahead_parked() {
         ahead::Reach::Tree,
         ahead::BUDGET,
         &std::sync::Arc::downgrade(&h.fs.parked),
+        &mut || false,
     );
     assert_eq!(
         (walked, h.fs.parked.len()),
