@@ -89,7 +89,7 @@ impl Reach {
 }
 
 /// A directory handed over: what to walk, how far, and where to park the subdirectories opened
-/// (gone with its export).
+/// (gone with its export, which also ends the walk).
 type Job = (OwnedFd, Reach, Weak<Parked>);
 
 /// The process's read-ahead thread, started by the first hand-over; `None` if it could not be.
@@ -216,11 +216,15 @@ fn serve(rx: Receiver<Job>) {
         let Some(((dir, parked), reach)) = queue.next.take() else {
             continue;
         };
+        // A removed export's source is left at once (its filesystem may be unmounted next).
+        if parked.strong_count() == 0 {
+            continue;
+        }
         walker.walk(dir.as_fd(), reach, BUDGET, &parked, &mut || {
             while let Ok((dir, reach, parked)) = rx.try_recv() {
                 queue.offer((dir, parked), reach);
             }
-            queue.preempts(reach)
+            queue.preempts(reach) || parked.strong_count() == 0
         });
     }
 }
