@@ -187,6 +187,10 @@ impl DirFs {
         let root = sys::open_root(&c).map_err(open_err)?;
         let st = sys::stat_fd(root.as_fd()).map_err(open_err)?;
         let proc_fd = sys::open_root(c"/proc/self/fd").map_err(|e| DirError::Proc(errno_of(e)))?;
+        sys::reserve_descriptors(
+            proc_fd.as_fd(),
+            (cfg.max_node_fds + cfg.max_open).min(RESERVED_DESCRIPTORS),
+        );
         let inline_metadata = match cfg.metadata_on_ring {
             Some(ring) => !ring,
             None => sys::statfs_fd(root.as_fd()).is_ok_and(|f| local_filesystem(f.f_type)),
@@ -511,6 +515,10 @@ thread_local! {
     /// allocated on its first READDIR.
     static DIRENTS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Most descriptors the descriptor table is grown to hold at start ([`sys::reserve_descriptors`]):
+/// 512 KiB of kernel memory.
+const RESERVED_DESCRIPTORS: usize = 1 << 16;
 
 /// A `getdents64` buffer: READDIR's, per queue thread, and the read-ahead's, per level.
 pub(crate) const DIRENTS_LEN: usize = 32 << 10;
