@@ -491,21 +491,18 @@ mod tests {
         let dir: OwnedFd = fs::File::open(t.path()).unwrap().into();
         let parked = Arc::new(Parked::default());
         let mut w = Walker::default();
-        w.walk(
-            dir.as_fd(),
-            Reach::Entries,
-            BUDGET,
-            &Arc::downgrade(&parked),
-            &mut || false,
-        );
+        let walk = |w: &mut Walker, reach| {
+            w.walk(
+                dir.as_fd(),
+                reach,
+                BUDGET,
+                &Arc::downgrade(&parked),
+                &mut || false,
+            )
+        };
+        walk(&mut w, Reach::Entries);
         assert!(parked.is_empty(), "a list of entries opens no subdirectory");
-        w.walk(
-            dir.as_fd(),
-            Reach::Tree,
-            BUDGET,
-            &Arc::downgrade(&parked),
-            &mut || false,
-        );
+        walk(&mut w, Reach::Tree);
         assert_eq!(parked.len(), 2, "a and a/b");
         let b = parked.take(key(&t.path().join("a/b"))).expect("a/b parked");
         assert_eq!(parked.take(key(&t.path().join("a/b"))).map(drop), None);
@@ -522,30 +519,25 @@ mod tests {
             [c"f"]
         );
         // A second walk parks a again in place of the first one's.
-        w.walk(
-            dir.as_fd(),
-            Reach::Tree,
-            BUDGET,
-            &Arc::downgrade(&parked),
-            &mut || false,
-        );
+        walk(&mut w, Reach::Tree);
         assert_eq!(parked.len(), 2, "a and a/b, once each");
-        // Bounded: the oldest go first.
+        // Bounded (at most PARKED).
         for i in 0..PARKED + 5 {
             fs::create_dir(t.path().join(format!("d{i:03}"))).unwrap();
         }
-        w.walk(
-            dir.as_fd(),
-            Reach::Tree,
-            BUDGET,
-            &Arc::downgrade(&parked),
-            &mut || false,
-        );
+        walk(&mut w, Reach::Tree);
         assert_eq!(parked.len(), PARKED);
         // Nothing is parked for an export that is gone.
         let gone = Arc::downgrade(&parked);
         drop(parked);
         w.walk(dir.as_fd(), Reach::Tree, BUDGET, &gone, &mut || false);
+        // The oldest parked goes first.
+        let p = Parked::default();
+        for i in 0..=PARKED as u64 {
+            p.park((0, i), fs::File::open("/").unwrap().into());
+        }
+        assert_eq!((p.take((0, 0)).map(drop), p.len()), (None, PARKED));
+        assert!(p.take((0, 1)).is_some() && p.take((0, PARKED as u64)).is_some());
     }
 
     /// Unmounts (lazily) on drop, also when the test fails.
