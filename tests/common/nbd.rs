@@ -5,6 +5,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -15,14 +16,35 @@ pub fn nbd_uri(sock: &Path, export: &str) -> String {
     format!("nbd+unix:///{export}?socket={}", sock.display())
 }
 
-/// A loopback port nothing listens on now (the server started next binds it; nothing else in
-/// these tests races for it).
+/// A loopback port nothing listens on now, for the server started next. Taken below the
+/// kernel's ephemeral range (`net.ipv4.ip_local_port_range`): outgoing connections (a test's
+/// HTTP client, Prometheus scraping, an NBD client) take their ports from that range, and one
+/// could take a port picked there before the server binds it. Each call moves on, so tests
+/// running at once are given different ports.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const BASE: u32 = 10_000;
+    let ephemeral = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral.saturating_sub(BASE);
+    if span < 1000 {
+        // No room below the range: any port the kernel gives.
+        return TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+    }
+    let start = std::process::id();
+    for _ in 0..span {
+        let port = BASE + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free loopback port between {BASE} and {ephemeral}");
 }
 
 /// Starts `cmd`, an NBD server listening on `sock` (removed first), and waits until it accepts.
