@@ -210,9 +210,7 @@ fn serve(rx: Receiver<Job>) {
             };
             queue.offer((dir, parked), reach);
         }
-        while let Ok((dir, reach, parked)) = rx.try_recv() {
-            queue.offer((dir, parked), reach);
-        }
+        queue.take_in(&rx);
         let Some(((dir, parked), reach)) = queue.next.take() else {
             continue;
         };
@@ -221,11 +219,18 @@ fn serve(rx: Receiver<Job>) {
             continue;
         }
         walker.walk(dir.as_fd(), reach, BUDGET, &parked, &mut || {
-            while let Ok((dir, reach, parked)) = rx.try_recv() {
-                queue.offer((dir, parked), reach);
-            }
+            queue.take_in(&rx);
             queue.preempts(reach) || parked.strong_count() == 0
         });
+    }
+}
+
+impl Queue<(OwnedFd, Weak<Parked>)> {
+    /// Takes in every hand-over waiting in `rx`.
+    fn take_in(&mut self, rx: &Receiver<Job>) {
+        while let Ok((dir, reach, parked)) = rx.try_recv() {
+            self.offer((dir, parked), reach);
+        }
     }
 }
 

@@ -122,6 +122,12 @@ impl H {
         Ok(OpenOut::read_from_bytes(&b).unwrap().fh)
     }
 
+    /// OPENDIR of `node`: the handle.
+    fn opendir(&self, node: u64) -> Result<u64, i32> {
+        let b = self.call(node, |_| Request::Opendir(OpenIn::default()), &[], &[])?;
+        Ok(OpenOut::read_from_bytes(&b).unwrap().fh)
+    }
+
     /// RELEASE (RELEASEDIR with `dir`) of `fh`.
     fn release(&self, fh: u64, dir: bool) {
         let a = fuse_abi::ReleaseIn {
@@ -246,11 +252,7 @@ fn symlinks_are_returned_never_followed() {
     assert_eq!(target, b"/etc/passwd");
     // Opening, listing or changing the link's mode never reaches /etc/passwd.
     assert_eq!(h.open(e.nodeid, libc::O_RDONLY).unwrap_err(), libc::EINVAL);
-    assert_eq!(
-        h.call(e.nodeid, |_| Request::Opendir(OpenIn::default()), &[], &[])
-            .unwrap_err(),
-        libc::ENOTDIR
-    );
+    assert_eq!(h.opendir(e.nodeid).unwrap_err(), libc::ENOTDIR);
     let sa = SetattrIn {
         valid: FATTR_MODE,
         mode: 0o777,
@@ -441,12 +443,7 @@ fn readdir_and_readdirplus_list_every_entry() {
         if statting {
             h.lookup(sub, b"f000").unwrap();
         }
-        let fh = {
-            let b = h
-                .call(sub, |_| Request::Opendir(OpenIn::default()), &[], &[])
-                .unwrap();
-            OpenOut::read_from_bytes(&b).unwrap().fh
-        };
+        let fh = h.opendir(sub).unwrap();
         let (mut names, mut off, mut linked) = (Vec::new(), 0u64, 0);
         loop {
             let a = ReadIn {
@@ -1123,10 +1120,7 @@ fn opendir_takes_the_directory_the_read_ahead_parked() {
         names
     };
     for _ in 0..2 {
-        let b = h
-            .call(deep, |_| Request::Opendir(OpenIn::default()), &[], &[])
-            .unwrap();
-        let fh = OpenOut::read_from_bytes(&b).unwrap().fh;
+        let fh = h.opendir(deep).unwrap();
         assert!(h.fs.parked.is_empty(), "taken");
         // Opened as the reader's own open would be: access times kept, blocking.
         let fd = h.fs.files.get(fh).unwrap();
@@ -1163,10 +1157,7 @@ fn a_listing_or_a_second_subdirectory_hands_the_tree_below_over() {
     std::fs::create_dir_all(h.path("sub/deep")).unwrap();
     let sub = h.lookup(ROOT_ID, b"sub").unwrap().nodeid;
     until_parked(&h, |_| {
-        let b = h
-            .call(sub, |_| Request::Opendir(OpenIn::default()), &[], &[])
-            .unwrap();
-        let fh = OpenOut::read_from_bytes(&b).unwrap().fh;
+        let fh = h.opendir(sub).unwrap();
         let a = ReadIn {
             fh,
             size: 4096,
