@@ -275,6 +275,16 @@ impl Plan {
         }
     }
 
+    /// A plan that keeps no capability at all, for a helper thread that needs none (it acts
+    /// only on files of its own uid) and must not hold, even for a moment, what the daemon's
+    /// other threads are about to drop.
+    pub fn nothing() -> Plan {
+        Plan {
+            keep: Some(0),
+            no_new_privs: true,
+        }
+    }
+
     /// A plan that drops nothing.
     pub fn none() -> Plan {
         Plan {
@@ -471,6 +481,30 @@ mod tests {
             "another thread's drop reached this one"
         );
         assert_eq!(plan.kept().unwrap(), "CAP_SYS_ADMIN");
+    }
+
+    /// `Plan::nothing` (the runtime directory's sweep thread) leaves its thread no capability
+    /// in any set, bounding included when it may drop from it, and no way to gain one back.
+    #[test]
+    fn nothing_leaves_no_capability() {
+        let before = capget().unwrap();
+        let (sets, nnp, bounding) = std::thread::spawn(|| {
+            Plan::nothing().apply().unwrap();
+            let nnp = prctl(libc::PR_GET_NO_NEW_PRIVS, 0).unwrap();
+            let bounding = (0..64)
+                .map_while(|c| prctl(libc::PR_CAPBSET_READ, c).ok())
+                .filter(|r| *r == 1)
+                .count();
+            (capget().unwrap(), nnp, bounding)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(sets, Sets::default());
+        assert_eq!(nnp, 1);
+        if before.effective & bit(CAP_SETPCAP) != 0 {
+            assert_eq!(bounding, 0, "capabilities left in the bounding set");
+        }
+        assert_eq!(Plan::nothing().kept().unwrap(), "none");
     }
 
     /// A thread without capabilities (as a process not run by root) decides to drop nothing.

@@ -76,9 +76,23 @@ pub fn for_daemon(uid: u32) -> Result<PathBuf> {
     let dir = checked(uid, true)?;
     SWEPT.call_once(|| {
         let swept = dir.clone();
+        let (dropped, wait_dropped) = std::sync::mpsc::channel::<()>();
         let started = std::thread::Builder::new()
             .name("fusex-sweep".into())
             .spawn(move || {
+                // Started before the daemon drops its privileges, and possibly still running
+                // after: it needs none (the directory and its files are this uid's own). The
+                // spawner waits for the drop, so no thread of the daemon holds more than the
+                // daemon keeps once it says it dropped them.
+                let outcome = crate::privileges::Plan::nothing().apply();
+                drop(dropped);
+                if let Err(e) = outcome {
+                    tracing::debug!(
+                        "not sweeping {}: dropping capabilities: {e}",
+                        swept.display()
+                    );
+                    return;
+                }
                 let removed = sweep(&swept, STALE_AFTER);
                 if removed > 0 {
                     tracing::info!(
@@ -87,8 +101,10 @@ pub fn for_daemon(uid: u32) -> Result<PathBuf> {
                     );
                 }
             });
-        if let Err(e) = started {
-            tracing::debug!("not sweeping {}: {e}", dir.display());
+        match started {
+            // Ends (disconnected) once the thread dropped its capabilities or ended.
+            Ok(_) => _ = wait_dropped.recv(),
+            Err(e) => tracing::debug!("not sweeping {}: {e}", dir.display()),
         }
     });
     Ok(dir)
