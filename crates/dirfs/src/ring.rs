@@ -118,14 +118,10 @@ impl DirFs {
                 let e = self.lookup_ring(eng, &dir, name).await?;
                 let is_dir = e.attr.mode & libc::S_IFMT == libc::S_IFDIR;
                 self.listing.looked_up(&dir.listed, is_dir);
-                if dir.lookups.second(is_dir) {
+                if dir.lookups.second(is_dir, e.attr.ino) {
                     if let Ok(fd) = dir.fd() {
                         use crate::ahead::Reach;
-                        let reach = if is_dir {
-                            Reach::Listing
-                        } else {
-                            Reach::Entries
-                        };
+                        let reach = if is_dir { Reach::Named } else { Reach::Entries };
                         self.read_ahead(fd.as_fd(), reach);
                     }
                 }
