@@ -492,6 +492,9 @@ impl Walk<'_> {
 
     /// One thread's part: lists the next directory waiting until none is left.
     fn work(&self, buf: &mut [u8], mut stop: Option<&mut dyn FnMut() -> bool>) {
+        // A thread that panicked mid-listing would leave `listing` counting it, and the others
+        // waiting for its subdirectories for ever (and the scope that joins them with them).
+        let _halt = HaltOnPanic(self);
         while let Some(next) = self.next(&mut stop) {
             let subs = self.list(next, buf, &mut stop);
             let Ok(mut todo) = self.todo.lock() else {
@@ -594,6 +597,17 @@ impl Walk<'_> {
             }
         }
         subs
+    }
+}
+
+/// Halts its walk when dropped by a panicking thread, so the other threads end.
+struct HaltOnPanic<'w, 'a>(&'w Walk<'a>);
+
+impl Drop for HaltOnPanic<'_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.halt();
+        }
     }
 }
 
@@ -893,6 +907,40 @@ mod tests {
         };
         let n = Walker::default().walk(dir.as_fd(), Tree, BUDGET, &Weak::new(), &mut stop);
         assert_eq!(n, 3, "the top directory's entries, none below");
+    }
+
+    #[test]
+    fn a_walk_thread_that_panics_mid_listing_ends_the_others() {
+        let parked = Weak::new();
+        let walk = Walk {
+            limits: Limits {
+                levels: 1,
+                stats: false,
+                dev: 0,
+                parked: &parked,
+            },
+            left: AtomicUsize::new(BUDGET),
+            stopped: AtomicBool::new(false),
+            // One directory being listed, by the thread that is about to panic.
+            todo: Mutex::new(Todo {
+                dirs: Vec::new(),
+                listing: 1,
+            }),
+            ready: Condvar::new(),
+        };
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| walk.work(&mut [0u8; 64], None));
+            let panicked = s.spawn(|| {
+                let _halt = HaltOnPanic(&walk);
+                // Give the waiter time to wait for this listing.
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                panic!("a listing panics");
+            });
+            assert!(panicked.join().is_err());
+            // Without the halt this join would never return.
+            waiter.join().unwrap();
+        });
+        assert!(walk.stopped.load(Ordering::Relaxed));
     }
 
     #[test]
