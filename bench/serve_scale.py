@@ -30,7 +30,11 @@ qemu-storage-daemon's command line), in a fresh daemon per run:
    median of the K ratios (min and max beside it), so a drift of the machine during the run is
    not taken for the churn's cost. The churning passes' rounds are reported as busy_churn in
    the JSON ("busy rounds" is how many ran). A faster daemon churns more rounds in the same
-   time: pass --busy-rate N (rounds/s) to load every target the same.
+   time: pass --busy-rate N (rounds/s) to load every target the same. --busy-burn MS replaces
+   each round by MS ms of CPU spent in this script: what that CPU alone costs the busy export on
+   the machine (with both CPUs saturated every consumer takes its share from fio).
+   The unpaced churn of step 3 also reports the CPU a round costs the daemon and this script's
+   QMP client (churn_cpu_ms in the JSON).
    fusex serves a raw image file with FUSE passthrough by default (the kernel reads the file,
    fusex sees no READ): --export-args fusex='{"__org.fusex_passthrough": "off"}' makes its
    busy export (and the raw ones at launch) go through the daemon, as they do in qsd.
@@ -53,6 +57,7 @@ import asyncio
 import json
 import math
 import os
+import resource
 import shlex
 import signal
 import statistics
@@ -156,6 +161,18 @@ def process_cost(pid):
     st.update({"children": len(kid_desc), "children_rss_mib": kid_rss, "children_detail": kid_desc,
                "total_rss_mib": st.get("rss_mib", 0.0) + kid_rss})
     return st
+
+
+def cpu_s(pid):
+    """User + system CPU seconds of a live process (all its threads, ended ones included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def mounts_under(d):
@@ -374,6 +391,9 @@ class Run:
         self.events.clear()
         lat = {"node_add": [], "add": [], "del": [], "total": []}
         t0 = time.perf_counter()
+        # The CPU a round costs the daemon and this script's QMP client (unpaced rounds, one at
+        # a time, nothing else running).
+        cpu0 = (cpu_s(self.proc.pid), own_cpu_s())
         try:
             for r in range(self.o.rounds):
                 await self.churn_round("c", r, lat)
@@ -385,6 +405,13 @@ class Run:
             self.r["churn_s"] = time.perf_counter() - t0
             self.r["churn_ms"] = lat
             self.r["churn"] = {k: summary(v) for k, v in lat.items()}
+        n = len(lat["total"])
+        if n:
+            self.r["churn_cpu_ms"] = {"daemon": (cpu_s(self.proc.pid) - cpu0[0]) * 1e3 / n,
+                                      "client": (own_cpu_s() - cpu0[1]) * 1e3 / n}
+            log(f"  [{self.name}] churn CPU per round: daemon "
+                f"{self.r['churn_cpu_ms']['daemon']:.2f} ms, QMP client (this script) "
+                f"{self.r['churn_cpu_ms']['client']:.2f} ms")
         c = self.r["churn"]
         log(f"  [{self.name}] churn: add {c['add']['median']:.2f}/{c['add']['p99']:.2f} ms, "
             f"del {c['del']['median']:.2f}/{c['del']['p99']:.2f} ms, "
@@ -449,6 +476,7 @@ class Run:
         fio_task = asyncio.create_task(self.fio("churn"))
         r = 0
         t0 = time.perf_counter()
+        cpu0 = (cpu_s(self.proc.pid), own_cpu_s())
         try:
             while not fio_task.done():
                 if self.o.busy_rate:  # pace the rounds: the same churn load on every target
@@ -456,9 +484,22 @@ class Run:
                     if wait > 0:
                         await asyncio.wait({fio_task}, timeout=wait)
                         continue
-                await self.churn_round("b", len(lat["total"]), lat)
+                if self.o.busy_burn:
+                    # Calibration: the CPU of a round without its work (see --busy-burn).
+                    until = time.thread_time() + self.o.busy_burn / 1e3
+                    while time.thread_time() < until:
+                        pass
+                else:
+                    await self.churn_round("b", len(lat["total"]), lat)
                 r += 1
-            return await fio_task
+            res = await fio_task
+            # What the rounds cost under load (the daemon's figure includes serving the busy
+            # export).
+            el = time.perf_counter() - t0
+            res["rounds"] = r
+            res["cpu_per_s"] = {"daemon": (cpu_s(self.proc.pid) - cpu0[0]) / el,
+                                "client": (own_cpu_s() - cpu0[1]) / el}
+            return res
         finally:
             if not fio_task.done():
                 fio_task.cancel()
@@ -501,7 +542,10 @@ class Run:
                 break
             log(f"  [{self.name}] fio while churning {k + 1}/{passes} ({self.o.busy_runtime} s)")
             churns.append(await self.churning_pass(lat))
-            log(f"  [{self.name}] fio during churn: {churns[-1]['iops']:.0f} IOPS")
+            c = churns[-1]
+            log(f"  [{self.name}] fio during churn: {c['iops']:.0f} IOPS, {c['rounds']} rounds, "
+                f"CPU/s: this script {c['cpu_per_s']['client']:.3f}, daemon "
+                f"{c['cpu_per_s']['daemon']:.3f}")
         self.r["busy_churn_rounds"] = len(lat["total"])
         self.r["busy_churn_ms"] = lat
         self.r["busy_churn"] = {k: summary(v) for k, v in lat.items()}
@@ -704,6 +748,10 @@ def parse_args():
     ap.add_argument("--busy-rate", type=float, default=0, metavar="N",
                     help="churn at most N rounds/s while fio runs (default: as fast as the "
                     "daemon goes; a fixed rate makes the busy ratio comparable across targets)")
+    ap.add_argument("--busy-burn", type=float, default=0, metavar="MS",
+                    help="calibration: instead of each churn round, spin MS ms of CPU in this "
+                    "script (at --busy-rate): what that much CPU alone costs the busy export on "
+                    "this machine (for example the QMP client's share of a round)")
     ap.add_argument("--export-args", action="append", default=[], metavar="NAME=JSON",
                     help="extra block-export-add arguments for target NAME's every export, e.g. "
                     """fusex='{"__org.fusex_passthrough": "off"}' (repeatable)""")
@@ -736,6 +784,8 @@ def parse_args():
             ap.error(f"--export-args wants NAME=JSON object for a --target NAME, got {t!r}")
         extra.setdefault(name, {}).update(v)
     o.export_args = extra
+    if o.busy_burn < 0 or (o.busy_burn and not (o.busy and o.busy_rate > 0)):
+        ap.error("--busy-burn needs --busy and a --busy-rate, and a positive MS")
     if o.exports < 0 or o.rounds < 1 or o.interleave < 1:
         ap.error("--exports must be >= 0, --rounds and --interleave >= 1")
     return o, targets
@@ -790,6 +840,7 @@ async def main():
                           "exports": o.exports, "rounds": o.rounds, "busy": o.busy,
                           "busy_runtime": o.busy_runtime, "busy_ramp": o.busy_ramp,
                           "busy_rate": o.busy_rate, "busy_passes": o.busy_passes,
+                          "busy_burn": o.busy_burn,
                           "export_args": o.export_args,
                           "interleave": o.interleave,
                           "timeout": o.timeout, "workdir": work,
