@@ -1357,6 +1357,89 @@ fn cache_modes_decide_what_the_kernel_remembers() {
     );
 }
 
+/// The names of a process's threads.
+fn thread_names(pid: i32) -> Vec<String> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+/// A tree walk through the export reads the source ahead on a `fusex-ahead` thread, unless
+/// `--no-read-ahead`; `du` gives the same answer either way. `--no-read-ahead` with an image is
+/// refused.
+#[test]
+fn no_read_ahead_walks_only_as_asked() {
+    if !require_fuse() {
+        return;
+    }
+    let du = |p: &Path| {
+        let out = run(Command::new("du")
+            .args(["-s", "--apparent-size", "-B1"])
+            .arg(p));
+        assert!(out.status.success(), "du {}: {out:?}", p.display());
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    for ahead in [false, true] {
+        let t = Tree::new("dirfs-ahead");
+        for d in 0..4 {
+            for s in 0..3 {
+                let dir = t.src.join(format!("d{d}/s{s}"));
+                fs::create_dir_all(&dir).unwrap();
+                for f in 0..20 {
+                    fs::write(dir.join(format!("f{f}")), vec![b'x'; 100 * (f + 1)]).unwrap();
+                }
+            }
+        }
+        let args: &[&str] = if ahead { &[] } else { &["--no-read-ahead"] };
+        let m = t.mount(args);
+        assert_eq!(
+            du(&t.mnt),
+            du(&t.src),
+            "du through the mount, read-ahead {ahead}"
+        );
+        let walkers = |pid| {
+            thread_names(pid)
+                .iter()
+                .filter(|n| n.as_str() == "fusex-ahead")
+                .count()
+        };
+        if ahead {
+            // The thread starts at the first hand-over and stays; the walk may still be going.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while walkers(m.pid()) == 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            assert!(walkers(m.pid()) > 0, "no read-ahead thread after a du");
+        } else {
+            assert_eq!(
+                walkers(m.pid()),
+                0,
+                "--no-read-ahead started a read-ahead thread"
+            );
+        }
+        m.stop()
+            .assert_clean(&format!("directory export, read-ahead {ahead}"));
+    }
+    let t = Tree::new("dirfs-ahead-image");
+    let image = t.work.join("img");
+    fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let f = Mount::try_start(&t.work, &image, &t.work.join("mp"), &["--no-read-ahead"])
+        .err()
+        .expect("--no-read-ahead with an image");
+    assert!(
+        f.stderr
+            .contains("--no-read-ahead is for directory exports"),
+        "{}",
+        f.stderr
+    );
+}
+
 /// A normal user's own fusex (mounting through fusermount3) serves a directory of its own:
 /// files made through the mount are the user's, and passthrough, which it may not register,
 /// falls back to fusex serving the data.

@@ -421,6 +421,14 @@ pub struct MountArgs {
     /// Only for a directory as IMAGE.
     #[arg(long, value_enum, value_name = "MODE", help_heading = heading::CACHING)]
     pub cache: Option<CacheArg>,
+    /// Do not read a directory export's source ahead of a tree walk
+    ///
+    /// By default a reader walking a tree through a directory export (du, find, ls -R, a
+    /// backup) has the directories below the one it lists read from a local source ahead of
+    /// it, by threads at nice 10; with this the source is read only as requests ask. Only for
+    /// a directory as IMAGE.
+    #[arg(long, help_heading = heading::CACHING)]
+    pub no_read_ahead: bool,
 
     /// Number of queues [default: one per online CPU]
     ///

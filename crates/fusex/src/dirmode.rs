@@ -268,7 +268,7 @@ pub fn mount(
     // Logged once the export is published (below): a `fusex list` that follows the line shows it
     // serving, as it does an image export's.
     let announce = format!(
-        "mounted directory {} at {} ({}, {} queue{}, {})",
+        "mounted directory {} at {} ({}, {} queue{}, {}{})",
         args.image,
         mnt.mountpoint().display(),
         access(args.writable),
@@ -278,6 +278,11 @@ pub fn mount(
             "io_uring"
         } else {
             "legacy /dev/fuse"
+        },
+        if args.no_read_ahead {
+            ", no read-ahead"
+        } else {
+            ""
         }
     );
     let mut remotes = Vec::new();
@@ -510,6 +515,7 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
         // nodes beyond them are held by file handle where the source allows.
         max_open: (fds / 4).max(16),
         max_node_fds: fds.saturating_sub(fds / 4 + 256).max(64),
+        read_ahead: !args.no_read_ahead,
         ..DirConfig::default()
     };
     let fs = Arc::new(

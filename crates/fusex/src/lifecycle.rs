@@ -392,6 +392,12 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
     if args.force_share && args.no_locking {
         bail!("--force-share and --no-locking exclude each other: give one of them");
     }
+    if args.no_read_ahead {
+        bail!(
+            "--no-read-ahead is for directory exports ({} is not a directory): drop --no-read-ahead",
+            args.image
+        );
+    }
     if args.cache.is_some() {
         bail!(
             "--cache is for directory exports ({} is not a directory): drop --cache",
