@@ -160,9 +160,9 @@ def parse_define(text: str) -> TargetSpec:
     name, rest = text.split("=", 1)
     kind, argstr = rest.split(":", 1)
     options: dict[str, Any] = {}
-    if kind.startswith("fusex@"):
+    if kind.startswith(("fusex@", "fusex-dir@")):
         # Another fusex binary (e.g. a build of an earlier commit, for before/after in one run).
-        kind, options["binary"] = "fusex", kind.split("@", 1)[1]
+        kind, options["binary"] = kind.split("@", 1)
     if kind not in KINDS:
         raise ValueError(f"unknown target kind {kind!r}")
     args = tuple(argstr.split())
@@ -174,7 +174,8 @@ def parse_define(text: str) -> TargetSpec:
         requires = tuple(a.split("=")[0] for a in args if a.startswith("--"))
     if kind == "fusex-dir":  # a directory export with other options, e.g. fusex-dir-spin0=fusex-dir:--spin-us 0
         options["dir"] = True
-        requires = (DIR_FLAG,) + tuple(a.split("=")[0] for a in args if a.startswith("--"))
+        if "binary" not in options:
+            requires = (DIR_FLAG,) + tuple(a.split("=")[0] for a in args if a.startswith("--"))
     return TargetSpec(name.strip(), kind, args, requires, options, f"{rest.split(':', 1)[0]} {argstr}".strip())
 
 

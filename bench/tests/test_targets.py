@@ -131,6 +131,10 @@ class AvailabilityTest(unittest.TestCase):
         self.assertEqual((s.name, s.kind, s.args), ("fusex-qd8", "fusex", ("--queue-depth", "8", "--spin-us=20")))
         self.assertEqual(s.requires, ("--queue-depth", "--spin-us"))
         self.assertIsNotNone(unavailable_reason(s, SHM, TOOLS))
+        # A directory export by another binary (before/after in one run).
+        s = parse_define("before-dir=fusex-dir@/bin/true:--no-read-ahead")
+        self.assertEqual((s.kind, s.options["binary"], s.requires), ("fusex-dir", "/bin/true", ()))
+        self.assertTrue(s.options["dir"])
         with self.assertRaises(ValueError):
             parse_define("nonsense")
         with self.assertRaises(ValueError):
