@@ -792,10 +792,12 @@ fn qmp_shell_gets_the_same_answers_from_both() {
                 .unwrap(),
         );
         let _unmount = UnmountOnDrop(dir.join("a.mnt"));
+        // No probe connection: a QEMU monitor serves one client at a time, so the shell's
+        // connection would wait on the server's handling of the probe's close. The shell is run
+        // again only while it could not connect (the socket bound but not yet listening).
+        let deadline = Instant::now() + TIMEOUT;
         assert!(
-            wait_until(Instant::now() + TIMEOUT, || {
-                std::os::unix::net::UnixStream::connect(&sock).is_ok()
-            }),
+            wait_until(deadline, || sock.exists()),
             "{program} has no socket"
         );
         let d = dir.display();
@@ -810,22 +812,29 @@ fn qmp_shell_gets_the_same_answers_from_both() {
              block-export-del id=e0 mode=hard\n\
              quit\n"
         );
-        let mut sh = Command::new(&shell)
-            .arg(&sock)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        {
-            use std::io::Write;
-            sh.stdin
-                .take()
-                .unwrap()
-                .write_all(input.as_bytes())
+        let out = loop {
+            let mut sh = Command::new(&shell)
+                .arg(&sock)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
                 .unwrap();
-        }
-        let out = sh.wait_with_output().unwrap();
+            {
+                use std::io::Write;
+                sh.stdin
+                    .take()
+                    .unwrap()
+                    .write_all(input.as_bytes())
+                    .unwrap();
+            }
+            let out = sh.wait_with_output().unwrap();
+            let refused = String::from_utf8_lossy(&out.stderr).contains("Couldn't connect");
+            if !(refused && out.stdout.is_empty() && Instant::now() < deadline) {
+                break out;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
         let text = String::from_utf8_lossy(&out.stdout).replace(&d.to_string(), "$W");
         // The greeting names the server's version: the replies after it are compared, as JSON
         // (members in any order).
@@ -835,7 +844,13 @@ fn qmp_shell_gets_the_same_answers_from_both() {
             .filter(|l| l.starts_with('{'))
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
             .collect();
-        assert_eq!(replies.len(), 9, "{program}: {text}");
+        assert_eq!(
+            replies.len(),
+            9,
+            "{program}: qmp-shell ({}) printed {text}, and on stderr {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(
             wait_timeout(&mut daemon.0, TIMEOUT).is_some(),
             "{program} did not quit"
