@@ -190,6 +190,12 @@ pub fn open_partition(
     )?))
 }
 
+/// Whether IMAGE names a file or device (a path) rather than `null:SIZE` or an NBD URI: only a
+/// path means something relative to a working directory, or may be canonicalized.
+pub fn names_a_path(spec: &str) -> bool {
+    !nbd::uri::is_nbd_uri(spec) && !spec.starts_with("null:")
+}
+
 /// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes;
 /// with `opts.partition`, one partition of it.
 pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
@@ -735,6 +741,27 @@ mod future_size_tests {
             ("read_at", std::mem::size_of_val(&r)),
         ] {
             assert!(size <= 4096, "{what}'s future takes {size} bytes");
+        }
+    }
+}
+
+#[cfg(test)]
+mod spec_tests {
+    use super::*;
+
+    #[test]
+    fn only_paths_name_a_path() {
+        for spec in [
+            "null:1073741824",
+            "null:1G",
+            "nbd://host/export",
+            "nbd+unix:///e?socket=/s",
+        ] {
+            assert!(!names_a_path(spec), "{spec}");
+        }
+        // A path that merely contains the prefixes is a path.
+        for spec in ["disk.img", "/images/null:1G", "./nbd://x", "dir/null:5"] {
+            assert!(names_a_path(spec), "{spec}");
         }
     }
 }

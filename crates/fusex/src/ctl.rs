@@ -24,7 +24,7 @@ pub fn run(args: CtlArgs) -> Result<()> {
         } => {
             let mountpoint = std::path::absolute(&mountpoint).unwrap_or(mountpoint);
             // Paths are the client's: the daemon may run elsewhere.
-            let image = if image.contains("://") || image.starts_with("null:") {
+            let image = if !backend::names_a_path(&image) {
                 image
             } else {
                 std::path::absolute(&image)

@@ -23,9 +23,10 @@ use crate::memory::{self, Demand};
 use crate::privileges::Plan;
 
 /// Whether `image` names a directory (following a symlink, as the user sees it; the export
-/// itself then refuses a symlink there).
+/// itself then refuses a symlink there). `null:SIZE` and NBD URIs never do, whatever the
+/// working directory holds.
 pub fn is_directory(image: &str) -> bool {
-    std::fs::metadata(image).is_ok_and(|m| m.is_dir())
+    backend::names_a_path(image) && std::fs::metadata(image).is_ok_and(|m| m.is_dir())
 }
 
 /// Refuses the image options that mean nothing for a directory, in one line naming the

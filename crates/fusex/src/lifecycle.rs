@@ -349,11 +349,15 @@ impl Prepared {
             pid: std::process::id(),
             mountpoint: self.mnt.mountpoint().to_string_lossy().into_owned(),
             // The image as a path that means the same from anywhere (an NBD URI or `null:`
-            // as given).
-            image: std::fs::canonicalize(&self.args.image).map_or_else(
-                |_| self.args.image.clone(),
-                |p| p.to_string_lossy().into_owned(),
-            ),
+            // as given, even if a file of that name happens to be in the working directory).
+            image: if backend::names_a_path(&self.args.image) {
+                std::fs::canonicalize(&self.args.image).map_or_else(
+                    |_| self.args.image.clone(),
+                    |p| p.to_string_lossy().into_owned(),
+                )
+            } else {
+                self.args.image.clone()
+            },
             format: match &self.export {
                 Fs::Image(e) => e.backend().inner().format_description(false).into(),
                 Fs::Dir(_) => "directory".into(),

@@ -109,16 +109,18 @@ pub fn read_all(path: &Path) -> Result<Config, String> {
 fn request(e: &ConfigExport, base: &Path) -> Value {
     let mut options = e.table.clone();
     let mut take = |k: &str| -> String {
-        let v = options
+        options
             .remove(k)
             .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default();
-        if k == "id" || v.contains("://") || v.starts_with("null:") {
-            return v;
-        }
-        base.join(&v).to_string_lossy().into_owned()
+            .unwrap_or_default()
     };
-    let (id, image, mountpoint) = (take("id"), take("image"), take("mountpoint"));
+    let (id, mut image, mountpoint) = (take("id"), take("image"), take("mountpoint"));
+    let from_base = |p: &str| base.join(p).to_string_lossy().into_owned();
+    // `null:SIZE` and NBD URIs are not paths; a mountpoint always is.
+    if backend::names_a_path(&image) {
+        image = from_base(&image);
+    }
+    let mountpoint = from_base(&mountpoint);
     json!({"id": id, "image": image, "mountpoint": mountpoint, "options": options})
 }
 
@@ -269,7 +271,19 @@ mod tests {
         assert_eq!(v[0].table["writable"], true);
         let r = request(&v[0], Path::new("/etc/fusex"));
         assert_eq!(r["image"], "/etc/fusex/a.img");
+        assert_eq!(r["mountpoint"], "/etc/fusex/a.raw");
         assert_eq!(r["options"], json!({"writable": true}));
+        // Only paths are taken from the config's directory: not `null:` and NBD images, and
+        // always the mountpoint, whatever its name.
+        for (image, mountpoint) in [("null:1G", "null:m"), ("nbd://host/e", "nbd:m")] {
+            let v = parse(&format!(
+                "[[export]]\nid = \"n\"\nimage = \"{image}\"\nmountpoint = \"{mountpoint}\"\n"
+            ))
+            .unwrap();
+            let r = request(&v[0], Path::new("/etc/fusex"));
+            assert_eq!(r["image"], image);
+            assert_eq!(r["mountpoint"], format!("/etc/fusex/{mountpoint}"));
+        }
         assert!(parse("[[export]]\nimage = \"a\"\nmountpoint = \"b\"\n")
             .unwrap_err()
             .contains("has no id"));
