@@ -304,8 +304,9 @@ pub fn has_metadata(spec: &str, format: Format) -> bool {
     let path = Path::new(spec);
     match format {
         Format::Raw | Format::Null => false,
+        // `null:` and an NBD export are served byte for byte; only a file is probed.
         Format::Auto => {
-            !spec.starts_with("null:")
+            names_a_path(spec)
                 && (crate::qcow2::probe(path).unwrap_or(false)
                     || probe_table_formats(path).is_ok_and(|f| f != Format::Raw))
         }
