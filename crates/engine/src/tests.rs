@@ -799,3 +799,24 @@ fn linkat_links_the_same_inode() {
         .unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
 }
+
+/// The opcode answers are the kernel's, for every opcode, from the first call and from the
+/// cached probe after it.
+#[test]
+fn opcode_support_is_the_kernels_first_and_cached() {
+    let eng = engine(1, false);
+    let ring = io_uring::IoUring::new(2).unwrap();
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe).unwrap();
+    for _ in 0..2 {
+        for op in 0..=u8::MAX {
+            assert_eq!(
+                eng.supports_opcode(op),
+                probe.is_supported(op),
+                "opcode {op}"
+            );
+        }
+    }
+    assert!(eng.supports_opcode(io_uring::opcode::Read::CODE));
+    assert!(!eng.supports_opcode(u8::MAX));
+}
