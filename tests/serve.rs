@@ -1207,6 +1207,71 @@ fn the_thread_count_does_not_grow_with_exports() {
     }
 }
 
+/// Text log lines (the default) of work on one export start with `export ID: ` (once: a
+/// message naming its export already is not prefixed again), so the lines of exports added at
+/// once by several clients can be told apart; the daemon's own lines name none.
+#[test]
+fn text_log_lines_name_the_export_they_are_about() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-text-log");
+    let log = w.join("fusex.log");
+    let mut serve = Serve::start(w.path(), &["--log-file", log.to_str().unwrap()]);
+    let mut q = serve.qmp();
+    let (a, b) = (w.join("alpha.mnt"), w.join("beta.mnt"));
+    q.add_null_export("alpha", &a, json!({}));
+    q.add_null_export("beta", &b, json!({}));
+    q.remove_null_export("alpha", "safe");
+    q.ok("quit", json!({}));
+    let status = serve.wait();
+    let text = fs::read_to_string(&log).unwrap();
+    assert_eq!(status, Some(0), "{text}");
+    // `TIMESTAMP  INFO MESSAGE`
+    let messages: Vec<&str> = text
+        .lines()
+        .map(|l| {
+            let mut words = l.splitn(2, ' ');
+            let (_timestamp, rest) = (words.next(), words.next().unwrap_or(""));
+            rest.trim_start()
+                .split_once(' ')
+                .map_or("", |(_level, m)| m)
+        })
+        .collect();
+    for id in ["alpha", "beta"] {
+        let mine = format!("export {id}: ");
+        for what in [
+            "passthrough: ",
+            "request buffers: ",
+            "mounted ",
+            "removal: ",
+            "served ",
+        ] {
+            assert!(
+                messages
+                    .iter()
+                    .any(|m| m.starts_with(&mine) && m[mine.len()..].starts_with(what)),
+                "no `{mine}{what}...` line:\n{text}"
+            );
+        }
+        assert!(
+            messages.contains(&format!("export {id} removed").as_str()),
+            "{text}"
+        );
+        assert!(
+            !messages
+                .iter()
+                .any(|m| m.starts_with(&format!("{mine}export "))),
+            "a line names {id} twice:\n{text}"
+        );
+    }
+    let quit = messages
+        .iter()
+        .find(|m| m.starts_with("quit: "))
+        .unwrap_or_else(|| panic!("no quit line:\n{text}"));
+    assert!(!quit.contains("export alpha"), "{quit}");
+}
+
 /// `--log-format json`: every line of the log is one JSON object, and the lines about one
 /// export (its mount, its removal, its end at quit) carry its id as `export`, never another's.
 #[test]

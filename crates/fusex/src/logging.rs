@@ -25,7 +25,9 @@ use tracing::level_filters::LevelFilter;
 use tracing::span;
 use tracing::subscriber::Interest;
 use tracing::{Event, Metadata, Subscriber};
-use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::fmt::format::{self, DefaultFields, FormatEvent, FormatFields};
+use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
+use tracing_subscriber::fmt::{FmtContext, MakeWriter};
 use tracing_subscriber::layer::{Context as LayerContext, Filter, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -336,10 +338,10 @@ pub fn mountpoint_id(path: &Path) -> String {
 
 /// The span in which work on one export of `fusex serve` is done (its mount, supervision,
 /// removal, failure, reload), so that every line logged meanwhile on that thread, whichever
-/// module logs it, carries `export`. Entered only on control-plane threads: the queues' worker
-/// threads serve every export's requests and enter nothing per request. Text lines do not show
-/// it (they name the export in their message where it matters, as they always did); with text
-/// the span is disabled and costs nothing. A root span: work on one export is never inside
+/// module logs it, names the export: JSON lines carry `export`, text lines start with
+/// `export ID: ` ([`TextLine`]), since exports added at once by several clients log at once.
+/// Entered only on control-plane threads: the queues' worker threads serve every export's
+/// requests and enter nothing per request. A root span: work on one export is never inside
 /// another's, even when one export's command starts the next.
 pub fn export_span(id: &str) -> tracing::Span {
     tracing::info_span!(parent: None, "export", export = %id)
@@ -354,15 +356,11 @@ fn is_export_span(meta: &Metadata<'_>) -> bool {
 /// format [`set_format`] chose, text with terminal colours if `ansi`.
 pub fn init(default: &str, ansi: bool) {
     let env = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let text = tracing_subscriber::fmt::layer()
-        .with_writer(Sink)
-        .with_target(false)
-        .with_ansi(ansi)
-        .with_filter(Only {
-            format: LogFormat::Text,
-            current: &FORMAT,
-            env: env(),
-        });
+    let text = text_layer(Sink, ansi).with_filter(Only {
+        format: LogFormat::Text,
+        current: &FORMAT,
+        env: env(),
+    });
     let json = JsonLayer {
         writer: Sink,
         process_export: &PROCESS_EXPORT,
@@ -376,8 +374,8 @@ pub fn init(default: &str, ansi: bool) {
 }
 
 /// The filter of the layer that writes `format`: what `env` (`RUST_LOG`) lets through while
-/// that is the format, plus [`export_span`] for JSON whatever `RUST_LOG` says (it is context,
-/// not a line). Text never sees the span, so its lines are as they were without it.
+/// that is the format, plus [`export_span`] whatever `RUST_LOG` and the format say (it is
+/// context, not a line: a span entered before a format switch still names its export after it).
 struct Only {
     format: LogFormat,
     /// [`FORMAT`] (a test's own otherwise).
@@ -387,11 +385,12 @@ struct Only {
 
 impl<S> Filter<S> for Only {
     fn enabled(&self, meta: &Metadata<'_>, cx: &LayerContext<'_, S>) -> bool {
+        // The span is context for whichever format is current when its lines are written.
+        if is_export_span(meta) {
+            return true;
+        }
         if self.current.load(Ordering::Relaxed) != self.format as u8 {
             return false;
-        }
-        if is_export_span(meta) {
-            return self.format == LogFormat::Json;
         }
         Filter::<S>::enabled(&self.env, meta, cx)
     }
@@ -400,7 +399,7 @@ impl<S> Filter<S> for Only {
         // Never what no format could want; the rest is decided per event ("sometimes"), since
         // the format may change (`fusex restart`).
         let wanted = if is_export_span(meta) {
-            self.format == LogFormat::Json
+            true
         } else {
             !Filter::<S>::callsite_enabled(&self.env, meta).is_never()
         };
@@ -412,12 +411,8 @@ impl<S> Filter<S> for Only {
     }
 
     fn max_level_hint(&self) -> Option<LevelFilter> {
-        let env = Filter::<S>::max_level_hint(&self.env);
-        match self.format {
-            LogFormat::Text => env,
-            // The export span is at INFO: a stricter RUST_LOG must not filter it out.
-            LogFormat::Json => env.map(|l| l.max(LevelFilter::INFO)),
-        }
+        // The export span is at INFO: a stricter RUST_LOG must not filter it out.
+        Filter::<S>::max_level_hint(&self.env).map(|l| l.max(LevelFilter::INFO))
     }
 
     fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, cx: LayerContext<'_, S>) {
@@ -439,6 +434,90 @@ impl<S> Filter<S> for Only {
     fn on_close(&self, id: span::Id, cx: LayerContext<'_, S>) {
         Filter::<S>::on_close(&self.env, id, cx);
     }
+}
+
+/// The layer writing text lines ([`TextLine`]) to `writer`, with terminal colours if `ansi`.
+fn text_layer<S, W>(
+    writer: W,
+    ansi: bool,
+) -> tracing_subscriber::fmt::Layer<S, DefaultFields, TextLine, W>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + 'static,
+{
+    tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .with_ansi(ansi)
+        .event_format(TextLine)
+}
+
+/// A text line: `TIMESTAMP LEVEL MESSAGE FIELDS`, as tracing's default format writes it, with
+/// `export ID: ` before the message of a line logged inside an [`export_span`] (unless the
+/// message starts with it already: `export ID removed`, `export ID: mounted ...`).
+struct TextLine;
+
+impl<S, N> FormatEvent<S, N> for TextLine
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        cx: &FmtContext<'_, S, N>,
+        mut w: format::Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        let ansi = w.has_ansi_escapes();
+        let mut timestamp = String::new();
+        SystemTime.format_time(&mut format::Writer::new(&mut timestamp))?;
+        let level = *event.metadata().level();
+        if ansi {
+            let colour = match level {
+                tracing::Level::TRACE => "35",
+                tracing::Level::DEBUG => "34",
+                tracing::Level::INFO => "32",
+                tracing::Level::WARN => "33",
+                tracing::Level::ERROR => "31",
+            };
+            write!(
+                w,
+                "\x1b[2m{timestamp}\x1b[0m \x1b[{colour}m{level:>5}\x1b[0m "
+            )?;
+        } else {
+            write!(w, "{timestamp} {level:>5} ")?;
+        }
+        let mut body = String::new();
+        cx.format_fields(format::Writer::new(&mut body), event)?;
+        if let Some(id) = export_of(cx) {
+            let named = body
+                .strip_prefix("export ")
+                .and_then(|rest| rest.strip_prefix(id.as_str()))
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with([':', ' ']));
+            if !named {
+                write!(w, "export {id}: ")?;
+            }
+        }
+        writeln!(w, "{body}")
+    }
+}
+
+/// The export of the innermost [`export_span`] the event being written was logged in.
+fn export_of<S, N>(cx: &FmtContext<'_, S, N>) -> Option<String>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    cx.event_scope()?.find_map(|span| {
+        if !is_export_span(span.metadata()) {
+            return None;
+        }
+        let ext = span.extensions();
+        let SpanFields(fields) = ext.get::<SpanFields>()?;
+        fields.iter().find_map(|(k, v)| match (k.as_str(), v) {
+            ("export", Value::String(id)) => Some(id.clone()),
+            _ => None,
+        })
+    })
 }
 
 /// Writes each event as one JSON object on one line (see [`json_line`]).
@@ -725,17 +804,11 @@ mod tests {
     ) -> (Capture, Capture) {
         let (text, json) = (Capture::default(), Capture::default());
         let subscriber = tracing_subscriber::registry()
-            .with(
-                tracing_subscriber::fmt::layer()
-                    .with_writer(text.clone())
-                    .with_target(false)
-                    .with_ansi(false)
-                    .with_filter(Only {
-                        format: LogFormat::Text,
-                        current,
-                        env: EnvFilter::new("info"),
-                    }),
-            )
+            .with(text_layer(text.clone(), false).with_filter(Only {
+                format: LogFormat::Text,
+                current,
+                env: EnvFilter::new("info"),
+            }))
             .with(
                 JsonLayer {
                     writer: json.clone(),
@@ -822,25 +895,49 @@ mod tests {
     }
 
     #[test]
-    fn text_lines_are_as_they_were_and_follow_the_format_switch() {
+    fn text_lines_name_their_export_once_and_follow_the_format_switch() {
         static CURRENT: AtomicU8 = AtomicU8::new(LogFormat::Text as u8);
         static NONE: OnceLock<String> = OnceLock::new();
         let (text, json) = logged(&CURRENT, &NONE, || {
+            tracing::info!("daemon line");
             let _a = export_span("a").entered();
             tracing::info!(n = 1, "export a: mounted");
+            tracing::warn!("passthrough: off");
+            tracing::info!("export a removed");
+            tracing::info!("export ab: another's name in the message");
+            {
+                let _b = export_span("b").entered();
+                tracing::error!("b's line");
+            }
             CURRENT.store(LogFormat::Json as u8, Ordering::Relaxed);
             tracing::info!("now json");
         });
-        let lines = text.lines();
-        assert_eq!(lines.len(), 1, "{lines:?}");
-        // `2025-01-02T03:04:05.678901Z  INFO export a: mounted n=1`: no span prefix.
-        let (_, rest) = lines[0].split_once(' ').unwrap();
-        assert_eq!(rest, " INFO export a: mounted n=1");
+        // `2025-01-02T03:04:05.678901Z  INFO export a: mounted n=1`
+        let rest: Vec<String> = text
+            .lines()
+            .iter()
+            .map(|l| {
+                let (ts, rest) = l.split_once(' ').unwrap();
+                assert!(ts.ends_with('Z') && ts.as_bytes()[10] == b'T', "{l}");
+                rest.to_string()
+            })
+            .collect();
+        assert_eq!(
+            rest,
+            [
+                " INFO daemon line",
+                " INFO export a: mounted n=1",
+                " WARN export a: passthrough: off",
+                " INFO export a removed",
+                " INFO export a: export ab: another's name in the message",
+                "ERROR export b: b's line",
+            ]
+        );
         let json = json.json();
         assert_eq!(json.len(), 1);
         assert_eq!(json[0]["message"], "now json");
-        // The span was made while the format was text: nothing to carry.
-        assert!(!json[0].contains_key("export"));
+        // The span was entered while the format was text; it names the export all the same.
+        assert_eq!(json[0]["export"], "a");
     }
 
     #[test]
