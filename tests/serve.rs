@@ -5,6 +5,7 @@
 //! refusals. Every daemon is a [`Serve`] guard, which stops it and unmounts what it left.
 
 use std::fs;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -1205,6 +1206,61 @@ fn the_thread_count_does_not_grow_with_exports() {
             .expect("read an export");
         assert!(data.iter().all(|&b| b == 0), "t{i} reads zeroes");
     }
+}
+
+/// When `BLOCK_EXPORT_DELETED` arrives the export's image is closed: no lock of the daemon is
+/// left on it, so a tool run right after the event (`qemu-img check`, a backup) can open it.
+/// The queues on the shared threads report their end just before those threads let go of the
+/// export; the removal waits for that. Many rounds: the window was microseconds wide.
+#[test]
+fn an_export_reported_deleted_has_closed_its_image() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-closed-at-event");
+    let img = w.join("disk.raw");
+    fs::write(&img, vec![7u8; 1 << 20]).unwrap();
+    let mp = w.join("disk.mnt");
+    let mut serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "file", "node-name": "disk", "filename": img}),
+    );
+    // Whether anyone else holds a lock on the file: a write lock over all of it would conflict.
+    let locked = || {
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&img)
+            .unwrap();
+        // SAFETY: a zeroed flock is a valid argument; F_OFD_GETLK fills it in.
+        let mut l: libc::flock = unsafe { std::mem::zeroed() };
+        l.l_type = libc::F_WRLCK as libc::c_short;
+        l.l_whence = libc::SEEK_SET as libc::c_short;
+        // SAFETY: fcntl on an open descriptor with a live flock.
+        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
+        assert_eq!(r, 0, "F_OFD_GETLK: {}", std::io::Error::last_os_error());
+        l.l_type != libc::F_UNLCK as libc::c_short
+    };
+    for round in 0..100 {
+        fs::write(&mp, b"").unwrap();
+        q.ok(
+            "block-export-add",
+            json!({"type": "fuse", "id": "e", "node-name": "disk", "mountpoint": mp,
+                   "writable": true}),
+        );
+        assert!(locked(), "round {round}: the export locks its image");
+        q.ok("block-export-del", json!({"id": "e"}));
+        q.event("BLOCK_EXPORT_DELETED", "e", TIMEOUT);
+        assert!(
+            !locked(),
+            "round {round}: a lock is left after BLOCK_EXPORT_DELETED"
+        );
+    }
+    q.ok("blockdev-del", json!({"node-name": "disk"}));
+    q.ok("quit", json!({}));
+    assert_eq!(serve.wait(), Some(0));
 }
 
 /// Text log lines (the default) of work on one export start with `export ID: ` (once: a

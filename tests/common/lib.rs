@@ -2009,9 +2009,10 @@ pub fn qcow2_guest_bytes(work: &WorkDir, img: &Path) -> Vec<u8> {
         .arg(img));
     assert!(
         check.status.success(),
-        "qemu-img check {}: {}",
+        "qemu-img check {}: {}{}",
         img.display(),
-        String::from_utf8_lossy(&check.stdout)
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
     );
     let out = work.join(unique("guest.raw"));
     run_ok(

@@ -1504,6 +1504,7 @@ pub fn supervise(p: &mut Prepared, sup: Supervision, owner: &mut dyn Owner) -> R
 pub fn conclude(p: Prepared, result: Result<Ended>) -> Result<()> {
     let Prepared {
         args,
+        export,
         mut mnt,
         settled,
         ..
@@ -1512,6 +1513,9 @@ pub fn conclude(p: Prepared, result: Result<Ended>) -> Result<()> {
     drop(mnt);
     // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
     drop(settled);
+    if result.is_ok() {
+        release(export);
+    }
     let ended = result?;
     if let Some(p) = &args.stats_file {
         crate::files::replace(p, &serde_json::to_vec_pretty(&ended.stats)?, 0o644)
@@ -1519,6 +1523,37 @@ pub fn conclude(p: Prepared, result: Result<Ended>) -> Result<()> {
     }
     unmounted?;
     Ok(())
+}
+
+/// How long [`release`] waits for the queues to let go of an export.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
+
+/// Drops `export` once nothing else holds it, so that its image is closed (and its locks
+/// released) when the export is reported gone: a queue on a shared thread reports its end just
+/// before that thread drops the queue's state, and whoever hears of the end next (a QMP client
+/// told `BLOCK_EXPORT_DELETED`, then `qemu-img` opening the image) must find it closed. Waits at
+/// most [`RELEASE_WAIT`] (an export whose queues ended normally; a failed one's may be left
+/// holding it until the process exits).
+fn release(export: Fs) {
+    let held = || match &export {
+        Fs::Image(e) => Arc::strong_count(e),
+        Fs::Dir(d) => Arc::strong_count(d),
+    };
+    let since = Instant::now();
+    let mut pause = Duration::from_micros(20);
+    while held() > 1 {
+        if since.elapsed() >= RELEASE_WAIT {
+            tracing::warn!(
+                "the export's queues still hold it {} ms after they ended: its image closes \
+                 when they let go",
+                RELEASE_WAIT.as_millis()
+            );
+            break;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(5));
+    }
+    drop(export);
 }
 
 /// How often the supervisor looks at the image's size (the kernel's attribute timeout, so

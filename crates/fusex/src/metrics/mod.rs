@@ -71,8 +71,9 @@ impl ExportMetrics {
 pub struct Meter {
     /// The queues' counters.
     pub stats: std::sync::Arc<server::ExportStats>,
-    /// The export (for its backend's statistics; a directory has none).
-    pub export: crate::lifecycle::Fs,
+    /// The image export, for its backend's statistics (a directory has none). Weak: a meter
+    /// kept in a table must not keep the image open once the export has ended.
+    pub image: Option<std::sync::Weak<export::Export<crate::lifecycle::Served>>>,
 }
 
 impl Meter {
@@ -80,7 +81,7 @@ impl Meter {
     pub fn of(p: &crate::lifecycle::Prepared) -> Meter {
         Meter {
             stats: p.stats.clone(),
-            export: p.export.clone(),
+            image: p.export.image().map(std::sync::Arc::downgrade),
         }
     }
 
@@ -94,8 +95,9 @@ impl Meter {
             uptime: self.stats.since().elapsed(),
             queues: self.stats.queues(),
             backend: self
-                .export
-                .image()
+                .image
+                .as_ref()
+                .and_then(std::sync::Weak::upgrade)
                 .map(|e| e.backend().stats())
                 .unwrap_or_default(),
         }
