@@ -521,7 +521,7 @@ fn config_file_reload_and_ctl() {
     assert!(
         wait_until(Instant::now() + TIMEOUT, || serve
             .log_text()
-            .contains("reload: export b: recreated")),
+            .contains("export b: reload: recreated")),
         "{}",
         serve.log_text()
     );

@@ -228,8 +228,9 @@ impl Service {
             );
             let _in = crate::logging::export_span(id).entered();
             match r["error"].as_str() {
-                Some(e) => tracing::error!("reload: export {id}: {e}"),
-                None => tracing::info!("reload: export {id}: {action}"),
+                // The span names the export (text: `export ID: reload: ...`).
+                Some(e) => tracing::error!("reload: {e}"),
+                None => tracing::info!("reload: {action}"),
             }
         }
         Ok(Value::Array(report))

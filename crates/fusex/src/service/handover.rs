@@ -163,7 +163,7 @@ impl Service {
         for (id, tx, orx, arx) in asked {
             let _in = crate::logging::export_span(&id).entered();
             if arx.recv() != Ok(true) {
-                tracing::error!("restart: export {id} would not let go; the successor lacks it");
+                tracing::error!("restart: the export would not let go; the successor lacks it");
                 continue;
             }
             match orx.recv() {
@@ -171,7 +171,7 @@ impl Service {
                     open.insert(id, n);
                     taken.push(tx);
                 }
-                Err(_) => tracing::error!("restart: export {id} ended before it let go"),
+                Err(_) => tracing::error!("restart: the export ended before it let go"),
             }
         }
         (open, Releasing(taken))
