@@ -87,6 +87,14 @@ pub fn fusex_bin() -> PathBuf {
     for dir in exe.ancestors().skip(1).take(3) {
         let candidate = dir.join("fusex");
         if candidate.is_file() {
+            if let Some(newer) = newer_source(&candidate) {
+                panic!(
+                    "{} is older than {}: `cargo test -p fusex-e2e` does not rebuild it; run \
+                     cargo build -p fusex first (make e2e does), or point FUSEX_BIN at a binary",
+                    candidate.display(),
+                    newer.display()
+                );
+            }
             return candidate;
         }
         if dir.file_name() == Some(OsStr::new("target")) {
@@ -98,6 +106,45 @@ pub fn fusex_bin() -> PathBuf {
          (or point FUSEX_BIN at it)",
         exe.display()
     );
+}
+
+/// A source of the binary (`crates/`, `vendor/`, `Cargo.lock`) changed after `bin` was built,
+/// if any: testing that binary would test old code. Looked at once per test process.
+fn newer_source(bin: &Path) -> Option<PathBuf> {
+    static NEWER: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    NEWER
+        .get_or_init(|| {
+            let built = fs::metadata(bin).and_then(|m| m.modified()).ok()?;
+            let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
+            let mut todo = vec![root.join("crates"), root.join("vendor")];
+            let mut files = vec![root.join("Cargo.lock")];
+            while let Some(dir) = todo.pop() {
+                let Ok(entries) = fs::read_dir(&dir) else {
+                    continue;
+                };
+                for e in entries.flatten() {
+                    let path = e.path();
+                    match e.file_type() {
+                        Ok(t) if t.is_dir() => todo.push(path),
+                        Ok(t) if t.is_file() => {
+                            let name = path.file_name().unwrap_or_default();
+                            if path.extension() == Some(OsStr::new("rs"))
+                                || name == OsStr::new("Cargo.toml")
+                            {
+                                files.push(path);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            files.into_iter().find(|f| {
+                fs::metadata(f)
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t > built)
+            })
+        })
+        .clone()
 }
 
 /// A precondition that is not met: prints a skip message and returns false, or panics under
