@@ -14,7 +14,6 @@
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Instant;
@@ -26,27 +25,11 @@ const QEMU: &[&str] = &["qemu-img", "qemu-io"];
 /// The hint every lock refusal carries.
 const HINT: &str = "use --force-share for a read-only export";
 
-/// Whether an open file description other than a fresh one of ours holds a lock on `byte` of
-/// `path` (QEMU's "holds permission" bytes are 100.., "does not share" bytes 200..).
-fn lock_held(path: &Path, byte: i64) -> bool {
-    let f = File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
-    // SAFETY: all-zero is a valid flock (OFD requests need l_pid == 0).
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = byte;
-    fl.l_len = 1;
-    // SAFETY: F_OFD_GETLK reads and writes back `fl`, which lives across the call.
-    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
-    assert!(r == 0, "F_OFD_GETLK: {}", std::io::Error::last_os_error());
-    fl.l_type != libc::F_UNLCK as libc::c_short
-}
-
 /// The lock bytes (100..104, 200..204) someone holds on `path`.
 fn held_bytes(path: &Path) -> Vec<i64> {
     (100..104)
         .chain(200..204)
-        .filter(|&b| lock_held(path, b))
+        .filter(|&b| lock_held(path, b, 1))
         .collect()
 }
 
@@ -130,10 +113,10 @@ impl QemuHolder {
         let stdin = child.stdin.take();
         let mut h = QemuHolder { child, stdin, err };
         let up = wait_until(Instant::now() + TIMEOUT, || {
-            lock_held(locked, byte) || h.child.try_wait().ok().flatten().is_some()
+            lock_held(locked, byte, 1) || h.child.try_wait().ok().flatten().is_some()
         });
         assert!(
-            up && lock_held(locked, byte),
+            up && lock_held(locked, byte, 1),
             "qemu-io did not lock byte {byte} of {} within {TIMEOUT:?}; stderr:\n{}",
             locked.display(),
             fs::read_to_string(&h.err).unwrap_or_default()

@@ -5,7 +5,6 @@
 //! refusals. Every daemon is a [`Serve`] guard, which stops it and unmounts what it left.
 
 use std::fs;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -1227,22 +1226,8 @@ fn an_export_reported_deleted_has_closed_its_image() {
         "blockdev-add",
         json!({"driver": "file", "node-name": "disk", "filename": img}),
     );
-    // Whether anyone else holds a lock on the file: a write lock over all of it would conflict.
-    let locked = || {
-        let f = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&img)
-            .unwrap();
-        // SAFETY: a zeroed flock is a valid argument; F_OFD_GETLK fills it in.
-        let mut l: libc::flock = unsafe { std::mem::zeroed() };
-        l.l_type = libc::F_WRLCK as libc::c_short;
-        l.l_whence = libc::SEEK_SET as libc::c_short;
-        // SAFETY: fcntl on an open descriptor with a live flock.
-        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut l) };
-        assert_eq!(r, 0, "F_OFD_GETLK: {}", std::io::Error::last_os_error());
-        l.l_type != libc::F_UNLCK as libc::c_short
-    };
+    // Whether anyone else holds a lock on any byte of the file.
+    let locked = || lock_held(&img, 0, 0);
     for round in 0..100 {
         fs::write(&mp, b"").unwrap();
         q.ok(

@@ -147,6 +147,23 @@ fn newer_source(bin: &Path) -> Option<PathBuf> {
         .clone()
 }
 
+/// Whether an open file description other than a fresh one of ours holds a lock on `len` bytes
+/// of `path` from `start` (`len` 0: to the end of the file). QEMU's "holds permission" bytes
+/// are 100.., its "does not share" bytes 200...
+pub fn lock_held(path: &Path, start: i64, len: i64) -> bool {
+    let f = File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    // SAFETY: all-zero is a valid flock (OFD requests need l_pid == 0).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = start;
+    fl.l_len = len;
+    // SAFETY: F_OFD_GETLK reads and writes back `fl`, which lives across the call.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    assert!(r == 0, "F_OFD_GETLK: {}", std::io::Error::last_os_error());
+    fl.l_type != libc::F_UNLCK as libc::c_short
+}
+
 /// A precondition that is not met: prints a skip message and returns false, or panics under
 /// `CI=true`.
 pub fn skip_or_fail(what: &str) -> bool {
