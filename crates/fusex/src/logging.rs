@@ -468,8 +468,7 @@ where
         event: &Event<'_>,
     ) -> std::fmt::Result {
         let ansi = w.has_ansi_escapes();
-        let mut timestamp = String::new();
-        SystemTime.format_time(&mut format::Writer::new(&mut timestamp))?;
+        let timestamp = timestamp();
         let level = *event.metadata().level();
         if ansi {
             let colour = match level {
@@ -499,6 +498,14 @@ where
         }
         writeln!(w, "{body}")
     }
+}
+
+/// The time of a line as both formats write it: RFC 3339 in UTC, to the microsecond.
+fn timestamp() -> String {
+    let mut t = String::new();
+    // Writing into a String cannot fail.
+    let _ = SystemTime.format_time(&mut format::Writer::new(&mut t));
+    t
 }
 
 /// The export of the innermost [`export_span`] the event being written was logged in.
@@ -687,13 +694,8 @@ where
             }
             (k, _) => !k.starts_with("log."),
         });
-        let mut timestamp = String::new();
-        let _ = tracing_subscriber::fmt::time::FormatTime::format_time(
-            &tracing_subscriber::fmt::time::SystemTime,
-            &mut tracing_subscriber::fmt::format::Writer::new(&mut timestamp),
-        );
         let line = json_line(
-            &timestamp,
+            &timestamp(),
             meta.level(),
             &target,
             ev.message.as_deref().unwrap_or(""),
