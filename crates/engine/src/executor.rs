@@ -221,9 +221,9 @@ pub struct Engine {
     /// Whether anyone took the gauge: until then the loop does not keep it (no clock read).
     gauge_on: Cell<bool>,
     window: Cell<GaugeWindow>,
-    /// The opcodes the kernel supports, one bit each, asked once ([`Engine::supports_opcode`]):
-    /// a long-lived engine (a `fusex serve` worker) starts queues for export after export.
-    opcodes: OnceCell<[u64; 4]>,
+    /// The kernel's answer on its opcodes, asked once ([`Engine::supports_opcode`]): a
+    /// long-lived engine (a `fusex serve` worker) starts queues for export after export.
+    probe: OnceCell<io_uring::Probe>,
 }
 
 /// How much work an engine's thread has, for other threads deciding whether to hand it more:
@@ -370,7 +370,7 @@ impl Engine {
                 local: 0,
                 stamped: 0,
             }),
-            opcodes: OnceCell::new(),
+            probe: OnceCell::new(),
         };
         if cfg.provided_buffers && eng.pool.len() > 0 {
             // Group 0, the first one: what `buf_group` has always named.
@@ -402,25 +402,14 @@ impl Engine {
     /// Whether the running kernel knows io_uring opcode `code` (the kernel is asked on the first
     /// call only; a failed probe answers no for every opcode).
     pub(crate) fn supports_opcode(&self, code: u8) -> bool {
-        let bits = self.opcodes.get_or_init(|| {
-            let mut probe = io_uring::Probe::new();
-            let mut bits = [0u64; 4];
-            if self
-                .ring
-                .borrow()
-                .submitter()
-                .register_probe(&mut probe)
-                .is_ok()
-            {
-                for op in 0..=u8::MAX {
-                    if probe.is_supported(op) {
-                        bits[usize::from(op / 64)] |= 1 << (op % 64);
-                    }
-                }
-            }
-            bits
-        });
-        bits[usize::from(code / 64)] & (1 << (code % 64)) != 0
+        self.probe
+            .get_or_init(|| {
+                let mut probe = io_uring::Probe::new();
+                // On failure the probe stays empty: no opcode is known.
+                let _ = self.ring.borrow().submitter().register_probe(&mut probe);
+                probe
+            })
+            .is_supported(code)
     }
 
     /// Whether the default pool's buffers use the fixed-buffer table (so `*_FIXED` opcodes are
