@@ -1,11 +1,16 @@
 //! Which CPUs queue threads may run on, and pinning a thread to one.
 
-/// The CPUs this process may run on, in ascending order (at least one).
+/// The CPUs this process may run on, in ascending order (at least one): its main thread's set
+/// (what `taskset` gave the daemon), asked whichever thread calls, because a queue thread
+/// pinned to one CPU would otherwise answer with that one CPU.
 pub fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it for this process.
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: getpid has no preconditions; the process id is its main thread's id.
+    let main = unsafe { libc::getpid() };
     // SAFETY: passes the size of the set we own.
-    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    let r =
+        unsafe { libc::sched_getaffinity(main, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
     let cpus: Vec<usize> = if r == 0 {
         // SAFETY: CPU_ISSET reads the set we own, for indices below CPU_SETSIZE.
         (0..libc::CPU_SETSIZE as usize)
@@ -94,5 +99,18 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn a_pinned_thread_is_told_the_process_set() {
+        let process = allowed_cpus();
+        let target = *process.last().unwrap();
+        let seen = std::thread::spawn(move || {
+            pin_current_thread(target);
+            allowed_cpus()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen, process);
     }
 }
