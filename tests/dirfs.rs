@@ -370,6 +370,31 @@ fn changes_through_the_mount_land_in_the_source() {
     assert_eq!(errno_of(fs::remove_file(p("d1"))), libc::EISDIR);
     assert_eq!(errno_of(fs::create_dir(p("d1"))), libc::EEXIST);
     assert_eq!(errno_of(fs::read_dir(p("d1/f1"))), libc::ENOTDIR);
+    // O_NOFOLLOW opens a file that is not a symlink, for reading and for appending (the daemon
+    // reopens the inode it holds, which must not carry the flag), and refuses a symlink.
+    let nofollow = || {
+        let mut o = fs::OpenOptions::new();
+        o.custom_flags(libc::O_NOFOLLOW);
+        o
+    };
+    let mut got = Vec::new();
+    std::io::Read::read_to_end(
+        &mut nofollow().read(true).open(p("d1/f1")).unwrap(),
+        &mut got,
+    )
+    .unwrap();
+    assert_eq!(got, fs::read(s("d1/f1")).unwrap());
+    nofollow()
+        .append(true)
+        .open(p("d1/f1"))
+        .unwrap()
+        .write_all(b"+nofollow")
+        .unwrap();
+    assert!(fs::read(s("d1/f1")).unwrap().ends_with(b"+nofollow"));
+    assert_eq!(
+        errno_of(nofollow().read(true).open(p("nd/sl"))),
+        libc::ELOOP
+    );
     assert_same_tree(&t.src, &t.mnt);
     m.stop().assert_clean("writable directory export");
 }

@@ -862,9 +862,17 @@ impl DirFs {
     }
 
     /// Open flags for the source file: what the caller asked, less what fusex decides itself.
+    /// `O_NOFOLLOW` was the kernel's to apply to the caller's path; the daemon reopens the inode
+    /// it holds through `/proc/self/fd`, a symlink the flag would refuse (`ELOOP`), and names in
+    /// the source are opened with it always (`sys::open_in`).
     fn open_flags(flags: u32) -> i32 {
         (flags as i32)
-            & !(libc::O_CREAT | libc::O_EXCL | libc::O_NOCTTY | libc::O_DIRECT | libc::O_TRUNC)
+            & !(libc::O_CREAT
+                | libc::O_EXCL
+                | libc::O_NOCTTY
+                | libc::O_DIRECT
+                | libc::O_TRUNC
+                | libc::O_NOFOLLOW)
     }
 
     /// The passthrough backing id for an open of the inode `key` (a regular file, just opened
