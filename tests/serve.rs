@@ -135,6 +135,50 @@ fn exports_come_and_go_while_a_busy_export_serves_verified_io() {
     assert!(q.pending_events().is_empty(), "{:?}", q.pending_events());
 }
 
+/// One export's end, however long its storage takes, holds up no other export: while a writable
+/// export's final flush waits (an injected 4 s delay), another export is added, serves and is
+/// removed, and its `BLOCK_EXPORT_DELETED` comes first.
+#[test]
+fn a_slow_end_holds_up_no_other_export() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-slow-end");
+    let img = w.join("slow.img");
+    random_image(&img, MIB, 17);
+    let slow = w.join("slow.raw");
+    fs::write(&slow, b"").unwrap();
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.add_raw_export(
+        "slow",
+        &img,
+        &slow,
+        json!({"__org.fusex_fault": ["flush:*:delay=4000ms"]}),
+    );
+    // (Only a stat: a close would send FLUSH, delayed too.)
+    assert_eq!(fs::metadata(&slow).unwrap().len(), MIB);
+    q.ok("block-export-del", json!({"id": "slow"}));
+    let quick = w.join("quick.raw");
+    q.add_null_export("quick", &quick, json!({}));
+    assert_eq!(fs::metadata(&quick).unwrap().len(), 64 << 20);
+    q.remove_null_export("quick", "safe");
+    assert!(
+        !q.pending_events()
+            .iter()
+            .any(|e| e["event"] == "BLOCK_EXPORT_DELETED"),
+        "the slow export ended first: {:?}",
+        q.pending_events()
+    );
+    q.event("BLOCK_EXPORT_DELETED", "slow", TIMEOUT);
+    assert_eq!(q.ok("query-block-exports", json!({})), json!([]));
+    let log = serve.log_text();
+    assert!(
+        log.contains("export slow removed") && !log.contains("did not end"),
+        "{log}"
+    );
+}
+
 /// A removal with a read in flight: `safe` lets the read finish with its bytes, `hard` fails it
 /// at once; either way the event follows and the other export serves on.
 #[test]

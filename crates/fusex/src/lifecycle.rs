@@ -949,8 +949,16 @@ pub struct Supervisor {
     per_queue: Vec<serde_json::Value>,
     /// The first reason the export failed.
     failure: Option<String>,
-    /// The final flush's outcome, once it ran.
+    /// The final flush's outcome, once it ran (or, with `flush_at_end`, once the connection was
+    /// aborted: the flush itself comes in [`Supervisor::finish`]).
     flushed: Option<Result<bool>>,
+    /// `fusex serve`: the final flush runs in [`Supervisor::finish`], which the service calls
+    /// on a thread of its own, not where this supervisor handles its events (the exports'
+    /// thread, shared by every export, which a slow disk's flush would hold up). The queues are
+    /// quiet when it is due, so flushing after the abort leaves nothing unflushed.
+    flush_at_end: bool,
+    /// The final flush is due in [`Supervisor::finish`].
+    flush_due: bool,
     /// `fusex restart`: the successor waiting for this export to let go, and its pid.
     successor: Option<(ReleaseTo, u32)>,
     /// The successor that serves the export now.
@@ -1011,6 +1019,8 @@ impl Supervisor {
             per_queue: Vec::new(),
             failure: None,
             flushed: None,
+            flush_at_end: shared,
+            flush_due: false,
             successor: None,
             handed_to: None,
             draining: None,
@@ -1149,6 +1159,20 @@ impl Supervisor {
         }
     }
 
+    /// Every queue is quiet: the image is flushed (now, or with `flush_at_end` in
+    /// [`Supervisor::finish`]) and the connection aborted, which ends the queues.
+    fn end_connection(&mut self, p: &mut Prepared) {
+        if self.flush_at_end && self.flushed.is_none() {
+            self.flush_due = true;
+            self.flushed = Some(Ok(false));
+            if let Err(e) = p.mnt.abort() {
+                tracing::error!("{e}");
+            }
+        } else {
+            finish(&mut self.flushed, &p.export, &mut p.mnt);
+        }
+    }
+
     /// Tells every queue to stop taking requests.
     fn stop_all(&self) {
         self.stop.store(true, Ordering::Release);
@@ -1279,7 +1303,7 @@ impl Supervisor {
                 owner.main_process(pid);
                 self.release(p, to, pid, owner);
             } else {
-                finish(&mut self.flushed, &p.export, &mut p.mnt);
+                self.end_connection(p);
                 if self.abandon {
                     // Every request taken is answered and the image flushed; the connection
                     // ends as this process exits.
@@ -1396,7 +1420,7 @@ impl Supervisor {
                 );
                 // Nobody took the export: end it as a stop would.
                 owner.main_process(std::process::id());
-                finish(&mut self.flushed, &p.export, &mut p.mnt);
+                self.end_connection(p);
             }
         }
     }
@@ -1410,6 +1434,7 @@ impl Supervisor {
             failure,
             mut per_queue,
             mut flushed,
+            flush_due,
             handed_to,
             abandon,
             stopping_sent,
@@ -1424,6 +1449,9 @@ impl Supervisor {
         }
         if handed_to.is_none() {
             finish(&mut flushed, &p.export, &mut p.mnt);
+            if flush_due {
+                flushed = Some(final_flush(&p.export));
+            }
         }
         if failure.is_none() && !abandon {
             queues.join();

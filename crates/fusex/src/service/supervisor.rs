@@ -5,16 +5,17 @@
 //! is ended here too, then handed to the reaper as [`Finished`].
 //!
 //! What an export does on this thread is short, except ending it: the final flush, the abort and
-//! the unmount (`lifecycle::conclude`) take as long as the image and the kernel take, and every
-//! other export's events wait meanwhile (a second at worst for a local image; an NBD server's
-//! flush is bounded by `--nbd-timeout`). Mounting (`lifecycle::setup`) stays on the thread that
-//! adds the export.
+//! the unmount (`lifecycle::conclude`) take as long as the image and the kernel take (an NBD
+//! server's flush is bounded by `--nbd-timeout`, a slow disk's by nothing). So an export that is
+//! done is ended on an [`Enders`] thread instead, and the other exports' events, additions and
+//! ticks go on meanwhile. Mounting (`lifecycle::setup`) stays on the thread that adds the
+//! export.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::Instant;
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use super::{Finished, ServiceOwner};
 use crate::lifecycle::{self, Event, Owner, Prepared, Supervisor};
@@ -136,6 +137,7 @@ impl Supervisors {
 /// export ended once it is done.
 fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
     let mut slots: BTreeMap<u64, Slot> = BTreeMap::new();
+    let enders = Enders::new(finished.clone());
     loop {
         let due = slots.values().map(|s| s.due).min();
         let msg = match due {
@@ -153,7 +155,11 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
         match msg {
             Some(Msg::Event(serial, ev)) if slots.contains_key(&serial) => {
                 guarded(&mut slots, serial, |s| {
-                    s.sup.handle(&mut s.prepared, ev, &mut s.owner)
+                    s.sup.handle(&mut s.prepared, ev, &mut s.owner);
+                    // Its tick is due counted from now: what the event started (an abort, and
+                    // the queues' time to end after it) is not cut short by a tick that fell
+                    // due while it was handled.
+                    s.due = Instant::now() + s.sup.next_wakeup();
                 });
                 touched.push(serial);
             }
@@ -192,7 +198,7 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
             };
             if s.sup.done() {
                 if let Some(s) = slots.remove(&serial) {
-                    end(serial, s, &finished);
+                    enders.end(serial, s);
                 }
             } else {
                 s.due = Instant::now() + s.sup.next_wakeup();
@@ -205,7 +211,110 @@ fn run(rx: mpsc::Receiver<Msg>, finished: mpsc::Sender<Finished>) {
         let span = s.span.clone();
         let _in = span.enter();
         s.sup.closed(&s.prepared);
-        end(serial, s, &finished);
+        drop(_in);
+        enders.end(serial, s);
+    }
+}
+
+/// Enders at most: the exports ending at once beyond this wait for one of them (a daemon told
+/// to quit with many exports keeps a bounded number of threads).
+const ENDERS: usize = 4;
+
+/// How long an ender waits for another export to end before its thread exits: a daemon whose
+/// exports come and go keeps one, an idle daemon none.
+const ENDER_IDLE: Duration = Duration::from_millis(500);
+
+/// The threads (`fusex-end`) that end exports, so that one export's final flush and unmount,
+/// however long its storage takes, never holds up the others' events on the exports' thread.
+/// Started as exports end and gone once idle; each export is ended by one of them, its
+/// `BLOCK_EXPORT_DELETED` sent when its own end is done.
+struct Enders {
+    shared: Arc<EndersShared>,
+    finished: mpsc::Sender<Finished>,
+}
+
+struct EndersShared {
+    state: Mutex<EndersState>,
+    work: Condvar,
+}
+
+#[derive(Default)]
+struct EndersState {
+    waiting: VecDeque<(u64, Slot)>,
+    /// Threads running, and how many of them wait for work.
+    threads: usize,
+    idle: usize,
+}
+
+impl Enders {
+    fn new(finished: mpsc::Sender<Finished>) -> Enders {
+        Enders {
+            shared: Arc::new(EndersShared {
+                state: Mutex::new(EndersState::default()),
+                work: Condvar::new(),
+            }),
+            finished,
+        }
+    }
+
+    /// Ends export `serial` on an ender thread: an idle one, a new one while there are fewer
+    /// than [`ENDERS`], else the next one free. Here instead, if no thread can be started.
+    fn end(&self, serial: u64, s: Slot) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.waiting.push_back((serial, s));
+        if st.idle > 0 {
+            drop(st);
+            self.shared.work.notify_one();
+            return;
+        }
+        if st.threads >= ENDERS {
+            return;
+        }
+        st.threads += 1;
+        drop(st);
+        let shared = self.shared.clone();
+        let finished = self.finished.clone();
+        let spawned = std::thread::Builder::new()
+            .name("fusex-end".into())
+            .spawn(move || ender(&shared, &finished));
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start a thread to end exports ({e}); ending them here");
+            let mut st = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.threads -= 1;
+            let mine = if st.threads == 0 {
+                std::mem::take(&mut st.waiting)
+            } else {
+                VecDeque::new()
+            };
+            drop(st);
+            for (serial, s) in mine {
+                end(serial, s, &self.finished);
+            }
+        }
+    }
+}
+
+/// An ender thread: ends waiting exports until none came for [`ENDER_IDLE`].
+fn ender(shared: &EndersShared, finished: &mpsc::Sender<Finished>) {
+    let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if let Some((serial, s)) = st.waiting.pop_front() {
+            drop(st);
+            end(serial, s, finished);
+            st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+            continue;
+        }
+        st.idle += 1;
+        let (next, timeout) = shared
+            .work
+            .wait_timeout(st, ENDER_IDLE)
+            .unwrap_or_else(|p| p.into_inner());
+        st = next;
+        st.idle -= 1;
+        if timeout.timed_out() && st.waiting.is_empty() {
+            st.threads -= 1;
+            return;
+        }
     }
 }
 
