@@ -6,8 +6,9 @@ through one fixed scenario and print a normalized JSON transcript on stdout.
 
 PROGRAM is the daemon's argv prefix as one string split on spaces ("qemu-storage-daemon",
 "/path/fusex serve"); WORKDIR is an empty directory the script fills. Run as root. The transcript
-printed for qemu-storage-daemon is kept in tests/qmp_service_qsd.json: the same script run against
-fusex must print the same text. Every path is written with WORKDIR replaced by "$W", and QEMU's
+printed for qemu-storage-daemon is kept in tests/qmp_service_qsd.json (regenerate it with
+`qmp_service.py qemu-storage-daemon DIR > tests/qmp_service_qsd.json`; tests/serve.rs checks it
+is current): the same script run against fusex must print the same text. Every path is written with WORKDIR replaced by "$W", and QEMU's
 generated node names ("#block123") as "#block". Every wait is bounded: what does not happen in
 time is recorded as "timeout". Exits 0 if the scenario ran to its end, else 1 with a one-line
 reason on stderr (the transcript so far is still printed). Needs only the stdlib, qemu.qmp
@@ -190,6 +191,17 @@ class Scenario:
     async def run(self):
         sort_exports = lambda r: sorted(r, key=lambda e: e["id"])
 
+        # 0. What the daemon is and offers: query-version's shape (the numbers differ), and
+        #    the export commands both have among query-commands' names.
+        shape = lambda v: {k: sorted(v[k]) if isinstance(v[k], dict) else type(v[k]).__name__
+                           for k in v}
+        await self.step("query-version", "query-version", post=shape)
+        shared = {"blockdev-add", "blockdev-del", "block-export-add", "block-export-del",
+                  "query-block-exports", "query-named-block-nodes", "query-version",
+                  "query-commands", "qmp_capabilities", "quit"}
+        await self.step("query-commands", "query-commands",
+                        post=lambda r: sorted(c["name"] for c in r if c["name"] in shared))
+
         # 1. The export given on the command line.
         await self.step("query-block-exports", "query-block-exports", post=sort_exports)
 
@@ -299,6 +311,28 @@ class Scenario:
         ]
         for name, cmd, args in errors:
             await self.step(name, cmd, args)
+        await self.step("blockdev-add: no node-name", "blockdev-add",
+                        {"driver": "null-co", "size": MiB})
+        await self.step("blockdev-add ro0 read-only", "blockdev-add",
+                        {"driver": "null-co", "node-name": "ro0", "size": MiB,
+                         "read-only": True})
+        await self.step("export: writable from a read-only node", "block-export-add",
+                        fuse(**{"node-name": "ro0", "writable": True}))
+        await self.step("blockdev-del ro0", "blockdev-del", {"node-name": "ro0"})
+
+        # 5b. Options both take: cache.direct on a node; growable and allow-other on an export.
+        await self.step("blockdev-add cd0 cache.direct", "blockdev-add",
+                        {"driver": "null-co", "node-name": "cd0", "size": MiB,
+                         "cache": {"direct": True}})
+        open(self.p("cd.mnt"), "wb").close()
+        await self.step("block-export-add exp8 growable allow-other", "block-export-add",
+                        {"type": "fuse", "id": "exp8", "node-name": "cd0",
+                         "mountpoint": self.p("cd.mnt"), "growable": False,
+                         "allow-other": "off"})
+        self.record("exp8 size", size=os.stat(self.p("cd.mnt")).st_size)
+        await self.step("block-export-del exp8", "block-export-del", {"id": "exp8"})
+        self.record("event after exp8", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del cd0", "blockdev-del", {"node-name": "cd0"})
 
         # 6. Removal of exports and nodes.
         await self.step("block-export-del exp2", "block-export-del", {"id": "exp2"})

@@ -65,6 +65,15 @@ fn qemu_qmp_gets_the_same_answers_as_from_qemu_storage_daemon() {
         assert_eq!(x, y, "qemu-storage-daemon and fusex differ at this step");
     }
     assert_eq!(a.len(), b.len(), "the transcripts differ in length");
+    // The transcript kept in the tree (for reading) is this one.
+    let kept: Value = serde_json::from_slice(
+        &fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("qmp_service_qsd.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        kept == qsd,
+        "tests/qmp_service_qsd.json is stale: regenerate it (see tests/qmp_service.py)"
+    );
 }
 
 /// A busy export under fio with verification keeps serving while other exports are added and

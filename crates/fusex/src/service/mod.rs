@@ -469,10 +469,10 @@ impl Service {
             chain.push(c);
         }
         if writable && chain.iter().any(|c| c.read_only) {
-            return Err(QmpError::generic(format!(
-                "Cannot export read-only node '{}' as writable",
-                n.name
-            )));
+            // qemu-storage-daemon's words (the node is the one named in the command).
+            return Err(QmpError::generic(
+                "Cannot export read-only node as writable",
+            ));
         }
         let Some((image, format)) = n.image(&lookup) else {
             return Err(QmpError::generic(format!(

@@ -472,9 +472,10 @@ pub fn parse(
         Some(n) => n,
         None if !path.is_empty() => auto_name(),
         None => {
+            // qemu-storage-daemon's words.
             return Err(QmpError::generic(
-                "A block device must be given a name (node-name)",
-            ))
+                "'node-name' must be specified for the root node",
+            ));
         }
     };
     out.push(node);
