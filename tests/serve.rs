@@ -1448,3 +1448,101 @@ fn json_log_lines_name_the_export_they_are_about() {
         .unwrap_or_else(|| panic!("no quit line: {text}"));
     assert!(quit.get("export").is_none(), "{quit}");
 }
+
+/// A daemon and the mounts under a directory, killed and unmounted when dropped.
+struct Daemon(std::process::Child, PathBuf);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        unmount_under(&self.1);
+    }
+}
+
+/// qemu-storage-daemon's man page launches it with a QMP socket its parent bound and hands over
+/// by descriptor (`--chardev socket,fd=N,server=on,id=char1 --monitor chardev=char1`), so that
+/// clients need not wait for the daemon to bind: the same command line starts fusex, which
+/// serves QMP there with the same answers, removes the socket's file at exit as qsd does, and
+/// refuses a descriptor that is not a listening socket in one line.
+#[test]
+fn a_monitor_socket_handed_over_by_descriptor_serves_qmp() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    if !require_fuse_and_tools(&["qemu-storage-daemon"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-chardev-fd");
+    let fusex = fusex_bin().display().to_string();
+    let programs = [
+        ("qsd", vec!["qemu-storage-daemon"]),
+        ("fusex", vec![fusex.as_str(), "serve"]),
+    ];
+    // Runs PROGRAM with `fd` inherited and named by the chardev.
+    let launch = |program: &[&str], fd: i32, log: &Path| {
+        let mut cmd = Command::new(program[0]);
+        cmd.args(&program[1..])
+            .args([
+                "--chardev",
+                &format!("socket,fd={fd},server=on,id=char1"),
+                "--monitor",
+                "chardev=char1",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(log).unwrap());
+        // SAFETY: only fcntl, async-signal-safe, between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd.spawn().expect("starting the daemon")
+    };
+    let mut answers = Vec::new();
+    for (name, program) in &programs {
+        let sock = w.join(format!("{name}.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let log = w.join(format!("{name}.log"));
+        let mut d = Daemon(launch(program, listener.as_raw_fd(), &log), w.join(name));
+        drop(listener);
+        fs::create_dir_all(&d.1).unwrap();
+        // Connected at once: the socket listens before the daemon runs.
+        let mut q = Qmp::connect(&sock);
+        let mp = d.1.join("n.mnt");
+        q.add_null_export("e", &mp, json!({}));
+        let size = fs::metadata(&mp).unwrap().len();
+        let listed = q.ok("query-block-exports", json!({}));
+        q.remove_null_export("e", "safe");
+        q.ok("quit", json!({}));
+        let status = wait_timeout(&mut d.0, TIMEOUT).expect("the daemon exits after quit");
+        assert!(
+            status.success(),
+            "{name}: {status}: {}",
+            fs::read_to_string(&log).unwrap_or_default()
+        );
+        answers.push((size, listed, sock.exists()));
+    }
+    assert_eq!(
+        answers[0], answers[1],
+        "qemu-storage-daemon and fusex differ"
+    );
+    // A descriptor that is not a listening socket: refused in one line, nothing served.
+    let file = fs::File::open("/dev/null").unwrap();
+    let log = w.join("bad.log");
+    let mut child = launch(
+        &["fusex", "serve"].map(|a| if a == "fusex" { fusex.as_str() } else { a }),
+        file.as_raw_fd(),
+        &log,
+    );
+    let status = wait_timeout(&mut child, TIMEOUT).expect("refused at once");
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(!status.success());
+    assert!(
+        text.contains(&format!("fd={}", file.as_raw_fd())) && text.contains("listening"),
+        "{text}"
+    );
+}

@@ -96,6 +96,15 @@ pub enum ServerError {
     /// Something that is not a socket is in the way.
     #[error("QMP socket path {0} exists and is not a socket (remove it or choose another path)")]
     NotASocket(PathBuf),
+    /// A descriptor handed over as the listening socket is not one: a unix stream socket that
+    /// listens.
+    #[error("QMP socket fd={fd}: {why} (pass a listening unix stream socket)")]
+    NotAListener {
+        /// The descriptor.
+        fd: i32,
+        /// What it is instead.
+        why: String,
+    },
     /// A system call failed; the message names the step and the path.
     #[error("QMP socket {path}: {what}: {err}")]
     Io {

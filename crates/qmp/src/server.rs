@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Read, Write};
 use std::net::Shutdown;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -67,9 +67,11 @@ impl Default for ServerConfig {
 /// [`ShutdownHandle::shutdown`].
 pub struct Server {
     listener: UnixListener,
+    /// The socket's path, or `fd=N` for one handed over that has none.
     path: PathBuf,
     /// The socket file's (device, inode): at exit it is removed only if it is still this one.
-    ident: (u64, u64),
+    /// None for a socket handed over that has no file.
+    ident: Option<(u64, u64)>,
     dispatcher: Arc<dyn Dispatcher>,
     config: Arc<ServerConfig>,
     wake_rx: UnixStream,
@@ -208,6 +210,7 @@ impl Server {
     ) -> Result<Server, ServerError> {
         let path = path.as_ref().to_owned();
         let (listener, ident) = bind_0600(&path)?;
+        let ident = Some(ident);
         let (wake_rx, wake_tx) = UnixStream::pair().map_err(|err| ServerError::Io {
             path: path.clone(),
             what: "socketpair",
@@ -227,7 +230,101 @@ impl Server {
         })
     }
 
-    /// The socket's path.
+    /// Serves QMP on `fd`, a listening unix socket the process was handed (qemu-storage-daemon's
+    /// `--chardev socket,fd=N`: a parent binds the socket first, so that clients can connect as
+    /// soon as it exists, with no wait for the daemon to bind). The descriptor is taken over
+    /// (closed with the server) only once it is found to be such a socket; its file, if it has
+    /// one, is removed at exit as a bound socket's is (qemu-storage-daemon does the same). Who
+    /// may connect is still [`ServerConfig::allowed_uids`].
+    pub fn from_fd(
+        fd: RawFd,
+        dispatcher: Arc<dyn Dispatcher>,
+        config: ServerConfig,
+    ) -> Result<Server, ServerError> {
+        let path = PathBuf::from(format!("fd={fd}"));
+        let not = |why: String| ServerError::NotAListener { fd, why };
+        let int_opt = |opt: libc::c_int| -> Result<libc::c_int, ServerError> {
+            let mut v: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: `v` and `len` are valid and writable, `len` holds the size of `v`, which
+            // the kernel writes at most; a descriptor that is not open or not a socket fails.
+            let rc = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&mut v as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            if rc != 0 {
+                return Err(not(io::Error::last_os_error().to_string()));
+            }
+            Ok(v)
+        };
+        if fd < 0 {
+            return Err(not("not a descriptor".into()));
+        }
+        if int_opt(libc::SO_DOMAIN)? != libc::AF_UNIX {
+            return Err(not("not a unix socket".into()));
+        }
+        if int_opt(libc::SO_TYPE)? != libc::SOCK_STREAM {
+            return Err(not("not a stream socket".into()));
+        }
+        if int_opt(libc::SO_ACCEPTCONN)? == 0 {
+            return Err(not("not listening (call listen() on it first)".into()));
+        }
+        // SAFETY: `fd` is an open unix stream socket that listens (checked above), handed to
+        // this process for the server to own; nothing else in the process uses it.
+        let listener = unsafe { UnixListener::from_raw_fd(fd) };
+        let io_err = |what, err| ServerError::Io {
+            path: path.clone(),
+            what,
+            err,
+        };
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| io_err("set non-blocking", e))?;
+        // SAFETY: F_SETFD on the descriptor just taken over; the result is checked.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+            return Err(io_err("set close-on-exec", io::Error::last_os_error()));
+        }
+        // Its file goes at exit as a bound one's does (as qemu-storage-daemon removes it),
+        // if it is still that socket then.
+        let named = listener
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(Path::to_path_buf));
+        let (path, ident) = match named {
+            Some(p) => match fs::symlink_metadata(&p) {
+                Ok(m) if m.file_type().is_socket() => {
+                    let ident = Some((m.dev(), m.ino()));
+                    (p, ident)
+                }
+                _ => (path, None),
+            },
+            None => (path, None),
+        };
+        let (wake_rx, wake_tx) = UnixStream::pair().map_err(|err| ServerError::Io {
+            path: path.clone(),
+            what: "socketpair",
+            err,
+        })?;
+        tracing::info!(path = %path.display(), "QMP server listening");
+        Ok(Server {
+            listener,
+            path,
+            ident,
+            dispatcher,
+            config: Arc::new(config),
+            wake_rx,
+            handle: ShutdownHandle {
+                wake_tx: Arc::new(wake_tx),
+            },
+        })
+    }
+
+    /// The socket's path (`fd=N` for one handed over that has none).
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -351,8 +448,9 @@ impl Drop for Server {
     /// Removes the socket file, if it is still this server's (a later server may have replaced
     /// it), whether or not [`Server::run`] ever ran.
     fn drop(&mut self) {
+        let Some(ident) = self.ident else { return };
         if let Ok(m) = fs::symlink_metadata(&self.path) {
-            if (m.dev(), m.ino()) == self.ident {
+            if (m.dev(), m.ino()) == ident {
                 let _ = fs::remove_file(&self.path);
             }
         }

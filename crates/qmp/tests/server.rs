@@ -358,3 +358,57 @@ fn pipelined_negotiation_then_event_command() {
         assert_eq!(c.recv(), json!({"return": {}, "id": 2}));
     }
 }
+
+/// A listening socket handed over by descriptor (`--chardev socket,fd=N`) is served, and its file
+/// is removed when the server stops, as a bound one's is; anything else is refused by name,
+/// and the descriptor is left open then.
+#[test]
+fn a_handed_over_listener_is_served_and_others_refused() {
+    use std::os::fd::{AsRawFd, IntoRawFd};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("handed.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let fd = listener.into_raw_fd();
+    let server = Server::from_fd(fd, Arc::new(Toy), ServerConfig::default()).unwrap();
+    assert_eq!(server.path(), path);
+    let stop = server.shutdown_handle();
+    let thread = std::thread::spawn(move || server.run());
+    let mut c = Client::ready(&path);
+    assert_eq!(
+        c.ask(r#"{"execute": "toy-echo", "arguments": {"a": 1}}"#),
+        json!({"return": {"a": 1}})
+    );
+    stop.shutdown();
+    thread.join().unwrap().unwrap();
+    assert!(!path.exists(), "the handed-over socket's file is left");
+    // One without a file: an abstract socket.
+    use std::os::linux::net::SocketAddrExt;
+    let unnamed = std::os::unix::net::UnixListener::bind_addr(
+        &std::os::unix::net::SocketAddr::from_abstract_name(b"fusex-qmp-test-abstract").unwrap(),
+    )
+    .unwrap();
+    let server = Server::from_fd(
+        unnamed.into_raw_fd(),
+        Arc::new(Toy),
+        ServerConfig::default(),
+    )
+    .unwrap();
+    assert!(server.path().to_str().unwrap().starts_with("fd="));
+
+    let refused = |fd: i32, want: &str| {
+        let e = Server::from_fd(fd, Arc::new(Toy), ServerConfig::default())
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains(want), "{e}");
+    };
+    // A connected socket, not a listening one.
+    let (a, _b) = UnixStream::pair().unwrap();
+    refused(a.as_raw_fd(), "not listening");
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    refused(udp.as_raw_fd(), "not a unix socket");
+    let file = std::fs::File::open("/dev/null").unwrap();
+    refused(file.as_raw_fd(), "fd=");
+    // Still open (not taken over): usable after the refusal.
+    assert!(udp.local_addr().is_ok());
+    refused(-1, "not a descriptor");
+}

@@ -62,8 +62,28 @@ pub fn export(arg: &str) -> Result<Value, String> {
     Ok(Value::Object(m))
 }
 
-/// `--chardev socket,id=ID,path=PATH,server=on[,wait=off]`: the socket a `--monitor` serves.
-pub fn chardev(arg: &str) -> Result<(String, PathBuf), String> {
+/// Where a QMP monitor listens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ControlSocket {
+    /// A unix socket fusex binds (mode 0600) and removes at exit.
+    Path(PathBuf),
+    /// A listening unix socket the process was handed as this descriptor (`fd=N`), as a parent
+    /// that binds it first passes it to qemu-storage-daemon.
+    Fd(i32),
+}
+
+impl std::fmt::Display for ControlSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ControlSocket::Path(p) => write!(f, "{}", p.display()),
+            ControlSocket::Fd(n) => write!(f, "fd={n}"),
+        }
+    }
+}
+
+/// `--chardev socket,id=ID,path=PATH|fd=N,server=on[,wait=off]`: the socket a `--monitor`
+/// serves.
+pub fn chardev(arg: &str) -> Result<(String, ControlSocket), String> {
     let m = keyval::parse(arg, Some("backend")).map_err(|e| format!("--chardev {arg}: {e}"))?;
     let get = |k: &str| m.get(k).and_then(Value::as_str);
     if get("backend") != Some("socket") {
@@ -72,13 +92,31 @@ pub fn chardev(arg: &str) -> Result<(String, PathBuf), String> {
         ));
     }
     let id = get("id").ok_or_else(|| format!("--chardev {arg}: Parameter 'id' is missing"))?;
-    let path = get("path").ok_or_else(|| {
-        format!("--chardev {arg}: fusex supports only unix sockets here: give path=PATH")
-    })?;
+    let socket = match (get("path"), get("fd")) {
+        (Some(path), None) => ControlSocket::Path(PathBuf::from(path)),
+        (None, Some(fd)) => match fd.parse::<i32>() {
+            Ok(n) if n > 2 => ControlSocket::Fd(n),
+            _ => {
+                return Err(format!(
+                    "--chardev {arg}: fd={fd} is not a descriptor number above 2 (give the \
+                     number of a listening unix socket the daemon inherits)"
+                ))
+            }
+        },
+        (Some(_), Some(_)) => {
+            return Err(format!("--chardev {arg}: give path=PATH or fd=N, not both"))
+        }
+        (None, None) => {
+            return Err(format!(
+                "--chardev {arg}: fusex supports only unix sockets here: give path=PATH (or \
+                 fd=N, a listening unix socket it inherits)"
+            ))
+        }
+    };
     for (k, v) in &m {
         let on = |v: &Value| matches!(v.as_str(), Some("on" | "yes" | "true"));
         match k.as_str() {
-            "backend" | "id" | "path" => {}
+            "backend" | "id" | "path" | "fd" => {}
             "server" if on(v) => {}
             "server" => {
                 return Err(format!(
@@ -94,7 +132,7 @@ pub fn chardev(arg: &str) -> Result<(String, PathBuf), String> {
             }
         }
     }
-    Ok((id.to_string(), PathBuf::from(path)))
+    Ok((id.to_string(), socket))
 }
 
 /// `--monitor [chardev=]ID[,mode=control]`: the chardev's id.
@@ -123,7 +161,10 @@ pub fn monitor(arg: &str) -> Result<String, String> {
 }
 
 /// The control sockets `--chardev` and `--monitor` ask for, in order.
-pub fn monitor_sockets(chardevs: &[String], monitors: &[String]) -> Result<Vec<PathBuf>, String> {
+pub fn monitor_sockets(
+    chardevs: &[String],
+    monitors: &[String],
+) -> Result<Vec<ControlSocket>, String> {
     let mut by_id = BTreeMap::new();
     for c in chardevs {
         let (id, path) = chardev(c)?;
@@ -184,7 +225,16 @@ mod tests {
                 &["chardev=mon0".into()]
             )
             .unwrap(),
-            [PathBuf::from("/q.sock")]
+            [ControlSocket::Path(PathBuf::from("/q.sock"))]
+        );
+        // The man page's Python example: a socket the parent bound, passed by number.
+        assert_eq!(
+            monitor_sockets(
+                &["socket,fd=7,server=on,id=char1".into()],
+                &["chardev=char1".into()]
+            )
+            .unwrap(),
+            [ControlSocket::Fd(7)]
         );
     }
 
@@ -194,6 +244,15 @@ mod tests {
         assert!(chardev("socket,id=x,host=h,port=1")
             .unwrap_err()
             .contains("path=PATH"));
+        assert!(chardev("socket,id=x,fd=1,server=on")
+            .unwrap_err()
+            .contains("above 2"));
+        assert!(chardev("socket,id=x,fd=fdname,server=on")
+            .unwrap_err()
+            .contains("fd=fdname"));
+        assert!(chardev("socket,id=x,fd=5,path=/q,server=on")
+            .unwrap_err()
+            .contains("not both"));
         assert!(monitor("chardev=x,mode=readline")
             .unwrap_err()
             .contains("mode=control"));

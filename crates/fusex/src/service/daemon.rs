@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use qmp::Dispatcher;
 
+use super::cmdline::ControlSocket;
 use super::{cmdline, Control, Service};
 use crate::cli::ServeArgs;
 use crate::daemon::Readiness;
@@ -17,7 +18,7 @@ use crate::metrics::http::MetricsServer;
 
 /// One QMP socket being served.
 struct QmpThread {
-    path: PathBuf,
+    socket: ControlSocket,
     handle: qmp::ShutdownHandle,
     thread: std::thread::JoinHandle<()>,
 }
@@ -81,13 +82,13 @@ pub fn base(reloads: bool, verbose: u8) -> Result<Base> {
 
 /// The control sockets the command line asks for (`--chardev` with `--monitor`, `--control`),
 /// or the default one.
-pub fn sockets(args: &ServeArgs) -> Result<Vec<PathBuf>> {
+pub fn sockets(args: &ServeArgs) -> Result<Vec<ControlSocket>> {
     let mut sockets =
         cmdline::monitor_sockets(&args.chardev, &args.monitor).map_err(|e| anyhow!(e))?;
-    sockets.extend(args.control.iter().cloned());
+    sockets.extend(args.control.iter().cloned().map(ControlSocket::Path));
     if sockets.is_empty() {
         // Nothing asked for a socket: the default one, where `fusex ctl` looks.
-        sockets.push(default_control()?);
+        sockets.push(ControlSocket::Path(default_control()?));
     }
     Ok(sockets)
 }
@@ -97,7 +98,7 @@ impl Base {
     /// start is abandoned (nothing stays mounted).
     pub fn serve(
         self,
-        sockets: Vec<PathBuf>,
+        sockets: Vec<ControlSocket>,
         pid_file: Option<crate::files::PidFile>,
         notifier: crate::notify::Notifier,
         metrics: Option<MetricsServer>,
@@ -119,35 +120,44 @@ impl Base {
         }
     }
 
-    fn bind(&self, sockets: Vec<PathBuf>) -> Result<Vec<QmpThread>> {
+    fn bind(&self, sockets: Vec<ControlSocket>) -> Result<Vec<QmpThread>> {
         let mut servers: Vec<QmpThread> = Vec::new();
-        for path in sockets {
+        for socket in sockets {
             let config = qmp::ServerConfig {
                 info: qmp::ServerInfo::default(),
                 events: self.events.clone(),
                 ..Default::default()
             };
-            let server = match qmp::Server::bind(&path, self.service.clone(), config) {
+            let server = match &socket {
+                ControlSocket::Path(path) => qmp::Server::bind(path, self.service.clone(), config),
+                ControlSocket::Fd(fd) => qmp::Server::from_fd(*fd, self.service.clone(), config),
+            };
+            let server = match server {
                 Ok(s) => s,
                 Err(e) => {
                     for s in servers {
                         s.handle.shutdown();
                         let _ = s.thread.join();
                     }
-                    return Err(anyhow!("QMP socket {}: {e}", path.display()));
+                    return Err(match &socket {
+                        ControlSocket::Path(path) => {
+                            anyhow!("QMP socket {}: {e}", path.display())
+                        }
+                        ControlSocket::Fd(_) => anyhow!("{e}"),
+                    });
                 }
             };
             let handle = server.shutdown_handle();
-            let shown = path.clone();
+            let shown = socket.to_string();
             let thread = std::thread::Builder::new()
                 .name("fusex-qmp".into())
                 .spawn(move || {
                     if let Err(e) = server.run() {
-                        tracing::error!("QMP on {}: {e}", shown.display());
+                        tracing::error!("QMP on {shown}: {e}");
                     }
                 })?;
             servers.push(QmpThread {
-                path,
+                socket,
                 handle,
                 thread,
             });
@@ -204,7 +214,7 @@ impl Running {
             if count == 1 { "" } else { "s" },
             servers
                 .iter()
-                .map(|s| s.path.display().to_string())
+                .map(|s| s.socket.to_string())
                 .collect::<Vec<_>>()
                 .join(", "),
             metrics

@@ -87,6 +87,17 @@ fn take(
         adoptions.push((e, a));
     }
     let sockets = daemon::sockets(&args)?;
+    // A socket the old daemon was handed by number was its parent's to give: this process
+    // did not inherit it, and the number names something else here (or nothing).
+    if let Some(s) = sockets
+        .iter()
+        .find(|s| matches!(s, super::cmdline::ControlSocket::Fd(_)))
+    {
+        bail!(
+            "restart: the daemon's QMP socket came from its parent as {s}, which a new process \
+             cannot take over; run it with --chardev socket,path=PATH to restart it"
+        );
+    }
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
     let open_files: BTreeMap<String, u64> =
