@@ -1546,3 +1546,103 @@ fn a_monitor_socket_handed_over_by_descriptor_serves_qmp() {
         "{text}"
     );
 }
+
+/// qemu-storage-daemon's man page example, word for word with only the program name changed:
+/// a qcow2 image exported through FUSE on itself, so that the file appears raw while the export
+/// is active. Its guest bytes read as `qemu-img` reads them, a write lands in the image, and once
+/// the daemon is stopped the file is the qcow2 image again, consistent (`qemu-img check`) and
+/// holding the write; qemu-storage-daemon gives the same answers.
+#[test]
+fn the_man_page_export_of_an_image_on_itself() {
+    use std::os::unix::fs::FileExt;
+    if !require_fuse_and_tools(&["qemu-storage-daemon", "qemu-img", "qemu-io"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-on-itself");
+    let fusex = fusex_bin().display().to_string();
+    let mut seen = Vec::new();
+    for (name, program) in [
+        ("qsd", vec!["qemu-storage-daemon"]),
+        ("fusex", vec![fusex.as_str(), "serve"]),
+    ] {
+        let dir = w.join(name);
+        fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("disk.qcow2");
+        run_ok(
+            Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(&img)
+                .arg("8M"),
+        );
+        run_ok(
+            Command::new("qemu-io")
+                .args(["-f", "qcow2", "-c", "write -P 0x5a 1M 64k"])
+                .arg(&img),
+        );
+        let log = dir.join("daemon.log");
+        let child = Command::new(program[0])
+            .args(&program[1..])
+            .args([
+                "--blockdev",
+                "driver=file,node-name=file,filename=disk.qcow2",
+                "--blockdev",
+                "driver=qcow2,node-name=qcow2,file=file",
+                "--export",
+                "type=fuse,id=export,node-name=qcow2,mountpoint=disk.qcow2,writable=on",
+            ])
+            .current_dir(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("starting the daemon");
+        let mut d = Daemon(child, dir.clone());
+        let up = wait_until(Instant::now() + TIMEOUT, || {
+            !fuse_mounts_at(&img).is_empty()
+        });
+        assert!(
+            up,
+            "{name}: not mounted: {}",
+            fs::read_to_string(&log).unwrap()
+        );
+        let size = fs::metadata(&img).unwrap().len();
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&img)
+            .unwrap();
+        let mut buf = vec![0u8; 128 << 10];
+        f.read_exact_at(&mut buf, 1 << 20).unwrap();
+        let read = (
+            buf[..64 << 10].iter().all(|&b| b == 0x5a),
+            buf[64 << 10..].iter().all(|&b| b == 0),
+        );
+        f.write_all_at(&[0xc3; 4096], 4 << 20).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        send_signal(d.0.id() as i32, libc::SIGTERM);
+        let status = wait_timeout(&mut d.0, TIMEOUT).expect("the daemon exits on SIGTERM");
+        assert!(fuse_mounts_at(&img).is_empty(), "{name}: still mounted");
+        run_ok(
+            Command::new("qemu-img")
+                .args(["check", "-q", "-f", "qcow2"])
+                .arg(&img),
+        );
+        let back = run_ok(
+            Command::new("qemu-io")
+                .args([
+                    "-f",
+                    "qcow2",
+                    "-c",
+                    "read -P 0xc3 4M 4k",
+                    "-c",
+                    "read -P 0x5a 1M 64k",
+                ])
+                .arg(&img),
+        );
+        let back = String::from_utf8_lossy(&back.stdout).contains("Pattern verification failed");
+        seen.push((size, read, status.code(), back));
+    }
+    assert_eq!(seen[0], seen[1], "qemu-storage-daemon and fusex differ");
+    assert_eq!(seen[1], (8 << 20, (true, true), Some(0), false));
+}
