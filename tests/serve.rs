@@ -188,8 +188,89 @@ fn a_slow_end_holds_up_no_other_export() {
     );
 }
 
-/// A removal with a read in flight: `safe` lets the read finish with its bytes, `hard` fails it
-/// at once; either way the event follows and the other export serves on.
+/// An export whose image fails every read and write (injected EIO) gives its applications the
+/// error and disturbs no other export: the one beside it reads and writes its bytes meanwhile,
+/// both stay listed, and removing the failing one leaves the other serving.
+#[test]
+fn an_export_whose_image_fails_disturbs_no_other() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-failing");
+    let (bad_img, good_img) = (w.join("bad.img"), w.join("good.img"));
+    random_image(&bad_img, MIB, 3);
+    let data = random_image(&good_img, 4 * MIB, 4);
+    let (bad, good) = (w.join("bad.raw"), w.join("good.raw"));
+    fs::write(&bad, b"").unwrap();
+    fs::write(&good, b"").unwrap();
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    q.add_raw_export(
+        "bad",
+        &bad_img,
+        &bad,
+        json!({"__org.fusex_fault": ["read:*:eio", "write:*:eio"]}),
+    );
+    q.add_raw_export("good", &good_img, &good, json!({}));
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&bad)
+        .unwrap();
+    let g = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&good)
+        .unwrap();
+    for i in 0..64u64 {
+        let mut buf = vec![0u8; 4096];
+        let e = f
+            .read_exact_at(&mut buf, i * 4096)
+            .expect_err("the bad export's read");
+        assert_eq!(errno(&e), libc::EIO);
+        g.read_exact_at(&mut buf, i * 4096).unwrap();
+        assert_eq!(buf, data[(i * 4096) as usize..][..4096]);
+        g.write_all_at(&[i as u8; 512], 2 * MIB + i * 512).unwrap();
+    }
+    g.sync_all().unwrap();
+    let ids: Vec<Value> = q
+        .ok("query-block-exports", json!({}))
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].clone())
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    drop(f);
+    q.ok("block-export-del", json!({"id": "bad"}));
+    q.event("BLOCK_EXPORT_DELETED", "bad", TIMEOUT);
+    let mut want = data.clone();
+    for i in 0..64usize {
+        want[2 * MIB as usize + i * 512..][..512].fill(i as u8);
+    }
+    assert_bytes_eq(
+        &read_all(&good),
+        &want,
+        0,
+        "the good export after the bad one went",
+    );
+    drop(g);
+    assert_bytes_eq(&fs::read(&good_img).unwrap(), &want, 0, "the good image");
+}
+
+/// Whether FUSE-over-io_uring is on (`make test` turns it on; under CI it must be).
+fn uring_on() -> bool {
+    let on = fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .is_ok_and(|v| v.trim() == "Y");
+    assert!(
+        on || !in_ci(),
+        "enable_uring is not Y: `make test` enables it"
+    );
+    on
+}
+
+/// A removal with a read in flight, on each transport: `safe` lets the read finish with its
+/// bytes, `hard` fails it at once; either way the event follows and the other export serves on.
 #[test]
 fn removal_with_io_in_flight_safe_waits_hard_aborts() {
     if !require_fuse() {
@@ -210,13 +291,21 @@ fn removal_with_io_in_flight_safe_waits_hard_aborts() {
         "block-export-add",
         json!({"type": "fuse", "id": "other", "node-name": "other", "mountpoint": other}),
     );
-    for mode in ["safe", "hard"] {
-        let m = w.join(format!("{mode}.mnt"));
+    for (transport, mode) in [
+        ("legacy", "safe"),
+        ("legacy", "hard"),
+        ("uring", "safe"),
+        ("uring", "hard"),
+    ] {
+        if transport == "uring" && !uring_on() {
+            continue;
+        }
+        let m = w.join(format!("{mode}-{transport}.mnt"));
         // Every backend read waits 1.5 s: the read below is in flight when the removal comes.
         q.add_null_export(
             mode,
             &m,
-            json!({"__org.fusex_fault": ["read:1:delay=1500ms"], "__org.fusex_transport": "legacy"}),
+            json!({"__org.fusex_fault": ["read:1:delay=1500ms"], "__org.fusex_transport": transport}),
         );
         let f = open_ro(&m);
         let reader = std::thread::spawn(move || {
@@ -323,8 +412,28 @@ fn bad_clients_get_errors_and_no_export_notices() {
     let mut big = std::os::unix::net::UnixStream::connect(&serve.socket).unwrap();
     let huge = format!("{{\"execute\": \"{}\"}}\n", "x".repeat(4 << 20));
     {
-        use std::io::Write;
+        use std::io::{BufRead, Write};
+        big.set_read_timeout(Some(TIMEOUT)).unwrap();
         let _ = big.write_all(huge.as_bytes());
+        // The greeting, then one error that names the limit, then the end of the connection.
+        let mut lines = std::io::BufReader::new(&big);
+        let mut line = String::new();
+        lines.read_line(&mut line).unwrap();
+        assert!(line.contains("\"QMP\""), "{line}");
+        line.clear();
+        lines.read_line(&mut line).unwrap();
+        let reply: Value = serde_json::from_str(&line).unwrap();
+        assert!(
+            reply["error"]["desc"]
+                .as_str()
+                .is_some_and(|d| d.contains("exceeds the limit")),
+            "{reply}"
+        );
+        line.clear();
+        assert!(
+            matches!(lines.read_line(&mut line), Ok(0) | Err(_)),
+            "{line}"
+        );
     }
     // Many clients at once.
     let clients: Vec<_> = (0..16)
