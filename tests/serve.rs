@@ -737,6 +737,36 @@ fn config_file_reload_and_ctl() {
     let r = ctl(&["remove", "n"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert!(!is_fuse_mounted(&n));
+    // `remove --force` with a read in flight (its backend read waits 3 s): the read fails at
+    // once instead of being answered, and the export is gone.
+    let r = ctl(&[
+        "add",
+        "f",
+        "null:8M",
+        n.to_str().unwrap(),
+        "--",
+        "--fault",
+        "read:1:delay=3000ms",
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let f = open_ro(&n);
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 4096];
+        f.read_exact_at(&mut buf, 0)
+    });
+    // The read reaches the daemon (and waits there) before the removal.
+    std::thread::sleep(Duration::from_millis(300));
+    let r = ctl(&["remove", "--force", "f"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let e = reader
+        .join()
+        .unwrap()
+        .expect_err("a forced removal fails the read in flight");
+    assert!(
+        [libc::ECONNABORTED, libc::ENOTCONN].contains(&errno(&e)),
+        "{e}"
+    );
+    assert!(!is_fuse_mounted(&n));
     let table = String::from_utf8_lossy(&ctl(&["list"]).stdout).into_owned();
     assert!(table.starts_with("ID "), "{table}");
     assert_eq!(table.lines().count(), 3, "b and c remain: {table}");
