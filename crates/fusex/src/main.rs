@@ -1,31 +1,7 @@
-//! fusex: export disk images as regular files through FUSE.
+//! fusex: export disk images as regular files through FUSE. The command line, its logging and
+//! its exit status; every command's work is in the library (`lib.rs`).
 
-mod affinity;
-mod cli;
-mod ctl;
-mod daemon;
-mod dirmode;
-mod files;
-mod generate;
-mod lifecycle;
-mod list;
-mod logging;
-mod memory;
-mod metrics;
-mod mount_control;
-mod notify;
-mod passthrough;
-mod privileges;
-mod qmp_client;
-mod restart;
-mod runtime;
-pub mod serve;
-mod service;
-mod timeout;
-mod top;
-mod version;
-mod watcher;
-mod workers;
+use fusex::{cli, ctl, daemon, generate, list, logging, serve, service, top, version, watcher};
 
 use clap::Parser;
 
