@@ -266,6 +266,62 @@ fn vmfs_and_hand_written_descriptors() {
     assert!(f.stderr.contains("overlaps another extent"), "{}", f.stderr);
 }
 
+/// A descriptor without the `# Disk DescriptorFile` line (comment lines, then `version=`)
+/// is a VMDK to `--format auto`, as to qemu-img, and reads as qemu-img reads it; one whose
+/// `version=` line ends past the first 512 bytes is raw to both.
+#[test]
+fn descriptors_without_the_header_line() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
+        return;
+    }
+    let w = WorkDir::new("vmdk-noheader");
+    random_image(&w.join("b-flat.img"), 2 * MIB, 15);
+    let body = "CID=fffffffe\r\nparentCID=ffffffff\r\ncreateType=\"monolithicFlat\"\r\n\
+                RW 4096 FLAT \"b-flat.img\" 0\r\n";
+    let desc = w.join("noheader.vmdk");
+    fs::write(
+        &desc,
+        format!("# written by a script\r\n#\r\nversion=1\r\n{body}"),
+    )
+    .unwrap();
+    let probed = |img: &Path| {
+        let out = run_ok(
+            Command::new("qemu-img")
+                .args(["info", "--output=json"])
+                .arg(img),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["format"].as_str().unwrap().to_string()
+    };
+    assert_eq!(probed(&desc), "vmdk", "qemu-img probes it as vmdk");
+    let want = qemu_raw(&w, &desc);
+    assert_eq!(want.len() as u64, 2 * MIB);
+    let mp = w.join("noheader.export");
+    let m = Mount::start(&w, &desc, &mp, &[]);
+    assert_bytes_eq(&read_all(&mp), &want, 0, "no header line");
+    let s = m.stop();
+    s.assert_clean("no header line");
+    assert!(s.stderr.contains("format vmdk (auto"), "{}", s.stderr);
+    // Explicitly as vmdk too.
+    let m = Mount::start(&w, &desc, &mp, &["--format", "vmdk"]);
+    assert_bytes_eq(&read_all(&mp), &want, 0, "--format vmdk");
+    m.stop().assert_clean("--format vmdk");
+    // The version line past the bytes either looks at: raw to both.
+    let late = w.join("late.vmdk");
+    fs::write(
+        &late,
+        format!("{}version=1\r\n{body}", "# padding\r\n".repeat(51)),
+    )
+    .unwrap();
+    assert_eq!(probed(&late), "raw", "qemu-img probes it as raw");
+    let mp = w.join("late.export");
+    let m = Mount::start(&w, &late, &mp, &[]);
+    assert_eq!(read_all(&mp), read_all(&late));
+    let s = m.stop();
+    s.assert_clean("late version line");
+    assert!(s.stderr.contains("format raw (auto"), "{}", s.stderr);
+}
+
 /// streamOptimized is read-only; one whose grain directory is in a footer (as a stream
 /// writer leaves it) reads the same as qemu-img reads it.
 #[test]

@@ -13,6 +13,38 @@ pub const MAX_EXTENTS: usize = 4096;
 /// VMDK is far below: what `off_t` addresses).
 pub const MAX_SECTORS: u64 = (i64::MAX as u64) >> 9;
 
+/// A text descriptor conventionally starts with this line (VMware's and QEMU's).
+pub const MAGIC: &[u8] = b"# Disk DescriptorFile";
+
+/// How much of a file's start [`recognised`] looks at: as much as `qemu-img` looks at when it
+/// probes a file's format (measured with qemu-img 7.2: a `version=` line ending past byte 512
+/// makes the file raw to it), so `--format auto` calls the same files VMDK as QEMU does.
+pub const PROBE_BYTES: usize = 512;
+
+/// Whether `head` (a file's first bytes) starts like a text descriptor: with [`MAGIC`], or
+/// with comment lines (`#`) and blank lines and then a `version=1`, `2` or `3` line, complete
+/// within the first [`PROBE_BYTES`] (a line may end in CR LF). QEMU accepts a descriptor
+/// without the header comment, so such files are VMDK too; the rule is QEMU's except that
+/// empty lines are skipped as well as lines of blanks (QEMU 7.2 stops at an empty line).
+pub fn recognised(head: &[u8]) -> bool {
+    let head = &head[..head.len().min(PROBE_BYTES)];
+    if head.starts_with(MAGIC) {
+        return true;
+    }
+    let mut rest = head;
+    // Only complete lines count: a version line cut off by the window is not one.
+    while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
+        let line = &rest[..nl];
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        rest = &rest[nl + 1..];
+        if line.starts_with(b"#") || line.iter().all(|&b| b == b' ' || b == b'\t') {
+            continue;
+        }
+        return matches!(line, b"version=1" | b"version=2" | b"version=3");
+    }
+    false
+}
+
 /// How an extent may be accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Access {
@@ -217,6 +249,40 @@ fn extent(line: &str) -> Result<Extent, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descriptors_are_recognised_by_their_first_lines() {
+        for yes in [
+            &b"# Disk DescriptorFile\nversion=1\n"[..],
+            b"# Disk DescriptorFile",
+            b"version=1\nCID=fffffffe\n",
+            b"version=3\r\ncreateType=\"vmfs\"\r\n",
+            b"# made by hand\n#\n\n  \t\nversion=2\n",
+            b"#\r\nversion=1\r\n",
+        ] {
+            assert!(recognised(yes), "{}", String::from_utf8_lossy(yes));
+        }
+        for no in [
+            &b""[..],
+            b"version=1",
+            b"version=4\n",
+            b"version = 1\n",
+            b" version=1\n",
+            b"version=1 \n",
+            b"CID=fffffffe\nversion=1\n",
+            b"\0\0\0\0version=1\n",
+            b"# a comment without its end",
+        ] {
+            assert!(!recognised(no), "{}", String::from_utf8_lossy(no));
+        }
+        // Bounded: a version line past the first PROBE_BYTES is not looked at.
+        let mut late = b"# comment\n".repeat(PROBE_BYTES / 10);
+        late.extend_from_slice(b"version=1\n");
+        assert!(!recognised(&late));
+        let mut early = b"# comment\n".repeat(PROBE_BYTES / 10 - 1);
+        early.extend_from_slice(b"version=1\n");
+        assert!(early.len() <= PROBE_BYTES && recognised(&early));
+    }
 
     const TWO_GB: &str = "# Disk DescriptorFile\nversion=1\nCID=12345678\nparentCID=ffffffff\n\
         createType=\"twoGbMaxExtentSparse\"\n\n# Extent description\n\

@@ -35,15 +35,26 @@ use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, 
 use descriptor::{Access, Descriptor, ExtentKind};
 use sparse::Sparse;
 
-/// A text descriptor starts with this line (VMware's and QEMU's).
-pub const DESCRIPTOR_MAGIC: &[u8] = b"# Disk DescriptorFile";
-
-/// Whether the file at `path` is a VMDK: a sparse extent (`KDMV`) or a text descriptor.
+/// Whether the file at `path` is a VMDK: a sparse extent (`KDMV`) or a text descriptor
+/// ([`descriptor::recognised`]).
 pub fn probe(path: &Path) -> io::Result<bool> {
     let f = File::open(path)?;
-    let mut head = [0u8; 32];
-    let n = f.read_at(&mut head, 0)?;
-    Ok(header::is_sparse(&head[..n]) || head[..n].starts_with(DESCRIPTOR_MAGIC))
+    let mut head = [0u8; descriptor::PROBE_BYTES];
+    let n = read_head(&f, &mut head)?;
+    Ok(header::is_sparse(&head[..n]) || descriptor::recognised(&head[..n]))
+}
+
+/// Reads the start of `f` into `head` (a short read stops only at the file's end); the bytes
+/// read.
+fn read_head(f: &File, head: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < head.len() {
+        match f.read_at(&mut head[n..], n as u64)? {
+            0 => break,
+            got => n += got,
+        }
+    }
+    Ok(n)
 }
 
 /// How to open a VMDK image.
@@ -130,8 +141,8 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
     };
     let io_err = |e: io::Error| OpenError::from_io(&shown_image, e);
     let (main, main_len) = crate::blocktable::open_locked(path, opts.writable, opts.locking)?;
-    let mut head = [0u8; 512];
-    let n = main.file().read_at(&mut head, 0).map_err(io_err)?;
+    let mut head = [0u8; descriptor::PROBE_BYTES];
+    let n = read_head(main.file(), &mut head).map_err(io_err)?;
     if header::is_sparse(&head[..n]) {
         // A sparse extent file is a disk by itself: its own single extent.
         let main_file = main.file().try_clone().map_err(io_err)?;
@@ -163,11 +174,12 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
             refused_logged: AtomicBool::new(false),
         });
     }
-    if !head[..n].starts_with(DESCRIPTOR_MAGIC) {
+    if !descriptor::recognised(&head[..n]) {
         return Err(bad(
-            "no VMDK sparse extent header (KDMV) and no descriptor (# Disk DescriptorFile) at \
-             its start: check the path, or use --format raw"
-                .into(),
+            "no VMDK sparse extent header (KDMV) and no descriptor (# Disk DescriptorFile, or \
+             comment lines and a version= line) at its start: check the path, or use --format \
+             raw"
+            .into(),
         ));
     }
     if main_len > descriptor::MAX_DESCRIPTOR {
