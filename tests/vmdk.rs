@@ -476,6 +476,48 @@ fn hostile_headers_and_descriptors_are_refused_in_one_line() {
         poke(&img, off, &bytes);
         refused(&img, &[], want);
     }
+    // Many small extent files: 40 whose headers and extent lines claim 1 Mi grains (64 GiB)
+    // each are refused in one line naming the limit on all of them together (32 Mi), at once
+    // and without making a table; 200 whose headers claim 8 Mi grains each but whose extent
+    // lines give them one grain are served with one table entry each.
+    let split = |name: &str, n: usize, sectors: u64, capacity: u64| {
+        let dir = w.join(name);
+        fs::create_dir(&dir).unwrap();
+        let mut text = "# Disk DescriptorFile\nversion=1\nCID=fffffffe\nparentCID=ffffffff\n\
+                        createType=\"twoGbMaxExtentSparse\"\n"
+            .to_string();
+        for i in 0..n {
+            fs::write(
+                dir.join(format!("s{i}.vmdk")),
+                extent_header(capacity, sectors),
+            )
+            .unwrap();
+            text += &format!("RW {sectors} SPARSE \"s{i}.vmdk\"\n");
+        }
+        let desc = dir.join("d.vmdk");
+        fs::write(&desc, text).unwrap();
+        desc
+    };
+    let t = std::time::Instant::now();
+    refused(
+        &split("many", 40, 1 << 27, 1 << 27),
+        &[],
+        "more than 33554432 grain table entries in all",
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(10));
+    let claims = split("claims", 200, 128, 1 << 30);
+    let mp = w.join("claims.export");
+    let m = Mount::start(&w, &claims, &mp, &[]);
+    assert!(read_all(&mp) == vec![0u8; 200 * 65536]);
+    let status = fs::read_to_string(format!("/proc/{}/status", m.pid())).unwrap();
+    let hwm: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+        .unwrap();
+    // 200 tables of 8 Mi entries would be 12.5 GiB.
+    assert!(hwm < 512 * 1024, "fusex peaked at {hwm} kB");
+    m.stop().assert_clean("huge claims");
     // Descriptors naming files outside their directory, a parent, and themselves.
     let outside = w.join("outside");
     fs::create_dir(&outside).unwrap();
@@ -524,6 +566,24 @@ fn hostile_headers_and_descriptors_are_refused_in_one_line() {
     let m = Mount::start(&w, &up, &mp, &["--trust-backing"]);
     assert_eq!(read_all(&mp), read_all(&flat));
     m.stop().assert_clean("trusted");
+}
+
+/// A sparse extent's header and grain directory (all 0: nothing allocated): `capacity`
+/// sectors in 64 KiB grains, 512 entries a grain table, the directory at sector 1 as long as
+/// `served` sectors need.
+fn extent_header(capacity: u64, served: u64) -> Vec<u8> {
+    let gdes = served.div_ceil(128 * 512);
+    let gd_sectors = (gdes * 4).div_ceil(512);
+    let mut b = vec![0u8; 512 * (1 + gd_sectors as usize)];
+    b[0..4].copy_from_slice(b"KDMV");
+    b[4..8].copy_from_slice(&1u32.to_le_bytes());
+    b[8..12].copy_from_slice(&1u32.to_le_bytes());
+    b[12..20].copy_from_slice(&capacity.to_le_bytes());
+    b[20..28].copy_from_slice(&128u64.to_le_bytes());
+    b[44..48].copy_from_slice(&512u32.to_le_bytes());
+    b[56..64].copy_from_slice(&1u64.to_le_bytes());
+    b[64..72].copy_from_slice(&(1 + gd_sectors).to_le_bytes());
+    b
 }
 
 /// `--partition` on a VMDK: a filesystem on partition 1 of a monolithicSparse disk, made and

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use engine::{Engine, Slice};
 
-use crate::blocktable::{fixed, ParseError, TableImage};
+use crate::blocktable::{fixed, ParseError, TableImage, MAX_ENTRIES};
 use crate::lock::{lock_file, Claim, Locking};
 use crate::qcow2::named::{self, shown, shown_path, OpenAs};
 use crate::ringfile::RingFile;
@@ -146,7 +146,7 @@ pub fn open(path: &Path, opts: VmdkOptions) -> std::result::Result<VmdkBackend, 
     if header::is_sparse(&head[..n]) {
         // A sparse extent file is a disk by itself: its own single extent.
         let main_file = main.file().try_clone().map_err(io_err)?;
-        let (image, desc) = sparse_extent(main, main_len, opts.writable)
+        let (image, desc) = sparse_extent(main, main_len, opts.writable, None)
             .map_err(|e| e.into_open_error(&shown_image, "vmdk"))?;
         let create_type = match desc {
             Some(d) => {
@@ -226,13 +226,37 @@ fn parent_refusal() -> String {
         .into()
 }
 
+/// Most grain table entries the sparse extents of one image hold together: 32 Mi (256 MiB
+/// of memory), a 2 TiB disk in 64 KiB grains (the largest split disk [`descriptor::MAX_EXTENTS`]
+/// has in mind). Each extent's own table is bounded by [`MAX_ENTRIES`] too, but a descriptor
+/// lists up to 4096 extents.
+pub const MAX_IMAGE_ENTRIES: u64 = 4 * MAX_ENTRIES;
+
+/// The sparse extents of a descriptor need more grain table entries in all than
+/// [`MAX_IMAGE_ENTRIES`].
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "its sparse extents need more than {MAX_IMAGE_ENTRIES} grain table entries in all \
+     ({} MiB of memory; {entries} by extent {extent}), more than fusex holds for one image: the \
+     descriptor or an extent header is corrupt, or the image is too large to serve",
+    (MAX_IMAGE_ENTRIES * 8) >> 20
+)]
+pub struct TooManyGrains {
+    /// The running total once extent `extent` is counted.
+    pub entries: u64,
+    /// The extent (1-based, in descriptor order) that went past the limit.
+    pub extent: usize,
+}
+
 /// Opens a sparse extent whose file is open: the core's image and the embedded descriptor.
+/// `served`: the guest bytes of it the descriptor uses (None: all of its capacity).
 fn sparse_extent(
     file: RingFile,
     len: u64,
     writable: bool,
+    served: Option<u64>,
 ) -> std::result::Result<(TableImage<Sparse>, Option<Vec<u8>>), ParseError> {
-    let o = sparse::open(file.file(), len, writable)?;
+    let o = sparse::open(file.file(), len, writable, served)?;
     Ok((
         TableImage::new(file, o.fmt, o.table, o.layout),
         o.descriptor,
@@ -246,7 +270,21 @@ enum Slot {
     Flat(Arc<RingFile>, Vec<(u64, u64)>),
 }
 
-/// Opens every extent the descriptor lists.
+/// A sparse extent whose file is open and whose grains were counted; its table is read once
+/// every extent is counted.
+struct Pending {
+    file: RingFile,
+    /// The file's length.
+    flen: u64,
+    writable: bool,
+    /// The name as the descriptor gives it.
+    name: String,
+}
+
+/// Opens every extent the descriptor lists: first every file (checked, locked, and for a
+/// sparse extent its header read to count the grain table entries it will need, against
+/// [`MAX_IMAGE_ENTRIES`]), then the sparse extents' tables, so an image needing too many is
+/// refused before any table is made.
 fn open_extents(
     d: &Descriptor,
     dir: &Path,
@@ -259,11 +297,13 @@ fn open_extents(
     // sparse extent's file is its own.
     let mut files: BTreeMap<(u64, u64), Slot> = BTreeMap::new();
     let descriptor_id = (descriptor_meta.dev(), descriptor_meta.ino());
-    let mut extents = Vec::with_capacity(d.extents.len());
+    let mut planned: Vec<(Extent, Option<Pending>)> = Vec::with_capacity(d.extents.len());
+    let mut entries = 0u64;
     let mut start = 0u64;
     for (i, e) in d.extents.iter().enumerate() {
         let len = e.sectors * 512;
         let n = i + 1;
+        let mut pending = None;
         let data = match (e.kind, &e.file) {
             (ExtentKind::Zero, _) | (_, None) => Data::Zero,
             (kind, Some(name)) => {
@@ -318,26 +358,21 @@ fn open_extents(
                             &format!("extent file {}", shown_path(&path)),
                         )
                         .map_err(|l| l.to_string())?;
-                        let rf = RingFile::from_file(file, &path, false)?;
-                        let (image, _) =
-                            sparse_extent(rf, flen, writable).map_err(|f| match f {
-                                ParseError::Bad(r) => {
-                                    format!("its extent file {}: {r}", shown(name)).into()
-                                }
-                                io => io,
-                            })?;
-                        if image.size() < len {
-                            return Err(format!(
-                                "its extent file {} holds {} bytes, less than the {len} its \
-                                 descriptor gives it",
-                                shown(name),
-                                image.size()
-                            )
-                            .into());
+                        entries += sparse::entries(&file, flen, Some(len))
+                            .map_err(|f| in_extent_file(f, name))?;
+                        if entries > MAX_IMAGE_ENTRIES {
+                            return Err(TooManyGrains { entries, extent: n }.to_string().into());
                         }
+                        let rf = RingFile::from_file(file, &path, false)?;
                         // Taken by a sparse extent: no other extent may use it.
                         files.insert(id, Slot::Sparse);
-                        Data::Sparse(Box::new(image))
+                        pending = Some(Pending {
+                            file: rf,
+                            flen,
+                            writable,
+                            name: name.clone(),
+                        });
+                        Data::Zero
                     }
                     _ => {
                         let offset = e
@@ -385,15 +420,44 @@ fn open_extents(
                 }
             }
         };
-        extents.push(Extent {
-            start,
-            len,
-            access: e.access,
-            data,
-        });
+        planned.push((
+            Extent {
+                start,
+                len,
+                access: e.access,
+                data,
+            },
+            pending,
+        ));
         start += len;
     }
+    let mut extents = Vec::with_capacity(planned.len());
+    for (mut extent, pending) in planned {
+        if let Some(p) = pending {
+            let (image, _) = sparse_extent(p.file, p.flen, p.writable, Some(extent.len))
+                .map_err(|f| in_extent_file(f, &p.name))?;
+            if image.size() < extent.len {
+                return Err(format!(
+                    "its extent file {} holds {} bytes, less than the {} its descriptor gives it",
+                    shown(&p.name),
+                    image.size(),
+                    extent.len
+                )
+                .into());
+            }
+            extent.data = Data::Sparse(Box::new(image));
+        }
+        extents.push(extent);
+    }
     Ok(extents)
+}
+
+/// A sparse extent file's refusal, naming the file.
+fn in_extent_file(e: ParseError, name: &str) -> ParseError {
+    match e {
+        ParseError::Bad(r) => format!("its extent file {}: {r}", shown(name)).into(),
+        io => io,
+    }
 }
 
 impl VmdkBackend {
@@ -611,6 +675,97 @@ impl BlockBackend for VmdkBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::blocktable::testing;
+
+    /// A sparse extent of `capacity` sectors in 64 KiB grains, 512 entries a grain table, its
+    /// grain directory (all 0: nothing allocated) at sector 1, `gdes` entries long.
+    fn extent_file(capacity: u64, gdes: u64) -> Vec<u8> {
+        let gd_sectors = (gdes * 4).div_ceil(512);
+        let mut b = vec![0u8; 512 * (1 + gd_sectors as usize)];
+        b[0..4].copy_from_slice(&header::MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&1u32.to_le_bytes());
+        b[8..12].copy_from_slice(&1u32.to_le_bytes());
+        b[12..20].copy_from_slice(&capacity.to_le_bytes());
+        b[20..28].copy_from_slice(&128u64.to_le_bytes());
+        b[44..48].copy_from_slice(&512u32.to_le_bytes());
+        b[56..64].copy_from_slice(&1u64.to_le_bytes());
+        b[64..72].copy_from_slice(&(1 + gd_sectors).to_le_bytes());
+        b
+    }
+
+    /// A twoGbMaxExtentSparse descriptor in `dir` over `n` extent files made by `file`, each
+    /// given `sectors` by its extent line.
+    fn split_image(
+        dir: &tempfile::TempDir,
+        n: usize,
+        sectors: u64,
+        file: impl Fn() -> Vec<u8>,
+    ) -> PathBuf {
+        let mut text = "# Disk DescriptorFile\nversion=1\nCID=fffffffe\nparentCID=ffffffff\n\
+                        createType=\"twoGbMaxExtentSparse\"\n"
+            .to_string();
+        for i in 0..n {
+            testing::write_img(dir, &format!("d-s{i:04}.vmdk"), &file());
+            text += &format!("RW {sectors} SPARSE \"d-s{i:04}.vmdk\"\n");
+        }
+        testing::write_img(dir, "d.vmdk", text.as_bytes())
+    }
+
+    fn opts() -> VmdkOptions {
+        VmdkOptions {
+            writable: false,
+            locking: Locking::Off,
+            no_backing: false,
+            trust_backing: false,
+        }
+    }
+
+    /// Tiny extent files whose headers claim 8 Mi grains (512 GiB) each: the tables hold
+    /// what the descriptor serves (one grain each), not what the headers claim.
+    #[test]
+    fn tables_are_sized_by_the_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = split_image(&dir, 256, 128, || extent_file(1 << 30, 1));
+        let b = open(&d, opts()).ok().unwrap();
+        assert_eq!(b.size(), 256 * 65536);
+        assert_eq!(b.extents.len(), 256);
+        for e in &b.extents {
+            let Data::Sparse(t) = &e.data else {
+                panic!("a sparse extent")
+            };
+            assert_eq!(t.table().len(), 1);
+        }
+        let got = testing::engine()
+            .block_on(async {
+                let mut v = vec![0xaau8; 100_000];
+                b.read(&mut v, 65536 - 1000).await.map(|()| v)
+            })
+            .unwrap()
+            .unwrap();
+        assert!(got.iter().all(|&x| x == 0));
+    }
+
+    /// Many extents each of 1 Mi grains (64 GiB): past 32 Mi grains in all the image is
+    /// refused in one line naming the limit, once their headers are read and before any
+    /// table is made.
+    #[test]
+    fn grains_are_bounded_across_extents() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = split_image(&dir, 64, 1 << 27, || extent_file(1 << 27, 2048));
+        let t = std::time::Instant::now();
+        let why = testing::reason(open(&d, opts()));
+        assert!(
+            why.contains("more than 33554432 grain table entries in all")
+                && why.contains("34603008 by extent 33"),
+            "{why}"
+        );
+        assert!(!why.contains('\n'), "{why}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        // Fewer of them open.
+        let dir = tempfile::tempdir().unwrap();
+        let d = split_image(&dir, 2, 1 << 27, || extent_file(1 << 27, 2048));
+        assert_eq!(open(&d, opts()).ok().unwrap().size(), 2 << 36);
+    }
 
     #[test]
     fn extent_names_stay_beside_the_descriptor() {

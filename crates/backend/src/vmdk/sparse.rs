@@ -214,11 +214,31 @@ fn inside(s: u64, n: u64, len: u64) -> Option<Range> {
     (end <= len).then_some((at, end))
 }
 
+/// How many grains of an extent with header `h` are served when `served` guest bytes of it
+/// are (None: all of its capacity): the table holds those grains only, so a header claiming
+/// a far larger capacity than its descriptor line costs no memory.
+fn served_grains(h: &Header, served: Option<u64>) -> u64 {
+    match served {
+        Some(bytes) => h.grains().min(bytes.div_ceil(h.grain_bytes())),
+        None => h.grains(),
+    }
+}
+
+/// The grain table entries [`open`] will hold for a sparse extent file of `len` bytes of which
+/// `served` guest bytes are served: read from its header alone, so a descriptor's extents can
+/// be counted before any table is made.
+pub fn entries(f: &File, len: u64, served: Option<u64>) -> Result<u64, ParseError> {
+    let (h, _) = header(f, len)?;
+    Ok(served_grains(&h, served))
+}
+
 /// Reads a sparse extent file of `len` bytes: header, embedded descriptor, grain directory
 /// and tables, every grain's entry checked (inside the file, clear of metadata and of other
 /// grains; a bad one fails its reads with EIO, and makes a writable open fail). For writing,
-/// missing grain tables are made now (see the module docs).
-pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, ParseError> {
+/// missing grain tables are made now (see the module docs). Only the first `served` guest
+/// bytes (rounded up to a grain; None: the header's capacity) are read and served: a
+/// descriptor gives each extent its length, and the rest of the extent is never addressed.
+pub fn open(f: &File, len: u64, writable: bool, served: Option<u64>) -> Result<Opened, ParseError> {
     let (h, footer) = header(f, len)?;
     let compressed = h.flags & FLAG_COMPRESSED != 0;
     if compressed && writable {
@@ -239,9 +259,10 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, ParseError> {
     } else {
         None
     };
-    let grains = h.grains();
+    let grains = served_grains(&h, served);
     let table = Table::new(grains)?;
-    let gdes = h.gdes();
+    // The directory entries of the served grains' tables (only those are read or made).
+    let gdes = grains.div_ceil(h.gtes as u64);
     let gd_bytes = gdes * 4;
     let dir = |off: u64, what: &str| -> Result<Vec<u64>, ParseError> {
         let r = inside(off, gd_bytes, len)
@@ -437,7 +458,7 @@ pub fn open(f: &File, len: u64, writable: bool) -> Result<Opened, ParseError> {
         table,
         layout: Layout {
             block_shift: grain_bytes.trailing_zeros(),
-            size: h.capacity * SECTOR,
+            size: (h.capacity * SECTOR).min(grains * grain_bytes),
             next_free,
             writable,
         },
@@ -482,7 +503,7 @@ pub(super) mod tests {
     #[test]
     fn every_entry_is_checked() {
         let f = image(Some([8, 0, 16, 1]), Some([24, 24, 3, 0xffff]));
-        let o = open(f.as_file(), 32 * 512, false).ok().unwrap();
+        let o = open(f.as_file(), 32 * 512, false, None).ok().unwrap();
         assert!((4..64)
             .chain(68..128)
             .all(|i| o.table.get(i) == Entry::Unallocated));
@@ -508,7 +529,7 @@ pub(super) mod tests {
                 Entry::Bad,
             ]
         );
-        match open(f.as_file(), 32 * 512, true) {
+        match open(f.as_file(), 32 * 512, true, None) {
             Err(ParseError::Bad(why)) => assert!(why.contains("read-only only"), "{why}"),
             _ => panic!("a writable open of a damaged extent must fail"),
         }
@@ -517,7 +538,7 @@ pub(super) mod tests {
     #[test]
     fn a_writable_open_makes_missing_tables() {
         let f = image(Some([8, 0, 16, 0]), None);
-        let o = open(f.as_file(), 32 * 512, true).ok().unwrap();
+        let o = open(f.as_file(), 32 * 512, true, None).ok().unwrap();
         // Table 1 and its twin appended at the old end (sector 32), then the directories.
         assert_eq!(o.fmt.gd, [3 * 512, 32 * 512]);
         assert_eq!(o.fmt.rgd.as_deref(), Some(&[5 * 512, 33 * 512][..]));
@@ -550,7 +571,7 @@ mod props {
                 f.as_file().write_all_at(&[v], at as u64).unwrap();
             }
             let len = 32 * 512;
-            if let Ok(o) = open(f.as_file(), len, false) {
+            if let Ok(o) = open(f.as_file(), len, false, None) {
                 for b in 0..o.table.len() {
                     if let Entry::Data { host, .. } = o.table.get(b) {
                         // Never the header, never past the end.
