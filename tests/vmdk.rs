@@ -665,6 +665,63 @@ fn serve_exports_a_vmdk_node() {
     assert_eq!(qemu_raw(&w, &img), data);
 }
 
+/// A writable export of a twoGbMaxExtentSparse image locks the descriptor and every extent
+/// file as QEMU does: `qemu-img info` and `qemu-img check` are refused for a lock while it
+/// runs, and open the image once it is gone.
+#[test]
+fn writable_exports_lock_every_extent_file() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
+        return;
+    }
+    let w = WorkDir::new("vmdk-lock");
+    let img = w.join("split.vmdk");
+    // Three extent files of 2 GiB, 2 GiB and 0.5 GiB.
+    run_ok(
+        Command::new("qemu-img")
+            .args([
+                "create",
+                "-q",
+                "-f",
+                "vmdk",
+                "-o",
+                "subformat=twoGbMaxExtentSparse",
+            ])
+            .arg(&img)
+            .arg((4608 * MIB).to_string()),
+    );
+    let files: Vec<PathBuf> = std::iter::once(img.clone())
+        .chain((1..=3).map(|i| w.join(format!("split-s{i:03}.vmdk"))))
+        .collect();
+    // QEMU's lock bytes are 100.. and 200..: anything from 100 on.
+    let locked = |p: &Path| lock_held(p, 100, 0);
+    assert!(files.iter().all(|p| p.exists() && !locked(p)));
+    let mp = w.join("split.export");
+    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    for p in &files {
+        assert!(locked(p), "{} is not locked", p.display());
+    }
+    for args in [&["info", "-f", "vmdk"][..], &["check", "-f", "vmdk"]] {
+        let out = run(Command::new("qemu-img").args(args).arg(&img));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "qemu-img {args:?} ran beside a writable export"
+        );
+        assert!(err.contains("lock"), "qemu-img {args:?}: {err}");
+    }
+    m.stop().assert_clean("locked");
+    assert!(
+        files.iter().all(|p| !locked(p)),
+        "a lock outlived the export"
+    );
+    run_ok(
+        Command::new("qemu-img")
+            .args(["info", "-f", "vmdk"])
+            .arg(&img),
+    );
+    check(&img);
+}
+
 /// A grain directory entry of 0 (no grain table yet, as VMware may leave it): a writable open
 /// makes the table (and its redundant twin), and writes there land where qemu-img reads them.
 #[test]
