@@ -1,5 +1,6 @@
-//! VHD (QEMU's `vpc`) and VDI images: fusex serves their guest-visible bytes, and `qemu-img` is
-//! the oracle.
+//! VHD (QEMU's `vpc`), VDI, VHDX and VMDK images: fusex serves their guest-visible bytes, and
+//! `qemu-img` is the oracle (VMDK here only through the read and write cases; tests/vmdk.rs
+//! has the rest).
 //!
 //! - Images `qemu-img convert` builds in every subformat (VHD dynamic with CHS or footer size,
 //!   VHD fixed, VDI dynamic and static) read back byte for byte as `qemu-img convert -O raw`
@@ -92,6 +93,43 @@ const SUBS: &[Sub] = &[
         shown: "format vdi",
         check: true,
         sparse: false,
+    },
+    Sub {
+        tag: "vmdk-monolithic-sparse",
+        fmt: "vmdk",
+        opts: "subformat=monolithicSparse",
+        format: None,
+        shown: "format vmdk (auto",
+        check: true,
+        sparse: true,
+    },
+    Sub {
+        tag: "vmdk-two-gb-sparse",
+        fmt: "vmdk",
+        opts: "subformat=twoGbMaxExtentSparse",
+        format: Some("vmdk"),
+        shown: "format vmdk",
+        check: true,
+        sparse: true,
+    },
+    Sub {
+        tag: "vmdk-monolithic-flat",
+        fmt: "vmdk",
+        opts: "subformat=monolithicFlat",
+        format: None,
+        shown: "format vmdk (auto",
+        check: true,
+        sparse: false,
+    },
+    // Read-only: no write case.
+    Sub {
+        tag: "vmdk-stream-optimized",
+        fmt: "vmdk",
+        opts: "subformat=streamOptimized",
+        format: Some("vmdk"),
+        shown: "format vmdk",
+        check: true,
+        sparse: true,
     },
 ];
 
@@ -1415,4 +1453,43 @@ fn vhdx_format_locks_and_serve() {
     fs::write(&raw, &want).unwrap();
     qemu_img(&["check", "-q", "-f", "vhdx"], &[&img]);
     qemu_img(&["compare", "-q", "-f", "vhdx", "-F", "raw"], &[&img, &raw]);
+}
+
+// ---------------------------------------------------------------------------------------
+// VMDK through the same read and write cases (tests/vmdk.rs has the rest)
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn reads_vmdk_monolithic_sparse() {
+    read_case(SUBS[5], 81);
+}
+
+#[test]
+fn reads_vmdk_two_gb_max_extent_sparse() {
+    read_case(SUBS[6], 82);
+}
+
+#[test]
+fn reads_vmdk_monolithic_flat() {
+    read_case(SUBS[7], 83);
+}
+
+#[test]
+fn reads_vmdk_stream_optimized() {
+    read_case(SUBS[8], 84);
+}
+
+#[test]
+fn writes_vmdk_monolithic_sparse() {
+    write_case(SUBS[5], 91);
+}
+
+#[test]
+fn writes_vmdk_two_gb_max_extent_sparse() {
+    write_case(SUBS[6], 92);
+}
+
+#[test]
+fn writes_vmdk_monolithic_flat() {
+    write_case(SUBS[7], 93);
 }
