@@ -357,6 +357,105 @@ fn stream_optimized_with_a_footer() {
     m.stop().assert_clean("footer");
 }
 
+/// The file offset of every grain of a streamOptimized image qemu-img made (its grain
+/// marker's), by guest grain (None: not allocated), read through its grain directory.
+fn stream_grains(img: &Path) -> Vec<Option<u64>> {
+    let b = read_all(img);
+    let le64 = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    let le32 = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as u64;
+    let (capacity, grain, gtes, gd) = (le64(12), le64(20), le32(44), le64(56));
+    assert_eq!((grain, gtes), (128, 512), "qemu-img's grains and tables");
+    assert_ne!(
+        gd,
+        u64::MAX,
+        "qemu-img writes the directory's offset in the header"
+    );
+    (0..capacity.div_ceil(grain))
+        .map(|g| {
+            let gt = le32((gd * 512 + 4 * (g / gtes)) as usize) * 512;
+            let at = le32((gt + 4 * (g % gtes)) as usize) * 512;
+            (gt != 0 && at != 0).then_some(at)
+        })
+        .collect()
+}
+
+/// Damaged compressed grains of a streamOptimized image (a marker naming another grain, a
+/// size of 0 or past a grain, data that does not inflate, data inflating past a grain): that
+/// grain reads as EIO, every other grain as qemu-img reads the intact image (and a grain
+/// repacked whole, the control, reads as its new bytes).
+#[test]
+fn damaged_stream_grains_fail_only_themselves() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
+        return;
+    }
+    let w = WorkDir::new("vmdk-stream-grains");
+    let grain = 64 * KIB as usize;
+    let src = w.join("src.raw");
+    let mut data = Rng::new(31).bytes(4 * MIB as usize);
+    // A hole, so not every grain is allocated.
+    data[grain * 10..grain * 12].fill(0);
+    fs::write(&src, &data).unwrap();
+    let base = convert(&w, &src, "streamOptimized", "base");
+    let want = qemu_raw(&w, &base);
+    assert!(want == data);
+    let grains = stream_grains(&base);
+    assert_eq!(grains.len(), 64);
+    assert_eq!(grains.iter().filter(|g| g.is_none()).count(), 2);
+    let marker = |g: usize| grains[g].unwrap();
+    let too_big = miniz_oxide::deflate::compress_to_vec_zlib(&vec![0x5a; 2 * grain], 6);
+    let one = miniz_oxide::deflate::compress_to_vec_zlib(&vec![0x5a; grain], 6);
+    let cases: Vec<(&str, usize, u64, Vec<u8>)> = vec![
+        // The control: a grain repacked whole reads as its new bytes.
+        (
+            "repacked",
+            usize::MAX,
+            marker(62) + 8,
+            [&(one.len() as u32).to_le_bytes()[..], &one].concat(),
+        ),
+        // The marker names the next grain's sector.
+        ("lba", 3, marker(3), (4u64 * 128).to_le_bytes().to_vec()),
+        ("size-0", 5, marker(5) + 8, 0u32.to_le_bytes().to_vec()),
+        (
+            "size-huge",
+            20,
+            marker(20) + 8,
+            (16u32 << 20).to_le_bytes().to_vec(),
+        ),
+        // A zlib header that is not one.
+        ("not-zlib", 40, marker(40) + 12, vec![0xff, 0xff]),
+        (
+            "inflates-past",
+            63,
+            marker(63) + 8,
+            [&(too_big.len() as u32).to_le_bytes()[..], &too_big].concat(),
+        ),
+    ];
+    for (name, bad, off, bytes) in cases {
+        let img = w.join(format!("{name}.vmdk"));
+        fs::copy(&base, &img).unwrap();
+        poke(&img, off, &bytes);
+        let mp = w.join(format!("{name}.export"));
+        let m = Mount::start(&w, &img, &mp, &[]);
+        let f = open_ro(&mp);
+        for g in 0..grains.len() {
+            let mut buf = vec![0u8; grain];
+            let r = f.read_exact_at(&mut buf, (g * grain) as u64);
+            if g == bad {
+                let e = r.expect_err(name);
+                assert_eq!(errno(&e), libc::EIO, "{name}: {e}");
+            } else if name == "repacked" && g == 62 {
+                r.unwrap_or_else(|e| panic!("{name}: grain {g}: {e}"));
+                assert!(buf.iter().all(|&b| b == 0x5a), "{name}: grain {g}");
+            } else {
+                r.unwrap_or_else(|e| panic!("{name}: grain {g}: {e}"));
+                assert_bytes_eq(&buf, &want[g * grain..][..grain], (g * grain) as u64, name);
+            }
+        }
+        drop(f);
+        m.stop();
+    }
+}
+
 /// Offsets in a monolithicSparse image made by qemu-img from a source with data in its
 /// first grain: (grain directory's file offset, first grain table's file offset).
 fn tables(img: &Path) -> (u64, u64) {
