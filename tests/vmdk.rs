@@ -4,8 +4,10 @@
 //! compare` against a model; streamOptimized (also with its grain directory in a footer) is
 //! read-only; hostile images (grain directory and table entries past the end or into
 //! metadata, absurd capacities, grain sizes that are not a power of two, descriptors naming
-//! files outside their directory) are refused in one line or fail only their bad range; a
-//! partition of a VMDK takes a filesystem; and `fusex serve` serves a `vmdk` node.
+//! files outside their directory, extents needing too many grains in all) are refused in one
+//! line or fail only their bad range, as do damaged compressed grains; a descriptor without
+//! its header line is probed as qemu-img probes it; a writable export locks every extent file;
+//! a partition of a VMDK takes a filesystem; and `fusex serve` serves a `vmdk` node.
 
 use std::fs;
 use std::os::unix::fs::FileExt;
