@@ -103,7 +103,7 @@ pub enum Format {
     Vmdk,
     /// VDI (VirtualBox): static or dynamic.
     Vdi,
-    /// VHDX (Hyper-V): fixed or dynamic.
+    /// VHDX (Hyper-V): fixed or dynamic, or differencing (read-only).
     Vhdx,
     /// `null:SIZE`.
     Null,
@@ -114,9 +114,10 @@ pub enum Format {
 pub struct OpenOptions {
     /// The image format.
     pub format: Format,
-    /// Refuse to open files a qcow2 image names (backing and data files).
+    /// Refuse to open files an image names (qcow2 backing and data files, VMDK extents, a
+    /// differencing VHDX image's parent).
     pub no_backing: bool,
-    /// Open the files a qcow2 image names with the daemon's credentials even when root serves
+    /// Open the files an image names with the daemon's credentials even when root serves
     /// another user's image (see `backend::qcow2::named`).
     pub trust_backing: bool,
     /// Open for writing.
@@ -406,8 +407,12 @@ fn open_as(
             table_format_options(path, "vhdx", &opts)?;
             Ok(AnyBackend::Vhdx(crate::vhdx::open(
                 path,
-                opts.writable,
-                opts.locking,
+                crate::vhdx::VhdxOptions {
+                    writable: opts.writable,
+                    locking: opts.locking,
+                    no_backing: opts.no_backing,
+                    trust_backing: opts.trust_backing,
+                },
             )?))
         }
         _ => {

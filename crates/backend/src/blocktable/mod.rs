@@ -22,8 +22,10 @@
 //! - [`BlockFormat::commit`]: write the block's table entry (two levels for VMDK: it may
 //!   allocate a grain table first, under its own lock);
 //! - for blocks whose entry carries non-zero `flags`, [`BlockFormat::read_flagged`] and
-//!   [`BlockFormat::write_flagged`] (VHD: a sector bitmap that is not known to be full; VHDX
-//!   would use them for partially present blocks).
+//!   [`BlockFormat::write_flagged`] (VHD: a sector bitmap that is not known to be full; VHDX:
+//!   a differencing image's partially present blocks, read only);
+//! - for unallocated blocks, [`BlockFormat::read_unallocated`] (zeroes, or a differencing
+//!   image's parent) and [`BlockFormat::unallocated_is_data`] for block status.
 //!
 //! [`TableImage`] does the rest and is the [`BlockBackend`] the export sees: splitting requests
 //! by block, merging reads of consecutive blocks that are contiguous in the file into one
@@ -152,6 +154,21 @@ pub trait BlockFormat: Send + Sync + 'static {
     ) -> impl Future<Output = io::Result<()>> {
         let at = plain_at(self, entry, within);
         async move { file.read_full(buf, at?).await }
+    }
+
+    /// Fills `buf` with the guest bytes at guest offset `off` of a run of blocks whose entries
+    /// are [`Entry::Unallocated`]. The default: zeroes. A differencing format reads them from
+    /// its parent image instead (VHDX).
+    fn read_unallocated(&self, _off: u64, buf: &mut [u8]) -> impl Future<Output = io::Result<()>> {
+        buf.fill(0);
+        std::future::ready(Ok(()))
+    }
+
+    /// Whether an unallocated block may read as something else than zeroes (a parent image's
+    /// bytes, see [`BlockFormat::read_unallocated`]): block status then reports it as data,
+    /// never as a hole. The default: no.
+    fn unallocated_is_data(&self) -> bool {
+        false
     }
 
     /// Writes `data` at `within` of a block whose entry `entry` has non-zero flags, with the
@@ -366,6 +383,19 @@ impl<F: BlockFormat> TableImage<F> {
         run
     }
 
+    /// How many of `len` bytes, from a piece of `first` bytes in unallocated `block`, lie in it
+    /// and the unallocated blocks after it.
+    fn unallocated_run(&self, block: u64, first: usize, len: usize) -> usize {
+        let bs = self.block_size() as usize;
+        let mut run = first;
+        let mut next = block + 1;
+        while run < len && self.table.get(next) == Entry::Unallocated {
+            run += bs.min(len - run);
+            next += 1;
+        }
+        run
+    }
+
     /// Fills `buf` with the guest bytes at `off` (the caller keeps it inside the image).
     pub async fn read(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         let mut buf = buf;
@@ -375,9 +405,15 @@ impl<F: BlockFormat> TableImage<F> {
             let first = first as usize;
             let entry = self.table.get(block);
             let run = match entry {
-                Entry::Unallocated | Entry::Zero => {
+                Entry::Zero => {
                     buf[..first].fill(0);
                     first
+                }
+                Entry::Unallocated => {
+                    // Later unallocated blocks join it: one call (one parent read) for the run.
+                    let run = self.unallocated_run(block, first, buf.len());
+                    self.fmt.read_unallocated(off, &mut buf[..run]).await?;
+                    run
                 }
                 Entry::Data { host, flags: 0 } => {
                     let run = self.contiguous(block, host, first, buf.len());
@@ -700,7 +736,11 @@ impl<F: BlockFormat> TableImage<F> {
     fn next_of(&self, off: u64, data: bool) -> Option<u64> {
         let mut block = off >> self.block_shift;
         while block << self.block_shift < self.size {
-            let is_data = matches!(self.table.get(block), Entry::Data { .. } | Entry::Bad);
+            let is_data = match self.table.get(block) {
+                Entry::Data { .. } | Entry::Bad => true,
+                Entry::Unallocated => self.fmt.unallocated_is_data(),
+                Entry::Zero => false,
+            };
             if is_data == data {
                 return Some((block << self.block_shift).max(off));
             }

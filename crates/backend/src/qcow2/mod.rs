@@ -45,8 +45,9 @@ pub const TOP_CACHE_BYTES: u64 = 16 << 20;
 /// ever filled).
 pub const BACKING_CACHE_BYTES: u64 = 4 << 20;
 
-/// Longest backing chain fusex opens (a guard against absurd chains; loops are caught exactly).
-const MAX_CHAIN: usize = 64;
+/// Longest backing chain fusex opens (a guard against absurd chains; loops are caught exactly);
+/// VHDX differencing chains are bounded by it too.
+pub(crate) const MAX_CHAIN: usize = 64;
 
 /// Whether the file at `path` starts with the qcow2 magic (for `--format auto`).
 pub fn probe(path: &Path) -> io::Result<bool> {

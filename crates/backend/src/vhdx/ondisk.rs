@@ -49,6 +49,9 @@ pub(super) mod state {
     pub const SB_PRESENT: u8 = 6;
 }
 
+/// Bytes of a sector bitmap block: one bit per logical sector of a chunk (2^23 sectors).
+pub(super) const SB_BLOCK: u64 = MIB;
+
 /// A GUID as stored on disk.
 pub(super) type Guid = [u8; 16];
 
@@ -118,6 +121,13 @@ pub(super) const PARENT_LOCATOR: Guid = guid(
     0xb30b,
     0x454d,
     [0xab, 0xf7, 0xd3, 0xd8, 0x48, 0x34, 0xab, 0x0c],
+);
+/// Parent locator type: the parent is a VHDX file (the only type the format defines).
+pub(super) const VHDX_LOCATOR_TYPE: Guid = guid(
+    0xb04a_efb7,
+    0xd19e,
+    0x4a81,
+    [0xb7, 0x89, 0x25, 0xb8, 0xe9, 0x44, 0x59, 0x13],
 );
 
 const fn crc_table() -> [u32; 256] {
@@ -196,6 +206,9 @@ fn guid_at(b: &[u8], o: usize) -> Guid {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Header {
     pub seq: u64,
+    /// Changed before the first change of a session's guest data: a differencing child names
+    /// its parent's (`parent_linkage`), so a parent written since no longer matches.
+    pub data_write_guid: Guid,
     pub log_guid: Guid,
     pub log_length: u64,
     pub log_offset: u64,
@@ -228,6 +241,7 @@ pub(super) fn parse_header(b: &[u8]) -> Result<Header, String> {
     }
     Ok(Header {
         seq: le64(b, SEQ_AT),
+        data_write_guid: guid_at(b, DATA_WRITE_GUID_AT),
         log_guid: guid_at(b, 48),
         log_length: u64::from(le32(b, 68)),
         log_offset: le64(b, 72),
@@ -512,4 +526,151 @@ pub(super) fn show_guid(g: &Guid) -> String {
             .map(|b| format!("{b:02x}"))
             .collect::<String>()
     )
+}
+
+/// BAT entries of a differencing image of `blocks` payload blocks: every chunk whole, so the
+/// last entry is the sector bitmap entry of the chunk holding the last payload block.
+pub(super) fn diff_bat_entries(blocks: u64, ratio: u64) -> u64 {
+    blocks.div_ceil(ratio).saturating_mul(ratio + 1)
+}
+
+/// BAT index of chunk `chunk`'s sector bitmap entry: after the chunk's `ratio` payload entries.
+#[cfg(test)]
+pub(super) fn bitmap_index(chunk: u64, ratio: u64) -> u64 {
+    (chunk + 1) * (ratio + 1) - 1
+}
+
+/// Bytes of the parent locator header: locator type GUID, reserved (u16), key/value count (u16).
+const LOCATOR_HEADER: usize = 20;
+/// Bytes of one key/value entry: key offset (u32), value offset (u32), key length (u16), value
+/// length (u16); offsets from the item's start, lengths in bytes.
+const LOCATOR_ENTRY: usize = 12;
+
+/// What a VHDX parent locator says about the parent: its identity and where to look for it.
+/// Unknown keys are ignored, as the format allows other implementations to add their own.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct ParentLocator {
+    /// `parent_linkage`: the parent's data write GUID when this child was made.
+    pub linkage: Guid,
+    /// `parent_linkage2`: a second GUID accepted while a merge into the parent is under way.
+    pub linkage2: Option<Guid>,
+    /// `relative_path`: from the child's directory, `\` separated.
+    pub relative_path: Option<String>,
+    /// `volume_path`: `\\?\Volume{GUID}\...`.
+    pub volume_path: Option<String>,
+    /// `absolute_win32_path`: `\\?\d:\...` or a UNC share.
+    pub absolute_win32_path: Option<String>,
+}
+
+/// Parses a parent locator item (`b` is the whole item, at most 1 MiB since the metadata
+/// table bounds items): a header, then `count` entries whose keys and values are non-empty
+/// UTF-16LE strings inside the item. The locator type must be VHDX's; `parent_linkage` must be
+/// there and a GUID; keys must not repeat; at least one path must be given.
+pub(super) fn parse_parent_locator(b: &[u8]) -> Result<ParentLocator, String> {
+    let damaged = |what: String| format!("its parent locator {what}: the image is damaged");
+    if b.len() < LOCATOR_HEADER {
+        return Err(damaged(format!(
+            "is {} bytes, shorter than its header",
+            b.len()
+        )));
+    }
+    let kind = guid_at(b, 0);
+    if kind != VHDX_LOCATOR_TYPE {
+        return Err(format!(
+            "its parent locator has type {}, not VHDX's ({}): fusex serves only VHDX parents",
+            show_guid(&kind),
+            show_guid(&VHDX_LOCATOR_TYPE)
+        ));
+    }
+    let count = usize::from(le16(b, 18));
+    if LOCATOR_HEADER + count * LOCATOR_ENTRY > b.len() {
+        return Err(damaged(format!(
+            "claims {count} entries, more than its {} bytes hold",
+            b.len()
+        )));
+    }
+    let text = |off: u32, len: u16, what: &str| -> Result<String, String> {
+        let (off, len) = (off as usize, usize::from(len));
+        if off == 0 || len == 0 || len % 2 != 0 || off.saturating_add(len) > b.len() {
+            return Err(damaged(format!(
+                "has a {what} at {off:#x} of {len} bytes, outside it, empty or of an odd length"
+            )));
+        }
+        let units: Vec<u16> = b[off..off + len]
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let s = String::from_utf16(&units)
+            .map_err(|_| damaged(format!("has a {what} that is not valid UTF-16")))?;
+        if s.contains('\0') {
+            return Err(damaged(format!("has a {what} with a NUL character")));
+        }
+        Ok(s)
+    };
+    let mut loc = ParentLocator::default();
+    let mut linkage = None;
+    let mut seen: Vec<String> = Vec::new();
+    for i in 0..count {
+        let e = &b[LOCATOR_HEADER + i * LOCATOR_ENTRY..][..LOCATOR_ENTRY];
+        let key = text(le32(e, 0), le16(e, 8), "key")?;
+        let value = text(le32(e, 4), le16(e, 10), "value")?;
+        if seen.contains(&key) {
+            return Err(damaged(format!(
+                "gives key {} twice",
+                crate::qcow2::named::shown(&key)
+            )));
+        }
+        let guid_value = || {
+            parse_guid_text(&value).ok_or_else(|| {
+                damaged(format!(
+                    "gives {key} {}, not a GUID",
+                    crate::qcow2::named::shown(&value)
+                ))
+            })
+        };
+        match key.as_str() {
+            "parent_linkage" => linkage = Some(guid_value()?),
+            "parent_linkage2" => loc.linkage2 = Some(guid_value()?),
+            "relative_path" => loc.relative_path = Some(value),
+            "volume_path" => loc.volume_path = Some(value),
+            "absolute_win32_path" => loc.absolute_win32_path = Some(value),
+            _ => {}
+        }
+        seen.push(key);
+    }
+    loc.linkage = linkage.ok_or_else(|| damaged("has no parent_linkage".into()))?;
+    if loc.relative_path.is_none() && loc.volume_path.is_none() && loc.absolute_win32_path.is_none()
+    {
+        return Err(damaged(
+            "names no path (relative_path, volume_path or absolute_win32_path)".into(),
+        ));
+    }
+    Ok(loc)
+}
+
+/// A GUID written as text (`{83ed0ec3-24c8-49a6-a959-5e4bf1288bfb}`, braces optional, either
+/// case) in its on-disk layout; None if it is not one.
+pub(super) fn parse_guid_text(s: &str) -> Option<Guid> {
+    let s = s
+        .strip_prefix('{')
+        .and_then(|t| t.strip_suffix('}'))
+        .unwrap_or(s);
+    let groups: Vec<&str> = s.split('-').collect();
+    let widths = [8, 4, 4, 4, 12];
+    if groups.len() != 5
+        || groups
+            .iter()
+            .zip(widths)
+            .any(|(g, w)| g.len() != w || !g.bytes().all(|c| c.is_ascii_hexdigit()))
+    {
+        return None;
+    }
+    let hex = |g: &str| u64::from_str_radix(g, 16).ok();
+    let d4 = (hex(groups[3])? << 48 | hex(groups[4])?).to_be_bytes();
+    Some(guid(
+        hex(groups[0])? as u32,
+        hex(groups[1])? as u16,
+        hex(groups[2])? as u16,
+        d4,
+    ))
 }

@@ -103,10 +103,18 @@ fn write_img(dir: &tempfile::TempDir, bytes: &[u8]) -> PathBuf {
 }
 
 fn reason(p: &Path, writable: bool) -> String {
-    match open(p, writable, Locking::Off) {
+    match open(p, opts(writable)) {
         Err(OpenError::Format { reason, .. }) => reason,
         Err(e) => panic!("unexpected error {e}"),
         Ok(_) => panic!("opened"),
+    }
+}
+
+fn opts(writable: bool) -> VhdxOptions {
+    VhdxOptions {
+        writable,
+        locking: Locking::Off,
+        ..VhdxOptions::default()
     }
 }
 
@@ -483,7 +491,7 @@ fn one_damaged_header_or_region_table_is_survived() {
     img[H1 + 300] ^= 1; // the newer header is bad: header 2 is current
     img[RT1 + 3000] ^= 1; // the copy serves
     let p = write_img(&dir, &img);
-    let v = open(&p, true, Locking::Off).unwrap();
+    let v = open(&p, opts(true)).unwrap();
     write(&v, 0, &[1; 10]).unwrap();
     drop(v);
     // Header 2 (sequence 4) was current: the new header went into slot 1.
@@ -506,7 +514,7 @@ fn writing_updates_the_header_and_appends_blocks() {
     img.extend([9u8; 100]);
     let p = write_img(&dir, &img);
     let before = std::fs::read(&p).unwrap();
-    let v = open(&p, false, Locking::Off).unwrap();
+    let v = open(&p, opts(false)).unwrap();
     assert_eq!(crate::BlockBackend::size(&v), 8 * MIB);
     let got = read(&v, 0, (4 * MIB) as usize).unwrap();
     assert!(got[..(2 * MIB) as usize].iter().all(|&b| b == 0));
@@ -521,7 +529,7 @@ fn writing_updates_the_header_and_appends_blocks() {
         "read-only changes nothing"
     );
 
-    let v = open(&p, true, Locking::Off).unwrap();
+    let v = open(&p, opts(true)).unwrap();
     // The header went into slot 2 with the next sequence number, new GUIDs, no log.
     let b = std::fs::read(&p).unwrap();
     let h2 = parse_header(&b[H2..]).unwrap();
@@ -542,7 +550,7 @@ fn writing_updates_the_header_and_appends_blocks() {
     assert_eq!(entry(6), (state::FULLY_PRESENT, end + MIB));
     assert_eq!(entry(7), (state::FULLY_PRESENT, end + 2 * MIB));
     assert_eq!(entry(0), (0, 0));
-    let v = open(&p, false, Locking::Off).unwrap();
+    let v = open(&p, opts(false)).unwrap();
     let got = read(&v, 0, (8 * MIB) as usize).unwrap();
     let mut want = vec![0u8; (8 * MIB) as usize];
     want[(MIB + 5) as usize..][..100].fill(1);
@@ -562,7 +570,7 @@ fn blocks_past_a_chunk_use_the_interleaved_entries() {
     set_bat(&mut img, 4097, present_entry(DATA_AT));
     img.extend(std::iter::repeat_n(5u8, MIB as usize));
     let p = write_img(&dir, &img);
-    let v = open(&p, true, Locking::Off).unwrap();
+    let v = open(&p, opts(true)).unwrap();
     assert_eq!(read(&v, 4096 * MIB, 4).unwrap(), vec![5; 4]);
     assert_eq!(read(&v, 4095 * MIB, 4).unwrap(), vec![0; 4]);
     write(&v, 4099 * MIB + 1, &[8]).unwrap();
@@ -573,7 +581,7 @@ fn blocks_past_a_chunk_use_the_interleaved_entries() {
     assert_eq!(entry(4100), (state::FULLY_PRESENT, DATA_AT + MIB));
     assert_eq!(entry(4095), (state::FULLY_PRESENT, DATA_AT + 2 * MIB));
     assert_eq!(entry(4096), (0, 0), "the sector bitmap entry is left alone");
-    let v = open(&p, false, Locking::Off).unwrap();
+    let v = open(&p, opts(false)).unwrap();
     assert_eq!(read(&v, 4099 * MIB, 2).unwrap(), vec![0, 8]);
     assert_eq!(read(&v, 4095 * MIB, 2).unwrap(), vec![9, 0]);
 }
@@ -594,7 +602,7 @@ fn bad_bat_entries_fail_their_blocks_read_only_and_refuse_writing() {
     let r = reason(&p, true);
     assert!(r.contains("block 0") && r.contains("6 more"), "{r}");
     let before = std::fs::read(&p).unwrap();
-    let v = open(&p, false, Locking::Off).unwrap();
+    let v = open(&p, opts(false)).unwrap();
     for b in 0..7 {
         let e = read(&v, b * MIB, 10).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EIO), "block {b}");
@@ -604,7 +612,7 @@ fn bad_bat_entries_fail_their_blocks_read_only_and_refuse_writing() {
     assert_eq!(std::fs::read(&p).unwrap(), before);
     set_bat(&mut img, 1, 0);
     let p = write_img(&dir, &img);
-    let v = open(&p, false, Locking::Off).unwrap();
+    let v = open(&p, opts(false)).unwrap();
     assert_eq!(read(&v, 0, 10).unwrap(), vec![7; 10]);
     assert_eq!(read(&v, MIB, 10).unwrap(), vec![0; 10]);
 }
@@ -620,7 +628,7 @@ fn a_fixed_image_is_written_in_place() {
     img.extend(std::iter::repeat_n(1u8, 3 * MIB as usize));
     let p = write_img(&dir, &img);
     let len = img.len() as u64;
-    let v = open(&p, true, Locking::Off).unwrap();
+    let v = open(&p, opts(true)).unwrap();
     write(&v, MIB - 2, &[4; 4]).unwrap();
     engine().block_on(v.zero(2 * MIB, 10)).unwrap().unwrap();
     let got = read(&v, MIB - 4, 8).unwrap();
@@ -669,7 +677,7 @@ fn damaged_image_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)], fix: bo
     let p = write_img(&dir, &img);
     let eng = engine();
     for writable in [false, true] {
-        let v = match open(&p, writable, Locking::Off) {
+        let v = match open(&p, opts(writable)) {
             Ok(v) => v,
             Err(e) => {
                 assert!(!e.to_string().contains('\n'), "{e}");
@@ -702,5 +710,443 @@ proptest::proptest! {
         fix: bool,
     ) {
         damaged_image_is_handled(&patches, &ops, fix);
+    }
+}
+
+// Differencing images.
+
+/// A parent locator item of VHDX type with the given keys and values.
+fn locator(kvs: &[(&str, &str)]) -> Vec<u8> {
+    let mut b = vec![0u8; 20 + 12 * kvs.len()];
+    b[..16].copy_from_slice(&VHDX_LOCATOR_TYPE);
+    b[18..20].copy_from_slice(&(kvs.len() as u16).to_le_bytes());
+    for (i, (k, v)) in kvs.iter().enumerate() {
+        let mut put = |s: &str| {
+            let at = b.len() as u32;
+            let units: Vec<u8> = s.encode_utf16().flat_map(u16::to_le_bytes).collect();
+            b.extend(&units);
+            (at, units.len() as u16)
+        };
+        let (ko, kl) = put(k);
+        let (vo, vl) = put(v);
+        let e = 20 + 12 * i;
+        put32(&mut b, e, ko);
+        put32(&mut b, e + 4, vo);
+        b[e + 8..e + 10].copy_from_slice(&kl.to_le_bytes());
+        b[e + 10..e + 12].copy_from_slice(&vl.to_le_bytes());
+    }
+    b
+}
+
+/// Where the differencing test image keeps its parent locator (in the metadata region).
+const LOCATOR_AT: usize = META_AT as usize + 0x10100;
+
+/// [`image`] as a differencing image whose parent locator item is `loc`.
+fn diff_image(size: u64, loc: &[u8]) -> Vec<u8> {
+    let mut img = image(size);
+    let m = META_AT as usize;
+    put32(&mut img, m + 0x10004, 2); // has parent
+    img[m + 10..m + 12].copy_from_slice(&6u16.to_le_bytes());
+    let e = m + 32 + 32 * 5;
+    img[e..e + 16].copy_from_slice(&PARENT_LOCATOR);
+    put32(&mut img, e + 16, 0x10100);
+    put32(&mut img, e + 20, loc.len() as u32);
+    put32(&mut img, e + 24, 4);
+    img[LOCATOR_AT..LOCATOR_AT + loc.len()].copy_from_slice(loc);
+    img
+}
+
+/// The data write GUID [`image`] gives its headers, as a parent locator writes it.
+const PARENT_GUID: &str = "{00000002-0000-0000-0000-000000000000}";
+
+/// Whether sector `s` of the test's partially present block is the child's.
+fn child_sector(s: u64) -> bool {
+    s.is_multiple_of(7) || (500..900).contains(&s) || s == 2047
+}
+
+/// A parent (8 MiB, every block present with random bytes) as `p.vhdx` and a child as
+/// `c.vhdx` over it: block 0 fully present, block 1 partially present (sectors
+/// [`child_sector`] from the child), block 2 ZERO, block 3 UNMAPPED, the rest NOT_PRESENT.
+/// `damage` changes the child's bytes before they are written. Returns the model of the
+/// child's guest bytes and the child's path.
+fn diff_pair(
+    dir: &tempfile::TempDir,
+    kvs: &[(&str, &str)],
+    damage: impl FnOnce(&mut Vec<u8>),
+) -> (Vec<u8>, PathBuf) {
+    let size = 8 * MIB;
+    let mut parent = image(size);
+    let mut rng = 0x1234_5678_9abc_def1u64;
+    let mut random = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng as u8
+            })
+            .collect()
+    };
+    let pdata = random(size as usize);
+    for b in 0..8 {
+        set_bat(&mut parent, b + b / 4096, present_entry(DATA_AT + b * MIB));
+    }
+    parent.extend(&pdata);
+    std::fs::write(dir.path().join("p.vhdx"), &parent).unwrap();
+
+    let mut child = diff_image(size, &locator(kvs));
+    let cdata = random(2 * MIB as usize);
+    set_bat(&mut child, 0, present_entry(DATA_AT));
+    set_bat(
+        &mut child,
+        1,
+        present_entry(DATA_AT + MIB) & !7 | u64::from(state::PARTIALLY_PRESENT),
+    );
+    set_bat(&mut child, 2, u64::from(state::ZERO));
+    set_bat(&mut child, 3, u64::from(state::UNMAPPED));
+    let sb = DATA_AT + 2 * MIB;
+    set_bat(
+        &mut child,
+        bitmap_index(0, 4096),
+        (sb & !(MIB - 1)) | u64::from(state::SB_PRESENT),
+    );
+    child.extend(&cdata);
+    child.resize((sb + MIB) as usize, 0);
+    // Block 1's bits start at bit 2048 of the chunk's bitmap (1 MiB of 512-byte sectors).
+    for s in 0..2048u64 {
+        if child_sector(s) {
+            let bit = 2048 + s;
+            child[(sb + bit / 8) as usize] |= 1 << (bit % 8);
+        }
+    }
+    let mut model = pdata.clone();
+    model[..MIB as usize].copy_from_slice(&cdata[..MIB as usize]);
+    for s in 0..2048usize {
+        if child_sector(s as u64) {
+            let at = MIB as usize + s * 512;
+            model[at..at + 512].copy_from_slice(&cdata[at..at + 512]);
+        }
+    }
+    model[2 * MIB as usize..4 * MIB as usize].fill(0);
+    damage(&mut child);
+    let p = dir.path().join("c.vhdx");
+    std::fs::write(&p, &child).unwrap();
+    (model, p)
+}
+
+fn good_kvs() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("parent_linkage", PARENT_GUID),
+        ("relative_path", ".\\p.vhdx"),
+        ("absolute_win32_path", "\\\\?\\d:\\vms\\p.vhdx"),
+    ]
+}
+
+#[test]
+fn guid_text_and_parent_locators_parse() {
+    assert_eq!(parse_guid_text(PARENT_GUID), Some(DATA_WRITE_GUID_SAMPLE));
+    assert_eq!(
+        parse_guid_text("B04AEFB7-D19E-4A81-B789-25B8E9445913"),
+        Some(VHDX_LOCATOR_TYPE)
+    );
+    for bad in [
+        "",
+        "{}",
+        "{b04aefb7-d19e-4a81-b789-25b8e944591}",
+        "b04aefb7d19e4a81b78925b8e9445913",
+        "{g04aefb7-d19e-4a81-b789-25b8e9445913}",
+    ] {
+        assert_eq!(parse_guid_text(bad), None, "{bad}");
+    }
+    let l = parse_parent_locator(&locator(&[
+        ("parent_linkage", PARENT_GUID),
+        ("parent_linkage2", "{b04aefb7-d19e-4a81-b789-25b8e9445913}"),
+        ("relative_path", "..\\x.vhdx"),
+        ("volume_path", "\\\\?\\Volume{1}\\x.vhdx"),
+        ("vendor_key", "ignored"),
+    ]))
+    .unwrap();
+    assert_eq!(l.linkage, DATA_WRITE_GUID_SAMPLE);
+    assert_eq!(l.linkage2, Some(VHDX_LOCATOR_TYPE));
+    assert_eq!(l.relative_path.as_deref(), Some("..\\x.vhdx"));
+    assert_eq!(l.absolute_win32_path, None);
+
+    let good = locator(&good_kvs());
+    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+    let cases: Vec<(&str, Damage)> = vec![
+        ("shorter than its header", Box::new(|b| b.truncate(10))),
+        ("not VHDX's", Box::new(|b| b[0] ^= 1)),
+        (
+            "claims 65535 entries",
+            Box::new(|b| b[18..20].copy_from_slice(&[0xff, 0xff])),
+        ),
+        ("outside it", Box::new(|b| put32(b, 20, 0x7fff_fff0))),
+        (
+            "outside it",
+            Box::new(|b| b[28..30].copy_from_slice(&[0xff, 0xff])),
+        ),
+        (
+            "odd length",
+            Box::new(|b| b[30..32].copy_from_slice(&[3, 0])),
+        ),
+        ("outside it", Box::new(|b| put32(b, 24, 0))),
+        (
+            "not valid UTF-16",
+            Box::new(|b| {
+                // A lone high surrogate as the first key's first unit.
+                let k = le32(b, 20) as usize;
+                b[k..k + 2].copy_from_slice(&0xd800u16.to_le_bytes());
+            }),
+        ),
+        (
+            "NUL",
+            Box::new(|b| {
+                let k = le32(b, 20) as usize;
+                b[k..k + 2].fill(0);
+            }),
+        ),
+        (
+            "not a GUID",
+            Box::new(|b| {
+                let v = le32(b, 24) as usize;
+                b[v + 2] = b'x';
+            }),
+        ),
+    ];
+    for (want, damage) in cases {
+        let mut b = good.clone();
+        damage(&mut b);
+        let e = parse_parent_locator(&b).unwrap_err();
+        assert!(e.contains(want), "{want}: {e}");
+        assert!(!e.contains('\n'), "{e}");
+    }
+    let e = parse_parent_locator(&locator(&[("relative_path", "p.vhdx")])).unwrap_err();
+    assert!(e.contains("no parent_linkage"), "{e}");
+    let e = parse_parent_locator(&locator(&[("parent_linkage", PARENT_GUID)])).unwrap_err();
+    assert!(e.contains("names no path"), "{e}");
+    let e = parse_parent_locator(&locator(&[
+        ("parent_linkage", PARENT_GUID),
+        ("relative_path", "a"),
+        ("relative_path", "b"),
+    ]))
+    .unwrap_err();
+    assert!(e.contains("twice"), "{e}");
+}
+
+/// [`image`]'s data write GUID bytes.
+const DATA_WRITE_GUID_SAMPLE: Guid = [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+
+#[test]
+fn a_differencing_image_reads_through_its_parent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, p) = diff_pair(&dir, &good_kvs(), |_| {});
+    let v = open(&p, opts(false)).unwrap();
+    assert_eq!(read(&v, 0, model.len()).unwrap(), model);
+    // Pieces at odd offsets across every kind of block, partial sectors included.
+    let mut at = 0u64;
+    let mut len = 1usize;
+    while at < model.len() as u64 {
+        let n = len.min(model.len() - at as usize);
+        assert_eq!(
+            read(&v, at, n).unwrap(),
+            model[at as usize..at as usize + n],
+            "{at}+{n}"
+        );
+        at += n as u64 + 77;
+        len = (len * 3 + 511) % (300 << 10) + 1;
+    }
+    // Not present blocks are the parent's data, not holes; ZERO and UNMAPPED ones are holes.
+    assert_eq!(v.table().get(4), Entry::Unallocated);
+    let eng = engine();
+    let hole = eng
+        .block_on(crate::BlockBackend::seek(&v, &eng, 0, crate::Seek::Hole))
+        .unwrap()
+        .unwrap();
+    assert_eq!(hole, Some(2 * MIB));
+    let data = eng
+        .block_on(crate::BlockBackend::seek(
+            &v,
+            &eng,
+            2 * MIB,
+            crate::Seek::Data,
+        ))
+        .unwrap()
+        .unwrap();
+    assert_eq!(data, Some(4 * MIB));
+}
+
+#[test]
+fn a_chain_of_differencing_images_reads_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, c) = diff_pair(&dir, &good_kvs(), |_| {});
+    // A grandchild over the child: its own block 5 fully present, the rest from the child.
+    let child_guid = "{00000002-0000-0000-0000-000000000000}";
+    let mut g = diff_image(
+        8 * MIB,
+        &locator(&[("parent_linkage", child_guid), ("relative_path", "c.vhdx")]),
+    );
+    set_bat(&mut g, 5, present_entry(DATA_AT));
+    g.extend(std::iter::repeat_n(0x5a, MIB as usize));
+    let gp = dir.path().join("g.vhdx");
+    std::fs::write(&gp, &g).unwrap();
+    let v = open(&gp, opts(false)).unwrap();
+    let mut want = model;
+    want[5 * MIB as usize..6 * MIB as usize].fill(0x5a);
+    assert_eq!(read(&v, 0, want.len()).unwrap(), want);
+    drop(c);
+}
+
+#[test]
+fn differencing_refusals_are_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |p: &Path, writable: bool, want: &str| {
+        let r = reason(p, writable);
+        assert!(r.contains(want), "{want}: {r}");
+        assert!(!r.contains('\n'), "{r}");
+    };
+    let (_, p) = diff_pair(&dir, &good_kvs(), |_| {});
+    check(&p, true, "read-only: drop --writable");
+    // The parent was written since: its data write GUID changed.
+    let mut kvs = good_kvs();
+    kvs[0].1 = "{00000003-0000-0000-0000-000000000000}";
+    let (_, p) = diff_pair(&dir, &kvs, |_| {});
+    check(&p, false, "data write GUID");
+    // ... unless parent_linkage2 names it.
+    kvs.push(("parent_linkage2", PARENT_GUID));
+    let (_, p) = diff_pair(&dir, &kvs, |_| {});
+    open(&p, opts(false)).unwrap();
+    // The child names itself: a loop.
+    let mut kvs = good_kvs();
+    kvs[1].1 = "c.vhdx";
+    let (_, p) = diff_pair(&dir, &kvs, |_| {});
+    check(&p, false, "loop");
+    // Nowhere to be found.
+    let mut kvs = good_kvs();
+    kvs[1].1 = "..\\elsewhere\\p.vhdx";
+    let (_, p) = diff_pair(&dir, &kvs, |_| {});
+    check(&p, false, "not where its parent locator says");
+    // A parent that is not a VHDX.
+    std::fs::write(dir.path().join("raw.img"), vec![0u8; 4 * MIB as usize]).unwrap();
+    let mut kvs = good_kvs();
+    kvs[1].1 = "raw.img";
+    let (_, p) = diff_pair(&dir, &kvs, |_| {});
+    check(&p, false, "not a VHDX image");
+    // Has parent, no locator.
+    let (_, p) = diff_pair(&dir, &good_kvs(), |i| {
+        i[META_AT as usize + 10..META_AT as usize + 12].copy_from_slice(&5u16.to_le_bytes())
+    });
+    check(&p, false, "no parent locator");
+    // A locator with absurd lengths.
+    let (_, p) = diff_pair(&dir, &good_kvs(), |i| {
+        i[LOCATOR_AT + 18..LOCATOR_AT + 20].copy_from_slice(&[0xff, 0xff])
+    });
+    check(&p, false, "parent locator claims");
+    // --no-backing refuses before opening anything.
+    let (_, p) = diff_pair(&dir, &good_kvs(), |_| {});
+    match open(
+        &p,
+        VhdxOptions {
+            no_backing: true,
+            ..opts(false)
+        },
+    ) {
+        Err(OpenError::Format { reason, .. }) => {
+            assert!(reason.contains("--no-backing"), "{reason}")
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("opened"),
+    }
+}
+
+#[test]
+fn bad_sector_bitmaps_fail_only_their_partial_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let sb_entry = (BAT_AT + 8 * bitmap_index(0, 4096)) as usize;
+    type Damage = Box<dyn Fn(&mut Vec<u8>)>;
+    let cases: Vec<(&str, Damage)> = vec![
+        (
+            "past the end",
+            Box::new(move |i| put64(i, sb_entry, (1 << 40) | 6)),
+        ),
+        (
+            "into the metadata",
+            Box::new(move |i| put64(i, sb_entry, META_AT | 6)),
+        ),
+        (
+            "into the BAT",
+            Box::new(move |i| put64(i, sb_entry, BAT_AT | 6)),
+        ),
+        (
+            "over block 0",
+            Box::new(move |i| put64(i, sb_entry, DATA_AT | 6)),
+        ),
+        ("not present", Box::new(move |i| put64(i, sb_entry, 0))),
+        (
+            "reserved state",
+            Box::new(move |i| put64(i, sb_entry, (DATA_AT + 2 * MIB) | 3)),
+        ),
+    ];
+    for (what, damage) in cases {
+        let (model, p) = diff_pair(&dir, &good_kvs(), damage);
+        let v = open(&p, opts(false)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let e = read(&v, MIB + 4096, 512).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{what}");
+        assert_eq!(v.table().get(1), Entry::Bad, "{what}");
+        // Everything else serves (block 0 too unless the bitmap lies over it).
+        let from = if what == "over block 0" { 2 * MIB } else { 0 };
+        if from == 0 {
+            assert_eq!(
+                read(&v, 0, MIB as usize).unwrap(),
+                model[..MIB as usize],
+                "{what}"
+            );
+        }
+        assert_eq!(
+            read(&v, 2 * MIB, 6 * MIB as usize).unwrap(),
+            model[2 * MIB as usize..],
+            "{what}"
+        );
+        assert!(open(&p, opts(true)).is_err());
+    }
+}
+
+/// Any bytes of a differencing image's parent locator, its sector bitmap entry or block 1's
+/// entry overwritten: opening refuses in one line or serves, reads fail or succeed, never a
+/// panic.
+fn damaged_diff_is_handled(patches: &[(usize, u8)], ops: &[(u64, u16)]) {
+    let dir = tempfile::tempdir().unwrap();
+    let sb_entry = (BAT_AT + 8 * bitmap_index(0, 4096)) as usize;
+    let spots = [LOCATOR_AT, sb_entry, BAT_AT as usize + 8];
+    let (_, p) = diff_pair(&dir, &good_kvs(), |img| {
+        for &(at, v) in patches {
+            let base = spots[at % spots.len()];
+            let span = if base == LOCATOR_AT { 160 } else { 8 };
+            img[base + (at / spots.len()) % span] = v;
+        }
+    });
+    let v = match open(&p, opts(false)) {
+        Ok(v) => v,
+        Err(e) => {
+            assert!(!e.to_string().contains('\n'), "{e}");
+            return;
+        }
+    };
+    let eng = engine();
+    for &(off, len) in ops {
+        let off = off % (8 * MIB);
+        let len = u64::from(len).min(8 * MIB - off) as usize;
+        let mut buf = vec![0u8; len];
+        let _ = eng.block_on(v.read(&mut buf, off)).unwrap();
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    #[test]
+    fn damaged_differencing_images_never_panic(
+        patches in proptest::collection::vec((0usize..4096, proptest::num::u8::ANY), 1..8),
+        ops in proptest::collection::vec((proptest::num::u64::ANY, 1u16..20000), 1..6),
+    ) {
+        damaged_diff_is_handled(&patches, &ops);
     }
 }
