@@ -1317,7 +1317,8 @@ fn hostile_vhdx_images() {
             Expect::Refused("power of two"),
         ),
         (
-            "differencing",
+            // Has parent without a parent locator (a real differencing image: vhdx_diff.rs).
+            "differencing without a parent locator",
             Box::new(move |b| set_le32(b, params + 4, 2)),
             Expect::Refused("differencing"),
         ),
