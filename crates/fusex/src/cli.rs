@@ -349,14 +349,16 @@ pub struct MountArgs {
     pub shared_image: Option<crate::lifecycle::SharedImage>,
     /// Refuse to open the backing or data files a qcow2 image names
     ///
-    /// For untrusted images, whose header may name any file.
+    /// Also a VMDK descriptor's extent files and a differencing VHDX image's parent. For
+    /// untrusted images, whose header may name any file.
     #[arg(long, help_heading = heading::IMAGE)]
     pub no_backing: bool,
     /// Open the files another user's qcow2 image names as root, not as its owner
     ///
     /// When root serves a qcow2 image another user owns, open the backing and data files it names
-    /// as root. Without it they are opened with the owner's credentials, so the image cannot
-    /// make root serve a file its owner could not read.
+    /// (a VMDK's extents, a differencing VHDX image's parent) as root. Without it they are
+    /// opened with the owner's credentials, so the image cannot make root serve a file its owner
+    /// could not read.
     #[arg(long, conflicts_with = "no_backing", help_heading = heading::IMAGE)]
     pub trust_backing: bool,
     /// Export even while another process writes the image (read-only exports only)

@@ -336,7 +336,8 @@ fn open_opened(
         ParseError::Bad(reason) => bad(reason),
         ParseError::Io(e) => OpenError::from_io(&shown, e),
     };
-    let mut parsed = parse(file.file(), len, writable).map_err(map)?;
+    let mut parsed = parse(file.file(), len, writable, chain.entries_left()).map_err(map)?;
+    chain.hold_entries(parsed.table.len());
     if let Some(d) = parsed.diff.take() {
         let (pfile, plen, ppath) = chain.open_parent(path, &d.locator)?;
         let p = named::shown_path(&ppath);
@@ -435,8 +436,9 @@ fn begin_writing(f: &std::fs::File, h: &CurrentHeader) -> io::Result<()> {
     f.sync_data()
 }
 
-/// Reads `f` (of `len` bytes) as a VHDX image.
-fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<Parsed, ParseError> {
+/// Reads `f` (of `len` bytes) as a VHDX image, refusing a block table of more than `entries`
+/// entries (what the chain of differencing images it belongs to has left of its bound).
+fn parse(f: &std::fs::File, len: u64, writable: bool, entries: u64) -> Result<Parsed, ParseError> {
     if len < ondisk::HEADER_SECTION {
         return Err("it is shorter than a VHDX header section (1 MiB): check the path".into());
     }
@@ -509,6 +511,16 @@ fn parse(f: &std::fs::File, len: u64, writable: bool) -> Result<Parsed, ParseErr
         );
     }
     let blocks = p.size.div_ceil(p.block_size);
+    if blocks > entries && blocks <= blocktable::MAX_ENTRIES {
+        return Err(format!(
+            "it is the parent of a differencing image, and with it the chain's block tables \
+             would hold more than {} entries ({} MiB of memory), more than fusex holds for a \
+             chain",
+            parent::CHAIN_ENTRIES,
+            (parent::CHAIN_ENTRIES * 8) >> 20
+        )
+        .into());
+    }
     let ratio = ondisk::chunk_ratio(p.logical_sector, p.block_size);
     let entries = if p.has_parent {
         ondisk::diff_bat_entries(blocks, ratio)

@@ -22,6 +22,11 @@ use crate::qcow2::MAX_CHAIN;
 use crate::ringfile::RingFile;
 use crate::OpenError;
 
+/// Block table entries the images of one chain may hold together: 32 Mi (256 MiB of memory),
+/// four times one image's bound, so a hostile chain of 64 sparse files each claiming the
+/// largest table cannot make the daemon hold 64 of them.
+pub(super) const CHAIN_ENTRIES: u64 = 4 * crate::blocktable::MAX_ENTRIES;
+
 /// The images of one chain opened so far, and how to open the next.
 pub(super) struct Chain {
     no_backing: bool,
@@ -30,6 +35,8 @@ pub(super) struct Chain {
     who: OpenAs,
     /// Device and inode of every image of the chain, top first.
     opened: Vec<(u64, u64)>,
+    /// Block table entries the chain's images hold so far.
+    entries: u64,
 }
 
 impl Chain {
@@ -41,7 +48,18 @@ impl Chain {
             locking: opts.locking,
             who: OpenAs::for_image(&meta, opts.trust_backing),
             opened: vec![(meta.dev(), meta.ino())],
+            entries: 0,
         })
+    }
+
+    /// How many block table entries the next image of the chain may hold.
+    pub(super) fn entries_left(&self) -> u64 {
+        CHAIN_ENTRIES.saturating_sub(self.entries)
+    }
+
+    /// Counts an image's block table against the chain's bound.
+    pub(super) fn hold_entries(&mut self, n: u64) {
+        self.entries = self.entries.saturating_add(n);
     }
 
     /// Finds the parent `loc` names for the image at `child` (trying its paths in the order

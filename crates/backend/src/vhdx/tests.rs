@@ -1150,3 +1150,39 @@ proptest::proptest! {
         damaged_diff_is_handled(&patches, &ops);
     }
 }
+
+#[test]
+fn a_chain_of_huge_tables_is_refused_before_it_holds_them_all() {
+    // Five images of 8 Mi blocks each (8 TiB in 1 MiB blocks), sparse files: each alone is
+    // within one table's bound, the chain is not.
+    let dir = tempfile::tempdir().unwrap();
+    let size = crate::blocktable::MAX_ENTRIES * MIB;
+    let names = ["i0.vhdx", "i1.vhdx", "i2.vhdx", "i3.vhdx", "i4.vhdx"];
+    for (i, name) in names.iter().enumerate() {
+        let mut img = match names.get(i + 1) {
+            Some(parent) => diff_image(
+                size,
+                &locator(&[("parent_linkage", PARENT_GUID), ("relative_path", parent)]),
+            ),
+            None => image(size),
+        };
+        put64(&mut img, META_AT as usize + 0x10008, size);
+        for rt in [RT1, RT2] {
+            put32(&mut img, rt + 16 + 24, 72 * MIB as u32);
+        }
+        reseal(&mut img);
+        let p = dir.path().join(name);
+        std::fs::write(&p, &img).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(BAT_AT + 72 * MIB)
+            .unwrap();
+    }
+    let r = reason(&dir.path().join(names[0]), false);
+    assert!(r.contains("more than fusex holds for a chain"), "{r}");
+    assert!(!r.contains('\n'), "{r}");
+    // Four of them are within the bound.
+    open(&dir.path().join(names[1]), opts(false)).unwrap();
+}
