@@ -452,6 +452,12 @@ fn refused(w: &WorkDir, img: &Path, args: &[&str], problem: &str, what: &str) {
                 .filter(|l| l.starts_with("fusex: error: "))
                 .collect();
             assert_eq!(errors.len(), 1, "{what}: one error line:\n{}", f.stderr);
+            eprintln!("{what}: refused: {}", errors[0]);
+            assert!(
+                !errors[0].contains("  "),
+                "{what}: a run of spaces: {}",
+                errors[0]
+            );
             assert!(
                 errors[0].contains(problem),
                 "{what}: want {problem:?}: {}",

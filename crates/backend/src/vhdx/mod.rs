@@ -348,7 +348,9 @@ fn open_opened(
             })?;
         if guid != d.locator.linkage && d.locator.linkage2 != Some(guid) {
             return Err(bad(format!(
-                "its parent {p} has data write GUID {}, not the {} its parent_linkage names:                  the parent was written (or replaced) since this differencing image was made,                  so the two no longer make one disk",
+                "its parent {p} has data write GUID {}, not the {} its parent_linkage names: \
+                 the parent was written (or replaced) since this differencing image was made, \
+                 so the two no longer make one disk",
                 ondisk::show_guid(&guid),
                 ondisk::show_guid(&d.locator.linkage)
             )));

@@ -168,7 +168,8 @@ fn posix(s: &str) -> PathBuf {
 pub(super) fn candidates(dir: &Path, loc: &ParentLocator) -> Vec<(&'static str, PathBuf)> {
     let mut out = Vec::new();
     if let Some(r) = &loc.relative_path {
-        out.push(("relative_path", dir.join(posix(r))));
+        // `components` drops `.` (a locator's `.\parent.vhdx`), never `..`.
+        out.push(("relative_path", dir.join(posix(r)).components().collect()));
     }
     for (key, v) in [
         ("volume_path", &loc.volume_path),
