@@ -1177,3 +1177,179 @@ fn a_listing_or_a_second_subdirectory_hands_the_tree_below_over() {
         h.lookup(t, b"b").unwrap();
     });
 }
+
+/// The open descriptors and resident memory of this process.
+fn descriptors_and_rss() -> (usize, u64) {
+    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no VmRSS in {status}"));
+    (fds, kib << 10)
+}
+
+/// Runs the test `name` of this crate alone in a child process (its process-wide readings,
+/// descriptors and resident memory, are then its own, not those of tests running beside it);
+/// true in that child, where the caller goes on with the test.
+fn alone(name: &str) -> bool {
+    const VAR: &str = "FUSEX_DIRFS_TEST_ALONE";
+    if std::env::var_os(VAR).is_some() {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(VAR, "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name} alone: {}\n{text}",
+        out.status
+    );
+    false
+}
+
+/// Sends a request for a node with bytes placed in the buffer first (offset, bytes): a LOOKUP's
+/// node id, 0 for a reply without an entry, or the errno.
+type Sender<'a> = dyn FnMut(u64, Request, &[(usize, &[u8])]) -> Result<u64, i32> + 'a;
+
+/// A million LOOKUP and FORGET cycles (single FORGETs, BATCH_FORGETs, several lookups of one
+/// name forgotten at once, lookups of a missing name; nodes beyond a small descriptor budget
+/// held by file handle): after a warm-up, the node table holds only the root at every
+/// checkpoint, and the process's descriptors and resident memory stay where they were. Bounds
+/// are on counts and bytes, not time.
+#[test]
+fn a_million_lookups_and_forgets_leave_memory_and_descriptors_flat() {
+    if !alone("tests::a_million_lookups_and_forgets_leave_memory_and_descriptors_flat") {
+        return;
+    }
+    let cfg = DirConfig {
+        max_node_fds: 16,
+        ..DirConfig::default()
+    };
+    let h = H::with_config(cfg, None);
+    const NAMES: usize = 500;
+    const TOTAL: usize = 1_000_000;
+    const WARM_UP: usize = 100_000;
+    const CHECK_EVERY: usize = 100_000;
+    for i in 0..NAMES {
+        std::fs::write(h.path(&format!("n{i:04}")), b"").unwrap();
+    }
+    // Past the descriptor budget only with file handles (as root); else within it.
+    let window = if h.fs.file_handles() { 64 } else { 12 };
+    let names: Vec<Vec<u8>> = (0..NAMES)
+        .map(|i| format!("n{i:04}").into_bytes())
+        .collect();
+    let (uid, gid) = (unsafe_uid(), unsafe_gid());
+    let hdr = |nodeid| InHeader {
+        nodeid,
+        uid,
+        gid,
+        ..InHeader::default()
+    };
+    let tally = Tally::new(&h.counters, 0);
+    // One buffer for every request: a name at 64, forget entries at 1024, replies at PAYLOAD.
+    let mut buf = Some(h.eng.take_buffer().unwrap());
+    let len = buf.as_ref().unwrap().len();
+    let (name_at, entries_at) = (64, 1024);
+    let mut send = |nodeid: u64, req: Request, bytes: &[(usize, &[u8])]| -> Result<u64, i32> {
+        let mut b = buf.take().unwrap();
+        for (at, v) in bytes {
+            b.as_mut_slice()[*at..*at + v.len()].copy_from_slice(v);
+        }
+        let (r, b) = h
+            .eng
+            .block_on(h.fs.handle(&h.eng, &hdr(nodeid), req, b, PAYLOAD..len, &tally))
+            .unwrap();
+        let node = match r {
+            Reply::Data(n) => EntryOut::read_from_bytes(&b.as_slice()[PAYLOAD..PAYLOAD + n])
+                .map_or(0, |e| e.nodeid),
+            Reply::None => 0,
+            Reply::Error(e) => {
+                buf = Some(b);
+                return Err(e);
+            }
+        };
+        buf = Some(b);
+        Ok(node)
+    };
+    let lookup = |send: &mut Sender<'_>, name: &[u8]| {
+        let mut with_nul = name.to_vec();
+        with_nul.push(0);
+        let span = Span {
+            at: name_at,
+            len: name.len(),
+        };
+        send(
+            ROOT_ID,
+            Request::Lookup { name: span },
+            &[(name_at, &with_nul)],
+        )
+    };
+    let (mut done, mut batch) = (0usize, 0usize);
+    let mut base: Option<(usize, u64)> = None;
+    let mut next_check = WARM_UP;
+    let mut ids = Vec::with_capacity(window);
+    while done < TOTAL {
+        ids.clear();
+        for k in 0..window {
+            let name = &names[(batch * window + k) % NAMES];
+            let id = lookup(&mut send, name).unwrap_or_else(|e| panic!("lookup {done}: {e}"));
+            ids.push((id, 1u64));
+            done += 1;
+        }
+        // The first name again: the same node, one lookup more.
+        let again = lookup(&mut send, &names[batch * window % NAMES]).unwrap();
+        assert_eq!(again, ids[0].0, "lookup {done}: the same node");
+        ids[0].1 = 2;
+        done += 1;
+        assert_eq!(lookup(&mut send, b"missing"), Err(libc::ENOENT));
+        assert_eq!(h.fs.nodes(), 1 + window, "lookup {done}: one node per name");
+        if batch % 2 == 0 {
+            for &(id, n) in &ids {
+                send(id, Request::Forget(n), &[]).unwrap();
+            }
+        } else {
+            let raw: Vec<u8> = ids
+                .iter()
+                .flat_map(|&(nodeid, nlookup)| {
+                    fuse_abi::ForgetOne { nodeid, nlookup }.as_bytes().to_vec()
+                })
+                .collect();
+            let entries = Span {
+                at: entries_at,
+                len: raw.len(),
+            };
+            send(0, Request::BatchForget { entries }, &[(entries_at, &raw)]).unwrap();
+        }
+        assert_eq!(h.fs.nodes(), 1, "lookup {done}: every node forgotten");
+        batch += 1;
+        if done >= next_check {
+            next_check += CHECK_EVERY;
+            assert_eq!(
+                h.fs.pinned_nodes(),
+                1,
+                "lookup {done}: only the root pinned"
+            );
+            let (fds, rss) = descriptors_and_rss();
+            match base {
+                None => base = Some((fds, rss)),
+                Some((fds0, rss0)) => {
+                    assert!(
+                        fds <= fds0 + 8,
+                        "{done} lookups: {fds0} descriptors after the warm-up, {fds} now"
+                    );
+                    assert!(
+                        rss <= rss0 + (8 << 20),
+                        "{done} lookups: resident memory {rss0} after the warm-up, {rss} now"
+                    );
+                }
+            }
+        }
+    }
+    assert!(done >= TOTAL && base.is_some());
+}
