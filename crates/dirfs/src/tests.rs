@@ -222,6 +222,21 @@ fn lookup_read_and_forget() {
     );
 }
 
+/// `open(path, O_NOFOLLOW)` of a regular file through the mount: the kernel passes the flag on
+/// in OPEN, and the file opens (the kernel refused a symlink itself already).
+#[test]
+fn an_open_with_o_nofollow_opens_the_file() {
+    let h = H::new(true);
+    let e = h.lookup(ROOT_ID, b"file").unwrap();
+    for flags in [libc::O_RDONLY, libc::O_RDWR, libc::O_WRONLY] {
+        let fh = h.open(e.nodeid, flags | libc::O_NOFOLLOW).unwrap();
+        h.release(fh, false);
+    }
+    let fh = h.open(e.nodeid, libc::O_RDONLY | libc::O_NOFOLLOW).unwrap();
+    assert_eq!(h.read(fh, 0, 5).unwrap(), b"hello");
+    h.release(fh, false);
+}
+
 #[test]
 fn names_that_leave_the_directory_are_refused() {
     let h = H::new(true);
