@@ -1180,6 +1180,589 @@ fn random_file_operations_match_a_model() {
         .assert_clean("random operations on a directory export");
 }
 
+/// One operation of [`random_namespace_operations_match_a_model`], on paths relative to a root.
+#[derive(Clone)]
+enum NsOp {
+    Mkdir(String),
+    Rmdir(String),
+    /// `O_CREAT | O_EXCL`, then the bytes written.
+    Create(String, Vec<u8>),
+    /// `O_WRONLY | O_NOFOLLOW`, the bytes written at the offset.
+    Write(String, u64, Vec<u8>),
+    Unlink(String),
+    /// `renameat2` with its flags.
+    Rename(String, String, u32),
+    /// `linkat` without following a final symlink.
+    Link(String, String),
+    /// A symlink with this target at the path.
+    Symlink(String, String),
+    /// `truncate(2)` (follows a final symlink).
+    Truncate(String, u64),
+}
+
+impl std::fmt::Debug for NsOp {
+    /// The operation with its paths, and the length of the bytes it writes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NsOp::Mkdir(a) => write!(f, "mkdir {a}"),
+            NsOp::Rmdir(a) => write!(f, "rmdir {a}"),
+            NsOp::Create(a, d) => write!(f, "create {a} ({} bytes)", d.len()),
+            NsOp::Write(a, off, d) => write!(f, "write {a} at {off} ({} bytes)", d.len()),
+            NsOp::Unlink(a) => write!(f, "unlink {a}"),
+            NsOp::Rename(a, b, flags) => write!(f, "rename {a} {b} (flags {flags})"),
+            NsOp::Link(a, b) => write!(f, "link {a} {b}"),
+            NsOp::Symlink(t, a) => write!(f, "symlink {t} {a}"),
+            NsOp::Truncate(a, len) => write!(f, "truncate {a} {len}"),
+        }
+    }
+}
+
+impl NsOp {
+    fn name(&self) -> &'static str {
+        match self {
+            NsOp::Mkdir(_) => "Mkdir",
+            NsOp::Rmdir(_) => "Rmdir",
+            NsOp::Create(..) => "Create",
+            NsOp::Write(..) => "Write",
+            NsOp::Unlink(_) => "Unlink",
+            NsOp::Rename(..) => "Rename",
+            NsOp::Link(..) => "Link",
+            NsOp::Symlink(..) => "Symlink",
+            NsOp::Truncate(..) => "Truncate",
+        }
+    }
+}
+
+/// Runs `op` below `root`: Ok or the errno.
+fn ns_apply(root: &Path, op: &NsOp) -> Result<(), i32> {
+    use std::os::unix::fs::FileExt;
+    let p = |s: &str| root.join(s);
+    let ret = |r: libc::c_int| {
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(-1))
+        }
+    };
+    let io = |r: std::io::Result<()>| r.map_err(|e| e.raw_os_error().unwrap_or(-1));
+    match op {
+        NsOp::Mkdir(a) => io(fs::create_dir(p(a))),
+        NsOp::Rmdir(a) => io(fs::remove_dir(p(a))),
+        NsOp::Create(a, data) => io(fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(p(a))
+            .and_then(|f| f.write_all_at(data, 0))),
+        NsOp::Write(a, off, data) => io(fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(p(a))
+            .and_then(|f| f.write_all_at(data, *off))),
+        NsOp::Unlink(a) => io(fs::remove_file(p(a))),
+        NsOp::Rename(a, b, flags) => {
+            let (ca, cb) = (c(&p(a)), c(&p(b)));
+            // SAFETY: valid path strings.
+            ret(unsafe {
+                libc::renameat2(
+                    libc::AT_FDCWD,
+                    ca.as_ptr(),
+                    libc::AT_FDCWD,
+                    cb.as_ptr(),
+                    *flags,
+                )
+            })
+        }
+        NsOp::Link(a, b) => {
+            let (ca, cb) = (c(&p(a)), c(&p(b)));
+            // SAFETY: valid path strings.
+            ret(unsafe {
+                libc::linkat(libc::AT_FDCWD, ca.as_ptr(), libc::AT_FDCWD, cb.as_ptr(), 0)
+            })
+        }
+        NsOp::Symlink(target, a) => io(std::os::unix::fs::symlink(target, p(a))),
+        NsOp::Truncate(a, len) => {
+            let ca = c(&p(a));
+            // SAFETY: a valid path string.
+            ret(unsafe { libc::truncate(ca.as_ptr(), *len as libc::off_t) })
+        }
+    }
+}
+
+/// An entry of the namespace model: a directory, or an inode (file or symlink) that hard links
+/// share.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum NsNode {
+    Dir,
+    Ino(usize),
+}
+
+/// What an inode of the model holds.
+#[derive(Clone, Debug)]
+enum NsData {
+    File(Vec<u8>),
+    Symlink(String),
+}
+
+/// The tree a local filesystem would have after the operations so far, and what each operation
+/// should answer. Symlink targets never name an entry of the tree, so every symlink dangles: a
+/// path through one ends in ENOENT.
+#[derive(Default)]
+struct NsModel {
+    tree: BTreeMap<String, NsNode>,
+    inodes: Vec<NsData>,
+}
+
+/// `p` is strictly below `dir`.
+fn ns_below(p: &str, dir: &str) -> bool {
+    p.len() > dir.len() && p.starts_with(dir) && p.as_bytes()[dir.len()] == b'/'
+}
+
+impl NsModel {
+    fn kind(&self, p: &str) -> Option<NsNode> {
+        self.tree.get(p).copied()
+    }
+
+    fn is_symlink(&self, n: NsNode) -> bool {
+        matches!(n, NsNode::Ino(i) if matches!(self.inodes[i], NsData::Symlink(_)))
+    }
+
+    /// The errno resolving the directories leading to `p` gives, if any.
+    fn parent_err(&self, p: &str) -> Option<i32> {
+        let mut at = 0;
+        while let Some(i) = p[at..].find('/') {
+            let prefix = &p[..at + i];
+            match self.kind(prefix) {
+                None => return Some(libc::ENOENT),
+                Some(NsNode::Dir) => {}
+                Some(n) if self.is_symlink(n) => return Some(libc::ENOENT),
+                Some(_) => return Some(libc::ENOTDIR),
+            }
+            at += i + 1;
+        }
+        None
+    }
+
+    fn has_children(&self, dir: &str) -> bool {
+        self.tree.keys().any(|k| ns_below(k, dir))
+    }
+
+    /// `p` and everything below it.
+    fn subtree(&self, p: &str) -> Vec<(String, NsNode)> {
+        self.tree
+            .iter()
+            .filter(|(k, _)| *k == p || ns_below(k, p))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    }
+
+    fn file(&mut self, n: NsNode) -> &mut Vec<u8> {
+        match n {
+            NsNode::Ino(i) => match &mut self.inodes[i] {
+                NsData::File(d) => d,
+                NsData::Symlink(_) => unreachable!("a symlink"),
+            },
+            NsNode::Dir => unreachable!("a directory"),
+        }
+    }
+
+    /// What `op` answers on a local filesystem; the model is changed as it would be.
+    fn apply(&mut self, op: &NsOp) -> Result<(), i32> {
+        use libc::{EEXIST, EINVAL, EISDIR, ELOOP, ENOENT, ENOTDIR, ENOTEMPTY, EPERM};
+        let parent = |m: &NsModel, p: &str| m.parent_err(p).map_or(Ok(()), Err);
+        match op {
+            NsOp::Mkdir(a) | NsOp::Symlink(_, a) | NsOp::Create(a, _) => {
+                parent(self, a)?;
+                if self.kind(a).is_some() {
+                    return Err(EEXIST);
+                }
+                let node = match op {
+                    NsOp::Mkdir(_) => NsNode::Dir,
+                    NsOp::Symlink(t, _) => {
+                        self.inodes.push(NsData::Symlink(t.clone()));
+                        NsNode::Ino(self.inodes.len() - 1)
+                    }
+                    NsOp::Create(_, data) => {
+                        self.inodes.push(NsData::File(data.clone()));
+                        NsNode::Ino(self.inodes.len() - 1)
+                    }
+                    _ => unreachable!(),
+                };
+                self.tree.insert(a.clone(), node);
+            }
+            NsOp::Rmdir(a) => {
+                parent(self, a)?;
+                match self.kind(a) {
+                    None => return Err(ENOENT),
+                    Some(NsNode::Ino(_)) => return Err(ENOTDIR),
+                    Some(NsNode::Dir) if self.has_children(a) => return Err(ENOTEMPTY),
+                    Some(NsNode::Dir) => {
+                        self.tree.remove(a);
+                    }
+                }
+            }
+            NsOp::Unlink(a) => {
+                parent(self, a)?;
+                match self.kind(a) {
+                    None => return Err(ENOENT),
+                    Some(NsNode::Dir) => return Err(EISDIR),
+                    Some(_) => {
+                        self.tree.remove(a);
+                    }
+                }
+            }
+            NsOp::Write(a, off, data) => {
+                parent(self, a)?;
+                let n = self.kind(a).ok_or(ENOENT)?;
+                if n == NsNode::Dir {
+                    return Err(EISDIR);
+                }
+                if self.is_symlink(n) {
+                    return Err(ELOOP);
+                }
+                let f = self.file(n);
+                let end = *off as usize + data.len();
+                if f.len() < end {
+                    f.resize(end, 0);
+                }
+                f[*off as usize..end].copy_from_slice(data);
+            }
+            NsOp::Truncate(a, len) => {
+                parent(self, a)?;
+                let n = self.kind(a).ok_or(ENOENT)?;
+                if n == NsNode::Dir {
+                    return Err(EISDIR);
+                }
+                if self.is_symlink(n) {
+                    return Err(ENOENT); // followed: it dangles
+                }
+                self.file(n).resize(*len as usize, 0);
+            }
+            NsOp::Link(a, b) => {
+                parent(self, a)?;
+                let n = self.kind(a).ok_or(ENOENT)?;
+                parent(self, b)?;
+                if self.kind(b).is_some() {
+                    return Err(EEXIST);
+                }
+                if n == NsNode::Dir {
+                    return Err(EPERM);
+                }
+                self.tree.insert(b.clone(), n);
+            }
+            NsOp::Rename(a, b, flags) => {
+                let exchange = flags & libc::RENAME_EXCHANGE != 0;
+                parent(self, a)?;
+                parent(self, b)?;
+                let na = self.kind(a).ok_or(ENOENT)?;
+                let nb = self.kind(b);
+                if flags & libc::RENAME_NOREPLACE != 0 && nb.is_some() {
+                    return Err(EEXIST);
+                }
+                if exchange && nb.is_none() {
+                    return Err(ENOENT);
+                }
+                if ns_below(b, a) {
+                    return Err(EINVAL);
+                }
+                if ns_below(a, b) {
+                    return Err(if exchange { EINVAL } else { ENOTEMPTY });
+                }
+                if Some(na) == nb && (a == b || na != NsNode::Dir) {
+                    return Ok(()); // one inode: nothing to do
+                }
+                let (from, to) = (self.subtree(a), self.subtree(b));
+                if !exchange {
+                    if let Some(nb) = nb {
+                        match (na == NsNode::Dir, nb == NsNode::Dir) {
+                            (true, false) => return Err(ENOTDIR),
+                            (false, true) => return Err(EISDIR),
+                            (true, true) if to.len() > 1 => return Err(ENOTEMPTY),
+                            _ => {}
+                        }
+                    }
+                }
+                for (k, _) in from.iter().chain(&to) {
+                    self.tree.remove(k);
+                }
+                let moved = |list: &[(String, NsNode)], old: &str, new: &str| {
+                    list.iter()
+                        .map(|(k, v)| (format!("{new}{}", &k[old.len()..]), *v))
+                        .collect::<Vec<_>>()
+                };
+                self.tree.extend(moved(&from, a, b));
+                if exchange {
+                    self.tree.extend(moved(&to, b, a));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The model as [`ns_snapshot`] shows a tree.
+    fn snapshot(&self) -> BTreeMap<String, NsSeen> {
+        let mut group: BTreeMap<usize, (&str, u64)> = BTreeMap::new();
+        for (k, v) in &self.tree {
+            if let NsNode::Ino(i) = v {
+                group.entry(*i).or_insert((k, 0)).1 += 1;
+            }
+        }
+        self.tree
+            .iter()
+            .map(|(k, v)| {
+                let seen = match *v {
+                    NsNode::Dir => NsSeen::default(),
+                    NsNode::Ino(i) => {
+                        let (first, nlink) = group[&i];
+                        let (kind, data) = match &self.inodes[i] {
+                            NsData::File(d) => ('f', d.clone()),
+                            NsData::Symlink(t) => ('l', t.clone().into_bytes()),
+                        };
+                        NsSeen {
+                            kind,
+                            data,
+                            first: first.to_string(),
+                            nlink,
+                        }
+                    }
+                };
+                (k.clone(), seen)
+            })
+            .collect()
+    }
+}
+
+/// An entry of a tree as [`ns_snapshot`] records it: its kind (`d`, `f`, `l`), a file's bytes or
+/// a symlink's target, and for files and symlinks the first path (in order) of its inode and
+/// its link count.
+#[derive(Clone, Debug, PartialEq)]
+struct NsSeen {
+    kind: char,
+    data: Vec<u8>,
+    first: String,
+    nlink: u64,
+}
+
+impl Default for NsSeen {
+    fn default() -> Self {
+        NsSeen {
+            kind: 'd',
+            data: Vec::new(),
+            first: String::new(),
+            nlink: 0,
+        }
+    }
+}
+
+/// Every entry below `root` by relative path, and each one's inode number.
+fn ns_snapshot(root: &Path) -> (BTreeMap<String, NsSeen>, BTreeMap<String, u64>) {
+    let mut out = BTreeMap::new();
+    let mut inos = BTreeMap::new();
+    let mut stack = vec![String::new()];
+    while let Some(dir) = stack.pop() {
+        for e in fs::read_dir(root.join(&dir)).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            let rel = if dir.is_empty() {
+                name
+            } else {
+                format!("{dir}/{name}")
+            };
+            let p = root.join(&rel);
+            let m =
+                fs::symlink_metadata(&p).unwrap_or_else(|e| panic!("lstat {}: {e}", p.display()));
+            let ft = m.file_type();
+            let seen = if ft.is_dir() {
+                stack.push(rel.clone());
+                NsSeen::default()
+            } else if ft.is_symlink() {
+                NsSeen {
+                    kind: 'l',
+                    data: fs::read_link(&p).unwrap().as_os_str().as_bytes().to_vec(),
+                    first: String::new(),
+                    nlink: m.nlink(),
+                }
+            } else {
+                NsSeen {
+                    kind: 'f',
+                    data: fs::read(&p).unwrap(),
+                    first: String::new(),
+                    nlink: m.nlink(),
+                }
+            };
+            inos.insert(rel.clone(), m.ino());
+            out.insert(rel, seen);
+        }
+    }
+    let mut first: BTreeMap<u64, String> = BTreeMap::new();
+    for (k, s) in out.iter_mut() {
+        if s.kind != 'd' {
+            s.first = first.entry(inos[k]).or_insert_with(|| k.clone()).clone();
+        }
+    }
+    (out, inos)
+}
+
+/// A namespace fsx: a few thousand seeded random mkdir, rmdir, create, write, unlink, rename
+/// (plain over files and directories, `RENAME_NOREPLACE`, `RENAME_EXCHANGE`), link, symlink and
+/// truncate through the mount, the same on a plain directory of the source's filesystem, each
+/// answering as a model of a local filesystem says (success, or ENOENT, EEXIST, ENOTEMPTY,
+/// EISDIR, ENOTDIR, EINVAL, ELOOP, EPERM); every 100 operations the mount and the source
+/// show exactly the model's tree (names, kinds, contents, symlink targets, which names share
+/// an inode and its link count), with the source's inode numbers through the mount.
+#[test]
+fn random_namespace_operations_match_a_model() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-nsfsx");
+    let native = t.work.join("native");
+    fs::create_dir(&native).unwrap();
+    let m = t.mount(&["--writable"]);
+    let mut rng = Rng::new(0x5eed);
+    let mut model = NsModel::default();
+    const NAMES: [&str; 4] = ["a", "b", "c", "d"];
+    const OPS: usize = 5000;
+    let mut counts: BTreeMap<(&str, i32), usize> = BTreeMap::new();
+    let mut history = Vec::new();
+    let errno_name = |r: &Result<(), i32>| match r {
+        Ok(()) => "ok".to_string(),
+        Err(e) => errno_str(*e),
+    };
+    // A path: below an existing directory most of the time, else below any entry (a file:
+    // ENOTDIR) or a made-up path (ENOENT); at most 4 deep.
+    let fresh = |rng: &mut Rng, model: &NsModel| -> String {
+        let entries: Vec<(&String, &NsNode)> = model.tree.iter().collect();
+        let dirs: Vec<&String> = entries
+            .iter()
+            .filter(|(k, v)| **v == NsNode::Dir && k.matches('/').count() < 3)
+            .map(|(k, _)| *k)
+            .collect();
+        let name = NAMES[rng.below(NAMES.len() as u64) as usize];
+        let parent = match rng.below(10) {
+            0..=5 if !dirs.is_empty() => dirs[rng.below(dirs.len() as u64) as usize].clone(),
+            6 if !entries.is_empty() => entries[rng.below(entries.len() as u64) as usize].0.clone(),
+            7 => NAMES[rng.below(4) as usize].to_string(),
+            _ => String::new(),
+        };
+        if parent.is_empty() || parent.matches('/').count() >= 3 {
+            name.to_string()
+        } else {
+            format!("{parent}/{name}")
+        }
+    };
+    // An existing entry most of the time, else a fresh path.
+    let existing = |rng: &mut Rng, model: &NsModel| -> String {
+        if model.tree.is_empty() || rng.below(10) >= 7 {
+            return fresh(rng, model);
+        }
+        let i = rng.below(model.tree.len() as u64) as usize;
+        model.tree.keys().nth(i).unwrap().clone()
+    };
+    for step in 0..OPS {
+        let op = match rng.below(20) {
+            0..=2 => NsOp::Mkdir(fresh(&mut rng, &model)),
+            3 => NsOp::Rmdir(existing(&mut rng, &model)),
+            4..=5 => {
+                let len = rng.below(3000) as usize;
+                NsOp::Create(fresh(&mut rng, &model), rng.bytes(len))
+            }
+            6..=7 => {
+                let (off, len) = (rng.below(8000), 1 + rng.below(3000) as usize);
+                NsOp::Write(existing(&mut rng, &model), off, rng.bytes(len))
+            }
+            8..=9 => NsOp::Unlink(existing(&mut rng, &model)),
+            10..=14 => {
+                let a = existing(&mut rng, &model);
+                let b = if rng.below(2) == 0 {
+                    existing(&mut rng, &model)
+                } else {
+                    fresh(&mut rng, &model)
+                };
+                let flags = match rng.below(4) {
+                    0 => libc::RENAME_NOREPLACE,
+                    1 => libc::RENAME_EXCHANGE,
+                    _ => 0,
+                };
+                NsOp::Rename(a, b, flags)
+            }
+            15..=16 => NsOp::Link(existing(&mut rng, &model), fresh(&mut rng, &model)),
+            17 => NsOp::Symlink(format!("zz{}", rng.below(1000)), fresh(&mut rng, &model)),
+            _ => NsOp::Truncate(existing(&mut rng, &model), rng.below(10_000)),
+        };
+        let want = model.apply(&op);
+        let on_native = ns_apply(&native, &op);
+        let through = ns_apply(&t.mnt, &op);
+        history.push(format!("{step}: {op:?}: {}", errno_name(&want)));
+        let recent = || history[history.len().saturating_sub(30)..].join("\n");
+        assert_eq!(
+            on_native,
+            want,
+            "step {step}: {op:?} natively: {} (the model says {}); the last operations:\n{}",
+            errno_name(&on_native),
+            errno_name(&want),
+            recent()
+        );
+        assert_eq!(
+            through,
+            want,
+            "step {step}: {op:?} through the mount: {}, as the model and natively: {}; the last \
+             operations:\n{}",
+            errno_name(&through),
+            errno_name(&want),
+            recent()
+        );
+        *counts
+            .entry((op.name(), want.err().unwrap_or(0)))
+            .or_default() += 1;
+        if step % 100 == 99 || step == OPS - 1 {
+            let want = model.snapshot();
+            let (mnt, mnt_inos) = ns_snapshot(&t.mnt);
+            let (src, src_inos) = ns_snapshot(&t.src);
+            for (what, got) in [("mount", &mnt), ("source", &src)] {
+                let names: Vec<_> = got.keys().collect();
+                assert_eq!(
+                    names,
+                    want.keys().collect::<Vec<_>>(),
+                    "step {step}: names in the {what}"
+                );
+                for (k, w) in &want {
+                    assert_eq!(&got[k], w, "step {step}: {k} in the {what}");
+                }
+            }
+            assert_eq!(
+                mnt_inos, src_inos,
+                "step {step}: inode numbers through the mount"
+            );
+        }
+    }
+    eprintln!("namespace fsx: (operation, errno) -> count: {counts:?}");
+    // The seed reaches every kind of answer the model knows.
+    for e in [
+        0,
+        libc::ENOENT,
+        libc::EEXIST,
+        libc::ENOTEMPTY,
+        libc::EISDIR,
+        libc::ENOTDIR,
+        libc::EINVAL,
+    ] {
+        assert!(
+            counts.keys().any(|&(_, got)| got == e),
+            "no operation answered {}",
+            errno_str(e)
+        );
+    }
+    for op in [
+        "Mkdir", "Rmdir", "Create", "Write", "Unlink", "Rename", "Link", "Symlink", "Truncate",
+    ] {
+        assert!(
+            counts.get(&(op, 0)).is_some_and(|&n| n > 10),
+            "{op} succeeded at most 10 times: {counts:?}"
+        );
+    }
+    m.stop()
+        .assert_clean("random namespace operations on a directory export");
+}
+
 /// Renames from several threads at once (plain, no-replace, exchange, across directories): no
 /// file is lost or duplicated, and the mount and the source agree at the end.
 #[test]

@@ -568,6 +568,17 @@ pub fn errno_str(code: i32) -> String {
         libc::ENXIO => "ENXIO",
         libc::ENOTCONN => "ENOTCONN",
         libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::EEXIST => "EEXIST",
+        libc::ENOTDIR => "ENOTDIR",
+        libc::EISDIR => "EISDIR",
+        libc::ENOTEMPTY => "ENOTEMPTY",
+        libc::ELOOP => "ELOOP",
+        libc::EXDEV => "EXDEV",
+        libc::ENODATA => "ENODATA",
+        libc::ERANGE => "ERANGE",
+        libc::ENAMETOOLONG => "ENAMETOOLONG",
+        libc::EMLINK => "EMLINK",
+        libc::ESTALE => "ESTALE",
         _ => "E?",
     };
     format!("{name} ({})", io::Error::from_raw_os_error(code))
