@@ -1,9 +1,10 @@
 //! Directory exports: the operations beyond the basic ones. `statx` (birth time included),
-//! `copy_file_range`, POSIX ACLs (set, read, enforced for a normal user, inherited on creation)
-//! and POSIX and flock locks between two processes. Oracles: the same call made on the source,
+//! `copy_file_range`, POSIX ACLs (set, read, enforced for a normal user, inherited on creation),
+//! POSIX and flock locks between two processes, and every operation's errors (a missing name,
+//! the wrong type, a permission refusal). Oracles: the same call made on the source,
 //! `getfacl` on the source, a normal user's attempts on the source.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::fs;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
@@ -602,4 +603,392 @@ fn a_held_open_does_not_block_other_requests() {
     );
     assert_eq!(a.join().unwrap().unwrap(), b"held\n");
     b.join().unwrap();
+}
+
+/// One system call of [`errors_through_the_mount_are_the_sources`] on paths of type `P`
+/// (relative in the table, then absolute below a root).
+#[derive(Clone, Copy, Debug)]
+enum Op<P> {
+    /// `open` with these flags (mode 0644 with `O_CREAT`); closed again.
+    Open(P, i32),
+    Mkdir(P),
+    Rmdir(P),
+    Unlink(P),
+    Rename(P, P),
+    /// `link` (not following a final symlink).
+    Link(P, P),
+    /// A symlink to `target` at the path.
+    Symlink(P),
+    Mkfifo(P),
+    Readlink(P),
+    /// `truncate` to 1 byte.
+    Truncate(P),
+    /// `chmod` to 0600.
+    Chmod(P),
+    /// `chown` to 65534:65533.
+    Chown(P),
+    /// `utimensat`: to the current time (true, which needs write permission) or to a given one
+    /// (which needs ownership).
+    Utimes(P, bool),
+    /// `setxattr` of the name to `value` with these flags.
+    Setxattr(P, &'static CStr, i32),
+    /// `getxattr` of the name into a buffer of this size.
+    Getxattr(P, &'static CStr, usize),
+    Removexattr(P, &'static CStr),
+    Listxattr(P),
+    /// `open(O_RDONLY | O_DIRECTORY)`, as `opendir` does.
+    Opendir(P),
+    Statfs(P),
+}
+
+impl Op<&'static str> {
+    /// The call on paths below `root`.
+    fn below(&self, root: &Path) -> Op<CString> {
+        let p = |s: &str| c(&root.join(s));
+        match *self {
+            Op::Open(a, f) => Op::Open(p(a), f),
+            Op::Mkdir(a) => Op::Mkdir(p(a)),
+            Op::Rmdir(a) => Op::Rmdir(p(a)),
+            Op::Unlink(a) => Op::Unlink(p(a)),
+            Op::Rename(a, b) => Op::Rename(p(a), p(b)),
+            Op::Link(a, b) => Op::Link(p(a), p(b)),
+            Op::Symlink(a) => Op::Symlink(p(a)),
+            Op::Mkfifo(a) => Op::Mkfifo(p(a)),
+            Op::Readlink(a) => Op::Readlink(p(a)),
+            Op::Truncate(a) => Op::Truncate(p(a)),
+            Op::Chmod(a) => Op::Chmod(p(a)),
+            Op::Chown(a) => Op::Chown(p(a)),
+            Op::Utimes(a, now) => Op::Utimes(p(a), now),
+            Op::Setxattr(a, n, f) => Op::Setxattr(p(a), n, f),
+            Op::Getxattr(a, n, size) => Op::Getxattr(p(a), n, size),
+            Op::Removexattr(a, n) => Op::Removexattr(p(a), n),
+            Op::Listxattr(a) => Op::Listxattr(p(a)),
+            Op::Opendir(a) => Op::Opendir(p(a)),
+            Op::Statfs(a) => Op::Statfs(p(a)),
+        }
+    }
+}
+
+impl Op<CString> {
+    /// Makes the call: 0 or its errno. Only system calls, no allocation: it runs in a forked
+    /// child too.
+    fn errno(&self) -> i32 {
+        let mut buf = [0u8; 256];
+        // SAFETY: every path and name is a valid NUL-terminated string, every buffer is writable
+        // for the length given, and a descriptor opened is closed again.
+        let r: isize = unsafe {
+            match self {
+                Op::Open(a, f) => {
+                    let fd = libc::open(a.as_ptr(), *f | libc::O_CLOEXEC, 0o644);
+                    if fd >= 0 {
+                        libc::close(fd);
+                    }
+                    fd as isize
+                }
+                Op::Mkdir(a) => libc::mkdir(a.as_ptr(), 0o755) as isize,
+                Op::Rmdir(a) => libc::rmdir(a.as_ptr()) as isize,
+                Op::Unlink(a) => libc::unlink(a.as_ptr()) as isize,
+                Op::Rename(a, b) => libc::rename(a.as_ptr(), b.as_ptr()) as isize,
+                Op::Link(a, b) => {
+                    libc::linkat(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), 0) as isize
+                }
+                Op::Symlink(a) => libc::symlink(c"target".as_ptr(), a.as_ptr()) as isize,
+                Op::Mkfifo(a) => libc::mkfifo(a.as_ptr(), 0o644) as isize,
+                Op::Readlink(a) => libc::readlink(a.as_ptr(), buf.as_mut_ptr().cast(), buf.len()),
+                Op::Truncate(a) => libc::truncate(a.as_ptr(), 1) as isize,
+                Op::Chmod(a) => libc::chmod(a.as_ptr(), 0o600) as isize,
+                Op::Chown(a) => libc::chown(a.as_ptr(), 65534, 65533) as isize,
+                Op::Utimes(a, now) => {
+                    let t = libc::timespec {
+                        tv_sec: 1000,
+                        tv_nsec: 0,
+                    };
+                    let times = [t, t];
+                    let ptr = if *now {
+                        std::ptr::null()
+                    } else {
+                        times.as_ptr()
+                    };
+                    libc::utimensat(libc::AT_FDCWD, a.as_ptr(), ptr, 0) as isize
+                }
+                Op::Setxattr(a, n, f) => {
+                    libc::setxattr(a.as_ptr(), n.as_ptr(), c"value".as_ptr().cast(), 5, *f) as isize
+                }
+                Op::Getxattr(a, n, size) => {
+                    libc::getxattr(a.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), *size)
+                }
+                Op::Removexattr(a, n) => libc::removexattr(a.as_ptr(), n.as_ptr()) as isize,
+                Op::Listxattr(a) => libc::listxattr(a.as_ptr(), buf.as_mut_ptr().cast(), buf.len()),
+                Op::Opendir(a) => {
+                    let fd = libc::open(a.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY);
+                    if fd >= 0 {
+                        libc::close(fd);
+                    }
+                    fd as isize
+                }
+                Op::Statfs(a) => {
+                    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+                    libc::statvfs(a.as_ptr(), st.as_mut_ptr()) as isize
+                }
+            }
+        };
+        if r < 0 {
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+        } else {
+            0
+        }
+    }
+
+    /// [`Op::errno`] in a child process running as uid 65534, gid 65533, no supplementary groups.
+    fn errno_as_user(&self) -> i32 {
+        // SAFETY: the child makes only system calls (no allocation, no lock another thread may
+        // hold) and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: plain system calls; `_exit` does not return.
+            unsafe {
+                let dropped = libc::setgroups(0, std::ptr::null()) == 0
+                    && libc::setgid(65533) == 0
+                    && libc::setuid(65534) == 0;
+                libc::_exit(if dropped { self.errno() } else { 255 });
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just forked, with a valid status pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(r, pid, "waitpid: {}", std::io::Error::last_os_error());
+        assert!(
+            libc::WIFEXITED(status),
+            "the child ended with status {status:#x}"
+        );
+        let e = libc::WEXITSTATUS(status);
+        assert_ne!(e, 255, "the child could not switch to uid 65534");
+        e
+    }
+}
+
+/// Who makes a call of the table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Who {
+    Root,
+    User,
+}
+
+/// Every operation with a missing name, the wrong type of file, and (as a normal user through
+/// `--allow-other`) a permission refusal: the errno through the mount is the one the same call
+/// gives on the source, and nothing changes in the source.
+#[test]
+fn errors_through_the_mount_are_the_sources() {
+    if !require_fuse() {
+        return;
+    }
+    use Op::*;
+    use Who::{Root, User};
+    let t = Tree::new("dirfs-errno");
+    let s = |p: &str| t.src.join(p);
+    fs::write(s("file"), b"data").unwrap();
+    fs::create_dir(s("dir")).unwrap();
+    fs::write(s("dir/inner"), b"x").unwrap();
+    fs::create_dir(s("empty")).unwrap();
+    std::os::unix::fs::symlink("file", s("link")).unwrap();
+    fs::write(s("secret"), b"root only").unwrap();
+    fs::set_permissions(s("secret"), fs::Permissions::from_mode(0o600)).unwrap();
+    fs::create_dir(s("closed")).unwrap();
+    fs::write(s("closed/f"), b"x").unwrap();
+    std::os::unix::fs::symlink("f", s("closed/lnk")).unwrap();
+    fs::set_permissions(s("closed"), fs::Permissions::from_mode(0o700)).unwrap();
+    fs::create_dir_all(s("rodir/sub")).unwrap();
+    fs::write(s("rodir/f"), b"x").unwrap();
+    fs::create_dir(s("pub")).unwrap();
+    fs::set_permissions(s("pub"), fs::Permissions::from_mode(0o777)).unwrap();
+    fs::create_dir(s("sticky")).unwrap();
+    fs::write(s("sticky/rootfile"), b"x").unwrap();
+    fs::set_permissions(s("sticky"), fs::Permissions::from_mode(0o1777)).unwrap();
+    let xattrs = [
+        Setxattr("file", c"user.k", 0),
+        Setxattr("secret", c"user.k", 0),
+    ]
+    .iter()
+    .all(|op| op.below(&t.src).errno() == 0);
+    assert!(
+        xattrs || !in_ci(),
+        "the CI source filesystem has user xattrs"
+    );
+
+    let (rd, wr) = (libc::O_RDONLY, libc::O_WRONLY);
+    let creat = libc::O_CREAT | libc::O_WRONLY;
+    let mut cases: Vec<(Who, &str, Op<&'static str>)> = vec![
+        // A missing name (or a missing directory on the way to it).
+        (Root, "missing", Open("missing", rd)),
+        (Root, "missing", Open("nodir/new", creat)),
+        (Root, "missing", Mkdir("nodir/new")),
+        (Root, "missing", Rmdir("missing")),
+        (Root, "missing", Unlink("missing")),
+        (Root, "missing", Rename("missing", "new")),
+        (Root, "missing", Rename("file", "nodir/new")),
+        (Root, "missing", Link("missing", "new")),
+        (Root, "missing", Link("file", "nodir/new")),
+        (Root, "missing", Symlink("nodir/new")),
+        (Root, "missing", Mkfifo("nodir/new")),
+        (Root, "missing", Readlink("missing")),
+        (Root, "missing", Truncate("missing")),
+        (Root, "missing", Truncate("dangling")),
+        (Root, "missing", Chmod("missing")),
+        (Root, "missing", Chown("missing")),
+        (Root, "missing", Utimes("missing", true)),
+        (Root, "missing", Setxattr("missing", c"user.k", 0)),
+        (Root, "missing", Getxattr("missing", c"user.k", 256)),
+        (Root, "missing", Removexattr("missing", c"user.k")),
+        (Root, "missing", Listxattr("missing")),
+        (Root, "missing", Opendir("missing")),
+        (Root, "missing", Statfs("missing")),
+        // The wrong type.
+        (Root, "wrong type", Open("dir", wr)),
+        (Root, "wrong type", Open("dir", creat)),
+        (Root, "wrong type", Open("file", rd | libc::O_DIRECTORY)),
+        (Root, "wrong type", Open("link", rd | libc::O_NOFOLLOW)),
+        (Root, "wrong type", Open("file/x", rd)),
+        (Root, "wrong type", Open("file/new", creat)),
+        (Root, "wrong type", Open("file", creat | libc::O_EXCL)),
+        (Root, "wrong type", Mkdir("file")),
+        (Root, "wrong type", Mkdir("file/new")),
+        (Root, "wrong type", Rmdir("file")),
+        (Root, "wrong type", Rmdir("link")),
+        (Root, "wrong type", Rmdir("dir")),
+        (Root, "wrong type", Unlink("dir")),
+        (Root, "wrong type", Rename("dir", "file")),
+        (Root, "wrong type", Rename("file", "empty")),
+        (Root, "wrong type", Rename("empty", "dir")),
+        (Root, "wrong type", Rename("dir", "dir/new")),
+        (Root, "wrong type", Rename("file", "file/new")),
+        (Root, "wrong type", Link("dir", "new")),
+        (Root, "wrong type", Link("file", "dir")),
+        (Root, "wrong type", Link("file", "file/new")),
+        (Root, "wrong type", Symlink("file")),
+        (Root, "wrong type", Symlink("file/new")),
+        (Root, "wrong type", Mkfifo("file")),
+        (Root, "wrong type", Mkfifo("file/new")),
+        (Root, "wrong type", Readlink("file")),
+        (Root, "wrong type", Readlink("dir")),
+        (Root, "wrong type", Truncate("dir")),
+        (Root, "wrong type", Truncate("file/x")),
+        (Root, "wrong type", Chmod("file/x")),
+        (Root, "wrong type", Chown("file/x")),
+        (Root, "wrong type", Utimes("file/x", true)),
+        (Root, "wrong type", Setxattr("file/x", c"user.k", 0)),
+        (Root, "wrong type", Getxattr("file/x", c"user.k", 256)),
+        (Root, "wrong type", Removexattr("file/x", c"user.k")),
+        (Root, "wrong type", Listxattr("file/x")),
+        (Root, "wrong type", Opendir("file")),
+        (Root, "wrong type", Opendir("link")),
+        (Root, "wrong type", Statfs("file/x")),
+        // A permission refusal, for a normal user.
+        (User, "refused", Open("secret", rd)),
+        (User, "refused", Open("file", wr)),
+        (User, "refused", Open("closed/f", rd)),
+        (User, "refused", Open("rodir/new", creat)),
+        (User, "refused", Mkdir("rodir/new")),
+        (User, "refused", Mkdir("closed/new")),
+        (User, "refused", Rmdir("rodir/sub")),
+        (User, "refused", Unlink("rodir/f")),
+        (User, "refused", Unlink("sticky/rootfile")),
+        (User, "refused", Rename("rodir/f", "pub/new")),
+        (User, "refused", Rename("pub", "rodir/new")),
+        (User, "refused", Rename("sticky/rootfile", "pub/new")),
+        (User, "refused", Link("file", "rodir/new")),
+        (User, "refused", Symlink("rodir/new")),
+        (User, "refused", Mkfifo("rodir/new")),
+        (User, "refused", Readlink("closed/lnk")),
+        (User, "refused", Truncate("file")),
+        (User, "refused", Chmod("file")),
+        (User, "refused", Chown("file")),
+        (User, "refused", Chown("pub")),
+        (User, "refused", Utimes("file", true)),
+        (User, "refused", Utimes("file", false)),
+        (User, "refused", Setxattr("file", c"user.k", 0)),
+        (User, "refused", Setxattr("pub", c"trusted.k", 0)),
+        (User, "refused", Removexattr("file", c"user.k")),
+        (User, "refused", Listxattr("closed/f")),
+        (User, "refused", Opendir("closed")),
+        (User, "refused", Statfs("closed/f")),
+    ];
+    if xattrs {
+        cases.extend([
+            (Root, "missing", Getxattr("file", c"user.none", 256)),
+            (Root, "missing", Removexattr("file", c"user.none")),
+            (
+                Root,
+                "missing",
+                Setxattr("file", c"user.none", libc::XATTR_REPLACE),
+            ),
+            (
+                Root,
+                "wrong type",
+                Setxattr("file", c"user.k", libc::XATTR_CREATE),
+            ),
+            (Root, "too small", Getxattr("file", c"user.k", 2)),
+            (User, "refused", Getxattr("secret", c"user.k", 256)),
+        ]);
+    }
+    // A dangling symlink for the missing cases that follow one.
+    std::os::unix::fs::symlink("nowhere", s("dangling")).unwrap();
+
+    let before = tree_listing(&t.src);
+    let m = t.mount(&["--writable", "--allow-other"]);
+    let mut wrong = Vec::new();
+    for (who, what, op) in &cases {
+        let run = |root: &Path| {
+            let call = op.below(root);
+            match who {
+                Root => call.errno(),
+                User => call.errno_as_user(),
+            }
+        };
+        let native = run(&t.src);
+        let through = run(&t.mnt);
+        assert_ne!(
+            native, 0,
+            "{what}: {op:?} as {who:?} succeeds on the source"
+        );
+        if through != native {
+            wrong.push(format!(
+                "{what}: {op:?} as {who:?}: {} through the mount, {} on the source",
+                errno_str(through),
+                errno_str(native)
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} calls answer otherwise through the mount:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+    assert_eq!(
+        tree_listing(&t.src),
+        before,
+        "nothing changed in the source"
+    );
+    m.stop().assert_clean("errors through a directory export");
+}
+
+/// Every path below `root` with its mode and size (a directory's size left out), in order.
+fn tree_listing(root: &Path) -> Vec<(PathBuf, u32, u64)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let m = fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                stack.push(p.clone());
+            }
+            let size = if m.is_dir() { 0 } else { m.len() };
+            out.push((p.strip_prefix(root).unwrap().to_path_buf(), m.mode(), size));
+        }
+    }
+    out.sort();
+    out
 }
