@@ -615,6 +615,8 @@ enum Op<P> {
     Rmdir(P),
     Unlink(P),
     Rename(P, P),
+    /// `renameat2(RENAME_EXCHANGE)`.
+    Exchange(P, P),
     /// `link` (not following a final symlink).
     Link(P, P),
     /// A symlink to `target` at the path.
@@ -651,6 +653,7 @@ impl Op<&'static str> {
             Op::Rmdir(a) => Op::Rmdir(p(a)),
             Op::Unlink(a) => Op::Unlink(p(a)),
             Op::Rename(a, b) => Op::Rename(p(a), p(b)),
+            Op::Exchange(a, b) => Op::Exchange(p(a), p(b)),
             Op::Link(a, b) => Op::Link(p(a), p(b)),
             Op::Symlink(a) => Op::Symlink(p(a)),
             Op::Mkfifo(a) => Op::Mkfifo(p(a)),
@@ -689,6 +692,13 @@ impl Op<CString> {
                 Op::Rmdir(a) => libc::rmdir(a.as_ptr()) as isize,
                 Op::Unlink(a) => libc::unlink(a.as_ptr()) as isize,
                 Op::Rename(a, b) => libc::rename(a.as_ptr(), b.as_ptr()) as isize,
+                Op::Exchange(a, b) => libc::renameat2(
+                    libc::AT_FDCWD,
+                    a.as_ptr(),
+                    libc::AT_FDCWD,
+                    b.as_ptr(),
+                    libc::RENAME_EXCHANGE,
+                ) as isize,
                 Op::Link(a, b) => {
                     libc::linkat(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), 0) as isize
                 }
@@ -991,4 +1001,144 @@ fn tree_listing(root: &Path) -> Vec<(PathBuf, u32, u64)> {
     }
     out.sort();
     out
+}
+
+/// Nothing crosses the export's boundary: a rename (plain or exchange) or a link from inside the
+/// mount to outside it, or from outside in, fails with EXDEV for root and for a normal user
+/// (`..` in the path included), and the mount root's `..` is the mountpoint's parent, never the
+/// source's: a file beside the source is not reached through the mount.
+#[test]
+fn renames_and_links_across_the_exports_boundary_are_refused() {
+    if !require_fuse() {
+        return;
+    }
+    use Op::*;
+    let t = Tree::new("dirfs-boundary");
+    // The source sits deeper than the mountpoint: its parent is not the mountpoint's.
+    let src = t.work.join("a/b/src");
+    fs::create_dir_all(&src).unwrap();
+    for d in ["a", "a/b", "a/b/src"] {
+        fs::set_permissions(t.work.join(d), fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    fs::write(t.work.join("a/b/victim"), b"beside the source\n").unwrap();
+    let w = |p: &str| t.work.join(p);
+    let user = |p: &Path| std::os::unix::fs::lchown(p, Some(65534), Some(65533)).unwrap();
+    for (dir, file, sub) in [
+        ("a/b/src/pub", "mine", "mydir"),
+        ("out", "theirs", "theirdir"),
+    ] {
+        fs::create_dir(w(dir)).unwrap();
+        fs::set_permissions(w(dir), fs::Permissions::from_mode(0o777)).unwrap();
+        fs::write(w(&format!("{dir}/{file}")), file).unwrap();
+        fs::create_dir(w(&format!("{dir}/{sub}"))).unwrap();
+        user(&w(&format!("{dir}/{file}")));
+        user(&w(&format!("{dir}/{sub}")));
+    }
+    fs::write(src.join("rootfile"), b"root's").unwrap();
+    fs::write(w("outside"), b"outside").unwrap();
+    let before = (tree_listing(&src), tree_listing(&w("out")));
+    let m = Mount::start(&t.work, &src, &t.mnt, &["--writable", "--allow-other"]);
+    assert!(t.mnt.join("pub/mine").exists());
+
+    // (paths relative to the work directory; mnt/.. is the work directory again)
+    let cases: Vec<(bool, Op<&'static str>)> = vec![
+        (false, Rename("mnt/rootfile", "out/new")),
+        (false, Rename("mnt/rootfile", "mnt/../out/new")),
+        (false, Rename("outside", "mnt/new")),
+        (false, Rename("mnt/pub", "out/newdir")),
+        (false, Rename("out", "mnt/newdir")),
+        (false, Rename("mnt/rootfile", "outside")),
+        (false, Exchange("mnt/rootfile", "outside")),
+        (false, Exchange("mnt/pub", "out")),
+        (false, Link("mnt/rootfile", "out/new")),
+        (false, Link("mnt/rootfile", "mnt/../new")),
+        (false, Link("outside", "mnt/new")),
+        (true, Rename("mnt/pub/mine", "out/new")),
+        (true, Rename("mnt/pub/mydir", "out/newdir")),
+        (true, Rename("out/theirs", "mnt/pub/new")),
+        (true, Rename("out/theirdir", "mnt/pub/newdir")),
+        (true, Exchange("mnt/pub/mine", "out/theirs")),
+        (true, Link("mnt/pub/mine", "out/new")),
+        (true, Link("out/theirs", "mnt/pub/new")),
+    ];
+    for (as_user, op) in &cases {
+        let call = op.below(t.work.path());
+        let e = if *as_user {
+            call.errno_as_user()
+        } else {
+            call.errno()
+        };
+        let who = if *as_user { "a normal user" } else { "root" };
+        assert_eq!(
+            e,
+            libc::EXDEV,
+            "{op:?} as {who}: {} (EXDEV expected)",
+            errno_str(e)
+        );
+    }
+    // The same renames and links inside the mount work, for the user too: the refusals were
+    // the boundary's.
+    assert_eq!(
+        Rename("mnt/pub/mine", "mnt/pub/moved")
+            .below(t.work.path())
+            .errno_as_user(),
+        0
+    );
+    assert_eq!(
+        Link("mnt/pub/moved", "mnt/pub/mine")
+            .below(t.work.path())
+            .errno_as_user(),
+        0
+    );
+    assert_eq!(
+        Unlink("mnt/pub/moved").below(t.work.path()).errno_as_user(),
+        0
+    );
+    assert_eq!(
+        (tree_listing(&src), tree_listing(&w("out"))),
+        before,
+        "nothing moved across"
+    );
+    assert_eq!(fs::read(w("outside")).unwrap(), b"outside");
+
+    // The mount root's `..` is the mountpoint's parent (the work directory), as the kernel
+    // resolves it: the source's parent, and the file beside the source, are not reached.
+    let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+    assert_eq!(ino(&t.mnt.join("..")), ino(t.work.path()));
+    assert_ne!(ino(&t.mnt.join("..")), ino(&w("a/b")));
+    let root = fs::File::open(&t.mnt).unwrap();
+    // SAFETY: an open directory descriptor and a NUL-terminated name; the result is checked.
+    let up = unsafe {
+        libc::openat(
+            root.as_raw_fd(),
+            c"..".as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
+    assert!(
+        up >= 0,
+        "openat(root, ..): {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: just opened, owned here.
+    let up = unsafe { <fs::File as std::os::fd::FromRawFd>::from_raw_fd(up) };
+    assert_eq!(up.metadata().unwrap().ino(), ino(t.work.path()));
+    for p in ["mnt/../victim", "mnt/../../victim", "mnt/pub/../../victim"] {
+        let e = Open(p, libc::O_RDONLY).below(t.work.path());
+        assert_eq!(e.errno(), libc::ENOENT, "{p} as root");
+        assert_eq!(e.errno_as_user(), libc::ENOENT, "{p} as a normal user");
+    }
+    assert_eq!(
+        Open("mnt/../outside", libc::O_RDONLY)
+            .below(t.work.path())
+            .errno(),
+        0
+    );
+    // The victim is found only as any path finds it: `..` left the mount for the work directory.
+    assert_eq!(
+        fs::read(t.mnt.join("pub/../../a/b/victim")).unwrap(),
+        b"beside the source\n"
+    );
+    drop((root, up));
+    m.stop().assert_clean("the boundary of a directory export");
 }
