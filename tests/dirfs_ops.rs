@@ -1142,3 +1142,171 @@ fn renames_and_links_across_the_exports_boundary_are_refused() {
     drop((root, up));
     m.stop().assert_clean("the boundary of a directory export");
 }
+
+/// `statvfs(2)` of a path.
+fn statvfs(p: &Path) -> libc::statvfs {
+    let cp = c(p);
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: a valid path and a writable statvfs.
+    let r = unsafe { libc::statvfs(cp.as_ptr(), st.as_mut_ptr()) };
+    assert_eq!(
+        r,
+        0,
+        "statvfs {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: statvfs succeeded.
+    unsafe { st.assume_init() }
+}
+
+/// An offset `lseek` gives, or its errno.
+type Seek = Result<u64, i32>;
+
+/// The offsets `SEEK_DATA` and `SEEK_HOLE` give from each of `offsets`.
+fn data_and_holes(f: &fs::File, offsets: &[u64]) -> Vec<(u64, Seek, Seek)> {
+    offsets
+        .iter()
+        .map(|&o| {
+            (
+                o,
+                lseek(f, o, libc::SEEK_DATA),
+                lseek(f, o, libc::SEEK_HOLE),
+            )
+        })
+        .collect()
+}
+
+/// STATFS, LSEEK and FSYNCDIR, with and without passthrough: `statvfs` of the mount (root,
+/// subdirectory, file) is the source's (block sizes, total blocks and inodes, name length
+/// exactly; free blocks and inodes within what other writers to the filesystem move meanwhile);
+/// `SEEK_DATA` and `SEEK_HOLE` on a sparse file made through the mount (written at 0, 1 MiB and
+/// 2 MiB, a hole punched in the middle extent) give the source's offsets, ENXIO past the end
+/// included; `SEEK_END` is the file's size; and `fsync`/`fdatasync` of a directory through the
+/// mount succeed, as FSYNCDIR requests to the daemon.
+#[test]
+fn statfs_lseek_and_fsyncdir_answer_as_the_source() {
+    if !require_fuse() {
+        return;
+    }
+    use std::os::unix::fs::FileExt;
+    for passthrough in [None, Some("off")] {
+        let t = Tree::new("dirfs-statfs-seek");
+        let what = format!("passthrough {}", passthrough.unwrap_or("default"));
+        fs::create_dir(t.src.join("dir")).unwrap();
+        fs::write(t.src.join("dir/f"), b"x").unwrap();
+        let mut args = vec!["--writable"];
+        if let Some(mode) = passthrough {
+            args.extend(["--passthrough", mode]);
+        }
+        let m = t.mount(&args);
+
+        // STATFS: of the root, a directory and a file.
+        for p in ["", "dir", "dir/f"] {
+            let (s, f) = (statvfs(&t.src.join(p)), statvfs(&t.mnt.join(p)));
+            assert_eq!(
+                (f.f_bsize, f.f_frsize, f.f_blocks, f.f_files, f.f_namemax),
+                (s.f_bsize, s.f_frsize, s.f_blocks, s.f_files, s.f_namemax),
+                "{what}: statvfs of /{p}"
+            );
+            // Others write to the filesystem meanwhile: 1% of it may come and go.
+            let near = |a: u64, b: u64, total: u64| a.abs_diff(b) <= total / 100 + 1;
+            assert!(
+                near(f.f_bfree, s.f_bfree, s.f_blocks) && near(f.f_bavail, s.f_bavail, s.f_blocks),
+                "{what}: free blocks of /{p}: {} {} through the mount, {} {} on the source",
+                f.f_bfree,
+                f.f_bavail,
+                s.f_bfree,
+                s.f_bavail
+            );
+            assert!(
+                near(f.f_ffree, s.f_ffree, s.f_files),
+                "{what}: free inodes of /{p}: {} through the mount, {} on the source",
+                f.f_ffree,
+                s.f_ffree
+            );
+        }
+
+        // LSEEK: a sparse file made through the mount.
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(t.mnt.join("sparse"))
+            .unwrap();
+        let chunk = vec![0xA5u8; 256 << 10];
+        for off in [0, MIB, 2 * MIB] {
+            file.write_all_at(&chunk, off).unwrap();
+        }
+        let punched = punch_hole_works_in(&t.src);
+        if punched {
+            fallocate(
+                &file,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                MIB,
+                256 << 10,
+            )
+            .unwrap();
+        } else {
+            assert!(!in_ci(), "the CI source filesystem punches holes");
+        }
+        file.sync_all().unwrap();
+        let size = 2 * MIB + (256 << 10);
+        assert_eq!(
+            lseek(&file, 0, libc::SEEK_END),
+            Ok(size),
+            "{what}: SEEK_END"
+        );
+        assert_eq!(file.metadata().unwrap().len(), size);
+        let source = fs::File::open(t.src.join("sparse")).unwrap();
+        let offsets: Vec<u64> = [0, 4096, 256 << 10, MIB - 1, MIB, MIB + 4096]
+            .into_iter()
+            .chain([MIB + (256 << 10), 3 * MIB / 2, 2 * MIB, 2 * MIB + 1])
+            .chain([size - 1, size, size + 1, 4 * MIB])
+            .collect();
+        let (mnt, src) = (
+            data_and_holes(&file, &offsets),
+            data_and_holes(&source, &offsets),
+        );
+        assert_eq!(
+            mnt, src,
+            "{what}: (offset, SEEK_DATA, SEEK_HOLE) through the mount and on the source"
+        );
+        assert_eq!(lseek(&file, size, libc::SEEK_DATA), Err(libc::ENXIO));
+        if punched {
+            // The punched extent is a hole the filesystem reports as one.
+            assert_eq!(lseek(&file, MIB, libc::SEEK_DATA), Ok(2 * MIB), "{what}");
+        }
+        assert_eq!(
+            lseek(&file, 0, libc::SEEK_END),
+            Ok(size),
+            "{what}: SEEK_END after the seeks"
+        );
+        drop((file, source));
+
+        // FSYNCDIR.
+        for p in ["", "dir"] {
+            let d = fs::File::open(t.mnt.join(p)).unwrap();
+            d.sync_all()
+                .unwrap_or_else(|e| panic!("{what}: fsync of /{p}: {e}"));
+            d.sync_data()
+                .unwrap_or_else(|e| panic!("{what}: fdatasync of /{p}: {e}"));
+        }
+        let stopped = m.stop();
+        stopped.assert_clean(&what);
+        assert!(
+            stopped.stat(&["ops", "STATFS"]) >= 3,
+            "{what}: answered by STATFS"
+        );
+        assert!(
+            stopped.stat(&["ops", "FSYNCDIR"]) >= 4,
+            "{what}: answered by FSYNCDIR"
+        );
+        if passthrough == Some("off") {
+            assert!(
+                stopped.stat(&["ops", "LSEEK"]) > 0,
+                "{what}: answered by LSEEK"
+            );
+        }
+    }
+}
