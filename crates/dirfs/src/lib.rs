@@ -41,7 +41,8 @@ use fuse_abi::{
     Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenOut, ReadIn, SetattrIn, SetxattrIn,
     StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_MODE,
     FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
-    FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, ROOT_ID,
+    FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, FUSE_WRITEBACK_CACHE,
+    ROOT_ID,
 };
 use zerocopy::{Immutable, IntoBytes};
 
@@ -847,12 +848,20 @@ impl DirFs {
                 }
             }
         };
+        // (FATTR_CTIME, which the kernel sends beside FATTR_MTIME when it keeps the times itself
+        // under writeback caching, has nothing to set it: the source sets a change's ctime.)
         if a.valid & (FATTR_ATIME | FATTR_MTIME | FATTR_ATIME_NOW | FATTR_MTIME_NOW) != 0 {
             let times = [
                 time(FATTR_ATIME_NOW, FATTR_ATIME, a.atime, a.atimensec),
                 time(FATTR_MTIME_NOW, FATTR_MTIME, a.mtime, a.mtimensec),
             ];
-            sys::utimes_fd(node.fd()?.as_fd(), &times)?;
+            // Through the open file the kernel names (it writes back a file's times with its
+            // handle, also once the file is unlinked and a node held by file handle no longer
+            // reaches it), else through the node.
+            match fh {
+                Some(fd) => sys::utimes_fd(borrow(fd), &times)?,
+                None => sys::utimes_fd(node.fd()?.as_fd(), &times)?,
+            }
         }
         let st = match fh {
             Some(fd) => sys::stat_fd(borrow(fd))?,
@@ -865,7 +874,7 @@ impl DirFs {
     /// `O_NOFOLLOW` was the kernel's to apply to the caller's path; the daemon reopens the inode
     /// it holds through `/proc/self/fd`, a symlink the flag would refuse (`ELOOP`), and names in
     /// the source are opened with it always (`sys::open_in`).
-    fn open_flags(flags: u32) -> i32 {
+    fn callers_flags(flags: u32) -> i32 {
         (flags as i32)
             & !(libc::O_CREAT
                 | libc::O_EXCL
@@ -873,6 +882,45 @@ impl DirFs {
                 | libc::O_DIRECT
                 | libc::O_TRUNC
                 | libc::O_NOFOLLOW)
+    }
+
+    /// Whether INIT granted `FUSE_WRITEBACK_CACHE`: the kernel gathers writes in its page cache
+    /// and writes them back later, keeping regular files' size and times itself.
+    pub fn writeback(&self) -> bool {
+        self.granted.load(Ordering::Relaxed) & FUSE_WRITEBACK_CACHE != 0
+    }
+
+    /// The flags a regular file of the source is opened with for the caller's `flags`
+    /// ([`DirFs::callers_flags`]). With writeback caching an open for writing is made
+    /// `O_RDWR` and without `O_APPEND`:
+    /// - the kernel reads through any open for writing, to fill the rest of a page a write
+    ///   covers in part before the page is written back; a write-only source descriptor would
+    ///   fail those reads (`EBADF`) and the caller's write with them. The caller gets no read
+    ///   access from it: the kernel checked its permission for what it asked
+    ///   (`default_permissions`), and its own descriptor stays write-only; only the kernel's
+    ///   page cache reads through the handle;
+    /// - the kernel computes an append's offset itself (from the size it keeps) and writes the
+    ///   pages back with explicit offsets, possibly through another open's handle; a source
+    ///   descriptor with `O_APPEND` would put every WRITE at the source's end instead.
+    ///
+    /// Where the source refuses that open ([`DirFs::narrowed`]) the caller's own flags are used,
+    /// for direct I/O.
+    fn open_flags(&self, flags: u32) -> i32 {
+        let f = Self::callers_flags(flags);
+        if !self.writeback() || f & libc::O_ACCMODE == libc::O_RDONLY {
+            return f;
+        }
+        (f & !(libc::O_ACCMODE | libc::O_APPEND)) | libc::O_RDWR
+    }
+
+    /// Whether an open with [`DirFs::open_flags`] that failed with `e` is made again with the
+    /// caller's own flags, and answered with `FOPEN_DIRECT_IO`: the source refused the read
+    /// access or the dropped `O_APPEND` that writeback caching adds (`EACCES`: a daemon
+    /// without `CAP_DAC_OVERRIDE`, or a root-squashing NFS server, and a write-only file;
+    /// `EPERM`: an append-only file). The kernel neither reads through a direct-I/O open nor
+    /// caches its writes, and appends through it are the source's, as without writeback.
+    fn narrowed(flags: u32, asked: i32, e: Errno) -> bool {
+        matches!(e, libc::EACCES | libc::EPERM) && asked != Self::callers_flags(flags)
     }
 
     /// The passthrough backing id for an open of the inode `key` (a regular file, just opened
@@ -941,8 +989,14 @@ impl DirFs {
     }
 
     /// Keeps an opened file and answers with its handle and open flags.
-    /// `key`: the source inode of a regular file (None: a directory).
-    fn open_out(&self, fd: OwnedFd, key: Option<(u64, u64)>) -> Result<OpenOut, Errno> {
+    /// `key`: the source inode of a regular file (None: a directory); `direct`: a regular file
+    /// opened for direct I/O whatever the cache mode ([`DirFs::narrowed`]).
+    fn open_out(
+        &self,
+        fd: OwnedFd,
+        key: Option<(u64, u64)>,
+        direct: bool,
+    ) -> Result<OpenOut, Errno> {
         let backing = key.map_or(0, |k| self.backing_for(k, &fd));
         let fh = match self.files.insert_backed(fd, backing) {
             Ok(fh) => fh,
@@ -956,7 +1010,7 @@ impl DirFs {
             FOPEN_PASSTHROUGH
         } else if key.is_none() {
             0
-        } else if self.cfg.direct_io {
+        } else if self.cfg.direct_io || direct {
             FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES
         } else if self.cfg.keep_cache {
             FOPEN_KEEP_CACHE
@@ -970,8 +1024,15 @@ impl DirFs {
         })
     }
 
-    fn open_reply(&self, fd: OwnedFd, key: Option<(u64, u64)>, buf: &mut Buf, payload: usize) -> R {
-        let out = self.open_out(fd, key)?;
+    fn open_reply(
+        &self,
+        fd: OwnedFd,
+        key: Option<(u64, u64)>,
+        direct: bool,
+        buf: &mut Buf,
+        payload: usize,
+    ) -> R {
+        let out = self.open_out(fd, key, direct)?;
         put(buf, payload, &out)
     }
 
@@ -983,13 +1044,13 @@ impl DirFs {
         if a.mode & libc::S_IFMT != libc::S_IFREG && a.mode & libc::S_IFMT != 0 {
             return Err(libc::EINVAL);
         }
-        let flags = Self::open_flags(a.flags);
+        let flags = self.open_flags(a.flags);
         let exclusive = a.flags as i32 & libc::O_EXCL != 0;
         // Always exclusive, so that only a file made here is given to the caller; a file that
         // appeared meanwhile is opened as it is unless the caller asked for O_EXCL. A plain
         // call, not a ring op: it needs the caller's umask as this thread's, which an io-wq
         // worker running the op would not have (see `ring`).
-        let (fd, made) = match acl::with_umask(a.umask, || {
+        let (fd, made, direct) = match acl::with_umask(a.umask, || {
             sys::open_in(
                 dir.fd()?.as_fd(),
                 n,
@@ -997,10 +1058,14 @@ impl DirFs {
                 a.mode & 0o777,
             )
         }) {
-            Ok(fd) => (fd, true),
-            Err(libc::EEXIST) if !exclusive => {
-                (sys::open_in(dir.fd()?.as_fd(), n, flags, 0)?, false)
-            }
+            Ok(fd) => (fd, true, false),
+            Err(libc::EEXIST) if !exclusive => match sys::open_in(dir.fd()?.as_fd(), n, flags, 0) {
+                Err(e) if Self::narrowed(a.flags, flags, e) => {
+                    let fd = sys::open_in(dir.fd()?.as_fd(), n, Self::callers_flags(a.flags), 0)?;
+                    (fd, false, true)
+                }
+                r => (r?, false, false),
+            },
             Err(e) => return Err(e),
         };
         let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
@@ -1022,7 +1087,7 @@ impl DirFs {
             st
         };
         let entry = self.remember(held, &st);
-        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), direct) {
             Ok(out) => out,
             Err(e) => {
                 self.inodes.forget(entry.nodeid, 1);
@@ -1041,7 +1106,7 @@ impl DirFs {
         if !dir.is_dir() {
             return Err(libc::ENOTDIR);
         }
-        let flags = Self::open_flags(a.flags) & !libc::O_TMPFILE;
+        let flags = self.open_flags(a.flags) & !libc::O_TMPFILE;
         // O_TMPFILE takes O_WRONLY or O_RDWR; `.` is the directory itself.
         let flags = match flags & libc::O_ACCMODE {
             libc::O_RDONLY => flags | libc::O_RDWR,
@@ -1068,7 +1133,7 @@ impl DirFs {
         let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
         let st = self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode))?;
         let entry = self.remember(held, &st);
-        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino))) {
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), false) {
             Ok(out) => out,
             Err(e) => {
                 self.inodes.forget(entry.nodeid, 1);

@@ -287,12 +287,20 @@ impl DirFs {
                 libc::EINVAL
             });
         }
-        let flags = Self::open_flags(a.flags);
+        let flags = self.open_flags(a.flags);
         if flags & libc::O_ACCMODE != libc::O_RDONLY {
             self.writable()?;
         }
-        let fd = self.reopen(eng, &node, flags).await?;
-        self.open_reply(fd, Some(node.key), buf, payload)
+        let (fd, direct) = match self.reopen(eng, &node, flags).await {
+            Err(e) if Self::narrowed(a.flags, flags, e) => {
+                let fd = self
+                    .reopen(eng, &node, Self::callers_flags(a.flags))
+                    .await?;
+                (fd, true)
+            }
+            r => (r?, false),
+        };
+        self.open_reply(fd, Some(node.key), direct, buf, payload)
     }
 
     async fn opendir(&self, eng: &Engine, hdr: &InHeader, buf: &mut Buf, payload: usize) -> R {
@@ -303,13 +311,13 @@ impl DirFs {
         if let Some(fd) = self.parked.take(node.key) {
             // As the reader's own open would be: atime kept, blocking.
             if sys::set_status_flags(fd.as_fd(), 0).is_ok() {
-                return self.open_reply(fd, None, buf, payload);
+                return self.open_reply(fd, None, false, buf, payload);
             }
         }
         let fd = self
             .reopen(eng, &node, libc::O_RDONLY | libc::O_DIRECTORY)
             .await?;
-        self.open_reply(fd, None, buf, payload)
+        self.open_reply(fd, None, false, buf, payload)
     }
 }
 

@@ -1368,3 +1368,106 @@ fn a_million_lookups_and_forgets_leave_memory_and_descriptors_flat() {
     }
     assert!(done >= TOTAL && base.is_some());
 }
+
+impl H {
+    /// OPEN of `node` with the caller's `flags`: the whole answer.
+    fn open_out(&self, node: u64, flags: i32) -> Result<OpenOut, i32> {
+        let b = self.call(
+            node,
+            |_| {
+                Request::Open(OpenIn {
+                    flags: flags as u32,
+                    open_flags: 0,
+                })
+            },
+            &[],
+            &[],
+        )?;
+        Ok(OpenOut::read_from_bytes(&b).unwrap())
+    }
+
+    /// WRITE of `data` at `off` through `fh`: the count written.
+    fn write(&self, fh: u64, off: u64, data: &[u8]) -> Result<u32, i32> {
+        let w = self.call(
+            1,
+            |_| {
+                Request::Write(WriteIn {
+                    fh,
+                    offset: off,
+                    size: data.len() as u32,
+                    ..WriteIn::default()
+                })
+            },
+            &[],
+            data,
+        )?;
+        Ok(WriteOut::read_from_bytes(&w).unwrap().size)
+    }
+}
+
+/// With writeback caching an open for writing can be read from (the kernel fills partial pages
+/// through it) and writes at the offsets the kernel sends, even for an `O_APPEND` open: the
+/// kernel computes appends itself. Without it the caller's flags are the source's.
+#[test]
+fn writeback_opens_for_writing_are_readable_and_not_appending() {
+    for writeback in [false, true] {
+        let h = H::new(true);
+        if writeback {
+            h.fs.set_granted(FUSE_WRITEBACK_CACHE);
+        }
+        assert_eq!(h.fs.writeback(), writeback);
+        let e = h.lookup(1, b"file").unwrap();
+        let out = h
+            .open_out(e.nodeid, libc::O_WRONLY | libc::O_APPEND)
+            .unwrap();
+        assert_eq!(out.open_flags & FOPEN_DIRECT_IO, 0);
+        let read = h.read(out.fh, 0, 5);
+        assert_eq!(h.write(out.fh, 0, b"HELLO").unwrap(), 5);
+        let now = std::fs::read(h.path("file")).unwrap();
+        if writeback {
+            assert_eq!(read.unwrap(), b"hello");
+            assert_eq!(now, b"HELLO world", "written where the kernel said");
+        } else {
+            assert_eq!(read.unwrap_err(), libc::EBADF);
+            assert_eq!(now, b"hello worldHELLO", "the source appends");
+        }
+        h.release(out.fh, false);
+    }
+}
+
+/// Where the source refuses the read access writeback caching adds (a daemon without
+/// `CAP_DAC_OVERRIDE` and a write-only file), the open is made with the caller's flags and
+/// answered for direct I/O, so the kernel neither reads through it nor caches its writes.
+#[test]
+fn a_write_only_file_the_daemon_cannot_read_is_opened_for_direct_io() {
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root (to give the file away and drop to its owner's fsuid)");
+        return;
+    }
+    let h = H::new(true);
+    h.fs.set_granted(FUSE_WRITEBACK_CACHE);
+    let p = h.path("file");
+    std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o200)).unwrap();
+    let e = h.lookup(1, b"file").unwrap();
+    // As the daemon of a user that owns the file and has no capabilities: this thread's fsuid
+    // (io_uring runs the open with the submitter's credentials).
+    struct Fsuid;
+    impl Drop for Fsuid {
+        fn drop(&mut self) {
+            // SAFETY: plain syscall, back to root on this thread.
+            unsafe { libc::setfsuid(0) };
+        }
+    }
+    // SAFETY: plain syscall; changes this thread's filesystem uid only.
+    unsafe { libc::setfsuid(65534) };
+    let _back = Fsuid;
+    let out = h.open_out(e.nodeid, libc::O_WRONLY).unwrap();
+    assert_ne!(out.open_flags & FOPEN_DIRECT_IO, 0, "{:#x}", out.open_flags);
+    assert_eq!(h.read(out.fh, 0, 5).unwrap_err(), libc::EBADF);
+    assert_eq!(h.write(out.fh, 6, b"WORLD").unwrap(), 5);
+    h.release(out.fh, false);
+    drop(_back);
+    assert_eq!(std::fs::read(&p).unwrap(), b"hello WORLD");
+}
