@@ -12,7 +12,7 @@ use dirfs::{DirConfig, DirFs};
 use fuse_abi::{
     FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DONT_MASK,
     FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH,
-    FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT,
+    FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT, FUSE_WRITEBACK_CACHE,
 };
 use server::{QueueEvent, QueueSpec, Source};
 use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
@@ -592,6 +592,7 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
     let conn = mnt.fd().context("mount fd")?;
     let params = InitParams {
         want,
+        want_without_passthrough: writeback_wanted(args.writable, cache),
         max_write,
         max_pages: (max_write / 4096) as u16,
         max_background: 1024,
@@ -624,6 +625,10 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
             tracing::info!("passthrough: off (the kernel did not offer FUSE_PASSTHROUGH)")
         }
     }
+    tracing::info!(
+        "{}",
+        writeback_line(args.writable, cache, args.passthrough, &neg)
+    );
     fs.set_granted(neg.flags);
     let uring = neg.has(FUSE_OVER_IO_URING);
     if args.transport == TransportArg::Uring && !uring {
@@ -644,6 +649,45 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
     };
     let max_write = neg.max_write as usize;
     Ok((fs, mnt, plan, uring, queues, max_write, neg, watcher))
+}
+
+/// `FUSE_WRITEBACK_CACHE` when a directory export may use it: writable (a read-only export has
+/// nothing to write back) and caching (`--cache never` promises that what the source holds shows
+/// at once, and opens its files for direct I/O, which the page cache does not serve). Asked for
+/// only where passthrough is not granted too ([`InitParams::want_without_passthrough`]).
+///
+/// With it the kernel gathers writes in its page cache and sends them later in large WRITEs
+/// (from its writeback threads, at close, fsync and memory pressure), and keeps regular files'
+/// size and times itself; what that asks of the export is in `dirfs` (opens for writing may be
+/// read from, `O_APPEND` is the kernel's) and docs/dirfs.md.
+fn writeback_wanted(writable: bool, cache: CacheArg) -> u64 {
+    if writable && cache != CacheArg::Never {
+        FUSE_WRITEBACK_CACHE
+    } else {
+        0
+    }
+}
+
+/// The start-up line saying whether writeback caching is on, and if not, why.
+fn writeback_line(
+    writable: bool,
+    cache: CacheArg,
+    passthrough: PassthroughArg,
+    neg: &transport::Negotiated,
+) -> &'static str {
+    if neg.has(FUSE_WRITEBACK_CACHE) {
+        "writeback cache: on (writes are gathered in the kernel's page cache and reach the \
+         source at writeback, close or fsync)"
+    } else if !writable {
+        "writeback cache: off (a read-only export)"
+    } else if cache == CacheArg::Never {
+        "writeback cache: off (--cache never)"
+    } else if passthrough != PassthroughArg::Off && neg.has(FUSE_PASSTHROUGH) {
+        "writeback cache: off (passthrough serves file data; --passthrough off for writeback \
+         caching)"
+    } else {
+        "writeback cache: off (the kernel did not offer FUSE_WRITEBACK_CACHE)"
+    }
 }
 
 /// Every node the kernel holds is an open descriptor: raise the limit as far as allowed (with

@@ -473,6 +473,9 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         mnt.fd().context("mount fd")?,
         &InitParams {
             want,
+            // No writeback caching for an image: each write reaches the backend before it is
+            // answered (with --kernel-cache too).
+            want_without_passthrough: 0,
             max_write,
             max_pages: (max_write / 4096) as u16,
             max_background: 1024,

@@ -14,6 +14,12 @@ use crate::TransportError;
 pub struct InitParams {
     /// INIT flags wanted (granted only where the kernel offers them).
     pub want: u64,
+    /// INIT flags wanted only when FUSE passthrough is not granted (asked for and offered):
+    /// `FUSE_WRITEBACK_CACHE`, which the kernel does not combine with passthrough (since Linux
+    /// 6.10 it drops `FUSE_PASSTHROUGH` from a reply that also holds it), and which would make
+    /// no difference to files passed through anyway. Passthrough wins: an export that asked
+    /// for it uses it where the kernel offers it.
+    pub want_without_passthrough: u64,
     /// Largest WRITE payload.
     pub max_write: u32,
     /// Largest request in pages (with `FUSE_MAX_PAGES`).
@@ -133,6 +139,9 @@ fn negotiate(
     if passthrough_depth.is_some() {
         want |= FUSE_PASSTHROUGH;
     }
+    if passthrough_depth.is_none() || offered & FUSE_PASSTHROUGH == 0 {
+        want |= p.want_without_passthrough;
+    }
     if p.request_timeout > 0 {
         want |= FUSE_REQUEST_TIMEOUT;
     }
@@ -179,4 +188,90 @@ fn write_all(fd: BorrowedFd<'_>, b: &[u8]) -> Result<(), TransportError> {
         return Err(TransportError::Io(std::io::Error::last_os_error()));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+    use fuse_abi::{
+        split_init_flags, InHeader, InitIn, Opcode, FUSE_ASYNC_READ, FUSE_WRITEBACK_CACHE,
+    };
+    use zerocopy::IntoBytes;
+
+    use super::*;
+
+    /// The flags granted when a kernel offering `offered` is answered as `p` asks, with
+    /// passthrough asked for (a stack depth) or not. The "kernel" is the other end of a
+    /// socket pair, which takes the reply as `/dev/fuse` would.
+    fn granted(offered: u64, p: &InitParams, passthrough: Option<u32>) -> u64 {
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for the two descriptors; the result is checked.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0);
+        // SAFETY: both were just opened and are owned here only.
+        let (kernel, daemon) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let (flags, flags2) = split_init_flags(offered | FUSE_INIT_EXT);
+        let init = InitIn {
+            major: KERNEL_VERSION,
+            minor: 40,
+            max_readahead: 128 << 10,
+            flags,
+            flags2,
+            ..InitIn::default()
+        };
+        let hdr = InHeader {
+            len: (std::mem::size_of::<InHeader>() + std::mem::size_of::<InitIn>()) as u32,
+            opcode: Opcode::Init as u32,
+            unique: 2,
+            ..InHeader::default()
+        };
+        let mut req = hdr.as_bytes().to_vec();
+        req.extend_from_slice(init.as_bytes());
+        write_all(kernel.as_fd(), &req).unwrap();
+        negotiate(daemon.as_fd(), p, passthrough).unwrap().flags
+    }
+
+    fn params(want_without_passthrough: u64) -> InitParams {
+        InitParams {
+            want: FUSE_ASYNC_READ,
+            want_without_passthrough,
+            max_write: 1 << 20,
+            max_pages: 256,
+            max_background: 16,
+            request_timeout: 0,
+        }
+    }
+
+    #[test]
+    fn writeback_is_asked_for_only_where_passthrough_is_not_granted() {
+        let all = FUSE_ASYNC_READ | FUSE_WRITEBACK_CACHE | FUSE_PASSTHROUGH;
+        let p = params(FUSE_WRITEBACK_CACHE);
+        // Passthrough asked for and offered: it wins.
+        let g = granted(all, &p, Some(1));
+        assert_ne!(g & FUSE_PASSTHROUGH, 0);
+        assert_eq!(g & FUSE_WRITEBACK_CACHE, 0);
+        // Not asked for, or not offered: writeback.
+        let g = granted(all, &p, None);
+        assert_eq!(
+            g & (FUSE_PASSTHROUGH | FUSE_WRITEBACK_CACHE),
+            FUSE_WRITEBACK_CACHE
+        );
+        let g = granted(all & !FUSE_PASSTHROUGH, &p, Some(1));
+        assert_eq!(
+            g & (FUSE_PASSTHROUGH | FUSE_WRITEBACK_CACHE),
+            FUSE_WRITEBACK_CACHE
+        );
+        // Never beyond what the kernel offers, nor what was wanted.
+        assert_eq!(granted(FUSE_ASYNC_READ, &p, None) & FUSE_WRITEBACK_CACHE, 0);
+        assert_eq!(granted(all, &params(0), None) & FUSE_WRITEBACK_CACHE, 0);
+    }
 }
