@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs;
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -953,6 +954,18 @@ fn pjdfstest_expected_to_differ(name: &str) -> Option<&'static str> {
 /// through fusex, but those [`pjdfstest_expected_to_differ`] names.
 #[test]
 fn pjdfstest_passes_through_fusex_what_passes_on_the_source() {
+    pjdfstest_through(&["--writable", "--allow-other"]);
+}
+
+/// [`pjdfstest_passes_through_fusex_what_passes_on_the_source`] with writeback caching on
+/// (passthrough off): the kernel keeps sizes and times itself and writes them back.
+#[test]
+fn pjdfstest_passes_with_writeback_caching() {
+    pjdfstest_through(&["--writable", "--allow-other", "--passthrough", "off"]);
+}
+
+/// pjdfstest on the source's filesystem, then through an export mounted with `args`.
+fn pjdfstest_through(args: &[&str]) {
     let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/bin/pjdfstest");
     let bin = which("pjdfstest").or_else(|| local.is_file().then_some(local));
     let Some(bin) = bin else {
@@ -1005,7 +1018,15 @@ fn pjdfstest_passes_through_fusex_what_passes_on_the_source() {
     };
     // The source's own filesystem (the source directory's neighbour), then through fusex.
     let on_source = suite(&base);
-    let m = Mount::start(&work, &src, &mnt, &["--writable", "--allow-other"]);
+    let m = Mount::start(&work, &src, &mnt, args);
+    if args.contains(&"off") {
+        let line = writeback_line(&m);
+        if line.contains("did not offer") {
+            skip_or_fail("the kernel offers no FUSE writeback cache");
+            return;
+        }
+        assert!(line.contains("writeback cache: on"), "{line}");
+    }
     let through = suite(&mnt);
     let mut wrong = Vec::new();
     let mut differ = 0;
@@ -1094,9 +1115,28 @@ fn random_file_operations_match_a_model() {
     if !require_fuse() {
         return;
     }
-    use std::os::unix::fs::FileExt;
     let t = Tree::new("dirfs-fsx");
     let m = t.mount(&["--writable"]);
+    random_file_operations(&t, m);
+}
+
+/// [`random_file_operations_match_a_model`] with writeback caching (passthrough off): the
+/// kernel gathers the writes, reads partial pages back through the handles and keeps the
+/// size itself; the model sees no difference.
+#[test]
+fn random_file_operations_match_a_model_with_writeback_caching() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-fsx-wb");
+    let Some(m) = writeback_mount(&t, &[]) else {
+        return;
+    };
+    random_file_operations(&t, m);
+}
+
+fn random_file_operations(t: &Tree, m: Mount) {
+    use std::os::unix::fs::FileExt;
     let mut rng = Rng::new(0xf5c);
     const FILES: usize = 3;
     const MAX: u64 = 1 << 20;
@@ -2189,4 +2229,324 @@ fn a_daemonized_directory_export_keeps_its_pid_file() {
     assert_eq!(fs::read(t.mnt.join("f")).unwrap(), b"x");
     m.stop().assert_clean("daemonized directory export");
     assert!(!pid_file.exists(), "pid file removed at exit");
+}
+
+/// The line the daemon logs at start about writeback caching.
+fn writeback_line(m: &Mount) -> String {
+    m.stderr()
+        .lines()
+        .find(|l| l.contains("writeback cache: "))
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// A writable export with passthrough off and writeback caching on, or None (skipped) where the
+/// kernel does not offer writeback caching.
+fn writeback_mount(t: &Tree, extra: &[&str]) -> Option<Mount> {
+    let mut args = vec!["--writable", "--passthrough", "off"];
+    args.extend_from_slice(extra);
+    let m = t.mount(&args);
+    let line = writeback_line(&m);
+    if line.contains("did not offer") {
+        skip_or_fail("the kernel offers no FUSE writeback cache");
+        return None;
+    }
+    assert!(
+        line.contains("writeback cache: on"),
+        "{line}\n{}",
+        m.stderr()
+    );
+    Some(m)
+}
+
+/// Lets the kernel's (coarse) clock move on before a file's last write: the kernel writes a
+/// file's times back only when a write changed them, and writes within the tick of the file's
+/// last time change (its creation, a truncate) leave them as they were, while the source
+/// stamps its own mtime on the WRITE (docs/dirfs.md, writeback caching).
+fn next_tick() {
+    std::thread::sleep(Duration::from_millis(20));
+}
+
+/// `(size, mtime s, mtime ns)` of `p`.
+fn size_and_mtime(p: &Path) -> (u64, i64, i64) {
+    let md = fs::metadata(p).unwrap();
+    (md.len(), md.mtime(), md.mtime_nsec())
+}
+
+/// With writeback caching (writable, passthrough off, `--cache auto` and `always`) every kind of
+/// write lands in the source: small sequential writes, appends from two descriptors, partial-page
+/// overwrites through a write-only descriptor (the kernel reads the rest of each page through
+/// it), writes after a truncate, and writes through a shared mapping, checked against the source
+/// after fsync, msync or close; after close the mount shows the size and mtime the source has. A
+/// normal user writes into a file it may only write (mode 0200) and still cannot read it. The
+/// kernel gathers the small writes: far fewer WRITE requests reach fusex than writes were made.
+#[test]
+fn writeback_caching_lands_every_write_in_the_source() {
+    if !require_fuse_and_tools(&["setpriv"]) {
+        return;
+    }
+    use std::os::unix::fs::FileExt;
+    for cache in ["auto", "always"] {
+        let t = Tree::new("dirfs-writeback");
+        let mut rng = Rng::new(0x3b);
+        let pp = rng.bytes(3 * 4096 + 100);
+        fs::write(t.src.join("pp"), &pp).unwrap();
+        fs::write(t.src.join("log"), b"start\n").unwrap();
+        fs::write(t.src.join("tr"), rng.bytes(10_000)).unwrap();
+        fs::write(t.src.join("mm"), rng.bytes(3 * 4096)).unwrap();
+        fs::write(t.src.join("wo"), b"0123456789").unwrap();
+        std::os::unix::fs::chown(t.src.join("wo"), Some(65534), Some(65534)).unwrap();
+        fs::set_permissions(t.src.join("wo"), fs::Permissions::from_mode(0o200)).unwrap();
+        let Some(m) = writeback_mount(&t, &["--allow-other", "--cache", cache]) else {
+            return;
+        };
+        let mut writes = 0u64;
+
+        // Small sequential writes, visible in the source after fsync (file still open).
+        let mut small = Vec::new();
+        {
+            let mut f = fs::File::create(t.mnt.join("small")).unwrap();
+            for i in 0..2000u32 {
+                if i == 1999 {
+                    next_tick();
+                }
+                let rec = format!("{i:09}\n");
+                f.write_all(rec.as_bytes()).unwrap();
+                small.extend_from_slice(rec.as_bytes());
+                writes += 1;
+            }
+            f.sync_all().unwrap();
+            assert_bytes_eq(
+                &fs::read(t.src.join("small")).unwrap(),
+                &small,
+                0,
+                "small after fsync",
+            );
+        }
+        assert_bytes_eq(
+            &fs::read(t.src.join("small")).unwrap(),
+            &small,
+            0,
+            "small after close",
+        );
+
+        // Appends from two descriptors (O_WRONLY | O_APPEND): the kernel puts each at its end.
+        let mut log = b"start\n".to_vec();
+        {
+            let open = || {
+                fs::OpenOptions::new()
+                    .append(true)
+                    .open(t.mnt.join("log"))
+                    .unwrap()
+            };
+            let (mut a, mut b) = (open(), open());
+            for i in 0..200 {
+                if i == 199 {
+                    next_tick();
+                }
+                let (f, line) = if i % 2 == 0 {
+                    (&mut a, format!("a{i}\n"))
+                } else {
+                    (&mut b, format!("b{i}\n"))
+                };
+                f.write_all(line.as_bytes()).unwrap();
+                log.extend_from_slice(line.as_bytes());
+                writes += 1;
+            }
+        }
+        assert_bytes_eq(&fs::read(t.src.join("log")).unwrap(), &log, 0, "appends");
+
+        // Partial-page overwrites through a write-only descriptor, one extending the file.
+        let mut model = pp.clone();
+        {
+            let f = fs::OpenOptions::new()
+                .write(true)
+                .open(t.mnt.join("pp"))
+                .unwrap();
+            for off in [5u64, 4090, 8192 + 17, pp.len() as u64 - 50] {
+                next_tick();
+                let data = rng.bytes(100);
+                f.write_all_at(&data, off).unwrap();
+                let end = off as usize + data.len();
+                if model.len() < end {
+                    model.resize(end, 0);
+                }
+                model[off as usize..end].copy_from_slice(&data);
+                writes += 1;
+            }
+        }
+        assert_bytes_eq(
+            &fs::read(t.src.join("pp")).unwrap(),
+            &model,
+            0,
+            "partial pages",
+        );
+
+        // Truncate, then write past the new end (a hole between) and inside it.
+        let mut tr = fs::read(t.src.join("tr")).unwrap();
+        {
+            let f = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(t.mnt.join("tr"))
+                .unwrap();
+            f.set_len(3000).unwrap();
+            tr.truncate(3000);
+            f.write_all_at(b"after the hole", 5000).unwrap();
+            tr.resize(5000, 0);
+            tr.extend_from_slice(b"after the hole");
+            next_tick();
+            f.write_all_at(b"inside", 100).unwrap();
+            tr[100..106].copy_from_slice(b"inside");
+            writes += 2;
+            assert_eq!(f.metadata().unwrap().len(), tr.len() as u64);
+        }
+        assert_bytes_eq(
+            &fs::read(t.src.join("tr")).unwrap(),
+            &tr,
+            0,
+            "truncate then write",
+        );
+
+        // A shared mapping: msync'd bytes are in the source before close, the rest after.
+        let mut mm = fs::read(t.src.join("mm")).unwrap();
+        {
+            let f = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(t.mnt.join("mm"))
+                .unwrap();
+            let len = mm.len();
+            // SAFETY: a fresh shared mapping of the whole file, unmapped below.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    f.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: the mapping is `len` bytes long and lives until munmap.
+            let map = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) };
+            map[10..20].copy_from_slice(b"mmap-msync");
+            mm[10..20].copy_from_slice(b"mmap-msync");
+            // SAFETY: the mapping above.
+            assert_eq!(unsafe { libc::msync(p, len, libc::MS_SYNC) }, 0);
+            assert_bytes_eq(
+                &fs::read(t.src.join("mm")).unwrap(),
+                &mm,
+                0,
+                "mmap after msync",
+            );
+            next_tick();
+            map[5000..5011].copy_from_slice(b"mmap-unsync");
+            mm[5000..5011].copy_from_slice(b"mmap-unsync");
+            // SAFETY: the mapping above, not used afterwards.
+            assert_eq!(unsafe { libc::munmap(p, len) }, 0);
+        }
+        assert_bytes_eq(
+            &fs::read(t.src.join("mm")).unwrap(),
+            &mm,
+            0,
+            "mmap after close",
+        );
+
+        // A normal user writes part of a page of a file it may write but not read.
+        let mnt = t.mnt.display().to_string();
+        let out = run(Command::new("setpriv").args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            &format!("printf abc | dd of={mnt}/wo bs=1 seek=3 conv=notrunc status=none"),
+        ]));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        writes += 1;
+        let out = run(Command::new("setpriv").args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "cat",
+            &format!("{mnt}/wo"),
+        ]));
+        assert!(
+            !out.status.success(),
+            "a 0200 file is not readable by its owner"
+        );
+        assert_eq!(fs::read(t.src.join("wo")).unwrap(), b"012abc6789");
+
+        // After close the mount shows what the source has.
+        for name in ["small", "log", "pp", "tr", "mm", "wo"] {
+            assert_eq!(
+                size_and_mtime(&t.mnt.join(name)),
+                size_and_mtime(&t.src.join(name)),
+                "{name}: size and mtime through the mount and in the source (--cache {cache})"
+            );
+        }
+        let stopped = m.stop();
+        stopped.assert_clean("writeback caching");
+        let requests = stopped.stat(&["ops", "WRITE"]);
+        assert!(
+            requests > 0 && requests * 4 < writes,
+            "{requests} WRITE requests for {writes} writes: the kernel gathers them"
+        );
+    }
+}
+
+/// Writeback caching is asked for only where it can serve: not with `--cache never` (direct
+/// I/O, the source's state at once), not on a read-only export, and not where passthrough is
+/// granted (the kernel serves file data from the source itself, and refuses both together).
+#[test]
+fn writeback_caching_is_off_where_it_cannot_serve() {
+    if !require_fuse() {
+        return;
+    }
+    for (args, why) in [
+        (
+            &["--writable", "--passthrough", "off", "--cache", "never"][..],
+            "writeback cache: off (--cache never)",
+        ),
+        (
+            &["--passthrough", "off"][..],
+            "writeback cache: off (a read-only export)",
+        ),
+    ] {
+        let t = Tree::new("dirfs-writeback-off");
+        let m = t.mount(args);
+        assert!(writeback_line(&m).contains(why), "{args:?}: {}", m.stderr());
+        m.stop().assert_clean("writeback off");
+    }
+    let t = Tree::new("dirfs-writeback-pt");
+    match Mount::try_start(
+        &t.work,
+        &t.src,
+        &t.mnt,
+        &["--writable", "--passthrough", "on"],
+    ) {
+        Ok(m) => {
+            assert!(
+                writeback_line(&m).contains("writeback cache: off (passthrough serves file data"),
+                "{}",
+                m.stderr()
+            );
+            // Data goes through the kernel's passthrough: nothing to write back.
+            fs::write(t.mnt.join("f"), b"passed through").unwrap();
+            assert_eq!(fs::read(t.src.join("f")).unwrap(), b"passed through");
+            let stopped = m.stop();
+            stopped.assert_clean("passthrough without writeback");
+            assert_eq!(stopped.stat(&["ops", "WRITE"]), 0);
+        }
+        Err(f) if f.stderr.contains("did not offer FUSE_PASSTHROUGH") => {
+            skip_or_fail("the kernel has no FUSE passthrough");
+        }
+        Err(f) => panic!("mount --passthrough on: {}", f.stderr),
+    }
 }
