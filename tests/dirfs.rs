@@ -2278,8 +2278,9 @@ fn size_and_mtime(p: &Path) -> (u64, i64, i64) {
 /// overwrites through a write-only descriptor (the kernel reads the rest of each page through
 /// it), writes after a truncate, and writes through a shared mapping, checked against the source
 /// after fsync, msync or close; after close the mount shows the size and mtime the source has. A
-/// normal user writes into a file it may only write (mode 0200) and still cannot read it. The
-/// kernel gathers the small writes: far fewer WRITE requests reach fusex than writes were made.
+/// normal user writes into a file it may only write (mode 0200) and still cannot read it, and its
+/// write into a set-uid file clears the bit. The kernel gathers the small writes: far fewer WRITE
+/// requests reach fusex than writes were made.
 #[test]
 fn writeback_caching_lands_every_write_in_the_source() {
     if !require_fuse_and_tools(&["setpriv"]) {
@@ -2297,6 +2298,8 @@ fn writeback_caching_lands_every_write_in_the_source() {
         fs::write(t.src.join("wo"), b"0123456789").unwrap();
         std::os::unix::fs::chown(t.src.join("wo"), Some(65534), Some(65534)).unwrap();
         fs::set_permissions(t.src.join("wo"), fs::Permissions::from_mode(0o200)).unwrap();
+        fs::write(t.src.join("suid"), b"#!/bin/sh\n").unwrap();
+        fs::set_permissions(t.src.join("suid"), fs::Permissions::from_mode(0o4777)).unwrap();
         let Some(m) = writeback_mount(&t, &["--allow-other", "--cache", cache]) else {
             return;
         };
@@ -2482,9 +2485,30 @@ fn writeback_caching_lands_every_write_in_the_source() {
             "a 0200 file is not readable by its owner"
         );
         assert_eq!(fs::read(t.src.join("wo")).unwrap(), b"012abc6789");
+        // Its write into root's set-uid file clears the bit (the kernel's SETATTR, at write).
+        let out = run(Command::new("setpriv").args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            &format!("echo exit >> {mnt}/suid"),
+        ]));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        writes += 1;
+        assert_eq!(
+            fs::metadata(t.src.join("suid")).unwrap().mode() & 0o7777,
+            0o777,
+            "set-uid cleared by a write of a user without CAP_FSETID"
+        );
+        assert_eq!(fs::read(t.src.join("suid")).unwrap(), b"#!/bin/sh\nexit\n");
 
         // After close the mount shows what the source has.
-        for name in ["small", "log", "pp", "tr", "mm", "wo"] {
+        for name in ["small", "log", "pp", "tr", "mm", "wo", "suid"] {
             assert_eq!(
                 size_and_mtime(&t.mnt.join(name)),
                 size_and_mtime(&t.src.join(name)),
@@ -2549,4 +2573,40 @@ fn writeback_caching_is_off_where_it_cannot_serve() {
         }
         Err(f) => panic!("mount --passthrough on: {}", f.stderr),
     }
+}
+
+/// With the writeback cache, a stop by signal while a file is still open and holds pages the
+/// kernel has not written back: the daemon has them written back (`syncfs` of the mount) before
+/// it detaches the mount, so they reach the source while the file is still open (the kernel
+/// would otherwise keep them for its 30 s dirty expiry, and lose them when the connection is
+/// aborted).
+#[test]
+fn a_stop_writes_back_what_files_still_open_hold() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-writeback-stop");
+    let Some(m) = writeback_mount(&t, &[]) else {
+        return;
+    };
+    let mut rng = Rng::new(0x5709);
+    let data = rng.bytes(300 << 10);
+    let mut f = fs::File::create(t.mnt.join("open")).unwrap();
+    for chunk in data.chunks(4096) {
+        f.write_all(chunk).unwrap();
+    }
+    m.signal(libc::SIGTERM);
+    let src = t.src.join("open");
+    let landed = wait_until(Instant::now() + Duration::from_secs(5), || {
+        fs::read(&src).is_ok_and(|b| b == data)
+    });
+    drop(f);
+    let stopped = m.wait_exit();
+    assert!(
+        landed,
+        "the open file's pages did not reach the source: {}",
+        stopped.stderr
+    );
+    assert!(stopped.exited, "{}", stopped.stderr);
+    assert!(!stopped.left_mounted, "{}", stopped.stderr);
 }
