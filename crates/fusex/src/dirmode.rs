@@ -635,7 +635,15 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
         max_background: 1024,
         request_timeout: args.request_timeout,
     };
-    let neg = if args.passthrough == PassthroughArg::Off {
+    // `auto` asks for passthrough only where opens can use it (registering backing files needs
+    // CAP_SYS_ADMIN in the initial user namespace): passthrough granted but refused at every
+    // open would leave every file to fusex without the writeback cache.
+    let ask_passthrough = match args.passthrough {
+        PassthroughArg::Off => false,
+        PassthroughArg::On => true,
+        PassthroughArg::Auto => crate::privileges::may_register_backing_files(),
+    };
+    let neg = if !ask_passthrough {
         negotiate_init(conn, &params)?
     } else {
         use std::os::fd::AsRawFd;
@@ -657,6 +665,10 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
         (PassthroughArg::On, false) => bail!(
             "--passthrough on: the kernel did not offer FUSE_PASSTHROUGH (needs Linux 6.9+ built \
              with CONFIG_FUSE_PASSTHROUGH); or use --passthrough auto"
+        ),
+        (PassthroughArg::Auto, false) if !ask_passthrough => tracing::info!(
+            "passthrough: off (registering backing files needs CAP_SYS_ADMIN in the initial user \
+             namespace)"
         ),
         (PassthroughArg::Auto, false) => {
             tracing::info!("passthrough: off (the kernel did not offer FUSE_PASSTHROUGH)")

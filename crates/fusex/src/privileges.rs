@@ -114,6 +114,22 @@ fn capget() -> io::Result<Sets> {
     })
 }
 
+/// Whether this process may register FUSE passthrough backing files
+/// (`FUSE_DEV_IOC_BACKING_OPEN`): the kernel asks for `CAP_SYS_ADMIN` in the initial user
+/// namespace. A directory export with `--passthrough auto` asks for passthrough only then: granted
+/// but refused at every open, it would serve every file itself and cost the writeback cache,
+/// which INIT cannot take beside passthrough.
+pub fn may_register_backing_files() -> bool {
+    capget().is_ok_and(|s| s.effective & bit(CAP_SYS_ADMIN) != 0) && in_initial_user_namespace()
+}
+
+/// Whether this process runs in the initial user namespace, the one that maps every id to
+/// itself (`/proc/self/uid_map` is `0 0 4294967295`); a namespace of a container maps a range.
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map")
+        .is_ok_and(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
+}
+
 /// Sets the calling thread's capability sets.
 fn capset(s: Sets) -> io::Result<()> {
     let mut header = CapHeader {
@@ -485,6 +501,21 @@ mod tests {
 
     /// `Plan::nothing` (the runtime directory's sweep thread) leaves its thread no capability
     /// in any set, bounding included when it may drop from it, and no way to gain one back.
+    #[test]
+    fn backing_files_need_cap_sys_admin_in_the_initial_namespace() {
+        let admin = capget().unwrap().effective & bit(CAP_SYS_ADMIN) != 0;
+        let initial = in_initial_user_namespace();
+        assert_eq!(may_register_backing_files(), admin && initial);
+        // This thread without CAP_SYS_ADMIN in its effective set: never.
+        let t = std::thread::spawn(|| {
+            let mut s = capget().unwrap();
+            s.effective &= !bit(CAP_SYS_ADMIN);
+            capset(s).unwrap();
+            may_register_backing_files()
+        });
+        assert!(!t.join().unwrap());
+    }
+
     #[test]
     fn nothing_leaves_no_capability() {
         let before = capget().unwrap();
