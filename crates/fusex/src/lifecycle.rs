@@ -1701,9 +1701,11 @@ fn finish(flushed: &mut Option<Result<bool>>, export: &Fs, mnt: &mut Mount) {
 }
 
 /// Flushes a writable export's image once every queue has ended; says whether it flushed. A
-/// directory export has nothing of its own to flush: every write reached the source files
+/// directory export has nothing of its own to flush: every WRITE reached the source files
 /// before it was answered, and FSYNC requests synced them (syncing the source's whole
-/// filesystem would hold every other export of `fusex serve` back meanwhile).
+/// filesystem would hold every other export of `fusex serve` back meanwhile). With the
+/// writeback cache, pages the kernel still held for files open at the abort go with the
+/// connection (closed files were written back at their close).
 fn final_flush(export: &Fs) -> Result<bool> {
     let Some(export) = export.image().filter(|e| e.config().writable) else {
         return Ok(false);
