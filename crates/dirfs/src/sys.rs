@@ -566,8 +566,11 @@ mod tests {
         assert_eq!(Name::new(&long).err(), Some(libc::ENAMETOOLONG));
     }
 
-    /// The handle of a deleted file answers `ESTALE`, also while another thread creates files
-    /// that take its inode number (mid-creation the kernel refuses the number with `ENOMEM`).
+    /// The handle of a deleted file never opens another file, also while another thread creates
+    /// files that take its inode number (mid-creation the kernel refuses the number with
+    /// `ENOMEM`): it answers `ESTALE`, or, while something still holds the deleted inode (a
+    /// process that another test forked at that moment inherits the open file until its exec
+    /// closes it), opens that same deleted inode.
     #[test]
     fn a_deleted_files_handle_is_stale_while_its_number_is_reused() {
         use std::os::fd::AsFd;
@@ -591,10 +594,16 @@ mod tests {
                     let p = dir.path().join(format!("v{i}"));
                     let f = std::fs::File::create(&p).unwrap();
                     let h = handle_of(f.as_fd()).unwrap();
+                    let ino = stat_fd(f.as_fd()).unwrap().st_ino;
                     drop(f);
                     std::fs::remove_file(&p).unwrap();
-                    let r = open_handle(mount.as_fd(), &h, libc::O_PATH);
-                    assert_eq!(r.err(), Some(libc::ESTALE), "file {i}");
+                    match open_handle(mount.as_fd(), &h, libc::O_PATH) {
+                        Err(e) => assert_eq!(e, libc::ESTALE, "file {i}"),
+                        Ok(fd) => {
+                            let st = stat_fd(fd.as_fd()).unwrap();
+                            assert_eq!((st.st_ino, st.st_nlink), (ino, 0), "file {i}");
+                        }
+                    }
                 }
             });
             stop.store(true, Ordering::Relaxed);
