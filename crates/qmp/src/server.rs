@@ -210,7 +210,17 @@ impl Server {
     ) -> Result<Server, ServerError> {
         let path = path.as_ref().to_owned();
         let (listener, ident) = bind_0600(&path)?;
-        let ident = Some(ident);
+        Server::listening(listener, path, Some(ident), dispatcher, config)
+    }
+
+    /// A server on `listener` (non-blocking), shown as `path`; `ident`: its file's identity.
+    fn listening(
+        listener: UnixListener,
+        path: PathBuf,
+        ident: Option<(u64, u64)>,
+        dispatcher: Arc<dyn Dispatcher>,
+        config: ServerConfig,
+    ) -> Result<Server, ServerError> {
         let (wake_rx, wake_tx) = UnixStream::pair().map_err(|err| ServerError::Io {
             path: path.clone(),
             what: "socketpair",
@@ -305,23 +315,7 @@ impl Server {
             },
             None => (path, None),
         };
-        let (wake_rx, wake_tx) = UnixStream::pair().map_err(|err| ServerError::Io {
-            path: path.clone(),
-            what: "socketpair",
-            err,
-        })?;
-        tracing::info!(path = %path.display(), "QMP server listening");
-        Ok(Server {
-            listener,
-            path,
-            ident,
-            dispatcher,
-            config: Arc::new(config),
-            wake_rx,
-            handle: ShutdownHandle {
-                wake_tx: Arc::new(wake_tx),
-            },
-        })
+        Server::listening(listener, path, ident, dispatcher, config)
     }
 
     /// The socket's path (`fd=N` for one handed over that has none).
