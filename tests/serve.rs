@@ -1262,7 +1262,8 @@ fn a_restarted_daemon_does_not_keep_its_launchers_descriptors() {
 
 /// An export whose NBD server goes away serves on (requests fail with EIO meanwhile) and says
 /// so to QMP clients (`__org.fusex_BLOCK_EXPORT_FAILING`); once the server is back, requests
-/// succeed again and `__org.fusex_BLOCK_EXPORT_RECOVERED` says so. The export never ends.
+/// succeed again and `__org.fusex_BLOCK_EXPORT_RECOVERED` says so. The export never ends, and
+/// the exports beside it serve, come and go meanwhile.
 #[test]
 fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
     if !require_fuse_and_tools(&["qemu-nbd"]) {
@@ -1288,6 +1289,9 @@ fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
                "__org.fusex_reconnect-delay": 0.2, "__org.fusex_nbd-timeout": 3}),
     );
     assert_bytes_eq(&read_all(&mp), &data, 0, "through the NBD export");
+    // An export beside it, which the NBD server's absence must not disturb.
+    let other = w.join("other.raw");
+    q.add_null_export("other", &other, json!({}));
     drop(server);
     // The next reads find the server gone: EIO, and the failed reconnect is reported.
     let f = open_ro(&mp);
@@ -1301,6 +1305,12 @@ fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
         ev["data"]["error"].as_str().unwrap().contains("EIO"),
         "{ev}"
     );
+    // Meanwhile the other export serves, and another comes and goes.
+    assert_eq!(read_all(&other), vec![0u8; 64 << 20]);
+    let third = w.join("third.raw");
+    q.add_null_export("third", &third, json!({}));
+    assert_eq!(fs::metadata(&third).unwrap().len(), 64 << 20);
+    q.remove_null_export("third", "safe");
     let _server = qemu_nbd(&sock, &["-f", "raw"], &img);
     let back = wait_until(Instant::now() + TIMEOUT, || {
         let mut buf = vec![0u8; 4096];
@@ -1316,7 +1326,15 @@ fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
         "the export ended: {:?}",
         q.pending_events()
     );
-    assert_eq!(q.ok("query-block-exports", json!({}))[0]["id"], "n");
+    let listed = q.ok("query-block-exports", json!({}));
+    let mut ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["n", "other"]);
 }
 
 /// The daemon's threads by name, without the kernel's io_uring workers (`iou-*`, which come
