@@ -1310,3 +1310,80 @@ fn statfs_lseek_and_fsyncdir_answer_as_the_source() {
         }
     }
 }
+
+/// `renameat2(RENAME_WHITEOUT)` of `old` to `new` in a child running as uid 65534, gid 65533
+/// (no supplementary groups); its errno (0: done).
+fn rename_whiteout_as_user(old: &Path, new: &Path) -> i32 {
+    let (old, new) = (c(old), c(new));
+    // SAFETY: the child makes only system calls (no allocation, no lock another thread may
+    // hold) and leaves with `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // SAFETY: plain system calls on valid NUL-terminated paths; `_exit` does not return.
+        unsafe {
+            let dropped = libc::setgroups(0, std::ptr::null()) == 0
+                && libc::setgid(65533) == 0
+                && libc::setuid(65534) == 0;
+            if !dropped {
+                libc::_exit(255);
+            }
+            let r = libc::renameat2(
+                libc::AT_FDCWD,
+                old.as_ptr(),
+                libc::AT_FDCWD,
+                new.as_ptr(),
+                libc::RENAME_WHITEOUT,
+            );
+            libc::_exit(if r == 0 { 0 } else { *libc::__errno_location() });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child just forked, with a valid status pointer.
+    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(r, pid, "waitpid: {}", std::io::Error::last_os_error());
+    assert!(libc::WIFEXITED(status), "the child ended with {status:#x}");
+    let e = libc::WEXITSTATUS(status);
+    assert_ne!(e, 255, "the child could not switch to uid 65534");
+    e
+}
+
+/// RENAME_WHITEOUT (overlayfs's rename, which leaves a whiteout, a 0:0 character device, at the
+/// old name): through the mount, by a normal user, as on the source directly: the file moves,
+/// and the whiteout is a 0:0 character device belonging to the user who renamed.
+#[test]
+fn a_rename_with_whiteout_leaves_the_renamers_whiteout() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-whiteout");
+    let s = |p: &str| t.src.join(p);
+    fs::create_dir(s("pub")).unwrap();
+    fs::set_permissions(s("pub"), fs::Permissions::from_mode(0o777)).unwrap();
+    for f in ["native", "mounted"] {
+        fs::write(s(&format!("pub/{f}")), f).unwrap();
+    }
+    let m = t.mount(&["--writable", "--allow-other"]);
+    let native = rename_whiteout_as_user(&s("pub/native"), &s("pub/native.moved"));
+    if native == libc::EINVAL && !in_ci() {
+        eprintln!("skipping: the source filesystem makes no whiteouts");
+        return;
+    }
+    assert_eq!(native, 0, "natively");
+    let mnt = t.mnt.join("pub");
+    assert_eq!(
+        rename_whiteout_as_user(&mnt.join("mounted"), &mnt.join("mounted.moved")),
+        0,
+        "through the mount"
+    );
+    let shape = |p: &Path| {
+        let m = fs::symlink_metadata(p).unwrap();
+        (m.mode() & libc::S_IFMT, m.rdev(), m.uid(), m.gid())
+    };
+    let want = shape(&s("pub/native"));
+    assert_eq!(want, (libc::S_IFCHR, 0, 65534, 65533));
+    assert_eq!(shape(&s("pub/mounted")), want, "the source under the mount");
+    assert_eq!(shape(&mnt.join("mounted")), want, "through the mount");
+    assert_eq!(fs::read(mnt.join("mounted.moved")).unwrap(), b"mounted");
+    m.stop().assert_clean("whiteout");
+}

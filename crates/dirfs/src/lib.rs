@@ -418,6 +418,31 @@ impl DirFs {
         Ok(st)
     }
 
+    /// A RENAME with `RENAME_WHITEOUT` left a whiteout (a 0:0 character device: overlayfs's
+    /// mark of a deleted lower entry, which the kernel lets anyone make) at `name` in `dir`,
+    /// made by the daemon: it is given to the caller, whose rename made it, as a local
+    /// filesystem gives it. Only a 0:0 character device is given away, so a name swapped
+    /// meanwhile by someone with access to the source gives nothing of value; a failure leaves
+    /// the daemon's (the rename is done, and is answered as done).
+    fn adopt_whiteout(&self, hdr: &InHeader, dir: &Inode, name: Name<'_>) {
+        let adopted = dir
+            .fd()
+            .and_then(|d| sys::open_in(d.as_fd(), name, libc::O_PATH, 0))
+            .and_then(|fd| {
+                let st = sys::stat_fd(fd.as_fd())?;
+                if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != 0 {
+                    return Err(libc::EIO);
+                }
+                self.adopt(hdr, dir, &fd, libc::S_IFCHR, None).map(drop)
+            });
+        if let Err(e) = adopted {
+            tracing::warn!(
+                "the whiteout a rename left is the daemon's, not the caller's: {}",
+                std::io::Error::from_raw_os_error(e)
+            );
+        }
+    }
+
     /// The common end of MKDIR, MKNOD, SYMLINK: open what was made, adopt it, remember it; undo
     /// the creation if any of that fails.
     fn finish_new(

@@ -27,7 +27,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use engine::{Buf, Engine};
 use export::Request;
-use fuse_abi::{GetattrIn, InHeader, OpenIn, RENAME_EXCHANGE, RENAME_NOREPLACE};
+use fuse_abi::{GetattrIn, InHeader, OpenIn, RENAME_EXCHANGE, RENAME_NOREPLACE, RENAME_WHITEOUT};
 
 use crate::inodes::Inode;
 use crate::sys::{self, Errno, Name};
@@ -156,8 +156,7 @@ impl DirFs {
                 new,
             } => {
                 self.writable()?;
-                // RENAME_WHITEOUT makes a device node: not through this export.
-                if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE) != 0 {
+                if flags & !(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) != 0 {
                     return Err(libc::EINVAL);
                 }
                 let from = self.node(hdr.nodeid)?;
@@ -173,6 +172,9 @@ impl DirFs {
                 )
                 .await
                 .map_err(errno_of)?;
+                if flags & RENAME_WHITEOUT != 0 {
+                    self.adopt_whiteout(hdr, &from, o);
+                }
                 Ok(export::Reply::Data(0))
             }
             Request::Link { arg, name } => {

@@ -395,10 +395,16 @@ fn create_write_rename_unlink_on(h: H) {
         )
     };
     assert_eq!(r(RENAME_NOREPLACE, b"file").unwrap_err(), libc::EEXIST);
-    assert_eq!(
-        r(fuse_abi::RENAME_WHITEOUT, b"x").unwrap_err(),
-        libc::EINVAL
-    );
+    assert_eq!(r(1 << 3, b"x").unwrap_err(), libc::EINVAL);
+    // RENAME_WHITEOUT: the file moves, a whiteout (0:0 character device) takes its old name.
+    r(fuse_abi::RENAME_WHITEOUT, b"moved").unwrap();
+    let wo = std::fs::symlink_metadata(h.path("sub/new")).unwrap();
+    assert!(std::os::unix::fs::FileTypeExt::is_char_device(
+        &wo.file_type()
+    ));
+    assert_eq!(std::os::unix::fs::MetadataExt::rdev(&wo), 0);
+    std::fs::remove_file(h.path("sub/new")).unwrap();
+    std::fs::rename(h.path("moved"), h.path("sub/new")).unwrap();
     r(0, b"moved").unwrap();
     assert_eq!(std::fs::read(h.path("moved")).unwrap(), b"\0\0\0data");
     // The open handle follows the inode.
