@@ -1387,3 +1387,74 @@ fn a_rename_with_whiteout_leaves_the_renamers_whiteout() {
     assert_eq!(fs::read(mnt.join("mounted.moved")).unwrap(), b"mounted");
     m.stop().assert_clean("whiteout");
 }
+
+/// Unmounts (lazily) what is mounted at the path when dropped.
+struct Unmounted(PathBuf);
+
+impl Drop for Unmounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).output();
+    }
+}
+
+/// A directory export as an overlayfs upper layer (what a container runtime stacks on a
+/// writable directory): overlayfs makes whiteouts (0:0 character devices, by MKNOD and by
+/// RENAME_WHITEOUT), copies lower files up and renames them, all through the export; the
+/// merged view is what the operations say, and the upper directory in the source holds the
+/// copies and the whiteouts.
+#[test]
+fn a_directory_export_serves_as_an_overlayfs_upper_layer() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-overlay");
+    let lower = t.work.join("lower");
+    let merged = t.work.join("merged");
+    fs::create_dir(&lower).unwrap();
+    fs::create_dir(&merged).unwrap();
+    for (f, data) in [("gone", "g"), ("moved", "m"), ("kept", "k")] {
+        fs::write(lower.join(f), data).unwrap();
+    }
+    let m = t.mount(&["--writable"]);
+    fs::create_dir(t.mnt.join("upper")).unwrap();
+    fs::create_dir(t.mnt.join("work")).unwrap();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        t.mnt.join("upper").display(),
+        t.mnt.join("work").display()
+    );
+    let out = run(Command::new("mount")
+        .args(["-t", "overlay", "overlay", "-o", &opts])
+        .arg(&merged));
+    if !out.status.success() {
+        let why = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!in_ci(), "overlayfs over the export: {why}");
+        eprintln!("skipping: no overlayfs here ({why})");
+        return;
+    }
+    let ovl = Unmounted(merged.clone());
+    fs::remove_file(merged.join("gone")).unwrap();
+    fs::rename(merged.join("moved"), merged.join("renamed")).unwrap();
+    fs::write(merged.join("new"), b"n").unwrap();
+    let mut names: Vec<String> = fs::read_dir(&merged)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["kept", "new", "renamed"]);
+    assert_eq!(fs::read(merged.join("renamed")).unwrap(), b"m");
+    drop(ovl);
+    let upper = t.src.join("upper");
+    for w in ["gone", "moved"] {
+        let st = fs::symlink_metadata(upper.join(w)).unwrap();
+        assert_eq!(
+            (st.mode() & libc::S_IFMT, st.rdev()),
+            (libc::S_IFCHR, 0),
+            "{w} is a whiteout in the upper layer"
+        );
+    }
+    assert_eq!(fs::read(upper.join("renamed")).unwrap(), b"m");
+    assert_eq!(fs::read(upper.join("new")).unwrap(), b"n");
+    m.stop().assert_clean("overlayfs upper layer");
+}
