@@ -941,7 +941,10 @@ fn pjdfstest_verdicts(out: &str) -> BTreeMap<String, String> {
 /// same list is in docs/dirfs.md).
 fn pjdfstest_expected_to_differ(name: &str) -> Option<&'static str> {
     if name.ends_with("::block") || name.ends_with("::char") {
-        return Some("device nodes are not made through a directory export (MKNOD: EPERM)");
+        return Some(
+            "device nodes with a device number are not made through a directory export \
+             (MKNOD: EPERM)",
+        );
     }
     if name == "link::link_count_max" {
         return Some("glibc's pathconf has no LINK_MAX for FUSE filesystems (skipped)");
@@ -954,18 +957,43 @@ fn pjdfstest_expected_to_differ(name: &str) -> Option<&'static str> {
 /// through fusex, but those [`pjdfstest_expected_to_differ`] names.
 #[test]
 fn pjdfstest_passes_through_fusex_what_passes_on_the_source() {
-    pjdfstest_through(&["--writable", "--allow-other"]);
+    pjdfstest_through(&["--writable", "--allow-other"], false);
 }
 
 /// [`pjdfstest_passes_through_fusex_what_passes_on_the_source`] with writeback caching on
 /// (passthrough off): the kernel keeps sizes and times itself and writes them back.
 #[test]
 fn pjdfstest_passes_with_writeback_caching() {
-    pjdfstest_through(&["--writable", "--allow-other", "--passthrough", "off"]);
+    pjdfstest_through(
+        &["--writable", "--allow-other", "--passthrough", "off"],
+        false,
+    );
 }
 
-/// pjdfstest on the source's filesystem, then through an export mounted with `args`.
-fn pjdfstest_through(args: &[&str]) {
+/// pjdfstest as a normal user (uid 65534, which owns the directories; the tests that need root
+/// skip themselves) on the source's filesystem, and through a directory export that user's own
+/// fusex serves (mounted by fusermount3): every test that passes on the first passes through
+/// fusex, but those [`pjdfstest_expected_to_differ`] names.
+#[test]
+fn pjdfstest_as_a_normal_user_passes_through_fusex_what_passes_on_the_source() {
+    if !require_fuse_and_tools(&["setpriv", "fusermount3"]) {
+        return;
+    }
+    pjdfstest_through(&["--writable"], true);
+}
+
+/// The uid and gid the normal-user runs use, and the wrapper that switches to them.
+const NOBODY: u32 = 65534;
+const AS_NOBODY: [&str; 4] = [
+    "setpriv",
+    "--reuid=65534",
+    "--regid=65534",
+    "--clear-groups",
+];
+
+/// pjdfstest on the source's filesystem, then through an export mounted with `args`; as root
+/// (switching to two other users), or with `user` all of it, the daemon too, as uid 65534.
+fn pjdfstest_through(args: &[&str], user: bool) {
     let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/tools/bin/pjdfstest");
     let bin = which("pjdfstest").or_else(|| local.is_file().then_some(local));
     let Some(bin) = bin else {
@@ -990,6 +1018,13 @@ fn pjdfstest_through(args: &[&str]) {
         fs::create_dir_all(d).unwrap();
         fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
     }
+    let files = work.join("files");
+    fs::create_dir(&files).unwrap();
+    if user {
+        for d in [&base, &src, &mnt, &files] {
+            std::os::unix::fs::lchown(d, Some(NOBODY), Some(NOBODY)).unwrap();
+        }
+    }
     let cfg = work.join("pjdfstest.toml");
     fs::write(
         &cfg,
@@ -999,12 +1034,20 @@ fn pjdfstest_through(args: &[&str]) {
     )
     .unwrap();
     let suite = |dir: &Path| {
-        let out = run(Command::new(&bin)
-            .arg("-c")
-            .arg(&cfg)
-            .arg("-p")
-            .arg(dir)
-            .current_dir(dir));
+        let mut cmd = if user {
+            // Into the directory as the user: root may not enter another user's mount.
+            let mut c = Command::new(AS_NOBODY[0]);
+            c.args(&AS_NOBODY[1..])
+                .args(["sh", "-c", "cd \"$0\" && exec \"$@\""])
+                .arg(dir)
+                .arg(&bin);
+            c
+        } else {
+            let mut c = Command::new(&bin);
+            c.current_dir(dir);
+            c
+        };
+        let out = run(cmd.arg("-c").arg(&cfg).arg("-p").arg(dir));
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
             + &String::from_utf8_lossy(&out.stderr);
         let v = pjdfstest_verdicts(&text);
@@ -1018,7 +1061,17 @@ fn pjdfstest_through(args: &[&str]) {
     };
     // The source's own filesystem (the source directory's neighbour), then through fusex.
     let on_source = suite(&base);
-    let m = Mount::start(&work, &src, &mnt, args);
+    let m = if user {
+        let opts = SpawnOpts {
+            wrapper: AS_NOBODY.map(Into::into).to_vec(),
+            env: Vec::new(),
+            files_dir: Some(files),
+        };
+        Mount::try_start_opts(&work, &src, &mnt, args, &opts)
+            .unwrap_or_else(|f| panic!("a normal user's directory export: {}", f.stderr))
+    } else {
+        Mount::start(&work, &src, &mnt, args)
+    };
     if args.contains(&"off") {
         let line = writeback_line(&m);
         if line.contains("did not offer") {
