@@ -701,16 +701,19 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
 }
 
 /// `FUSE_WRITEBACK_CACHE` when a directory export may use it: writable (a read-only export has
-/// nothing to write back) and caching (`--cache never` promises that what the source holds shows
-/// at once, and opens its files for direct I/O, which the page cache does not serve). Asked for
-/// only where passthrough is not granted too ([`InitParams::want_without_passthrough`]).
+/// nothing to write back) and `--cache always`, the promise that the source changes only
+/// through the mount. Under writeback the kernel keeps a held file's size and times itself and
+/// places appends at the size it knows, so a change made to the source directly would be
+/// hidden, and an append through the mount would land over what was appended outside:
+/// `--cache auto` promises that such changes show within a second, and `never` at once. Asked
+/// for only where passthrough is not granted too ([`InitParams::want_without_passthrough`]).
 ///
 /// With it the kernel gathers writes in its page cache and sends them later in large WRITEs
 /// (from its writeback threads, at close, fsync and memory pressure), and keeps regular files'
 /// size and times itself; what that asks of the export is in `dirfs` (opens for writing may be
 /// read from, `O_APPEND` is the kernel's) and docs/dirfs.md.
 fn writeback_wanted(writable: bool, cache: CacheArg) -> u64 {
-    if writable && cache != CacheArg::Never {
+    if writable && cache == CacheArg::Always {
         FUSE_WRITEBACK_CACHE
     } else {
         0
@@ -734,6 +737,9 @@ fn writeback_line(
     } else if passthrough != PassthroughArg::Off && neg.has(FUSE_PASSTHROUGH) {
         "writeback cache: off (passthrough serves file data; --passthrough off for writeback \
          caching)"
+    } else if cache == CacheArg::Auto {
+        "writeback cache: off (--cache auto shows changes made to the source directly, which \
+         writeback caching would hide; --cache always for it)"
     } else {
         "writeback cache: off (the kernel did not offer FUSE_WRITEBACK_CACHE)"
     }
