@@ -108,18 +108,7 @@ impl H {
     }
 
     fn open(&self, node: u64, flags: i32) -> Result<u64, i32> {
-        let b = self.call(
-            node,
-            |_| {
-                Request::Open(OpenIn {
-                    flags: flags as u32,
-                    open_flags: 0,
-                })
-            },
-            &[],
-            &[],
-        )?;
-        Ok(OpenOut::read_from_bytes(&b).unwrap().fh)
+        self.open_out(node, flags).map(|o| o.fh)
     }
 
     /// OPENDIR of `node`: the handle.
