@@ -751,31 +751,38 @@ impl Op<CString> {
 
     /// [`Op::errno`] in a child process running as uid 65534, gid 65533, no supplementary groups.
     fn errno_as_user(&self) -> i32 {
-        // SAFETY: the child makes only system calls (no allocation, no lock another thread may
-        // hold) and leaves with `_exit`.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
-        if pid == 0 {
-            // SAFETY: plain system calls; `_exit` does not return.
-            unsafe {
-                let dropped = libc::setgroups(0, std::ptr::null()) == 0
-                    && libc::setgid(65533) == 0
-                    && libc::setuid(65534) == 0;
-                libc::_exit(if dropped { self.errno() } else { 255 });
-            }
-        }
-        let mut status = 0;
-        // SAFETY: waits for the child just forked, with a valid status pointer.
-        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-        assert_eq!(r, pid, "waitpid: {}", std::io::Error::last_os_error());
-        assert!(
-            libc::WIFEXITED(status),
-            "the child ended with status {status:#x}"
-        );
-        let e = libc::WEXITSTATUS(status);
-        assert_ne!(e, 255, "the child could not switch to uid 65534");
-        e
+        errno_as_user(|| self.errno())
     }
+}
+
+/// `call`'s errno (0: it succeeded) in a child process running as uid 65534, gid 65533, no
+/// supplementary groups. `call` must make only system calls (no allocation, no lock another
+/// thread may hold): it runs between `fork` and `_exit`.
+fn errno_as_user(call: impl FnOnce() -> i32) -> i32 {
+    // SAFETY: the child makes only system calls (`call` included, as its contract says) and
+    // leaves with `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // SAFETY: plain system calls; `_exit` does not return.
+        unsafe {
+            let dropped = libc::setgroups(0, std::ptr::null()) == 0
+                && libc::setgid(65533) == 0
+                && libc::setuid(65534) == 0;
+            libc::_exit(if dropped { call() } else { 255 });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child just forked, with a valid status pointer.
+    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(r, pid, "waitpid: {}", std::io::Error::last_os_error());
+    assert!(
+        libc::WIFEXITED(status),
+        "the child ended with status {status:#x}"
+    );
+    let e = libc::WEXITSTATUS(status);
+    assert_ne!(e, 255, "the child could not switch to uid 65534");
+    e
 }
 
 /// Who makes a call of the table.
@@ -1315,37 +1322,23 @@ fn statfs_lseek_and_fsyncdir_answer_as_the_source() {
 /// (no supplementary groups); its errno (0: done).
 fn rename_whiteout_as_user(old: &Path, new: &Path) -> i32 {
     let (old, new) = (c(old), c(new));
-    // SAFETY: the child makes only system calls (no allocation, no lock another thread may
-    // hold) and leaves with `_exit`.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
-    if pid == 0 {
-        // SAFETY: plain system calls on valid NUL-terminated paths; `_exit` does not return.
-        unsafe {
-            let dropped = libc::setgroups(0, std::ptr::null()) == 0
-                && libc::setgid(65533) == 0
-                && libc::setuid(65534) == 0;
-            if !dropped {
-                libc::_exit(255);
-            }
-            let r = libc::renameat2(
+    errno_as_user(|| {
+        // SAFETY: both are valid NUL-terminated paths.
+        let r = unsafe {
+            libc::renameat2(
                 libc::AT_FDCWD,
                 old.as_ptr(),
                 libc::AT_FDCWD,
                 new.as_ptr(),
                 libc::RENAME_WHITEOUT,
-            );
-            libc::_exit(if r == 0 { 0 } else { *libc::__errno_location() });
+            )
+        };
+        if r == 0 {
+            0
+        } else {
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
         }
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child just forked, with a valid status pointer.
-    let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(r, pid, "waitpid: {}", std::io::Error::last_os_error());
-    assert!(libc::WIFEXITED(status), "the child ended with {status:#x}");
-    let e = libc::WEXITSTATUS(status);
-    assert_ne!(e, 255, "the child could not switch to uid 65534");
-    e
+    })
 }
 
 /// RENAME_WHITEOUT (overlayfs's rename, which leaves a whiteout, a 0:0 character device, at the
