@@ -1167,22 +1167,6 @@ fn racing_writers_allocate_vhdx_blocks_once() {
     racing_case(VHDX_DYNAMIC, MIB, MIB);
 }
 
-/// CRC-32C, as VHDX checksums its headers and region tables.
-fn crc32c(b: &[u8]) -> u32 {
-    let mut c = !0u32;
-    for &x in b {
-        c ^= u32::from(x);
-        for _ in 0..8 {
-            c = if c & 1 != 0 {
-                (c >> 1) ^ 0x82f6_3b78
-            } else {
-                c >> 1
-            };
-        }
-    }
-    !c
-}
-
 /// Stores the CRC-32C of `b` (its checksum field at 4 taken as zero) at 4.
 fn fix_crc32c(b: &mut [u8]) {
     b[4..8].fill(0);

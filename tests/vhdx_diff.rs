@@ -58,18 +58,9 @@ fn put64(b: &mut [u8], at: usize, v: u64) {
 
 /// CRC-32C of `b` with its checksum field (at 4) taken as zero.
 fn crc32c_sealed(b: &[u8]) -> u32 {
-    let mut c = !0u32;
-    for (i, &x) in b.iter().enumerate() {
-        c ^= u32::from(if (4..8).contains(&i) { 0 } else { x });
-        for _ in 0..8 {
-            c = if c & 1 != 0 {
-                (c >> 1) ^ 0x82f6_3b78
-            } else {
-                c >> 1
-            };
-        }
-    }
-    !c
+    let mut zeroed = b.to_vec();
+    zeroed[4..8].fill(0);
+    crc32c(&zeroed)
 }
 
 /// The parent locator item's GUID (a8d35f2d-b30b-454d-abf7-d3d84834ab0c) as stored.

@@ -354,6 +354,23 @@ impl Rng {
     }
 }
 
+/// CRC-32C (Castagnoli, reflected), as VHDX checksums its headers and region tables: tests
+/// that craft or damage an image seal what they change with it.
+pub fn crc32c(b: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &x in b {
+        c ^= u32::from(x);
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0x82f6_3b78
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
 /// Creates a fully allocated raw image of `size` bytes of seeded pseudo-random data and
 /// returns its content (the test's model of the image).
 pub fn random_image(path: &Path, size: u64, seed: u64) -> Vec<u8> {
