@@ -55,6 +55,17 @@ fn convert(w: &WorkDir, src: &Path, sub: &str, name: &str) -> PathBuf {
     out
 }
 
+/// `qemu-img create -f vmdk -o subformat=SUB IMG SIZE`: an empty image.
+fn create(img: &Path, sub: &str, size: u64) {
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "vmdk", "-o"])
+            .arg(format!("subformat={sub}"))
+            .arg(img)
+            .arg(size.to_string()),
+    );
+}
+
 /// The guest bytes as qemu-img reads them.
 fn qemu_raw(w: &WorkDir, img: &Path) -> Vec<u8> {
     let out = w.join(format!(
@@ -140,13 +151,7 @@ fn writes_land_where_qemu_reads_them() {
         "twoGbMaxExtentFlat",
     ] {
         let img = w.join(format!("{sub}.vmdk"));
-        run_ok(
-            Command::new("qemu-img")
-                .args(["create", "-q", "-f", "vmdk", "-o"])
-                .arg(format!("subformat={sub}"))
-                .arg(&img)
-                .arg(size.to_string()),
-        );
+        create(&img, sub, size);
         let model = w.join(format!("{sub}.model"));
         sparse_image(&model, size);
         let mp = w.join(format!("{sub}.export"));
@@ -777,19 +782,7 @@ fn writable_exports_lock_every_extent_file() {
     let w = WorkDir::new("vmdk-lock");
     let img = w.join("split.vmdk");
     // Three extent files of 2 GiB, 2 GiB and 0.5 GiB.
-    run_ok(
-        Command::new("qemu-img")
-            .args([
-                "create",
-                "-q",
-                "-f",
-                "vmdk",
-                "-o",
-                "subformat=twoGbMaxExtentSparse",
-            ])
-            .arg(&img)
-            .arg((4608 * MIB).to_string()),
-    );
+    create(&img, "twoGbMaxExtentSparse", 4608 * MIB);
     let files: Vec<PathBuf> = std::iter::once(img.clone())
         .chain((1..=3).map(|i| w.join(format!("split-s{i:03}.vmdk"))))
         .collect();
@@ -832,19 +825,7 @@ fn missing_grain_tables_are_made_for_writing() {
     }
     let w = WorkDir::new("vmdk-newgt");
     let img = w.join("d.vmdk");
-    run_ok(
-        Command::new("qemu-img")
-            .args([
-                "create",
-                "-q",
-                "-f",
-                "vmdk",
-                "-o",
-                "subformat=monolithicSparse",
-            ])
-            .arg(&img)
-            .arg(SIZE.to_string()),
-    );
+    create(&img, "monolithicSparse", SIZE);
     let f = open_ro(&img);
     let mut h = [0u8; 512];
     f.read_exact_at(&mut h, 0).unwrap();
