@@ -960,8 +960,6 @@ pub struct Supervisor {
     /// thread, shared by every export, which a slow disk's flush would hold up). The queues are
     /// quiet when it is due, so flushing after the abort leaves nothing unflushed.
     flush_at_end: bool,
-    /// The final flush is due in [`Supervisor::finish`].
-    flush_due: bool,
     /// `fusex restart`: the successor waiting for this export to let go, and its pid.
     successor: Option<(ReleaseTo, u32)>,
     /// The successor that serves the export now.
@@ -1023,7 +1021,6 @@ impl Supervisor {
             failure: None,
             flushed: None,
             flush_at_end: shared,
-            flush_due: false,
             successor: None,
             handed_to: None,
             draining: None,
@@ -1165,15 +1162,7 @@ impl Supervisor {
     /// Every queue is quiet: the image is flushed (now, or with `flush_at_end` in
     /// [`Supervisor::finish`]) and the connection aborted, which ends the queues.
     fn end_connection(&mut self, p: &mut Prepared) {
-        if self.flush_at_end && self.flushed.is_none() {
-            self.flush_due = true;
-            self.flushed = Some(Ok(false));
-            if let Err(e) = p.mnt.abort() {
-                tracing::error!("{e}");
-            }
-        } else {
-            finish(&mut self.flushed, &p.export, &mut p.mnt);
-        }
+        finish(&mut self.flushed, &p.export, &mut p.mnt, !self.flush_at_end);
     }
 
     /// Tells every queue to stop taking requests.
@@ -1437,7 +1426,7 @@ impl Supervisor {
             failure,
             mut per_queue,
             mut flushed,
-            flush_due,
+            flush_at_end,
             handed_to,
             abandon,
             stopping_sent,
@@ -1451,8 +1440,10 @@ impl Supervisor {
             owner.not_serving();
         }
         if handed_to.is_none() {
-            finish(&mut flushed, &p.export, &mut p.mnt);
-            if flush_due {
+            // With `flush_at_end`, a connection already ended left its flush to now.
+            let deferred = flush_at_end && flushed.is_some();
+            finish(&mut flushed, &p.export, &mut p.mnt, true);
+            if deferred {
                 flushed = Some(final_flush(&p.export));
             }
         }
@@ -1689,11 +1680,17 @@ fn log_abort(why: &str, export: &Fs) {
     );
 }
 
-/// Ends the export once every queue answered what it had taken: flush, then abort the
-/// connection and unmount (which also ends io_uring queues, whose entries then complete).
-fn finish(flushed: &mut Option<Result<bool>>, export: &Fs, mnt: &mut Mount) {
+/// Ends the export once every queue answered what it had taken: flush (unless not
+/// `flush_now`: then `flushed` says `Ok(false)` until [`Supervisor::finish`] flushes), then
+/// abort the connection and unmount (which also ends io_uring queues, whose entries then
+/// complete).
+fn finish(flushed: &mut Option<Result<bool>>, export: &Fs, mnt: &mut Mount, flush_now: bool) {
     if flushed.is_none() {
-        *flushed = Some(final_flush(export));
+        *flushed = Some(if flush_now {
+            final_flush(export)
+        } else {
+            Ok(false)
+        });
         if let Err(e) = mnt.abort() {
             tracing::error!("{e}");
         }
