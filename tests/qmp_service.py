@@ -119,9 +119,19 @@ class Scenario:
         with open(self.p("a.raw"), "wb") as f:
             f.write(pattern(4 * MiB))
         for argv in (["qemu-img", "create", "-q", "-f", "qcow2", self.p("b.qcow2"), "8M"],
-                     ["qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", self.p("b.qcow2")]):
+                     ["qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", self.p("b.qcow2")],
+                     # A backing chain of nodes: ov.qcow2 over base.raw, its header then
+                     # naming a file that does not exist, so only the node can back it.
+                     ["qemu-img", "create", "-q", "-f", "raw", self.p("base.raw"), "4M"],
+                     ["qemu-io", "-f", "raw", "-c", "write -P 0x11 0 1M", self.p("base.raw")],
+                     ["qemu-img", "create", "-q", "-f", "qcow2", "-b", self.p("base.raw"),
+                      "-F", "raw", self.p("ov.qcow2")],
+                     ["qemu-io", "-f", "qcow2", "-c", "write -P 0x22 512k 64k", self.p("ov.qcow2")],
+                     ["qemu-img", "rebase", "-u", "-b", self.p("gone.raw"), "-F", "raw",
+                      self.p("ov.qcow2")],
+                     ["qemu-img", "create", "-q", "-f", "qcow2", self.p("ov9.qcow2"), "1M"]):
             subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt"):  # mountpoints are regular files
+        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt", "ov.mnt"):  # mountpoints are regular files
             open(self.p(m), "wb").close()
 
     async def start(self):
@@ -333,6 +343,34 @@ class Scenario:
         await self.step("block-export-del exp8", "block-export-del", {"id": "exp8"})
         self.record("event after exp8", event=await self.event(TIMEOUT))
         await self.step("blockdev-del cd0", "blockdev-del", {"node-name": "cd0"})
+
+        # 5c. A backing chain built from nodes, as management tools build it: the overlay's
+        #     `backing` names a node, in place of the file its header names.
+        await self.step("blockdev-add base", "blockdev-add",
+                        {"driver": "raw", "node-name": "base", "read-only": True,
+                         "file": {"driver": "file", "filename": self.p("base.raw")}})
+        await self.step("blockdev-add ov backing base", "blockdev-add",
+                        {"driver": "qcow2", "node-name": "ov", "backing": "base",
+                         "file": {"driver": "file", "filename": self.p("ov.qcow2")}})
+        await self.step("blockdev-add: backing node missing", "blockdev-add",
+                        {"driver": "qcow2", "node-name": "ov9", "backing": "nonode",
+                         "file": {"driver": "file", "filename": self.p("ov9.qcow2")}})
+        await self.step("query-named-block-nodes ov", "query-named-block-nodes",
+                        post=lambda r: [{"backing_file": n.get("backing_file"),
+                                         "backing_file_depth": n["backing_file_depth"]}
+                                        for n in r if n["node-name"] == "ov"])
+        await self.step("block-export-add exp7 over ov", "block-export-add",
+                        {"type": "fuse", "id": "exp7", "node-name": "ov",
+                         "mountpoint": self.p("ov.mnt")})
+        want = b"\x11" * (512 * 1024) + b"\x22" * (64 * 1024) + b"\x11" * (448 * 1024)
+        got = await self.io(read_mnt, self.p("ov.mnt"), MiB)
+        self.record("read ov.mnt", **same(got, want))
+        await self.step("blockdev-del: backing node in use", "blockdev-del",
+                        {"node-name": "base"})
+        await self.step("block-export-del exp7", "block-export-del", {"id": "exp7"})
+        self.record("event after exp7", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del ov", "blockdev-del", {"node-name": "ov"})
+        await self.step("blockdev-del base", "blockdev-del", {"node-name": "base"})
 
         # 6. Removal of exports and nodes.
         await self.step("block-export-del exp2", "block-export-del", {"id": "exp2"})

@@ -110,7 +110,7 @@ pub enum Format {
 }
 
 /// How to open an image.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct OpenOptions {
     /// The image format.
     pub format: Format,
@@ -133,6 +133,9 @@ pub struct OpenOptions {
     pub io_path: Option<IoPath>,
     /// For NBD URIs: timeouts, reconnecting, FUA (its `writable` is replaced by the one above).
     pub nbd: NbdOptions,
+    /// A qcow2 image's backing chain, in place of the one its header names (see
+    /// [`crate::qcow2::BackingLevel`]); refused for other formats.
+    pub backing: Option<Vec<crate::qcow2::BackingLevel>>,
     /// Serve only this partition of the image (numbered as Linux numbers them).
     pub partition: Option<u32>,
 }
@@ -215,6 +218,11 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
 
 /// [`open`] of the whole image.
 fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
+    if opts.backing.is_some() && !names_a_path(spec) {
+        return Err(OpenError::FormatMismatch(format!(
+            "{spec} has no backing image: --backing is for qcow2 images, drop it"
+        )));
+    }
     if nbd::uri::is_nbd_uri(spec) {
         if !matches!(opts.format, Format::Auto | Format::Raw) {
             return Err(OpenError::FormatMismatch(format!(
@@ -364,6 +372,12 @@ fn open_as(
     format: Format,
     opts: OpenOptions,
 ) -> std::result::Result<AnyBackend, OpenError> {
+    if opts.backing.is_some() && format != Format::Qcow2 {
+        return Err(OpenError::FormatMismatch(format!(
+            "{} is not a qcow2 image: --backing is for qcow2 images, drop it",
+            path.display()
+        )));
+    }
     match format {
         Format::Qcow2 => Ok(AnyBackend::Qcow2(Qcow2Backend::open(
             path,
@@ -373,6 +387,7 @@ fn open_as(
                 no_backing: opts.no_backing,
                 locking: opts.locking,
                 trust_backing: opts.trust_backing,
+                backing: opts.backing.clone(),
             },
         )?)),
         Format::Vhd => {

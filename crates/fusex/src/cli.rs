@@ -361,6 +361,14 @@ pub struct MountArgs {
     /// could not read.
     #[arg(long, conflicts_with = "no_backing", help_heading = heading::IMAGE)]
     pub trust_backing: bool,
+    /// Use this backing image instead of the one a qcow2 image's header names
+    ///
+    /// FORMAT:PATH with FORMAT qcow2 or raw (given, never probed), or none for no backing
+    /// image. Repeat it for a chain, the top image's backing first: --backing qcow2:mid.qcow2
+    /// --backing raw:base.img. A qcow2 level given last keeps the backing its header names.
+    /// These files are the operator's choice: they are opened as fusex runs, read-only.
+    #[arg(long, value_name = "FORMAT:PATH", help_heading = heading::IMAGE)]
+    pub backing: Vec<backend::qcow2::BackingLevel>,
     /// Export even while another process writes the image (read-only exports only)
     ///
     /// As qemu-img -U does. Without it fusex takes QEMU's image locks: it refuses an image

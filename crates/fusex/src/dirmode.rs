@@ -53,6 +53,9 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     if args.trust_backing {
         refuse("--trust-backing")?;
     }
+    if !args.backing.is_empty() {
+        refuse("--backing")?;
+    }
     if args.no_locking {
         refuse("--no-locking")?;
     }

@@ -583,8 +583,10 @@ pub fn open_export(
         IoPathArg::Nowait => Some(IoPath::NowaitThenRing),
         IoPathArg::Adaptive => Some(IoPath::Adaptive),
     };
+    backend::qcow2::check_chain(&args.backing)?;
     let options = OpenOptions {
         format: args.format.into(),
+        backing: (!args.backing.is_empty()).then(|| args.backing.clone()),
         no_backing: args.no_backing,
         trust_backing: args.trust_backing,
         writable: args.writable,

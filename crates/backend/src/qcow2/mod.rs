@@ -10,9 +10,12 @@
 //! mapping another request is writing through), so requests pass an [`IoGate`] shared and a
 //! discard passes it exclusive.
 
+mod backing;
 pub mod check;
 pub mod damage;
 pub mod named;
+
+pub use backing::{check_chain, BackingError, BackingLevel};
 
 use std::cell::RefCell;
 use std::fs::File;
@@ -191,7 +194,7 @@ fn check_l1(f: &File, l1_offset: u64, l1_size: u32) -> io::Result<()> {
 }
 
 /// How to open a qcow2 image.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Qcow2Options {
     /// Open the top image for writing (backing files are always read-only).
     pub writable: bool,
@@ -205,6 +208,9 @@ pub struct Qcow2Options {
     /// When root serves an image another user owns, open the files it names with root's
     /// credentials rather than the owner's (see [`named`]).
     pub trust_backing: bool,
+    /// The backing chain to use instead of the one the header names (checked by
+    /// [`check_chain`]); None: the header's.
+    pub backing: Option<Vec<BackingLevel>>,
 }
 
 /// A qcow2 image (with its backing chain).
@@ -257,6 +263,8 @@ struct Gate {
     locking: Locking,
     /// Whose credentials named files are opened with.
     who: named::OpenAs,
+    /// `--trust-backing`: named files are opened as the daemon whoever owns the image.
+    trust_backing: bool,
     /// A lock conflict on a named file, kept typed: imago turns the error `open_storage`
     /// returns into its own.
     lock_error: Rc<RefCell<Option<LockError>>>,
@@ -322,12 +330,11 @@ impl ImplicitOpenGate<RingFile> for Gate {
             .to_path_buf();
         self.allowed(&path)?;
         // Only the top image's external data file is ever opened writable.
-        let writable = opts.get_writable();
         let direct = self.direct || opts.get_direct();
-        let shown = named::shown_path(&path);
-        let (file, canon) = named::open(&path, writable, direct, self.who).map_err(|e| {
+        let (who, shown) = (self.who, named::shown_path(&path));
+        let described = |e: io::Error| {
             let kind = e.kind();
-            match (self.who, e.raw_os_error()) {
+            match (who, e.raw_os_error()) {
                 (named::OpenAs::Owner(uid, _), Some(libc::EACCES | libc::EPERM)) => io::Error::new(
                     kind,
                     format!(
@@ -340,9 +347,27 @@ impl ImplicitOpenGate<RingFile> for Gate {
                     format!("its backing or data file {shown} cannot be opened: {e}"),
                 ),
             }
-        })?;
+        };
+        self.open_chain_file(&path, opts.get_writable(), direct, who, described)
+    }
+}
+
+impl Gate {
+    /// Opens a file of this chain as `who` (never hangs, type-checked; an open error goes
+    /// through `described`), records it against loops and locks it as a data file
+    /// (`writable`) or a backing file.
+    fn open_chain_file(
+        &self,
+        path: &Path,
+        writable: bool,
+        direct: bool,
+        who: named::OpenAs,
+        described: impl FnOnce(io::Error) -> io::Error,
+    ) -> io::Result<RingFile> {
+        let shown = named::shown_path(path);
+        let (file, canon) = named::open(path, writable, direct, who).map_err(described)?;
         self.admit(canon)?;
-        let file = RingFile::from_file(file, &path, direct)?;
+        let file = RingFile::from_file(file, path, direct)?;
         let subject = format!(
             "{} file {} of image {}",
             if writable { "data" } else { "backing" },
@@ -361,6 +386,15 @@ impl ImplicitOpenGate<RingFile> for Gate {
             return Err(io::Error::new(io::ErrorKind::ResourceBusy, msg));
         }
         Ok(file)
+    }
+
+    /// This gate for the files the image at `path` names: opened with the credentials of the
+    /// one who owns that image (see [`named::OpenAs::for_image`]).
+    fn for_named_by(&self, image: &std::fs::Metadata) -> Gate {
+        Gate {
+            who: named::OpenAs::for_image(image, self.trust_backing),
+            ..self.clone()
+        }
     }
 }
 
@@ -455,6 +489,7 @@ impl Qcow2Backend {
                 &meta.metadata().map_err(|e| OpenError::from_io(&shown, e))?,
                 opts.trust_backing,
             ),
+            trust_backing: opts.trust_backing,
             lock_error: Rc::default(),
         };
         let lock_error = gate.lock_error.clone();
@@ -466,14 +501,20 @@ impl Qcow2Backend {
             path: shown.clone(),
             error: io::Error::other(e.to_string()),
         })?;
+        let explicit = opts.backing.as_deref().filter(|l| !l.is_empty());
         let opened = eng.block_on(async {
-            let q = Qcow2::<RingFile>::builder(top)
+            let mut builder = Qcow2::<RingFile>::builder(top)
                 .metadata_cache_bytes(TOP_CACHE_BYTES, BACKING_CACHE_BYTES)
                 .protect_metadata(protect)
-                .write(opts.writable)
-                .open(gate)
-                .await?;
-            let backed = q.implicit_backing_file().is_some();
+                .write(opts.writable);
+            if let Some(levels) = explicit {
+                builder = builder.backing(backing::open_chain(levels, &gate).await?);
+            }
+            let q = builder.open(gate).await?;
+            let backed = match explicit {
+                Some(levels) => !matches!(levels.first(), None | Some(BackingLevel::None)),
+                None => q.implicit_backing_file().is_some(),
+            };
             Ok::<_, io::Error>((FormatAccess::new(q), backed))
         });
         if let Some(e) = lock_error.borrow_mut().take() {

@@ -133,7 +133,7 @@ impl Table {
         }
         self.nodes
             .values()
-            .find(|n| n.file.as_deref() == Some(node))
+            .find(|n| n.file.as_deref() == Some(node) || n.backing.as_deref() == Some(node))
             .map(|n| n.name.clone())
     }
 }
@@ -379,6 +379,11 @@ impl Service {
         if format != Some("vmdk") {
             words.push("--no-backing".to_string());
         }
+        // Nor its backing chain: each node of one was checked as it was added, and the
+        // backing file a header names is opened by the export.
+        if format == Some("qcow2") {
+            words.push("--backing=none".to_string());
+        }
         words.extend(format.map(|f| format!("--format={f}")));
         words.extend(n.partition().map(|p| format!("--partition={p}")));
         let (args, _) = options::mount_args(&image, std::path::Path::new("/"), &words)
@@ -406,14 +411,28 @@ impl Service {
                 a.node_name
             )));
         };
+        if let Some(over) = t
+            .nodes
+            .values()
+            .find(|o| o.backing.as_deref() == Some(&a.node_name))
+        {
+            // qemu-storage-daemon's words.
+            return Err(QmpError::generic(format!(
+                "Node '{}' is busy: node is used as backing hd of '{}'",
+                a.node_name, over.name
+            )));
+        }
         if n.implicit || t.user_of(&a.node_name).is_some() {
             return Err(QmpError::generic(format!("Node {} is in use", a.node_name)));
         }
-        let child = n.file.clone();
-        t.nodes.remove(&a.node_name);
-        // An inline child goes with its parent.
-        if let Some(c) = child.filter(|c| t.nodes.get(c).is_some_and(|c| c.implicit)) {
-            t.nodes.remove(&c);
+        // Inline children (a file, a backing node and theirs) go with their parent.
+        let mut gone = vec![a.node_name];
+        while let Some(name) = gone.pop() {
+            if let Some(n) = t.nodes.remove(&name) {
+                gone.extend([n.file, n.backing].into_iter().flatten().filter(|c| {
+                    t.nodes.get(c).is_some_and(|c| c.implicit) && t.user_of(c).is_none()
+                }));
+            }
         }
         Ok(json!({}))
     }
@@ -485,6 +504,13 @@ impl Service {
             .into_iter()
             .collect();
         all.extend(n.partition().map(|p| format!("--partition={p}")));
+        if let Some(q) = chain.iter().find(|c| c.driver == node::Driver::Qcow2) {
+            all.extend(
+                q.backing_levels(&lookup)?
+                    .iter()
+                    .map(|l| format!("--backing={l}")),
+            );
+        }
         let protocol = chain.last().cloned().unwrap_or(n.clone());
         // force-share is the exported node's own (for a partition node, also the node it
         // stands on), as before partition nodes existed.
@@ -915,7 +941,12 @@ impl Service {
                         _ => n.shown_file(&lookup),
                     };
                     let format = n.driver.name();
-                    json!({
+                    let levels = n.backing_levels(&lookup).unwrap_or_default();
+                    let depth = levels
+                        .iter()
+                        .filter(|l| **l != backend::qcow2::BackingLevel::None)
+                        .count();
+                    let mut v = json!({
                         "node-name": n.name,
                         "drv": format,
                         "ro": n.read_only,
@@ -933,7 +964,12 @@ impl Service {
                             "virtual-size": n.size,
                             "dirty-flag": false,
                         },
-                    })
+                    });
+                    v["backing_file_depth"] = depth.into();
+                    if let Some(b) = n.backing.as_deref().and_then(&lookup) {
+                        v["backing_file"] = b.shown_file(&lookup).into();
+                    }
+                    v
                 })
                 .collect(),
         )

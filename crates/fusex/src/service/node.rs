@@ -78,6 +78,9 @@ pub struct Node {
     pub file: Option<String>,
     /// `backing: null` on a qcow2 node: the backing file the image names is not opened.
     pub no_backing: bool,
+    /// `backing: NODE` on a qcow2 node: that node's image backs it, in place of the one its
+    /// header names.
+    pub backing: Option<String>,
     /// Made by fusex for an object given inline as another node's child (named `#blockN`): it
     /// goes when that node goes.
     pub implicit: bool,
@@ -357,6 +360,7 @@ pub fn parse(
         force_share: base.force_share,
         file: None,
         no_backing: false,
+        backing: None,
         implicit: !path.is_empty(),
         size: 0,
         args: None,
@@ -445,15 +449,29 @@ pub fn parse(
                     number: number as u32,
                 }
             } else {
-                match members.get("backing") {
+                match members.get("backing").cloned() {
                     None => {}
                     Some(Value::Null) => node.no_backing = true,
+                    Some(Value::String(r)) => {
+                        if node_of(&r).is_none() {
+                            // qemu-storage-daemon's words.
+                            return Err(QmpError::generic(format!(
+                                "Could not open backing file: Cannot find device='{r}' nor \
+                                 node-name='{r}'"
+                            )));
+                        }
+                        node.backing = Some(r);
+                    }
+                    Some(b @ Value::Object(_)) => {
+                        let children = parse(b, &named("backing"), auto_name, node_of)?;
+                        node.backing = children.last().map(|c| c.name.clone());
+                        out.extend(children);
+                    }
                     Some(_) => {
                         return Err(QmpError::generic(format!(
-                        "fusex does not support '{}' as a node: a qcow2 image's backing file is \
-                         the one its header names (or give null for none)",
-                        named("backing")
-                    )))
+                            "Invalid parameter type for '{}', expected: BlockdevRefOrNull",
+                            named("backing")
+                        )))
                     }
                 }
                 match driver {
@@ -540,6 +558,7 @@ impl Node {
             force_share: args.force_share,
             file: None,
             no_backing: args.no_backing,
+            backing: None,
             implicit: true,
             size: 0,
             args: None,
@@ -578,6 +597,59 @@ impl Node {
             Driver::Nbd { .. } | Driver::Null { .. } => Some((protocol(self)?, None)),
             Driver::Partition { .. } => node_of(self.file.as_deref()?)?.image(node_of),
         }
+    }
+
+    /// The `--backing` levels of a qcow2 node whose `backing` names a node (empty when its
+    /// header's backing is used): each backing node is a qcow2 or raw node over a file node, or
+    /// a file node itself; a qcow2 backing node's own `backing` continues the chain.
+    pub fn backing_levels(
+        &self,
+        node_of: &dyn Fn(&str) -> Option<Node>,
+    ) -> Result<Vec<backend::qcow2::BackingLevel>, QmpError> {
+        use backend::qcow2::BackingLevel;
+        let mut levels = Vec::new();
+        let mut cur = self.clone();
+        while let Some(name) = cur.backing.clone() {
+            let Some(b) = node_of(&name) else {
+                return Err(QmpError::generic(format!(
+                    "Cannot find device='' nor node-name='{name}'"
+                )));
+            };
+            let filename = |n: &Node| match &n.driver {
+                Driver::File { filename, .. } => Some(filename.clone()),
+                _ => None,
+            };
+            let on_file = b
+                .file
+                .as_deref()
+                .and_then(node_of)
+                .and_then(|f| filename(&f));
+            let unsupported = || {
+                QmpError::generic(format!(
+                    "fusex does not support node '{name}' ({}) as a backing node: give a qcow2 \
+                     or raw node over a file node, or a file node",
+                    b.driver.name()
+                ))
+            };
+            match &b.driver {
+                Driver::File { filename, .. } => levels.push(BackingLevel::Raw(filename.into())),
+                Driver::Raw => {
+                    levels.push(BackingLevel::Raw(on_file.ok_or_else(unsupported)?.into()))
+                }
+                Driver::Qcow2 => {
+                    levels.push(BackingLevel::Qcow2(on_file.ok_or_else(unsupported)?.into()));
+                    if b.no_backing {
+                        levels.push(BackingLevel::None);
+                    }
+                    cur = b;
+                    continue;
+                }
+                _ => return Err(unsupported()),
+            }
+            break;
+        }
+        backend::qcow2::check_chain(&levels).map_err(|e| QmpError::generic(e.to_string()))?;
+        Ok(levels)
     }
 
     /// The partition this node serves of its child's image (None: the whole image).
@@ -630,6 +702,7 @@ mod tests {
             force_share: false,
             file: None,
             no_backing: false,
+            backing: None,
             implicit: false,
             size: 0,
             args: None,
