@@ -129,9 +129,13 @@ class Scenario:
                      ["qemu-io", "-f", "qcow2", "-c", "write -P 0x22 512k 64k", self.p("ov.qcow2")],
                      ["qemu-img", "rebase", "-u", "-b", self.p("gone.raw"), "-F", "raw",
                       self.p("ov.qcow2")],
-                     ["qemu-img", "create", "-q", "-f", "qcow2", self.p("ov9.qcow2"), "1M"]):
+                     ["qemu-img", "create", "-q", "-f", "qcow2", self.p("ov9.qcow2"), "1M"],
+                     # An overlay whose header names its backing file, as most overlays do.
+                     ["qemu-img", "create", "-q", "-f", "qcow2", "-b", self.p("base.raw"),
+                      "-F", "raw", self.p("hdr.qcow2")],
+                     ["qemu-io", "-f", "qcow2", "-c", "write -P 0x33 0 64k", self.p("hdr.qcow2")]):
             subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt", "ov.mnt"):  # mountpoints are regular files
+        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt", "ov.mnt", "hdr.mnt"):  # mountpoints are regular files
             open(self.p(m), "wb").close()
 
     async def start(self):
@@ -370,6 +374,19 @@ class Scenario:
         await self.step("block-export-del exp7", "block-export-del", {"id": "exp7"})
         self.record("event after exp7", event=await self.event(TIMEOUT))
         await self.step("blockdev-del ov", "blockdev-del", {"node-name": "ov"})
+        # The backing file the header names, opened by the node itself.
+        await self.step("blockdev-add hdr", "blockdev-add",
+                        {"driver": "qcow2", "node-name": "hdr",
+                         "file": {"driver": "file", "filename": self.p("hdr.qcow2")}})
+        await self.step("block-export-add exp6 over hdr", "block-export-add",
+                        {"type": "fuse", "id": "exp6", "node-name": "hdr",
+                         "mountpoint": self.p("hdr.mnt")})
+        want = b"\x33" * (64 * 1024) + b"\x11" * (960 * 1024) + b"\x00" * MiB
+        got = await self.io(read_mnt, self.p("hdr.mnt"), 2 * MiB)
+        self.record("read hdr.mnt", **same(got, want))
+        await self.step("block-export-del exp6", "block-export-del", {"id": "exp6"})
+        self.record("event after exp6", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del hdr", "blockdev-del", {"node-name": "hdr"})
         await self.step("blockdev-del base", "blockdev-del", {"node-name": "base"})
 
         # 6. Removal of exports and nodes.
