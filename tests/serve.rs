@@ -1803,3 +1803,162 @@ fn the_man_page_export_of_an_image_on_itself() {
     assert_eq!(seen[0], seen[1], "qemu-storage-daemon and fusex differ");
     assert_eq!(seen[1], (8 << 20, (true, true), Some(0), false));
 }
+
+/// A backing chain given as nodes, inline (how libvirt builds one): a writable qcow2 export
+/// whose header names a file that does not exist serves the chain its nodes name (a qcow2 mid
+/// image whose own header names a decoy, over a raw base), as QEMU reads the same chain; a
+/// `fusex restart` keeps serving it; removing the top node removes the nodes it made inline;
+/// and the writes are in the top image alone.
+#[test]
+fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
+    if !require_fuse_and_tools(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-backing");
+    let (top, mid, base) = (w.join("top.qcow2"), w.join("mid.qcow2"), w.join("base.raw"));
+    random_image(&base, 4 * MIB, 41);
+    random_image(&w.join("decoy.raw"), 4 * MIB, 42);
+    let qemu = |args: &[&str]| {
+        run_ok(Command::new(args[0]).current_dir(w.path()).args(&args[1..]));
+    };
+    qemu(&[
+        "qemu-img",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "decoy.raw",
+        "-F",
+        "raw",
+        "mid.qcow2",
+    ]);
+    qemu(&[
+        "qemu-io",
+        "-f",
+        "qcow2",
+        "-c",
+        "write -P 0x5c 1M 100k",
+        "mid.qcow2",
+    ]);
+    qemu(&[
+        "qemu-img",
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "mid.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+    ]);
+    qemu(&[
+        "qemu-io",
+        "-f",
+        "qcow2",
+        "-c",
+        "write -P 0x6d 3M 8k",
+        "top.qcow2",
+    ]);
+    qemu(&[
+        "qemu-img",
+        "rebase",
+        "-q",
+        "-u",
+        "-b",
+        "gone.qcow2",
+        "-F",
+        "qcow2",
+        "top.qcow2",
+    ]);
+    let file = |p: &Path| json!({"driver": "file", "filename": p.to_str().unwrap()});
+    let chain = json!({"driver": "qcow2", "node-name": "top", "file": file(&top),
+        "backing": {"driver": "qcow2", "file": file(&mid),
+                    "backing": {"driver": "raw", "file": file(&base)}}});
+    // QEMU reads the same chain: the oracle.
+    let oracle = |out: &str| {
+        let mut spec = chain.clone();
+        spec.as_object_mut().unwrap().remove("node-name");
+        qemu(&[
+            "qemu-img",
+            "convert",
+            "-U",
+            "-O",
+            "raw",
+            &format!("json:{spec}"),
+            out,
+        ]);
+        fs::read(w.join(out)).unwrap()
+    };
+    let mut model = oracle("before.raw");
+    let backing_files = [fs::read(&mid).unwrap(), fs::read(&base).unwrap()];
+    let mp = w.join("top.raw");
+    fs::write(&mp, b"").unwrap();
+    let pid_file = w.join("serve.pid");
+    let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
+    let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
+    let old = serve.pid();
+    let mut q = serve.qmp();
+    q.ok("blockdev-add", chain.clone());
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "t", "node-name": "top", "writable": true,
+               "mountpoint": mp.to_str().unwrap(), "__org.fusex_transport": "legacy"}),
+    );
+    assert_bytes_eq(&read_all(&mp), &model, 0, "the chain of nodes");
+    let f = open_rw(&mp);
+    for (off, byte) in [(MIB - 100, 0x71u8), (2 * MIB, 0x72), (4 * MIB - 512, 0x73)] {
+        let data = vec![byte; 4096.min((4 * MIB - off) as usize)];
+        f.write_all_at(&data, off).unwrap();
+        model[off as usize..off as usize + data.len()].copy_from_slice(&data);
+    }
+    f.sync_all().unwrap();
+    drop(q);
+    let mut cmd = Command::new(fusex_bin());
+    cmd.arg("restart").arg(&mp);
+    let r = run_with_timeout(&w, cmd, None);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_eq!(serve.wait(), Some(0), "the old daemon exits once it let go");
+    let new: i32 = fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_ne!(new, old);
+    f.write_all_at(&[0x74; 4096], 0).unwrap();
+    model[..4096].fill(0x74);
+    f.sync_all().unwrap();
+    drop(f);
+    assert_bytes_eq(&read_all(&mp), &model, 0, "the chain after the restart");
+    let mut q = Qmp::connect(&serve.socket);
+    let nodes = q.ok("query-named-block-nodes", json!({}));
+    let depth = nodes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node-name"] == "top")
+        .map(|n| n["backing_file_depth"].clone());
+    assert_eq!(depth, Some(json!(2)), "{nodes}");
+    q.ok("block-export-del", json!({"id": "t"}));
+    q.event("BLOCK_EXPORT_DELETED", "t", TIMEOUT);
+    q.ok("blockdev-del", json!({"node-name": "top"}));
+    assert_eq!(
+        q.ok("query-named-block-nodes", json!({})),
+        json!([]),
+        "the nodes made inline go with the top node"
+    );
+    q.ok("quit", json!({}));
+    assert!(wait_until(Instant::now() + TIMEOUT * 3, || !pid_alive(new)));
+    assert_bytes_eq(
+        &oracle("after.raw"),
+        &model,
+        0,
+        "QEMU reads the writes through the chain",
+    );
+    assert_eq!(
+        [fs::read(&mid).unwrap(), fs::read(&base).unwrap()],
+        backing_files,
+        "[mid, base] must be unchanged"
+    );
+}
