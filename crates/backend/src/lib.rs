@@ -92,8 +92,10 @@ pub struct Capabilities {
     pub writable: bool,
     /// `resize` works.
     pub resize: bool,
-    /// The backend is a raw regular file (candidate for FUSE passthrough later).
-    pub raw_file: bool,
+    /// Whether the kernel could serve the guest bytes straight from one file (FUSE
+    /// passthrough), and if not, why: the export's passthrough decision asks this, not which
+    /// backend it has.
+    pub passthrough: PassthroughSource,
     /// Requests cross a network (NBD): the memory plan favours request depth over size.
     pub remote: bool,
     /// The most queues (each with its own connection) that stay consistent with each other, and
@@ -106,6 +108,23 @@ pub struct Capabilities {
     /// Closing the backend's connections flushes what they wrote, so the export's end needs no
     /// flush of its own (NBD: each queue's connection flushes as it closes).
     pub flushes_on_close: bool,
+}
+
+/// What FUSE passthrough could serve a backend's guest bytes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PassthroughSource {
+    /// This regular file holds them, offset for offset (a raw image).
+    File(std::os::fd::RawFd),
+    /// No file holds them (null, NBD).
+    #[default]
+    NoFile,
+    /// An image format maps them (qcow2, VHD, VDI, VHDX, VMDK): the file's bytes are not the
+    /// guest's.
+    Formatted,
+    /// They are a window of a larger image (a partition), which the kernel would not keep to.
+    Window,
+    /// A block device: the kernel passes regular files through only.
+    BlockDevice,
 }
 
 /// Whence of a block-status query.

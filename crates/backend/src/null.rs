@@ -59,7 +59,6 @@ impl BlockBackend for NullBackend {
         Capabilities {
             writable: self.writable,
             resize: true,
-            raw_file: false,
             ..Capabilities::default()
         }
     }

@@ -299,7 +299,11 @@ impl BlockBackend for RawBackend {
         Capabilities {
             writable: self.writable,
             resize: !self.block_device,
-            raw_file: !self.block_device,
+            passthrough: if self.block_device {
+                crate::PassthroughSource::BlockDevice
+            } else {
+                crate::PassthroughSource::File(self.fd())
+            },
             ..Capabilities::default()
         }
     }

@@ -11,7 +11,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
 use anyhow::{bail, Result};
-use backend::{AnyBackend, BlockBackend};
+use backend::{BlockBackend, PassthroughSource};
 use export::{Export, Passthrough};
 use fuse_abi::FUSE_PASSTHROUGH;
 use transport::passthrough::{stack_depth_for, Backing};
@@ -130,30 +130,22 @@ pub struct Plan {
 
 impl Plan {
     /// What the command line and the image allow. Fails only for `--passthrough on`.
-    pub fn new(args: &MountArgs, backend: &AnyBackend) -> Result<Plan> {
-        let want = match (args.passthrough, backend) {
+    pub fn new(args: &MountArgs, backend: &impl BlockBackend) -> Result<Plan> {
+        let image = || args.image.clone();
+        let want = match (args.passthrough, backend.capabilities().passthrough) {
             (PassthroughArg::Off, _) => Err(NotUsed::Off),
-            (_, AnyBackend::Null(_) | AnyBackend::Nbd(_)) => {
-                Err(NotUsed::NoBackingFile(args.image.clone()))
-            }
-            (
-                _,
-                AnyBackend::Qcow2(_)
-                | AnyBackend::Vhd(_)
-                | AnyBackend::Vdi(_)
-                | AnyBackend::Vhdx(_)
-                | AnyBackend::Vmdk(_),
-            ) => Err(NotUsed::Formatted(args.image.clone())),
-            (_, AnyBackend::Partition(_)) => Err(NotUsed::Partition(args.image.clone())),
-            (_, b) if !b.capabilities().raw_file => Err(NotUsed::BlockDevice(args.image.clone())),
+            (_, PassthroughSource::NoFile) => Err(NotUsed::NoBackingFile(image())),
+            (_, PassthroughSource::Formatted) => Err(NotUsed::Formatted(image())),
+            (_, PassthroughSource::Window) => Err(NotUsed::Partition(image())),
+            (_, PassthroughSource::BlockDevice) => Err(NotUsed::BlockDevice(image())),
             _ if args.kernel_cache => Err(NotUsed::KernelCache),
             _ if !args.fault.is_empty() => Err(NotUsed::Faults),
-            (_, AnyBackend::Raw(r)) => Ok(Want {
-                image_fd: r.fd(),
+            (_, PassthroughSource::File(fd)) => Ok(Want {
+                image_fd: fd,
                 // The kernel extends a passed-through file up to the filesystem's limit only:
                 // a lower --max-size needs writes to come to fusex.
                 write_opens: !args.writable || (args.growable && args.max_size.is_none()),
-                stack_depth: stack_depth_for(r.fd()),
+                stack_depth: stack_depth_for(fd),
             }),
         };
         let plan = Plan {

@@ -12,7 +12,7 @@ pub(crate) fn capabilities(writable: bool) -> Capabilities {
     Capabilities {
         writable,
         resize: false,
-        raw_file: false,
+        passthrough: crate::PassthroughSource::Formatted,
         ..Capabilities::default()
     }
 }

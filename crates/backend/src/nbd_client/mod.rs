@@ -841,9 +841,9 @@ impl BlockBackend for NbdBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
+            passthrough: crate::PassthroughSource::NoFile,
             writable: self.opts.writable,
             resize: false,
-            raw_file: false,
             remote: true,
             max_queues: (!self.multi_conn())
                 .then_some((1, "the NBD server does not advertise multi-conn")),

@@ -77,7 +77,7 @@ impl<B: BlockBackend> BlockBackend for Bounded<B> {
         let inner = self.inner.capabilities();
         Capabilities {
             resize: false,
-            raw_file: false,
+            passthrough: crate::PassthroughSource::Window,
             no_handover: inner.no_handover.or(self
                 .shared
                 .then_some("it serves a partition of an image other exports of this daemon share")),
@@ -257,7 +257,8 @@ mod tests {
             on(&eng, b.grow_to(&eng, 8193)).unwrap_err().errno(),
             libc::ENOSPC
         );
-        assert!(!b.capabilities().resize && !b.capabilities().raw_file);
+        assert!(!b.capabilities().resize);
+        assert_eq!(b.capabilities().passthrough, crate::PassthroughSource::Window);
     }
 
     #[test]

@@ -727,7 +727,7 @@ impl BlockBackend for Qcow2Backend {
         Capabilities {
             writable: self.writable,
             resize: self.writable,
-            raw_file: false,
+            passthrough: crate::PassthroughSource::Formatted,
             ..Capabilities::default()
         }
     }

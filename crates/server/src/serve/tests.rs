@@ -158,7 +158,6 @@ mod harness {
             Capabilities {
                 writable: true,
                 resize: true,
-                raw_file: false,
                 ..Capabilities::default()
             }
         }
