@@ -124,10 +124,16 @@ fn newer_source(bin: &Path) -> Option<PathBuf> {
                 };
                 for e in entries.flatten() {
                     let path = e.path();
+                    let name = e.file_name();
+                    // Unit tests and crates' own test directories are not in the binary: an
+                    // edit there does not relink it, so it never makes the binary stale.
+                    let test_only = name == "tests"
+                        || name == "tests.rs"
+                        || name.to_string_lossy().ends_with("_tests.rs");
                     match e.file_type() {
+                        _ if test_only => {}
                         Ok(t) if t.is_dir() => todo.push(path),
                         Ok(t) if t.is_file() => {
-                            let name = path.file_name().unwrap_or_default();
                             if path.extension() == Some(OsStr::new("rs"))
                                 || name == OsStr::new("Cargo.toml")
                             {
