@@ -133,12 +133,12 @@ fn newer_source(bin: &Path) -> Option<PathBuf> {
                     match e.file_type() {
                         _ if test_only => {}
                         Ok(t) if t.is_dir() => todo.push(path),
-                        Ok(t) if t.is_file() => {
-                            if path.extension() == Some(OsStr::new("rs"))
-                                || name == OsStr::new("Cargo.toml")
-                            {
-                                files.push(path);
-                            }
+                        Ok(t)
+                            if t.is_file()
+                                && (path.extension() == Some(OsStr::new("rs"))
+                                    || name == OsStr::new("Cargo.toml")) =>
+                        {
+                            files.push(path);
                         }
                         _ => {}
                     }

@@ -258,7 +258,10 @@ mod tests {
             libc::ENOSPC
         );
         assert!(!b.capabilities().resize);
-        assert_eq!(b.capabilities().passthrough, crate::PassthroughSource::Window);
+        assert_eq!(
+            b.capabilities().passthrough,
+            crate::PassthroughSource::Window
+        );
     }
 
     #[test]
