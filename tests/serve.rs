@@ -1901,6 +1901,12 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
     let old = serve.pid();
     let mut q = serve.qmp();
     q.ok("blockdev-add", chain.clone());
+    let e = q.err(
+        "block-export-add",
+        json!({"type": "fuse", "id": "t", "node-name": "top", "mountpoint": mp.to_str().unwrap(),
+               "__org.fusex_backing": "raw:/etc/passwd"}),
+    );
+    assert!(e.contains("not an export member"), "{e}");
     q.ok(
         "block-export-add",
         json!({"type": "fuse", "id": "t", "node-name": "top", "writable": true,

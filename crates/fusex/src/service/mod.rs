@@ -453,6 +453,13 @@ impl Service {
         for k in extensions {
             let v = map.remove(&k).unwrap_or(Value::Null);
             let name = &k[options::EXTENSION.len()..];
+            if name == "backing" {
+                // A node's backing chain is its own, as in QEMU.
+                return Err(QmpError::generic(format!(
+                    "{k} is not an export member: give the qcow2 node a backing node in \
+                     blockdev-add"
+                )));
+            }
             words.extend(options::words(name, &v, &k).map_err(QmpError::generic)?);
         }
         if map.get("type").and_then(Value::as_str) == Some(DIR_EXPORT_TYPE) {

@@ -769,6 +769,78 @@ mod tests {
         );
     }
 
+    /// A qcow2 node's `backing` names a node or defines one inline; the chain it makes goes
+    /// to the export as `--backing` levels, and what cannot back an image is refused in one
+    /// line.
+    #[test]
+    fn backing_nodes_make_the_chain_of_levels() {
+        use backend::qcow2::BackingLevel;
+        let v = nodes(
+            json!({"driver": "qcow2", "node-name": "top", "file": "file0",
+            "backing": {"driver": "qcow2", "file": {"driver": "file", "filename": "/mid"},
+                        "backing": {"driver": "raw",
+                                    "file": {"driver": "file", "filename": "/base"}}}}),
+        )
+        .unwrap();
+        let all = v.clone();
+        let lookup = move |name: &str| all.iter().find(|n| n.name == name).cloned();
+        let top = v.last().unwrap();
+        assert_eq!(top.name, "top");
+        assert_eq!(
+            top.backing_levels(&lookup).unwrap(),
+            [
+                BackingLevel::Qcow2("/mid".into()),
+                BackingLevel::Raw("/base".into())
+            ]
+        );
+        assert!(v[..v.len() - 1].iter().all(|n| n.implicit));
+        // `backing: null` on a lower level ends the chain there.
+        let v = nodes(
+            json!({"driver": "qcow2", "node-name": "top", "file": "file0",
+            "backing": {"driver": "qcow2", "backing": null,
+                        "file": {"driver": "file", "filename": "/mid"}}}),
+        )
+        .unwrap();
+        let all = v.clone();
+        let lookup = move |name: &str| all.iter().find(|n| n.name == name).cloned();
+        assert_eq!(
+            v.last().unwrap().backing_levels(&lookup).unwrap(),
+            [BackingLevel::Qcow2("/mid".into()), BackingLevel::None]
+        );
+        // A file node backs an image as raw; a null node cannot back one.
+        let v = nodes(
+            json!({"driver": "qcow2", "node-name": "top", "file": "file0",
+                             "backing": "file0"}),
+        )
+        .unwrap();
+        let f0 = nodes(json!({"driver": "file", "node-name": "file0", "filename": "/a"})).unwrap();
+        let lookup = move |name: &str| f0.iter().find(|n| n.name == name).cloned();
+        assert_eq!(
+            v[0].backing_levels(&lookup).unwrap(),
+            [BackingLevel::Raw("/a".into())]
+        );
+        let v = nodes(
+            json!({"driver": "qcow2", "node-name": "top", "file": "file0",
+                             "backing": {"driver": "null-co"}}),
+        )
+        .unwrap();
+        let all = v.clone();
+        let lookup = move |name: &str| all.iter().find(|n| n.name == name).cloned();
+        let e = v.last().unwrap().backing_levels(&lookup).unwrap_err().desc;
+        assert!(e.contains("as a backing node"), "{e}");
+        assert_eq!(
+            nodes(json!({"driver": "qcow2", "node-name": "x", "file": "file0",
+                         "backing": "nope"}))
+            .unwrap_err(),
+            "Could not open backing file: Cannot find device='nope' nor node-name='nope'"
+        );
+        assert_eq!(
+            nodes(json!({"driver": "qcow2", "node-name": "x", "file": "file0", "backing": 3}))
+                .unwrap_err(),
+            "Invalid parameter type for 'backing', expected: BlockdevRefOrNull"
+        );
+    }
+
     #[test]
     fn partition_nodes_stand_on_a_node_and_name_a_number() {
         let v = nodes(json!({"driver": PARTITION_DRIVER, "node-name": "p",
