@@ -7,6 +7,18 @@ use std::os::fd::{IntoRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+/// One open handle as a `fusex restart` successor takes it over ([`Files::entries`]); its
+/// descriptor travels beside.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileEntry {
+    /// Its slot: the low half of the handle.
+    pub slot: u32,
+    /// Its generation: the high half.
+    pub generation: u32,
+    /// The passthrough backing id its opens use (0: none).
+    pub backing: i32,
+}
+
 /// The table. Its slots are allocated zeroed up front, so untouched ones cost no resident memory.
 pub struct Files {
     /// (generation << 32) | (fd + 1); low half 0: free.
@@ -97,6 +109,65 @@ impl Files {
         // SAFETY: the slot owned this descriptor (put there by `insert` from an OwnedFd) and the
         // exchange above took it out, so no one else can close or reuse it.
         Some((unsafe { OwnedFd::from_raw_fd((fd - 1) as RawFd) }, backing))
+    }
+
+    /// Every open handle (as [`FileEntry`]) and its descriptor (in the same order), and the
+    /// first slot never handed out: what a `fusex restart` successor needs to go on answering
+    /// the handles the kernel holds. Only once no request is served any more.
+    pub fn entries(&self) -> (Vec<FileEntry>, Vec<RawFd>, u32) {
+        let next = self.free.lock().unwrap_or_else(|p| p.into_inner()).next;
+        let mut files = Vec::new();
+        let mut fds = Vec::new();
+        for (i, s) in self.slots.iter().enumerate().take(next as usize) {
+            let v = s.load(Ordering::Acquire);
+            if v as u32 == 0 {
+                continue;
+            }
+            files.push(FileEntry {
+                slot: i as u32,
+                generation: (v >> 32) as u32,
+                backing: self.backing[i].load(Ordering::Relaxed),
+            });
+            fds.push((v as u32 - 1) as RawFd);
+        }
+        (files, fds, next)
+    }
+
+    /// Takes over the handles a predecessor had open ([`Files::entries`]) into this table, which
+    /// has none: `fds` are their descriptors, in order.
+    pub fn adopt(
+        &self,
+        entries: Vec<FileEntry>,
+        fds: &mut impl Iterator<Item = OwnedFd>,
+        next: u32,
+    ) -> Result<(), String> {
+        let mut f = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if f.next != 0 {
+            return Err("the handle table is in use".into());
+        }
+        if next as usize > self.slots.len() {
+            return Err(format!(
+                "{next} handle slots, more than the {} this export keeps",
+                self.slots.len()
+            ));
+        }
+        let mut used = vec![false; next as usize];
+        for e in entries {
+            let i = e.slot as usize;
+            if i >= used.len() || used[i] {
+                return Err(format!("handle slot {} out of place", e.slot));
+            }
+            used[i] = true;
+            let fd = fds.next().ok_or("fewer descriptors than handles")?;
+            self.backing[i].store(e.backing, Ordering::Relaxed);
+            self.slots[i].store(
+                (u64::from(e.generation) << 32) | (fd.into_raw_fd() as u64 + 1),
+                Ordering::Release,
+            );
+        }
+        f.next = next;
+        f.list = (0..next).filter(|&i| !used[i as usize]).collect();
+        Ok(())
     }
 
     /// Handles open now.

@@ -94,6 +94,28 @@ impl Inode {
     }
 }
 
+/// One node as a `fusex restart` successor takes it over ([`Inodes::entries`]): everything
+/// the table holds of it but its descriptor, which travels beside (a node held by handle has
+/// none).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NodeEntry {
+    /// The node id the kernel knows it by.
+    pub id: u64,
+    /// `st_dev`, `st_ino`.
+    pub key: (u64, u64),
+    /// `S_IFMT` bits.
+    pub kind: u32,
+    /// Lookups the kernel holds.
+    pub nlookup: u64,
+    /// The generation it was answered with.
+    pub generation: u64,
+    /// Whether lookups of its key find it (a node of a reused inode number does not).
+    pub keyed: bool,
+    /// Its file handle (type, bytes), when it is held by one; else its descriptor is the next
+    /// one sent.
+    pub handle: Option<(i32, Vec<u8>)>,
+}
+
 /// What the table holds for a key already ([`Inodes::peek`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Peek {
@@ -269,6 +291,110 @@ impl Inodes {
         // discard then and waits for it), and every queue's lookups need the table.
         drop(t);
         drop(gone);
+    }
+
+    /// Every node but the root, and the descriptors of those held by one (in the order of the
+    /// entries), and the generation counter: what a `fusex restart` successor needs to go on
+    /// answering the node ids the kernel holds. Only once no request is served any more.
+    pub fn entries(&self) -> (Vec<NodeEntry>, Vec<RawFd>, u64) {
+        let t = self.lock();
+        let mut nodes = Vec::with_capacity(t.slots.len());
+        let mut fds = Vec::new();
+        for (i, s) in t.slots.iter().enumerate().skip(ROOT_ID as usize + 1) {
+            let Some(s) = s else { continue };
+            let handle = match &s.inode.held {
+                Held::Fd(fd) => {
+                    fds.push(fd.as_raw_fd());
+                    None
+                }
+                Held::Handle { handle, .. } => {
+                    let (kind, bytes) = handle.parts();
+                    Some((kind, bytes.to_vec()))
+                }
+            };
+            nodes.push(NodeEntry {
+                id: i as u64,
+                key: s.inode.key,
+                kind: s.inode.kind,
+                nlookup: s.nlookup,
+                generation: s.generation,
+                keyed: t.by_key.get(&s.inode.key) == Some(&i),
+                handle,
+            });
+        }
+        (nodes, fds, t.generation)
+    }
+
+    /// Takes over the nodes a predecessor held ([`Inodes::entries`]) into this table, which
+    /// holds only the root: `fds` are the descriptors of the entries without a handle, in
+    /// order; `mount` opens the handles. Each descriptor must be of its entry's inode, and no
+    /// id above `max_id` (the table stays the size its configuration bounds).
+    pub fn adopt(
+        &self,
+        entries: Vec<NodeEntry>,
+        fds: &mut impl Iterator<Item = OwnedFd>,
+        generation: u64,
+        mount: Option<&Arc<OwnedFd>>,
+        max_id: usize,
+    ) -> Result<(), String> {
+        let mut t = self.lock();
+        if t.slots.len() != ROOT_ID as usize + 1 {
+            return Err("the table holds more than the root".into());
+        }
+        for e in entries {
+            let i = usize::try_from(e.id)
+                .ok()
+                .filter(|&i| i > ROOT_ID as usize && i <= max_id)
+                .ok_or_else(|| format!("node id {} is not one fusex gives", e.id))?;
+            if t.slots.get(i).is_some_and(|s| s.is_some()) {
+                return Err(format!("node {} twice", e.id));
+            }
+            let held = match e.handle {
+                Some((kind, bytes)) => Held::Handle {
+                    mount: mount
+                        .ok_or("nodes held by file handle, which this process cannot open")?
+                        .clone(),
+                    handle: sys::Handle::from_parts(kind, &bytes)
+                        .ok_or("a file handle longer than any")?,
+                },
+                None => {
+                    let fd = fds.next().ok_or("fewer descriptors than nodes")?;
+                    let st = sys::stat_fd(fd.as_fd())
+                        .map_err(|e| std::io::Error::from_raw_os_error(e).to_string())?;
+                    if (st.st_dev, st.st_ino) != e.key {
+                        return Err(format!(
+                            "the descriptor of node {} is of another inode",
+                            e.id
+                        ));
+                    }
+                    t.pinned += 1;
+                    Held::Fd(fd)
+                }
+            };
+            if t.slots.len() <= i {
+                t.slots.resize_with(i + 1, || None);
+            }
+            t.slots[i] = Some(Slot {
+                inode: Arc::new(Inode {
+                    held,
+                    key: e.key,
+                    kind: e.kind,
+                    listed: Mark::default(),
+                    lookups: Default::default(),
+                }),
+                nlookup: e.nlookup.max(1),
+                generation: e.generation,
+            });
+            if e.keyed {
+                t.by_key.insert(e.key, i);
+            }
+        }
+        let t = &mut *t;
+        t.free = (ROOT_ID as usize + 1..t.slots.len())
+            .filter(|&i| t.slots[i].is_none())
+            .collect();
+        t.generation = t.generation.max(generation);
+        Ok(())
     }
 
     /// Nodes held (the root included), for tests and statistics.

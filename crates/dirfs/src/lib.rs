@@ -18,11 +18,14 @@ pub mod ahead;
 mod attr;
 mod copy;
 pub mod files;
+mod handover;
 pub mod inodes;
 mod listing;
 mod ring;
 mod statx;
 pub mod sys;
+
+pub use handover::DirHandover;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -124,6 +127,9 @@ pub enum DirError {
     /// `/proc/self/fd` is not there (fusex re-opens held inodes through it).
     #[error("cannot open /proc/self/fd: {0} (mount /proc)")]
     Proc(std::io::Error),
+    /// What a predecessor handed over cannot be taken over ([`DirFs::adopt`]).
+    #[error("cannot take the directory export over: {0}")]
+    Handover(String),
 }
 
 /// A directory tree served through FUSE, shared by every queue thread.

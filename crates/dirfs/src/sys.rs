@@ -646,6 +646,21 @@ pub struct Handle {
     bytes: Box<[u8]>,
 }
 
+impl Handle {
+    /// Its type and opaque bytes, as another process needs them (`fusex restart`).
+    pub fn parts(&self) -> (i32, &[u8]) {
+        (self.kind, &self.bytes)
+    }
+
+    /// The handle of `parts` (at most `MAX_HANDLE_SZ` bytes: a longer one is no handle).
+    pub fn from_parts(kind: i32, bytes: &[u8]) -> Option<Handle> {
+        (bytes.len() <= MAX_HANDLE_SZ).then(|| Handle {
+            kind,
+            bytes: bytes.into(),
+        })
+    }
+}
+
 /// The handle of the inode `fd` refers to (an `O_PATH` descriptor works).
 pub fn handle_of(fd: BorrowedFd<'_>) -> Result<Handle, Errno> {
     let mut raw = RawHandle {

@@ -1466,3 +1466,93 @@ fn a_write_only_file_the_daemon_cannot_read_is_opened_for_direct_io() {
     drop(_back);
     assert_eq!(std::fs::read(&p).unwrap(), b"hello WORLD");
 }
+
+/// A directory export's tables go to a successor (`fusex restart`): the node ids and open
+/// handles the kernel holds answer there as they did here, the lookup counts carry on, and a
+/// table that does not fit (another source directory, missing descriptors) is refused.
+#[test]
+fn a_successor_answers_the_node_ids_and_handles_of_its_predecessor() {
+    let h = H::new(true);
+    let file = h.lookup(1, b"file").unwrap();
+    let sub = h.lookup(1, b"sub").unwrap();
+    h.lookup(1, b"file").unwrap();
+    let fh = h.open(file.nodeid, libc::O_RDWR).unwrap();
+    let dh = h.opendir(sub.nodeid).unwrap();
+    let (made, made_fh) = h.create(sub.nodeid, b"new", 0o644, 0).unwrap();
+    let (table, raw) = h.fs.handover();
+    assert_eq!(table.descriptors(), raw.len());
+    assert_eq!(table.nodes.len(), 3, "file, sub, new: {table:?}");
+    assert_eq!(table.files.len(), 3);
+    // As SCM_RIGHTS would: the successor gets descriptors of its own.
+    let dup = |fds: &[std::os::fd::RawFd]| -> Vec<OwnedFd> {
+        fds.iter()
+            .map(|&fd| {
+                // SAFETY: a descriptor the export holds open while this runs.
+                unsafe { BorrowedFd::borrow_raw(fd) }
+                    .try_clone_to_owned()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let cfg = DirConfig {
+        writable: true,
+        ..DirConfig::default()
+    };
+    // Not without every descriptor, nor over another directory.
+    let short = dup(&raw[1..]);
+    let e = DirFs::take_over(h.dir.path(), cfg, table.clone(), short)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("descriptors came"), "{e}");
+    let other = tempfile::tempdir().unwrap();
+    let e = DirFs::take_over(other.path(), cfg, table.clone(), dup(&raw))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("not the directory"), "{e}");
+    let mut swapped = dup(&raw);
+    swapped.swap(0, 1);
+    let e = DirFs::take_over(h.dir.path(), cfg, table.clone(), swapped)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("of another inode"), "{e}");
+    let fs = DirFs::take_over(h.dir.path(), cfg, table, dup(&raw)).unwrap();
+    let H {
+        eng, dir, fs: old, ..
+    } = h;
+    drop(old);
+    let h = H {
+        eng,
+        fs,
+        dir,
+        counters: export::Counters::default(),
+    };
+    assert_eq!(h.fs.open_files(), 3);
+    assert_eq!(h.read(fh, 0, 64).unwrap(), b"hello world");
+    assert_eq!(h.getattr(file.nodeid, None).unwrap().attr.size, 11);
+    assert_eq!(h.getattr(made.nodeid, Some(made_fh)).unwrap().attr.size, 0);
+    // A new lookup of a name finds the node it had, with its generation.
+    let again = h.lookup(1, b"file").unwrap();
+    assert_eq!(
+        (again.nodeid, again.generation),
+        (file.nodeid, file.generation)
+    );
+    assert_eq!(h.lookup(sub.nodeid, b"new").unwrap().nodeid, made.nodeid);
+    h.release(fh, false);
+    h.release(dh, true);
+    h.release(made_fh, false);
+    assert_eq!(h.fs.open_files(), 0);
+    assert!(h.read(fh, 0, 1).is_err(), "a released handle is gone");
+    // Two lookups here, one there: the node stays until all three are forgotten.
+    h.call(file.nodeid, |_| Request::Forget(2), &[], &[])
+        .unwrap();
+    assert!(h.getattr(file.nodeid, None).is_ok());
+    h.call(file.nodeid, |_| Request::Forget(1), &[], &[])
+        .unwrap();
+    assert_eq!(h.getattr(file.nodeid, None).err(), Some(libc::ENOENT));
+    // New nodes and handles do not collide with the adopted ones.
+    let n = h.lookup(1, b"link").unwrap();
+    assert!(![sub.nodeid, made.nodeid].contains(&n.nodeid));
+    let fh2 = h.open(made.nodeid, libc::O_RDONLY).unwrap();
+    assert_ne!(fh2, fh);
+    h.release(fh2, false);
+}
