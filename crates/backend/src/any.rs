@@ -445,6 +445,17 @@ fn open_as(
 }
 
 impl AnyBackend {
+    /// The NBD export served (that of the whole image under a partition) as it was negotiated:
+    /// what a `fusex restart` successor is built from ([`crate::NbdBackend::adopt`]) without
+    /// connecting while this process still holds the server's connection. None: not NBD.
+    pub fn nbd_export(&self) -> Option<nbd::Export> {
+        match self {
+            AnyBackend::Nbd(n) => Some(*n.export()),
+            AnyBackend::Partition(p) => p.inner().image().nbd_export(),
+            _ => None,
+        }
+    }
+
     /// What was found at open that an operator may want to see (an NBD server's export: size,
     /// multi-conn, block sizes, block status, structured replies); None when there is nothing
     /// beyond the format.

@@ -660,3 +660,74 @@ fn a_dripping_reply_fails_by_the_timeout() {
     // Bounded by the 1 s timeout (generously); a timeout per receive took 12 s here.
     assert!(took < std::time::Duration::from_secs(6), "{took:?}");
 }
+
+/// Serves [`serve_strict`] on `sock` from now on (it answers each request at once), a thread
+/// per connection.
+fn listen(sock: &std::path::Path, mem: Arc<Mutex<Vec<u8>>>) {
+    let listener = UnixListener::bind(sock).unwrap();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(s) = s else { return };
+            let (mem, seen) = (mem.clone(), seen.clone());
+            thread::spawn(move || serve_strict(s, mem, seen));
+        }
+    });
+}
+
+/// `fusex restart`'s successor: [`NbdBackend::adopt`] makes the backend from the export its
+/// predecessor negotiated without connecting (nothing even listens yet); the first request
+/// connects and is served. A server that now exports another size is not used: the request
+/// fails with EIO.
+#[test]
+fn an_adopted_export_connects_on_its_first_request_and_checks_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first.sock");
+    let mem = image(SIZE);
+    listen(&first, mem.clone());
+    let negotiated = *open_writable(&first).export();
+    let sock = dir.path().join("s.sock");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let opts = NbdOptions {
+        writable: true,
+        adopt: Some(negotiated),
+        ..NbdOptions::default()
+    };
+    let b = NbdBackend::open(&uri, opts).expect("adopted without a server");
+    assert_eq!(b.size(), SIZE as u64);
+    listen(&sock, mem);
+    let eng = Engine::new(&EngineConfig {
+        buffers: 1,
+        buffer_size: 8192,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let buf = eng.take_buffer().unwrap();
+    let (r, win) = eng
+        .block_on(b.read_at(&eng, buf.slice(0..4096), 8192))
+        .unwrap();
+    assert_eq!(r.unwrap(), 4096);
+    assert!(win
+        .as_slice()
+        .iter()
+        .enumerate()
+        .all(|(i, &x)| x == pattern(8192 + i)));
+    b.queue_ended();
+
+    let grown = nbd::Export {
+        size: negotiated.size * 2,
+        ..negotiated
+    };
+    let other = NbdBackend::adopt(&uri, opts, grown).unwrap();
+    let (r, _) = eng
+        .block_on(other.read_at(&eng, win.into_inner().slice(0..4096), 0))
+        .unwrap();
+    assert_eq!(r.unwrap_err().errno(), libc::EIO);
+    other.queue_ended();
+    // A writable adoption of a read-only export is refused at once, as at open.
+    let ro = nbd::Export {
+        flags: negotiated.flags | nbd::FLAG_READ_ONLY,
+        ..negotiated
+    };
+    assert!(NbdBackend::adopt(&uri, opts, ro).is_err());
+}

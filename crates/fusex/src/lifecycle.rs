@@ -305,8 +305,12 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
     let watcher = neg.watcher.as_ref().map(|w| w.dup()).transpose()?;
     let id = handover.identity;
+    let nbd = export
+        .image()
+        .and_then(|e| e.backend().inner().nbd_export())
+        .map(crate::restart::NbdExport::from);
     let state = crate::restart::State {
-        version: crate::restart::STATE_VERSION,
+        version: crate::restart::State::version_for(nbd.is_some()),
         argv: neg.argv.clone(),
         cwd: std::env::current_dir()?.to_string_lossy().into_owned(),
         init: neg.negotiated,
@@ -321,6 +325,7 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
         notify_socket,
         watcher: watcher.is_some(),
         image: args.image.clone(),
+        nbd,
     };
     Ok(Some(Handing {
         state,
@@ -576,6 +581,16 @@ pub fn open_export(
     args: &MountArgs,
     takeover: bool,
 ) -> Result<(Arc<Export<Served>>, crate::passthrough::Plan)> {
+    open_export_adopting(args, takeover, None)
+}
+
+/// [`open_export`]; with `nbd`, the NBD export a `fusex restart` predecessor negotiated, served
+/// without connecting now ([`backend::NbdBackend::adopt`]).
+pub fn open_export_adopting(
+    args: &MountArgs,
+    takeover: bool,
+    nbd: Option<nbd::Export>,
+) -> Result<(Arc<Export<Served>>, crate::passthrough::Plan)> {
     let io_path = match args.io_path {
         IoPathArg::Auto => None,
         IoPathArg::Ring => Some(IoPath::Ring),
@@ -607,6 +622,7 @@ pub fn open_export(
             fua: args.writethrough,
             timeout: Duration::from_secs_f64(args.nbd_timeout),
             reconnect_delay: Duration::from_secs_f64(args.reconnect_delay),
+            adopt: nbd,
         },
         partition: args.partition,
     };
@@ -1290,7 +1306,18 @@ impl Supervisor {
         {
             owner.not_serving();
         }
-        if self.stop.load(Ordering::Acquire) && self.quiet >= nq {
+        // A backend whose connections flush as they close (NBD) lets go only once every queue
+        // ended: its connections are closed then, so a server that takes one client at a time
+        // accepts the successor's.
+        let let_go = self.running == 0
+            || !p
+                .export
+                .image()
+                .is_some_and(|e| e.backend().capabilities().flushes_on_close);
+        if self.stop.load(Ordering::Acquire)
+            && self.quiet >= nq
+            && (let_go || self.successor.is_none())
+        {
             if let Some((to, pid)) = self.successor.take() {
                 // Named the main process before it is told it may serve: a service manager must
                 // hear that before the successor's own READY=1.

@@ -124,10 +124,20 @@ const MAX_MESSAGE: usize = 1 << 20;
 /// Descriptors a message may carry.
 const MAX_FDS: usize = 4;
 
-/// The version of [`State`] this binary writes. A successor reads any version up to its own (the
-/// unversioned state of earlier fusex releases is version 0, the same fields) and refuses a newer
-/// one in one line instead of misreading it.
-pub const STATE_VERSION: u32 = 1;
+/// The newest version of [`State`] (and [`ServeState`]) this binary reads and writes. A successor
+/// reads any version up to its own (the unversioned state of earlier fusex releases is version 0,
+/// the same fields) and refuses a newer one in one line instead of misreading it. A daemon writes
+/// the lowest version that says what its state needs ([`State::version_for`]), so a successor of
+/// an earlier release still takes over every export it can.
+pub const STATE_VERSION: u32 = 2;
+
+/// The version of a state that carries an NBD export ([`State::nbd`]): a successor before it
+/// would connect to the server before this daemon let go, which a server without multi-conn
+/// need not accept, so it must refuse; it does, the version being newer than its own.
+pub const NBD_STATE_VERSION: u32 = 2;
+
+/// The version of a state without an NBD export: what release 1 wrote and reads.
+const PLAIN_STATE_VERSION: u32 = 1;
 
 /// One message of the conversation. On the wire: a JSON object whose `op` names the variant, the
 /// variant's fields beside it (the format earlier releases spoke, so either side may be older).
@@ -183,6 +193,11 @@ pub struct ServeState {
     pub notify_socket: Option<String>,
     /// The block nodes added with `blockdev-add` (or `--blockdev`), in order: their arguments.
     pub nodes: Vec<serde_json::Value>,
+    /// The size of each NBD node's export, by URI: the successor adds those nodes again without
+    /// connecting (this daemon still holds the server's connections), and takes the size from
+    /// here. Empty (and absent on the wire) without NBD nodes.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub nbd_sizes: std::collections::BTreeMap<String, u64>,
 }
 
 /// One export of a `fusex serve` daemon.
@@ -235,9 +250,69 @@ pub struct State {
     pub watcher: bool,
     /// The image as given on the command line.
     pub image: String,
+    /// An NBD export as this daemon negotiated it: the successor serves it from this without
+    /// connecting first, and its queues connect once this daemon has disconnected
+    /// (`backend::NbdBackend::adopt`). Absent for other images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd: Option<NbdExport>,
+}
+
+/// An NBD export's negotiated parameters (`nbd::Export`) as the restart state carries them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NbdExport {
+    /// Size in bytes.
+    pub size: u64,
+    /// Transmission flags (read-only, multi-conn, flush, FUA, ...).
+    pub flags: u16,
+    /// Minimum, preferred and largest request size.
+    pub min_block: u32,
+    pub preferred_block: u32,
+    pub max_payload: u32,
+    /// Structured replies were negotiated.
+    pub structured: bool,
+    /// The `base:allocation` context id, if negotiated.
+    pub allocation_context: Option<u32>,
+}
+
+impl From<nbd::Export> for NbdExport {
+    fn from(e: nbd::Export) -> NbdExport {
+        NbdExport {
+            size: e.size,
+            flags: e.flags,
+            min_block: e.min_block,
+            preferred_block: e.preferred_block,
+            max_payload: e.max_payload,
+            structured: e.structured,
+            allocation_context: e.allocation_context,
+        }
+    }
+}
+
+impl From<NbdExport> for nbd::Export {
+    fn from(e: NbdExport) -> nbd::Export {
+        nbd::Export {
+            size: e.size,
+            flags: e.flags,
+            min_block: e.min_block,
+            preferred_block: e.preferred_block,
+            max_payload: e.max_payload,
+            structured: e.structured,
+            allocation_context: e.allocation_context,
+        }
+    }
 }
 
 impl State {
+    /// The version a state is written with: [`NBD_STATE_VERSION`] when it carries an NBD
+    /// export (a successor that cannot adopt one then refuses), else what release 1 wrote.
+    pub fn version_for(nbd: bool) -> u32 {
+        if nbd {
+            NBD_STATE_VERSION
+        } else {
+            PLAIN_STATE_VERSION
+        }
+    }
+
     /// The mount as [`transport::Mount::adopt`] takes it over.
     pub fn handover(&self) -> transport::Handover {
         transport::Handover {
@@ -397,7 +472,44 @@ mod tests {
             notify_socket: None,
             watcher: true,
             image: "a.img".into(),
+            nbd: None,
         }
+    }
+
+    /// An NBD export's parameters go across, and a state carrying them has a version a
+    /// successor of release 1 refuses; one without them is written as release 1 wrote it (no
+    /// `nbd` member), so such a successor still takes it.
+    #[test]
+    fn an_nbd_export_goes_across_and_only_to_a_successor_that_can_adopt_it() {
+        let plain = State {
+            version: State::version_for(false),
+            ..state()
+        };
+        let wire = serde_json::to_value(Message::State(plain)).unwrap();
+        assert_eq!(wire["version"], 1);
+        assert!(wire.get("nbd").is_none());
+        let e = nbd::Export {
+            size: 1 << 30,
+            flags: nbd::FLAG_READ_ONLY | nbd::FLAG_CAN_MULTI_CONN,
+            min_block: 512,
+            preferred_block: 4096,
+            max_payload: 1 << 25,
+            structured: true,
+            allocation_context: Some(7),
+        };
+        let with = State {
+            version: State::version_for(true),
+            nbd: Some(e.into()),
+            ..state()
+        };
+        assert!(with.version > PLAIN_STATE_VERSION);
+        let (a, b) = UnixStream::pair().unwrap();
+        send(&a, &Message::State(with.clone()), &[]).unwrap();
+        let (Message::State(got), _) = recv(&b).unwrap() else {
+            panic!("not a state");
+        };
+        assert_eq!(got, with);
+        assert_eq!(nbd::Export::from(got.nbd.unwrap()), e);
     }
 
     #[test]

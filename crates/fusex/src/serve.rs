@@ -556,7 +556,21 @@ impl Adoption {
         // (read-only, no locks: can it be opened at all?) and opened for real once the old
         // daemon has flushed it and let go.
         let reopen = args.writable && backend::has_metadata(&args.image, args.format.into());
-        let opened = if reopen {
+        // An NBD export is not connected to now: the old daemon may hold the only connection
+        // the server takes. What can be checked without the server is (the URI, the TLS
+        // files); the backend is made from the export the old daemon negotiated once it let go
+        // (its connections closed), and its queues connect on their first requests.
+        let nbd = nbd::uri::is_nbd_uri(&args.image);
+        if nbd && state.nbd.is_none() {
+            bail!(
+                "the daemon serving {shown} did not say what its NBD server negotiated (an \
+                 earlier fusex refuses to hand NBD exports over): stop and mount it again"
+            );
+        }
+        let opened = if nbd {
+            backend::NbdBackend::validate(&args.image)?;
+            None
+        } else if reopen {
             let mut trial = args.clone();
             (trial.writable, trial.growable, trial.max_size) = (false, false, None);
             (trial.no_locking, trial.force_share) = (true, false);
@@ -626,7 +640,8 @@ impl Adoption {
                 // Past the point of return: the old daemon no longer serves. Failing here ends
                 // the export as a failed start does (the --auto-unmount watcher then unmounts
                 // it).
-                let (export, pt) = lifecycle::open_export(&args, true)?;
+                let nbd = state.nbd.map(nbd::Export::from);
+                let (export, pt) = lifecycle::open_export_adopting(&args, true, nbd)?;
                 backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
                 export
             }

@@ -28,6 +28,14 @@
 //! `st_blocks` counts the bytes `base:allocation` does not call holes, walking the export with
 //! BLOCK_STATUS (many extents per reply), cached for [`ALLOC_TTL`] unless a write, zero or
 //! punched hole went through since.
+//!
+//! `fusex restart` hands an NBD export over without the successor connecting first (a server
+//! without multi-conn, such as qemu-nbd's default `--shared=1`, need not accept a second
+//! client): the old daemon's connections close as its queues end (each flushes and says
+//! `NBD_CMD_DISC`), and the successor is built with [`NbdBackend::adopt`] from the export the
+//! old daemon negotiated. Nothing is connected then; each queue connects on its first request
+//! through the reconnect path above, and a connection is used only if the server still exports
+//! the same size and minimum block size, and writable if the export is.
 
 mod conn;
 mod connect;
@@ -63,6 +71,10 @@ pub struct NbdOptions {
     pub timeout: Duration,
     /// Wait after a failed reconnect before the next attempt (doubling per failure).
     pub reconnect_delay: Duration,
+    /// `fusex restart`: the export as the predecessor daemon negotiated it. The backend is then
+    /// made without connecting ([`NbdBackend::adopt`]): the predecessor may still hold the only
+    /// connection the server accepts.
+    pub adopt: Option<Export>,
 }
 
 impl Default for NbdOptions {
@@ -72,6 +84,7 @@ impl Default for NbdOptions {
             fua: false,
             timeout: Duration::from_secs(30),
             reconnect_delay: Duration::from_secs(1),
+            adopt: None,
         }
     }
 }
@@ -102,6 +115,9 @@ pub struct NbdBackend {
     tls: Option<TlsClient>,
     /// The connection made at open, for the first queue that needs one.
     first: Mutex<Option<Connected>>,
+    /// Made by [`NbdBackend::adopt`]: each queue's first connection is logged (the previous
+    /// daemon let go of the server).
+    adopted: bool,
     created: (i64, u32),
     /// Region locks for read-modify-writes; only with a minimum block size above 1.
     rmw: Option<RegionLocks>,
@@ -177,11 +193,13 @@ thread_local! {
 }
 
 impl NbdBackend {
-    /// Connects to the server `spec` (an NBD URI) names and negotiates its export.
+    /// Connects to the server `spec` (an NBD URI) names and negotiates its export; with
+    /// `opts.adopt`, [`NbdBackend::adopt`] instead.
     pub fn open(spec: &str, opts: NbdOptions) -> std::result::Result<NbdBackend, OpenError> {
-        let uri = NbdUri::parse(spec).map_err(|e| OpenError::Nbd(e.to_string()))?;
-        let tls = tls::client(&uri)
-            .map_err(|e| OpenError::Nbd(format!("{}: {e}", connect::describe(&uri))))?;
+        if let Some(export) = opts.adopt {
+            return NbdBackend::adopt(spec, opts, export);
+        }
+        let (uri, tls) = Self::prepare(spec)?;
         // On a connector thread like a reconnect, so even a name lookup that hangs ends the
         // start-up by the deadline.
         let attempt = Attempt::start(&uri, tls.as_ref(), opts.timeout)
@@ -199,6 +217,47 @@ impl NbdBackend {
             }
         };
         let export = first.export;
+        Self::with(uri, tls, opts, export, Some(first))
+    }
+
+    /// The backend of an export a predecessor daemon served (`fusex restart`), from the export
+    /// it negotiated (`export`), without connecting: the predecessor's connections may still be
+    /// open, and a server without multi-conn need not accept another until they close. Each
+    /// queue connects on its first request (which waits for it) and checks the server still
+    /// exports the same (see [`NbdBackend::open`]'s reconnects); the URI and the TLS files are
+    /// checked here.
+    pub fn adopt(
+        spec: &str,
+        opts: NbdOptions,
+        export: Export,
+    ) -> std::result::Result<NbdBackend, OpenError> {
+        let (uri, tls) = Self::prepare(spec)?;
+        Self::with(uri, tls, opts, export, None)
+    }
+
+    /// Checks what opening `spec` needs before connecting (the URI, the TLS certificates and
+    /// keys, read now: they may not be readable once privileges are dropped), without
+    /// connecting: a `fusex restart` successor's check while its predecessor still serves.
+    pub fn validate(spec: &str) -> std::result::Result<(), OpenError> {
+        Self::prepare(spec).map(drop)
+    }
+
+    /// The URI and TLS settings of `spec`.
+    fn prepare(spec: &str) -> std::result::Result<(NbdUri, Option<TlsClient>), OpenError> {
+        let uri = NbdUri::parse(spec).map_err(|e| OpenError::Nbd(e.to_string()))?;
+        let tls = tls::client(&uri)
+            .map_err(|e| OpenError::Nbd(format!("{}: {e}", connect::describe(&uri))))?;
+        Ok((uri, tls))
+    }
+
+    /// The backend of `export` at `uri`, with the connection made at open if there is one.
+    fn with(
+        uri: NbdUri,
+        tls: Option<TlsClient>,
+        opts: NbdOptions,
+        export: Export,
+        first: Option<Connected>,
+    ) -> std::result::Result<NbdBackend, OpenError> {
         if opts.writable && export.has(nbd::FLAG_READ_ONLY) {
             return Err(OpenError::Nbd(format!(
                 "{}: the server exports it read-only: drop --writable",
@@ -213,7 +272,8 @@ impl NbdBackend {
             uri,
             opts,
             tls,
-            first: Mutex::new(Some(first)),
+            adopted: first.is_none(),
+            first: Mutex::new(first),
             created: (now.as_secs() as i64, now.subsec_nanos()),
             rmw: (export.min_block > 1).then(|| RegionLocks::new(export.min_block.ilog2())),
             alloc: AllocCache::default(),
@@ -388,6 +448,11 @@ impl NbdBackend {
                 if pt.retry_at.take().is_some() || pt.had_one {
                     tracing::info!("NBD: reconnected to {}", self.server());
                     self.reconnects.fetch_add(1, Ordering::Relaxed);
+                } else if self.adopted {
+                    tracing::info!(
+                        "NBD: connected to {}, as the previous daemon's successor",
+                        self.server()
+                    );
                 }
                 self.outage_ends();
                 *self.trouble.lock().unwrap_or_else(|p| p.into_inner()) = None;
@@ -847,9 +912,9 @@ impl BlockBackend for NbdBackend {
             remote: true,
             max_queues: (!self.multi_conn())
                 .then_some((1, "the NBD server does not advertise multi-conn")),
-            // The new process would connect while these connections are open, which a server
-            // without multi-conn may not accept, and would not see what they have not flushed.
-            no_handover: Some("its NBD connections are not handed over"),
+            // Handed over by closing: each queue's connection flushes and disconnects as the
+            // queue ends, before the successor (made with `adopt`) connects.
+            no_handover: None,
             flushes_on_close: true,
         }
     }
@@ -1003,5 +1068,9 @@ impl BlockBackend for NbdBackend {
                 .map(|i| all.swap_remove(i))
         });
         drop(gone);
+        // The connection made at open, if no queue ever needed it: closed with the queues, not
+        // when the process exits, so a `fusex restart` successor finds the server free.
+        let unused = self.first.lock().map(|mut f| f.take()).unwrap_or(None);
+        drop(unused);
     }
 }

@@ -98,11 +98,13 @@ impl Service {
 
     /// The daemon's state, then every export's with its descriptors, then the end.
     fn send_state(&self, stream: &std::os::unix::net::UnixStream, t: &Table) -> Result<(), String> {
-        use crate::restart::{send, ExportHanding, Message, ServeState, STATE_VERSION};
+        use crate::restart::{send, ExportHanding, Message, ServeState};
         let mut nodes: Vec<&Node> = t.nodes.values().filter(|n| n.args.is_some()).collect();
         nodes.sort_by_key(|n| n.order);
+        let nbd_sizes = t.nbd_sizes();
         let state = ServeState {
-            version: STATE_VERSION,
+            version: crate::restart::State::version_for(!nbd_sizes.is_empty()),
+            nbd_sizes,
             argv: std::env::args().collect(),
             cwd: std::env::current_dir()
                 .map(|p| p.to_string_lossy().into_owned())

@@ -126,6 +126,18 @@ impl Table {
         self.nodes.get(name).cloned()
     }
 
+    /// The size of each NBD node, by [`nbd_key`], for a `fusex restart` successor.
+    fn nbd_sizes(&self) -> BTreeMap<String, u64> {
+        let lookup = |name: &str| self.node(name);
+        self.nodes
+            .values()
+            .filter_map(|n| {
+                let (image, _) = n.image(&lookup)?;
+                nbd::uri::is_nbd_uri(&image).then(|| (nbd_key(&image, n.partition()), n.size))
+            })
+            .collect()
+    }
+
     /// The export using `node`, directly or through a format node over it.
     fn user_of(&self, node: &str) -> Option<String> {
         if let Some((id, _)) = self.exports.iter().find(|(_, e)| e.node == node) {
@@ -306,6 +318,26 @@ impl Service {
     }
 
     fn blockdev_add(&self, args: Value) -> Result<Value, QmpError> {
+        self.add_node(args, None)
+    }
+
+    /// `fusex restart`'s successor adding a node of the old daemon again: an NBD node whose size
+    /// `nbd_sizes` holds ([`nbd_key`]) is not connected to (the old daemon still holds the
+    /// server's connections, and a server without multi-conn need not take another); its URI
+    /// and TLS files are checked and the size is taken from there.
+    pub fn add_node_adopted(
+        &self,
+        args: Value,
+        nbd_sizes: &BTreeMap<String, u64>,
+    ) -> Result<Value, QmpError> {
+        self.add_node(args, Some(nbd_sizes))
+    }
+
+    fn add_node(
+        &self,
+        args: Value,
+        nbd_sizes: Option<&BTreeMap<String, u64>>,
+    ) -> Result<Value, QmpError> {
         let given = args.clone();
         let mut nodes = {
             let t = self.table();
@@ -332,7 +364,7 @@ impl Service {
             {
                 return Err(duplicate_node(&n.name));
             }
-            n.size = self.probe(&n, &checked)?;
+            n.size = self.probe(&n, &checked, nbd_sizes)?;
             checked.push(n);
         }
         let mut t = self.table();
@@ -350,7 +382,12 @@ impl Service {
 
     /// Opens a new node's image as an export of it would (read-only, without locks), to refuse
     /// one that cannot be opened now, as QEMU does, and to learn its size.
-    fn probe(&self, n: &Node, earlier: &[Node]) -> Result<u64, QmpError> {
+    fn probe(
+        &self,
+        n: &Node,
+        earlier: &[Node],
+        nbd_sizes: Option<&BTreeMap<String, u64>>,
+    ) -> Result<u64, QmpError> {
         let lookup = |name: &str| {
             earlier
                 .iter()
@@ -364,6 +401,10 @@ impl Service {
                 n.name
             )));
         };
+        if let Some(&size) = nbd_sizes.and_then(|m| m.get(&nbd_key(&image, n.partition()))) {
+            backend::NbdBackend::validate(&image).map_err(|e| QmpError::generic(e.to_string()))?;
+            return Ok(size);
+        }
         if let node::Driver::File { filename, .. } = &n.driver {
             // QEMU's text for a file that cannot be opened.
             if let Err(e) = std::fs::File::open(filename) {
@@ -1151,6 +1192,15 @@ fn existing_mountpoint(mountpoint: &str) -> Result<PathBuf, QmpError> {
 /// QEMU's error for an export id that is taken.
 fn id_in_use(id: &str) -> QmpError {
     QmpError::generic(format!("Block export id '{id}' is already in use"))
+}
+
+/// How [`ServeState::nbd_sizes`](crate::restart::ServeState) names an NBD node: its URI, and
+/// the partition of a partition node over it.
+fn nbd_key(image: &str, partition: Option<u32>) -> String {
+    match partition {
+        Some(p) => format!("{image} partition {p}"),
+        None => image.to_string(),
+    }
 }
 
 /// QEMU's error for a node name that is taken.

@@ -8,7 +8,6 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use qmp::Dispatcher;
 
 use super::daemon::{self, Running};
 use crate::daemon::Readiness;
@@ -76,7 +75,7 @@ fn take(
     }
     for n in state.nodes {
         base.service
-            .dispatch("blockdev-add", n.clone())
+            .add_node_adopted(n.clone(), &state.nbd_sizes)
             .map_err(|e| anyhow!("restart: adding node {n}: {}", e.desc))?;
     }
     let mut adoptions = Vec::with_capacity(exports.len());
