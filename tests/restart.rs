@@ -599,15 +599,32 @@ fn restarts_of_a_writable_vhdx_export_keep_its_table_whole() {
 
 #[test]
 fn fio_verify_runs_through_ten_restarts() {
-    /// fio's queue depth: at most this many of its requests are in flight at any time.
-    const IODEPTH: u64 = 16;
     if !require_fuse_and_tools(&["fio"]) {
         return;
     }
     let (w, img, mp, pid_file, _) = setup("restart-fio", 16 * MIB);
     let (mut m, _) = Mount::start_daemonized(&w, &img, &mp, &pid_file, &["--writable"])
         .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
-    let mut writes = WriteWatch::new(&img);
+    fio_verify_through_restarts(&w, &mut m, &img, &pid_file, 10);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+}
+
+/// fio writing 4k blocks with a crc32c each through the writable export `m` (whose writes land
+/// in `img`), verifying them as it goes, while the export is restarted `restarts` times (once,
+/// refused, over io_uring): fio reports no error and no verify failure.
+#[track_caller]
+fn fio_verify_through_restarts(
+    w: &WorkDir,
+    m: &mut Mount,
+    img: &Path,
+    pid_file: &Path,
+    restarts: usize,
+) {
+    /// fio's queue depth: at most this many of its requests are in flight at any time.
+    const IODEPTH: u64 = 16;
+    let mp = m.path().to_path_buf();
+    let mut writes = WriteWatch::new(img);
     let fio_log = w.join("fio.json");
     let mut filename = std::ffi::OsString::from("--filename=");
     filename.push(&mp);
@@ -644,7 +661,7 @@ fn fio_verify_runs_through_ten_restarts() {
             String::from_utf8_lossy(&fs::read(w.join("fio.stderr")).unwrap_or_default()),
         )
     };
-    let restarts = if uring() { 1 } else { 10 };
+    let restarts = if uring() { 1 } else { restarts };
     for _ in 0..restarts {
         let n = writes.seen();
         let flowing = writes.wait_for_more_than(n + IODEPTH, &mut fio, Instant::now() + PATIENCE);
@@ -657,14 +674,10 @@ fn fio_verify_runs_through_ten_restarts() {
             fio_output()
         );
         if uring() {
-            let r = run_fusex(
-                &w,
-                &[Path::new("restart").as_os_str(), mp.as_os_str()],
-                None,
-            );
+            let r = run_fusex(w, &[Path::new("restart").as_os_str(), mp.as_os_str()], None);
             r.assert_one_error_line("fusex restart of an io_uring export");
         } else {
-            restart_ok(&w, &mut m, &pid_file);
+            restart_ok(w, m, pid_file);
         }
     }
     let n = writes.seen();
@@ -699,57 +712,268 @@ fn fio_verify_runs_through_ten_restarts() {
         !stderr.contains("verify") && !stderr.to_lowercase().contains("error"),
         "fio complained:\n{stderr}"
     );
-    let st = m.stop();
-    assert!(st.exited && !st.left_mounted);
 }
 
+/// fio's verified writes through an NBD export of qemu-nbd (default sharing: one client) go on
+/// through three restarts without an error; what the export shows at the end is what the image
+/// holds once unmounted.
 #[test]
-fn an_nbd_export_refuses_restart_and_keeps_serving() {
-    if !require_fuse_and_tools(&["qemu-nbd"]) {
+fn fio_verify_runs_through_restarts_of_an_nbd_export() {
+    if !require_fuse_and_tools(&["fio", "qemu-nbd"]) {
         return;
     }
-    let (w, img, mp, pid_file, model) = setup("restart-nbd", 4 * MIB);
+    let (w, img, mp, pid_file, _) = setup("restart-nbd-fio", 16 * MIB);
     let sock = w.join("s.sock");
-    let mut server = ChildGuard(
-        std::process::Command::new("qemu-nbd")
-            .args(["-t", "-f", "raw", "-k"])
-            .arg(&sock)
-            .arg(&img)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start qemu-nbd"),
-    );
-    assert!(
-        wait_until(Instant::now() + PATIENCE, || {
-            std::os::unix::net::UnixStream::connect(&sock).is_ok() || server.try_wait().is_some()
-        }),
-        "qemu-nbd listens"
-    );
-    let uri = format!("nbd+unix:///?socket={}", sock.display());
-    let (m, _) = Mount::start_daemonized(&w, &uri, &mp, &pid_file, &[])
-        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
-    let old = m.pid();
-    let r = run_fusex(
-        &w,
-        &[Path::new("restart").as_os_str(), mp.as_os_str()],
-        None,
-    );
-    r.assert_one_error_line("fusex restart of an NBD export");
-    assert!(
-        pid_alive(old) && read_pid(&pid_file) == old,
-        "the old daemon serves on"
-    );
-    assert_bytes_eq(
-        &read_all(&mp),
-        &model,
-        0,
-        "export after the refused restart",
-    );
+    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    let (mut m, _) =
+        Mount::start_daemonized(&w, nbd_uri(&sock, ""), &mp, &pid_file, &["--writable"])
+            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    fio_verify_through_restarts(&w, &mut m, &img, &pid_file, 3);
+    let through = read_all(&mp);
     let st = m.stop();
     assert!(st.exited && !st.left_mounted);
     server.kill_and_wait();
+    assert_bytes_eq(&read_all(&img), &through, 0, "the image after the restarts");
+}
+
+/// Restarts of the NBD export at `mp` (mounted writable from `image`'s server with `pid_file`)
+/// under verified writers (`model`: the export's bytes now): each hands the server's only
+/// connection over (qemu-nbd's default `--shared=1` takes one client at a time), and no write or
+/// read fails. Returns what the export must hold. Over io_uring the restart is refused for that
+/// transport's reason and the daemon serves on.
+#[track_caller]
+fn nbd_restarts_under_writers(
+    w: &WorkDir,
+    m: &mut Mount,
+    pid_file: &Path,
+    model: Vec<u8>,
+    restarts: usize,
+) -> Vec<u8> {
+    let mp = m.path().to_path_buf();
+    let writers = Writers::start(&mp, model, 2);
+    writers.wait_for_progress(20);
+    if uring() {
+        let old = m.pid();
+        restart(w, &mp).assert_one_error_line("fusex restart of an io_uring NBD export");
+        assert_eq!(read_pid(pid_file), old, "the old daemon serves on");
+        writers.wait_for_progress(20);
+    } else {
+        for _ in 0..restarts {
+            restart_ok(w, m, pid_file);
+            writers.wait_for_progress(20);
+        }
+    }
+    let model = writers.finish();
+    assert_bytes_eq(&read_all(&mp), &model, 0, "the export after the restarts");
+    model
+}
+
+/// qemu-nbd with its default sharing: one client at a time, so the new daemon can connect only
+/// once the old one has let go of its connection. `-t`: it serves on when that client leaves.
+#[test]
+fn restarts_of_an_nbd_export_hand_the_servers_one_connection_over() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-nbd", 8 * MIB);
+    let sock = w.join("s.sock");
+    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    let (mut m, _) =
+        Mount::start_daemonized(&w, nbd_uri(&sock, ""), &mp, &pid_file, &["--writable"])
+            .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, model, 3);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
+    assert!(server.try_wait().is_none(), "qemu-nbd serves on");
+    server.kill_and_wait();
+    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
+}
+
+/// A server that turns a second client away at once (nbdkit's limit filter), where qemu-nbd
+/// would keep it waiting: the new daemon connects only after the old one disconnected, or its
+/// first requests would fail.
+#[test]
+fn restarts_of_an_nbd_export_of_a_server_that_refuses_a_second_client() {
+    if !require_fuse_and_tools(&["nbdkit"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-nbd-limit", 8 * MIB);
+    let sock = w.join("s.sock");
+    let image = format!("file={}", img.display());
+    let mut server = nbdkit(&sock, &["--filter=limit", "file", &image, "limit=1"]);
+    // The file plugin offers multi-conn; one queue, so one connection at a time.
+    let (mut m, _) = Mount::start_daemonized(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &pid_file,
+        &["--writable", "--queues", "1"],
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, model, 3);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
+    assert!(server.try_wait().is_none(), "nbdkit serves on");
+    server.kill_and_wait();
+    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
+}
+
+/// A partition of an NBD export: the new daemon reads the partition table on its first
+/// connection, made once the old daemon disconnected; nothing outside the partition changes.
+#[test]
+fn restarts_of_a_partition_of_an_nbd_export_keep_its_data() {
+    if !require_fuse_and_tools(&["qemu-nbd", "sfdisk"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, _) = setup("restart-nbd-part", 16 * MIB);
+    let mut c = std::process::Command::new("sfdisk");
+    c.arg("-q").arg(&img).stdin(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    {
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"label: dos\nstart=2048, size=8M, type=83\n")
+            .unwrap();
+    }
+    assert!(child.wait().unwrap().success());
+    let before = read_all(&img);
+    let part = MIB as usize..9 * MIB as usize;
+    let sock = w.join("s.sock");
+    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    let (mut m, _) = Mount::start_daemonized(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &pid_file,
+        &["--writable", "--partition", "1"],
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, before[part.clone()].to_vec(), 3);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
+    server.kill_and_wait();
+    let mut want = before;
+    want[part].copy_from_slice(&model);
+    assert_bytes_eq(&read_all(&img), &want, 0, "the image after the restarts");
+}
+
+/// The same over TLS on TCP (`nbds://`): a TLS session cannot move to another process, so the
+/// new daemon makes its own once the old one said goodbye.
+#[test]
+fn restarts_of_a_tls_nbd_export_make_a_new_session() {
+    if !require_fuse_and_tools(&["qemu-nbd", "openssl"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-nbds", 8 * MIB);
+    let pki = w.join("pki");
+    make_pki(&pki, "fusex-restart-ca");
+    let port = free_port();
+    let creds = format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
+        pki.display()
+    );
+    let mut server = nbd_server_tcp(
+        {
+            let mut c = std::process::Command::new("qemu-nbd");
+            c.args(["-t", "-f", "raw", "-b", "127.0.0.1", "-p"])
+                .arg(port.to_string())
+                .args(["--object", &creds, "--tls-creds", "tls0"])
+                .arg(&img);
+            c
+        },
+        port,
+    );
+    let uri = format!(
+        "nbds://localhost:{port}/?tls-certificates={}",
+        pki.display()
+    );
+    let (mut m, _) = Mount::start_daemonized(&w, &uri, &mp, &pid_file, &["--writable"])
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, model, 3);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
+    assert!(server.try_wait().is_none(), "qemu-nbd serves on");
+    server.kill_and_wait();
+    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
+}
+
+/// Stops the `fusex serve` daemon a pid file names when dropped (a restart's successor is no
+/// child of the test), then unmounts whatever is left under `dir`.
+struct ServeGuard(PathBuf, PathBuf);
+
+impl Drop for ServeGuard {
+    fn drop(&mut self) {
+        let pid = read_pid(&self.0);
+        if pid > 0 {
+            send_signal(pid, libc::SIGINT);
+            if !wait_until(Instant::now() + PATIENCE, || !pid_alive(pid)) {
+                send_signal(pid, libc::SIGKILL);
+            }
+        }
+        unmount_under(&self.1);
+    }
+}
+
+/// `fusex serve` hands an NBD export (a node of qemu-nbd with its default sharing) to the new
+/// daemon the same way, under verified writers; the successor adds the node again without
+/// connecting, and the node keeps its size.
+#[test]
+fn a_serve_daemon_hands_an_nbd_export_over() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-serve-nbd", 8 * MIB);
+    let sock = w.join("s.sock");
+    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    fs::write(&mp, b"").unwrap();
+    let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
+    let _guard = ServeGuard(pid_file.clone(), w.path().to_path_buf());
+    let old = serve.pid();
+    let mut q = serve.qmp();
+    q.ok(
+        "blockdev-add",
+        serde_json::json!({"driver": "nbd", "node-name": "n", "export": "",
+                           "server": {"type": "unix", "path": sock}}),
+    );
+    q.ok(
+        "block-export-add",
+        serde_json::json!({"type": "fuse", "id": "e", "node-name": "n", "mountpoint": mp,
+                           "writable": true, "__org.fusex_transport": "legacy"}),
+    );
+    let writers = Writers::start(&mp, model, 2);
+    writers.wait_for_progress(20);
+    drop(q);
+    let r = restart(&w, &mp);
+    assert_eq!(r.code, Some(0), "fusex restart failed: {}", r.stderr);
+    assert_eq!(serve.wait(), Some(0), "the old daemon exits once it let go");
+    let new = read_pid(&pid_file);
+    assert!(
+        new > 0 && new != old && pid_alive(new),
+        "the new daemon ({new}) serves"
+    );
+    writers.wait_for_progress(20);
+    let model = writers.finish();
+    assert_bytes_eq(&read_all(&mp), &model, 0, "the export after the restart");
+    let mut q = Qmp::connect(&serve.socket);
+    let nodes = q.ok("query-named-block-nodes", serde_json::json!({}));
+    let n = nodes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node-name"] == "n")
+        .unwrap_or_else(|| panic!("node n is gone: {nodes}"));
+    assert_eq!(n["image"]["virtual-size"], 8 * MIB, "{n}");
+    q.ok("quit", serde_json::json!({}));
+    assert!(
+        wait_until(Instant::now() + PATIENCE, || !pid_alive(new)),
+        "quit ends the new daemon"
+    );
+    assert!(server.try_wait().is_none(), "qemu-nbd serves on");
+    server.kill_and_wait();
+    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restart");
 }
 
 /// `fusex restart MP`; the one-line result.

@@ -33,7 +33,8 @@ mod nbd;
 mod serve;
 pub use fake_nbd::{fake_nbd_byte, FakeMode, FakeNbd, FAKE_NBD_SIZE};
 pub use nbd::{
-    free_port, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd, strict_blocksize_export,
+    free_port, make_pki, make_pki_for, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd,
+    strict_blocksize_export, tls_uri,
 };
 pub use serve::{unmount_under, Qmp, Serve};
 

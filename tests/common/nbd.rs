@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::{ChildGuard, Mount, WorkDir, TIMEOUT};
+use crate::{run_ok, ChildGuard, Mount, WorkDir, TIMEOUT};
 
 /// `nbd+unix:///EXPORT?socket=SOCK`.
 pub fn nbd_uri(sock: &Path, export: &str) -> String {
@@ -126,4 +126,102 @@ fn wait_until_listening(server: &mut ChildGuard, at: &str, mut accepts: impl FnM
         assert!(Instant::now() < deadline, "no NBD server on {at}");
         thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// A CA, a server certificate for `localhost` and 127.0.0.1 (with its key), and a client
+/// certificate (with its key), in `dir`, under the names nbdkit, qemu and libnbd use
+/// (`ca-cert.pem`, `server-cert.pem`, `server-key.pem`, `client-cert.pem`, `client-key.pem`).
+pub fn make_pki(dir: &Path, ca_name: &str) {
+    make_pki_for(dir, ca_name, "localhost");
+}
+
+/// [`make_pki`] with a server certificate for `server` only (a DNS name).
+pub fn make_pki_for(dir: &Path, ca_name: &str, server: &str) {
+    let san = if server == "localhost" {
+        "DNS:localhost,IP:127.0.0.1".to_string()
+    } else {
+        format!("DNS:{server}")
+    };
+    fs::create_dir_all(dir).unwrap();
+    fs::write(
+        dir.join("ext.cnf"),
+        format!(
+            "[srv]\nsubjectAltName={san}\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n\
+             [cli]\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
+             extendedKeyUsage=clientAuth\n"
+        ),
+    )
+    .unwrap();
+    let openssl = |args: &[&str]| {
+        run_ok(Command::new("openssl").current_dir(dir).args(args));
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let subj = format!("/CN={ca_name}");
+    let mut a = vec!["req", "-x509"];
+    a.extend(ec);
+    a.extend([
+        "-keyout",
+        "ca-key.pem",
+        "-out",
+        "ca-cert.pem",
+        "-days",
+        "2",
+        "-subj",
+        &subj,
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ]);
+    openssl(&a);
+    for (who, cn, ext) in [
+        ("server", "localhost", "srv"),
+        ("client", "fusex-client", "cli"),
+    ] {
+        let (key, csr, cert) = (
+            format!("{who}-key.pem"),
+            format!("{who}.csr"),
+            format!("{who}-cert.pem"),
+        );
+        let subj = format!("/CN={cn}");
+        let mut a = vec!["req"];
+        a.extend(ec);
+        a.extend(["-keyout", &key, "-out", &csr, "-subj", &subj]);
+        openssl(&a);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca-cert.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            &cert,
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-extensions",
+            ext,
+        ]);
+    }
+}
+
+/// `nbds+unix:///?socket=SOCK&tls-certificates=PKI`.
+pub fn tls_uri(sock: &Path, pki: &Path) -> String {
+    format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        sock.display(),
+        pki.display()
+    )
 }
