@@ -70,8 +70,9 @@ pub enum Command {
     ///
     /// A new daemon (this fusex binary, so also the way to upgrade) takes the live FUSE
     /// connection over while applications keep the file open. Returns once the new daemon
-    /// serves; on failure the old one keeps serving. Legacy /dev/fuse transport and image files
-    /// only (io_uring and NBD exports refuse).
+    /// serves; on failure the old one keeps serving. Legacy /dev/fuse transport only (io_uring
+    /// and directory exports refuse). An NBD export's old daemon disconnects before the new one
+    /// connects, so the server must outlive its client (qemu-nbd --persistent).
     Restart {
         /// The mounted file.
         mountpoint: PathBuf,
