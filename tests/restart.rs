@@ -22,14 +22,6 @@ fn uring() -> bool {
 /// How long a condition may take before the test gives up: a hang detector, not a bound.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-fn read_pid(pid_file: &Path) -> i32 {
-    fs::read_to_string(pid_file)
-        .unwrap_or_default()
-        .trim()
-        .parse()
-        .unwrap_or(0)
-}
-
 /// The FUSE connection's device number of the mount at `mp` (it must not change).
 fn conn_dev(mp: &Path) -> (u32, u32) {
     let m = fuse_mounts_at(mp);
@@ -900,23 +892,6 @@ fn restarts_of_a_tls_nbd_export_make_a_new_session() {
     assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
 }
 
-/// Stops the `fusex serve` daemon a pid file names when dropped (a restart's successor is no
-/// child of the test), then unmounts whatever is left under `dir`.
-struct ServeGuard(PathBuf, PathBuf);
-
-impl Drop for ServeGuard {
-    fn drop(&mut self) {
-        let pid = read_pid(&self.0);
-        if pid > 0 {
-            send_signal(pid, libc::SIGINT);
-            if !wait_until(Instant::now() + PATIENCE, || !pid_alive(pid)) {
-                send_signal(pid, libc::SIGKILL);
-            }
-        }
-        unmount_under(&self.1);
-    }
-}
-
 /// `fusex serve` hands an NBD export (a node of qemu-nbd with its default sharing) to the new
 /// daemon the same way, under verified writers; the successor adds the node again without
 /// connecting, and the node keeps its size.
@@ -930,7 +905,7 @@ fn a_serve_daemon_hands_an_nbd_export_over() {
     let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
     fs::write(&mp, b"").unwrap();
     let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
-    let _guard = ServeGuard(pid_file.clone(), w.path().to_path_buf());
+    let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
     let old = serve.pid();
     let mut q = serve.qmp();
     q.ok(

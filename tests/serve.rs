@@ -772,26 +772,6 @@ fn config_file_reload_and_ctl() {
     assert_eq!(table.lines().count(), 3, "b and c remain: {table}");
 }
 
-/// Kills the daemon whose pid a pid file names when dropped (a `fusex restart` successor is no
-/// child of the test), then unmounts what is left under `dir`.
-struct PidGuard(PathBuf, PathBuf);
-
-impl Drop for PidGuard {
-    fn drop(&mut self) {
-        if let Ok(pid) = fs::read_to_string(&self.0)
-            .unwrap_or_default()
-            .trim()
-            .parse::<i32>()
-        {
-            send_signal(pid, libc::SIGINT);
-            if !wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)) {
-                send_signal(pid, libc::SIGKILL);
-            }
-        }
-        unmount_under(&self.1);
-    }
-}
-
 /// `fusex restart` of any export of a `fusex serve` daemon hands every export to a new process:
 /// files held open across it keep working, the control socket, node names, config file and pid
 /// file carry on, and the qcow2 image stays consistent. With one export the kernel cannot hand
@@ -871,16 +851,7 @@ fn restart_hands_every_export_to_a_new_daemon() {
     }
     q.remove_null_export("u", "safe");
     drop(q);
-    let r = restart(&w.join("a.raw"));
-    assert_eq!(r.code, Some(0), "{}", r.stderr);
-    assert_eq!(serve.wait(), Some(0), "the old daemon exits once it let go");
-    let new: i32 = fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    assert_ne!(new, old);
-    assert!(pid_alive(new));
+    let new = serve.restart(&w, &w.join("a.raw"), &pid_file);
     // Everything still serves, through the same mounts.
     held.write_all_at(b"after!", 6).unwrap();
     held.sync_all().unwrap();
@@ -1898,7 +1869,6 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
     let pid_file = w.join("serve.pid");
     let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
     let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
-    let old = serve.pid();
     let mut q = serve.qmp();
     q.ok("blockdev-add", chain.clone());
     let e = q.err(
@@ -1921,17 +1891,7 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
     }
     f.sync_all().unwrap();
     drop(q);
-    let mut cmd = Command::new(fusex_bin());
-    cmd.arg("restart").arg(&mp);
-    let r = run_with_timeout(&w, cmd, None);
-    assert_eq!(r.code, Some(0), "{}", r.stderr);
-    assert_eq!(serve.wait(), Some(0), "the old daemon exits once it let go");
-    let new: i32 = fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    assert_ne!(new, old);
+    let new = serve.restart(&w, &mp, &pid_file);
     f.write_all_at(&[0x74; 4096], 0).unwrap();
     model[..4096].fill(0x74);
     f.sync_all().unwrap();

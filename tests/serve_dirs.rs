@@ -2,9 +2,10 @@
 //! (`block-export-add` of type `__org.fusex_dir`) beside an image export; files written through
 //! each land in its source (the oracle: the source's own bytes), removal (safe and hard)
 //! unmounts and leaves the source as it was, `query-block-exports`, `fusex ctl list`, `fusex
-//! list` and the statistics show them, image-only options are refused in one line, and `fusex
-//! restart` refuses a directory export (of `fusex mount` and of `fusex serve`) while it serves
-//! on. Run once per transport (`FUSEX_E2E_TRANSPORT=legacy|uring`).
+//! list` and the statistics show them, image-only options are refused in one line, `fusex
+//! restart` refuses a `fusex mount` directory export while it serves on, and hands a `fusex
+//! serve` daemon's directory export (node ids, open handles and all) to the new daemon. Run
+//! once per transport (`FUSEX_E2E_TRANSPORT=legacy|uring`).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -341,15 +342,13 @@ fn image_options_on_directories_are_refused() {
     assert!(!is_fuse_mounted(&m));
 }
 
-/// `fusex mount SRC_DIR` is listed live with its source; `fusex restart` of it, and of a
-/// `fusex serve` daemon holding a directory export, is refused in one line and the exports
-/// serve on.
+/// `fusex mount SRC_DIR` is listed live with its source; `fusex restart` of it is refused in
+/// one line and the export serves on.
 #[test]
 fn restart_refuses_directory_exports_and_list_shows_them_live() {
     if !require_fuse() {
         return;
     }
-    let t = transport();
     let w = WorkDir::new("serve-dirs-restart");
     let src = dir(&w.join("src"));
     let m = dir(&w.join("m"));
@@ -392,11 +391,34 @@ fn restart_refuses_directory_exports_and_list_shows_them_live() {
             .all(|r| r["mountpoint"] != m.to_str().unwrap()),
         "{all}"
     );
+}
 
-    // fusex serve hands over every export or none: a directory export among them refuses.
-    random_image(&w.join("a.img"), MIB, 1);
+/// `fusex restart` of a `fusex serve` daemon hands its directory export over with the rest:
+/// the node ids and open handles the kernel holds answer in the new daemon. A file held open
+/// is written and read across the restart, a directory held open is listed and a name looked
+/// up in it once the kernel's cached entries expired (a LOOKUP naming the held directory's node
+/// id), files are created and removed, every handle is released in the new daemon, and the
+/// source holds exactly what was written. Over the io_uring transport the restart is refused
+/// and the export serves on.
+#[test]
+fn a_serve_daemon_hands_its_directory_export_over() {
+    if !require_fuse() {
+        return;
+    }
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::os::unix::fs::FileExt;
+    let w = WorkDir::new("serve-dirs-handover");
+    let src = dir(&w.join("src"));
+    let m = dir(&w.join("m"));
+    dir(&src.join("d"));
+    let data = Rng::new(11).bytes(100_000);
+    fs::write(src.join("f"), &data).unwrap();
+    fs::write(src.join("d/g"), b"g before").unwrap();
+    random_image(&w.join("a.img"), MIB, 3);
     fs::write(w.join("a.raw"), b"").unwrap();
-    let serve = Serve::start(w.path(), &[]);
+    let pid_file = w.join("serve.pid");
+    let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
+    let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
     let mut q = serve.qmp();
     q.add_raw_export(
         "img",
@@ -404,20 +426,102 @@ fn restart_refuses_directory_exports_and_list_shows_them_live() {
         &w.join("a.raw"),
         json!({"__org.fusex_transport": "legacy"}),
     );
+    let t = transport();
     q.ok(
         "block-export-add",
         json!({"type": "__org.fusex_dir", "id": "d", "source": src, "mountpoint": m,
-               "__org.fusex_transport": t}),
+               "writable": true, "__org.fusex_transport": t}),
     );
-    let r = run_fusex(&w, &["restart".as_ref(), w.join("a.raw").as_os_str()], None);
-    r.assert_one_error_line("fusex restart of a daemon with a directory export");
-    assert!(r.stderr.contains("is a directory export"), "{}", r.stderr);
+    let uring = is_fuse_mounted(&m) && t != "legacy" && {
+        let list = run(Command::new(fusex_bin()).args(["list", "--json"]));
+        let list: Value = serde_json::from_slice(&list.stdout).unwrap();
+        row(&list, "mountpoint", m.to_str().unwrap())["transport"] == "io_uring"
+    };
+    // Held across the restart: a file open for writing, a directory open for listing.
+    let mut held = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("f"))
+        .unwrap();
+    held.write_all_at(b"before", 0).unwrap();
+    let held_dir = fs::File::open(m.join("d")).unwrap();
+    fs::write(m.join("d/new"), b"made before").unwrap();
+    if uring {
+        let r = run_fusex(&w, &["restart".as_ref(), m.as_os_str()], None);
+        r.assert_one_error_line("fusex restart of a daemon with an io_uring directory export");
+        assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
+        assert_bytes_eq(&read_all(&m.join("d/new")), b"made before", 0, "served on");
+        return;
+    }
+    drop(q);
+    let new = serve.restart(&w, &m, &pid_file);
+    // The held file: written and read through the handle the old daemon opened.
+    held.write_all_at(b"after!", 6).unwrap();
+    held.sync_all().unwrap();
+    let mut back = vec![0; 12];
+    held.read_exact_at(&mut back, 0).unwrap();
+    assert_eq!(&back, b"beforeafter!");
+    held.seek(SeekFrom::Start(100_000)).unwrap();
+    held.write_all(b"appended").unwrap();
+    // The held directory: its node id is the old daemon's; a LOOKUP in it once the kernel's
+    // entries expired (--cache auto: 1 s) reaches the new daemon with that id.
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let listed: std::collections::BTreeSet<String> = fs::read_dir(m.join("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(listed, ["g", "new"].map(String::from).into());
+    let fd = {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a NUL-terminated name and a live directory descriptor.
+        unsafe { libc::openat(held_dir.as_raw_fd(), c"g".as_ptr(), libc::O_RDONLY) }
+    };
+    assert!(
+        fd >= 0,
+        "openat in the held directory: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: openat just returned this descriptor; nothing else owns it.
+    let mut g = unsafe { <fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut text = String::new();
+    g.read_to_string(&mut text).unwrap();
+    assert_eq!(text, "g before");
+    fs::write(m.join("d/after"), b"made after").unwrap();
+    fs::remove_file(m.join("d/new")).unwrap();
+    // Every handle the old daemon opened is released in the new one.
+    drop((held, held_dir, g));
+    let ids = Qmp::connect(&serve.socket).ok("query-block-exports", json!({}));
+    assert_eq!(ids.as_array().unwrap().len(), 2, "{ids}");
+    let list = run(Command::new(fusex_bin()).args(["list", "--json"]));
+    let list: Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(
+        row(&list, "mountpoint", m.to_str().unwrap())["pid"],
+        new,
+        "{list}"
+    );
+    assert!(
+        wait_until(std::time::Instant::now() + TIMEOUT, || {
+            let stats = Qmp::connect(&serve.socket).ok("query-block-exports", json!({}));
+            stats.as_array().is_some_and(|a| !a.is_empty())
+        }),
+        "the new daemon answers"
+    );
+    let mut want = data.clone();
+    want[..12].copy_from_slice(b"beforeafter!");
+    want.extend_from_slice(b"appended");
     assert_bytes_eq(
-        &read_all(&m.join("f")),
-        &data,
+        &fs::read(src.join("f")).unwrap(),
+        &want,
         0,
-        "served on by fusex serve",
+        "the source file",
     );
-    let exports = q.ok("query-block-exports", json!({}));
-    assert_eq!(exports.as_array().unwrap().len(), 2, "{exports}");
+    assert_eq!(fs::read(src.join("d/after")).unwrap(), b"made after");
+    assert!(!src.join("d/new").exists());
+    let mut q = Qmp::connect(&serve.socket);
+    q.ok("quit", json!({}));
+    assert!(
+        wait_until(std::time::Instant::now() + TIMEOUT * 3, || !pid_alive(new)),
+        "quit ends the new daemon"
+    );
+    assert!(!is_fuse_mounted(&m));
 }

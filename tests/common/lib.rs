@@ -36,7 +36,7 @@ pub use nbd::{
     free_port, make_pki, make_pki_for, nbd_server, nbd_server_tcp, nbd_uri, nbdkit, qemu_nbd,
     strict_blocksize_export, tls_uri,
 };
-pub use serve::{unmount_under, Qmp, Serve};
+pub use serve::{read_pid, unmount_under, PidGuard, Qmp, Serve};
 
 pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{fuse_mounts_at, fusex_bin, mountinfo, send_signal, wait_timeout, TIMEOUT};
+use crate::{
+    fuse_mounts_at, fusex_bin, mountinfo, pid_alive, run_fusex, send_signal, wait_timeout,
+    wait_until, WorkDir, TIMEOUT,
+};
 
 /// A running `fusex serve`, its control socket at `socket`.
 pub struct Serve {
@@ -82,6 +85,50 @@ impl Serve {
             panic!("fusex serve did not exit: {}", self.log_text());
         }
         st.and_then(|s| s.code())
+    }
+}
+
+/// The pid a pid file names (0 when it names none).
+pub fn read_pid(pid_file: &Path) -> i32 {
+    std::fs::read_to_string(pid_file)
+        .unwrap_or_default()
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+/// Stops the daemon its pid file (the first path) names when dropped, then unmounts whatever
+/// is left under the second: a `fusex restart` successor is no child of the test, so no
+/// [`Serve`] guard stops it.
+pub struct PidGuard(pub PathBuf, pub PathBuf);
+
+impl Drop for PidGuard {
+    fn drop(&mut self) {
+        let pid = read_pid(&self.0);
+        if pid > 0 {
+            send_signal(pid, libc::SIGINT);
+            if !wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)) {
+                send_signal(pid, libc::SIGKILL);
+            }
+        }
+        unmount_under(&self.1);
+    }
+}
+
+impl Serve {
+    /// `fusex restart` through the export at `mp`, which must succeed: this daemon exits 0
+    /// once it let go, and the successor, alive, names itself in `pid_file`. Its pid.
+    pub fn restart(&mut self, w: &WorkDir, mp: &Path, pid_file: &Path) -> i32 {
+        let old = self.pid();
+        let r = run_fusex(w, &["restart".as_ref(), mp.as_os_str()], None);
+        assert_eq!(r.code, Some(0), "fusex restart failed: {}", r.stderr);
+        assert_eq!(self.wait(), Some(0), "the old daemon exits once it let go");
+        let new = read_pid(pid_file);
+        assert!(
+            new > 0 && new != old && pid_alive(new),
+            "the successor ({new}, was {old}) names itself in the pid file"
+        );
+        new
     }
 }
 

@@ -83,12 +83,12 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     Ok(())
 }
 
-/// Why `fusex restart` refuses a directory export (in one line).
+/// Why `fusex restart` refuses a `fusex mount` directory export (in one line).
 pub fn handover_refusal(mountpoint: &std::path::Path) -> String {
     format!(
-        "{} is a directory export, which cannot be handed to a new process: the node ids the \
-         kernel holds name descriptors only this daemon has (docs/dirfs.md): stop and mount it \
-         again",
+        "{} is a directory export of fusex mount, which does not hand it to a new process (its \
+         node ids name descriptors only this daemon has; fusex serve hands its directory \
+         exports over, docs/dirfs.md): stop and mount it again",
         mountpoint.display()
     )
 }
@@ -538,27 +538,8 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
         // SAFETY: umask cannot fail.
         unsafe { libc::umask(0) };
     }
-    raise_nofile_limit();
-    let fds = nofile_limit();
+    let cfg = config(args);
     let cache = args.cache.unwrap_or(CacheArg::Auto);
-    let valid = match cache {
-        CacheArg::Never => Duration::ZERO,
-        CacheArg::Auto => Duration::from_secs(1),
-        CacheArg::Always => Duration::from_secs(86_400),
-    };
-    let cfg = DirConfig {
-        writable: args.writable,
-        entry_valid: valid,
-        attr_valid: valid,
-        keep_cache: args.kernel_cache || cache == CacheArg::Always,
-        direct_io: cache == CacheArg::Never,
-        // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes;
-        // nodes beyond them are held by file handle where the source allows.
-        max_open: (fds / 4).max(16),
-        max_node_fds: fds.saturating_sub(fds / 4 + 256).max(64),
-        read_ahead: !args.no_read_ahead,
-        ..DirConfig::default()
-    };
     let fs = Arc::new(
         DirFs::open(std::path::Path::new(&args.image), cfg).map_err(|e| anyhow::anyhow!("{e}"))?,
     );
@@ -701,6 +682,55 @@ fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepare
     };
     let max_write = neg.max_write as usize;
     Ok((fs, mnt, plan, uring, queues, max_write, neg, watcher))
+}
+
+/// The export's configuration from its options and the descriptors this process may open
+/// (raised to the hard limit first).
+fn config(args: &MountArgs) -> DirConfig {
+    raise_nofile_limit();
+    let fds = nofile_limit();
+    let cache = args.cache.unwrap_or(CacheArg::Auto);
+    let valid = match cache {
+        CacheArg::Never => Duration::ZERO,
+        CacheArg::Auto => Duration::from_secs(1),
+        CacheArg::Always => Duration::from_secs(86_400),
+    };
+    DirConfig {
+        writable: args.writable,
+        entry_valid: valid,
+        attr_valid: valid,
+        keep_cache: args.kernel_cache || cache == CacheArg::Always,
+        direct_io: cache == CacheArg::Never,
+        // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes;
+        // nodes beyond them are held by file handle where the source allows.
+        max_open: (fds / 4).max(16),
+        max_node_fds: fds.saturating_sub(fds / 4 + 256).max(64),
+        read_ahead: !args.no_read_ahead,
+        ..DirConfig::default()
+    }
+}
+
+/// `fusex restart` of a `fusex serve` daemon, in the successor: the directory export its
+/// predecessor handed over (`table` and its descriptors `fds`, see [`DirFs::handover`]), on the
+/// connection `conn` whose INIT settled `negotiated`, served by `queues` legacy queues of
+/// `plan`. Nothing is mounted or negotiated again; passthrough backing ids registered by the
+/// predecessor belong to the connection and stay valid.
+pub fn take_over(
+    args: &MountArgs,
+    negotiated: &transport::Negotiated,
+    conn: std::os::fd::BorrowedFd<'_>,
+    table: dirfs::DirHandover,
+    fds: Vec<std::os::fd::OwnedFd>,
+) -> Result<Arc<DirFs>> {
+    check_args(args)?;
+    let fs = DirFs::take_over(std::path::Path::new(&args.image), config(args), table, fds)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if negotiated.has(FUSE_PASSTHROUGH) {
+        use std::os::fd::AsRawFd;
+        fs.set_passthrough(transport::clone_fd(conn.as_raw_fd())?);
+    }
+    fs.set_granted(negotiated.flags);
+    Ok(Arc::new(fs))
 }
 
 /// `FUSE_WRITEBACK_CACHE` when a directory export may use it: writable (a read-only export has

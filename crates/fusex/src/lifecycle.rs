@@ -118,7 +118,16 @@ pub enum ReleaseTo {
     Stream(std::os::unix::net::UnixStream),
     /// `fusex serve`: the daemon, which gets the count here, tells the successor once every
     /// export let go, and answers with an [`Event::Taken`].
-    Channel(mpsc::SyncSender<u64>),
+    Channel(mpsc::SyncSender<Released>),
+}
+
+/// What an export of `fusex serve` that let go tells the daemon ([`ReleaseTo::Channel`]).
+pub struct Released {
+    /// Files open on it.
+    pub open_files: u64,
+    /// A directory export: its tables, which the daemon sends the successor (they hold still:
+    /// the queues let go).
+    pub dir: Option<Arc<dirfs::DirFs>>,
 }
 
 impl From<QueueEvent> for Event {
@@ -282,9 +291,10 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
     let Some(handover) = mnt.handover() else {
         return Ok(None);
     };
-    let refusal = if let Fs::Dir(_) = export {
-        Some(crate::dirmode::handover_refusal(&handover.mountpoint))
-    } else if neg.uring() {
+    // A directory export's tables follow the release (`service::dirtable`): only `fusex serve`
+    // supervises one here (`fusex mount SRC_DIR` refuses restarts, see `dirmode`).
+    let directory = matches!(export, Fs::Dir(_));
+    let refusal = if neg.uring() {
         Some(format!(
             "{} is served over the io_uring transport, whose requests cannot be handed to a new \
              process without failing some (docs/design.md, Restart): stop and mount it again, or \
@@ -310,7 +320,7 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
         .and_then(|e| e.backend().inner().nbd_export())
         .map(crate::restart::NbdExport::from);
     let state = crate::restart::State {
-        version: crate::restart::State::version_for(nbd.is_some()),
+        version: crate::restart::State::version_for(nbd.is_some() || directory),
         argv: neg.argv.clone(),
         cwd: std::env::current_dir()?.to_string_lossy().into_owned(),
         init: neg.negotiated,
@@ -326,6 +336,7 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
         watcher: watcher.is_some(),
         image: args.image.clone(),
         nbd,
+        directory,
     };
     Ok(Some(Handing {
         state,
@@ -1410,7 +1421,13 @@ impl Supervisor {
                 &crate::restart::Message::Released { open_files },
                 &[],
             ),
-            ReleaseTo::Channel(tx) => match tx.send(open_files) {
+            ReleaseTo::Channel(tx) => match tx.send(Released {
+                open_files,
+                dir: match &p.export {
+                    Fs::Dir(d) => Some(d.clone()),
+                    Fs::Image(_) => None,
+                },
+            }) {
                 Ok(()) => {
                     self.answer = Some(pid);
                     return;

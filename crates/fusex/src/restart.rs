@@ -18,6 +18,10 @@
 //! 4. new → old: `{"op":"release"}`. The old daemon takes no new requests, answers the ones it
 //!    has, flushes a writable image, and answers `{"op":"released"}`; then it exits without
 //!    unmounting. Requests arriving meanwhile wait in the kernel for the new process.
+//!
+//! A `fusex serve` daemon sends `serve`, then one `export` per export, then `serveend`; after
+//! `release` each directory export's tables (`dirtable`, `dirnodes`, `dirfiles`, `dirend`, with
+//! their descriptors: `service::dirtable`), then `servereleased`, and waits for `taken`.
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -121,8 +125,9 @@ pub fn peer(sock: &UnixStream) -> io::Result<(u32, u32)> {
 
 /// Largest message accepted (the state is a few hundred bytes).
 const MAX_MESSAGE: usize = 1 << 20;
-/// Descriptors a message may carry.
-const MAX_FDS: usize = 4;
+/// Descriptors a message may carry: a directory export's tables travel with theirs, this many
+/// a message (`SCM_MAX_FD` is 253).
+pub const MAX_FDS: usize = 250;
 
 /// The newest version of [`State`] (and [`ServeState`]) this binary reads and writes. A successor
 /// reads any version up to its own (the unversioned state of earlier fusex releases is version 0,
@@ -131,9 +136,10 @@ const MAX_FDS: usize = 4;
 /// an earlier release still takes over every export it can.
 pub const STATE_VERSION: u32 = 2;
 
-/// The version of a state that carries an NBD export ([`State::nbd`]): a successor before it
-/// would connect to the server before this daemon let go, which a server without multi-conn
-/// need not accept, so it must refuse; it does, the version being newer than its own.
+/// The version of a state that carries an NBD export ([`State::nbd`]) or a directory export
+/// ([`State::directory`]): a successor before it would connect to the server before this
+/// daemon let go, which a server without multi-conn need not accept, or open the directory as
+/// an image, so it must refuse; it does, the version being newer than its own.
 pub const NBD_STATE_VERSION: u32 = 2;
 
 /// The version of a state without an NBD export: what release 1 wrote and reads.
@@ -177,6 +183,23 @@ pub enum Message {
     /// new → old, after `servereleased`: every export is adopted and served here; the old
     /// daemon may leave the mounts (without it, it unmounts them: the successor is gone).
     Taken,
+    /// old → new, after `release` and before `servereleased`, for each directory export of a
+    /// `fusex serve` daemon: its tables without their nodes and handles, which follow in
+    /// `dirnodes` and `dirfiles` messages, each with the descriptors of its entries, then
+    /// `dirend` (see `service::dirtable`).
+    DirTable {
+        /// The export's id.
+        id: String,
+        table: dirfs::DirHandover,
+    },
+    /// old → new: some of a directory export's nodes.
+    DirNodes {
+        nodes: Vec<dirfs::inodes::NodeEntry>,
+    },
+    /// old → new: some of a directory export's open handles.
+    DirFiles { files: Vec<dirfs::files::FileEntry> },
+    /// old → new: the directory export's tables are whole.
+    DirEnd,
 }
 
 /// What a successor of a `fusex serve` daemon needs besides its exports.
@@ -255,6 +278,10 @@ pub struct State {
     /// (`backend::NbdBackend::adopt`). Absent for other images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd: Option<NbdExport>,
+    /// A directory export (`fusex serve`): its tables follow the release (`dirtable`), and the
+    /// successor takes them over instead of opening an image.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub directory: bool,
 }
 
 /// An NBD export's negotiated parameters (`nbd::Export`) as the restart state carries them.
@@ -304,9 +331,10 @@ impl From<NbdExport> for nbd::Export {
 
 impl State {
     /// The version a state is written with: [`NBD_STATE_VERSION`] when it carries an NBD
-    /// export (a successor that cannot adopt one then refuses), else what release 1 wrote.
-    pub fn version_for(nbd: bool) -> u32 {
-        if nbd {
+    /// export or is a directory export's (a successor that cannot adopt one then refuses),
+    /// else what release 1 wrote.
+    pub fn version_for(newer: bool) -> u32 {
+        if newer {
             NBD_STATE_VERSION
         } else {
             PLAIN_STATE_VERSION
@@ -320,6 +348,7 @@ impl State {
             identity: MountIdentity::from_parts(self.mount_id, self.unique, self.dev),
             created: self.created,
             via_fusermount: self.via_fusermount,
+            directory: self.directory,
         }
     }
 }
@@ -473,6 +502,7 @@ mod tests {
             watcher: true,
             image: "a.img".into(),
             nbd: None,
+            directory: false,
         }
     }
 

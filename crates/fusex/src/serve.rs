@@ -500,7 +500,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         (other, _) => return Err(unexpected(&other, "released")),
     };
     Ok(TakenOver::Mount(
-        Box::new(adoption.complete(open_files)?),
+        Box::new(adoption.complete(open_files, None)?),
         notifier,
     ))
 }
@@ -551,6 +551,18 @@ impl Adoption {
             bail!("the daemon's command line is not fusex mount");
         };
         let args = *args;
+        if state.directory != crate::dirmode::is_directory(&args.image) {
+            bail!(
+                "{} is {} now, and was {} when the daemon serving {shown} started",
+                args.image,
+                if state.directory {
+                    "no directory"
+                } else {
+                    "a directory"
+                },
+                if state.directory { "one" } else { "an image" }
+            );
+        }
         // A writable formatted image's tables (qcow2, VHD, ...) change while the old daemon
         // serves it: opened now, this process would cache stale ones. So it is only tried now
         // (read-only, no locks: can it be opened at all?) and opened for real once the old
@@ -567,7 +579,11 @@ impl Adoption {
                  earlier fusex refuses to hand NBD exports over): stop and mount it again"
             );
         }
-        let opened = if nbd {
+        let opened = if state.directory {
+            // Its tables come once the old daemon let go (`service::dirtable`).
+            crate::dirmode::check_args(&args)?;
+            None
+        } else if nbd {
             backend::NbdBackend::validate(&args.image)?;
             None
         } else if reopen {
@@ -616,9 +632,13 @@ impl Adoption {
         })
     }
 
-    /// The old daemon let go with `open_files` files open on the export: the export, ready to
-    /// be supervised.
-    pub fn complete(self, open_files: u64) -> Result<Prepared> {
+    /// The old daemon let go with `open_files` files open on the export (and, for a directory
+    /// export, handed its tables over: `dir`): the export, ready to be supervised.
+    pub fn complete(
+        self,
+        open_files: u64,
+        dir: Option<(dirfs::DirHandover, Vec<std::os::fd::OwnedFd>)>,
+    ) -> Result<Prepared> {
         let Adoption {
             args,
             state,
@@ -630,6 +650,31 @@ impl Adoption {
             queues,
         } = self;
         let negotiated = state.init;
+        if state.directory {
+            let Some((table, fds)) = dir else {
+                bail!(
+                    "the old daemon let go of directory export {} without its tables",
+                    args.image
+                );
+            };
+            let fs = crate::dirmode::take_over(&args, &negotiated, conn.as_fd(), table, fds)?;
+            let mnt = Mount::adopt(state.handover(), conn);
+            tracing::info!(
+                "restart: took over directory {} at {} ({} nodes, {} open, {queues} legacy queues)",
+                args.image,
+                mnt.mountpoint().display(),
+                fs.nodes(),
+                fs.open_files()
+            );
+            let settled = Settled::adopted(negotiated, state.argv, plan, queues, None, watcher);
+            return Ok(Prepared {
+                args,
+                export: lifecycle::Fs::Dir(fs),
+                mnt,
+                settled,
+                stats: Default::default(),
+            });
+        }
         let export = match opened {
             // The old daemon may have grown the image since it was opened here.
             Some(export) => {

@@ -45,6 +45,8 @@ pub struct Handover {
     pub created: Option<(u32, u32, u64)>,
     /// Whether `fusermount3` made the mount (and so unmounts it).
     pub via_fusermount: bool,
+    /// The root is a directory (a directory export).
+    pub directory: bool,
 }
 
 /// How a mount was made, which decides how it is taken down.
@@ -317,6 +319,7 @@ impl Mount {
             identity: self.identity?,
             created: self.created,
             via_fusermount: self.via_fusermount(),
+            directory: self.directory,
         })
     }
 
@@ -334,8 +337,7 @@ impl Mount {
             } else {
                 Via::Kernel
             },
-            // Only image exports are handed over.
-            directory: false,
+            directory: h.directory,
         }
     }
 

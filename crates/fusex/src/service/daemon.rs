@@ -264,14 +264,21 @@ impl Running {
                     if let Some(p) = &pid_file {
                         p.stop_serving();
                     }
-                    let (open_files, releasing) = service.release_all(pid);
-                    let released = crate::restart::Message::ServeReleased { open_files };
+                    let let_go = service.release_all(pid);
+                    let releasing = let_go.releasing;
+                    let released = crate::restart::Message::ServeReleased {
+                        open_files: let_go.open_files,
+                    };
                     // Named the main process before the successor may serve: a service manager
                     // must hear that before the successor's own READY=1.
                     notifier.main_pid(pid);
                     // The successor says it serves them; until then nothing is left behind:
                     // without its word (it died), they end as a stop would, unmounted.
-                    let taken = crate::restart::send(&stream, &released, &[])
+                    let taken = let_go
+                        .dirs
+                        .iter()
+                        .try_for_each(|(id, fs)| super::dirtable::send_dir(&stream, id, fs))
+                        .and_then(|()| crate::restart::send(&stream, &released, &[]))
                         .map_err(|e| e.to_string())
                         .and_then(|()| match crate::restart::recv(&stream) {
                             Ok((crate::restart::Message::Taken, _)) => Ok(()),

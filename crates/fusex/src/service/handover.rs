@@ -13,6 +13,16 @@ use super::supervisor::ExportTx;
 use super::{own_node, Control, Entry, Node, Service, Table};
 use crate::lifecycle::{self, Event};
 
+/// What every export letting go for a successor left ([`Service::release_all`]).
+pub struct LetGo {
+    /// Files open on each export, by id.
+    pub open_files: BTreeMap<String, u64>,
+    /// The directory exports, by id: their tables go to the successor before `servereleased`.
+    pub dirs: Vec<(String, std::sync::Arc<dirfs::DirFs>)>,
+    /// The exports, waiting to hear whether the successor took them.
+    pub releasing: Releasing,
+}
+
 /// The exports that let go for a successor, waiting to hear whether it took them.
 pub struct Releasing(Vec<ExportTx>);
 
@@ -138,10 +148,16 @@ impl Service {
     }
 
     /// Lets go of every export for the successor `pid`: each answers what its queues took and
-    /// flushes. Returns the files open on each, by id, and [`Releasing`], which says to every
-    /// export whether the successor took them (they leave their mounts) or not (unmounted).
-    pub fn release_all(&self, pid: u32) -> (BTreeMap<String, u64>, Releasing) {
-        type Asked = (String, ExportTx, mpsc::Receiver<u64>, mpsc::Receiver<bool>);
+    /// flushes. Returns the files open on each, by id, the directory exports (whose tables go
+    /// to the successor), and [`Releasing`], which says to every export whether the successor
+    /// took them (they leave their mounts) or not (unmounted).
+    pub fn release_all(&self, pid: u32) -> LetGo {
+        type Asked = (
+            String,
+            ExportTx,
+            mpsc::Receiver<lifecycle::Released>,
+            mpsc::Receiver<bool>,
+        );
         let asked: Vec<Asked> = {
             let t = self.table();
             t.exports
@@ -161,6 +177,7 @@ impl Service {
                 .collect()
         };
         let mut open = BTreeMap::new();
+        let mut dirs = Vec::new();
         let mut taken = Vec::new();
         for (id, tx, orx, arx) in asked {
             let _in = crate::logging::export_span(&id).entered();
@@ -169,14 +186,21 @@ impl Service {
                 continue;
             }
             match orx.recv() {
-                Ok(n) => {
-                    open.insert(id, n);
+                Ok(r) => {
+                    if let Some(d) = r.dir {
+                        dirs.push((id.clone(), d));
+                    }
+                    open.insert(id, r.open_files);
                     taken.push(tx);
                 }
                 Err(_) => tracing::error!("restart: the export ended before it let go"),
             }
         }
-        (open, Releasing(taken))
+        LetGo {
+            open_files: open,
+            dirs,
+            releasing: Releasing(taken),
+        }
     }
 
     /// The successor's side: an export taken over from the old daemon, served as if added.

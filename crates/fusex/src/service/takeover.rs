@@ -99,11 +99,19 @@ fn take(
     }
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
-    let open_files: BTreeMap<String, u64> =
+    // The directory exports' tables, then the files open on every export.
+    let mut dirs = BTreeMap::new();
+    let open_files: BTreeMap<String, u64> = loop {
         match recv(&sock).context("the old daemon went away before letting go")? {
-            (Message::ServeReleased { open_files }, _) => open_files,
+            (Message::DirTable { id, table }, _) => {
+                let whole = super::dirtable::recv_dir(&sock, table)
+                    .with_context(|| format!("the tables of directory export {id}"))?;
+                dirs.insert(id, whole);
+            }
+            (Message::ServeReleased { open_files }, _) => break open_files,
             (other, _) => return Err(unexpected(&other, "released")),
-        };
+        }
+    };
     // Past the point of return: an export that fails now ends as a failed start does.
     for (e, a) in adoptions {
         let _in = crate::logging::export_span(&e.id).entered();
@@ -112,7 +120,7 @@ fn take(
             continue;
         };
         let adopted = a
-            .complete(open)
+            .complete(open, dirs.remove(&e.id))
             .map_err(|err| format!("{err:#}"))
             .and_then(|p| {
                 let node = e
