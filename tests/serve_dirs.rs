@@ -414,6 +414,12 @@ fn a_serve_daemon_hands_its_directory_export_over() {
     let data = Rng::new(11).bytes(100_000);
     fs::write(src.join("f"), &data).unwrap();
     fs::write(src.join("d/g"), b"g before").unwrap();
+    // Enough nodes that their tables go in several messages (1000 entries, 250 descriptors
+    // each).
+    let many = dir(&src.join("many"));
+    for i in 0..1500 {
+        fs::write(many.join(format!("{i}")), i.to_string()).unwrap();
+    }
     random_image(&w.join("a.img"), MIB, 3);
     fs::write(w.join("a.raw"), b"").unwrap();
     let pid_file = w.join("serve.pid");
@@ -446,6 +452,15 @@ fn a_serve_daemon_hands_its_directory_export_over() {
     held.write_all_at(b"before", 0).unwrap();
     let held_dir = fs::File::open(m.join("d")).unwrap();
     fs::write(m.join("d/new"), b"made before").unwrap();
+    // Looked up (the kernel keeps the nodes), their inode numbers noted.
+    let inos: Vec<u64> = (0..1500)
+        .map(|i| {
+            use std::os::unix::fs::MetadataExt;
+            fs::symlink_metadata(m.join(format!("many/{i}")))
+                .unwrap()
+                .ino()
+        })
+        .collect();
     if uring {
         let r = run_fusex(&w, &["restart".as_ref(), m.as_os_str()], None);
         r.assert_one_error_line("fusex restart of a daemon with an io_uring directory export");
@@ -488,6 +503,19 @@ fn a_serve_daemon_hands_its_directory_export_over() {
     assert_eq!(text, "g before");
     fs::write(m.join("d/after"), b"made after").unwrap();
     fs::remove_file(m.join("d/new")).unwrap();
+    for (i, ino) in inos.iter().enumerate() {
+        use std::os::unix::fs::MetadataExt;
+        let p = m.join(format!("many/{i}"));
+        assert_eq!(
+            fs::symlink_metadata(&p).unwrap().ino(),
+            *ino,
+            "{}",
+            p.display()
+        );
+        if i % 100 == 0 {
+            assert_eq!(fs::read_to_string(&p).unwrap(), i.to_string());
+        }
+    }
     // Every handle the old daemon opened is released in the new one.
     drop((held, held_dir, g));
     let ids = Qmp::connect(&serve.socket).ok("query-block-exports", json!({}));
