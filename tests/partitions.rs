@@ -9,6 +9,7 @@ use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Instant;
 
 use fusex_e2e::*;
 use serde_json::json;
@@ -271,6 +272,9 @@ fn a_partition_that_is_not_there_is_refused_with_the_list() {
 
 /// `fusex serve` exports two partitions of one qcow2 image at once from one opened image,
 /// each with its own filesystem; a third partition node names a partition that is not there.
+/// `fusex restart` hands both to a new daemon, which opens the image once for them again (two
+/// writers of one qcow2 image must share it), and the filesystems are made through it; over
+/// io_uring (`FUSEX_E2E_TRANSPORT=uring`) the restart is refused and the exports serve on.
 #[test]
 fn serve_exports_several_partitions_of_one_image() {
     if !require_fuse_and_tools(&["sfdisk", "mkfs.ext4", "fsck.ext4", "dd", "qemu-img"]) {
@@ -286,7 +290,9 @@ fn serve_exports_several_partitions_of_one_image() {
             .arg(&q),
     );
     let before = read_all(&img);
-    let serve = Serve::start(w.path(), &[]);
+    let pid_file = w.join("serve.pid");
+    let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
+    let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
     let mut qmp = serve.qmp();
     qmp.ok(
         "blockdev-add",
@@ -302,6 +308,8 @@ fn serve_exports_several_partitions_of_one_image() {
         e.contains("has no partition 4") && e.contains("5 (10 MiB"),
         "{e}"
     );
+    let legacy = std::env::var("FUSEX_E2E_TRANSPORT").is_ok_and(|t| t == "legacy");
+    let transport = if legacy { "legacy" } else { "auto" };
     let mut mps = Vec::new();
     for n in [2u32, 5] {
         let node = format!("p{n}");
@@ -315,10 +323,23 @@ fn serve_exports_several_partitions_of_one_image() {
         qmp.ok(
             "block-export-add",
             json!({"type": "fuse", "id": node, "node-name": node, "mountpoint": mp,
-                   "writable": true}),
+                   "writable": true, "__org.fusex_transport": transport}),
         );
         mps.push((n, mp));
     }
+    drop(qmp);
+    // `auto` serves over io_uring where the kernel has it on.
+    let uring = !legacy
+        && fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+            .is_ok_and(|v| v.trim() == "Y");
+    let new = if uring {
+        let r = run_fusex(&w, &["restart".as_ref(), mps[0].1.as_os_str()], None);
+        r.assert_one_error_line("fusex restart of io_uring partition exports");
+        serve.pid()
+    } else {
+        serve.restart(&w, &mps[0].1, &pid_file)
+    };
+    let mut qmp = Qmp::connect(&serve.socket);
     // Both at once: mkfs on each while the other is exported.
     for (n, mp) in &mps {
         let (_, _, len) = part(&parts, *n);
@@ -336,7 +357,8 @@ fn serve_exports_several_partitions_of_one_image() {
     // The shared image is closed with its last export: qemu-img check (which keeps writers
     // off) opens it while the daemon still runs.
     let after = qcow2_guest_bytes(&w, &q);
-    drop(qmp);
+    qmp.ok("quit", json!({}));
+    assert!(wait_until(Instant::now() + TIMEOUT * 3, || !pid_alive(new)));
     drop(serve);
     // Outside both partitions nothing changed; inside each, a clean ext4.
     let (_, s2, l2) = part(&parts, 2);

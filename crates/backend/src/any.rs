@@ -174,14 +174,13 @@ impl Whole {
     }
 }
 
-/// Serves partition `number` of an opened image; `shown` names the image in errors.
-/// `shared`: other exports serve other partitions of this very `Arc` (it cannot be handed to a
-/// `fusex restart` successor alone). An image that is itself a partition is refused.
+/// Serves partition `number` of an opened image (other exports may serve other partitions of
+/// the same `Arc`); `shown` names the image in errors. An image that is itself a partition is
+/// refused.
 pub fn open_partition(
     whole: Arc<AnyBackend>,
     number: u32,
     shown: &str,
-    shared: bool,
 ) -> std::result::Result<AnyBackend, OpenError> {
     if matches!(*whole, AnyBackend::Partition(_)) {
         return Err(OpenError::FormatMismatch(format!(
@@ -190,7 +189,7 @@ pub fn open_partition(
     }
     let whole = Arc::new(Whole(whole));
     Ok(AnyBackend::Partition(crate::partition::bound(
-        whole, number, shown, shared,
+        whole, number, shown,
     )?))
 }
 
@@ -213,7 +212,7 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
         )));
     }
     let whole = open_whole(spec, opts)?;
-    open_partition(Arc::new(whole), number, spec, false)
+    open_partition(Arc::new(whole), number, spec)
 }
 
 /// [`open`] of the whole image.

@@ -102,9 +102,6 @@ pub struct Capabilities {
     /// why: an NBD server without multi-conn does not promise that a flush on one connection
     /// covers writes made on another. None: any number.
     pub max_queues: Option<(usize, &'static str)>,
-    /// Why the open image cannot be handed to a successor process by `fusex restart` (None:
-    /// it can: the successor reopens it).
-    pub no_handover: Option<&'static str>,
     /// Closing the backend's connections flushes what they wrote, so the export's end needs no
     /// flush of its own (NBD: each queue's connection flushes as it closes).
     pub flushes_on_close: bool,

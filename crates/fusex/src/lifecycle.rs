@@ -294,24 +294,15 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
     // A directory export's tables follow the release (`service::dirtable`): only `fusex serve`
     // supervises one here (`fusex mount SRC_DIR` refuses restarts, see `dirmode`).
     let directory = matches!(export, Fs::Dir(_));
-    let refusal = if neg.uring() {
-        Some(format!(
+    // Every export but one over io_uring can be handed over.
+    let refusal = neg.uring().then(|| {
+        format!(
             "{} is served over the io_uring transport, whose requests cannot be handed to a new \
              process without failing some (docs/design.md, Restart): stop and mount it again, or \
              mount it with --transport legacy to restart it without unmounting",
             handover.mountpoint.display()
-        ))
-    } else {
-        export
-            .image()
-            .and_then(|e| e.backend().capabilities().no_handover)
-            .map(|why| {
-                format!(
-                    "{} cannot be handed over ({why}): stop and mount it again",
-                    handover.mountpoint.display()
-                )
-            })
-    };
+        )
+    });
     let conn = clone_fd(mnt.fd().context("mount fd")?.as_raw_fd())?;
     let watcher = neg.watcher.as_ref().map(|w| w.dup()).transpose()?;
     let id = handover.identity;
@@ -652,7 +643,7 @@ pub fn open_export_adopting(
     let open = || match (&args.shared_image, args.partition) {
         (Some(shared), Some(n)) => {
             let whole = (shared.0)(&args.image, options)?;
-            backend::open_partition(whole, n, &args.image, true)
+            backend::open_partition(whole, n, &args.image)
         }
         _ => backend::open(&args.image, options),
     };

@@ -492,7 +492,7 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         Some(v) => crate::notify::Notifier::connect(v)?,
         None => crate::notify::Notifier::from_env()?,
     };
-    let adoption = Adoption::begin(state, fds, &shown.to_string())?;
+    let adoption = Adoption::begin(state, fds, &shown.to_string(), None)?;
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
     let open_files = match recv(&sock).context("the old daemon went away before letting go")? {
@@ -520,11 +520,14 @@ pub struct Adoption {
 
 impl Adoption {
     /// Reads the export's state and descriptors and opens its image (`shown`: the mountpoint as
-    /// the user named it, for messages). Changes the working directory to the old daemon's.
+    /// the user named it, for messages; `shared`: under `fusex serve`, the image a partition
+    /// export shares with the daemon's other partitions of it). Changes the working directory
+    /// to the old daemon's.
     pub fn begin(
         state: crate::restart::State,
         fds: Vec<std::os::fd::OwnedFd>,
         shown: &str,
+        shared: Option<lifecycle::SharedImage>,
     ) -> Result<Adoption> {
         use crate::restart::STATE_VERSION;
         if state.version > STATE_VERSION {
@@ -550,7 +553,8 @@ impl Adoption {
         let Some(crate::cli::Command::Mount(args)) = cli.command else {
             bail!("the daemon's command line is not fusex mount");
         };
-        let args = *args;
+        let mut args = *args;
+        args.shared_image = shared;
         if state.directory != crate::dirmode::is_directory(&args.image) {
             bail!(
                 "{} is {} now, and was {} when the daemon serving {shown} started",
@@ -590,6 +594,8 @@ impl Adoption {
             let mut trial = args.clone();
             (trial.writable, trial.growable, trial.max_size) = (false, false, None);
             (trial.no_locking, trial.force_share) = (true, false);
+            // Not through the shared image, which opens for writing.
+            trial.shared_image = None;
             drop(lifecycle::open_export(&trial, false)?);
             None
         } else {

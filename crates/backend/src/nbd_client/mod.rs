@@ -912,9 +912,8 @@ impl BlockBackend for NbdBackend {
             remote: true,
             max_queues: (!self.multi_conn())
                 .then_some((1, "the NBD server does not advertise multi-conn")),
-            // Handed over by closing: each queue's connection flushes and disconnects as the
-            // queue ends, before the successor (made with `adopt`) connects.
-            no_handover: None,
+            // Also how it is handed over: each queue's connection flushes and disconnects as
+            // the queue ends, before the successor (made with `adopt`) connects.
             flushes_on_close: true,
         }
     }

@@ -17,7 +17,6 @@ pub struct Bounded<B> {
     start: u64,
     len: u64,
     number: u32,
-    shared: bool,
 }
 
 fn enospc() -> BackendError {
@@ -26,16 +25,13 @@ fn enospc() -> BackendError {
 
 impl<B: BlockBackend> Bounded<B> {
     /// Bounds `inner` to `[start, start + len)`, which the caller checked lies inside it.
-    /// `shared`: other exports serve other ranges of the same opened image (it cannot be
-    /// handed to a `fusex restart` successor on its own).
-    pub fn new(inner: Arc<B>, start: u64, len: u64, number: u32, shared: bool) -> Bounded<B> {
+    pub fn new(inner: Arc<B>, start: u64, len: u64, number: u32) -> Bounded<B> {
         debug_assert!(start.checked_add(len).is_some_and(|e| e <= inner.size()));
         Bounded {
             inner,
             start,
             len,
             number,
-            shared,
         }
     }
 
@@ -78,9 +74,6 @@ impl<B: BlockBackend> BlockBackend for Bounded<B> {
         Capabilities {
             resize: false,
             passthrough: crate::PassthroughSource::Window,
-            no_handover: inner.no_handover.or(self
-                .shared
-                .then_some("it serves a partition of an image other exports of this daemon share")),
             ..inner
         }
     }
@@ -206,7 +199,7 @@ mod tests {
         let data: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
         f.write_all(&data).unwrap();
         let raw = crate::RawBackend::open(f.path(), true, false, None).unwrap();
-        let b = Bounded::new(Arc::new(raw), 4096, 8192, 1, false);
+        let b = Bounded::new(Arc::new(raw), 4096, 8192, 1);
         let eng = Engine::new(&EngineConfig {
             buffers: 1,
             buffer_size: 16384,
@@ -267,13 +260,7 @@ mod tests {
     #[test]
     fn block_status_is_clipped() {
         let eng = Engine::new(&EngineConfig::default()).unwrap();
-        let b = Bounded::new(
-            Arc::new(NullBackend::new(1 << 20, false)),
-            4096,
-            8192,
-            1,
-            false,
-        );
+        let b = Bounded::new(Arc::new(NullBackend::new(1 << 20, false)), 4096, 8192, 1);
         let on = |off, whence| eng.block_on(b.seek(&eng, off, whence)).unwrap().unwrap();
         assert_eq!(on(0, Seek::Data), Some(0));
         assert_eq!(on(100, Seek::Hole), Some(8192));

@@ -122,7 +122,6 @@ pub fn bound<B: BlockBackend>(
     backend: Arc<B>,
     number: u32,
     image: &str,
-    shared: bool,
 ) -> Result<Bounded<B>, PartitionError> {
     let table = read_table(&*backend).map_err(|error| PartitionError::Table {
         image: image.to_string(),
@@ -145,7 +144,7 @@ pub fn bound<B: BlockBackend>(
         });
     }
     tracing::debug!(image, number, start = p.start, len = p.len, scheme = %table.scheme, "partition");
-    Ok(Bounded::new(backend, p.start, p.len, number, shared))
+    Ok(Bounded::new(backend, p.start, p.len, number))
 }
 
 #[cfg(test)]
@@ -158,19 +157,16 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(&table::tests::mbr_disk()).unwrap();
         let raw = Arc::new(crate::RawBackend::open(f.path(), false, false, None).unwrap());
-        let b = bound(raw.clone(), 6, "disk", false).unwrap();
+        let b = bound(raw.clone(), 6, "disk").unwrap();
         assert_eq!((b.start(), b.size()), ((10240 + 2048) * 512, 512 << 10));
-        let e = bound(raw.clone(), 4, "disk", false)
-            .err()
-            .unwrap()
-            .to_string();
+        let e = bound(raw.clone(), 4, "disk").err().unwrap().to_string();
         assert_eq!(
             e,
             "disk has no partition 4: its MBR has partitions 1 (1 MiB at 1 MiB), \
              2 (1 MiB at 2 MiB), 3 (4 MiB at 3 MiB, extended), 5 (512 KiB at 4 MiB), \
              6 (512 KiB at 6 MiB)"
         );
-        let e = bound(raw, 3, "disk", false).err().unwrap().to_string();
+        let e = bound(raw, 3, "disk").err().unwrap().to_string();
         assert!(e.contains("extended partition"), "{e}");
     }
 }

@@ -582,19 +582,7 @@ impl Service {
         all.extend(words);
         let (mut margs, argv) =
             options::mount_args(&image, &mountpoint, &all).map_err(QmpError::generic)?;
-        // Partitions of one image share the image, opened once (an NBD export is not shared:
-        // each queue thread keeps one connection per backend, which an export ending there
-        // would close under the others).
-        if let (Some(child), false) = (
-            n.partition().and(n.file.clone()),
-            nbd::uri::is_nbd_uri(&image),
-        ) {
-            margs.shared_image = Some(shared_image(
-                self.shared.clone(),
-                child,
-                !chain.iter().any(|c| c.read_only),
-            ));
-        }
+        margs.shared_image = self.shared_image_of(&t, &n);
         Ok(Planned {
             id: a.id,
             node: a.node_name,
@@ -1055,6 +1043,38 @@ struct Planned {
 /// Opens the image under partition nodes once for every export of its partitions: the first
 /// export opens it (writable unless a node under the partition is read-only, as QEMU opens a
 /// node), the others get the same opened image while any export of it lives.
+impl Service {
+    /// The image a partition node's export shares with the other partitions of it (opened
+    /// once: two writers of one qcow2 image must share it, and the image's locks are taken
+    /// once). None for other nodes, and for a partition of an NBD export, which is not shared:
+    /// each queue thread keeps one connection per backend, which an export ending there would
+    /// close under the others.
+    fn shared_image_of(&self, t: &Table, n: &Node) -> Option<lifecycle::SharedImage> {
+        let child = n.partition().and(n.file.clone())?;
+        let lookup = |name: &str| t.node(name);
+        let (image, _) = n.image(&lookup)?;
+        if nbd::uri::is_nbd_uri(&image) {
+            return None;
+        }
+        // The node and the nodes under it: writable only if none is read-only.
+        let mut read_only = n.read_only;
+        let mut under = n.file.clone();
+        while let Some(c) = under.as_deref().and_then(&lookup) {
+            read_only |= c.read_only;
+            under = c.file.clone();
+        }
+        Some(shared_image(self.shared.clone(), child, !read_only))
+    }
+
+    /// [`Service::shared_image_of`] the node named `node`, for a `fusex restart` successor's
+    /// export of it (the nodes were added again already).
+    pub(super) fn shared_image_for(&self, node: &str) -> Option<lifecycle::SharedImage> {
+        let t = self.table();
+        let n = t.node(node)?;
+        self.shared_image_of(&t, &n)
+    }
+}
+
 fn shared_image(images: SharedImages, child: String, writable: bool) -> lifecycle::SharedImage {
     lifecycle::SharedImage(Arc::new(move |image, options| {
         let mut map = images.lock().unwrap_or_else(|p| p.into_inner());

@@ -81,7 +81,8 @@ fn take(
     let mut adoptions = Vec::with_capacity(exports.len());
     for (e, fds) in exports {
         let _in = crate::logging::export_span(&e.id).entered();
-        let a = Adoption::begin(e.state.clone(), fds, &e.state.mountpoint)
+        let shared = base.service.shared_image_for(&e.node);
+        let a = Adoption::begin(e.state.clone(), fds, &e.state.mountpoint, shared)
             .with_context(|| format!("export {}", e.id))?;
         adoptions.push((e, a));
     }
