@@ -2,10 +2,9 @@
 //! (`block-export-add` of type `__org.fusex_dir`) beside an image export; files written through
 //! each land in its source (the oracle: the source's own bytes), removal (safe and hard)
 //! unmounts and leaves the source as it was, `query-block-exports`, `fusex ctl list`, `fusex
-//! list` and the statistics show them, image-only options are refused in one line, `fusex
-//! restart` refuses a `fusex mount` directory export while it serves on, and hands a `fusex
-//! serve` daemon's directory export (node ids, open handles and all) to the new daemon. Run
-//! once per transport (`FUSEX_E2E_TRANSPORT=legacy|uring`).
+//! list` and the statistics show them, image-only options are refused in one line, and `fusex
+//! restart` hands a directory export of `fusex mount` and of `fusex serve` (node ids, open
+//! handles and all) to a new daemon. Run once per transport (`FUSEX_E2E_TRANSPORT=legacy|uring`).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -342,19 +341,24 @@ fn image_options_on_directories_are_refused() {
     assert!(!is_fuse_mounted(&m));
 }
 
-/// `fusex mount SRC_DIR` is listed live with its source; `fusex restart` of it is refused in
-/// one line and the export serves on.
+/// `fusex mount SRC_DIR` is listed live with its source; `fusex restart` hands it to a new
+/// daemon (the node and handle tables with every descriptor they hold), which a file held open
+/// across it keeps being served by, and `fusex list` shows; over io_uring the restart is
+/// refused in one line and the export serves on.
 #[test]
-fn restart_refuses_directory_exports_and_list_shows_them_live() {
+fn restart_hands_a_directory_export_over_and_list_shows_it_live() {
     if !require_fuse() {
         return;
     }
+    use std::os::unix::fs::FileExt;
     let w = WorkDir::new("serve-dirs-restart");
     let src = dir(&w.join("src"));
     let m = dir(&w.join("m"));
     let data = Rng::new(9).bytes(10_000);
     fs::write(src.join("f"), &data).unwrap();
-    let mount = Mount::start(&w, &src, &m, &[]);
+    let pid_file = w.join("dir.pid");
+    let (mut mount, _) =
+        Mount::start_daemonized(&w, &src, &m, &pid_file, &["--writable"]).expect("mounted");
     let all = run(Command::new(fusex_bin()).args(["list", "--json"]));
     let all: Value = serde_json::from_slice(&all.stdout).unwrap();
     let r = row(&all, "mountpoint", m.to_str().unwrap());
@@ -362,6 +366,7 @@ fn restart_refuses_directory_exports_and_list_shows_them_live() {
     assert_eq!(r["image"], canonical(&src), "{r}");
     assert_eq!(r["format"], "directory", "{r}");
     assert_eq!(r["pid"], mount.pid(), "{r}");
+    let uring = r["transport"] == "io_uring";
     let table =
         String::from_utf8_lossy(&run(Command::new(fusex_bin()).arg("list")).stdout).into_owned();
     let line = table
@@ -370,15 +375,45 @@ fn restart_refuses_directory_exports_and_list_shows_them_live() {
         .unwrap_or_else(|| panic!("{table}"));
     assert!(!line.contains("dead"), "{table}");
     assert!(line.contains(&canonical(&src)), "{table}");
+    let held = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("f"))
+        .unwrap();
+    held.write_all_at(b"before", 0).unwrap();
+    let old = mount.pid();
     let r = run_fusex(&w, &["restart".as_ref(), m.as_os_str()], None);
-    r.assert_one_error_line("fusex restart of a directory export");
-    assert!(r.stderr.contains("is a directory export"), "{}", r.stderr);
-    assert_bytes_eq(
-        &read_all(&m.join("f")),
-        &data,
-        0,
-        "after the refused restart",
-    );
+    if uring {
+        r.assert_one_error_line("fusex restart of an io_uring directory export");
+        assert!(r.stderr.contains("io_uring"), "{}", r.stderr);
+    } else {
+        assert_eq!(r.code, Some(0), "fusex restart failed: {}", r.stderr);
+        let new = read_pid(&pid_file);
+        assert!(new > 0 && new != old && pid_alive(new), "{new} (was {old})");
+        mount.adopt_pid(new);
+        assert!(
+            wait_until(std::time::Instant::now() + TIMEOUT, || !pid_alive(old)),
+            "the old daemon exits once it let go"
+        );
+        let all = run(Command::new(fusex_bin()).args(["list", "--json"]));
+        let all: Value = serde_json::from_slice(&all.stdout).unwrap();
+        let r = row(&all, "mountpoint", m.to_str().unwrap());
+        assert_eq!(
+            (&r["pid"], &r["format"]),
+            (&new.into(), &"directory".into()),
+            "{r}"
+        );
+    }
+    held.write_all_at(b"after!", 6).unwrap();
+    held.sync_all().unwrap();
+    let mut back = [0u8; 12];
+    held.read_exact_at(&mut back, 0).unwrap();
+    assert_eq!(&back, b"beforeafter!");
+    drop(held);
+    let mut want = data.clone();
+    want[..12].copy_from_slice(b"beforeafter!");
+    assert_bytes_eq(&read_all(&m.join("f")), &want, 0, "through the export");
+    assert_bytes_eq(&fs::read(src.join("f")).unwrap(), &want, 0, "in the source");
     drop(mount);
     assert!(!is_fuse_mounted(&m));
     // Its files in the runtime directory went with it: no row for it any more.

@@ -1,11 +1,10 @@
-//! `fusex mount SRC_DIR MOUNTPOINT`: a directory export (`fusex-dirfs`) served by the whole
-//! process. Mounting, INIT, the memory plan, the queue sources and threads are the image
-//! export's; the export is a [`dirfs::DirFs`], and the process around it is simpler: it serves
-//! until a signal or the unmount, then ends its queues and unmounts.
+//! A directory export (`fusex mount SRC_DIR MOUNTPOINT`, and `fusex serve`'s): the source
+//! opened as a [`dirfs::DirFs`], mounted and negotiated here; from then on it is an export like
+//! an image's ([`crate::lifecycle::Fs::Dir`]): the same supervisor, queues, stop and `fusex
+//! restart` (whose successor takes the node and handle tables over, [`take_over`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use dirfs::{DirConfig, DirFs};
@@ -14,13 +13,10 @@ use fuse_abi::{
     FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH,
     FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT, FUSE_WRITEBACK_CACHE,
 };
-use server::{QueueEvent, QueueSpec, Source};
 use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
 
-use crate::cli::{CacheArg, MountArgs, OnOff, PassthroughArg, TransportArg};
-use crate::daemon::Readiness;
+use crate::cli::{CacheArg, MountArgs, PassthroughArg, TransportArg};
 use crate::memory::{self, Demand};
-use crate::privileges::Plan;
 
 /// Whether `image` names a directory (following a symlink, as the user sees it; the export
 /// itself then refuses a symlink there). `null:SIZE` and NBD URIs never do, whatever the
@@ -83,366 +79,13 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     Ok(())
 }
 
-/// Why `fusex restart` refuses a `fusex mount` directory export (in one line).
-pub fn handover_refusal(mountpoint: &std::path::Path) -> String {
-    format!(
-        "{} is a directory export of fusex mount, which does not hand it to a new process (its \
-         node ids name descriptors only this daemon has; fusex serve hands its directory \
-         exports over, docs/dirfs.md): stop and mount it again",
-        mountpoint.display()
-    )
-}
-
-/// Publishes a serving `fusex mount` directory export in the runtime directory, as an image
-/// export is published: its state file, which `fusex list` shows, and its restart socket, whose
-/// listening tells `fusex list` the export is live; a `fusex restart` on it is refused (see
-/// [`handover_refusal`]) by a thread that answers each one. None (logged) when the runtime
-/// directory cannot be used: the export serves regardless, listed as a mount only.
-fn publish(
-    args: &MountArgs,
-    mnt: &Mount,
-    uring: bool,
-    queues: usize,
-) -> Option<(crate::runtime::Entry, crate::runtime::ExportState)> {
-    let handover = mnt.handover()?;
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    let entry = match crate::runtime::for_daemon(euid) {
-        Ok(dir) => crate::runtime::Entry::new(dir, handover.identity),
-        Err(e) => {
-            tracing::warn!("fusex list will not show the export: {e}");
-            return None;
-        }
-    };
-    let listener = match crate::restart::listen(&entry.socket()) {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::warn!(
-                "fusex list will not show the export: cannot bind {}: {e}",
-                entry.socket().display()
-            );
-            return None;
-        }
-    };
-    let why = handover_refusal(&handover.mountpoint);
-    let spawned = std::thread::Builder::new()
-        .name("fusex-restart".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                // A peer that stops talking holds this thread at most greet's timeout.
-                match crate::restart::greet(&stream, euid, "this export") {
-                    Ok(pid) => {
-                        let _ = crate::restart::refuse(&stream, &why);
-                        tracing::info!("restart: refused process {pid}: {why}");
-                    }
-                    Err(e) => tracing::info!("restart: not handed over: {e:#}"),
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!("fusex list will not show the export: {e}");
-        return None;
-    }
-    let state = crate::runtime::ExportState {
-        pid: std::process::id(),
-        mountpoint: handover.mountpoint.to_string_lossy().into_owned(),
-        image: std::fs::canonicalize(&args.image)
-            .map_or_else(|_| args.image.clone(), |p| p.to_string_lossy().into_owned()),
-        format: "directory".into(),
-        transport: if uring { "io_uring" } else { "legacy" }.into(),
-        queues,
-        writable: args.writable,
-        state: "serving".into(),
-        socket: None,
-    };
-    entry.write_state(&state);
-    Some((entry, state))
-}
-
-enum Msg {
-    Queue(QueueEvent),
-    Signal(i32),
-}
-
-/// Serves the directory export until stopped; `pid_file` (claimed already) is let go of when
-/// it stops serving.
-pub fn mount(
-    args: MountArgs,
-    mut ready: Readiness,
-    mut signals: signal_hook::iterator::Signals,
-    pid_file: Option<&crate::files::PidFile>,
-    verbose: u8,
-) -> Result<()> {
-    let r = prepare(&args, true, verbose);
-    let (fs, mounted, plan, uring, threads, max_write, _, watcher) = match r {
-        Ok(v) => v,
-        Err(e) => {
-            ready.report(Err(format!("{e:#}")));
-            return Err(e);
-        }
-    };
-    // Bound after the watcher, so an early return drops (unmounts) it before the watcher goes.
-    let mut mnt = mounted;
-    let (tx, rx) = mpsc::channel::<Msg>();
-    let handle = signals.handle();
-    let privileges = Plan::directory(mnt.via_fusermount());
-    let signal_thread = {
-        let tx = tx.clone();
-        std::thread::Builder::new()
-            .name("fusex-signals".into())
-            .spawn(move || {
-                if let Err(e) = privileges.apply() {
-                    tracing::warn!("signal thread: cannot drop privileges: {e}");
-                }
-                for s in signals.forever() {
-                    if tx.send(Msg::Signal(s)).is_err() {
-                        break;
-                    }
-                }
-            })
-            .context("starting the signal thread")
-    };
-    if let Err(e) = signal_thread {
-        ready.report(Err(format!("{e:#}")));
-        return Err(e);
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let sources = match crate::lifecycle::sources(
-        &mut mnt,
-        threads,
-        uring,
-        plan.depth,
-        args.handoff.into(),
-    ) {
-        Ok(s) => s,
-        Err(e) => {
-            ready.report(Err(format!("{e:#}")));
-            return Err(e);
-        }
-    };
-    let slots = sources
-        .iter()
-        .map(|s| match s {
-            Source::Uring { qids, legacy, .. } => {
-                qids.len() * plan.depth + legacy.as_ref().map_or(0, |_| memory::URING_LEGACY_SLOTS)
-            }
-            Source::Legacy(_) => plan.depth,
-        })
-        .max()
-        .unwrap_or(0);
-    let stats = Arc::new(server::ExportStats::default());
-    let report: server::Report = {
-        let tx = std::sync::Mutex::new(tx.clone());
-        Arc::new(move |ev| {
-            let _ = tx
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .send(Msg::Queue(ev));
-        })
-    };
-    let nq = sources.len();
-    let jobs = sources
-        .into_iter()
-        .enumerate()
-        .map(|(id, source)| {
-            let spec = QueueSpec {
-                id,
-                source,
-                depth: plan.depth,
-                max_write,
-                multishot: args.legacy_read != crate::cli::LegacyReadArg::Poll,
-                fixed_files: None,
-                splice_min: 0,
-                latency: args.latency == OnOff::On,
-                stats: stats.clone(),
-                fallback_slots: memory::URING_LEGACY_SLOTS,
-                before_serving: Box::new(move || privileges.apply()),
-            };
-            server::queue::job(spec, fs.clone(), stop.clone(), report.clone())
-        })
-        .collect();
-    let placement = match crate::workers::place(&args, jobs, slots, uring, false) {
-        Ok(p) => p,
-        Err(e) => {
-            ready.report(Err(format!("{e:#}")));
-            return Err(e);
-        }
-    };
-    // Logged once the export is published (below): a `fusex list` that follows the line shows it
-    // serving, as it does an image export's.
-    let announce = format!(
-        "mounted directory {} at {} ({}, {} queue{}, {}{})",
-        args.image,
-        mnt.mountpoint().display(),
-        access(args.writable),
-        nq,
-        if nq == 1 { "" } else { "s" },
-        if uring {
-            "io_uring"
-        } else {
-            "legacy /dev/fuse"
-        },
-        if args.no_read_ahead {
-            ", no read-ahead"
-        } else {
-            ""
-        }
-    );
-    let mut remotes = Vec::new();
-    let (mut running, mut started, mut announced) = (nq, 0, false);
-    let mut failure: Option<String> = None;
-    // After a stop: when to abort the connection, and then when to give up on the queues.
-    let mut deadline: Option<Instant> = None;
-    let mut aborted = false;
-    let mut total = export::Snapshot::default();
-    let mut published: Option<(crate::runtime::Entry, crate::runtime::ExportState)> = None;
-    while running > 0 {
-        if let Some((entry, state)) = published.as_mut().filter(|_| deadline.is_some()) {
-            if state.state == "serving" {
-                state.state = "stopping".into();
-                entry.write_state(state);
-            }
-        }
-        let msg = match deadline {
-            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
-                Ok(m) => Some(m),
-                Err(mpsc::RecvTimeoutError::Timeout) => None,
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            },
-            None => rx.recv().ok(),
-        };
-        match msg {
-            Some(Msg::Queue(QueueEvent::Started { remote, task, .. })) => {
-                remotes.push((remote, task));
-                started += 1;
-                if started == nq && !announced {
-                    match privileges.apply() {
-                        Ok(()) => {
-                            announced = true;
-                            // The thread answering `fusex restart` starts with the privileges
-                            // every thread keeps now.
-                            published = publish(&args, &mnt, uring, nq);
-                            tracing::info!("{announce}");
-                            if let Some(kept) = privileges.kept() {
-                                tracing::info!("privileges: every thread keeps {kept}");
-                            }
-                            ready.report(Ok(()));
-                        }
-                        Err(e) => {
-                            failure.get_or_insert(format!("cannot drop privileges: {e}"));
-                            stop_serving(&mut mnt, &mut deadline);
-                        }
-                    }
-                }
-            }
-            Some(Msg::Queue(QueueEvent::Failed { id, error })) => {
-                failure.get_or_insert(format!("queue {id}: {error}"));
-                running -= 1;
-                stop_serving(&mut mnt, &mut deadline);
-            }
-            Some(Msg::Queue(QueueEvent::Quiesced)) => {}
-            Some(Msg::Queue(QueueEvent::Ended { id, report })) => {
-                if let Some(e) = &report.error {
-                    tracing::warn!("queue {id} ended: {e}");
-                }
-                total.merge(&report.counters);
-                running -= 1;
-                // One queue ending (the unmount, or a failure) ends the export.
-                stop_serving(&mut mnt, &mut deadline);
-            }
-            Some(Msg::Signal(s)) => match s {
-                libc::SIGINT | libc::SIGTERM | libc::SIGHUP => {
-                    tracing::info!("{}: unmounting", crate::lifecycle::signal_name(s));
-                    if fs.writeback() && deadline.is_none() {
-                        write_back_before_stop(mnt.mountpoint());
-                    }
-                    stop_serving(&mut mnt, &mut deadline);
-                }
-                libc::SIGUSR1 => tracing::info!(
-                    "statistics: {} requests so far, {} nodes held ({} by descriptor), {} files open",
-                    stats.total().requests(),
-                    fs.nodes(),
-                    fs.pinned_nodes(),
-                    fs.open_files()
-                ),
-                _ => crate::lifecycle::log_ignored(s),
-            },
-            None if !aborted => {
-                // Files still open keep a detached mount alive: end the connection, which ends
-                // every queue (io_uring entries too).
-                aborted = true;
-                stop_queues(&stop, &remotes);
-                if let Err(e) = mnt.abort() {
-                    tracing::warn!("cannot abort the connection: {e}");
-                }
-                deadline = Some(Instant::now() + Duration::from_secs(10));
-            }
-            None => {
-                tracing::warn!("queues did not end after the connection was aborted; exiting");
-                break;
-            }
-        }
-    }
-    if !announced {
-        ready.report(Err(failure
-            .clone()
-            .unwrap_or_else(|| "the queues ended before serving".into())));
-    }
-    handle.close();
-    // Its files in the runtime directory go as it stops serving.
-    drop(published);
-    if let Some(p) = pid_file {
-        p.stop_serving();
-    }
-    let _ = mnt.abort();
-    drop(mnt);
-    // Only now: releasing the --auto-unmount watcher while the mount is up would let it unmount.
-    drop(watcher);
-    if running == 0 {
-        if placement.private {
-            placement.workers.shut_down();
-        }
-    } else {
-        // A queue still waits on a connection that ends only with the process.
-        std::mem::forget(placement);
-    }
-    if let Some(path) = &args.stats_file {
-        let mut json = total.to_json();
-        json["transport"] = if uring { "io_uring" } else { "legacy" }.into();
-        json["directory"] = true.into();
-        let written = serde_json::to_vec_pretty(&json)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| crate::files::replace(path, &bytes, 0o644));
-        if let Err(e) = written {
-            tracing::warn!("cannot write statistics to {}: {e}", path.display());
-        }
-    }
-    match failure {
-        Some(f) => bail!("{f}"),
-        None => Ok(()),
-    }
-}
-
-/// Stops serving: the mount is detached (with no file open the kernel then ends the connection
-/// and every queue with it); if the queues have not ended within 2 s, the connection is aborted.
-fn stop_serving(mnt: &mut Mount, deadline: &mut Option<Instant>) {
-    if deadline.is_some() {
-        return;
-    }
-    if let Err(e) = mnt.unmount() {
-        tracing::warn!("cannot unmount: {e}");
-    }
-    *deadline = Some(Instant::now() + Duration::from_secs(2));
-}
-
 /// With the writeback cache, has the kernel write back what it holds of the export's files
 /// (`syncfs` of the mount) before a signal's stop detaches it: pages of files still open at the
 /// stop would otherwise be lost when the connection is aborted 2 s later (closed files were
 /// written back at their close). On a thread of its own, while the queue threads serve the
 /// WRITEs, and waited for at most 2 s, so a source that stopped answering does not hold the stop
 /// up (the abort then ends the call).
-fn write_back_before_stop(mountpoint: &std::path::Path) {
+pub(crate) fn write_back_before_stop(mountpoint: &std::path::Path) {
     use std::os::fd::AsRawFd;
     let (tx, rx) = mpsc::channel();
     let path = mountpoint.to_path_buf();
@@ -470,14 +113,6 @@ fn write_back_before_stop(mountpoint: &std::path::Path) {
     }
 }
 
-/// The queues take nothing new.
-fn stop_queues(stop: &AtomicBool, remotes: &[(engine::Remote, engine::TaskId)]) {
-    stop.store(true, Ordering::Release);
-    for (r, t) in remotes {
-        r.wake(*t);
-    }
-}
-
 type Prepared = (
     Arc<DirFs>,
     Mount,
@@ -489,25 +124,36 @@ type Prepared = (
     Option<crate::watcher::Watcher>,
 );
 
-/// A directory export of `fusex serve` (an export whose image is a directory): opened, mounted
-/// and negotiated as `fusex mount SRC_DIR` does, then supervised like any export of the daemon.
-/// The process's umask is left alone (the daemon creates other files): every entry made through
-/// the export is created with its caller's umask, set for the creation on the queue thread
-/// (`dirfs::acl`).
+/// A directory export (an export whose image is a directory): the source opened, mounted and
+/// negotiated, to be supervised like any export. Every entry made through the export is
+/// created with its caller's umask, set for the creation on the queue thread (`dirfs::acl`);
+/// `fusex mount` makes the process's own umask 0 first, `fusex serve` leaves it alone (the
+/// daemon creates other files).
 pub fn setup(
     args: &MountArgs,
     argv: Vec<String>,
     verbose: u8,
 ) -> Result<crate::lifecycle::Prepared> {
-    let (fs, mnt, plan, _uring, queues, _max_write, negotiated, watcher) =
-        prepare(args, false, verbose)?;
+    let (fs, mnt, plan, uring, queues, _max_write, negotiated, watcher) = prepare(args, verbose)?;
     let mut settled =
         crate::lifecycle::Settled::adopted(negotiated, argv, plan, queues, None, watcher);
     settled.announce = Some(format!(
-        "mounted directory {} at {} ({})",
+        "mounted directory {} at {} ({}, {} queue{}, {}{})",
         args.image,
         mnt.mountpoint().display(),
-        access(args.writable)
+        access(args.writable),
+        queues,
+        if queues == 1 { "" } else { "s" },
+        if uring {
+            "io_uring"
+        } else {
+            "legacy /dev/fuse"
+        },
+        if args.no_read_ahead {
+            ", no read-ahead"
+        } else {
+            ""
+        }
     ));
     Ok(crate::lifecycle::Prepared {
         args: args.clone(),
@@ -527,17 +173,9 @@ fn access(writable: bool) -> &'static str {
     }
 }
 
-/// Opens the source, mounts and negotiates INIT. `whole_process`: `fusex mount`, whose umask
-/// may be set for the export.
-fn prepare(args: &MountArgs, whole_process: bool, verbose: u8) -> Result<Prepared> {
+/// Opens the source, mounts and negotiates INIT.
+fn prepare(args: &MountArgs, verbose: u8) -> Result<Prepared> {
     check_args(args)?;
-    if whole_process {
-        // Entries are created with the caller's umask (the kernel sends it), set per creation
-        // on the queue thread (dirfs::acl), which then restores its own; the daemon's umask is
-        // made 0 so that nothing else it creates for the export is cut either.
-        // SAFETY: umask cannot fail.
-        unsafe { libc::umask(0) };
-    }
     let cfg = config(args);
     let cache = args.cache.unwrap_or(CacheArg::Auto);
     let fs = Arc::new(
@@ -871,12 +509,5 @@ mod tests {
             "--format=auto",
         ]))
         .unwrap();
-    }
-
-    #[test]
-    fn the_restart_refusal_is_one_line_naming_the_mount() {
-        let why = handover_refusal(std::path::Path::new("/srv/m"));
-        assert!(why.starts_with("/srv/m is a directory export"), "{why}");
-        assert!(!why.contains('\n') && !why.contains("  "), "{why}");
     }
 }

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod ctl;
 pub mod daemon;
 mod dirmode;
+mod dirtable;
 mod files;
 pub mod generate;
 pub mod lifecycle;

@@ -291,8 +291,7 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
     let Some(handover) = mnt.handover() else {
         return Ok(None);
     };
-    // A directory export's tables follow the release (`service::dirtable`): only `fusex serve`
-    // supervises one here (`fusex mount SRC_DIR` refuses restarts, see `dirmode`).
+    // A directory export's tables follow the release (`dirtable`).
     let directory = matches!(export, Fs::Dir(_));
     // Every export but one over io_uring can be handed over.
     let refusal = neg.uring().then(|| {
@@ -1262,7 +1261,7 @@ impl Supervisor {
             Event::Stop(how) => self.stop_event(p, how, owner),
             Event::Dump => {
                 self.dumps += 1;
-                dump_live(&p.args, &p.stats, self.dumps, p.settled.uring());
+                dump_live(p, self.dumps);
             }
             Event::Release { to, pid, accepted } => {
                 if self.stop.load(Ordering::Acquire)
@@ -1342,6 +1341,13 @@ impl Supervisor {
         let name = how.name();
         if !std::mem::replace(&mut self.stopping_sent, true) {
             owner.stopping();
+            // With the writeback cache, pages of files still open would go with the connection
+            // when it is aborted: have the kernel write them back first (a signal's stop).
+            if let (Fs::Dir(fs), Stop::Signal(_)) = (export, how) {
+                if fs.writeback() {
+                    crate::dirmode::write_back_before_stop(mnt.mountpoint());
+                }
+            }
         }
         let stopped = self.stop.load(Ordering::Acquire);
         if self.draining.is_some() {
@@ -1407,11 +1413,18 @@ impl Supervisor {
         // The files open now are the successor's to count down as their RELEASEs reach it.
         let open_files = p.export.open_files();
         let told = match to {
-            ReleaseTo::Stream(stream) => crate::restart::send(
-                &stream,
-                &crate::restart::Message::Released { open_files },
-                &[],
-            ),
+            // A directory export's tables go first (they hold still: the queues let go).
+            ReleaseTo::Stream(stream) => match &p.export {
+                Fs::Dir(d) => crate::dirtable::send_dir(&stream, "", d),
+                Fs::Image(_) => Ok(()),
+            }
+            .and_then(|()| {
+                crate::restart::send(
+                    &stream,
+                    &crate::restart::Message::Released { open_files },
+                    &[],
+                )
+            }),
             ReleaseTo::Channel(tx) => match tx.send(Released {
                 open_files,
                 dir: match &p.export {
@@ -1529,6 +1542,9 @@ impl Supervisor {
             "legacy"
         }
         .into();
+        if let Fs::Dir(_) = &p.export {
+            json["directory"] = true.into();
+        }
         Ok(Ended {
             stats: json,
             handed_to,
@@ -1648,15 +1664,28 @@ fn follow_image_size(
 /// SIGUSR1: the counters as they stand, written to `--stats-file` (replaced whole, so a reader
 /// never sees half a file) or, without one, logged. `dump` numbers the dumps so a reader can tell
 /// a fresh one from the last.
-fn dump_live(args: &MountArgs, stats: &server::ExportStats, dump: u64, uring: bool) {
+fn dump_live(p: &Prepared, dump: u64) {
+    let (args, uring) = (&p.args, p.settled.uring());
     let mut total = Snapshot::default();
     let mut queues = Vec::new();
-    for (id, s) in stats.queues() {
+    for (id, s) in p.stats.queues() {
         total.merge(&s);
         queues.push(serde_json::json!({ "queue": id, "requests": s.requests() }));
     }
+    // A directory export says what it holds whether or not the figures go to a file.
+    if let Fs::Dir(fs) = &p.export {
+        tracing::info!(
+            "statistics: {} requests so far, {} nodes held ({} by descriptor), {} files open",
+            total.requests(),
+            fs.nodes(),
+            fs.pinned_nodes(),
+            fs.open_files()
+        );
+    }
     let Some(path) = &args.stats_file else {
-        tracing::info!("statistics: {} requests so far", total.requests());
+        if let Fs::Image(_) = &p.export {
+            tracing::info!("statistics: {} requests so far", total.requests());
+        }
         return;
     };
     let mut json = total.to_json();

@@ -45,11 +45,11 @@ pub fn mount(args: MountArgs, mut ready: Readiness, verbose: u8) -> Result<()> {
         }
     };
     if crate::dirmode::is_directory(&args.image) {
-        let r = crate::dirmode::mount(args, ready, signals, pid_file.as_ref(), verbose);
-        if let Some(p) = pid_file {
-            p.remove();
-        }
-        return r;
+        // Entries are created with the caller's umask (the kernel sends it), set per creation
+        // on the queue thread (dirfs::acl), which then restores its own; the process's umask
+        // is made 0 so that nothing else the daemon creates for the export is cut either.
+        // SAFETY: umask cannot fail.
+        unsafe { libc::umask(0) };
     }
     // Bound before anything is mounted: an address in use fails the start in one line.
     let slot = crate::metrics::MountSlot::default();
@@ -177,7 +177,10 @@ fn serve_export(
     ),
     metrics: Option<MetricsServer>,
 ) -> Result<()> {
-    let privileges = Plan::decide(&lifecycle::exit_needs(&p.args, &p.export, &p.mnt));
+    let privileges = match &p.export {
+        lifecycle::Fs::Dir(_) => Plan::directory(p.mnt.via_fusermount()),
+        lifecycle::Fs::Image(_) => Plan::decide(&lifecycle::exit_needs(&p.args, &p.export, &p.mnt)),
+    };
     let (tx, rx) = mpsc::channel::<Event>();
     let started = spawn_signal_thread(signals, privileges, tx.clone()).and_then(|sig| {
         let control = match &p.args.control {
@@ -492,15 +495,30 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         Some(v) => crate::notify::Notifier::connect(v)?,
         None => crate::notify::Notifier::from_env()?,
     };
+    if state.directory {
+        // As `fusex mount SRC_DIR` (see `mount`).
+        // SAFETY: umask cannot fail.
+        unsafe { libc::umask(0) };
+    }
     let adoption = Adoption::begin(state, fds, &shown.to_string(), None)?;
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
-    let open_files = match recv(&sock).context("the old daemon went away before letting go")? {
-        (Message::Released { open_files }, _) => open_files,
-        (other, _) => return Err(unexpected(&other, "released")),
+    // A directory export's tables, then the files open on it.
+    let mut dir = None;
+    let open_files = loop {
+        match recv(&sock).context("the old daemon went away before letting go")? {
+            (Message::DirTable { table, .. }, _) => {
+                dir = Some(
+                    crate::dirtable::recv_dir(&sock, table)
+                        .context("the directory export's tables")?,
+                );
+            }
+            (Message::Released { open_files }, _) => break open_files,
+            (other, _) => return Err(unexpected(&other, "released")),
+        }
     };
     Ok(TakenOver::Mount(
-        Box::new(adoption.complete(open_files, None)?),
+        Box::new(adoption.complete(open_files, dir)?),
         notifier,
     ))
 }

@@ -277,7 +277,7 @@ impl Running {
                     let taken = let_go
                         .dirs
                         .iter()
-                        .try_for_each(|(id, fs)| super::dirtable::send_dir(&stream, id, fs))
+                        .try_for_each(|(id, fs)| crate::dirtable::send_dir(&stream, id, fs))
                         .and_then(|()| crate::restart::send(&stream, &released, &[]))
                         .map_err(|e| e.to_string())
                         .and_then(|()| match crate::restart::recv(&stream) {

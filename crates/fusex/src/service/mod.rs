@@ -8,7 +8,6 @@
 pub mod cmdline;
 pub mod config;
 pub mod daemon;
-pub mod dirtable;
 pub mod handover;
 pub mod node;
 pub mod options;

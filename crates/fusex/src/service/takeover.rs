@@ -105,7 +105,7 @@ fn take(
     let open_files: BTreeMap<String, u64> = loop {
         match recv(&sock).context("the old daemon went away before letting go")? {
             (Message::DirTable { id, table }, _) => {
-                let whole = super::dirtable::recv_dir(&sock, table)
+                let whole = crate::dirtable::recv_dir(&sock, table)
                     .with_context(|| format!("the tables of directory export {id}"))?;
                 dirs.insert(id, whole);
             }
