@@ -481,3 +481,69 @@ fn a_mount_serves_its_export_and_refuses_a_taken_address() {
     assert!(!is_fuse_mounted(&taken));
     m.stop().assert_clean("mount with metrics");
 }
+
+/// `fusex mount SRC_DIR --metrics-listen --control`: a directory export is an export like an
+/// image's, with the same metrics page (its LOOKUPs and READs counted under its mountpoint,
+/// the text passing `promtool`) and control socket (`fusex top` reads it).
+#[test]
+fn a_directory_mount_serves_metrics_and_its_control_socket() {
+    if !require_fuse_and_tools(&["promtool"]) {
+        return;
+    }
+    let w = WorkDir::new("metrics-dir");
+    let src = w.join("src");
+    fs::create_dir(&src).unwrap();
+    for i in 0..8 {
+        fs::write(src.join(format!("f{i}")), vec![i as u8; 4096]).unwrap();
+    }
+    let mp = w.join("mnt");
+    fs::create_dir(&mp).unwrap();
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let control = w.join("control.sock");
+    let m = Mount::start(
+        &w,
+        &src,
+        &mp,
+        &[
+            "--metrics-listen",
+            &listen,
+            "--control",
+            control.to_str().unwrap(),
+            "--passthrough",
+            "off",
+        ],
+    );
+    for i in 0..8 {
+        assert_eq!(
+            fs::read(mp.join(format!("f{i}"))).unwrap(),
+            vec![i as u8; 4096]
+        );
+    }
+    let (status, text) = http_get(port, "/metrics");
+    assert_eq!(status, 200, "{text}");
+    promtool_check(&text);
+    let id = m.path().display().to_string();
+    for (op, least) in [("LOOKUP", 8.0), ("READ", 8.0)] {
+        let n = sum(
+            &text,
+            "fusex_requests_total",
+            &[("export", &id), ("op", op)],
+        );
+        assert!(n >= least, "{n} {op}s of {id}:\n{text}");
+    }
+    let top = run(Command::new(fusex_bin())
+        .args(["top", "--once", "--json", "--control"])
+        .arg(&control));
+    assert!(
+        top.status.success(),
+        "{}",
+        String::from_utf8_lossy(&top.stderr)
+    );
+    let v: Value = serde_json::from_slice(&top.stdout).unwrap();
+    let row = &v["exports"][0];
+    assert_eq!(row["id"], id.as_str(), "{v}");
+    assert!(row["requests_total"].as_u64().unwrap() >= 16, "{v}");
+    m.stop()
+        .assert_clean("directory export with metrics and a control socket");
+}

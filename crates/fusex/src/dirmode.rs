@@ -70,12 +70,6 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     if !args.fault.is_empty() {
         refuse("--fault")?;
     }
-    if args.control.is_some() {
-        refuse("--control")?;
-    }
-    if args.metrics_listen.is_some() {
-        refuse("--metrics-listen")?;
-    }
     Ok(())
 }
 
