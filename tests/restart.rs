@@ -774,11 +774,18 @@ fn restarts_of_an_nbd_export_hand_the_servers_one_connection_over() {
         Mount::start_daemonized(&w, nbd_uri(&sock, ""), &mp, &pid_file, &["--writable"])
             .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, model, 3);
+    end_over_a_server(m, &mut server, &img, &model);
+}
+
+/// Stops the last daemon of an export of `server` (which must serve on: the daemons left it, it
+/// was not stopped), then stops the server and compares `img` with `model`.
+#[track_caller]
+fn end_over_a_server(m: Mount, server: &mut ChildGuard, img: &Path, model: &[u8]) {
     let st = m.stop();
     assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
-    assert!(server.try_wait().is_none(), "qemu-nbd serves on");
+    assert!(server.try_wait().is_none(), "the NBD server serves on");
     server.kill_and_wait();
-    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
+    assert_bytes_eq(&read_all(img), model, 0, "the image after the restarts");
 }
 
 /// A server that turns a second client away at once (nbdkit's limit filter), where qemu-nbd
@@ -803,11 +810,7 @@ fn restarts_of_an_nbd_export_of_a_server_that_refuses_a_second_client() {
     )
     .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, model, 3);
-    let st = m.stop();
-    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
-    assert!(server.try_wait().is_none(), "nbdkit serves on");
-    server.kill_and_wait();
-    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
+    end_over_a_server(m, &mut server, &img, &model);
 }
 
 /// A partition of an NBD export: the new daemon reads the partition table on its first
@@ -885,11 +888,7 @@ fn restarts_of_a_tls_nbd_export_make_a_new_session() {
     let (mut m, _) = Mount::start_daemonized(&w, &uri, &mp, &pid_file, &["--writable"])
         .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
     let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, model, 3);
-    let st = m.stop();
-    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
-    assert!(server.try_wait().is_none(), "qemu-nbd serves on");
-    server.kill_and_wait();
-    assert_bytes_eq(&read_all(&img), &model, 0, "the image after the restarts");
+    end_over_a_server(m, &mut server, &img, &model);
 }
 
 /// `fusex serve` hands an NBD export (a node of qemu-nbd with its default sharing) to the new
@@ -906,7 +905,6 @@ fn a_serve_daemon_hands_an_nbd_export_over() {
     fs::write(&mp, b"").unwrap();
     let mut serve = Serve::start(w.path(), &["--pidfile", pid_file.to_str().unwrap()]);
     let _guard = PidGuard(pid_file.clone(), w.path().to_path_buf());
-    let old = serve.pid();
     let mut q = serve.qmp();
     q.ok(
         "blockdev-add",
@@ -921,14 +919,7 @@ fn a_serve_daemon_hands_an_nbd_export_over() {
     let writers = Writers::start(&mp, model, 2);
     writers.wait_for_progress(20);
     drop(q);
-    let r = restart(&w, &mp);
-    assert_eq!(r.code, Some(0), "fusex restart failed: {}", r.stderr);
-    assert_eq!(serve.wait(), Some(0), "the old daemon exits once it let go");
-    let new = read_pid(&pid_file);
-    assert!(
-        new > 0 && new != old && pid_alive(new),
-        "the new daemon ({new}) serves"
-    );
+    let new = serve.restart(&w, &mp, &pid_file);
     writers.wait_for_progress(20);
     let model = writers.finish();
     assert_bytes_eq(&read_all(&mp), &model, 0, "the export after the restart");

@@ -146,6 +146,9 @@ struct AttemptShared {
 /// to report the deadline itself (a more precise message than the waiter's).
 const GIVE_UP_GRACE: Duration = Duration::from_millis(500);
 
+/// How often [`Attempt::start_retrying`] connects again.
+const RETRY_EVERY: Duration = Duration::from_millis(50);
+
 #[derive(Default)]
 struct AttemptState {
     result: Option<Result<Connected, ConnectError>>,
@@ -160,16 +163,36 @@ impl Attempt {
         tls: Option<&TlsClient>,
         timeout: Duration,
     ) -> Result<Attempt, ConnectError> {
+        Attempt::start_retrying(uri, tls, timeout, Duration::ZERO)
+    }
+
+    /// [`Attempt::start`], connecting again every [`RETRY_EVERY`] while it fails, for up to
+    /// `retry_for`: a `fusex restart` successor's first connections, which a server that takes
+    /// one client at a time refuses until it has seen the predecessor's connection end (the
+    /// predecessor closed it before letting go, but the server notices on its own time).
+    pub(crate) fn start_retrying(
+        uri: &NbdUri,
+        tls: Option<&TlsClient>,
+        timeout: Duration,
+        retry_for: Duration,
+    ) -> Result<Attempt, ConnectError> {
         let shared = Arc::new(AttemptShared {
             state: Mutex::new(AttemptState::default()),
             done: Condvar::new(),
-            give_up_at: Instant::now() + timeout + GIVE_UP_GRACE,
+            give_up_at: Instant::now() + retry_for + timeout + GIVE_UP_GRACE,
         });
         let (u, t, sh) = (uri.clone(), tls.cloned(), shared.clone());
         std::thread::Builder::new()
             .name("nbd-connect".into())
             .spawn(move || {
-                let r = connect(&u, t.as_ref(), timeout);
+                let until = Instant::now() + retry_for;
+                let r = loop {
+                    let r = connect(&u, t.as_ref(), timeout);
+                    if r.is_ok() || Instant::now() + RETRY_EVERY > until {
+                        break r;
+                    }
+                    std::thread::sleep(RETRY_EVERY);
+                };
                 let wakers = {
                     let mut st = sh.lock();
                     st.result = Some(r);

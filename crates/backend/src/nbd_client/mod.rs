@@ -91,6 +91,12 @@ impl Default for NbdOptions {
 
 /// Longest wait between reconnect attempts (unless `reconnect_delay` itself is longer).
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How long a `fusex restart` successor's first connection on a queue thread keeps trying
+/// (every 50 ms) before its requests fail: the predecessor closed its connections before it let
+/// go, but a server that takes one client at a time (nbdkit's limit filter turns a second one
+/// away at once) accepts the next only once it has seen that, on its own time.
+const HANDOVER_RETRY: Duration = Duration::from_secs(5);
 /// Largest range one TRIM, WRITE_ZEROES or BLOCK_STATUS request covers.
 const MAX_RANGE: u64 = 1 << 30;
 
@@ -418,7 +424,14 @@ impl NbdBackend {
         if let Some(c) = first {
             return self.settle(pt, Ok(c));
         }
-        match Attempt::start(&self.uri, self.tls.as_ref(), self.opts.timeout) {
+        // A `fusex restart` successor's first connection on this thread: the server may not
+        // have seen the predecessor's connection end yet.
+        let retry_for = if self.adopted && !pt.had_one {
+            HANDOVER_RETRY
+        } else {
+            Duration::ZERO
+        };
+        match Attempt::start_retrying(&self.uri, self.tls.as_ref(), self.opts.timeout, retry_for) {
             Ok(a) => {
                 pt.connecting = Some(a.clone());
                 Step::Wait(a, true)
