@@ -329,9 +329,7 @@ fn serve_exports_several_partitions_of_one_image() {
     }
     drop(qmp);
     // `auto` serves over io_uring where the kernel has it on.
-    let uring = !legacy
-        && fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
-            .is_ok_and(|v| v.trim() == "Y");
+    let uring = !legacy && uring_enabled();
     let new = if uring {
         let r = run_fusex(&w, &["restart".as_ref(), mps[0].1.as_os_str()], None);
         r.assert_one_error_line("fusex restart of io_uring partition exports");

@@ -258,17 +258,6 @@ fn an_export_whose_image_fails_disturbs_no_other() {
     assert_bytes_eq(&fs::read(&good_img).unwrap(), &want, 0, "the good image");
 }
 
-/// Whether FUSE-over-io_uring is on (`make test` turns it on; under CI it must be).
-fn uring_on() -> bool {
-    let on = fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
-        .is_ok_and(|v| v.trim() == "Y");
-    assert!(
-        on || !in_ci(),
-        "enable_uring is not Y: `make test` enables it"
-    );
-    on
-}
-
 /// A removal with a read in flight, on each transport: `safe` lets the read finish with its
 /// bytes, `hard` fails it at once; either way the event follows and the other export serves on.
 #[test]
@@ -297,7 +286,7 @@ fn removal_with_io_in_flight_safe_waits_hard_aborts() {
         ("uring", "safe"),
         ("uring", "hard"),
     ] {
-        if transport == "uring" && !uring_on() {
+        if transport == "uring" && !uring_enabled() {
             continue;
         }
         let m = w.join(format!("{mode}-{transport}.mnt"));
@@ -833,9 +822,7 @@ fn restart_hands_every_export_to_a_new_daemon() {
         cmd.arg("restart").arg(mp);
         run_with_timeout(&w, cmd, None)
     };
-    let uring_on = fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
-        .is_ok_and(|v| v.trim() == "Y");
-    if uring_on {
+    if uring_enabled() {
         let r = restart(&w.join("a.raw"));
         assert_eq!(r.code, Some(1), "{}", r.stderr);
         r.assert_one_error_line("restart with an io_uring export");

@@ -56,6 +56,19 @@ fn unique(tag: &str) -> String {
 // Preconditions
 // ---------------------------------------------------------------------------------------
 
+/// Whether FUSE-over-io_uring is on (`/sys/module/fuse/parameters/enable_uring`): an export
+/// with the default transport then serves over io_uring. `make test` turns it on; under CI it
+/// must be.
+pub fn uring_enabled() -> bool {
+    let on = fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .is_ok_and(|v| v.trim() == "Y");
+    assert!(
+        on || !in_ci(),
+        "enable_uring is not Y: `make test` enables it"
+    );
+    on
+}
+
 /// True when running under CI (`CI=true`): there, a missing precondition is a failure.
 pub fn in_ci() -> bool {
     matches!(std::env::var("CI").as_deref(), Ok("true") | Ok("1"))
