@@ -94,7 +94,6 @@ impl BlockBackend for Mem {
         Capabilities {
             writable: true,
             resize: true,
-            raw_file: false,
             ..Capabilities::default()
         }
     }
