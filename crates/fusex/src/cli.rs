@@ -327,6 +327,8 @@ pub struct MountArgs {
     /// nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH, over TLS nbds://HOST[:PORT]/EXPORT
     /// or nbds+unix:///EXPORT?socket=PATH&tls-certificates=DIR. A directory's tree is served
     /// below MOUNTPOINT, which must then be a directory.
+    // The text is `--help`'s, where `[:PORT]` is the usual optional part, not a link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     pub image: String,
     /// Regular file to mount over (created if missing, removed again at exit if fusex created it);
     /// a directory for a directory

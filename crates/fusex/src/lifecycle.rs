@@ -766,7 +766,7 @@ fn max_size(args: &MountArgs, backend: &AnyBackend) -> Result<u64> {
     Ok(want)
 }
 
-/// What the rest of the daemon's life needs privileges for (see [`crate::privileges`]): the
+/// What the rest of the daemon's life needs privileges for (see `crate::privileges`): the
 /// paths its exit path acts on, and whether SETATTR sets times on an image another user owns.
 pub fn exit_needs(args: &MountArgs, export: &Fs, mnt: &Mount) -> Needs {
     let mut paths = Vec::new();
@@ -852,7 +852,7 @@ pub struct Supervision {
     pub rx: mpsc::Receiver<Event>,
 }
 
-/// Where [`start_queues`] started an export's queues. Kept so that an export that ended
+/// Where `start_queues` started an export's queues. Kept so that an export that ended
 /// normally on threads of its own waits for them to be gone before it says so.
 pub struct Queues(crate::workers::Placement);
 

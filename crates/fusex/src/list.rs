@@ -1,5 +1,5 @@
 //! `fusex list`: the exports of this host, from what their daemons publish in the runtime
-//! directories ([`crate::runtime`]) and from the mount table.
+//! directories (`crate::runtime`) and from the mount table.
 //!
 //! A serving daemon keeps a state file beside its restart socket; an entry counts only while that
 //! socket is listening (a killed daemon's files stay behind, and say nothing). A fusex mount with

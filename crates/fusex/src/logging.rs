@@ -339,7 +339,7 @@ pub fn mountpoint_id(path: &Path) -> String {
 /// The span in which work on one export of `fusex serve` is done (its mount, supervision,
 /// removal, failure, reload), so that every line logged meanwhile on that thread, whichever
 /// module logs it, names the export: JSON lines carry `export`, text lines start with
-/// `export ID: ` ([`TextLine`]), since exports added at once by several clients log at once.
+/// `export ID: ` (`TextLine`), since exports added at once by several clients log at once.
 /// Entered only on control-plane threads: the queues' worker threads serve every export's
 /// requests and enter nothing per request. A root span: work on one export is never inside
 /// another's, even when one export's command starts the next.

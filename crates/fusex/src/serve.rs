@@ -389,7 +389,7 @@ pub fn umount(path: PathBuf, force: bool) -> Result<()> {
 }
 
 /// `fusex restart MOUNTPOINT`, in the new daemon: takes the export over from the daemon serving
-/// it (see [`crate::restart`]) and serves it until stopped, like `fusex mount`. Any error before
+/// it (see `crate::restart`) and serves it until stopped, like `fusex mount`. Any error before
 /// the old daemon let go leaves it serving, and is reported through `ready`.
 pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
     let signals = install_signals()?;

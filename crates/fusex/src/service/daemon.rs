@@ -421,7 +421,7 @@ pub fn metrics_listen(args: &ServeArgs, config: Option<&super::config::Config>) 
         .or_else(|| config.and_then(|c| c.metrics_listen.clone()))
 }
 
-/// Serves every export's metrics at `addr` (see [`crate::metrics::http`]).
+/// Serves every export's metrics at `addr` (see `crate::metrics::http`).
 pub fn start_metrics(addr: &str, service: &Arc<Service>) -> Result<MetricsServer> {
     MetricsServer::start(addr, crate::metrics::serve_render(service.clone()))
         .map_err(|e| anyhow!("{e}"))

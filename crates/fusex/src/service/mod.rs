@@ -322,7 +322,7 @@ impl Service {
     }
 
     /// `fusex restart`'s successor adding a node of the old daemon again: an NBD node whose size
-    /// `nbd_sizes` holds ([`nbd_key`]) is not connected to (the old daemon still holds the
+    /// `nbd_sizes` holds (`nbd_key`) is not connected to (the old daemon still holds the
     /// server's connections, and a server without multi-conn need not take another); its URI
     /// and TLS files are checked and the size is taken from there.
     pub fn add_node_adopted(

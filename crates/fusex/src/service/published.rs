@@ -3,7 +3,7 @@
 //! socket for all of them (`serve-PID.sock`), which each state file names. A socket per export
 //! cost two inodes made and removed per export added and removed. `fusex list` tells a live
 //! export from a dead mount by that socket listening; `fusex restart` of any export of a `fusex
-//! serve` daemon connects to it and hands the whole daemon over ([`super::Service::hand_over`]).
+//! serve` daemon connects to it and hands the whole daemon over (`Service::hand_over`).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;

@@ -2,12 +2,12 @@
 //! daemon's threads do not grow with its exports: each export is a [`lifecycle::Supervisor`]
 //! kept here with its [`lifecycle::Prepared`] and owner, fed the events sent to it (tagged with
 //! its serial, through an [`ExportTx`]) and ticked when its wake-up is due. An export that is done
-//! is ended here too, then handed to the reaper as [`Finished`].
+//! is ended here too, then handed to the reaper as `Finished`.
 //!
 //! What an export does on this thread is short, except ending it: the final flush, the abort and
 //! the unmount (`lifecycle::conclude`) take as long as the image and the kernel take (an NBD
 //! server's flush is bounded by `--nbd-timeout`, a slow disk's by nothing). So an export that is
-//! done is ended on an [`Enders`] thread instead, and the other exports' events, additions and
+//! done is ended on an `Enders` thread instead, and the other exports' events, additions and
 //! ticks go on meanwhile. Mounting (`lifecycle::setup`) stays on the thread that adds the
 //! export.
 
