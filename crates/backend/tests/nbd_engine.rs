@@ -37,6 +37,16 @@ fn open_writable(sock: &std::path::Path) -> Rc<NbdBackend> {
     Rc::new(NbdBackend::open(&uri, opts).unwrap())
 }
 
+/// An engine with one 8 KiB buffer: enough for a single request.
+fn one_buffer_engine() -> Engine {
+    Engine::new(&EngineConfig {
+        buffers: 1,
+        buffer_size: 8192,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
 /// A `SIZE`-byte image: [`pattern`] in its first `data` bytes, zeroes after.
 fn image(data: usize) -> Arc<Mutex<Vec<u8>>> {
     let mut init = vec![0u8; SIZE];
@@ -607,7 +617,7 @@ proptest::proptest! {
             timeout: std::time::Duration::from_secs(5),
             ..NbdOptions::default()
         }).unwrap();
-        let eng = Engine::new(&EngineConfig { buffers: 1, buffer_size: 8192, ..EngineConfig::default() }).unwrap();
+        let eng = one_buffer_engine();
         let buf = eng.take_buffer().unwrap();
         let (r, win) = eng.block_on(b.read_at(&eng, buf.slice(1000..5096), 0)).unwrap();
         proptest::prop_assert_eq!((win.start(), win.end()), (1000, 5096));
@@ -644,12 +654,7 @@ fn a_dripping_reply_fails_by_the_timeout() {
         },
     )
     .unwrap();
-    let eng = Engine::new(&EngineConfig {
-        buffers: 1,
-        buffer_size: 8192,
-        ..EngineConfig::default()
-    })
-    .unwrap();
+    let eng = one_buffer_engine();
     let buf = eng.take_buffer().unwrap();
     let started = std::time::Instant::now();
     let (r, _) = eng
@@ -696,12 +701,7 @@ fn an_adopted_export_connects_on_its_first_request_and_checks_the_server() {
     let b = NbdBackend::open(&uri, opts).expect("adopted without a server");
     assert_eq!(b.size(), SIZE as u64);
     listen(&sock, mem);
-    let eng = Engine::new(&EngineConfig {
-        buffers: 1,
-        buffer_size: 8192,
-        ..EngineConfig::default()
-    })
-    .unwrap();
+    let eng = one_buffer_engine();
     let buf = eng.take_buffer().unwrap();
     let (r, win) = eng
         .block_on(b.read_at(&eng, buf.slice(0..4096), 8192))
