@@ -342,11 +342,11 @@ fn config(args: &MountArgs) -> DirConfig {
     }
 }
 
-/// `fusex restart` of a `fusex serve` daemon, in the successor: the directory export its
-/// predecessor handed over (`table` and its descriptors `fds`, see [`DirFs::handover`]), on the
-/// connection `conn` whose INIT settled `negotiated`, served by `queues` legacy queues of
-/// `plan`. Nothing is mounted or negotiated again; passthrough backing ids registered by the
-/// predecessor belong to the connection and stay valid.
+/// `fusex restart`, in the successor: the directory export its predecessor handed over
+/// (`table` and its descriptors `fds`, see [`DirFs::handover`]), on the connection `conn` whose
+/// INIT settled `negotiated`, with options `args` (checked with [`check_args`] before the
+/// predecessor let go). Nothing is mounted or negotiated again; passthrough backing ids
+/// registered by the predecessor belong to the connection and stay valid.
 pub fn take_over(
     args: &MountArgs,
     negotiated: &transport::Negotiated,
@@ -354,7 +354,6 @@ pub fn take_over(
     table: dirfs::DirHandover,
     fds: Vec<std::os::fd::OwnedFd>,
 ) -> Result<Arc<DirFs>> {
-    check_args(args)?;
     let fs = DirFs::take_over(std::path::Path::new(&args.image), config(args), table, fds)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     if negotiated.has(FUSE_PASSTHROUGH) {

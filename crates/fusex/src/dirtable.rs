@@ -5,6 +5,7 @@
 //! fits the conversation's message limits: `dirtable` (the rest of the tables), `dirnodes` and
 //! `dirfiles` with their entries' descriptors, then `dirend`.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -33,27 +34,67 @@ pub fn send_dir(sock: &UnixStream, id: &str, fs: &DirFs) -> io::Result<()> {
         &[],
     )?;
     let mut fds = fds.into_iter();
-    for chunk in chunks(&nodes, |n| n.handle.is_none()) {
-        let these: Vec<RawFd> = fds.by_ref().take(chunk.1).collect();
-        send(
-            sock,
-            &Message::DirNodes {
-                nodes: chunk.0.to_vec(),
-            },
-            &these,
-        )?;
-    }
-    for chunk in chunks(&files, |_| true) {
-        let these: Vec<RawFd> = fds.by_ref().take(chunk.1).collect();
-        send(
-            sock,
-            &Message::DirFiles {
-                files: chunk.0.to_vec(),
-            },
-            &these,
-        )?;
-    }
+    send_runs(
+        sock,
+        &nodes,
+        |n| n.handle.is_none(),
+        &mut fds,
+        |nodes| Message::DirNodes { nodes },
+    )?;
+    send_runs(
+        sock,
+        &files,
+        |_| true,
+        &mut fds,
+        |files| Message::DirFiles { files },
+    )?;
     send(sock, &Message::DirEnd, &[])
+}
+
+/// Sends `entries` in [`chunks`], each as the message `message` makes of it with the
+/// descriptors of its entries (`has_fd`), taken in order from `fds`.
+fn send_runs<T: Clone>(
+    sock: &UnixStream,
+    entries: &[T],
+    has_fd: impl Fn(&T) -> bool,
+    fds: &mut impl Iterator<Item = RawFd>,
+    message: impl Fn(Vec<T>) -> Message,
+) -> io::Result<()> {
+    for (run, with) in chunks(entries, has_fd) {
+        let these: Vec<RawFd> = fds.by_ref().take(with).collect();
+        send(sock, &message(run.to_vec()), &these)?;
+    }
+    Ok(())
+}
+
+/// A directory export's tables and their descriptors, as [`DirFs::take_over`] takes them.
+pub type Tables = (DirHandover, Vec<OwnedFd>);
+
+/// A `fusex restart` successor's reading after it sent `release`: every directory export's
+/// tables (by export id; `""` for a `fusex mount` daemon's one export), until the message
+/// `last` takes as the end (`released`, `servereleased`); any other message is an error.
+pub fn recv_released<T>(
+    sock: &UnixStream,
+    last: impl Fn(&Message) -> Option<T>,
+) -> anyhow::Result<(T, BTreeMap<String, Tables>)> {
+    use anyhow::Context;
+    let mut dirs = BTreeMap::new();
+    loop {
+        let (msg, _) = recv(sock).context("the old daemon went away before letting go")?;
+        if let Some(end) = last(&msg) {
+            return Ok((end, dirs));
+        }
+        match msg {
+            Message::DirTable { id, table } => {
+                let whole = recv_dir(sock, table).with_context(|| match id.as_str() {
+                    "" => "the directory export's tables".to_string(),
+                    id => format!("the tables of directory export {id}"),
+                })?;
+                dirs.insert(id, whole);
+            }
+            other => return Err(crate::restart::unexpected(&other, "released")),
+        }
+    }
 }
 
 /// `entries` cut into runs of at most [`ENTRIES`] entries of which at most [`MAX_FDS`] carry a
@@ -76,10 +117,7 @@ fn chunks<T>(entries: &[T], has_fd: impl Fn(&T) -> bool) -> Vec<(&[T], usize)> {
 
 /// The rest of a directory export's tables after its `dirtable` message (`table`): the whole
 /// tables and their descriptors, in the order [`DirFs::take_over`] takes them.
-pub fn recv_dir(
-    sock: &UnixStream,
-    mut table: DirHandover,
-) -> io::Result<(DirHandover, Vec<OwnedFd>)> {
+fn recv_dir(sock: &UnixStream, mut table: DirHandover) -> io::Result<Tables> {
     let mut node_fds = Vec::new();
     let mut file_fds = Vec::new();
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());

@@ -504,19 +504,12 @@ fn take_over(path: &Path) -> Result<TakenOver> {
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
     // A directory export's tables, then the files open on it.
-    let mut dir = None;
-    let open_files = loop {
-        match recv(&sock).context("the old daemon went away before letting go")? {
-            (Message::DirTable { table, .. }, _) => {
-                dir = Some(
-                    crate::dirtable::recv_dir(&sock, table)
-                        .context("the directory export's tables")?,
-                );
-            }
-            (Message::Released { open_files }, _) => break open_files,
-            (other, _) => return Err(unexpected(&other, "released")),
-        }
-    };
+    let (open_files, mut dirs) = crate::dirtable::recv_released(&sock, |m| match m {
+        Message::Released { open_files } => Some(*open_files),
+        _ => None,
+    })?;
+    // A `fusex mount` daemon's one export is sent without an id.
+    let dir = dirs.remove("");
     Ok(TakenOver::Mount(
         Box::new(adoption.complete(open_files, dir)?),
         notifier,
@@ -661,7 +654,7 @@ impl Adoption {
     pub fn complete(
         self,
         open_files: u64,
-        dir: Option<(dirfs::DirHandover, Vec<std::os::fd::OwnedFd>)>,
+        dir: Option<crate::dirtable::Tables>,
     ) -> Result<Prepared> {
         let Adoption {
             args,

@@ -3,7 +3,6 @@
 //! export), then the control sockets are bound again, and the daemon serves on with the old
 //! one's command line. Any error before the old daemon let go leaves it serving.
 
-use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -101,18 +100,10 @@ fn take(
     // Everything that can fail is done: let the old daemon finish and let go.
     send(&sock, &Message::Release, &[])?;
     // The directory exports' tables, then the files open on every export.
-    let mut dirs = BTreeMap::new();
-    let open_files: BTreeMap<String, u64> = loop {
-        match recv(&sock).context("the old daemon went away before letting go")? {
-            (Message::DirTable { id, table }, _) => {
-                let whole = crate::dirtable::recv_dir(&sock, table)
-                    .with_context(|| format!("the tables of directory export {id}"))?;
-                dirs.insert(id, whole);
-            }
-            (Message::ServeReleased { open_files }, _) => break open_files,
-            (other, _) => return Err(unexpected(&other, "released")),
-        }
-    };
+    let (open_files, mut dirs) = crate::dirtable::recv_released(&sock, |m| match m {
+        Message::ServeReleased { open_files } => Some(open_files.clone()),
+        _ => None,
+    })?;
     // Past the point of return: an export that fails now ends as a failed start does.
     for (e, a) in adoptions {
         let _in = crate::logging::export_span(&e.id).entered();
