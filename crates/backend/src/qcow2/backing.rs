@@ -105,6 +105,8 @@ pub(super) async fn open_chain(
     levels: &[BackingLevel],
     gate: &Gate,
 ) -> io::Result<Option<FormatAccess<RingFile>>> {
+    // What the level being opened stands on, as imago's builder takes it: None while there is
+    // no level below (its header's backing file is used), Some(None) below a `none`.
     let mut under: Option<Option<FormatAccess<RingFile>>> = None;
     for level in levels.iter().rev() {
         let opened = match level {
