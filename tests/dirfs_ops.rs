@@ -464,8 +464,8 @@ fn posix_and_flock_locks_hold_between_processes_through_the_mount() {
     m.stop().assert_clean("locks through a directory export");
 }
 
-/// A fanotify group whose `FAN_OPEN_PERM` mark on one file holds every open of it until the
-/// test answers.
+/// A fanotify group whose `FAN_OPEN_PERM` mark on one file (or on the entries of one
+/// directory) holds every open of it until the test answers.
 struct OpenGate {
     fan: std::os::fd::OwnedFd,
 }
@@ -474,6 +474,15 @@ impl OpenGate {
     /// None where fanotify permission events are not available (kernel without
     /// `CONFIG_FANOTIFY_ACCESS_PERMISSIONS`, or no `CAP_SYS_ADMIN`).
     fn on(file: &Path) -> Option<OpenGate> {
+        OpenGate::marking(file, 0)
+    }
+
+    /// Holds the opens of the entries of `dir`, those a creation makes included.
+    fn on_entries_of(dir: &Path) -> Option<OpenGate> {
+        OpenGate::marking(dir, libc::FAN_EVENT_ON_CHILD)
+    }
+
+    fn marking(file: &Path, extra: u64) -> Option<OpenGate> {
         use std::os::fd::FromRawFd;
         // SAFETY: plain syscall with integer arguments; the result is checked.
         let fd = unsafe {
@@ -493,7 +502,7 @@ impl OpenGate {
             libc::fanotify_mark(
                 fan.as_raw_fd(),
                 libc::FAN_MARK_ADD,
-                libc::FAN_OPEN_PERM,
+                libc::FAN_OPEN_PERM | extra,
                 libc::AT_FDCWD,
                 p.as_ptr(),
             )
@@ -602,6 +611,63 @@ fn a_held_open_does_not_block_other_requests() {
         "the held open finished before it was allowed"
     );
     assert_eq!(a.join().unwrap().unwrap(), b"held\n");
+    b.join().unwrap();
+}
+
+/// A creation waits on the ring as an open does: while a fanotify permission listener holds the
+/// daemon's `O_CREAT` open of a new file (a CREATE), a lookup, a stat and an open and read of
+/// another file, and a MKDIR, complete on the same single-queue mount. Ordering, not timing, as
+/// above.
+#[test]
+fn a_held_creation_does_not_block_other_requests() {
+    if !require_fuse() {
+        return;
+    }
+    let t = Tree::new("dirfs-held-create");
+    fs::create_dir(t.src.join("gated")).unwrap();
+    fs::write(t.src.join("other"), b"other\n").unwrap();
+    let _m = t.mount(&["--writable", "--queues", "1", "--passthrough", "off"]);
+    let Some(gate) = OpenGate::on_entries_of(&t.src.join("gated")) else {
+        skip_or_fail("fanotify FAN_OPEN_PERM (CONFIG_FANOTIFY_ACCESS_PERMISSIONS and root)");
+        return;
+    };
+
+    let (a_tx, a_rx) = std::sync::mpsc::channel();
+    let new = t.mnt.join("gated/new");
+    let a = std::thread::spawn(move || {
+        let r = fs::write(new, b"made\n");
+        a_tx.send(()).unwrap();
+        r
+    });
+    let ev = gate
+        .held()
+        .expect("the daemon's open of the new file reaches the listener");
+
+    let (b_tx, b_rx) = std::sync::mpsc::channel();
+    let mnt = t.mnt.clone();
+    let b = std::thread::spawn(move || {
+        let len = fs::symlink_metadata(mnt.join("other")).map(|m| m.len());
+        let data = fs::read(mnt.join("other"));
+        let made = fs::create_dir(mnt.join("dir"));
+        b_tx.send((len, data, made)).unwrap();
+    });
+    let other = b_rx.recv_timeout(TIMEOUT);
+    let a_finished_early = a_rx.try_recv().is_ok();
+    gate.allow(ev);
+    drop(gate);
+
+    let (len, data, made) =
+        other.expect("the other requests were served while the creation waited");
+    assert_eq!(len.unwrap(), 6);
+    assert_eq!(data.unwrap(), b"other\n");
+    made.unwrap();
+    assert!(t.src.join("dir").is_dir());
+    assert!(
+        !a_finished_early,
+        "the held creation finished before it was allowed"
+    );
+    a.join().unwrap().unwrap();
+    assert_eq!(fs::read(t.src.join("gated/new")).unwrap(), b"made\n");
     b.join().unwrap();
 }
 

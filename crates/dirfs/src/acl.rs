@@ -6,16 +6,15 @@
 //!
 //! - **The umask.** With `FUSE_DONT_MASK` the kernel sends a new entry's mode without the
 //!   caller's umask and the umask beside it, since a parent with a default ACL means the umask
-//!   must not apply. fusex creates the entry with the caller's umask as its own ([`with_umask`],
-//!   on a queue thread that has its own umask), so the source filesystem decides, exactly as
-//!   for a local `open`/`mkdir`: the default ACL if the parent has one, else the umask. Nothing
+//!   must not apply. fusex creates the entry with the caller's umask as its own
+//!   ([`engine::umask::hold`], see `create`), so the source filesystem decides, exactly as for
+//!   a local `open`/`mkdir`: the default ACL if the parent has one, else the umask. Nothing
 //!   after the creation changes those permission bits ([`created_mode`]).
 //! - **The setgid bit.** Setting an access ACL clears a file's setgid bit when the caller is
 //!   neither in the file's group nor has `CAP_FSETID`; the source filesystem judges the daemon,
 //!   so the kernel says so instead (`FUSE_SETXATTR_ACL_KILL_SGID`, with `FUSE_SETXATTR_EXT`)
 //!   and fusex clears it ([`DirFs::acl_set`]).
 
-use std::cell::Cell;
 use std::ffi::CStr;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::Ordering;
@@ -28,49 +27,6 @@ use crate::DirFs;
 
 /// The access ACL's attribute name.
 const ACCESS: &CStr = c"system.posix_acl_access";
-
-thread_local! {
-    /// This thread's umask, once the thread has one of its own (`unshare(CLONE_FS)`).
-    static UMASK: Cell<Option<u32>> = const { Cell::new(None) };
-}
-
-/// Runs `create` (one call that makes an entry) with `umask` as the calling thread's umask,
-/// then puts the daemon's (0) back. The first call on a thread gives it a umask of its own
-/// (`unshare(CLONE_FS)`: root, working directory and umask), so the queue threads never see
-/// each other's.
-pub(crate) fn with_umask<T>(
-    umask: u32,
-    create: impl FnOnce() -> Result<T, Errno>,
-) -> Result<T, Errno> {
-    let umask = umask & 0o777;
-    let current = match UMASK.with(Cell::get) {
-        Some(m) => m,
-        None => {
-            // SAFETY: unshare takes no pointers; CLONE_FS alone is allowed in a multithreaded
-            // process and touches only this thread's root, cwd and umask.
-            if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
-                return Err(sys::errno());
-            }
-            // SAFETY: umask cannot fail; it is read and put back at once.
-            let own = unsafe {
-                let m = libc::umask(0);
-                libc::umask(m);
-                m
-            };
-            UMASK.with(|u| u.set(Some(own)));
-            own
-        }
-    };
-    if umask == current {
-        return create();
-    }
-    // SAFETY: umask cannot fail; this thread's umask is its own.
-    unsafe { libc::umask(umask) };
-    let r = create();
-    // SAFETY: as above.
-    unsafe { libc::umask(current) };
-    r
-}
 
 /// The mode a new entry ends with: the permission bits the source filesystem gave it (the
 /// caller's umask or the parent's default ACL applied) and the set-id and sticky bits the caller

@@ -17,6 +17,7 @@ mod acl;
 pub mod ahead;
 mod attr;
 mod copy;
+mod create;
 pub mod files;
 mod handover;
 pub mod inodes;
@@ -40,10 +41,10 @@ use std::time::Duration;
 use engine::{Buf, Engine, Fd};
 use export::{Filesystem, Reply, Request, Span, Tally};
 use fuse_abi::{
-    AttrOut, CreateIn, Dirent, EntryOut, FallocateIn, FsyncIn, GetxattrIn, GetxattrOut, InHeader,
-    Kstatfs, LseekIn, LseekOut, MkdirIn, MknodIn, Opcode, OpenOut, ReadIn, SetattrIn, SetxattrIn,
-    StatfsOut, WriteIn, WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_MODE,
-    FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
+    AttrOut, Dirent, EntryOut, FallocateIn, FsyncIn, GetxattrIn, GetxattrOut, InHeader, Kstatfs,
+    LseekIn, LseekOut, Opcode, OpenOut, ReadIn, SetattrIn, SetxattrIn, StatfsOut, WriteIn,
+    WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_MODE, FATTR_MTIME,
+    FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
     FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, FUSE_WRITEBACK_CACHE,
     ROOT_ID,
 };
@@ -380,102 +381,6 @@ impl DirFs {
         let st = sys::stat_fd(fd.as_fd())?;
         Ok(self.remember(fd, &st))
     }
-
-    /// Gives a new entry its creator: the caller's uid, and gid unless the parent is setgid
-    /// (then the parent's, which the source filesystem gave it already); then the mode asked for
-    /// (chown may clear set-id bits, and the daemon's umask may have cut some). Checks the entry
-    /// is of the type just made, so a name swapped meanwhile by someone with access to the
-    /// source is not given away.
-    fn adopt(
-        &self,
-        hdr: &InHeader,
-        parent: &Inode,
-        fd: &OwnedFd,
-        kind: u32,
-        mode: Option<u32>,
-    ) -> Result<libc::stat, Errno> {
-        let st = sys::stat_fd(fd.as_fd())?;
-        if st.st_mode & libc::S_IFMT != kind {
-            return Err(libc::EIO);
-        }
-        let pst = sys::stat_fd(parent.fd()?.as_fd())?;
-        let gid = if pst.st_mode & libc::S_ISGID != 0 {
-            u32::MAX
-        } else {
-            hdr.gid
-        };
-        let mut st = st;
-        if st.st_uid != hdr.uid || (gid != u32::MAX && st.st_gid != gid) {
-            sys::chown_fd(fd.as_fd(), hdr.uid, gid)?;
-            st = sys::stat_fd(fd.as_fd())?;
-        }
-        if let Some(mode) = mode {
-            // Permission bits as the source made them (umask or default ACL), set-id bits asked.
-            let mut want = acl::created_mode(st.st_mode, mode);
-            if kind == libc::S_IFDIR {
-                // The source filesystem sets a setgid parent's bit on new directories.
-                want |= st.st_mode & libc::S_ISGID;
-            }
-            if st.st_mode & 0o7777 != want {
-                sys::chmod_fd(self.proc_fd.as_fd(), fd.as_raw_fd(), want)?;
-                st = sys::stat_fd(fd.as_fd())?;
-            }
-        }
-        Ok(st)
-    }
-
-    /// A RENAME with `RENAME_WHITEOUT` left a whiteout (a 0:0 character device: overlayfs's
-    /// mark of a deleted lower entry, which the kernel lets anyone make) at `name` in `dir`,
-    /// made by the daemon: it is given to the caller, whose rename made it, as a local
-    /// filesystem gives it. Only a 0:0 character device is given away, so a name swapped
-    /// meanwhile by someone with access to the source gives nothing of value; a failure leaves
-    /// the daemon's (the rename is done, and is answered as done).
-    fn adopt_whiteout(&self, hdr: &InHeader, dir: &Inode, name: Name<'_>) {
-        let adopted = dir
-            .fd()
-            .and_then(|d| sys::open_in(d.as_fd(), name, libc::O_PATH, 0))
-            .and_then(|fd| {
-                let st = sys::stat_fd(fd.as_fd())?;
-                if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != 0 {
-                    return Err(libc::EIO);
-                }
-                self.adopt(hdr, dir, &fd, libc::S_IFCHR, None).map(drop)
-            });
-        if let Err(e) = adopted {
-            tracing::warn!(
-                "the whiteout a rename left is the daemon's, not the caller's: {}",
-                std::io::Error::from_raw_os_error(e)
-            );
-        }
-    }
-
-    /// The common end of MKDIR, MKNOD, SYMLINK: open what was made, adopt it, remember it; undo
-    /// the creation if any of that fails.
-    fn finish_new(
-        &self,
-        hdr: &InHeader,
-        parent: &Inode,
-        name: Name<'_>,
-        kind: u32,
-        mode: Option<u32>,
-    ) -> Result<EntryOut, Errno> {
-        let r = sys::open_in(parent.fd()?.as_fd(), name, libc::O_PATH, 0)
-            .and_then(|fd| self.adopt(hdr, parent, &fd, kind, mode).map(|st| (fd, st)));
-        match r {
-            Ok((fd, st)) => Ok(self.remember(fd, &st)),
-            Err(e) => {
-                let flags = if kind == libc::S_IFDIR {
-                    libc::AT_REMOVEDIR
-                } else {
-                    0
-                };
-                if let Ok(p) = parent.fd() {
-                    let _ = sys::unlink_in(p.as_fd(), name, flags);
-                }
-                Err(e)
-            }
-        }
-    }
 }
 
 /// Whether a filesystem of `statfs` type `f_type` is local: in memory (tmpfs, ramfs) or on a
@@ -633,8 +538,7 @@ impl Filesystem for DirFs {
 }
 
 impl DirFs {
-    /// The requests io_uring has no operation for: plain system calls on the queue thread
-    /// (the creations among them on purpose, see [`ring`]).
+    /// The requests io_uring has no operation for: plain system calls on the queue thread.
     pub(crate) fn metadata(
         &self,
         hdr: &InHeader,
@@ -687,24 +591,6 @@ impl DirFs {
                     .ok_or(libc::EIO)?;
                 let n = sys::readlink_fd(node.fd()?.as_fd(), out)?;
                 Ok(Reply::Data(n))
-            }
-            Request::Create { arg, name } => self.create(hdr, arg, name, buf, payload),
-            Request::Tmpfile(arg) => self.tmpfile(hdr, arg, buf, payload),
-            Request::Mkdir { arg, name } => self.mkdir(hdr, arg, name, buf, payload),
-            Request::Mknod { arg, name } => self.mknod(hdr, arg, name, buf, payload),
-            Request::Symlink { name, target } => {
-                self.writable()?;
-                self.room()?;
-                let dir = self.node(hdr.nodeid)?;
-                let b = buf.as_slice();
-                let n = name_at(b, name)?;
-                let t = target.c_str(b).ok_or(libc::EINVAL)?;
-                if t.is_empty() {
-                    return Err(libc::ENOENT);
-                }
-                sys::symlink_in(t, dir.fd()?.as_fd(), n)?;
-                let e = self.finish_new(hdr, &dir, n, libc::S_IFLNK, None)?;
-                put(buf, payload, &e)
             }
             Request::Setxattr { arg, name, value } => {
                 self.writable()?;
@@ -769,6 +655,11 @@ impl DirFs {
             | Request::Rmdir { .. }
             | Request::Rename { .. }
             | Request::Link { .. }
+            | Request::Create { .. }
+            | Request::Tmpfile(_)
+            | Request::Mkdir { .. }
+            | Request::Mknod { .. }
+            | Request::Symlink { .. }
             | Request::Unsupported(_) => Err(libc::ENOSYS),
         }
     }
@@ -1065,145 +956,6 @@ impl DirFs {
     ) -> R {
         let out = self.open_out(fd, key, direct)?;
         put(buf, payload, &out)
-    }
-
-    fn create(&self, hdr: &InHeader, a: CreateIn, name: Span, buf: &mut Buf, payload: usize) -> R {
-        self.writable()?;
-        self.room()?;
-        let dir = self.node(hdr.nodeid)?;
-        let n = name_at(buf.as_slice(), name)?;
-        if a.mode & libc::S_IFMT != libc::S_IFREG && a.mode & libc::S_IFMT != 0 {
-            return Err(libc::EINVAL);
-        }
-        let flags = self.open_flags(a.flags);
-        let exclusive = a.flags as i32 & libc::O_EXCL != 0;
-        // Always exclusive, so that only a file made here is given to the caller; a file that
-        // appeared meanwhile is opened as it is unless the caller asked for O_EXCL. A plain
-        // call, not a ring op: it needs the caller's umask as this thread's, which an io-wq
-        // worker running the op would not have (see `ring`).
-        let (fd, made, direct) = match acl::with_umask(a.umask, || {
-            sys::open_in(
-                dir.fd()?.as_fd(),
-                n,
-                flags | libc::O_CREAT | libc::O_EXCL,
-                a.mode & 0o777,
-            )
-        }) {
-            Ok(fd) => (fd, true, false),
-            Err(libc::EEXIST) if !exclusive => match sys::open_in(dir.fd()?.as_fd(), n, flags, 0) {
-                Err(e) if Self::narrowed(a.flags, flags, e) => {
-                    let fd = sys::open_in(dir.fd()?.as_fd(), n, Self::callers_flags(a.flags), 0)?;
-                    (fd, false, true)
-                }
-                r => (r?, false, false),
-            },
-            Err(e) => return Err(e),
-        };
-        let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
-        let st = if made {
-            match self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode)) {
-                Ok(st) => st,
-                Err(e) => {
-                    if let Ok(d) = dir.fd() {
-                        let _ = sys::unlink_in(d.as_fd(), n, 0);
-                    }
-                    return Err(e);
-                }
-            }
-        } else {
-            let st = sys::stat_fd(held.as_fd())?;
-            if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-                return Err(libc::EISDIR);
-            }
-            st
-        };
-        let entry = self.remember(held, &st);
-        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), direct) {
-            Ok(out) => out,
-            Err(e) => {
-                self.inodes.forget(entry.nodeid, 1);
-                return Err(e);
-            }
-        };
-        put2(buf, payload, &entry, &out)
-    }
-
-    /// An unnamed regular file in the directory (`O_TMPFILE`), the caller's, opened; LINK can
-    /// give it a name later (unless opened with `O_EXCL`).
-    fn tmpfile(&self, hdr: &InHeader, a: CreateIn, buf: &mut Buf, payload: usize) -> R {
-        self.writable()?;
-        self.room()?;
-        let dir = self.node(hdr.nodeid)?;
-        if !dir.is_dir() {
-            return Err(libc::ENOTDIR);
-        }
-        let flags = self.open_flags(a.flags) & !libc::O_TMPFILE;
-        // O_TMPFILE takes O_WRONLY or O_RDWR; `.` is the directory itself.
-        let flags = match flags & libc::O_ACCMODE {
-            libc::O_RDONLY => flags | libc::O_RDWR,
-            _ => flags,
-        };
-        let fd = acl::with_umask(a.umask, || {
-            // SAFETY: `.` is a valid NUL-terminated string; the result is checked below.
-            let fd = unsafe {
-                libc::openat(
-                    dir.fd()?.as_raw_fd(),
-                    c".".as_ptr(),
-                    flags | libc::O_TMPFILE | libc::O_CLOEXEC,
-                    (a.mode & 0o777) as libc::c_uint,
-                )
-            };
-            if fd < 0 {
-                Err(sys::errno())
-            } else {
-                Ok(fd)
-            }
-        })?;
-        // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
-        let st = self.adopt(hdr, &dir, &held, libc::S_IFREG, Some(a.mode))?;
-        let entry = self.remember(held, &st);
-        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), false) {
-            Ok(out) => out,
-            Err(e) => {
-                self.inodes.forget(entry.nodeid, 1);
-                return Err(e);
-            }
-        };
-        put2(buf, payload, &entry, &out)
-    }
-
-    fn mkdir(&self, hdr: &InHeader, a: MkdirIn, name: Span, buf: &mut Buf, payload: usize) -> R {
-        self.writable()?;
-        self.room()?;
-        let dir = self.node(hdr.nodeid)?;
-        let n = name_at(buf.as_slice(), name)?;
-        acl::with_umask(a.umask, || {
-            sys::mkdir_in(dir.fd()?.as_fd(), n, a.mode & 0o777)
-        })?;
-        let e = self.finish_new(hdr, &dir, n, libc::S_IFDIR, Some(a.mode & 0o1777))?;
-        put(buf, payload, &e)
-    }
-
-    fn mknod(&self, hdr: &InHeader, a: MknodIn, name: Span, buf: &mut Buf, payload: usize) -> R {
-        self.writable()?;
-        self.room()?;
-        let dir = self.node(hdr.nodeid)?;
-        let n = name_at(buf.as_slice(), name)?;
-        let kind = a.mode & libc::S_IFMT;
-        // Fifos, sockets and plain files, and whiteouts (a 0:0 character device, which reaches
-        // no device: overlayfs's mark of a deleted lower entry, which the kernel lets anyone
-        // make); device nodes are not made through this export.
-        let whiteout = kind == libc::S_IFCHR && a.rdev == 0;
-        if !matches!(kind, libc::S_IFIFO | libc::S_IFSOCK | libc::S_IFREG) && !whiteout {
-            return Err(libc::EPERM);
-        }
-        acl::with_umask(a.umask, || {
-            sys::mknod_in(dir.fd()?.as_fd(), n, kind | (a.mode & 0o777), 0)
-        })?;
-        let e = self.finish_new(hdr, &dir, n, kind, Some(a.mode & 0o7777))?;
-        put(buf, payload, &e)
     }
 
     fn lseek(&self, a: LseekIn, buf: &mut Buf, payload: usize) -> R {

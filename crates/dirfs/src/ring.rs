@@ -1,8 +1,8 @@
 //! The requests served on the queue's ring: every backend call io_uring has an operation for
 //! (statx, openat, unlinkat, renameat, linkat; read, write, fsync and fallocate are in
-//! `lib.rs`). A source directory that is slow to answer (a network filesystem, a fanotify
-//! permission listener, a disk under load) then holds up only the requests that wait on it:
-//! the queue thread keeps serving the others meanwhile.
+//! `lib.rs`, the creations in `create`). A source directory that is slow to answer (a network
+//! filesystem, a fanotify permission listener, a disk under load) then holds up only the
+//! requests that wait on it: the queue thread keeps serving the others meanwhile.
 //!
 //! The calls and their checks are those of [`crate::sys`]: names are single checked
 //! components resolved in the parent's descriptor, a final symlink is never followed
@@ -18,10 +18,8 @@
 //! the ring everywhere (a fanotify permission listener can hold an open indefinitely), and so
 //! do every call on a network or FUSE source.
 //!
-//! Creations (CREATE, MKDIR, MKNOD, SYMLINK, TMPFILE) stay plain system calls on the queue
-//! thread: they run under the caller's umask (`acl::with_umask`, which sets it on the thread's
-//! own filesystem context), and an io_uring operation may run in an io-wq worker, which has the
-//! ring owner's umask as it was when the worker started, not the one set for this request.
+//! The creations (CREATE, TMPFILE, MKDIR, SYMLINK; `mkdirat` and `symlinkat` directly on a local
+//! filesystem as UNLINK is) are in `create`.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
@@ -62,7 +60,11 @@ impl DirFs {
     }
 
     /// [`sys::stat_fd`], on the ring unless the source is in memory (see [`Self::statx_fd`]).
-    async fn stat_fd(&self, eng: &Engine, fd: BorrowedFd<'_>) -> Result<libc::stat, Errno> {
+    pub(crate) async fn stat_fd(
+        &self,
+        eng: &Engine,
+        fd: BorrowedFd<'_>,
+    ) -> Result<libc::stat, Errno> {
         if self.inline_metadata {
             return sys::stat_fd(fd);
         }
@@ -140,13 +142,7 @@ impl DirFs {
                 } else {
                     0
                 };
-                if self.inline_metadata {
-                    sys::unlink_in(dir.fd()?.as_fd(), n, flags)?;
-                } else {
-                    eng.unlinkat(dir.fd()?.as_raw_fd(), n.as_c(), flags)
-                        .await
-                        .map_err(errno_of)?;
-                }
+                self.unlink_in(eng, &dir, n, flags).await?;
                 Ok(export::Reply::Data(0))
             }
             Request::Rename {
@@ -173,7 +169,7 @@ impl DirFs {
                 .await
                 .map_err(errno_of)?;
                 if flags & RENAME_WHITEOUT != 0 {
-                    self.adopt_whiteout(hdr, &from, o);
+                    self.adopt_whiteout(eng, hdr, &from, o).await;
                 }
                 Ok(export::Reply::Data(0))
             }
@@ -207,8 +203,55 @@ impl DirFs {
                 let e = self.entry_out(arg.oldnodeid, generation, &st);
                 put(buf, payload, &e)
             }
+            Request::Create { arg, name } => self.create(eng, hdr, arg, name, buf, payload).await,
+            Request::Tmpfile(arg) => self.tmpfile(eng, hdr, arg, buf, payload).await,
+            Request::Mkdir { arg, name } => self.mkdir(eng, hdr, arg, name, buf, payload).await,
+            Request::Mknod { arg, name } => self.mknod(eng, hdr, arg, name, buf, payload).await,
+            Request::Symlink { name, target } => {
+                self.symlink(eng, hdr, name, target, buf, payload).await
+            }
             other => self.metadata(hdr, other, buf, payload, cap),
         }
+    }
+
+    /// `unlinkat(dir, name, flags)`: on the ring, directly on a local filesystem.
+    pub(crate) async fn unlink_in(
+        &self,
+        eng: &Engine,
+        dir: &Inode,
+        name: Name<'_>,
+        flags: i32,
+    ) -> Result<(), Errno> {
+        let d = dir.fd()?;
+        if self.inline_metadata {
+            return sys::unlink_in(d.as_fd(), name, flags);
+        }
+        eng.unlinkat(d.as_raw_fd(), name.as_c(), flags)
+            .await
+            .map_err(errno_of)
+    }
+
+    /// `name` in `dir` opened `O_PATH`, never following it: on the ring, directly on a local
+    /// filesystem. `O_PATH` opens are not open events for fanotify (no `FAN_OPEN_PERM` wait):
+    /// the kernel may run them inline.
+    pub(crate) async fn open_path_in(
+        &self,
+        eng: &Engine,
+        dir: &Inode,
+        name: Name<'_>,
+    ) -> Result<std::os::fd::OwnedFd, Errno> {
+        let d = dir.fd()?;
+        if self.inline_metadata {
+            return sys::open_in(d.as_fd(), name, libc::O_PATH, 0);
+        }
+        eng.openat(
+            d.as_raw_fd(),
+            name.as_c(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0,
+        )
+        .await
+        .map_err(errno_of)
     }
 
     /// LOOKUP of `name` in the directory `dir`: an `O_PATH` open of the name (never following
@@ -223,17 +266,7 @@ impl DirFs {
             return self.lookup_in(dir.fd()?.as_fd(), name);
         }
         self.room()?;
-        // O_PATH opens are not open events for fanotify (no FAN_OPEN_PERM wait): the kernel
-        // may run them inline.
-        let fd = eng
-            .openat(
-                dir.fd()?.as_raw_fd(),
-                name.as_c(),
-                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                0,
-            )
-            .await
-            .map_err(errno_of)?;
+        let fd = self.open_path_in(eng, dir, name).await?;
         let st = self.stat_fd(eng, fd.as_fd()).await?;
         Ok(self.remember(fd, &st))
     }

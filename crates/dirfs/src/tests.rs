@@ -4,7 +4,7 @@
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 
 use engine::EngineConfig;
-use fuse_abi::{GetattrIn, OpenIn, FUSE_GETATTR_FH, RENAME_NOREPLACE};
+use fuse_abi::{CreateIn, GetattrIn, MkdirIn, OpenIn, FUSE_GETATTR_FH, RENAME_NOREPLACE};
 use zerocopy::FromBytes;
 
 use super::*;
@@ -858,7 +858,24 @@ fn xattr_of(p: &std::path::Path, name: &str) -> Option<Vec<u8>> {
 
 #[test]
 fn the_callers_umask_or_the_parents_default_acl_decides_a_new_entrys_mode() {
-    let h = H::new(true);
+    umask_or_default_acl(H::new(true));
+}
+
+/// The same with every creation on the ring (MKDIR's `mkdirat` in an io-wq worker, which
+/// applies the umask the queue thread holds for it).
+#[test]
+fn the_callers_umask_or_the_parents_default_acl_decides_on_the_ring_too() {
+    let cfg = DirConfig {
+        writable: true,
+        metadata_on_ring: Some(true),
+        ..DirConfig::default()
+    };
+    let h = H::with_config(cfg, None);
+    assert!(!h.fs.inline_metadata);
+    umask_or_default_acl(h);
+}
+
+fn umask_or_default_acl(h: H) {
     // No default ACL: the caller's umask applies (the kernel sends it beside the mode).
     let (_, _) = h.create(ROOT_ID, b"masked", 0o666, 0o022).unwrap();
     let mode = |p: &str| std::fs::symlink_metadata(h.path(p)).unwrap().mode() & 0o7777;

@@ -285,8 +285,11 @@ struct GaugeWindow {
 }
 
 impl Engine {
-    /// Creates the ring and allocates (and optionally registers) the buffer pool.
+    /// Creates the ring and allocates (and optionally registers) the buffer pool. The first
+    /// engine of a thread gives the thread a filesystem context of its own ([`crate::umask`]).
     pub fn new(cfg: &EngineConfig) -> Result<Engine, EngineError> {
+        // Before the ring: its io-wq workers share the context the thread has when they start.
+        crate::umask::own_context().map_err(EngineError::Context)?;
         let entries = cfg.sq_entries.max(8).next_power_of_two();
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .setup_cqsize(entries * 4)

@@ -35,6 +35,7 @@ mod scratch;
 pub mod sync;
 mod table;
 mod tenant;
+pub mod umask;
 
 pub use buf::{Buf, SendBuf, Slice, BUF_ALIGN};
 pub use executor::{
@@ -57,6 +58,10 @@ pub enum EngineError {
     /// `io_uring_setup` failed (kernel without io_uring, or io_uring disabled by sysctl).
     #[error("cannot create io_uring: {0} (is io_uring disabled via /proc/sys/kernel/io_uring_disabled?)")]
     Setup(std::io::Error),
+    /// The thread could not get a filesystem context of its own (`unshare(CLONE_FS)`, see
+    /// [`umask`]).
+    #[error("cannot give the ring's thread a umask of its own (unshare(CLONE_FS)): {0}")]
+    Context(std::io::Error),
     /// Allocating the buffer pool failed.
     #[error("cannot allocate {count} I/O buffers of {size} bytes")]
     Alloc {

@@ -288,7 +288,7 @@ impl Engine {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Runs `sqe`, a path operation (unlinkat, renameat, linkat) whose paths are `path` and
+    /// Runs `sqe`, a path operation (unlinkat, renameat, linkat, mkdirat, symlinkat) whose paths are `path` and
     /// `second`, which the op owns until its completion (a `CPath`'s bytes stay where they are
     /// when it moves); 0 or the error.
     ///
@@ -364,6 +364,29 @@ impl Engine {
         .into();
         // SAFETY: the entry points only at `old`'s and `new`'s bytes.
         unsafe { self.paths_op(sqe, old, Some(new)) }.await
+    }
+
+    /// `mkdirat(2)` of `path` in `dirfd` with `mode`. io_uring always runs it in an io-wq
+    /// worker, which applies the umask of this thread's filesystem context (see [`crate::umask`]).
+    pub async fn mkdirat(&self, dirfd: RawFd, path: &CStr, mode: u32) -> io::Result<()> {
+        let path = self.scratch.path(path);
+        let sqe: Sqe = opcode::MkDirAt::new(types::Fd(dirfd), path.as_ptr())
+            .mode(mode)
+            .build()
+            .into();
+        // SAFETY: the entry points only at `path`'s bytes.
+        unsafe { self.paths_op(sqe, path, None) }.await
+    }
+
+    /// `symlinkat(2)`: a symlink `path` in `dirfd` whose content is `target` (stored, never
+    /// resolved).
+    pub async fn symlinkat(&self, target: &CStr, dirfd: RawFd, path: &CStr) -> io::Result<()> {
+        let (target, path) = (self.scratch.path(target), self.scratch.path(path));
+        let sqe: Sqe = opcode::SymlinkAt::new(types::Fd(dirfd), target.as_ptr(), path.as_ptr())
+            .build()
+            .into();
+        // SAFETY: the entry points only at `target`'s and `path`'s bytes.
+        unsafe { self.paths_op(sqe, target, Some(path)) }.await
     }
 
     /// Waits `d` on the ring (an `IORING_OP_TIMEOUT`): the thread keeps serving other tasks.

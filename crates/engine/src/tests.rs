@@ -820,3 +820,88 @@ fn opcode_support_is_the_kernels_first_and_cached() {
     assert!(eng.supports_opcode(io_uring::opcode::Read::CODE));
     assert!(!eng.supports_opcode(u8::MAX));
 }
+
+#[test]
+fn mkdirat_and_symlinkat_make_entries() {
+    use std::os::unix::fs::PermissionsExt;
+    let eng = engine(1, false);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir_fd(dir.path());
+    let _held = eng.block_on(crate::umask::hold(&eng, 0)).unwrap().unwrap();
+    eng.block_on(eng.mkdirat(d.as_raw_fd(), c"sub", 0o751))
+        .unwrap()
+        .unwrap();
+    let m = std::fs::metadata(dir.path().join("sub")).unwrap();
+    assert!(m.is_dir());
+    assert_eq!(m.permissions().mode() & 0o7777, 0o751);
+    let e = eng
+        .block_on(eng.mkdirat(d.as_raw_fd(), c"sub", 0o755))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EEXIST));
+    // A long target (more than a pooled path holds) is stored whole, never resolved.
+    let long = format!("../{}", "x/".repeat(300));
+    let target = std::ffi::CString::new(long.clone()).unwrap();
+    eng.block_on(eng.symlinkat(&target, d.as_raw_fd(), c"ln"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        std::fs::read_link(dir.path().join("ln")).unwrap(),
+        std::path::PathBuf::from(long)
+    );
+}
+
+/// Creations on the ring (in io-wq workers) apply the umask held for them, the thread's own:
+/// two held at once with different umasks each get theirs, and the rest of the process keeps
+/// its umask.
+#[test]
+fn creations_on_the_ring_apply_the_umask_held_for_them() {
+    use std::os::unix::fs::PermissionsExt;
+    fn process_umask() -> String {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        s.lines()
+            .find(|l| l.starts_with("Umask:"))
+            .unwrap()
+            .to_string()
+    }
+    let before = process_umask();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    std::thread::spawn(move || {
+        let eng = engine(1, false);
+        let d = dir_fd(&path);
+        let fd = d.as_raw_fd();
+        let made = Rc::new(RefCell::new(Vec::new()));
+        for (i, umask) in [0o077u32, 0o022, 0o077, 0o002, 0].into_iter().enumerate() {
+            let (e, made) = (eng.clone(), made.clone());
+            eng.spawn(async move {
+                let name = std::ffi::CString::new(format!("d{i}")).unwrap();
+                let held = crate::umask::hold(&e, umask).await.unwrap();
+                e.mkdirat(fd, &name, 0o777).await.unwrap();
+                let name = std::ffi::CString::new(format!("f{i}")).unwrap();
+                let f = e
+                    .openat_punted(
+                        fd,
+                        &name,
+                        libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+                        0o666,
+                    )
+                    .await
+                    .unwrap();
+                drop((f, held));
+                made.borrow_mut().push((i, umask));
+            });
+        }
+        eng.run().unwrap();
+        assert_eq!(made.borrow().len(), 5);
+        for (i, umask) in made.borrow().iter() {
+            let m = std::fs::metadata(path.join(format!("d{i}"))).unwrap();
+            assert_eq!(m.permissions().mode() & 0o777, 0o777 & !umask, "d{i}");
+            let m = std::fs::metadata(path.join(format!("f{i}"))).unwrap();
+            assert_eq!(m.permissions().mode() & 0o777, 0o666 & !umask, "f{i}");
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(process_umask(), before);
+}
