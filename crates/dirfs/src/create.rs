@@ -277,11 +277,16 @@ impl DirFs {
         if st.st_mode & libc::S_IFMT != kind {
             return Err(libc::EIO);
         }
-        let pst = self.stat_fd(eng, parent.fd()?.as_fd()).await?;
-        let gid = if pst.st_mode & libc::S_ISGID != 0 {
-            u32::MAX
-        } else {
+        // The parent's setgid bit matters only when the group is not the caller's already.
+        let gid = if st.st_gid == hdr.gid {
             hdr.gid
+        } else {
+            let pst = self.stat_fd(eng, parent.fd()?.as_fd()).await?;
+            if pst.st_mode & libc::S_ISGID != 0 {
+                u32::MAX
+            } else {
+                hdr.gid
+            }
         };
         let mut st = st;
         if st.st_uid != hdr.uid || (gid != u32::MAX && st.st_gid != gid) {
