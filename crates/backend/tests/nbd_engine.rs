@@ -72,6 +72,11 @@ fn handshake(s: &mut UnixStream) -> bool {
 /// The handshake, advertising `min_block` (with a preferred size of 4096 and 64 KiB at most)
 /// when given.
 fn handshake_with(s: &mut UnixStream, min_block: Option<u32>) -> bool {
+    handshake_flags(s, min_block, true)
+}
+
+/// [`handshake_with`], advertising multi-conn or not.
+fn handshake_flags(s: &mut UnixStream, min_block: Option<u32>, multi_conn: bool) -> bool {
     let mut g = b"NBDMAGICIHAVEOPT".to_vec();
     g.extend_from_slice(&3u16.to_be_bytes());
     s.write_all(&g).unwrap();
@@ -99,7 +104,8 @@ fn handshake_with(s: &mut UnixStream, min_block: Option<u32>) -> bool {
                 let mut i = 0u16.to_be_bytes().to_vec();
                 i.extend_from_slice(&(SIZE as u64).to_be_bytes());
                 // HAS_FLAGS | SEND_FLUSH | SEND_WRITE_ZEROES | CAN_MULTI_CONN
-                i.extend_from_slice(&(1u16 | 4 | 64 | 256).to_be_bytes());
+                let multi = if multi_conn { 256 } else { 0 };
+                i.extend_from_slice(&(1u16 | 4 | 64 | multi).to_be_bytes());
                 opt_reply(s, opt, 3, &i);
                 if let Some(m) = min_block {
                     let mut b = 3u16.to_be_bytes().to_vec();
@@ -359,8 +365,18 @@ struct Seen {
 /// A server with a minimum block size of [`MIN`] that fails every request not aligned to it
 /// (as nbdkit's blocksize-policy filter does), and answers BLOCK_STATUS without REQ_ONE with one
 /// extent per block (thousands per reply: longer than the client's meta buffer).
-fn serve_strict(mut s: UnixStream, mem: Arc<Mutex<Vec<u8>>>, seen: Arc<Mutex<Seen>>) {
-    if !handshake_with(&mut s, Some(MIN as u32)) {
+fn serve_strict(s: UnixStream, mem: Arc<Mutex<Vec<u8>>>, seen: Arc<Mutex<Seen>>) {
+    serve_strict_flags(s, mem, seen, true)
+}
+
+/// [`serve_strict`], advertising multi-conn or not.
+fn serve_strict_flags(
+    mut s: UnixStream,
+    mem: Arc<Mutex<Vec<u8>>>,
+    seen: Arc<Mutex<Seen>>,
+    multi_conn: bool,
+) {
+    if !handshake_flags(&mut s, Some(MIN as u32), multi_conn) {
         return;
     }
     loop {
@@ -730,4 +746,64 @@ fn an_adopted_export_connects_on_its_first_request_and_checks_the_server() {
         ..negotiated
     };
     assert!(NbdBackend::adopt(&uri, opts, ro).is_err());
+}
+
+/// A server restarted without multi-conn under an export whose queues each connect: the first
+/// queue thread to connect is served, a second one's connection is refused (its requests fail
+/// with EIO), so no two connections reach a server that promises nothing across them. With one
+/// queue the same server serves.
+#[test]
+fn a_server_that_lost_multi_conn_serves_one_queue_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = image(SIZE);
+    let listen_flags = |sock: &std::path::Path, multi_conn: bool| {
+        let listener = UnixListener::bind(sock).unwrap();
+        let mem = mem.clone();
+        thread::spawn(move || {
+            let seen = Arc::new(Mutex::new(Seen::default()));
+            for s in listener.incoming() {
+                let Ok(s) = s else { return };
+                let (mem, seen) = (mem.clone(), seen.clone());
+                thread::spawn(move || serve_strict_flags(s, mem, seen, multi_conn));
+            }
+        });
+    };
+    let first = dir.path().join("first.sock");
+    listen_flags(&first, true);
+    let negotiated = *open_writable(&first).export();
+    assert!(negotiated.has(nbd::FLAG_CAN_MULTI_CONN));
+    let sock = dir.path().join("s.sock");
+    listen_flags(&sock, false);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let opts = NbdOptions {
+        writable: true,
+        adopt: Some(negotiated),
+        ..NbdOptions::default()
+    };
+    let b = Arc::new(NbdBackend::open(&uri, opts).unwrap());
+    // Each queue thread reads 4 KiB at 8192 on an engine of its own.
+    let read_on_a_thread = |b: Arc<NbdBackend>| {
+        thread::spawn(move || {
+            let eng = one_buffer_engine();
+            let buf = eng.take_buffer().unwrap();
+            let (r, win) = eng
+                .block_on(b.read_at(&eng, buf.slice(0..4096), 8192))
+                .unwrap();
+            let ok = r.map(|n| n == 4096 && win.as_slice()[0] == pattern(8192));
+            b.queue_ended();
+            ok.map_err(|e| e.errno())
+        })
+        .join()
+        .unwrap()
+    };
+    assert_eq!(
+        read_on_a_thread(b.clone()),
+        Ok(true),
+        "the first queue is served"
+    );
+    assert_eq!(
+        read_on_a_thread(b.clone()),
+        Err(libc::EIO),
+        "a second queue's connection is refused"
+    );
 }

@@ -124,6 +124,9 @@ pub struct NbdBackend {
     /// Made by [`NbdBackend::adopt`]: each queue's first connection is logged (the previous
     /// daemon let go of the server).
     adopted: bool,
+    /// Queue threads that have used this backend: with more than one, every connection must be
+    /// to a server that allows several ([`NbdBackend::check`]).
+    threads: AtomicUsize,
     created: (i64, u32),
     /// Region locks for read-modify-writes; only with a minimum block size above 1.
     rmw: Option<RegionLocks>,
@@ -280,6 +283,7 @@ impl NbdBackend {
             tls,
             adopted: first.is_none(),
             first: Mutex::new(first),
+            threads: AtomicUsize::new(0),
             created: (now.as_secs() as i64, now.subsec_nanos()),
             rmw: (export.min_block > 1).then(|| RegionLocks::new(export.min_block.ilog2())),
             alloc: AllocCache::default(),
@@ -366,6 +370,7 @@ impl NbdBackend {
         let i = match all.iter().position(|p| p.backend == self.id) {
             Some(i) => i,
             None => {
+                self.threads.fetch_add(1, Ordering::Relaxed);
                 all.push(PerThread {
                     backend: self.id,
                     conn: None,
@@ -515,9 +520,19 @@ impl NbdBackend {
         });
     }
 
-    /// A new connection to the same export, checked to still be the same size and as writable.
+    /// A new connection to the same export, checked to still be the same size and as writable,
+    /// and to allow several connections where several queues use it: without multi-conn a
+    /// server promises nothing across connections (a FLUSH on one need not cover writes made
+    /// on another), so a server restarted without it serves one queue at most.
     fn check(&self, c: Connected) -> std::result::Result<Connected, String> {
         let e = c.export;
+        if !e.has(nbd::FLAG_CAN_MULTI_CONN) && self.threads.load(Ordering::Relaxed) > 1 {
+            return Err(
+                "the export no longer allows several connections (multi-conn), which this \
+                 export's queues each use: serve it with multi-conn again, or restart fusex"
+                    .into(),
+            );
+        }
         if e.size != self.export.size {
             return Err(format!(
                 "the export changed size ({} -> {} bytes)",
