@@ -100,15 +100,7 @@ impl DirFs {
             }
             st
         };
-        let entry = self.remember(held, &st);
-        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), direct) {
-            Ok(out) => out,
-            Err(e) => {
-                self.inodes.forget(entry.nodeid, 1);
-                return Err(e);
-            }
-        };
-        put2(buf, payload, &entry, &out)
+        self.reply_opened(held, &st, fd, direct, buf, payload)
     }
 
     /// TMPFILE: an unnamed regular file in the directory (`O_TMPFILE`), the caller's, opened;
@@ -149,8 +141,22 @@ impl DirFs {
         let st = self
             .adopt(eng, hdr, &dir, &held, libc::S_IFREG, Some(a.mode))
             .await?;
-        let entry = self.remember(held, &st);
-        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), false) {
+        self.reply_opened(held, &st, fd, false, buf, payload)
+    }
+
+    /// The reply of CREATE and TMPFILE: the new node (`held`, attributes `st`) remembered and
+    /// the file `fd` opened; the node forgotten again if the open cannot be answered.
+    fn reply_opened(
+        &self,
+        held: OwnedFd,
+        st: &libc::stat,
+        fd: OwnedFd,
+        direct: bool,
+        buf: &mut Buf,
+        payload: usize,
+    ) -> R {
+        let entry = self.remember(held, st);
+        let out = match self.open_out(fd, Some((st.st_dev, st.st_ino)), direct) {
             Ok(out) => out,
             Err(e) => {
                 self.inodes.forget(entry.nodeid, 1);

@@ -34,6 +34,19 @@ impl H {
         )
     }
 
+    /// A writable export whose lookups, attributes, unlinks and creations are ring operations
+    /// wherever the source is (a network source's way).
+    fn on_the_ring() -> H {
+        let cfg = DirConfig {
+            writable: true,
+            metadata_on_ring: Some(true),
+            ..DirConfig::default()
+        };
+        let h = H::with_config(cfg, None);
+        assert!(!h.fs.inline_metadata);
+        h
+    }
+
     /// A fresh source tree in `base`, served with `cfg`.
     fn with_config(cfg: DirConfig, base: Option<&str>) -> H {
         let dir = match base {
@@ -292,14 +305,7 @@ fn symlinks_are_returned_never_followed() {
 /// Lookups, attributes and unlinks as ring operations (a network source's way).
 #[test]
 fn create_write_rename_unlink_on_the_ring() {
-    let cfg = DirConfig {
-        writable: true,
-        metadata_on_ring: Some(true),
-        ..DirConfig::default()
-    };
-    let h = H::with_config(cfg, None);
-    assert!(!h.fs.inline_metadata);
-    create_write_rename_unlink_on(h);
+    create_write_rename_unlink_on(H::on_the_ring());
 }
 
 /// The same calls on a tmpfs source, where stat, lookup and unlink are made directly.
@@ -865,14 +871,7 @@ fn the_callers_umask_or_the_parents_default_acl_decides_a_new_entrys_mode() {
 /// applies the umask the queue thread holds for it).
 #[test]
 fn the_callers_umask_or_the_parents_default_acl_decides_on_the_ring_too() {
-    let cfg = DirConfig {
-        writable: true,
-        metadata_on_ring: Some(true),
-        ..DirConfig::default()
-    };
-    let h = H::with_config(cfg, None);
-    assert!(!h.fs.inline_metadata);
-    umask_or_default_acl(h);
+    umask_or_default_acl(H::on_the_ring());
 }
 
 fn umask_or_default_acl(h: H) {
