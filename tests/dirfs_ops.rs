@@ -671,6 +671,81 @@ fn a_held_creation_does_not_block_other_requests() {
     b.join().unwrap();
 }
 
+/// Set-id bits after a write, a truncate and a chown through the mount are those the same calls
+/// leave on the source itself, with and without passthrough: fusex negotiates
+/// `FUSE_HANDLE_KILLPRIV_V2` (the kernel no longer asks for `security.capability` before every
+/// write) and clears the bits itself where a local call by that caller would. Two differences,
+/// documented: under passthrough a write by root clears them too (the kernel writes with the
+/// credentials the file was registered with, which lack `CAP_FSETID`), and set-gid on a file
+/// its group may not execute (no privilege at exec) stays after a write by someone outside the
+/// group (the protocol has the server clear set-gid only where the group may execute).
+#[test]
+fn set_id_bits_after_writes_truncates_and_chowns_are_the_local_ones() {
+    if !require_fuse_and_tools(&["setpriv", "truncate", "chown"]) {
+        return;
+    }
+    // (operation, caller, mode before): the calls a caller without CAP_FSETID makes clear
+    // set-uid, and set-gid where the group may execute; root's keep them, but chown's.
+    let cases: &[(&str, &str, u32)] = &[
+        ("write", "user", 0o6777),
+        ("write", "user", 0o2767),
+        ("write", "root", 0o6777),
+        ("truncate", "user", 0o6777),
+        ("truncate", "root", 0o6777),
+        ("chown", "root", 0o6755),
+        ("chown", "root", 0o2745),
+    ];
+    for pt in ["on", "off"] {
+        let t = Tree::new("dirfs-killpriv");
+        let m = t.mount(&["--writable", "--allow-other", "--passthrough", pt]);
+        for (i, &(op, who, mode)) in cases.iter().enumerate() {
+            let mut modes = Vec::new();
+            for (side, dir) in [("local", &t.src), ("mount", &t.mnt)] {
+                let name = format!("{side}-{i}");
+                fs::write(t.src.join(&name), b"#!/bin/sh\n").unwrap();
+                fs::set_permissions(t.src.join(&name), fs::Permissions::from_mode(mode)).unwrap();
+                let path = dir.join(&name);
+                let p = path.display();
+                let call = match op {
+                    "write" => format!("echo exit >> {p}"),
+                    "truncate" => format!("truncate -s 1 {p}"),
+                    _ => format!("chown 65534 {p}"),
+                };
+                let mut cmd = Command::new("setpriv");
+                if who == "user" {
+                    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
+                }
+                let out = run(cmd.args(["sh", "-c", &call]));
+                assert!(
+                    out.status.success(),
+                    "{op} as {who} on {side}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                modes.push(fs::metadata(t.src.join(&name)).unwrap().mode() & 0o7777);
+            }
+            let (local, mount) = (modes[0], modes[1]);
+            let group_exec = mode & 0o2010 == 0o2010;
+            let want = if pt == "on" && op == "write" && who == "root" {
+                assert_eq!(local, mode, "root's local write keeps the bits");
+                mode & !(0o4000 | if group_exec { 0o2000 } else { 0 })
+            } else if who == "user" && mode & 0o2000 != 0 && !group_exec {
+                // Set-gid without group execute gives nothing at exec: a local write by
+                // someone outside the group clears it, the protocol clears it only where the
+                // group may execute.
+                local | 0o2000
+            } else {
+                local
+            };
+            assert_eq!(
+                mount, want,
+                "{op} as {who} of a {mode:o} file, passthrough {pt}"
+            );
+        }
+        m.stop()
+            .assert_clean("set-id bits through a directory export");
+    }
+}
+
 /// One system call of [`errors_through_the_mount_are_the_sources`] on paths of type `P`
 /// (relative in the table, then absolute below a root).
 #[derive(Clone, Copy, Debug)]

@@ -16,7 +16,7 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use engine::{umask, Buf, Engine};
-use fuse_abi::{CreateIn, EntryOut, InHeader, MkdirIn, MknodIn};
+use fuse_abi::{CreateIn, EntryOut, InHeader, MkdirIn, MknodIn, FUSE_OPEN_KILL_SUIDGID};
 
 use export::Span;
 
@@ -98,7 +98,16 @@ impl DirFs {
             if st.st_mode & libc::S_IFMT != libc::S_IFREG {
                 return Err(libc::EISDIR);
             }
-            st
+            // The kernel takes what CREATE opened for a new file and truncates nothing itself:
+            // a name that appeared meanwhile is truncated here when the caller asked, with
+            // its set-id bits cleared where the caller has no CAP_FSETID.
+            if a.flags as i32 & libc::O_TRUNC != 0 && st.st_size != 0 {
+                sys::ftruncate(fd.as_raw_fd(), 0)?;
+            }
+            if a.flags as i32 & libc::O_TRUNC != 0 && a.open_flags & FUSE_OPEN_KILL_SUIDGID != 0 {
+                sys::kill_suidgid(self.proc_fd.as_fd(), fd.as_raw_fd())?;
+            }
+            self.stat_fd(eng, held.as_fd()).await?
         };
         self.reply_opened(held, &st, fd, direct, buf, payload)
     }

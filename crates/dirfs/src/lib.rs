@@ -43,10 +43,10 @@ use export::{Filesystem, Reply, Request, Span, Tally};
 use fuse_abi::{
     AttrOut, Dirent, EntryOut, FallocateIn, FsyncIn, GetxattrIn, GetxattrOut, InHeader, Kstatfs,
     LseekIn, LseekOut, Opcode, OpenOut, ReadIn, SetattrIn, SetxattrIn, StatfsOut, WriteIn,
-    WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_MODE, FATTR_MTIME,
-    FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
+    WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_KILL_SUIDGID, FATTR_MODE,
+    FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
     FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, FUSE_WRITEBACK_CACHE,
-    ROOT_ID,
+    FUSE_WRITE_KILL_SUIDGID, ROOT_ID,
 };
 use zerocopy::{Immutable, IntoBytes};
 
@@ -785,6 +785,14 @@ impl DirFs {
                 None => sys::utimes_fd(node.fd()?.as_fd(), &times)?,
             }
         }
+        // A truncate by a caller without CAP_FSETID, or a chown (`FUSE_HANDLE_KILLPRIV_V2`):
+        // set-id bits go, as on a local filesystem (the daemon's own calls keep them).
+        if a.valid & FATTR_KILL_SUIDGID != 0 && node.kind == libc::S_IFREG {
+            match fh {
+                Some(fd) => sys::kill_suidgid(self.proc_fd.as_fd(), fd)?,
+                None => sys::kill_suidgid(self.proc_fd.as_fd(), node.fd()?.as_raw_fd())?,
+            }
+        }
         let st = match fh {
             Some(fd) => sys::stat_fd(borrow(fd))?,
             None => sys::stat_fd(node.fd()?.as_fd())?,
@@ -862,7 +870,9 @@ impl DirFs {
                 return id;
             }
         }
-        match sys::backing_open(conn.as_fd(), fd.as_raw_fd()) {
+        // Registered without CAP_FSETID: the kernel writes through it with these credentials,
+        // so a passthrough write clears set-id bits in the source (`FUSE_HANDLE_KILLPRIV_V2`).
+        match sys::without_fsetid(|| sys::backing_open(conn.as_fd(), fd.as_raw_fd())) {
             Ok(id) => {
                 b.by_inode.insert(key, id);
                 b.by_id.insert(id, (key, 1));
@@ -1127,6 +1137,13 @@ impl DirFs {
         let Some(fd) = self.files.get(a.fh) else {
             return (Reply::Error(libc::EBADF), buf);
         };
+        // A caller without CAP_FSETID (`FUSE_HANDLE_KILLPRIV_V2`): set-id bits go first, as a
+        // local write clears them.
+        if a.write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
+            if let Err(e) = sys::kill_suidgid(self.proc_fd.as_fd(), fd) {
+                return (Reply::Error(e), buf);
+            }
+        }
         let n = (a.size as usize).min(cap);
         let started = tally.backend_start();
         let (r, win) = eng

@@ -216,6 +216,24 @@ pub fn chmod_fd(proc_fd: BorrowedFd<'_>, fd: RawFd, mode: u32) -> Result<(), Err
     check(unsafe { libc::fchmodat(proc_fd.as_raw_fd(), c.as_ptr(), mode, 0) }).map(drop)
 }
 
+/// Clears the set-user-ID bit of the regular file behind `fd` (any descriptor, `O_PATH`
+/// included), and its set-group-ID bit where its group may execute it: what a write, truncate
+/// or chown by a caller without `CAP_FSETID` does on a local filesystem, and what
+/// `FUSE_HANDLE_KILLPRIV_V2` leaves to the server (the daemon's own calls keep the bits: it has
+/// `CAP_FSETID`).
+pub fn kill_suidgid(proc_fd: BorrowedFd<'_>, fd: RawFd) -> Result<(), Errno> {
+    // SAFETY: `fd` is open for the call (the caller holds it).
+    let st = stat_fd(unsafe { BorrowedFd::borrow_raw(fd) })?;
+    let mut kill = st.st_mode & libc::S_ISUID;
+    if st.st_mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+        kill |= libc::S_ISGID;
+    }
+    if kill == 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Ok(());
+    }
+    chmod_fd(proc_fd, fd, st.st_mode & 0o7777 & !kill)
+}
+
 /// Sets access and modification times of the inode behind `fd` (`UTIME_OMIT` leaves one).
 pub fn utimes_fd(fd: BorrowedFd<'_>, times: &[libc::timespec; 2]) -> Result<(), Errno> {
     // SAFETY: `times` points to two timespecs; the empty path is NUL-terminated.
@@ -373,6 +391,77 @@ pub fn dir_record(buf: &[u8]) -> Option<DirRecord<'_>> {
         name: CStr::from_bytes_until_nul(&buf[19..reclen]).ok()?,
         reclen,
     })
+}
+
+/// The capability sets of a `capget`/`capset` call (`_LINUX_CAPABILITY_VERSION_3`: two
+/// 32-bit words per set).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// `struct __user_cap_header_struct`.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+/// `_LINUX_CAPABILITY_VERSION_3`.
+const CAP_VERSION_3: u32 = 0x2008_0522;
+/// `CAP_FSETID`.
+const CAP_FSETID: u32 = 4;
+
+/// The calling thread's capability sets (`pid` 0: this thread).
+fn capget() -> Result<[CapData; 2], Errno> {
+    let mut hdr = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: the header and two data structs are valid, writable and of the kernel's layout.
+    check(unsafe { libc::syscall(libc::SYS_capget, &mut hdr, data.as_mut_ptr()) } as i32)?;
+    Ok(data)
+}
+
+/// Sets the calling thread's capability sets.
+fn capset(data: &[CapData; 2]) -> Result<(), Errno> {
+    let mut hdr = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    // SAFETY: the header and two data structs are valid and of the kernel's layout.
+    check(unsafe { libc::syscall(libc::SYS_capset, &mut hdr, data.as_ptr()) } as i32).map(drop)
+}
+
+/// Runs `f` with `CAP_FSETID` out of the calling thread's effective set (capabilities are
+/// per thread), then puts it back. The credentials a passthrough backing file is registered
+/// with are those the kernel writes with (`FUSE_DEV_IOC_BACKING_OPEN` records the caller's):
+/// without `CAP_FSETID` there, a write through the mount clears set-id bits in the source as a
+/// local write without it does, which `FUSE_HANDLE_KILLPRIV_V2` leaves to the server and no
+/// request brings it for passthrough writes. A thread without the capability runs `f` as it
+/// is.
+pub fn without_fsetid<T>(f: impl FnOnce() -> T) -> T {
+    let Ok(caps) = capget() else { return f() };
+    if caps[0].effective & (1 << CAP_FSETID) == 0 {
+        return f();
+    }
+    let mut less = caps;
+    less[0].effective &= !(1 << CAP_FSETID);
+    if capset(&less).is_err() {
+        return f();
+    }
+    let r = f();
+    if let Err(e) = capset(&caps) {
+        tracing::warn!(
+            "could not take CAP_FSETID back: {}",
+            std::io::Error::from_raw_os_error(e)
+        );
+    }
+    r
 }
 
 /// Registers the open regular file `file` as a passthrough backing file of the FUSE connection
@@ -622,6 +711,57 @@ mod tests {
             proc_path(&mut p, i32::MAX).to_bytes(),
             b"/proc/self/fd/2147483647"
         );
+    }
+
+    /// Set-user-ID always goes, set-group-ID only where the group may execute; the other bits
+    /// stay; directories and files without the bits are left alone.
+    #[test]
+    fn kill_suidgid_clears_what_a_local_write_clears() {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let proc_fd: OwnedFd = std::fs::File::open("/proc/self/fd").unwrap().into();
+        for (before, after) in [
+            (0o6777, 0o0777),
+            (0o6767, 0o2767),
+            (0o4755, 0o0755),
+            (0o2750, 0o0750),
+            (0o1777, 0o1777),
+            (0o0644, 0o0644),
+        ] {
+            let p = dir.path().join(format!("f{before:o}"));
+            std::fs::write(&p, b"x").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(before)).unwrap();
+            let f = std::fs::File::open(&p).unwrap();
+            kill_suidgid(proc_fd.as_fd(), f.as_raw_fd()).unwrap();
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, after, "{before:o}");
+        }
+        let d = dir.path().join("d");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o2775)).unwrap();
+        let f = std::fs::File::open(&d).unwrap();
+        kill_suidgid(proc_fd.as_fd(), f.as_raw_fd()).unwrap();
+        let mode = std::fs::metadata(&d).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o2775, "a directory keeps its set-gid bit");
+    }
+
+    /// `CAP_FSETID` is out of the effective set only inside the closure, and back after it; the
+    /// rest of the sets does not change.
+    #[test]
+    fn without_fsetid_drops_the_capability_for_the_call_only() {
+        let before = capget().unwrap();
+        let inside = without_fsetid(|| capget().unwrap());
+        let after = capget().unwrap();
+        let bit = 1u32 << CAP_FSETID;
+        assert_eq!(inside[0].effective & bit, 0);
+        assert_eq!(
+            inside[0].effective | (before[0].effective & bit),
+            before[0].effective
+        );
+        assert_eq!(inside[0].permitted, before[0].permitted);
+        assert_eq!(after[0].effective, before[0].effective);
+        assert_eq!(after[1].effective, before[1].effective);
     }
 }
 

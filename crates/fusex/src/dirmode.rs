@@ -10,8 +10,9 @@ use anyhow::{bail, Context, Result};
 use dirfs::{DirConfig, DirFs};
 use fuse_abi::{
     FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_DIRECT_IO_ALLOW_MMAP, FUSE_DONT_MASK,
-    FUSE_DO_READDIRPLUS, FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS, FUSE_PASSTHROUGH,
-    FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT, FUSE_WRITEBACK_CACHE,
+    FUSE_DO_READDIRPLUS, FUSE_HANDLE_KILLPRIV_V2, FUSE_OVER_IO_URING, FUSE_PARALLEL_DIROPS,
+    FUSE_PASSTHROUGH, FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT,
+    FUSE_WRITEBACK_CACHE,
 };
 use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
 
@@ -228,6 +229,9 @@ fn prepare(args: &MountArgs, verbose: u8) -> Result<Prepared> {
     // DONT_MASK: new entries' modes come without the caller's umask, which the source applies
     // unless the parent has a default ACL (POSIX_ACL: the kernel checks ACLs; SETXATTR_EXT:
     // it says when setting an ACL clears the setgid bit). No ACLs if the source keeps none.
+    // HANDLE_KILLPRIV_V2: set-id bits cleared by fusex at a write, truncate or chown that would
+    // clear them locally, instead of the kernel asking for `security.capability` before every
+    // write (a GETXATTR round trip per write(2), passthrough writes included).
     let mut want = FUSE_ASYNC_READ
         | FUSE_DIRECT_IO_ALLOW_MMAP
         | FUSE_BIG_WRITES
@@ -235,7 +239,8 @@ fn prepare(args: &MountArgs, verbose: u8) -> Result<Prepared> {
         | FUSE_DO_READDIRPLUS
         | FUSE_READDIRPLUS_AUTO
         | FUSE_DONT_MASK
-        | FUSE_SETXATTR_EXT;
+        | FUSE_SETXATTR_EXT
+        | FUSE_HANDLE_KILLPRIV_V2;
     if fs.source_has_acls() {
         want |= FUSE_POSIX_ACL;
     }
