@@ -1572,3 +1572,48 @@ fn a_successor_answers_the_node_ids_and_handles_of_its_predecessor() {
     assert_ne!(fh2, fh);
     h.release(fh2, false);
 }
+
+/// CREATE of a name that exists (it appeared after the kernel's lookup) opens the file as it
+/// is, and truncates it when the caller asked for `O_TRUNC` (the kernel truncates nothing after
+/// a CREATE), clearing its set-id bits where the kernel says the caller has no `CAP_FSETID`
+/// (`FUSE_OPEN_KILL_SUIDGID`).
+#[test]
+fn create_of_a_name_that_appeared_truncates_only_when_asked() {
+    let h = H::new(true);
+    let mode = |p: &str| std::fs::metadata(h.path(p)).unwrap().mode() & 0o7777;
+    for (name, flags, open_flags, size, bits) in [
+        ("kept", libc::O_WRONLY, 0, 5, 0o6777),
+        ("trunc", libc::O_WRONLY | libc::O_TRUNC, 0, 0, 0o6777),
+        (
+            "killed",
+            libc::O_RDONLY | libc::O_TRUNC,
+            fuse_abi::FUSE_OPEN_KILL_SUIDGID,
+            0,
+            0o0777,
+        ),
+    ] {
+        std::fs::write(h.path(name), b"hello").unwrap();
+        std::fs::set_permissions(h.path(name), std::fs::Permissions::from_mode(0o6777)).unwrap();
+        h.call(
+            ROOT_ID,
+            |s| Request::Create {
+                arg: CreateIn {
+                    flags: (libc::O_CREAT | flags) as u32,
+                    mode: libc::S_IFREG | 0o644,
+                    umask: 0o022,
+                    open_flags,
+                },
+                name: s[0],
+            },
+            &[name.as_bytes()],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::metadata(h.path(name)).unwrap().len(),
+            size,
+            "{name}"
+        );
+        assert_eq!(mode(name), bits, "{name}");
+    }
+}
