@@ -10,7 +10,7 @@
 //! and `symlinkat` except on a local filesystem, where they are made directly as UNLINK is
 //! (`DirFs::inline_metadata`: io_uring hands them to an io-wq worker every time). MKNOD has no
 //! ring operation. What follows (the new entry opened `O_PATH` and its attributes read, on the
-//! ring likewise) ends with [`DirFs::adopt`]: `fchownat` and `chmod`, which have no ring
+//! ring likewise) ends with [`DirFs::give_to_caller`]: `fchownat` and `chmod`, which have no ring
 //! operation, are plain calls.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -84,7 +84,7 @@ impl DirFs {
         let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
         let st = if made {
             match self
-                .adopt(eng, hdr, &dir, &held, libc::S_IFREG, Some(a.mode))
+                .give_to_caller(eng, hdr, &dir, &held, libc::S_IFREG, Some(a.mode))
                 .await
             {
                 Ok(st) => st,
@@ -150,7 +150,7 @@ impl DirFs {
         };
         let held = sys::reopen(self.proc_fd.as_fd(), fd.as_raw_fd(), libc::O_PATH)?;
         let st = self
-            .adopt(eng, hdr, &dir, &held, libc::S_IFREG, Some(a.mode))
+            .give_to_caller(eng, hdr, &dir, &held, libc::S_IFREG, Some(a.mode))
             .await?;
         self.reply_opened(held, &st, fd, false, buf, payload)
     }
@@ -281,7 +281,7 @@ impl DirFs {
     /// (then the parent's, which the source filesystem gave it already); then the mode asked for
     /// (chown may clear set-id bits). Checks the entry is of the type just made, so a name
     /// swapped meanwhile by someone with access to the source is not given away.
-    pub(crate) async fn adopt(
+    pub(crate) async fn give_to_caller(
         &self,
         eng: &Engine,
         hdr: &InHeader,
@@ -331,25 +331,25 @@ impl DirFs {
     /// filesystem gives it. Only a 0:0 character device is given away, so a name swapped
     /// meanwhile by someone with access to the source gives nothing of value; a failure leaves
     /// the daemon's (the rename is done, and is answered as done).
-    pub(crate) async fn adopt_whiteout(
+    pub(crate) async fn give_whiteout_to_caller(
         &self,
         eng: &Engine,
         hdr: &InHeader,
         dir: &Inode,
         name: Name<'_>,
     ) {
-        let adopted = async {
+        let given = async {
             let fd = sys::open_in(dir.fd()?.as_fd(), name, libc::O_PATH, 0)?;
             let st = self.stat_fd(eng, fd.as_fd()).await?;
             if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != 0 {
                 return Err(libc::EIO);
             }
-            self.adopt(eng, hdr, dir, &fd, libc::S_IFCHR, None)
+            self.give_to_caller(eng, hdr, dir, &fd, libc::S_IFCHR, None)
                 .await
                 .map(drop)
         }
         .await;
-        if let Err(e) = adopted {
+        if let Err(e) = given {
             tracing::warn!(
                 "the whiteout a rename left is the daemon's, not the caller's: {}",
                 std::io::Error::from_raw_os_error(e)
@@ -358,7 +358,7 @@ impl DirFs {
     }
 
     /// The common end of MKDIR, MKNOD, SYMLINK: open what was made (`O_PATH`, as LOOKUP does),
-    /// adopt it, remember it; undo the creation if any of that fails.
+    /// give it to the caller, remember it; undo the creation if any of that fails.
     async fn finish_new(
         &self,
         eng: &Engine,
@@ -370,7 +370,9 @@ impl DirFs {
     ) -> Result<EntryOut, Errno> {
         let r = async {
             let fd = self.open_path_in(eng, parent, name).await?;
-            let st = self.adopt(eng, hdr, parent, &fd, kind, mode).await?;
+            let st = self
+                .give_to_caller(eng, hdr, parent, &fd, kind, mode)
+                .await?;
             Ok((fd, st))
         }
         .await;
@@ -383,8 +385,8 @@ impl DirFs {
         }
     }
 
-    /// Removes an entry just made whose adoption failed (best effort: the caller gets the
-    /// adoption's error either way).
+    /// Removes an entry just made that could not be given to its caller (best effort: the
+    /// caller gets the error either way).
     async fn undo(&self, eng: &Engine, parent: &Inode, name: Name<'_>, kind: u32) {
         let flags = if kind == libc::S_IFDIR {
             libc::AT_REMOVEDIR

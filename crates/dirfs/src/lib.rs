@@ -128,7 +128,7 @@ pub enum DirError {
     /// `/proc/self/fd` is not there (fusex re-opens held inodes through it).
     #[error("cannot open /proc/self/fd: {0} (mount /proc)")]
     Proc(std::io::Error),
-    /// What a predecessor handed over cannot be taken over ([`DirFs::adopt`]).
+    /// What a predecessor handed over cannot be taken over ([`DirFs::take_over`]).
     #[error("cannot take the directory export over: {0}")]
     Handover(String),
 }

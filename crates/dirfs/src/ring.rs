@@ -169,7 +169,7 @@ impl DirFs {
                 .await
                 .map_err(errno_of)?;
                 if flags & RENAME_WHITEOUT != 0 {
-                    self.adopt_whiteout(eng, hdr, &from, o).await;
+                    self.give_whiteout_to_caller(eng, hdr, &from, o).await;
                 }
                 Ok(export::Reply::Data(0))
             }

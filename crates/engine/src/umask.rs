@@ -9,7 +9,7 @@
 //! creation with another umask in flight meanwhile.
 //!
 //! Every engine's thread therefore gets a filesystem context of its own before its first ring
-//! exists ([`own_context`], from [`crate::Engine::new`]): the umask it sets is seen by it and its
+//! exists (`own_context`, from [`crate::Engine::new`]): the umask it sets is seen by it and its
 //! io-wq workers only, never by the rest of the process. [`hold`] then makes a umask the
 //! thread's while its holders' creations run: creations with the same umask run together, one
 //! with another umask waits until they are done (on the ring: the thread serves the rest
