@@ -521,12 +521,17 @@ impl NbdBackend {
     }
 
     /// A new connection to the same export, checked to still be the same size and as writable,
-    /// and to allow several connections where several queues use it: without multi-conn a
-    /// server promises nothing across connections (a FLUSH on one need not cover writes made
-    /// on another), so a server restarted without it serves one queue at most.
+    /// and, where the export had multi-conn and several threads use it, to have it still:
+    /// without multi-conn a server promises nothing across connections (a FLUSH on one need not
+    /// cover writes made on another), so a server restarted without it serves one queue at
+    /// most.
     fn check(&self, c: Connected) -> std::result::Result<Connected, String> {
         let e = c.export;
-        if !e.has(nbd::FLAG_CAN_MULTI_CONN) && self.threads.load(Ordering::Relaxed) > 1 {
+        // (Without multi-conn at open fusex runs one queue, and the server never had it.)
+        if self.multi_conn()
+            && !e.has(nbd::FLAG_CAN_MULTI_CONN)
+            && self.threads.load(Ordering::Relaxed) > 1
+        {
             return Err(
                 "the export no longer allows several connections (multi-conn), which this \
                  export's queues each use: serve it with multi-conn again, or restart fusex"
