@@ -124,8 +124,9 @@ pub struct NbdBackend {
     /// Made by [`NbdBackend::adopt`]: each queue's first connection is logged (the previous
     /// daemon let go of the server).
     adopted: bool,
-    /// Queue threads that have used this backend: with more than one, every connection must be
-    /// to a server that allows several ([`NbdBackend::check`]).
+    /// Threads using this backend now (an entry in their `CONNS`, until `queue_ended`): with
+    /// more than one, every connection must be to a server that allows several
+    /// ([`NbdBackend::check`]).
     threads: AtomicUsize,
     created: (i64, u32),
     /// Region locks for read-modify-writes; only with a minimum block size above 1.
@@ -1099,6 +1100,9 @@ impl BlockBackend for NbdBackend {
                 .position(|p| p.backend == self.id)
                 .map(|i| all.swap_remove(i))
         });
+        if gone.is_some() {
+            self.threads.fetch_sub(1, Ordering::Relaxed);
+        }
         drop(gone);
         // The connection made at open, if no queue ever needed it: closed with the queues, not
         // when the process exits, so a `fusex restart` successor finds the server free.
