@@ -101,15 +101,19 @@ impl DirFs {
             // The kernel takes what CREATE opened for a new file and truncates nothing itself:
             // a name that appeared meanwhile is truncated here when the caller asked, with
             // its set-id bits cleared where the caller has no CAP_FSETID.
-            if a.flags as i32 & libc::O_TRUNC != 0 && st.st_size != 0 {
-                // Through `/proc/self/fd`: the open may be read-only (`O_RDONLY | O_TRUNC`
-                // truncates too).
-                sys::truncate_fd(held.as_raw_fd(), 0)?;
+            if a.flags as i32 & libc::O_TRUNC == 0 {
+                st
+            } else {
+                if st.st_size != 0 {
+                    // Through `/proc/self/fd`: the open may be read-only (`O_RDONLY | O_TRUNC`
+                    // truncates too).
+                    sys::truncate_fd(held.as_raw_fd(), 0)?;
+                }
+                if a.open_flags & FUSE_OPEN_KILL_SUIDGID != 0 {
+                    sys::kill_suidgid(self.proc_fd.as_fd(), fd.as_fd())?;
+                }
+                self.stat_fd(eng, held.as_fd()).await?
             }
-            if a.flags as i32 & libc::O_TRUNC != 0 && a.open_flags & FUSE_OPEN_KILL_SUIDGID != 0 {
-                sys::kill_suidgid(self.proc_fd.as_fd(), fd.as_raw_fd())?;
-            }
-            self.stat_fd(eng, held.as_fd()).await?
         };
         self.reply_opened(held, &st, fd, direct, buf, payload)
     }

@@ -789,8 +789,8 @@ impl DirFs {
         // set-id bits go, as on a local filesystem (the daemon's own calls keep them).
         if a.valid & FATTR_KILL_SUIDGID != 0 && node.kind == libc::S_IFREG {
             match fh {
-                Some(fd) => sys::kill_suidgid(self.proc_fd.as_fd(), fd)?,
-                None => sys::kill_suidgid(self.proc_fd.as_fd(), node.fd()?.as_raw_fd())?,
+                Some(fd) => sys::kill_suidgid(self.proc_fd.as_fd(), borrow(fd))?,
+                None => sys::kill_suidgid(self.proc_fd.as_fd(), node.fd()?.as_fd())?,
             }
         }
         let st = match fh {
@@ -1140,7 +1140,7 @@ impl DirFs {
         // A caller without CAP_FSETID (`FUSE_HANDLE_KILLPRIV_V2`): set-id bits go first, as a
         // local write clears them.
         if a.write_flags & FUSE_WRITE_KILL_SUIDGID != 0 {
-            if let Err(e) = sys::kill_suidgid(self.proc_fd.as_fd(), fd) {
+            if let Err(e) = sys::kill_suidgid(self.proc_fd.as_fd(), borrow(fd)) {
                 return (Reply::Error(e), buf);
             }
         }

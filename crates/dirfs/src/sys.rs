@@ -221,9 +221,8 @@ pub fn chmod_fd(proc_fd: BorrowedFd<'_>, fd: RawFd, mode: u32) -> Result<(), Err
 /// or chown by a caller without `CAP_FSETID` does on a local filesystem, and what
 /// `FUSE_HANDLE_KILLPRIV_V2` leaves to the server (the daemon's own calls keep the bits: it has
 /// `CAP_FSETID`).
-pub fn kill_suidgid(proc_fd: BorrowedFd<'_>, fd: RawFd) -> Result<(), Errno> {
-    // SAFETY: `fd` is open for the call (the caller holds it).
-    let st = stat_fd(unsafe { BorrowedFd::borrow_raw(fd) })?;
+pub fn kill_suidgid(proc_fd: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<(), Errno> {
+    let st = stat_fd(fd)?;
     let mut kill = st.st_mode & libc::S_ISUID;
     if st.st_mode & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
         kill |= libc::S_ISGID;
@@ -231,7 +230,7 @@ pub fn kill_suidgid(proc_fd: BorrowedFd<'_>, fd: RawFd) -> Result<(), Errno> {
     if kill == 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return Ok(());
     }
-    chmod_fd(proc_fd, fd, st.st_mode & 0o7777 & !kill)
+    chmod_fd(proc_fd, fd.as_raw_fd(), st.st_mode & 0o7777 & !kill)
 }
 
 /// Sets access and modification times of the inode behind `fd` (`UTIME_OMIT` leaves one).
@@ -733,7 +732,7 @@ mod tests {
             std::fs::write(&p, b"x").unwrap();
             std::fs::set_permissions(&p, std::fs::Permissions::from_mode(before)).unwrap();
             let f = std::fs::File::open(&p).unwrap();
-            kill_suidgid(proc_fd.as_fd(), f.as_raw_fd()).unwrap();
+            kill_suidgid(proc_fd.as_fd(), f.as_fd()).unwrap();
             let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777;
             assert_eq!(mode, after, "{before:o}");
         }
@@ -741,7 +740,7 @@ mod tests {
         std::fs::create_dir(&d).unwrap();
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o2775)).unwrap();
         let f = std::fs::File::open(&d).unwrap();
-        kill_suidgid(proc_fd.as_fd(), f.as_raw_fd()).unwrap();
+        kill_suidgid(proc_fd.as_fd(), f.as_fd()).unwrap();
         let mode = std::fs::metadata(&d).unwrap().permissions().mode() & 0o7777;
         assert_eq!(mode, 0o2775, "a directory keeps its set-gid bit");
     }
