@@ -57,11 +57,5 @@ for ((r = 0; r < rounds; r++)); do
     done
 done
 for n in "${names[@]}"; do
-    python3 - "$n" ${results[$n]} <<'EOF'
-import statistics, sys
-name, vals = sys.argv[1], [float(v) for v in sys.argv[2:]]
-med = statistics.median(vals)
-spread = (max(vals) - min(vals)) / med * 100 if med else 0
-print(f"{name}: median {med:.0f} MB/s (±{spread / 2:.0f}%), rounds {' '.join(f'{v:.0f}' for v in vals)}")
-EOF
+    python3 "$(dirname "$0")/summary.py" "$n" MB/s ${results[$n]}
 done
