@@ -288,9 +288,9 @@ impl Engine {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Runs `sqe`, a path operation (unlinkat, renameat, linkat, mkdirat, symlinkat) whose paths are `path` and
-    /// `second`, which the op owns until its completion (a `CPath`'s bytes stay where they are
-    /// when it moves); 0 or the error.
+    /// Runs `sqe`, a path operation (unlinkat, renameat, linkat, mkdirat, symlinkat) whose paths
+    /// are `path` and `second`, which the op owns until its completion (a `CPath`'s bytes stay
+    /// where they are when it moves); 0 or the error.
     ///
     /// # Safety
     ///
