@@ -52,6 +52,7 @@ check:
 	$(CARGO) clippy $(LOCKED) --workspace --all-targets -- -D warnings
 	$(FUZZ_CARGO) clippy $(LOCKED) $(FUZZ_MANIFEST) --all-targets -- -D warnings
 	bash scripts/imago-diff.sh --check
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc $(LOCKED) --workspace --no-deps
 
 unit:
 	$(CARGO) test $(LOCKED) --workspace --exclude fusex-e2e

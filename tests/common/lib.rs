@@ -965,7 +965,7 @@ impl CmdResult {
     }
 
     /// The contract for a rejected invocation: exit code 1, exactly one line on stderr of
-    /// the form "fusex: error: <what>: <what to do>", nothing on stdout.
+    /// the form `fusex: error: <what>: <what to do>`, nothing on stdout.
     #[track_caller]
     pub fn assert_one_error_line(&self, what: &str) {
         let lines = self.stderr_lines();

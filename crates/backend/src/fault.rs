@@ -37,12 +37,12 @@ pub enum FaultAction {
 /// [`FaultRule::nth`] for a rule that hits every call (`*`): a steady slow or failing disk.
 pub const EVERY: u64 = 0;
 
-/// One rule: the `nth` call (1-based; [`EVERY`]: each one) of `op` gets `action`.
+/// One rule: the `nth` call (1-based; `EVERY`: each one) of `op` gets `action`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FaultRule {
     /// Which calls are counted.
     pub op: FaultOp,
-    /// Which one of them is hit (1 = the first; [`EVERY`]: all).
+    /// Which one of them is hit (1 = the first; `EVERY`: all).
     pub nth: u64,
     /// What it gets.
     pub action: FaultAction,

@@ -42,7 +42,7 @@ pub struct Inode {
     pub key: (u64, u64),
     /// `S_IFMT` bits: the type never changes.
     pub kind: u32,
-    /// A directory's [`crate::listing`] mark.
+    /// A directory's `crate::listing` mark.
     pub listed: Mark,
     /// A directory's files looked up by name, for the read-ahead ([`crate::ahead`]).
     pub lookups: crate::ahead::Lookups,

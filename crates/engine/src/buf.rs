@@ -1,6 +1,6 @@
 //! Engine-owned, page-aligned I/O buffers, handed out as owned values.
 //!
-//! Every byte the kernel reads or writes on behalf of a request lives in a buffer of a [`Pool`],
+//! Every byte the kernel reads or writes on behalf of a request lives in a buffer of a `Pool`,
 //! allocated once when the queue starts. A [`Buf`] owns one buffer: it keeps the pool's memory
 //! alive (shared ownership), so no safe code can reach freed memory, not even after the engine is
 //! gone. Ring operations that touch a buffer take the `Buf` (or a [`Slice`] of it) by value and

@@ -222,7 +222,7 @@ impl<B: BlockBackend> Export<B> {
     /// Where a READ of the root can be answered by splicing from the image: the descriptor, the
     /// offset and the length, clamped as [`Export::handle`] clamps a READ into a window of `cap`
     /// bytes. `None` when the backend cannot splice or nothing is to be read (the normal path
-    /// answers those). The caller counts the bytes with [`Counters::read`] once they are sent.
+    /// answers those). The caller counts the bytes with [`crate::Counters::read`] once they are sent.
     pub fn splice_read(
         &self,
         hdr: &InHeader,

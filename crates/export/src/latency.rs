@@ -58,7 +58,7 @@ pub fn ends_octave(i: usize) -> bool {
     i < BUCKETS - 1 && i.is_multiple_of(SUB)
 }
 
-/// A histogram written by one thread (see [`Counter`]), readable from any.
+/// A histogram written by one thread (see `Counter`), readable from any.
 pub struct Histogram {
     buckets: [Counter; BUCKETS],
     sum_ns: Counter,

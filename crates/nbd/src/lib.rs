@@ -1,6 +1,6 @@
 //! The NBD protocol, as fusex's client speaks it (see `docs/nbd.md` and the protocol's
 //! `doc/proto.md`): URIs ([`uri`]), the fixed-newstyle handshake over any blocking stream
-//! ([`handshake`]) and the transmission phase's request and reply encoding ([`wire`]).
+//! ([`mod@handshake`]) and the transmission phase's request and reply encoding ([`wire`]).
 //!
 //! No I/O happens in [`wire`]: the backend moves the bytes on its queue's io_uring and uses these
 //! functions to build requests and check replies. Everything that reads server bytes is

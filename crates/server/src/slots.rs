@@ -186,7 +186,7 @@ impl<F: Filesystem> QueueState<F> {
         })
     }
 
-    /// Registers the first entries of kernel queue `qid` from this thread (see [`Growth`]).
+    /// Registers the first entries of kernel queue `qid` from this thread (see `Growth`).
     pub fn start_entries(self: &Rc<Self>, qid: u16) {
         self.add_entries(qid, INITIAL_ENTRIES);
     }

@@ -147,7 +147,7 @@ fn open_mount(path: &Path) -> io::Result<(OwnedFd, Option<MountIdentity>)> {
 }
 
 /// Unmounts (lazily) the mount at `path` if it is still the FUSE mount `expected`; says whether it
-/// did. See [`unmount_exact`].
+/// did. See `unmount_exact`.
 pub fn unmount_if_same(path: &Path, expected: &MountIdentity) -> io::Result<bool> {
     unmount_exact(path, expected, libc::MNT_DETACH)
 }

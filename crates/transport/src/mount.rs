@@ -226,7 +226,7 @@ impl Mount {
     }
 
     /// Checks the mountpoint, creates it if missing and mounts `fd` on exactly the file checked
-    /// (see [`crate::mount_api`]); `before_visible` as for [`Mount::establish`].
+    /// (see `crate::mount_api`); `before_visible` as for [`Mount::establish`].
     pub fn new(
         cfg: &MountConfig,
         fd: OwnedFd,

@@ -37,7 +37,7 @@
 //!
 //! The first write into an unallocated block:
 //!
-//! 1. takes the block's allocation lock ([`RegionLocks`], exclusive on the block's region) and
+//! 1. takes the block's allocation lock (`RegionLocks`, exclusive on the block's region) and
 //!    looks for an allocation of the block under way, then at the entry again: a write that
 //!    raced with it finds the block allocated and just writes into it, so a block is never
 //!    allocated twice;

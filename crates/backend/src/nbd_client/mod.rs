@@ -21,12 +21,12 @@
 //! aligned to it are made whole here. A READ reads the covering blocks into a bounce buffer and
 //! copies the asked part; a WRITE (and a zeroed range) reads, modifies and writes back the block
 //! at each unaligned end, and sends the aligned middle as is. A read-modify-write holds its
-//! block's region exclusive and every other write holds its regions shared ([`RegionLocks`],
+//! block's region exclusive and every other write holds its regions shared (`RegionLocks`,
 //! across queue threads), so no write to a block lands between a read-modify-write's read and
 //! its write (which would undo it). With a minimum block size of 1 none of this runs.
 //!
 //! `st_blocks` counts the bytes `base:allocation` does not call holes, walking the export with
-//! BLOCK_STATUS (many extents per reply), cached for [`ALLOC_TTL`] unless a write, zero or
+//! BLOCK_STATUS (many extents per reply), cached for `ALLOC_TTL` unless a write, zero or
 //! punched hole went through since.
 //!
 //! `fusex restart` hands an NBD export over without the successor connecting first (a server

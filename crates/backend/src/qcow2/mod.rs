@@ -7,7 +7,7 @@
 //!
 //! One image is shared by every queue. imago's caches and allocation locks are thread-safe; the
 //! one operation that must run alone is a discard that frees clusters (it may invalidate a
-//! mapping another request is writing through), so requests pass an [`IoGate`] shared and a
+//! mapping another request is writing through), so requests pass an `IoGate` shared and a
 //! discard passes it exclusive.
 
 mod backing;

@@ -28,7 +28,7 @@ pub const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most characters of an untrusted name shown in a message.
 const SHOWN_MAX: usize = 256;
 
-/// `s` for a message: control characters escaped, at most [`SHOWN_MAX`] characters.
+/// `s` for a message: control characters escaped, at most `SHOWN_MAX` characters.
 pub fn shown(s: &str) -> String {
     escape(s, SHOWN_MAX)
 }

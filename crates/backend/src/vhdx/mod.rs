@@ -1,5 +1,5 @@
 //! VHDX images (Hyper-V), fixed and dynamic, served through the block-table core
-//! ([`crate::blocktable`]). The structures and their checks are in [`ondisk`].
+//! ([`crate::blocktable`]). The structures and their checks are in `ondisk`.
 //!
 //! The layout (MS-VHDX 1.0): the first 1 MiB is the header section: the file type identifier
 //! (`vhdxfile` at 0), two headers (at 64 KiB and 128 KiB, each with a CRC-32C and a sequence
@@ -10,7 +10,7 @@
 //! bitmap entry after every chunk of `2^23 × logical sector size / block size` payload entries.
 //!
 //! **Differencing images** (the "has parent" flag) are served read-only: their parent locator
-//! names the parent VHDX ([`parent`]: found and opened under the policy qcow2 backing files
+//! names the parent VHDX (`parent`: found and opened under the policy qcow2 backing files
 //! get, its data write GUID checked against the child's `parent_linkage`), and blocks the
 //! child does not hold are read from it. A NOT_PRESENT or UNDEFINED block reads the parent's
 //! bytes, ZERO and UNMAPPED read zeroes, FULLY_PRESENT the child's block, and

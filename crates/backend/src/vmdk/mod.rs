@@ -1,6 +1,6 @@
 //! VMDK images: a descriptor (a text file, or embedded in a hosted sparse extent) listing
 //! extents that make up the disk in order: SPARSE (hosted sparse extent files, on the
-//! block-table core, [`sparse`]), FLAT and VMFS (a raw file from an offset) and ZERO. The
+//! block-table core, `sparse`), FLAT and VMFS (a raw file from an offset) and ZERO. The
 //! createTypes monolithicSparse, twoGbMaxExtentSparse, monolithicFlat, twoGbMaxExtentFlat and
 //! vmfs are served read-write, streamOptimized read-only. Requests are split at extent
 //! boundaries and each piece goes to its extent's file on the queue's ring ([`RingFile`]).
