@@ -48,6 +48,7 @@ use fuse_abi::{
     FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, FUSE_WRITEBACK_CACHE,
     FUSE_WRITE_KILL_SUIDGID, ROOT_ID,
 };
+use transport::passthrough;
 use zerocopy::{Immutable, IntoBytes};
 
 use crate::inodes::{Held, Inode, Inodes, Peek};
@@ -872,22 +873,22 @@ impl DirFs {
         }
         // Registered without CAP_FSETID: the kernel writes through it with these credentials,
         // so a passthrough write clears set-id bits in the source (`FUSE_HANDLE_KILLPRIV_V2`).
-        match sys::without_fsetid(|| sys::backing_open(conn.as_fd(), fd.as_raw_fd())) {
+        match sys::without_fsetid(|| passthrough::register(conn.as_fd(), fd.as_raw_fd())) {
             Ok(id) => {
                 b.by_inode.insert(key, id);
                 b.by_id.insert(id, (key, 1));
                 id
             }
             Err(e) => {
-                if e == libc::EPERM && !self.passthrough_refused.swap(true, Ordering::Relaxed) {
+                if e.raw_os_error() == Some(libc::EPERM)
+                    && !self.passthrough_refused.swap(true, Ordering::Relaxed)
+                {
                     tracing::info!(
                         "passthrough: registering a file was not permitted (needs CAP_SYS_ADMIN \
                          in the initial user namespace); fusex serves file data itself"
                     );
                 }
-                tracing::debug!(
-                    "passthrough refused for an open file (errno {e}); served by fusex"
-                );
+                tracing::debug!("passthrough refused for an open file ({e}); served by fusex");
                 0
             }
         }
@@ -915,8 +916,8 @@ impl DirFs {
             b.by_inode.remove(&key);
         }
         // Closed under the lock, so no open picks the id up meanwhile.
-        if let Err(e) = sys::backing_close(conn.as_fd(), id) {
-            tracing::debug!("closing passthrough backing id {id}: errno {e}");
+        if let Err(e) = passthrough::unregister(conn.as_fd(), id) {
+            tracing::debug!("closing passthrough backing id {id}: {e}");
         }
     }
 

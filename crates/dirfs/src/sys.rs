@@ -392,50 +392,6 @@ pub fn dir_record(buf: &[u8]) -> Option<DirRecord<'_>> {
     })
 }
 
-/// The capability sets of a `capget`/`capset` call (`_LINUX_CAPABILITY_VERSION_3`: two
-/// 32-bit words per set).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
-/// `struct __user_cap_header_struct`.
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: libc::c_int,
-}
-
-/// `_LINUX_CAPABILITY_VERSION_3`.
-const CAP_VERSION_3: u32 = 0x2008_0522;
-/// `CAP_FSETID`.
-const CAP_FSETID: u32 = 4;
-
-/// The calling thread's capability sets (`pid` 0: this thread).
-fn capget() -> Result<[CapData; 2], Errno> {
-    let mut hdr = CapHeader {
-        version: CAP_VERSION_3,
-        pid: 0,
-    };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: the header and two data structs are valid, writable and of the kernel's layout.
-    check(unsafe { libc::syscall(libc::SYS_capget, &mut hdr, data.as_mut_ptr()) } as i32)?;
-    Ok(data)
-}
-
-/// Sets the calling thread's capability sets.
-fn capset(data: &[CapData; 2]) -> Result<(), Errno> {
-    let mut hdr = CapHeader {
-        version: CAP_VERSION_3,
-        pid: 0,
-    };
-    // SAFETY: the header and two data structs are valid and of the kernel's layout.
-    check(unsafe { libc::syscall(libc::SYS_capset, &mut hdr, data.as_ptr()) } as i32).map(drop)
-}
-
 /// Runs `f` with `CAP_FSETID` out of the calling thread's effective set (capabilities are
 /// per thread), then puts it back. The credentials a passthrough backing file is registered
 /// with are those the kernel writes with (`FUSE_DEV_IOC_BACKING_OPEN` records the caller's):
@@ -444,63 +400,11 @@ fn capset(data: &[CapData; 2]) -> Result<(), Errno> {
 /// request brings it for passthrough writes. A thread without the capability runs `f` as it
 /// is.
 pub fn without_fsetid<T>(f: impl FnOnce() -> T) -> T {
-    let Ok(caps) = capget() else { return f() };
-    if caps[0].effective & (1 << CAP_FSETID) == 0 {
-        return f();
-    }
-    let mut less = caps;
-    less[0].effective &= !(1 << CAP_FSETID);
-    if capset(&less).is_err() {
-        return f();
-    }
-    let r = f();
-    if let Err(e) = capset(&caps) {
-        tracing::warn!(
-            "could not take CAP_FSETID back: {}",
-            std::io::Error::from_raw_os_error(e)
-        );
+    let (r, back) = caps::without(caps::CAP_FSETID, f);
+    if let Err(e) = back {
+        tracing::warn!("could not take CAP_FSETID back: {e}");
     }
     r
-}
-
-/// Registers the open regular file `file` as a passthrough backing file of the FUSE connection
-/// `conn` (`FUSE_DEV_IOC_BACKING_OPEN`): its backing id.
-pub fn backing_open(conn: BorrowedFd<'_>, file: RawFd) -> Result<i32, Errno> {
-    let map = fuse_abi::BackingMap {
-        fd: file,
-        flags: 0,
-        padding: 0,
-    };
-    // SAFETY: the ioctl reads one `fuse_backing_map` (BackingMap is its repr(C) mirror, layout
-    // asserted in fuse-abi) from the pointer, live for the call.
-    let id = unsafe {
-        libc::ioctl(
-            conn.as_raw_fd(),
-            fuse_abi::FUSE_DEV_IOC_BACKING_OPEN as _,
-            &map,
-        )
-    };
-    match id {
-        i if i < 0 => Err(errno()),
-        // Ids start at 1; 0 would mean "no backing file" in an OPEN reply.
-        0 => Err(libc::EPROTO),
-        i => Ok(i),
-    }
-}
-
-/// Closes a passthrough backing id (`FUSE_DEV_IOC_BACKING_CLOSE`); files opened with it keep
-/// their own reference to the backing file.
-pub fn backing_close(conn: BorrowedFd<'_>, id: i32) -> Result<(), Errno> {
-    let id = id as u32;
-    // SAFETY: the ioctl reads one u32 from the pointer, live for the call.
-    check(unsafe {
-        libc::ioctl(
-            conn.as_raw_fd(),
-            fuse_abi::FUSE_DEV_IOC_BACKING_CLOSE as _,
-            &id,
-        )
-    })
-    .map(drop)
 }
 
 /// `statx(fd, "", AT_EMPTY_PATH | sync, mask)`: the inode's own extended attributes (a
@@ -749,18 +653,14 @@ mod tests {
     /// rest of the sets does not change.
     #[test]
     fn without_fsetid_drops_the_capability_for_the_call_only() {
-        let before = capget().unwrap();
-        let inside = without_fsetid(|| capget().unwrap());
-        let after = capget().unwrap();
-        let bit = 1u32 << CAP_FSETID;
-        assert_eq!(inside[0].effective & bit, 0);
+        let before = caps::get().unwrap();
+        let inside = without_fsetid(|| caps::get().unwrap());
         assert_eq!(
-            inside[0].effective | (before[0].effective & bit),
-            before[0].effective
+            inside.effective,
+            before.effective & !caps::bit(caps::CAP_FSETID)
         );
-        assert_eq!(inside[0].permitted, before[0].permitted);
-        assert_eq!(after[0].effective, before[0].effective);
-        assert_eq!(after[1].effective, before[1].effective);
+        assert_eq!(inside.permitted, before.permitted);
+        assert_eq!(caps::get().unwrap(), before);
     }
 }
 

@@ -21,29 +21,23 @@
 //! only read and write descriptors that are already open. Passthrough I/O runs with the
 //! credentials the kernel recorded at `FUSE_DEV_IOC_BACKING_OPEN`, before the drop.
 //!
-//! Capabilities are per thread on Linux: `capset(2)` changes the calling thread only, and so do
-//! `PR_CAPBSET_DROP` and `PR_SET_NO_NEW_PRIVS`; a thread inherits its creator's at creation.
-//! So [`Plan::apply`] runs in every long-lived thread: each queue thread once it is set up (before
-//! it submits anything, so the io_uring workers the kernel forks from it later inherit the
-//! reduced set), the signal thread when it starts, and the main thread once every queue has
-//! started. Threads that exist only during start-up (the one that opens the image) end before the
-//! drop, taking their io_uring workers with them.
+//! Capabilities are per thread on Linux: `capset(2)` (`caps::set`) changes the calling thread
+//! only, and so do `PR_CAPBSET_DROP` and `PR_SET_NO_NEW_PRIVS`; a thread inherits its creator's
+//! at creation. So [`Plan::apply`] runs in every long-lived thread: each queue thread once it is
+//! set up (before it submits anything, so the io_uring workers the kernel forks from it later
+//! inherit the reduced set), the signal thread when it starts, and the main thread once every
+//! queue has started. Threads that exist only during start-up (the one that opens the image) end
+//! before the drop, taking their io_uring workers with them.
 
 use std::ffi::CString;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-/// A capability number: its bit in the kernel's 64-bit capability sets.
-type Cap = u32;
-
-const CAP_CHOWN: Cap = 0;
-const CAP_DAC_OVERRIDE: Cap = 1;
-const CAP_DAC_READ_SEARCH: Cap = 2;
-const CAP_FOWNER: Cap = 3;
-const CAP_FSETID: Cap = 4;
-const CAP_SETPCAP: Cap = 8;
-const CAP_SYS_ADMIN: Cap = 21;
+use caps::{
+    bit, Cap, Sets, CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_FSETID,
+    CAP_SETPCAP, CAP_SYS_ADMIN,
+};
 
 /// The capabilities fusex may keep, by name, for the log line.
 const NAMES: [(Cap, &str); 6] = [
@@ -55,72 +49,13 @@ const NAMES: [(Cap, &str); 6] = [
     (CAP_FSETID, "CAP_FSETID"),
 ];
 
-const fn bit(cap: Cap) -> u64 {
-    1 << cap
-}
-
-/// `_LINUX_CAPABILITY_VERSION_3`: two 32-bit words per set.
-const CAPABILITY_VERSION_3: u32 = 0x2008_0522;
-
-/// `struct __user_cap_header_struct`.
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    /// 0: the calling thread.
-    pid: libc::c_int,
-}
-
-/// `struct __user_cap_data_struct`, one per 32 capabilities.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
-/// A thread's effective, permitted and inheritable sets.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Sets {
-    effective: u64,
-    permitted: u64,
-    inheritable: u64,
-}
-
-/// The calling thread's capability sets.
-fn capget() -> io::Result<Sets> {
-    let mut header = CapHeader {
-        version: CAPABILITY_VERSION_3,
-        pid: 0,
-    };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: capget reads the header and writes two data structs (version 3), both valid and
-    // live across the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_capget,
-            &mut header as *mut CapHeader,
-            data.as_mut_ptr(),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let join = |lo: u32, hi: u32| u64::from(lo) | u64::from(hi) << 32;
-    Ok(Sets {
-        effective: join(data[0].effective, data[1].effective),
-        permitted: join(data[0].permitted, data[1].permitted),
-        inheritable: join(data[0].inheritable, data[1].inheritable),
-    })
-}
-
 /// Whether this process may register FUSE passthrough backing files
 /// (`FUSE_DEV_IOC_BACKING_OPEN`): the kernel asks for `CAP_SYS_ADMIN` in the initial user
 /// namespace. A directory export with `--passthrough auto` asks for passthrough only then: granted
 /// but refused at every open, it would serve every file itself and cost the writeback cache,
 /// which INIT cannot take beside passthrough.
 pub fn may_register_backing_files() -> bool {
-    capget().is_ok_and(|s| s.effective & bit(CAP_SYS_ADMIN) != 0) && in_initial_user_namespace()
+    caps::get().is_ok_and(|s| s.effective & bit(CAP_SYS_ADMIN) != 0) && in_initial_user_namespace()
 }
 
 /// Whether this process runs in the initial user namespace, the one that maps every id to
@@ -128,40 +63,6 @@ pub fn may_register_backing_files() -> bool {
 fn in_initial_user_namespace() -> bool {
     std::fs::read_to_string("/proc/self/uid_map")
         .is_ok_and(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
-}
-
-/// Sets the calling thread's capability sets.
-fn capset(s: Sets) -> io::Result<()> {
-    let mut header = CapHeader {
-        version: CAPABILITY_VERSION_3,
-        pid: 0,
-    };
-    let split = |v: u64| (v as u32, (v >> 32) as u32);
-    let (e, p, i) = (split(s.effective), split(s.permitted), split(s.inheritable));
-    let data = [
-        CapData {
-            effective: e.0,
-            permitted: p.0,
-            inheritable: i.0,
-        },
-        CapData {
-            effective: e.1,
-            permitted: p.1,
-            inheritable: i.1,
-        },
-    ];
-    // SAFETY: capset reads the header and two data structs (version 3), valid across the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_capset,
-            &mut header as *mut CapHeader,
-            data.as_ptr(),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// `prctl(option, arg2, 0, 0, 0)`.
@@ -234,7 +135,7 @@ pub struct Plan {
 impl Plan {
     /// Decides what to keep from what the calling (main) thread holds and what `needs` asks for.
     pub fn decide(needs: &Needs) -> Plan {
-        let cur = match capget() {
+        let cur = match caps::get() {
             Ok(c) => c,
             Err(e) => {
                 tracing::debug!("privileges: cannot read capabilities ({e}); nothing dropped");
@@ -271,7 +172,7 @@ impl Plan {
     /// files it does not own) and `CAP_FSETID` (set-id bits kept on others' files). Everything
     /// else goes (`CAP_SETUID`, `CAP_MKNOD`, `CAP_SYS_PTRACE`, network, ...).
     pub fn directory(exits_through_setuid_helper: bool) -> Plan {
-        let cur = match capget() {
+        let cur = match caps::get() {
             Ok(c) if c.permitted != 0 => c,
             _ => return Plan::none(),
         };
@@ -336,7 +237,7 @@ impl Plan {
         if self.no_new_privs {
             prctl(libc::PR_SET_NO_NEW_PRIVS, 1)?;
         }
-        let cur = capget()?;
+        let cur = caps::get()?;
         // Dropping from the bounding set needs CAP_SETPCAP in effect, so it goes first.
         if cur.effective & bit(CAP_SETPCAP) != 0 {
             for cap in 0..64 {
@@ -365,8 +266,8 @@ impl Plan {
             permitted: keep & cur.permitted,
             inheritable: 0,
         };
-        capset(want)?;
-        let now = capget()?;
+        caps::set(want)?;
+        let now = caps::get()?;
         if now != want {
             return Err(io::Error::other(format!(
                 "capabilities are {now:x?} after setting {want:x?}"
@@ -386,7 +287,7 @@ fn needs_dac_override(paths: &[(PathBuf, Access)], cur: Sets) -> bool {
     let dac = bit(CAP_DAC_OVERRIDE) | bit(CAP_DAC_READ_SEARCH) | bit(CAP_FOWNER);
     let probe = || -> io::Result<Option<String>> {
         // Only this thread's effective set: the thread ends right after, nobody else is affected.
-        capset(Sets {
+        caps::set(Sets {
             effective: cur.effective & !dac,
             ..cur
         })?;
@@ -460,7 +361,7 @@ mod tests {
     /// threads keep theirs.
     #[test]
     fn apply_drops_in_the_calling_thread_only() {
-        let before = capget().unwrap();
+        let before = caps::get().unwrap();
         if before.permitted & bit(CAP_SYS_ADMIN) == 0 || before.effective & bit(CAP_SETPCAP) == 0 {
             eprintln!("SKIP: needs CAP_SYS_ADMIN and CAP_SETPCAP");
             return;
@@ -477,7 +378,7 @@ mod tests {
                 .filter(|(_, r)| *r == 1)
                 .map(|(c, _)| c as Cap)
                 .collect();
-            (capget().unwrap(), nnp, bounding)
+            (caps::get().unwrap(), nnp, bounding)
         })
         .join()
         .unwrap();
@@ -492,7 +393,7 @@ mod tests {
         assert_eq!(nnp, 1);
         assert_eq!(bounding, vec![CAP_SYS_ADMIN]);
         assert_eq!(
-            capget().unwrap(),
+            caps::get().unwrap(),
             before,
             "another thread's drop reached this one"
         );
@@ -503,14 +404,14 @@ mod tests {
     /// in any set, bounding included when it may drop from it, and no way to gain one back.
     #[test]
     fn backing_files_need_cap_sys_admin_in_the_initial_namespace() {
-        let admin = capget().unwrap().effective & bit(CAP_SYS_ADMIN) != 0;
+        let admin = caps::get().unwrap().effective & bit(CAP_SYS_ADMIN) != 0;
         let initial = in_initial_user_namespace();
         assert_eq!(may_register_backing_files(), admin && initial);
         // This thread without CAP_SYS_ADMIN in its effective set: never.
         let t = std::thread::spawn(|| {
-            let mut s = capget().unwrap();
+            let mut s = caps::get().unwrap();
             s.effective &= !bit(CAP_SYS_ADMIN);
-            capset(s).unwrap();
+            caps::set(s).unwrap();
             may_register_backing_files()
         });
         assert!(!t.join().unwrap());
@@ -518,7 +419,7 @@ mod tests {
 
     #[test]
     fn nothing_leaves_no_capability() {
-        let before = capget().unwrap();
+        let before = caps::get().unwrap();
         let (sets, nnp, bounding) = std::thread::spawn(|| {
             Plan::nothing().apply().unwrap();
             let nnp = prctl(libc::PR_GET_NO_NEW_PRIVS, 0).unwrap();
@@ -526,7 +427,7 @@ mod tests {
                 .map_while(|c| prctl(libc::PR_CAPBSET_READ, c).ok())
                 .filter(|r| *r == 1)
                 .count();
-            (capget().unwrap(), nnp, bounding)
+            (caps::get().unwrap(), nnp, bounding)
         })
         .join()
         .unwrap();
@@ -542,7 +443,7 @@ mod tests {
     #[test]
     fn without_capabilities_nothing_is_dropped() {
         let plan = std::thread::spawn(|| {
-            capset(Sets::default()).unwrap();
+            caps::set(Sets::default()).unwrap();
             Plan::decide(&Needs {
                 paths: vec![(PathBuf::from("/"), Access::Search)],
                 foreign_image_owner: Some(65534),
@@ -556,14 +457,14 @@ mod tests {
 
     #[test]
     fn nothing_to_drop_does_nothing() {
-        let before = capget().unwrap();
+        let before = caps::get().unwrap();
         std::thread::spawn(|| {
             Plan::none().apply().unwrap();
             assert_eq!(prctl(libc::PR_GET_NO_NEW_PRIVS, 0).unwrap(), 0);
         })
         .join()
         .unwrap();
-        assert_eq!(capget().unwrap(), before);
+        assert_eq!(caps::get().unwrap(), before);
         assert_eq!(Plan::none().kept(), None);
     }
 
@@ -571,7 +472,7 @@ mod tests {
     /// directory: one owned by another user, not one of its own.
     #[test]
     fn dac_override_only_for_foreign_directories() {
-        let cur = capget().unwrap();
+        let cur = caps::get().unwrap();
         if !is_root() || cur.effective & bit(CAP_DAC_OVERRIDE) == 0 {
             eprintln!("SKIP: needs root with CAP_DAC_OVERRIDE");
             return;
@@ -598,6 +499,6 @@ mod tests {
             &[(foreign.join("missing"), Access::Read)],
             cur
         ));
-        assert_eq!(capget().unwrap(), cur, "the probe changed this thread");
+        assert_eq!(caps::get().unwrap(), cur, "the probe changed this thread");
     }
 }

@@ -12,7 +12,7 @@
 //! INIT did not negotiate passthrough.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 
 use fuse_abi::{BackingMap, FUSE_DEV_IOC_BACKING_CLOSE, FUSE_DEV_IOC_BACKING_OPEN};
 
@@ -44,6 +44,43 @@ pub fn stack_depth_for(file: RawFd) -> u32 {
     }
 }
 
+/// Registers the open file `file` as a backing file of the connection `conn` (a `/dev/fuse` fd
+/// of it) with `FUSE_DEV_IOC_BACKING_OPEN`: its backing id, for `fuse_open_out.backing_id`.
+///
+/// The error is the kernel's errno: `EPERM` without `CAP_SYS_ADMIN` (or without passthrough
+/// negotiated), `ELOOP` for a file on a filesystem stacked deeper than INIT allowed, `EINVAL` for
+/// anything but a regular file. [`Backing`] owns an id and closes it on drop; a server that
+/// shares ids between opens (a directory export) counts them itself and calls [`unregister`].
+pub fn register(conn: BorrowedFd<'_>, file: RawFd) -> io::Result<i32> {
+    let map = BackingMap {
+        fd: file,
+        flags: 0,
+        padding: 0,
+    };
+    // SAFETY: FUSE_DEV_IOC_BACKING_OPEN reads one `fuse_backing_map` (BackingMap is its repr(C)
+    // mirror, layout asserted in fuse-abi) from the pointer, which is live for the call.
+    let id = unsafe { libc::ioctl(conn.as_raw_fd(), FUSE_DEV_IOC_BACKING_OPEN as _, &map) };
+    match id {
+        i if i < 0 => Err(io::Error::last_os_error()),
+        // Ids start at 1; 0 would mean "no backing file" in an OPEN reply.
+        0 => Err(io::Error::from_raw_os_error(libc::EPROTO)),
+        i => Ok(i),
+    }
+}
+
+/// Closes the backing id `id` of the connection `conn` (`FUSE_DEV_IOC_BACKING_CLOSE`); files
+/// opened with it keep their own reference to the backing file.
+pub fn unregister(conn: BorrowedFd<'_>, id: i32) -> io::Result<()> {
+    let id = id as u32;
+    // SAFETY: FUSE_DEV_IOC_BACKING_CLOSE reads one u32 (the id) from the pointer, which is live
+    // for the call.
+    let r = unsafe { libc::ioctl(conn.as_raw_fd(), FUSE_DEV_IOC_BACKING_CLOSE as _, &id) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// A registered backing file: its id, and a `/dev/fuse` fd of the connection to close it on.
 ///
 /// Dropping it closes the id (`FUSE_DEV_IOC_BACKING_CLOSE`); files already opened with it keep their
@@ -57,30 +94,11 @@ pub struct Backing {
 }
 
 impl Backing {
-    /// Registers `file` as a backing file of the connection `conn_fd` belongs to.
-    ///
-    /// The error is the kernel's errno: `EPERM` without `CAP_SYS_ADMIN` (or without passthrough
-    /// negotiated), `ELOOP` for a file on a filesystem stacked deeper than INIT allowed, `EINVAL` for
-    /// anything but a regular file.
+    /// Registers `file` as a backing file of the connection `conn_fd` belongs to (errors as for
+    /// [`register`]).
     pub fn open(conn_fd: RawFd, file: RawFd) -> Result<Backing, TransportError> {
         let conn = clone_fd(conn_fd)?;
-        let map = BackingMap {
-            fd: file,
-            flags: 0,
-            padding: 0,
-        };
-        // SAFETY: FUSE_DEV_IOC_BACKING_OPEN reads one `fuse_backing_map` (BackingMap is its
-        // repr(C) mirror, layout asserted in fuse-abi) from the pointer, which is live for the call.
-        let id = unsafe { libc::ioctl(conn.as_raw_fd(), FUSE_DEV_IOC_BACKING_OPEN as _, &map) };
-        if id < 0 {
-            return Err(TransportError::Io(io::Error::last_os_error()));
-        }
-        if id == 0 {
-            // Ids start at 1; 0 would mean "no backing file" in an OPEN reply.
-            return Err(TransportError::Io(io::Error::from_raw_os_error(
-                libc::EPROTO,
-            )));
-        }
+        let id = register(conn.as_fd(), file).map_err(TransportError::Io)?;
         Ok(Backing { conn, id })
     }
 
@@ -99,13 +117,7 @@ impl Backing {
             return Ok(());
         }
         let id = std::mem::replace(&mut self.id, 0);
-        // SAFETY: FUSE_DEV_IOC_BACKING_CLOSE reads one u32 (the id) from the pointer, which is live
-        // for the call; the fd is our own open clone of the connection.
-        let r = unsafe { libc::ioctl(self.conn.as_raw_fd(), FUSE_DEV_IOC_BACKING_CLOSE as _, &id) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        unregister(self.conn.as_fd(), id)
     }
 }
 
