@@ -121,9 +121,11 @@ pub struct NbdBackend {
     tls: Option<TlsClient>,
     /// The connection made at open, for the first queue that needs one.
     first: Mutex<Option<Connected>>,
-    /// Made by [`NbdBackend::adopt`]: each queue's first connection is logged (the previous
-    /// daemon let go of the server).
+    /// Made by [`NbdBackend::adopt`]: the first connection is logged (the previous daemon let go
+    /// of the server).
     adopted: bool,
+    /// That line was logged: once per export, not once per queue.
+    announced: AtomicBool,
     /// Threads using this backend now (an entry in their `CONNS`, until `queue_ended`): with
     /// more than one, every connection must be to a server that allows several
     /// ([`NbdBackend::check`]).
@@ -283,6 +285,7 @@ impl NbdBackend {
             opts,
             tls,
             adopted: first.is_none(),
+            announced: AtomicBool::new(false),
             first: Mutex::new(first),
             threads: AtomicUsize::new(0),
             created: (now.as_secs() as i64, now.subsec_nanos()),
@@ -467,7 +470,7 @@ impl NbdBackend {
                 if pt.retry_at.take().is_some() || pt.had_one {
                     tracing::info!("NBD: reconnected to {}", self.server());
                     self.reconnects.fetch_add(1, Ordering::Relaxed);
-                } else if self.adopted {
+                } else if self.adopted && !self.announced.swap(true, Ordering::Relaxed) {
                     tracing::info!(
                         "NBD: connected to {}, as the previous daemon's successor",
                         self.server()
