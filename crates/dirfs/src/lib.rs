@@ -717,13 +717,16 @@ impl DirFs {
         let fh = (a.valid & FATTR_FH != 0)
             .then(|| self.files.get(a.fh))
             .flatten();
+        // The node's descriptor, opened at most once for all the steps below (a node held by
+        // file handle is opened by it), and only by a step that needs it.
+        let mut opened = None;
         if a.valid & FATTR_MODE != 0 {
             if node.kind == libc::S_IFLNK {
                 return Err(libc::EOPNOTSUPP);
             }
             sys::chmod_fd(
                 self.proc_fd.as_fd(),
-                node.fd()?.as_raw_fd(),
+                node_fd(&mut opened, &node)?.as_raw_fd(),
                 a.mode & 0o7777,
             )?;
         }
@@ -738,7 +741,7 @@ impl DirFs {
             } else {
                 u32::MAX
             };
-            sys::chown_fd(node.fd()?.as_fd(), uid, gid)?;
+            sys::chown_fd(node_fd(&mut opened, &node)?, uid, gid)?;
         }
         if a.valid & FATTR_SIZE != 0 {
             if node.kind != libc::S_IFREG {
@@ -750,7 +753,7 @@ impl DirFs {
             }
             match fh {
                 Some(fd) => sys::ftruncate(fd, a.size)?,
-                None => sys::truncate_fd(node.fd()?.as_raw_fd(), a.size)?,
+                None => sys::truncate_fd(node_fd(&mut opened, &node)?.as_raw_fd(), a.size)?,
             }
         }
         let time = |now: u32, set: u32, s: u64, ns: u32| {
@@ -783,7 +786,7 @@ impl DirFs {
             // reaches it), else through the node.
             match fh {
                 Some(fd) => sys::utimes_fd(borrow(fd), &times)?,
-                None => sys::utimes_fd(node.fd()?.as_fd(), &times)?,
+                None => sys::utimes_fd(node_fd(&mut opened, &node)?, &times)?,
             }
         }
         // A truncate by a caller without CAP_FSETID, or a chown (`FUSE_HANDLE_KILLPRIV_V2`):
@@ -791,12 +794,12 @@ impl DirFs {
         if a.valid & FATTR_KILL_SUIDGID != 0 && node.kind == libc::S_IFREG {
             match fh {
                 Some(fd) => sys::kill_suidgid(self.proc_fd.as_fd(), borrow(fd))?,
-                None => sys::kill_suidgid(self.proc_fd.as_fd(), node.fd()?.as_fd())?,
+                None => sys::kill_suidgid(self.proc_fd.as_fd(), node_fd(&mut opened, &node)?)?,
             }
         }
         let st = match fh {
             Some(fd) => sys::stat_fd(borrow(fd))?,
-            None => sys::stat_fd(node.fd()?.as_fd())?,
+            None => sys::stat_fd(node_fd(&mut opened, &node)?)?,
         };
         put(buf, payload, &self.attr_out(&st))
     }
@@ -1185,6 +1188,18 @@ impl DirFs {
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         Ok(Reply::Data(0))
     }
+}
+
+/// The descriptor of `node` kept in `slot`, opened into it on first use.
+fn node_fd<'a, 'n>(
+    slot: &'a mut Option<inodes::NodeFd<'n>>,
+    node: &'n Inode,
+) -> Result<BorrowedFd<'a>, Errno> {
+    let fd: &'a inodes::NodeFd<'n> = match slot {
+        Some(fd) => fd,
+        None => slot.insert(node.fd()?),
+    };
+    Ok(fd.as_fd())
 }
 
 /// A descriptor the handle table holds, borrowed for one call.

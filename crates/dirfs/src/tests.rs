@@ -1032,6 +1032,30 @@ fn nodes_beyond_the_descriptor_budget_are_held_by_file_handle() {
         assert_eq!((a.ino, a.size), (md.ino(), md.len()), "{n}");
         assert_eq!(a.size, i.to_string().len() as u64);
     }
+    // Every attribute of one SETATTR set through its handle (one open serves all the steps).
+    let sa = SetattrIn {
+        valid: FATTR_MODE | FATTR_UID | FATTR_GID | FATTR_SIZE | FATTR_MTIME,
+        mode: 0o640,
+        uid: 1234,
+        gid: 5678,
+        size: 1,
+        mtime: 1_000_000,
+        mtimensec: 5,
+        ..SetattrIn::default()
+    };
+    let out = h.call(ids[50], |_| Request::Setattr(sa), &[], &[]).unwrap();
+    let a = AttrOut::read_from_bytes(&out).unwrap().attr;
+    let md = std::fs::metadata(h.path("f50")).unwrap();
+    assert_eq!(
+        (md.mode() & 0o7777, md.uid(), md.gid(), md.len()),
+        (0o640, 1234, 5678, 1)
+    );
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_000_000, 5));
+    assert_eq!(
+        (a.mode & 0o7777, a.uid, a.gid, a.size),
+        (0o640, 1234, 5678, 1)
+    );
+    assert_eq!((a.mtime, a.mtimensec), (1_000_000, 5));
     // Opened, linked and renamed through its handle.
     let last = ids[99];
     let ino99 = std::fs::metadata(h.path("f99")).unwrap().ino();
