@@ -295,7 +295,94 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
         ("serve_uring", serve_uring()),
         ("nbd_reply", nbd_reply()),
         ("qcow2_check", qcow2_check()),
+        ("image", image()),
     ]
+}
+
+/// Seeds of the `image` target: 2 MiB of data with a few written ranges, converted by
+/// `qemu-img` into each format's subformats the harness can open from one file, and an MBR disk
+/// (made by `sfdisk`) with one partition; each behind the setup byte that opens it (writable,
+/// under its format's name, or probed for the disk).
+pub fn image() -> Seeds {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = dir.path().join("data.raw");
+    let mut data = vec![0u8; 2 << 20];
+    for (at, len) in [
+        (0usize, 4096usize),
+        (65536 + 100, 5000),
+        ((1 << 20) + 4096, 512),
+    ] {
+        for (i, b) in data[at..at + len].iter_mut().enumerate() {
+            *b = (i % 251) as u8 + 1;
+        }
+    }
+    std::fs::write(&raw, &data).unwrap();
+    let convert = |fmt: &str, opts: &str, out: &std::path::Path| {
+        let mut c = std::process::Command::new("qemu-img");
+        c.args(["convert", "-q", "-f", "raw", "-O", fmt]);
+        if !opts.is_empty() {
+            c.args(["-o", opts]);
+        }
+        let st = c
+            .arg(&raw)
+            .arg(out)
+            .status()
+            .unwrap_or_else(|e| panic!("qemu-img: {e} (run `make deps`)"));
+        assert!(st.success(), "qemu-img convert -O {fmt} -o {opts:?}");
+    };
+    // The setup byte: format in the low 3 bits (0 VHD, 1 VDI, 2 VHDX, 3 VMDK, 4 probed), 8
+    // writable, 16 a partition (number from the top 3 bits, plus one). Then where the eight
+    // requests go (see `image::place`): the start, the end, sector boundaries and sector middles.
+    const PICKS: [u8; 8] = [
+        0x00,
+        0x40,
+        0x80 | 17,
+        0xc0 | 40,
+        0x80 | 63,
+        0xc0 | 1,
+        0x80,
+        0xc0 | 31,
+    ];
+    let mut seeds = Vec::new();
+    for (name, fmt, opts, setup) in [
+        ("vhd-dynamic", "vpc", "subformat=dynamic", 8u8),
+        ("vhd-fixed", "vpc", "subformat=fixed", 8),
+        ("vdi-dynamic", "vdi", "", 1 | 8),
+        ("vdi-static", "vdi", "static=on", 1 | 8),
+        ("vhdx-dynamic", "vhdx", "subformat=dynamic", 2 | 8),
+        ("vhdx-fixed", "vhdx", "subformat=fixed", 2 | 8),
+        ("vmdk-sparse", "vmdk", "subformat=monolithicSparse", 3 | 8),
+        ("vmdk-stream", "vmdk", "subformat=streamOptimized", 3),
+    ] {
+        let p = dir.path().join(name);
+        convert(fmt, opts, &p);
+        let mut input = vec![setup];
+        input.extend(PICKS);
+        input.extend(std::fs::read(&p).unwrap());
+        seeds.push((name.to_string(), input));
+    }
+    // An MBR disk of one partition from sector 2048, probed (raw) and served as partition 1.
+    let disk = dir.path().join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 2 << 20]).unwrap();
+    let mut sfdisk = std::process::Command::new("sfdisk")
+        .args(["-q", "--label", "dos"])
+        .arg(&disk)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("sfdisk: {e} (run `make deps`)"));
+    use std::io::Write;
+    sfdisk
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"start=2048, type=83\n")
+        .unwrap();
+    assert!(sfdisk.wait().unwrap().success(), "sfdisk");
+    let mut input = vec![4 | 8 | 16];
+    input.extend(PICKS);
+    input.extend(std::fs::read(&disk).unwrap());
+    seeds.push(("mbr-partition".to_string(), input));
+    seeds
 }
 
 /// Seeds of the `qcow2_check` target: the damaged-image corpus (`backend::qcow2::damage`), each
