@@ -405,17 +405,23 @@ pub fn open(f: &File, len: u64, writable: bool, served: Option<u64>) -> Result<O
         }
         let table_span = gt_bytes.next_multiple_of(SECTOR);
         // Missing tables (and their redundant twins): zeroed space first, then the entries.
+        const PAST: &str = "its grain tables would lie past what a directory entry can address";
+        // The space a new table takes from `next_free` (whose start a hostile header may put
+        // near the end of u64: checked, never wrapped back over the metadata).
+        let claim = |next_free: &mut u64| -> Result<u64, String> {
+            let at = *next_free;
+            *next_free = at.checked_add(table_span).ok_or(PAST)?;
+            Ok(at)
+        };
         let mut made = Vec::new();
         for (i, off) in gd.iter_mut().enumerate() {
             if *off != 0 {
                 continue;
             }
-            let at = next_free;
-            next_free += table_span;
+            let at = claim(&mut next_free)?;
             let twin = match rgd.as_mut() {
                 Some(r) if r.get(i) == Some(&0) => {
-                    let t = next_free;
-                    next_free += table_span;
+                    let t = claim(&mut next_free)?;
                     r[i] = t;
                     Some(t)
                 }
@@ -426,12 +432,7 @@ pub fn open(f: &File, len: u64, writable: bool, served: Option<u64>) -> Result<O
         }
         if !made.is_empty() {
             if next_free / SECTOR > u32::MAX as u64 {
-                return Err(
-                    "its grain tables would lie past what a directory entry can \
-                            address"
-                        .to_string()
-                        .into(),
-                );
+                return Err(PAST.to_string().into());
             }
             if f.metadata()?.len() < next_free {
                 f.set_len(next_free)?;
@@ -549,6 +550,29 @@ pub(super) mod tests {
         f.as_file().read_exact_at(&mut e, 1024 + 4).unwrap();
         assert_eq!(u32::from_le_bytes(e), 33);
         assert_eq!(f.as_file().metadata().unwrap().len(), 34 * 512);
+    }
+
+    /// A header whose metadata overhead reaches the end of the u64 range leaves no room for a
+    /// missing table: a writable open is refused and writes nothing (a wrapped end once put the
+    /// new tables over the header).
+    #[test]
+    fn missing_tables_past_any_address_are_refused() {
+        let f = image(Some([8, 0, 16, 0]), None);
+        for overhead in [u64::MAX / 512, u64::MAX / 256, u64::MAX] {
+            f.as_file()
+                .write_all_at(&overhead.to_le_bytes(), 64)
+                .unwrap();
+            let before = std::fs::read(f.path()).unwrap();
+            match open(f.as_file(), 32 * 512, true, None) {
+                Err(ParseError::Bad(why)) => assert!(why.contains("past what"), "{why}"),
+                _ => panic!("overhead {overhead}: a writable open must fail"),
+            }
+            assert_eq!(
+                std::fs::read(f.path()).unwrap(),
+                before,
+                "overhead {overhead}"
+            );
+        }
     }
 }
 
