@@ -66,7 +66,8 @@ thread_local! {
 /// The bytes before the image: the setup byte and one byte per request.
 pub const PREFIX: usize = 9;
 
-/// Opens `data[PREFIX..]` as the first byte says, and runs the requests the next eight place.
+/// Opens `data[PREFIX..]` as the first byte says, and runs the requests the next eight place:
+/// reads; on a writable image, two writes, a zeroing and a discard among them, each read back.
 pub fn run(data: &[u8]) -> Outcome {
     let Some((&setup, rest)) = data.split_first() else {
         return Outcome::default();
@@ -121,10 +122,13 @@ impl Harness {
         let size = b.size();
         for (i, &p) in picks.iter().enumerate() {
             let off = place(size, p);
-            if setup.writable && i % 2 == 1 {
-                self.write_and_read_back(&b, off, p, &mut out);
-            } else {
-                self.read(&b, off, &mut out);
+            match (setup.writable, i) {
+                (true, 1 | 5) => self.write_and_read_back(&b, off, p, &mut out),
+                (true, 3) => self.zero_and_read_back(&b, off, false, &mut out),
+                (true, 7) => self.zero_and_read_back(&b, off, true, &mut out),
+                _ => {
+                    self.read(&b, off, &mut out);
+                }
             }
         }
         if setup.writable {
@@ -176,6 +180,35 @@ impl Harness {
                         assert_eq!(back.len(), want, "a short read inside the image");
                         assert!(back == pattern, "a write at {off} read back otherwise");
                     }
+                }
+            }
+            Err(_) => out.failed += 1,
+        }
+    }
+}
+
+impl Harness {
+    /// Zeroes (or, with `discard`, deallocates) `REQUEST` bytes at `off`; if that succeeded,
+    /// the range reads back as zeroes.
+    fn zero_and_read_back(&self, b: &AnyBackend, off: u64, discard: bool, out: &mut Outcome) {
+        let want = REQUEST.min((b.size() - off) as usize);
+        let r = if discard {
+            self.eng.block_on(b.discard(&self.eng, off, want as u64))
+        } else {
+            self.eng
+                .block_on(b.write_zeroes(&self.eng, off, want as u64))
+        }
+        .expect("the engine runs");
+        match r {
+            Ok(()) => {
+                out.done += 1;
+                if let Some(back) = self.read(b, off, out) {
+                    assert_eq!(back.len(), want, "a short read inside the image");
+                    assert!(
+                        back.iter().all(|&x| x == 0),
+                        "a {} range at {off} read back otherwise",
+                        if discard { "discarded" } else { "zeroed" }
+                    );
                 }
             }
             Err(_) => out.failed += 1,
