@@ -300,9 +300,10 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
 }
 
 /// Seeds of the `image` target: 2 MiB of data with a few written ranges, converted by
-/// `qemu-img` into each format's subformats the harness can open from one file, and an MBR disk
-/// (made by `sfdisk`) with one partition; each behind the setup byte that opens it (writable,
-/// under its format's name, or probed for the disk).
+/// `qemu-img` into each format's subformats the harness can open from one file (and qcow2,
+/// probed), and MBR and GPT disks (made by `sfdisk`) of two partitions; each behind the setup
+/// byte that opens it (writable unless the subformat is read-only, under its format's name, or
+/// probed).
 pub fn image() -> Seeds {
     let dir = tempfile::tempdir().expect("tempdir");
     let raw = dir.path().join("data.raw");
@@ -353,6 +354,8 @@ pub fn image() -> Seeds {
         ("vhdx-fixed", "vhdx", "subformat=fixed", 2 | 8),
         ("vmdk-sparse", "vmdk", "subformat=monolithicSparse", 3 | 8),
         ("vmdk-stream", "vmdk", "subformat=streamOptimized", 3),
+        // Probed: qcow2's magic makes it a qcow2 export (imago over the ring).
+        ("qcow2", "qcow2", "cluster_size=4096", 4 | 8),
     ] {
         let p = dir.path().join(name);
         convert(fmt, opts, &p);
@@ -361,27 +364,29 @@ pub fn image() -> Seeds {
         input.extend(std::fs::read(&p).unwrap());
         seeds.push((name.to_string(), input));
     }
-    // An MBR disk of one partition from sector 2048, probed (raw) and served as partition 1.
-    let disk = dir.path().join("disk.raw");
-    std::fs::write(&disk, vec![0u8; 2 << 20]).unwrap();
-    let mut sfdisk = std::process::Command::new("sfdisk")
-        .args(["-q", "--label", "dos"])
-        .arg(&disk)
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("sfdisk: {e} (run `make deps`)"));
-    use std::io::Write;
-    sfdisk
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"start=2048, type=83\n")
-        .unwrap();
-    assert!(sfdisk.wait().unwrap().success(), "sfdisk");
-    let mut input = vec![4 | 8 | 16];
-    input.extend(PICKS);
-    input.extend(std::fs::read(&disk).unwrap());
-    seeds.push(("mbr-partition".to_string(), input));
+    // MBR and GPT disks of two partitions, probed (raw) and served as partition 1 and 2.
+    for (label, number) in [("dos", 1u8), ("gpt", 2)] {
+        let disk = dir.path().join(format!("{label}.raw"));
+        std::fs::write(&disk, vec![0u8; 2 << 20]).unwrap();
+        let mut sfdisk = std::process::Command::new("sfdisk")
+            .args(["-q", "--label", label])
+            .arg(&disk)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("sfdisk: {e} (run `make deps`)"));
+        use std::io::Write;
+        sfdisk
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"start=2048, size=1024\nstart=3072, size=512\n")
+            .unwrap();
+        assert!(sfdisk.wait().unwrap().success(), "sfdisk --label {label}");
+        let mut input = vec![4 | 8 | 16 | ((number - 1) << 5)];
+        input.extend(PICKS);
+        input.extend(std::fs::read(&disk).unwrap());
+        seeds.push((format!("{label}-partition-{number}"), input));
+    }
     seeds
 }
 

@@ -160,7 +160,7 @@ fn qcow2_check_seeds_pass() {
 fn image_seeds_open_and_serve() {
     use crate::image::{run, PREFIX};
     let seeds = seeds::image();
-    assert_eq!(seeds.len(), 9);
+    assert_eq!(seeds.len(), 11);
     for (name, input) in &seeds {
         let o = run(input);
         assert!(o.opened, "seed {name} did not open");
