@@ -296,7 +296,338 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
         ("nbd_reply", nbd_reply()),
         ("qcow2_check", qcow2_check()),
         ("image", image()),
+        ("serve_dir", serve_dir()),
     ]
+}
+
+/// A session against the directory export's scratch tree (see `crate::dir`): nodes 2 (`sub`)
+/// and 3 (`file`) looked up, a file opened (handle 0), read, written, synced and released, a
+/// directory (node 4) and a file in it created (node 5, handle 1), a symlink (6), a link, two
+/// renames, xattrs, a fifo (7), the root listed (handle 2), attributes set, entries removed,
+/// `up` looked up and looked through, forgets.
+pub fn dir_session() -> Vec<Req> {
+    use fuse_abi::{
+        CreateIn, GetxattrIn, LinkIn, MkdirIn, MknodIn, Opcode as O, Rename2In, RenameIn,
+        SetxattrIn, FATTR_MODE,
+    };
+    let at = |mut r: Req, nodeid: u64| {
+        r.nodeid = nodeid;
+        r
+    };
+    let op = |o: O| o as u32;
+    let fh_read = |fh, size| ReadIn {
+        fh,
+        offset: 0,
+        size,
+        flags: libc::O_RDWR as u32,
+        ..ReadIn::default()
+    };
+    let write = |fh, offset, size| WriteIn {
+        fh,
+        offset,
+        size,
+        ..WriteIn::default()
+    };
+    let open = |flags: i32| OpenIn {
+        flags: flags as u32,
+        open_flags: 0,
+    };
+    let mut forgets = BatchForgetIn {
+        count: 1,
+        ..BatchForgetIn::default()
+    }
+    .as_bytes()
+    .to_vec();
+    forgets.extend_from_slice(
+        ForgetOne {
+            nodeid: 2,
+            nlookup: 1,
+        }
+        .as_bytes(),
+    );
+    let setattr = SetattrIn {
+        valid: FATTR_SIZE | FATTR_MODE,
+        size: 2,
+        mode: 0o600,
+        ..SetattrIn::default()
+    };
+    let setxattr = SetxattrIn {
+        size: 3,
+        ..SetxattrIn::default()
+    };
+    vec![
+        req("lookup-sub", op(O::Lookup), &[], b"sub\0"),
+        req("lookup-file", op(O::Lookup), &[], b"file\0"),
+        at(
+            req(
+                "getattr",
+                op(O::Getattr),
+                GetattrIn::default().as_bytes(),
+                &[],
+            ),
+            3,
+        ),
+        at(
+            req("open", op(O::Open), open(libc::O_RDWR).as_bytes(), &[]),
+            3,
+        ),
+        at(
+            req("read", op(O::Read), fh_read(0, 4096).as_bytes(), &[]),
+            3,
+        ),
+        at(
+            req("write", op(O::Write), write(0, 2, 5).as_bytes(), b"hello"),
+            3,
+        ),
+        at(
+            req("fsync", op(O::Fsync), FsyncIn::default().as_bytes(), &[]),
+            3,
+        ),
+        at(
+            req("flush", op(O::Flush), FlushIn::default().as_bytes(), &[]),
+            3,
+        ),
+        at(
+            req(
+                "lseek",
+                op(O::Lseek),
+                LseekIn {
+                    whence: SEEK_DATA,
+                    ..LseekIn::default()
+                }
+                .as_bytes(),
+                &[],
+            ),
+            3,
+        ),
+        at(
+            req(
+                "fallocate",
+                op(O::Fallocate),
+                FallocateIn {
+                    length: 8192,
+                    ..FallocateIn::default()
+                }
+                .as_bytes(),
+                &[],
+            ),
+            3,
+        ),
+        at(
+            req(
+                "release",
+                op(O::Release),
+                ReleaseIn::default().as_bytes(),
+                &[],
+            ),
+            3,
+        ),
+        req(
+            "mkdir",
+            op(O::Mkdir),
+            MkdirIn {
+                mode: 0o755,
+                umask: 0o022,
+            }
+            .as_bytes(),
+            b"d\0",
+        ),
+        at(
+            req(
+                "create",
+                op(O::Create),
+                CreateIn {
+                    flags: (libc::O_RDWR | libc::O_CREAT) as u32,
+                    mode: libc::S_IFREG | 0o644,
+                    umask: 0o022,
+                    open_flags: 0,
+                }
+                .as_bytes(),
+                b"f\0",
+            ),
+            4,
+        ),
+        at(
+            req(
+                "write-new",
+                op(O::Write),
+                write(1, 0, 8).as_bytes(),
+                b"new data",
+            ),
+            5,
+        ),
+        at(
+            req(
+                "release-new",
+                op(O::Release),
+                ReleaseIn {
+                    fh: 1,
+                    ..ReleaseIn::default()
+                }
+                .as_bytes(),
+                &[],
+            ),
+            5,
+        ),
+        req("symlink", op(O::Symlink), &[], b"s\0file\0"),
+        at(req("readlink", op(O::Readlink), &[], &[]), 6),
+        at(
+            req(
+                "link",
+                op(O::Link),
+                LinkIn { oldnodeid: 3 }.as_bytes(),
+                b"h\0",
+            ),
+            4,
+        ),
+        req(
+            "rename",
+            op(O::Rename),
+            RenameIn { newdir: 4 }.as_bytes(),
+            b"file\0g\0",
+        ),
+        at(
+            req(
+                "rename2",
+                op(O::Rename2),
+                Rename2In {
+                    newdir: 1,
+                    flags: fuse_abi::RENAME_NOREPLACE,
+                    padding: 0,
+                }
+                .as_bytes(),
+                b"g\0file\0",
+            ),
+            4,
+        ),
+        // Without FUSE_SETXATTR_EXT the head is its first 8 bytes.
+        at(
+            req(
+                "setxattr",
+                op(O::Setxattr),
+                &setxattr.as_bytes()[..8],
+                b"user.x\0abc",
+            ),
+            3,
+        ),
+        at(
+            req(
+                "getxattr",
+                op(O::Getxattr),
+                GetxattrIn {
+                    size: 64,
+                    padding: 0,
+                }
+                .as_bytes(),
+                b"user.x\0",
+            ),
+            3,
+        ),
+        at(
+            req(
+                "listxattr",
+                op(O::Listxattr),
+                GetxattrIn {
+                    size: 256,
+                    padding: 0,
+                }
+                .as_bytes(),
+                &[],
+            ),
+            3,
+        ),
+        at(req("removexattr", op(O::Removexattr), &[], b"user.x\0"), 3),
+        req(
+            "mknod",
+            op(O::Mknod),
+            MknodIn {
+                mode: libc::S_IFIFO | 0o644,
+                rdev: 0,
+                umask: 0o022,
+                padding: 0,
+            }
+            .as_bytes(),
+            b"p\0",
+        ),
+        req(
+            "opendir",
+            op(O::Opendir),
+            open(libc::O_RDONLY | libc::O_DIRECTORY).as_bytes(),
+            &[],
+        ),
+        req(
+            "readdirplus",
+            op(O::Readdirplus),
+            fh_read(2, 4096).as_bytes(),
+            &[],
+        ),
+        req("readdir", op(O::Readdir), fh_read(2, 4096).as_bytes(), &[]),
+        req(
+            "fsyncdir",
+            op(O::Fsyncdir),
+            FsyncIn {
+                fh: 2,
+                ..FsyncIn::default()
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req(
+            "releasedir",
+            op(O::Releasedir),
+            ReleaseIn {
+                fh: 2,
+                ..ReleaseIn::default()
+            }
+            .as_bytes(),
+            &[],
+        ),
+        req("statfs", op(O::Statfs), &[], &[]),
+        at(
+            req("access", op(O::Access), &[4, 0, 0, 0, 0, 0, 0, 0], &[]),
+            3,
+        ),
+        at(req("setattr", op(O::Setattr), setattr.as_bytes(), &[]), 3),
+        at(req("unlink", op(O::Unlink), &[], b"h\0"), 4),
+        req("unlink-symlink", op(O::Unlink), &[], b"s\0"),
+        req("rmdir", op(O::Rmdir), &[], b"sub\0"),
+        req("lookup-up", op(O::Lookup), &[], b"up\0"),
+        at(req("lookup-through-up", op(O::Lookup), &[], b"victim\0"), 8),
+        at(
+            req(
+                "forget",
+                op(O::Forget),
+                ForgetIn { nlookup: 1 }.as_bytes(),
+                &[],
+            ),
+            3,
+        ),
+        at(req("batch-forget", op(O::BatchForget), &forgets, &[]), 0),
+    ]
+}
+
+/// Seeds of the `serve_dir` target: the whole directory session on a writable export, with
+/// nodes held by descriptor and by file handle, with metadata inline and on the ring, and on a
+/// read-only export; and each request alone.
+pub fn serve_dir() -> Seeds {
+    let s = dir_session();
+    let mut out = Vec::new();
+    for (name, setup) in [
+        ("rw", 0b0001u8),
+        ("rw-handles", 0b0011),
+        ("rw-ring", 0b1001),
+        ("ro", 0),
+    ] {
+        let recs = s.iter().enumerate().map(|(i, r)| legacy_bytes(i, r));
+        out.push((format!("session-{name}"), serve_input(setup, recs)));
+    }
+    for (i, r) in s.iter().enumerate() {
+        out.push((
+            r.name.to_string(),
+            serve_input(1, [legacy_bytes(i, r)].into_iter()),
+        ));
+    }
+    out
 }
 
 /// Seeds of the `image` target: 2 MiB of data with a few written ranges, converted by

@@ -113,7 +113,7 @@ pub fn run_uring(data: &[u8]) -> Summary {
 }
 
 /// The records of an input after its setup byte.
-fn records(mut rest: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(crate) fn records(mut rest: &[u8]) -> impl Iterator<Item = &[u8]> {
     std::iter::from_fn(move || {
         let (len, tail) = rest.split_first_chunk::<2>()?;
         let n = usize::from(u16::from_le_bytes(*len)).min(tail.len());

@@ -1,0 +1,257 @@
+//! The `serve_dir` target: request sequences through the request server to a directory export
+//! (`dirfs::DirFs`) of a small scratch tree, in the `/dev/fuse` framing, checking every reply
+//! and that nothing outside the source directory changes.
+//!
+//! Input: one setup byte (see [`Setup::from_byte`]), then records as the `serve_*` targets take
+//! them (a little-endian `u16` length and that many bytes of request). The tree: `src/sub/`,
+//! `src/file` and `src/up`, a symlink to `../outside`, which holds `victim`.
+//!
+//! File handles are 64-bit values no mutation finds by chance, so a request that carries one
+//! (at the start of its arguments: READ, WRITE, RELEASE, FLUSH, FSYNC, READDIR, LSEEK, ...)
+//! and gives a value below 16 is sent the handle of that many-th successful OPEN, OPENDIR or
+//! CREATE of the input instead. Node ids need no such help: the export numbers them from 2.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use dirfs::{DirConfig, DirFs};
+use engine::{Engine, EngineConfig};
+use fuse_abi::{
+    parse, peek_unique, EntryOut, Opcode, OpenOut, Operation, OutHeader, IN_HEADER_LEN,
+    OUT_HEADER_LEN,
+};
+use server::{LegacyReply, QueueServer};
+use transport::Layout;
+use zerocopy::FromBytes;
+
+use crate::serve::records;
+
+/// Largest WRITE the slot buffer takes.
+pub const MAX_WRITE: usize = 16 * 1024;
+/// Byte the slot buffer is filled with before each request.
+const GARBAGE: u8 = 0xA5;
+
+/// How the export is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct Setup {
+    /// `--writable`.
+    pub writable: bool,
+    /// A descriptor budget of 2: every node but the root and one more is held by file handle.
+    pub by_handle: bool,
+    /// `FUSE_SETXATTR_EXT` granted (the longer SETXATTR head).
+    pub setxattr_ext: bool,
+    /// Metadata work on the ring instead of inline (the policy for non-local sources).
+    pub on_ring: bool,
+}
+
+impl Setup {
+    /// Bit 0: writable; 1: nodes by file handle; 2: `FUSE_SETXATTR_EXT`; 3: metadata on the ring.
+    pub fn from_byte(b: u8) -> Setup {
+        let bit = |n: u8| b & (1 << n) != 0;
+        Setup {
+            writable: bit(0),
+            by_handle: bit(1),
+            setxattr_ext: bit(2),
+            on_ring: bit(3),
+        }
+    }
+}
+
+/// What an input did, so tests can tell that seed inputs reach deep code.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Requests that got a reply.
+    pub replies: usize,
+    /// Bit `n` set: a request with opcode `n` (below 64) got a successful reply.
+    pub ok_opcodes: u64,
+}
+
+impl Summary {
+    /// Whether a request with `opcode` succeeded.
+    pub fn ok(&self, opcode: Opcode) -> bool {
+        let op = opcode as u32;
+        op < 64 && self.ok_opcodes & (1 << op) != 0
+    }
+}
+
+struct Harness {
+    eng: Engine,
+    layout: Layout,
+}
+
+thread_local! {
+    static HARNESS: Harness = {
+        let layout = Layout::new(MAX_WRITE);
+        let eng = Engine::new(&EngineConfig {
+            sq_entries: 8,
+            buffers: 1,
+            buffer_size: layout.size,
+            ..EngineConfig::default()
+        })
+        .expect("the fuzz harness needs io_uring");
+        Harness { eng, layout }
+    };
+}
+
+/// Runs one input.
+pub fn run(data: &[u8]) -> Summary {
+    let Some((&setup, rest)) = data.split_first() else {
+        return Summary::default();
+    };
+    HARNESS.with(|h| h.run(Setup::from_byte(setup), rest))
+}
+
+/// The opcode field of a request (0 if it is too short to hold one).
+fn opcode_of(req: &[u8]) -> u32 {
+    req.get(4..8)
+        .map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()))
+}
+
+/// Opcodes whose arguments start with a file handle.
+fn carries_handle(op: u32) -> bool {
+    use Opcode::*;
+    [
+        Read,
+        Write,
+        Release,
+        Releasedir,
+        Flush,
+        Fsync,
+        Fsyncdir,
+        Readdir,
+        Readdirplus,
+        Fallocate,
+        Lseek,
+    ]
+    .iter()
+    .any(|&o| o as u32 == op)
+}
+
+impl Harness {
+    fn run(&self, setup: Setup, rest: &[u8]) -> Summary {
+        let top = tempfile::tempdir().expect("a scratch directory");
+        let (src, outside) = (top.path().join("src"), top.path().join("outside"));
+        std::fs::create_dir_all(src.join("sub")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(src.join("file"), b"data").unwrap();
+        std::fs::write(outside.join("victim"), b"victim").unwrap();
+        std::os::unix::fs::symlink("../outside", src.join("up")).unwrap();
+        let before = listing(&outside);
+        let cfg = DirConfig {
+            writable: setup.writable,
+            max_node_fds: if setup.by_handle {
+                2
+            } else {
+                DirConfig::default().max_node_fds
+            },
+            metadata_on_ring: Some(setup.on_ring),
+            // The metadata read-ahead thread outlives inputs and would race the next one's tree.
+            read_ahead: false,
+            ..DirConfig::default()
+        };
+        let fs = Arc::new(DirFs::open(&src, cfg).expect("the scratch source opens"));
+        fs.set_granted(if setup.setxattr_ext {
+            fuse_abi::FUSE_SETXATTR_EXT
+        } else {
+            0
+        });
+        let server = QueueServer::new(fs);
+        let l = &self.layout;
+        let mut handles: Vec<u64> = Vec::new();
+        let mut summary = Summary::default();
+        for rec in records(rest) {
+            let mut buf = self.eng.take_buffer().expect("the slot buffer");
+            // The kernel never delivers more than the read asked for.
+            let mut req = rec[..rec.len().min(buf.len() - l.request)].to_vec();
+            let op = opcode_of(&req);
+            if carries_handle(op) {
+                if let Some(fh) = req.get_mut(40..48) {
+                    let k = u64::from_ne_bytes((&*fh).try_into().unwrap());
+                    if let Some(&h) = usize::try_from(k).ok().and_then(|k| handles.get(k)) {
+                        fh.copy_from_slice(&h.to_ne_bytes());
+                    }
+                }
+            }
+            let n = req.len();
+            let area = buf.as_mut_slice();
+            area.fill(GARBAGE);
+            area[l.request..l.request + n].copy_from_slice(&req);
+            let (buf, reply) = self
+                .eng
+                .block_on(server.serve_legacy(&self.eng, l, buf, n, false))
+                .expect("the engine runs");
+            match reply {
+                LegacyReply::None => {
+                    let quiet = n < IN_HEADER_LEN
+                        || parse(&req).is_ok_and(|r| {
+                            matches!(
+                                r.op,
+                                Operation::Forget(_)
+                                    | Operation::BatchForget { .. }
+                                    | Operation::Interrupt(_)
+                            )
+                        });
+                    assert!(quiet, "opcode {op} went unanswered");
+                }
+                LegacyReply::Bytes(len) => {
+                    let b = buf.as_slice();
+                    assert!(
+                        l.reply + len <= b.len(),
+                        "a reply of {len} bytes past the buffer"
+                    );
+                    assert!(len >= OUT_HEADER_LEN && len - OUT_HEADER_LEN <= l.payload_capacity());
+                    let out = &b[l.reply..l.reply + len];
+                    let (h, body) = OutHeader::read_from_prefix(out).expect("a reply header");
+                    assert_eq!(h.len as usize, len, "the header's length is the reply's");
+                    assert_eq!(Some(h.unique), peek_unique(&req), "unique echoed");
+                    assert!((-511..=0).contains(&h.error), "error {}", h.error);
+                    assert!(
+                        h.error == 0 || body.is_empty(),
+                        "an error reply has no body"
+                    );
+                    summary.replies += 1;
+                    if h.error == 0 {
+                        if op < 64 {
+                            summary.ok_opcodes |= 1 << op;
+                        }
+                        let open = match Opcode::from_u32(op) {
+                            Some(Opcode::Open | Opcode::Opendir) => Some(body),
+                            Some(Opcode::Create) => body.get(std::mem::size_of::<EntryOut>()..),
+                            _ => None,
+                        };
+                        if let Some(Ok((o, _))) = open.map(OpenOut::read_from_prefix) {
+                            handles.push(o.fh);
+                        }
+                    }
+                }
+                LegacyReply::Splice { .. } => panic!("a directory export never splices"),
+            }
+        }
+        assert_eq!(
+            listing(&outside),
+            before,
+            "something outside the source changed"
+        );
+        summary
+    }
+}
+
+/// Everything below `dir`: (relative path, inode, mode, size).
+fn listing(dir: &Path) -> Vec<(String, u64, u32, u64)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                stack.push(p.clone());
+            }
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            out.push((rel, m.ino(), m.mode(), m.len()));
+        }
+    }
+    out.sort();
+    out
+}
