@@ -80,8 +80,35 @@ struct Harness {
     layout: Layout,
 }
 
+/// The largest file the export may make (`RLIMIT_FSIZE`): a fuzzed FALLOCATE of gigabytes is a
+/// legitimate request the source serves, and would fill the scratch disk for a moment.
+pub const MAX_FILE: u64 = 256 << 20;
+
+/// Caps the size of files this process writes at [`MAX_FILE`], so a write or allocation past it
+/// fails with `EFBIG` (`SIGXFSZ` ignored) instead of taking the disk. Process-wide, as the limit
+/// is; the hard limit stays, so children may raise it again.
+fn cap_file_size() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit struct, setrlimit reads one, both live across the
+    // calls; ignoring SIGXFSZ installs no handler (no code runs in signal context).
+    let r = unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        if libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max.min(MAX_FILE);
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim)
+        } else {
+            -1
+        }
+    };
+    assert_eq!(r, 0, "RLIMIT_FSIZE");
+}
+
 thread_local! {
     static HARNESS: Harness = {
+        cap_file_size();
         let layout = Layout::new(MAX_WRITE);
         let eng = Engine::new(&EngineConfig {
             sq_entries: 8,
