@@ -17,15 +17,12 @@ use std::sync::Arc;
 
 use dirfs::{DirConfig, DirFs};
 use engine::{Engine, EngineConfig};
-use fuse_abi::{
-    parse, peek_unique, EntryOut, Opcode, OpenOut, Operation, OutHeader, IN_HEADER_LEN,
-    OUT_HEADER_LEN,
-};
+use fuse_abi::{parse, EntryOut, Opcode, OpenOut, Operation, IN_HEADER_LEN};
 use server::{LegacyReply, QueueServer};
 use transport::Layout;
 use zerocopy::FromBytes;
 
-use crate::serve::records;
+use crate::serve::{legacy_reply, opcode_of, records, Summary};
 
 /// Largest WRITE the slot buffer takes.
 pub const MAX_WRITE: usize = 16 * 1024;
@@ -55,23 +52,6 @@ impl Setup {
             setxattr_ext: bit(2),
             on_ring: bit(3),
         }
-    }
-}
-
-/// What an input did, so tests can tell that seed inputs reach deep code.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Summary {
-    /// Requests that got a reply.
-    pub replies: usize,
-    /// Bit `n` set: a request with opcode `n` (below 64) got a successful reply.
-    pub ok_opcodes: u64,
-}
-
-impl Summary {
-    /// Whether a request with `opcode` succeeded.
-    pub fn ok(&self, opcode: Opcode) -> bool {
-        let op = opcode as u32;
-        op < 64 && self.ok_opcodes & (1 << op) != 0
     }
 }
 
@@ -127,12 +107,6 @@ pub fn run(data: &[u8]) -> Summary {
         return Summary::default();
     };
     HARNESS.with(|h| h.run(Setup::from_byte(setup), rest))
-}
-
-/// The opcode field of a request (0 if it is too short to hold one).
-fn opcode_of(req: &[u8]) -> u32 {
-    req.get(4..8)
-        .map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()))
 }
 
 /// Opcodes whose arguments start with a file handle.
@@ -222,21 +196,7 @@ impl Harness {
                     assert!(quiet, "opcode {op} went unanswered");
                 }
                 LegacyReply::Bytes(len) => {
-                    let b = buf.as_slice();
-                    assert!(
-                        l.reply + len <= b.len(),
-                        "a reply of {len} bytes past the buffer"
-                    );
-                    assert!(len >= OUT_HEADER_LEN && len - OUT_HEADER_LEN <= l.payload_capacity());
-                    let out = &b[l.reply..l.reply + len];
-                    let (h, body) = OutHeader::read_from_prefix(out).expect("a reply header");
-                    assert_eq!(h.len as usize, len, "the header's length is the reply's");
-                    assert_eq!(Some(h.unique), peek_unique(&req), "unique echoed");
-                    assert!((-511..=0).contains(&h.error), "error {}", h.error);
-                    assert!(
-                        h.error == 0 || body.is_empty(),
-                        "an error reply has no body"
-                    );
+                    let (h, body) = legacy_reply(l, buf.as_slice(), len, &req);
                     summary.replies += 1;
                     if h.error == 0 {
                         if op < 64 {

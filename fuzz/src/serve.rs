@@ -250,20 +250,7 @@ impl Harness {
             );
             return None;
         };
-        let b = buf.as_slice();
-        assert!(
-            l.reply + len <= b.len(),
-            "reply of {len} bytes past the buffer"
-        );
-        let (oh, _) = OutHeader::read_from_prefix(&b[l.reply..]).expect("out header");
-        assert_eq!(
-            oh.len as usize, len,
-            "out header length is the bytes written"
-        );
-        assert!(len >= OUT_HEADER_LEN && len - OUT_HEADER_LEN <= l.payload_capacity());
-        assert_eq!(Some(oh.unique), peek_unique(req), "reply echoes the unique");
-        check_error_field(&oh, len - OUT_HEADER_LEN);
-        let body = &b[l.reply + OUT_HEADER_LEN..l.reply + len];
+        let (oh, body) = legacy_reply(&l, buf.as_slice(), len, req);
         let cap = l.payload_capacity();
         check_answer(
             Framing::Legacy,
@@ -338,8 +325,32 @@ impl Harness {
     }
 }
 
-fn opcode_of(req: &[u8]) -> u32 {
+pub(crate) fn opcode_of(req: &[u8]) -> u32 {
     InHeader::read_from_prefix(req).map_or(0, |(h, _)| h.opcode)
+}
+
+/// Checks the `len`-byte reply a legacy slot buffer `b` (of layout `l`) holds to request `req`:
+/// inside the buffer, its header's length the bytes written, its payload within the slot's
+/// capacity, `unique` echoed, the error field as the kernel takes it. Its header and body.
+pub(crate) fn legacy_reply<'a>(
+    l: &Layout,
+    b: &'a [u8],
+    len: usize,
+    req: &[u8],
+) -> (OutHeader, &'a [u8]) {
+    assert!(
+        l.reply + len <= b.len(),
+        "reply of {len} bytes past the buffer"
+    );
+    let (oh, _) = OutHeader::read_from_prefix(&b[l.reply..]).expect("out header");
+    assert_eq!(
+        oh.len as usize, len,
+        "out header length is the bytes written"
+    );
+    assert!(len >= OUT_HEADER_LEN && len - OUT_HEADER_LEN <= l.payload_capacity());
+    assert_eq!(Some(oh.unique), peek_unique(req), "reply echoes the unique");
+    check_error_field(&oh, len - OUT_HEADER_LEN);
+    (oh, &b[l.reply + OUT_HEADER_LEN..l.reply + len])
 }
 
 /// The kernel takes errors in `-511..=0`, and an error reply carries no body.
