@@ -407,10 +407,14 @@ pub fn open(f: &File, len: u64, writable: bool, served: Option<u64>) -> Result<O
         // Missing tables (and their redundant twins): zeroed space first, then the entries.
         const PAST: &str = "its grain tables would lie past what a directory entry can address";
         // The space a new table takes from `next_free` (whose start a hostile header may put
-        // near the end of u64: checked, never wrapped back over the metadata).
+        // near the end of u64: checked, never wrapped back over the metadata), ending where a
+        // directory entry (a 32-bit sector number) still reaches.
         let claim = |next_free: &mut u64| -> Result<u64, String> {
             let at = *next_free;
-            *next_free = at.checked_add(table_span).ok_or(PAST)?;
+            *next_free = at
+                .checked_add(table_span)
+                .filter(|end| end / SECTOR <= u32::MAX as u64)
+                .ok_or(PAST)?;
             Ok(at)
         };
         let mut made = Vec::new();
@@ -431,9 +435,6 @@ pub fn open(f: &File, len: u64, writable: bool, served: Option<u64>) -> Result<O
             made.push((i, at, twin));
         }
         if !made.is_empty() {
-            if next_free / SECTOR > u32::MAX as u64 {
-                return Err(PAST.to_string().into());
-            }
             if f.metadata()?.len() < next_free {
                 f.set_len(next_free)?;
             }
@@ -552,13 +553,13 @@ pub(super) mod tests {
         assert_eq!(f.as_file().metadata().unwrap().len(), 34 * 512);
     }
 
-    /// A header whose metadata overhead reaches the end of the u64 range leaves no room for a
-    /// missing table: a writable open is refused and writes nothing (a wrapped end once put the
-    /// new tables over the header).
+    /// A header whose metadata overhead reaches past 2^32 sectors, or to the end of the u64
+    /// range, leaves no room for a missing table: a writable open is refused and writes nothing
+    /// (a wrapped end once put the new tables over the header).
     #[test]
     fn missing_tables_past_any_address_are_refused() {
         let f = image(Some([8, 0, 16, 0]), None);
-        for overhead in [u64::MAX / 512, u64::MAX / 256, u64::MAX] {
+        for overhead in [1 << 32, u64::MAX / 512, u64::MAX / 256, u64::MAX] {
             f.as_file()
                 .write_all_at(&overhead.to_le_bytes(), 64)
                 .unwrap();
