@@ -106,6 +106,8 @@ fn fio(mp: &Path, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new("fio");
     c.args([
         "--name=busy",
+        // No verify state file left in the working directory if fio is killed.
+        "--verify_state_save=0",
         "--ioengine=libaio",
         "--direct=1",
         "--bs=4k",

@@ -626,6 +626,8 @@ fn fio_verify_through_restarts(
         std::process::Command::new("fio")
             .args([
                 "--name=v",
+                // No verify state file left in the working directory if fio is killed.
+                "--verify_state_save=0",
                 "--rw=randwrite",
                 "--bs=4k",
                 &format!("--iodepth={IODEPTH}"),

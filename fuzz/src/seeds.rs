@@ -251,12 +251,15 @@ pub const SETUPS: [(&str, u8); 4] = [
 /// Named seed inputs of one target.
 pub type Seeds = Vec<(String, Vec<u8>)>;
 
-/// Seeds of the `decode` target: each request in `/dev/fuse` framing.
+/// Seeds of the `decode` target: each request of the image and the directory sessions in
+/// `/dev/fuse` framing.
 pub fn decode() -> Seeds {
-    session()
-        .iter()
+    let image = session().into_iter().map(|r| (String::new(), r));
+    let dir = dir_session().into_iter().map(|r| ("dir-".to_string(), r));
+    image
+        .chain(dir)
         .enumerate()
-        .map(|(i, r)| (r.name.to_string(), legacy_bytes(i, r)))
+        .map(|(i, (prefix, r))| (format!("{prefix}{}", r.name), legacy_bytes(i, &r)))
         .collect()
 }
 
