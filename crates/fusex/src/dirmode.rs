@@ -14,10 +14,10 @@ use fuse_abi::{
     FUSE_PASSTHROUGH, FUSE_POSIX_ACL, FUSE_READDIRPLUS_AUTO, FUSE_SETXATTR_EXT,
     FUSE_WRITEBACK_CACHE,
 };
-use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount, MountConfig};
+use transport::{negotiate_init, negotiate_init_passthrough, InitParams, Mount};
 
 use crate::cli::{CacheArg, MountArgs, PassthroughArg, TransportArg};
-use crate::memory::{self, Demand};
+use crate::memory;
 
 /// Whether `image` names a directory (following a symlink, as the user sees it; the export
 /// itself then refuses a symlink there). `null:SIZE` and NBD URIs never do, whatever the
@@ -192,39 +192,13 @@ fn prepare(args: &MountArgs, verbose: u8) -> Result<Prepared> {
     let threads = args
         .queues
         .map_or(crate::affinity::allowed_cpus().len(), usize::from);
-    let possible_cpus = crate::affinity::possible_cpus();
-    let demand = Demand {
-        uring: may_uring,
-        threads,
-        possible_cpus,
-        depth: args.queue_depth.map(usize::from),
-        latency_bound: false,
-        budget: args
-            .memory_budget
-            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
-    };
-    let planned = memory::plan(demand);
-    if let Err(why) = memory::check(&planned, &demand) {
-        bail!("{why}");
-    }
-    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
-    // The --auto-unmount watcher starts once the mount exists and before anything can see it,
-    // as for an image export.
-    let mut watcher = None;
-    let mnt = Mount::establish(
-        &MountConfig {
-            mountpoint: args.mountpoint.clone(),
-            source: args.image.clone(),
-            read_only: !args.writable,
-            allow_other: args.allow_other,
-            max_read: max_write,
-            directory: true,
-        },
-        &mut |mountpoint, id| {
-            watcher = crate::watcher::for_mount(args, mountpoint, id, verbose)?;
-            Ok(())
-        },
-    )?;
+    let crate::lifecycle::Staged {
+        demand,
+        planned,
+        max_write,
+        mnt,
+        watcher,
+    } = crate::lifecycle::plan_and_mount(args, verbose, may_uring, threads, false, true)?;
     // DIRECT_IO_ALLOW_MMAP: with --cache never, mmap of a file opened for direct I/O.
     // DONT_MASK: new entries' modes come without the caller's umask, which the source applies
     // unless the parent has a default ACL (POSIX_ACL: the kernel checks ACLs; SETXATTR_EXT:
@@ -304,16 +278,9 @@ fn prepare(args: &MountArgs, verbose: u8) -> Result<Prepared> {
     if args.transport == TransportArg::Uring && !uring {
         bail!("--transport uring is unavailable: the kernel did not offer FUSE_OVER_IO_URING in INIT; or use --transport auto");
     }
-    let plan = if uring || !may_uring {
-        planned
-    } else {
-        memory::plan(Demand {
-            uring: false,
-            ..demand
-        })
-    };
+    let plan = crate::lifecycle::plan_for_transport(planned, demand, uring);
     let queues = if uring {
-        threads.min(possible_cpus)
+        threads.min(demand.possible_cpus)
     } else {
         threads
     };

@@ -435,39 +435,13 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         );
         threads = max;
     }
-    let possible_cpus = crate::affinity::possible_cpus();
-    let demand = Demand {
-        uring: may_uring,
-        threads,
-        possible_cpus,
-        depth: args.queue_depth.map(usize::from),
-        latency_bound: caps.remote,
-        budget: args
-            .memory_budget
-            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
-    };
-    let planned = memory::plan(demand);
-    if let Err(why) = memory::check(&planned, &demand) {
-        bail!("{why}");
-    }
-    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
-    // The --auto-unmount watcher starts once the mount exists and before anything can see it
-    // (through fusermount3: right after it appeared), so no daemon death leaves it behind.
-    let mut watcher = None;
-    let mnt = Mount::establish(
-        &MountConfig {
-            mountpoint: args.mountpoint.clone(),
-            source: args.image.clone(),
-            read_only: !args.writable,
-            allow_other: args.allow_other,
-            max_read: max_write,
-            directory: false,
-        },
-        &mut |mountpoint, id| {
-            watcher = crate::watcher::for_mount(args, mountpoint, id, verbose)?;
-            Ok(())
-        },
-    )?;
+    let Staged {
+        demand,
+        planned,
+        max_write,
+        mnt,
+        watcher,
+    } = plan_and_mount(args, verbose, may_uring, threads, caps.remote, false)?;
     // The mount exists from here on: any error below drops `mnt`, which unmounts.
     // DIRECT_IO_ALLOW_MMAP: without it the kernel refuses MAP_SHARED (ENODEV) on every open
     // answered with FOPEN_DIRECT_IO, i.e. every open that is not passed through.
@@ -528,15 +502,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
             "legacy /dev/fuse"
         }
     );
-    // Planned for io_uring's per-CPU queues; the legacy transport needs buffers per thread only.
-    let plan = if uring || !may_uring {
-        planned
-    } else {
-        memory::plan(Demand {
-            uring: false,
-            ..demand
-        })
-    };
+    let plan = plan_for_transport(planned, demand, uring);
     let buffer_size = memory::buffer_size(neg.max_write as usize);
     tracing::info!(
         "request buffers: {} requests in flight per queue, {} KiB each, {} MiB in all (budget {} MiB)",
@@ -560,7 +526,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         argv,
         plan,
         queues: if uring {
-            threads.min(possible_cpus)
+            threads.min(demand.possible_cpus)
         } else {
             threads
         },
@@ -574,6 +540,85 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         settled,
         stats: Default::default(),
     })
+}
+
+/// What an image export and a directory export do alike before INIT: the memory plan, and the
+/// mount with its `--auto-unmount` watcher.
+pub(crate) struct Staged {
+    /// What the plan was made for.
+    pub demand: Demand,
+    /// Planned for io_uring's per-CPU queues if the transport may be io_uring.
+    pub planned: MemoryPlan,
+    /// The largest request the plan has room for (INIT's `max_write`, the mount's `max_read`).
+    pub max_write: u32,
+    /// The mount; dropping it unmounts.
+    pub mnt: Mount,
+    /// The `--auto-unmount` watcher, if asked for.
+    pub watcher: Option<crate::watcher::Watcher>,
+}
+
+/// Plans the request buffers for `threads` queues (refusing a plan over `--memory-budget` before
+/// anything is mounted) and mounts. The `--auto-unmount` watcher starts once the mount exists and
+/// before anything can see it (through fusermount3: right after it appeared), so no daemon death
+/// leaves the mount behind.
+pub(crate) fn plan_and_mount(
+    args: &MountArgs,
+    verbose: u8,
+    may_uring: bool,
+    threads: usize,
+    latency_bound: bool,
+    directory: bool,
+) -> Result<Staged> {
+    let demand = Demand {
+        uring: may_uring,
+        threads,
+        possible_cpus: crate::affinity::possible_cpus(),
+        depth: args.queue_depth.map(usize::from),
+        latency_bound,
+        budget: args
+            .memory_budget
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+    };
+    let planned = memory::plan(demand);
+    if let Err(why) = memory::check(&planned, &demand) {
+        bail!("{why}");
+    }
+    let max_write = u32::try_from(planned.max_write).unwrap_or(u32::MAX);
+    let mut watcher = None;
+    let mnt = Mount::establish(
+        &MountConfig {
+            mountpoint: args.mountpoint.clone(),
+            source: args.image.clone(),
+            read_only: !args.writable,
+            allow_other: args.allow_other,
+            max_read: max_write,
+            directory,
+        },
+        &mut |mountpoint, id| {
+            watcher = crate::watcher::for_mount(args, mountpoint, id, verbose)?;
+            Ok(())
+        },
+    )?;
+    Ok(Staged {
+        demand,
+        planned,
+        max_write,
+        mnt,
+        watcher,
+    })
+}
+
+/// The plan for the transport INIT settled on: `planned` was made for io_uring's per-CPU queues
+/// where io_uring was possible; the legacy transport needs buffers per thread only.
+pub(crate) fn plan_for_transport(planned: MemoryPlan, demand: Demand, uring: bool) -> MemoryPlan {
+    if uring || !demand.uring {
+        planned
+    } else {
+        memory::plan(Demand {
+            uring: false,
+            ..demand
+        })
+    }
 }
 
 /// Opens the image (`takeover`: taking the image locks over from the daemon `fusex restart`
