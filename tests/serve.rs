@@ -1377,6 +1377,88 @@ fn the_thread_count_does_not_grow_with_exports() {
     }
 }
 
+/// Nice values of the daemon's threads by name (`/proc/PID/task/TID/stat`, field 19); the main
+/// thread (whose id is the process's) is named `main`.
+fn thread_nice(pid: i32) -> Vec<(String, i32)> {
+    let mut v = Vec::new();
+    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads") {
+        let t = t.expect("a thread entry");
+        let (Ok(comm), Ok(stat)) = (
+            fs::read_to_string(t.path().join("comm")),
+            fs::read_to_string(t.path().join("stat")),
+        ) else {
+            continue;
+        };
+        // After the name's closing parenthesis come the fields from the third (state) on.
+        let rest = &stat[stat.rfind(')').expect("stat has the name") + 2..];
+        let nice = rest.split(' ').nth(19 - 3).expect("field 19");
+        let name = if t.file_name().to_str() == Some(pid.to_string().as_str()) {
+            "main".to_string()
+        } else {
+            comm.trim_end().to_string()
+        };
+        v.push((name, nice.parse().expect("a nice value")));
+    }
+    v
+}
+
+/// The control threads (the QMP server and its clients, the exports' supervisor, the reaper) run
+/// ten nice levels below the queue threads, which run at the daemon's own priority even when a
+/// lowered QMP client thread started them (the shared workers with the first export, an
+/// export's own queue threads with it); `--control-nice 0` leaves every thread at the daemon's.
+#[test]
+fn control_threads_run_below_the_queue_threads() {
+    if !require_fuse() {
+        return;
+    }
+    for (extra, step) in [(&[][..], 10), (&["--control-nice", "0"][..], 0)] {
+        let w = WorkDir::new("serve-priority");
+        let serve = Serve::start(w.path(), extra);
+        let pid = serve.pid();
+        let mut q = serve.qmp();
+        q.add_null_export("shared", &w.join("shared.mnt"), json!({}));
+        // A spin of its own keeps it off the shared threads: it gets queue threads of its own.
+        q.add_null_export("own", &w.join("own.mnt"), json!({"__org.fusex_spin-us": 5}));
+        let threads = thread_nice(pid);
+        let base = threads
+            .iter()
+            .find(|(n, _)| n == "main")
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("the main thread: {threads:?}"));
+        // Threads named `prefix` and a number (`fusex-q0`, not `fusex-qmp`), or `prefix` alone.
+        let nice = |prefix: &str| -> Vec<i32> {
+            threads
+                .iter()
+                .filter(|(n, _)| {
+                    n.strip_prefix(prefix)
+                        .is_some_and(|rest| rest.chars().all(|c| c.is_ascii_digit()))
+                })
+                .map(|(_, v)| *v)
+                .collect()
+        };
+        let control = (base + step).min(19);
+        for name in ["fusex-qmp", "qmp-client-", "fusex-exports", "fusex-reaper"] {
+            let got = nice(name);
+            assert!(!got.is_empty(), "no {name} thread: {threads:?}");
+            assert!(got.iter().all(|&v| v == control), "{name}: {threads:?}");
+        }
+        for name in ["fusex-w", "fusex-q"] {
+            let got = nice(name);
+            assert!(!got.is_empty(), "no {name} thread: {threads:?}");
+            assert!(got.iter().all(|&v| v == base), "{name}: {threads:?}");
+        }
+        // Both serve.
+        for m in ["shared.mnt", "own.mnt"] {
+            let mut data = vec![1u8; 4096];
+            use std::io::Read;
+            fs::File::open(w.join(m))
+                .and_then(|mut f| f.read_exact(&mut data))
+                .expect("read an export");
+            assert!(data.iter().all(|&b| b == 0), "{m} reads zeroes");
+        }
+    }
+}
+
 /// When `BLOCK_EXPORT_DELETED` arrives the export's image is closed: no lock of the daemon is
 /// left on it, so a tool run right after the event (`qemu-img check`, a backup) can open it.
 /// The queues on the shared threads report their end just before those threads let go of the

@@ -26,6 +26,8 @@ pub const CAP_FSETID: Cap = 4;
 pub const CAP_SETPCAP: Cap = 8;
 /// `CAP_SYS_ADMIN`.
 pub const CAP_SYS_ADMIN: Cap = 21;
+/// `CAP_SYS_NICE`.
+pub const CAP_SYS_NICE: Cap = 23;
 
 /// The bit of `cap` in a set.
 pub const fn bit(cap: Cap) -> u64 {

@@ -784,6 +784,15 @@ pub struct ServeArgs {
     /// metrics-listen key (this option wins).
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<String>,
+    /// Nice levels the control threads run below the queue threads (default 10; 0: the same)
+    ///
+    /// Adding and removing exports (QMP, the mounts and unmounts, final flushes) then takes its
+    /// CPU from the exports' I/O only when a CPU is idle. Needs CAP_SYS_NICE (root) to bring
+    /// queue threads started by a control thread back up; without it every thread stays at the
+    /// daemon's priority.
+    #[arg(long, value_name = "LEVELS", default_value_t = 10,
+          value_parser = clap::value_parser!(i32).range(0..=39))]
+    pub control_nice: i32,
 }
 
 /// `--max-size`: the same size syntax as `null:SIZE` images.

@@ -21,6 +21,7 @@ mod metrics;
 mod mount_control;
 mod notify;
 mod passthrough;
+mod priority;
 mod privileges;
 mod qmp_client;
 mod restart;

@@ -63,6 +63,8 @@ pub fn shared() -> Result<Arc<Workers>> {
         },
         threads: cpus.len().max(1),
         on_start: Some(Arc::new(move |i| {
+            // Started by whichever thread adds the first export, maybe a lowered control thread.
+            crate::priority::to_base();
             if let Some(&cpu) = cpus.get(i) {
                 crate::affinity::pin_current_thread(cpu);
             }
@@ -132,9 +134,13 @@ pub fn place(
             ..EngineConfig::default()
         },
         threads: nq,
-        on_start: pin.then(|| -> server::worker::OnStart {
-            Arc::new(move |i| crate::affinity::pin_current_thread(cpus[i % cpus.len()]))
-        }),
+        on_start: Some(Arc::new(move |i| {
+            // An export's own queue threads may be started by a lowered control thread.
+            crate::priority::to_base();
+            if pin {
+                crate::affinity::pin_current_thread(cpus[i % cpus.len()]);
+            }
+        })),
     };
     tracing::debug!(queues = nq, pinned = pin, "starting queue threads");
     Ok(Placement {

@@ -46,6 +46,8 @@ pub struct Base {
 
 /// Installs the signal handling and makes an empty service.
 pub fn base(reloads: bool, verbose: u8) -> Result<Base> {
+    // The data plane's priority, read before any control thread lowers itself.
+    crate::priority::settle_base();
     use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let mut signals =
         signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM])
@@ -152,6 +154,8 @@ impl Base {
             let thread = std::thread::Builder::new()
                 .name("fusex-qmp".into())
                 .spawn(move || {
+                    // Its client threads (which add and remove exports) start from here.
+                    crate::priority::lower_this_thread();
                     if let Err(e) = server.run() {
                         tracing::error!("QMP on {shown}: {e}");
                     }
@@ -349,6 +353,7 @@ pub fn default_control() -> Result<PathBuf> {
 }
 
 fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
+    crate::priority::configure(args.control_nice);
     let base = base(args.config.is_some(), verbose)?;
     let notifier = crate::notify::Notifier::from_env()?;
     // Every argument is checked before anything is mounted.

@@ -231,6 +231,7 @@ impl Service {
         std::thread::Builder::new()
             .name("fusex-reaper".into())
             .spawn(move || {
+                crate::priority::lower_this_thread();
                 for f in ended {
                     match weak.upgrade() {
                         Some(s) => s.reap(f),

@@ -95,7 +95,11 @@ impl Supervisors {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("fusex-exports".into())
-            .spawn(move || run(rx, finished))?;
+            .spawn(move || {
+                // Unmounts, final flushes and the `fusex-end` threads it starts: control work.
+                crate::priority::lower_this_thread();
+                run(rx, finished)
+            })?;
         Ok(Supervisors { tx })
     }
 

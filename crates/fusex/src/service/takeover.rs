@@ -62,6 +62,7 @@ fn take(
         }
         Err(e) => tracing::warn!("restart: the log is lost once detached: {e:#}"),
     }
+    crate::priority::configure(args.control_nice);
     let base = daemon::base(args.config.is_some(), 0)?;
     let notifier = match &state.notify_socket {
         Some(v) => crate::notify::Notifier::connect(v)?,
