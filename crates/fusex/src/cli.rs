@@ -790,7 +790,7 @@ pub struct ServeArgs {
     /// CPU from the exports' I/O only when a CPU is idle. Needs CAP_SYS_NICE (root) to bring
     /// queue threads started by a control thread back up; without it every thread stays at the
     /// daemon's priority.
-    #[arg(long, value_name = "LEVELS", default_value_t = 10,
+    #[arg(long, value_name = "LEVELS", default_value_t = crate::priority::CONTROL_NICE,
           value_parser = clap::value_parser!(i32).range(0..=39))]
     pub control_nice: i32,
 }
