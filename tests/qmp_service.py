@@ -145,9 +145,12 @@ class Scenario:
         argv = self.program + [
             "--chardev", f"socket,id=mon0,path={sock},server=on,wait=off",
             "--monitor", "chardev=mon0",
-            "--blockdev", f"driver=file,node-name=file0,filename={self.p('a.raw')}",
+            # An IOThread for the export, as qemu-storage-daemon's users often give one.
+            "--object", "iothread,id=io0",
+            "--blockdev", f"driver=file,node-name=file0,filename={self.p('a.raw')},aio=io_uring",
             "--blockdev", "driver=raw,node-name=fmt0,file=file0",
-            "--export", f"type=fuse,id=exp0,node-name=fmt0,mountpoint={self.p('a.mnt')},writable=on",
+            "--export", f"type=fuse,id=exp0,node-name=fmt0,mountpoint={self.p('a.mnt')},"
+                        "writable=on,iothread=io0",
         ]
         log("starting:", " ".join(argv))
         self.daemon_log = open(self.p("daemon.log"), "wb")
@@ -212,7 +215,7 @@ class Scenario:
         await self.step("query-version", "query-version", post=shape)
         shared = {"blockdev-add", "blockdev-del", "block-export-add", "block-export-del",
                   "query-block-exports", "query-named-block-nodes", "query-version",
-                  "query-commands", "qmp_capabilities", "quit"}
+                  "query-commands", "qmp_capabilities", "quit", "object-add", "object-del"}
         await self.step("query-commands", "query-commands",
                         post=lambda r: sorted(c["name"] for c in r if c["name"] in shared))
 
@@ -388,6 +391,56 @@ class Scenario:
         self.record("event after exp6", event=await self.event(TIMEOUT))
         await self.step("blockdev-del hdr", "blockdev-del", {"node-name": "hdr"})
         await self.step("blockdev-del base", "blockdev-del", {"node-name": "base"})
+
+        # 5d. IOThreads (objects of their own, named by an export) and a file node's `aio`.
+        await self.step("object-add io1", "object-add", {"qom-type": "iothread", "id": "io1"})
+        for name, args in [
+            ("object-add: duplicate id", {"qom-type": "iothread", "id": "io1"}),
+            ("object-add: duplicate of the command line's", {"qom-type": "iothread", "id": "io0"}),
+            ("object-add: no id", {"qom-type": "iothread"}),
+            ("object-add: unknown type", {"qom-type": "bogus-type", "id": "x9"}),
+            ("object-add: unknown property", {"qom-type": "iothread", "id": "io9", "bogus": 1}),
+            ("object-add: property of the wrong type",
+             {"qom-type": "iothread", "id": "io9", "poll-max-ns": "many"}),
+        ]:
+            await self.step(name, "object-add", args)
+        await self.step("object-add io2 with properties", "object-add",
+                        {"qom-type": "iothread", "id": "io2", "poll-max-ns": 0,
+                         "poll-grow": 2, "poll-shrink": 0, "aio-max-batch": 0})
+        await self.step("blockdev-add th0 aio=threads", "blockdev-add",
+                        {"driver": "file", "node-name": "th0", "filename": self.p("a.raw"),
+                         "aio": "threads", "read-only": True})
+        await self.step("blockdev-del th0", "blockdev-del", {"node-name": "th0"})
+        for name, args in [
+            ("blockdev-add: aio=native without cache.direct",
+             {"driver": "file", "node-name": "f9", "filename": self.p("a.raw"),
+              "aio": "native"}),
+            ("blockdev-add: aio bad value",
+             {"driver": "file", "node-name": "f9", "filename": self.p("a.raw"), "aio": "bogus"}),
+        ]:
+            await self.step(name, "blockdev-add", args)
+        await self.step("blockdev-add nat0 aio=native cache.direct", "blockdev-add",
+                        {"driver": "raw", "node-name": "nat0", "read-only": True,
+                         "file": {"driver": "file", "filename": self.p("base.raw"),
+                                  "aio": "native", "cache": {"direct": True}}})
+        open(self.p("io.mnt"), "wb").close()
+        await self.step("block-export-add: iothread not found", "block-export-add",
+                        {"type": "fuse", "id": "exp5", "node-name": "nat0",
+                         "mountpoint": self.p("io.mnt"), "iothread": "io9"})
+        await self.step("block-export-add exp5 iothread io1", "block-export-add",
+                        {"type": "fuse", "id": "exp5", "node-name": "nat0",
+                         "mountpoint": self.p("io.mnt"), "iothread": "io1",
+                         "fixed-iothread": True})
+        got = await self.io(read_mnt, self.p("io.mnt"), 2 * MiB)
+        self.record("read io.mnt", **same(got, b"\x11" * MiB + b"\x00" * MiB))
+        await self.step("block-export-del exp5", "block-export-del", {"id": "exp5"})
+        self.record("event after exp5", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del nat0", "blockdev-del", {"node-name": "nat0"})
+        await self.step("object-del io1", "object-del", {"id": "io1"})
+        await self.step("object-del io2", "object-del", {"id": "io2"})
+        await self.step("object-del: unknown id", "object-del", {"id": "io1"})
+        await self.step("object-add io1 again", "object-add", {"qom-type": "iothread", "id": "io1"})
+        await self.step("object-del io1 again", "object-del", {"id": "io1"})
 
         # 6. Removal of exports and nodes.
         await self.step("block-export-del exp2", "block-export-del", {"id": "exp2"})

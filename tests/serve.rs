@@ -548,6 +548,21 @@ fn command_line_refusals_mount_nothing_and_daemonize_returns_serving() {
             vec!["--export".into(), "type=fuse,writable=maybe".into()],
             "'writable' expects 'on' or 'off'",
         ),
+        (
+            vec!["--object".into(), "secret,id=s0,data=x".into()],
+            "objects of type 'secret'",
+        ),
+        (
+            vec![
+                "--object".into(),
+                "iothread,id=io0".into(),
+                "--blockdev".into(),
+                node.clone(),
+                "--export".into(),
+                format!("{export},iothread=io1"),
+            ],
+            "iothread \"io1\" not found",
+        ),
     ];
     for (args, want) in cases {
         let mut cmd = Command::new(fusex_bin());
@@ -1948,11 +1963,21 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
                "__org.fusex_backing": "raw:/etc/passwd"}),
     );
     assert!(e.contains("not an export member"), "{e}");
+    // IOThread objects go across a restart, and so does the one the export names.
+    for io in ["io1", "io2"] {
+        q.ok("object-add", json!({"qom-type": "iothread", "id": io}));
+    }
     q.ok(
         "block-export-add",
         json!({"type": "fuse", "id": "t", "node-name": "top", "writable": true,
-               "mountpoint": mp.to_str().unwrap(), "__org.fusex_transport": "legacy"}),
+               "mountpoint": mp.to_str().unwrap(), "__org.fusex_transport": "legacy",
+               "iothread": "io1"}),
     );
+    let in_use = |q: &mut Qmp| {
+        let e = q.err("object-del", json!({"id": "io1"}));
+        assert!(e.contains("in use") && e.contains("export 't'"), "{e}");
+    };
+    in_use(&mut q);
     assert_bytes_eq(&read_all(&mp), &model, 0, "the chain of nodes");
     let f = open_rw(&mp);
     for (off, byte) in [(MIB - 100, 0x71u8), (2 * MIB, 0x72), (4 * MIB - 512, 0x73)] {
@@ -1977,8 +2002,11 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
         .find(|n| n["node-name"] == "top")
         .map(|n| n["backing_file_depth"].clone());
     assert_eq!(depth, Some(json!(2)), "{nodes}");
+    in_use(&mut q);
+    q.ok("object-del", json!({"id": "io2"}));
     q.ok("block-export-del", json!({"id": "t"}));
     q.event("BLOCK_EXPORT_DELETED", "t", TIMEOUT);
+    q.ok("object-del", json!({"id": "io1"}));
     q.ok("blockdev-del", json!({"node-name": "top"}));
     assert_eq!(
         q.ok("query-named-block-nodes", json!({})),

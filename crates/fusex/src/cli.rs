@@ -40,9 +40,10 @@ pub enum Command {
     /// Serve any number of exports in one daemon, added and removed over QMP
     ///
     /// Takes qemu-storage-daemon's command line for what fusex supports (--blockdev, --export
-    /// type=fuse, --chardev socket with --monitor, --pidfile, --daemonize), and its QMP commands
-    /// on the control socket (blockdev-add, block-export-add, block-export-del, ...). SIGINT,
-    /// SIGTERM and SIGHUP stop every export as they stop fusex mount; QMP's quit removes them.
+    /// type=fuse, --object iothread, --chardev socket with --monitor, --pidfile, --daemonize),
+    /// and its QMP commands on the control socket (blockdev-add, block-export-add,
+    /// block-export-del, object-add, ...). SIGINT, SIGTERM and SIGHUP stop every export as they
+    /// stop fusex mount; QMP's quit removes them.
     Serve(Box<ServeArgs>),
     /// Add, remove and list the exports of a running fusex serve
     ///
@@ -744,11 +745,18 @@ pub struct ServeArgs {
     /// node-name=disk, file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,
+    /// An object, as qemu-storage-daemon takes it: iothread,id=ID (repeatable)
+    ///
+    /// The name an export's iothread=ID member refers to. fusex's exports always run on queue
+    /// threads, never on the thread that takes commands, so an IOThread changes nothing else;
+    /// its properties (poll-max-ns, ...) are checked and kept. Other object types are refused.
+    #[arg(long, value_name = "OPTIONS")]
+    pub object: Vec<String>,
     /// An export, as qemu-storage-daemon takes it (repeatable)
     ///
     /// The arguments of QMP's block-export-add, comma-separated: type=fuse, id=ID,
     /// node-name=NODE, mountpoint=PATH, and optionally writable=on, growable=on,
-    /// writethrough=on, allow-other=on|off|auto. Any fusex mount option goes as
+    /// writethrough=on, allow-other=on|off|auto, iothread=ID. Any fusex mount option goes as
     /// __org.fusex_OPTION=VALUE, e.g. __org.fusex_transport=legacy. A directory tree:
     /// type=__org.fusex_dir with source=DIR instead of node-name.
     #[arg(long, value_name = "OPTIONS")]

@@ -221,6 +221,11 @@ pub struct ServeState {
     /// here. Empty (and absent on the wire) without NBD nodes.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub nbd_sizes: std::collections::BTreeMap<String, u64>,
+    /// The IOThread objects (`--object`, `object-add`), in order: their arguments. Empty (and
+    /// absent on the wire) without any; a successor that does not know the member serves the
+    /// same, as an IOThread changes nothing of how an export serves.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub objects: Vec<serde_json::Value>,
 }
 
 /// One export of a `fusex serve` daemon.
@@ -234,6 +239,9 @@ pub struct ExportHanding {
     pub own_node: bool,
     /// The config file's table it came from.
     pub config: Option<serde_json::Value>,
+    /// The IOThread object it names, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iothread: Option<String>,
     /// The export as `fusex mount` hands it over.
     pub state: State,
 }

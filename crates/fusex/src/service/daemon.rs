@@ -368,6 +368,12 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
     let metrics = listen
         .map(|a| start_metrics(&a, &base.service))
         .transpose()?;
+    let objects = args
+        .object
+        .iter()
+        .map(|o| super::objects::from_command_line(o).map(|v| (o, v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow!(e))?;
     let blockdevs = args
         .blockdev
         .iter()
@@ -389,6 +395,11 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
         .set_notify_socket(notifier.socket().map(str::to_string));
     let service = base.service.clone();
     let added = (|| -> Result<()> {
+        for (text, v) in objects {
+            service
+                .dispatch("object-add", v)
+                .map_err(|e| anyhow!("--object {text}: {}", e.desc))?;
+        }
         for (text, v) in blockdevs {
             service
                 .dispatch("blockdev-add", v)

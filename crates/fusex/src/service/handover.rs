@@ -125,6 +125,7 @@ impl Service {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
             nodes: nodes.iter().filter_map(|n| n.args.clone()).collect(),
+            objects: t.iothreads.iter().map(|o| o.args.clone()).collect(),
         };
         let io = |e: std::io::Error| format!("sending the state: {e}");
         send(stream, &Message::Serve(state), &[]).map_err(io)?;
@@ -140,6 +141,7 @@ impl Service {
                 node: e.node.clone(),
                 own_node: own,
                 config: e.config.clone(),
+                iothread: e.iothread.clone(),
                 state: h.state.clone(),
             });
             send(stream, &msg, &h.fds()).map_err(io)?;
@@ -210,6 +212,7 @@ impl Service {
         node: Option<Node>,
         node_name: &str,
         config: Option<Value>,
+        iothread: Option<String>,
         prepared: lifecycle::Prepared,
     ) -> Result<(), String> {
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
@@ -218,10 +221,11 @@ impl Service {
             if let Some(n) = node {
                 t.nodes.insert(n.name.clone(), n);
             }
-            t.exports.insert(
-                id.to_string(),
-                Entry::starting(serial, node_name.to_string(), None, config),
-            );
+            let mut entry = Entry::starting(serial, node_name.to_string(), None, config);
+            // Kept only if the IOThread came across: a predecessor that did not send its
+            // objects leaves none to name.
+            entry.iothread = iothread.filter(|i| t.iothreads.iter().any(|o| &o.id == i));
+            t.exports.insert(id.to_string(), entry);
         }
         match self.supervise(id, serial, prepared) {
             Ok(tx) => {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod daemon;
 pub mod handover;
 pub mod node;
+pub mod objects;
 pub mod options;
 pub mod published;
 pub mod supervisor;
@@ -87,6 +88,8 @@ struct Entry {
     handing: Option<lifecycle::Handing>,
     /// Where its statistics are read (None while it starts).
     meter: Option<crate::metrics::Meter>,
+    /// The IOThread object it names (`iothread`), which cannot be deleted while it lives.
+    iothread: Option<String>,
 }
 
 impl Entry {
@@ -105,6 +108,7 @@ impl Entry {
             config,
             handing: None,
             meter: None,
+            iothread: None,
         }
     }
 }
@@ -119,6 +123,8 @@ struct Table {
     handing_over: bool,
     /// Numbers the nodes in the order they were added (a successor adds them again in it).
     next_order: u64,
+    /// The IOThread objects, in the order they were added.
+    iothreads: Vec<objects::IoThread>,
 }
 
 impl Table {
@@ -147,6 +153,16 @@ impl Table {
             .values()
             .find(|n| n.file.as_deref() == Some(node) || n.backing.as_deref() == Some(node))
             .map(|n| n.name.clone())
+    }
+
+    /// Refuses an export's `iothread` that names no IOThread object.
+    fn check_iothread(&self, iothread: Option<&str>) -> Result<(), QmpError> {
+        match iothread {
+            Some(id) if !self.iothreads.iter().any(|t| t.id == id) => {
+                Err(objects::iothread_not_found(id))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -190,6 +206,8 @@ const COMMANDS: &[&str] = &[
     "blockdev-del",
     "block-export-add",
     "block-export-del",
+    "object-add",
+    "object-del",
     "query-block-exports",
     "query-blockstats",
     "query-named-block-nodes",
@@ -507,7 +525,7 @@ impl Service {
         if map.get("type").and_then(Value::as_str) == Some(DIR_EXPORT_TYPE) {
             return self.plan_dir_export(map, words);
         }
-        let a: ExportArgs = parse_export(map)?;
+        let (a, iothread) = parse_export(map)?;
         let t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
@@ -515,6 +533,7 @@ impl Service {
         if t.exports.contains_key(&a.id) {
             return Err(id_in_use(&a.id));
         }
+        t.check_iothread(iothread.as_deref())?;
         let Some(n) = t.node(&a.node_name) else {
             return Err(QmpError::generic(format!(
                 "Cannot find device='' nor node-name='{}'",
@@ -588,6 +607,7 @@ impl Service {
             node: a.node_name,
             args: margs,
             argv,
+            iothread,
         })
     }
 
@@ -617,11 +637,6 @@ impl Service {
         if a.writethrough.is_some() {
             return Err(refuse("writethrough"));
         }
-        if a.iothread.is_some() {
-            return Err(QmpError::generic(
-                "fusex does not support 'iothread': exports run on worker threads shared per CPU; leave it out",
-            ));
-        }
         if !crate::dirmode::is_directory(&a.source) {
             return Err(QmpError::generic(format!(
                 "source '{}' is not a directory: a {DIR_EXPORT_TYPE} export serves a directory \
@@ -637,6 +652,7 @@ impl Service {
             if t.exports.contains_key(&a.id) {
                 return Err(id_in_use(&a.id));
             }
+            t.check_iothread(a.iothread.as_deref())?;
         }
         let mountpoint = existing_mountpoint(&a.mountpoint)?;
         let mut all = Vec::new();
@@ -655,6 +671,7 @@ impl Service {
             node: String::new(),
             args: margs,
             argv,
+            iothread: a.iothread,
         })
     }
 
@@ -677,8 +694,9 @@ impl Service {
             node,
             args: margs,
             argv,
+            iothread,
         } = self.plan_export(args)?;
-        self.launch(id, node, None, margs, argv)?;
+        self.launch(id, node, None, margs, argv, iothread)?;
         Ok(json!({}))
     }
 
@@ -712,7 +730,7 @@ impl Service {
             // A directory export: no block node stands for it.
             crate::dirmode::check_args(&margs).map_err(|e| QmpError::generic(format!("{e:#}")))?;
             return self
-                .launch(a.id, String::new(), config, margs, argv)
+                .launch(a.id, String::new(), config, margs, argv, None)
                 .map(|()| json!({}));
         }
         let node = own_node(&a.id);
@@ -726,7 +744,7 @@ impl Service {
             }
             t.nodes.insert(node.clone(), Node::of_image(&node, &margs));
         }
-        let launched = self.launch(a.id.clone(), node.clone(), config, margs, argv);
+        let launched = self.launch(a.id.clone(), node.clone(), config, margs, argv, None);
         if launched.is_err() {
             let mut t = self.table();
             if !t.exports.contains_key(&a.id) {
@@ -744,21 +762,25 @@ impl Service {
         config: Option<Value>,
         margs: crate::cli::MountArgs,
         argv: Vec<String>,
+        iothread: Option<String>,
     ) -> Result<(), QmpError> {
         let _in = crate::logging::export_span(&id).entered();
         let mut t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
         }
-        // Checked again under this lock: another client may have taken the id meanwhile.
+        // Checked again under this lock: another client may have taken the id, or deleted
+        // the IOThread, meanwhile.
         if t.exports.contains_key(&id) {
             return Err(id_in_use(&id));
         }
+        t.check_iothread(iothread.as_deref())?;
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         // Only a directory export has no node.
         let source = node.is_empty().then(|| margs.image.clone());
-        t.exports
-            .insert(id.clone(), Entry::starting(serial, node, source, config));
+        let mut entry = Entry::starting(serial, node, source, config);
+        entry.iothread = iothread;
+        t.exports.insert(id.clone(), entry);
         drop(t);
         // Mounting takes a while (an NBD server may be slow to answer): other commands run
         // meanwhile; the table holds the id.
@@ -837,6 +859,40 @@ impl Service {
             e.meter = Some(meter);
         }
         Ok(tx)
+    }
+
+    /// `object-add`: an IOThread object (see [`objects`]).
+    pub fn object_add(&self, args: Value) -> Result<Value, QmpError> {
+        let t = objects::parse(args)?;
+        let mut table = self.table();
+        if table.iothreads.iter().any(|o| o.id == t.id) {
+            return Err(objects::duplicate(&t.id));
+        }
+        table.iothreads.push(t);
+        Ok(json!({}))
+    }
+
+    /// `object-del`: refused while an export names the IOThread.
+    fn object_del(&self, args: Value) -> Result<Value, QmpError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct A {
+            id: String,
+        }
+        let a: A = parse_args(args)?;
+        let mut t = self.table();
+        let Some(i) = t.iothreads.iter().position(|o| o.id == a.id) else {
+            return Err(objects::not_found(&a.id));
+        };
+        if let Some((export, _)) = t
+            .exports
+            .iter()
+            .find(|(_, e)| e.iothread.as_deref() == Some(a.id.as_str()))
+        {
+            return Err(objects::in_use(&a.id, export));
+        }
+        t.iothreads.remove(i);
+        Ok(json!({}))
     }
 
     fn export_del(&self, args: Value) -> Result<Value, QmpError> {
@@ -1038,6 +1094,8 @@ struct Planned {
     node: String,
     args: crate::cli::MountArgs,
     argv: Vec<String>,
+    /// The IOThread object it names.
+    iothread: Option<String>,
 }
 
 /// Opens the image under partition nodes once for every export of its partitions: the first
@@ -1130,6 +1188,7 @@ struct DirExportArgs {
     node_name: Option<String>,
     growable: Option<bool>,
     writethrough: Option<bool>,
+    /// An IOThread object's id (see [`objects`]).
     iothread: Option<String>,
     #[allow(dead_code)] // accepted and meaningless, as for image exports
     fixed_iothread: Option<bool>,
@@ -1153,8 +1212,9 @@ fn allow_other(a: Option<AllowOther>) -> bool {
     }
 }
 
-/// Checks `type` first, as QEMU's union does, then the fuse export's members.
-fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
+/// Checks `type` first, as QEMU's union does, then the fuse export's members; also returns the
+/// IOThread it names.
+fn parse_export(mut map: Map<String, Value>) -> Result<(ExportArgs, Option<String>), QmpError> {
     #[derive(Deserialize)]
     #[serde(rename_all = "kebab-case")]
     enum Kind {
@@ -1183,14 +1243,10 @@ fn parse_export(mut map: Map<String, Value>) -> Result<ExportArgs, QmpError> {
             ))
         }
     }
-    if common.iothread.is_some() {
-        return Err(QmpError::generic(
-            "fusex does not support 'iothread': exports run on worker threads shared per CPU; leave it out",
-        ));
-    }
     map.remove("type");
+    map.remove("iothread");
     map.remove("fixed-iothread");
-    parse_args(Value::Object(map))
+    Ok((parse_args(Value::Object(map))?, common.iothread))
 }
 
 /// The node made for an export that names its image itself (`fusex ctl add`, the config file).
@@ -1270,6 +1326,8 @@ impl Dispatcher for Service {
             "blockdev-del" => self.blockdev_del(arguments),
             "block-export-add" => self.export_add(arguments),
             "block-export-del" => self.export_del(arguments),
+            "object-add" => self.object_add(arguments),
+            "object-del" => self.object_del(arguments),
             "query-block-exports" => no_args(&arguments).map(|()| self.query_exports()),
             "query-blockstats" => self.query_blockstats(arguments),
             "query-named-block-nodes" => {

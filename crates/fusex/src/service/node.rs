@@ -112,7 +112,6 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
         "file",
         &[
             "pr-manager",
-            "aio",
             "aio-max-batch",
             "drop-cache",
             "x-check-cache-dropped",
@@ -152,7 +151,7 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
 /// The members a driver takes besides [`BASE`] that fusex acts on.
 fn own_members(driver: &str) -> &'static [&'static str] {
     match driver {
-        "file" | "host_device" => &["filename", "locking"],
+        "file" | "host_device" => &["filename", "locking", "aio"],
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
         "vpc" | "vdi" | "vmdk" | "vhdx" => &["file"],
@@ -250,11 +249,23 @@ enum OnOffAuto {
     Auto,
 }
 
+/// A file node's `aio`: how QEMU submits its I/O. fusex submits every node's I/O on the queue's
+/// io_uring whichever is named, so the choice changes nothing but is checked as QEMU checks it.
+#[derive(Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+enum Aio {
+    Threads,
+    Native,
+    #[serde(rename = "io_uring")]
+    IoUring,
+}
+
 #[derive(Deserialize)]
 #[serde(rename_all = "kebab-case")]
 struct FileMembers {
     filename: String,
     locking: Option<OnOffAuto>,
+    aio: Option<Aio>,
 }
 
 #[derive(Deserialize)]
@@ -292,6 +303,18 @@ struct NbdMembers {
 pub fn parse(
     args: Value,
     path: &str,
+    auto_name: &mut dyn FnMut() -> String,
+    node_of: &dyn Fn(&str) -> Option<Node>,
+) -> Result<Vec<Node>, QmpError> {
+    parse_below(args, path, false, auto_name, node_of)
+}
+
+/// [`parse`] of a node whose parent has `cache.direct` on (`parent_direct`), which QEMU's
+/// children inherit.
+fn parse_below(
+    args: Value,
+    path: &str,
+    parent_direct: bool,
     auto_name: &mut dyn FnMut() -> String,
     node_of: &dyn Fn(&str) -> Option<Node>,
 ) -> Result<Vec<Node>, QmpError> {
@@ -369,6 +392,13 @@ pub fn parse(
     node.driver = match driver {
         "file" | "host_device" => {
             let m: FileMembers = parse_args(Value::Object(members)).map_err(|e| prefix(e, path))?;
+            if m.aio == Some(Aio::Native) && !(cache.direct || parent_direct) {
+                // QEMU's words: Linux AIO is asynchronous only on O_DIRECT files.
+                return Err(QmpError::generic(
+                    "aio=native was specified, but it requires cache.direct=on, which was not \
+                     specified.",
+                ));
+            }
             node.no_locking = m.locking == Some(OnOffAuto::Off);
             Driver::File {
                 filename: m.filename,
@@ -404,7 +434,13 @@ pub fn parse(
                     r
                 }
                 Value::Object(_) => {
-                    let children = parse(file, &named("file"), auto_name, node_of)?;
+                    let children = parse_below(
+                        file,
+                        &named("file"),
+                        cache.direct || parent_direct,
+                        auto_name,
+                        node_of,
+                    )?;
                     let child = children.last().map(|c| c.name.clone()).unwrap_or_default();
                     out.extend(children);
                     child
@@ -463,7 +499,13 @@ pub fn parse(
                         node.backing = Some(r);
                     }
                     Some(b @ Value::Object(_)) => {
-                        let children = parse(b, &named("backing"), auto_name, node_of)?;
+                        let children = parse_below(
+                            b,
+                            &named("backing"),
+                            cache.direct || parent_direct,
+                            auto_name,
+                            node_of,
+                        )?;
                         node.backing = children.last().map(|c| c.name.clone());
                         out.extend(children);
                     }
@@ -731,6 +773,44 @@ mod tests {
         assert!(v[0].implicit);
         assert_eq!(v[1].file.as_deref(), Some("#block1"));
         assert_eq!(v[1].driver, Driver::Qcow2);
+    }
+
+    #[test]
+    fn aio_is_checked_as_qemu_checks_it() {
+        for aio in ["threads", "io_uring"] {
+            nodes(json!({"driver": "file", "node-name": "f", "filename": "/a", "aio": aio}))
+                .unwrap();
+        }
+        assert_eq!(
+            nodes(json!({"driver": "file", "node-name": "f", "filename": "/a", "aio": "bogus"}))
+                .unwrap_err(),
+            "Parameter 'aio' does not accept value 'bogus'"
+        );
+        let native = "aio=native was specified, but it requires cache.direct=on, which was not \
+                      specified.";
+        assert_eq!(
+            nodes(json!({"driver": "file", "node-name": "f", "filename": "/a", "aio": "native"}))
+                .unwrap_err(),
+            native
+        );
+        nodes(
+            json!({"driver": "file", "node-name": "f", "filename": "/a", "aio": "native",
+                     "cache": {"direct": true}}),
+        )
+        .unwrap();
+        // A child inherits its parent's cache.direct, as in QEMU.
+        let v = nodes(
+            json!({"driver": "qcow2", "node-name": "q", "cache": {"direct": true},
+                             "file": {"driver": "file", "filename": "/b", "aio": "native"}}),
+        )
+        .unwrap();
+        assert_eq!(v.len(), 2);
+        assert_eq!(
+            nodes(json!({"driver": "qcow2", "node-name": "q",
+                         "file": {"driver": "file", "filename": "/b", "aio": "native"}}))
+            .unwrap_err(),
+            native
+        );
     }
 
     #[test]

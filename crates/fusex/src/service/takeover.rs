@@ -73,6 +73,11 @@ fn take(
     if let Some(c) = &args.config {
         base.service.remember_config(c);
     }
+    for o in state.objects {
+        base.service
+            .object_add(o.clone())
+            .map_err(|e| anyhow!("restart: adding object {o}: {}", e.desc))?;
+    }
     for n in state.nodes {
         base.service
             .add_node_adopted(n.clone(), &state.nbd_sizes)
@@ -119,8 +124,14 @@ fn take(
                 let node = e
                     .own_node
                     .then(|| super::node::Node::of_image(&e.node, &p.args));
-                base.service
-                    .adopt(&e.id, node, &e.node, e.config.clone(), p)
+                base.service.adopt(
+                    &e.id,
+                    node,
+                    &e.node,
+                    e.config.clone(),
+                    e.iothread.clone(),
+                    p,
+                )
             });
         if let Err(err) = adopted {
             tracing::error!("restart: export {}: {err}", e.id);

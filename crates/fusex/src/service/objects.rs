@@ -1,0 +1,243 @@
+//! QEMU's user-creatable objects (`--object`, `object-add`, `object-del`), for the one kind a
+//! FUSE export names: the IOThread. qemu-storage-daemon users give an export its own IOThread
+//! (`--object iothread,id=io0 --export ...,iothread=io0`) so that its I/O leaves the main
+//! loop. Every fusex export already runs on queue threads of its own, never on the thread that
+//! takes commands, so an IOThread here is a name an export may refer to and nothing more: the
+//! command lines and QMP scripts written for qemu-storage-daemon run unchanged, with its
+//! answers, and its tuning properties (`poll-max-ns`, ...) are checked and kept, not applied.
+//!
+//! The other object types are refused in one line naming the type.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use qmp::{parse_args, QmpError};
+
+/// The one object type fusex has.
+pub const IOTHREAD: &str = "iothread";
+
+/// QEMU's other user-creatable object types: named in a refusal, where a type QEMU does not
+/// have either is refused with QEMU's own words.
+const OTHER_TYPES: &[&str] = &[
+    "authz-list",
+    "authz-listfile",
+    "authz-pam",
+    "authz-simple",
+    "can-bus",
+    "can-host-socketcan",
+    "colo-compare",
+    "cryptodev-backend",
+    "cryptodev-backend-builtin",
+    "cryptodev-vhost-user",
+    "dbus-vmstate",
+    "filter-buffer",
+    "filter-dump",
+    "filter-mirror",
+    "filter-redirector",
+    "filter-replay",
+    "filter-rewriter",
+    "input-barrier",
+    "input-linux",
+    "main-loop",
+    "memory-backend-epc",
+    "memory-backend-file",
+    "memory-backend-memfd",
+    "memory-backend-ram",
+    "pef-guest",
+    "pr-manager-helper",
+    "qtest",
+    "rng-builtin",
+    "rng-egd",
+    "rng-random",
+    "s390-pv-guest",
+    "secret",
+    "secret_keyring",
+    "sev-guest",
+    "thread-context",
+    "throttle-group",
+    "tls-cipher-suites",
+    "tls-creds-anon",
+    "tls-creds-psk",
+    "tls-creds-x509",
+    "x-remote-object",
+    "x-vfio-user-server",
+];
+
+/// An IOThread object: its id and the arguments it was added with (kept in order for a
+/// `fusex restart` successor, which adds them again).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IoThread {
+    pub id: String,
+    pub args: Value,
+}
+
+/// The members of an `iothread` object, QEMU's `IothreadProperties` (7.2): checked for their
+/// types, kept, not applied.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+#[allow(dead_code)] // read for their types and presence only
+struct IoThreadProps {
+    qom_type: String,
+    id: String,
+    poll_max_ns: Option<i64>,
+    poll_grow: Option<i64>,
+    poll_shrink: Option<i64>,
+    aio_max_batch: Option<i64>,
+    thread_pool_min: Option<i64>,
+    thread_pool_max: Option<i64>,
+}
+
+/// Reads `object-add`'s arguments (also `--object`'s, converted): an IOThread, or the refusal
+/// qemu-storage-daemon gives (or, for a type it has and fusex has not, one naming the type).
+pub fn parse(args: Value) -> Result<IoThread, QmpError> {
+    let Value::Object(map) = &args else {
+        return Err(QmpError::generic("arguments must be an object"));
+    };
+    let qom_type = match map.get("qom-type") {
+        None => return Err(QmpError::generic("Parameter 'qom-type' is missing")),
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => {
+            return Err(QmpError::generic(
+                "Invalid parameter type for 'qom-type', expected: string",
+            ))
+        }
+    };
+    if qom_type != IOTHREAD {
+        if OTHER_TYPES.contains(&qom_type) {
+            return Err(QmpError::generic(format!(
+                "fusex does not support objects of type '{qom_type}': it has only {IOTHREAD} \
+                 objects (for an export's iothread member); leave it out"
+            )));
+        }
+        return Err(QmpError::generic(format!(
+            "Parameter 'qom-type' does not accept value '{qom_type}'"
+        )));
+    }
+    let props: IoThreadProps = parse_args(args.clone())?;
+    Ok(IoThread { id: props.id, args })
+}
+
+/// `--object OPTIONS` (QEMU's `key=value` form with `qom-type` implied first, or JSON): the
+/// `object-add` arguments. Numbers are integers, as QEMU's visitor reads them from text.
+pub fn from_command_line(arg: &str) -> Result<Value, String> {
+    let mut m: Map<String, Value> =
+        qmp::keyval::parse(arg, Some("qom-type")).map_err(|e| format!("--object {arg}: {e}"))?;
+    if arg.starts_with('{') {
+        // JSON carries its own types.
+        return Ok(Value::Object(m));
+    }
+    for (k, v) in m.iter_mut() {
+        if k == "qom-type" || k == "id" {
+            continue;
+        }
+        // A value that is not a number stays a string, for `parse` to refuse by its type.
+        if let Some(n) = v.as_str().and_then(|s| s.parse::<i64>().ok()) {
+            *v = Value::from(n);
+        }
+    }
+    Ok(Value::Object(m))
+}
+
+/// QEMU's words for an id given twice.
+pub fn duplicate(id: &str) -> QmpError {
+    QmpError::generic(format!(
+        "attempt to add duplicate property '{id}' to object (type 'container')"
+    ))
+}
+
+/// QEMU's words for an id no object has.
+pub fn not_found(id: &str) -> QmpError {
+    QmpError::generic(format!("object '{id}' not found"))
+}
+
+/// QEMU's words for an export's `iothread` that names no IOThread.
+pub fn iothread_not_found(id: &str) -> QmpError {
+    QmpError::generic(format!("iothread \"{id}\" not found"))
+}
+
+/// The refusal of `object-del` of an IOThread an export names (qemu-storage-daemon 7.2
+/// deletes it, then aborts on the export's next request).
+pub fn in_use(id: &str, export: &str) -> QmpError {
+    QmpError::generic(format!(
+        "object '{id}' is in use, can not be deleted: export '{export}' names it (remove the \
+         export first)"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn desc(r: Result<IoThread, QmpError>) -> String {
+        r.expect_err("refused").desc
+    }
+
+    #[test]
+    fn an_iothread_with_its_properties_is_kept_whole() {
+        let args = json!({"qom-type": "iothread", "id": "io0", "poll-max-ns": 0,
+                          "poll-grow": 2, "aio-max-batch": 8});
+        let t = parse(args.clone()).unwrap();
+        assert_eq!(t.id, "io0");
+        assert_eq!(t.args, args);
+    }
+
+    #[test]
+    fn mistakes_get_qemus_words() {
+        assert_eq!(
+            desc(parse(json!({"qom-type": "iothread"}))),
+            "Parameter 'id' is missing"
+        );
+        assert_eq!(
+            desc(parse(json!({"id": "x"}))),
+            "Parameter 'qom-type' is missing"
+        );
+        assert_eq!(
+            desc(parse(json!({"qom-type": "bogus", "id": "x"}))),
+            "Parameter 'qom-type' does not accept value 'bogus'"
+        );
+        assert_eq!(
+            desc(parse(
+                json!({"qom-type": "iothread", "id": "x", "bogus": 1})
+            )),
+            "Parameter 'bogus' is unexpected"
+        );
+        assert_eq!(
+            desc(parse(
+                json!({"qom-type": "iothread", "id": "x", "poll-max-ns": "many"})
+            )),
+            "Invalid parameter type for 'poll-max-ns', expected: integer"
+        );
+    }
+
+    #[test]
+    fn a_type_qemu_has_and_fusex_has_not_is_named() {
+        let d = desc(parse(
+            json!({"qom-type": "secret", "id": "s0", "data": "x"}),
+        ));
+        assert!(d.contains("'secret'") && d.contains("iothread"), "{d}");
+    }
+
+    #[test]
+    fn the_command_line_form_converts_numbers() {
+        let v = from_command_line("iothread,id=io0,poll-max-ns=32768").unwrap();
+        assert_eq!(
+            v,
+            json!({"qom-type": "iothread", "id": "io0", "poll-max-ns": 32768})
+        );
+        let t = parse(v).unwrap();
+        assert_eq!(t.id, "io0");
+        // The id stays text even when it looks like a number.
+        let v = from_command_line("iothread,id=7").unwrap();
+        assert_eq!(parse(v).unwrap().id, "7");
+        // A value that is no number is refused by its type.
+        let v = from_command_line("iothread,id=io0,poll-grow=x").unwrap();
+        assert_eq!(
+            desc(parse(v)),
+            "Invalid parameter type for 'poll-grow', expected: integer"
+        );
+        // JSON, as QEMU takes it too.
+        let v = from_command_line(r#"{"qom-type": "iothread", "id": "io1"}"#).unwrap();
+        assert_eq!(parse(v).unwrap().id, "io1");
+    }
+}
