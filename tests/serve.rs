@@ -576,11 +576,14 @@ fn command_line_refusals_mount_nothing_and_daemonize_returns_serving() {
     let pid_file = w.join("serve.pid");
     let sock = w.join("qmp.sock");
     let mut cmd = Command::new(fusex_bin());
+    // An export on a list of IOThreads (QEMU 10.1's multi-threaded exports).
+    let on_iothreads = format!("{export},iothread.0=io0,iothread.1=io1");
     cmd.args(["serve", "--daemonize", "--log-file"])
         .arg(w.join("serve.log"))
         .arg("--pidfile")
         .arg(&pid_file)
-        .args(["--blockdev", &node, "--export", &export])
+        .args(["--object", "iothread,id=io0", "--object", "iothread,id=io1"])
+        .args(["--blockdev", &node, "--export", &on_iothreads])
         .arg("--chardev")
         .arg(format!(
             "socket,id=m,path={},server=on,wait=off",
@@ -604,6 +607,8 @@ fn command_line_refusals_mount_nothing_and_daemonize_returns_serving() {
         .unwrap();
     assert!(pid_alive(pid));
     let mut q = Qmp::connect(&sock);
+    let e = q.err("object-del", json!({"id": "io1"}));
+    assert!(e.contains("in use") && e.contains("export 'a'"), "{e}");
     q.ok("quit", json!({}));
     assert!(
         wait_until(Instant::now() + TIMEOUT, || !pid_alive(pid)),

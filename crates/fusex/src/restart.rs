@@ -239,9 +239,9 @@ pub struct ExportHanding {
     pub own_node: bool,
     /// The config file's table it came from.
     pub config: Option<serde_json::Value>,
-    /// The IOThread object it names, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iothread: Option<String>,
+    /// The IOThread objects it names (none: absent on the wire).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub iothreads: Vec<String>,
     /// The export as `fusex mount` hands it over.
     pub state: State,
 }

@@ -141,7 +141,7 @@ impl Service {
                 node: e.node.clone(),
                 own_node: own,
                 config: e.config.clone(),
-                iothread: e.iothread.clone(),
+                iothreads: e.iothreads.clone(),
                 state: h.state.clone(),
             });
             send(stream, &msg, &h.fds()).map_err(io)?;
@@ -212,7 +212,7 @@ impl Service {
         node: Option<Node>,
         node_name: &str,
         config: Option<Value>,
-        iothread: Option<String>,
+        iothreads: Vec<String>,
         prepared: lifecycle::Prepared,
     ) -> Result<(), String> {
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
@@ -224,7 +224,10 @@ impl Service {
             let mut entry = Entry::starting(serial, node_name.to_string(), None, config);
             // Kept only if the IOThread came across: a predecessor that did not send its
             // objects leaves none to name.
-            entry.iothread = iothread.filter(|i| t.iothreads.iter().any(|o| &o.id == i));
+            entry.iothreads = iothreads
+                .into_iter()
+                .filter(|i| t.iothreads.iter().any(|o| &o.id == i))
+                .collect();
             t.exports.insert(id.to_string(), entry);
         }
         match self.supervise(id, serial, prepared) {

@@ -88,8 +88,8 @@ struct Entry {
     handing: Option<lifecycle::Handing>,
     /// Where its statistics are read (None while it starts).
     meter: Option<crate::metrics::Meter>,
-    /// The IOThread object it names (`iothread`), which cannot be deleted while it lives.
-    iothread: Option<String>,
+    /// The IOThread objects it names (`iothread`), which cannot be deleted while it lives.
+    iothreads: Vec<String>,
 }
 
 impl Entry {
@@ -108,7 +108,7 @@ impl Entry {
             config,
             handing: None,
             meter: None,
-            iothread: None,
+            iothreads: Vec::new(),
         }
     }
 }
@@ -155,13 +155,14 @@ impl Table {
             .map(|n| n.name.clone())
     }
 
-    /// Refuses an export's `iothread` that names no IOThread object.
-    fn check_iothread(&self, iothread: Option<&str>) -> Result<(), QmpError> {
-        match iothread {
-            Some(id) if !self.iothreads.iter().any(|t| t.id == id) => {
-                Err(objects::iothread_not_found(id))
-            }
-            _ => Ok(()),
+    /// Refuses an export's `iothread` that names an IOThread object there is not.
+    fn check_iothreads(&self, ids: &[String]) -> Result<(), QmpError> {
+        match ids
+            .iter()
+            .find(|id| !self.iothreads.iter().any(|t| &t.id == *id))
+        {
+            Some(id) => Err(objects::iothread_not_found(id)),
+            None => Ok(()),
         }
     }
 }
@@ -525,7 +526,7 @@ impl Service {
         if map.get("type").and_then(Value::as_str) == Some(DIR_EXPORT_TYPE) {
             return self.plan_dir_export(map, words);
         }
-        let (a, iothread) = parse_export(map)?;
+        let (a, iothreads) = parse_export(map)?;
         let t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
@@ -533,7 +534,7 @@ impl Service {
         if t.exports.contains_key(&a.id) {
             return Err(id_in_use(&a.id));
         }
-        t.check_iothread(iothread.as_deref())?;
+        t.check_iothreads(&iothreads)?;
         let Some(n) = t.node(&a.node_name) else {
             return Err(QmpError::generic(format!(
                 "Cannot find device='' nor node-name='{}'",
@@ -607,7 +608,7 @@ impl Service {
             node: a.node_name,
             args: margs,
             argv,
-            iothread,
+            iothreads,
         })
     }
 
@@ -620,6 +621,7 @@ impl Service {
         mut words: Vec<String>,
     ) -> Result<Planned, QmpError> {
         let a: DirExportArgs = parse_args(Value::Object(map))?;
+        let iothreads = objects::export_iothreads(a.iothread.as_ref(), a.fixed_iothread)?;
         let refuse = |member: &str| {
             QmpError::generic(format!(
                 "{member} is for image exports; {} is a directory: drop {member}",
@@ -652,7 +654,7 @@ impl Service {
             if t.exports.contains_key(&a.id) {
                 return Err(id_in_use(&a.id));
             }
-            t.check_iothread(a.iothread.as_deref())?;
+            t.check_iothreads(&iothreads)?;
         }
         let mountpoint = existing_mountpoint(&a.mountpoint)?;
         let mut all = Vec::new();
@@ -671,7 +673,7 @@ impl Service {
             node: String::new(),
             args: margs,
             argv,
-            iothread: a.iothread,
+            iothreads,
         })
     }
 
@@ -694,9 +696,9 @@ impl Service {
             node,
             args: margs,
             argv,
-            iothread,
+            iothreads,
         } = self.plan_export(args)?;
-        self.launch(id, node, None, margs, argv, iothread)?;
+        self.launch(id, node, None, margs, argv, iothreads)?;
         Ok(json!({}))
     }
 
@@ -730,7 +732,7 @@ impl Service {
             // A directory export: no block node stands for it.
             crate::dirmode::check_args(&margs).map_err(|e| QmpError::generic(format!("{e:#}")))?;
             return self
-                .launch(a.id, String::new(), config, margs, argv, None)
+                .launch(a.id, String::new(), config, margs, argv, Vec::new())
                 .map(|()| json!({}));
         }
         let node = own_node(&a.id);
@@ -744,7 +746,7 @@ impl Service {
             }
             t.nodes.insert(node.clone(), Node::of_image(&node, &margs));
         }
-        let launched = self.launch(a.id.clone(), node.clone(), config, margs, argv, None);
+        let launched = self.launch(a.id.clone(), node.clone(), config, margs, argv, Vec::new());
         if launched.is_err() {
             let mut t = self.table();
             if !t.exports.contains_key(&a.id) {
@@ -762,7 +764,7 @@ impl Service {
         config: Option<Value>,
         margs: crate::cli::MountArgs,
         argv: Vec<String>,
-        iothread: Option<String>,
+        iothreads: Vec<String>,
     ) -> Result<(), QmpError> {
         let _in = crate::logging::export_span(&id).entered();
         let mut t = self.table();
@@ -774,12 +776,12 @@ impl Service {
         if t.exports.contains_key(&id) {
             return Err(id_in_use(&id));
         }
-        t.check_iothread(iothread.as_deref())?;
+        t.check_iothreads(&iothreads)?;
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         // Only a directory export has no node.
         let source = node.is_empty().then(|| margs.image.clone());
         let mut entry = Entry::starting(serial, node, source, config);
-        entry.iothread = iothread;
+        entry.iothreads = iothreads;
         t.exports.insert(id.clone(), entry);
         drop(t);
         // Mounting takes a while (an NBD server may be slow to answer): other commands run
@@ -884,11 +886,7 @@ impl Service {
         let Some(i) = t.iothreads.iter().position(|o| o.id == a.id) else {
             return Err(objects::not_found(&a.id));
         };
-        if let Some((export, _)) = t
-            .exports
-            .iter()
-            .find(|(_, e)| e.iothread.as_deref() == Some(a.id.as_str()))
-        {
+        if let Some((export, _)) = t.exports.iter().find(|(_, e)| e.iothreads.contains(&a.id)) {
             return Err(objects::in_use(&a.id, export));
         }
         t.iothreads.remove(i);
@@ -1094,8 +1092,8 @@ struct Planned {
     node: String,
     args: crate::cli::MountArgs,
     argv: Vec<String>,
-    /// The IOThread object it names.
-    iothread: Option<String>,
+    /// The IOThread objects it names.
+    iothreads: Vec<String>,
 }
 
 /// Opens the image under partition nodes once for every export of its partitions: the first
@@ -1188,9 +1186,8 @@ struct DirExportArgs {
     node_name: Option<String>,
     growable: Option<bool>,
     writethrough: Option<bool>,
-    /// An IOThread object's id (see [`objects`]).
-    iothread: Option<String>,
-    #[allow(dead_code)] // accepted and meaningless, as for image exports
+    /// IOThread objects' ids (see [`objects`]): one, or a list.
+    iothread: Option<Value>,
     fixed_iothread: Option<bool>,
 }
 
@@ -1213,8 +1210,8 @@ fn allow_other(a: Option<AllowOther>) -> bool {
 }
 
 /// Checks `type` first, as QEMU's union does, then the fuse export's members; also returns the
-/// IOThread it names.
-fn parse_export(mut map: Map<String, Value>) -> Result<(ExportArgs, Option<String>), QmpError> {
+/// IOThreads it names.
+fn parse_export(mut map: Map<String, Value>) -> Result<(ExportArgs, Vec<String>), QmpError> {
     #[derive(Deserialize)]
     #[serde(rename_all = "kebab-case")]
     enum Kind {
@@ -1230,7 +1227,7 @@ fn parse_export(mut map: Map<String, Value>) -> Result<(ExportArgs, Option<Strin
         r#type: Kind,
         id: String,
         node_name: String,
-        iothread: Option<String>,
+        iothread: Option<Value>,
         fixed_iothread: Option<bool>,
     }
     let common: Common = parse_args(Value::Object(map.clone()))?;
@@ -1243,10 +1240,11 @@ fn parse_export(mut map: Map<String, Value>) -> Result<(ExportArgs, Option<Strin
             ))
         }
     }
+    let iothreads = objects::export_iothreads(common.iothread.as_ref(), common.fixed_iothread)?;
     map.remove("type");
     map.remove("iothread");
     map.remove("fixed-iothread");
-    Ok((parse_args(Value::Object(map))?, common.iothread))
+    Ok((parse_args(Value::Object(map))?, iothreads))
 }
 
 /// The node made for an export that names its image itself (`fusex ctl add`, the config file).

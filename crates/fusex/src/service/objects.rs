@@ -138,6 +138,42 @@ pub fn from_command_line(arg: &str) -> Result<Value, String> {
     Ok(Value::Object(m))
 }
 
+/// An export's `iothread`: one IOThread's id, or a list of them (QEMU 10.1's
+/// `BlockExportIothreads`, for an export whose I/O runs on several IOThreads); `fixed` is its
+/// `fixed-iothread`. Every id is checked against the objects when the export is added.
+pub fn export_iothreads(v: Option<&Value>, fixed: Option<bool>) -> Result<Vec<String>, QmpError> {
+    match v {
+        None => Ok(Vec::new()),
+        Some(Value::String(id)) => Ok(vec![id.clone()]),
+        Some(Value::Array(list)) => {
+            if fixed == Some(true) {
+                // QEMU's words.
+                return Err(QmpError::generic(
+                    "Cannot use fixed-iothread for a multi-threaded export",
+                ));
+            }
+            if list.is_empty() {
+                return Err(QmpError::generic(
+                    "Parameter 'iothread' needs at least one IOThread id: give an id, or a list \
+                     of them",
+                ));
+            }
+            list.iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(id) => Ok(id.clone()),
+                    _ => Err(QmpError::generic(format!(
+                        "Invalid parameter type for 'iothread[{i}]', expected: string"
+                    ))),
+                })
+                .collect()
+        }
+        Some(_) => Err(QmpError::generic(
+            "Invalid parameter type for 'iothread', expected: BlockExportIothreads",
+        )),
+    }
+}
+
 /// QEMU's words for an id given twice.
 pub fn duplicate(id: &str) -> QmpError {
     QmpError::generic(format!(
@@ -207,6 +243,33 @@ mod tests {
                 json!({"qom-type": "iothread", "id": "x", "poll-max-ns": "many"})
             )),
             "Invalid parameter type for 'poll-max-ns', expected: integer"
+        );
+    }
+
+    #[test]
+    fn an_export_names_one_iothread_or_a_list() {
+        assert_eq!(export_iothreads(None, None).unwrap(), Vec::<String>::new());
+        assert_eq!(
+            export_iothreads(Some(&json!("io0")), Some(true)).unwrap(),
+            ["io0"]
+        );
+        assert_eq!(
+            export_iothreads(Some(&json!(["io0", "io1"])), Some(false)).unwrap(),
+            ["io0", "io1"]
+        );
+        let e = |v: Value, fixed| export_iothreads(Some(&v), fixed).unwrap_err().desc;
+        assert_eq!(
+            e(json!(["io0"]), Some(true)),
+            "Cannot use fixed-iothread for a multi-threaded export"
+        );
+        assert!(e(json!([]), None).contains("at least one"));
+        assert_eq!(
+            e(json!(["io0", 3]), None),
+            "Invalid parameter type for 'iothread[1]', expected: string"
+        );
+        assert_eq!(
+            e(json!(3), None),
+            "Invalid parameter type for 'iothread', expected: BlockExportIothreads"
         );
     }
 

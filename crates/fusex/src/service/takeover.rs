@@ -129,7 +129,7 @@ fn take(
                     node,
                     &e.node,
                     e.config.clone(),
-                    e.iothread.clone(),
+                    e.iothreads.clone(),
                     p,
                 )
             });
