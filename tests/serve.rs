@@ -2032,3 +2032,157 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
         "[mid, base] must be unchanged"
     );
 }
+
+/// qemu-storage-daemon's way to an NBD server over TLS runs unchanged: the same command line
+/// (`--object tls-creds-x509` and an `nbd` node's `tls-creds`) serves the same bytes from a
+/// qemu-nbd that asks for a client certificate, in qemu-storage-daemon and in fusex, and the
+/// same mistakes over QMP get the same answers from both.
+#[test]
+fn tls_credentials_objects_reach_an_nbd_server_as_in_qemu_storage_daemon() {
+    if !require_fuse_and_tools(&["qemu-storage-daemon", "qemu-nbd", "openssl"]) {
+        return;
+    }
+    let w = WorkDir::new("serve-tls-creds");
+    let pki = w.join("pki");
+    make_pki(&pki, "fusex-serve-ca");
+    let mut answers = Vec::new();
+    for program in [
+        "qemu-storage-daemon".to_string(),
+        fusex_bin().display().to_string(),
+    ] {
+        let who = if answers.is_empty() { "qsd" } else { "fusex" };
+        let dir = w.join(who);
+        fs::create_dir(&dir).unwrap();
+        let img = dir.join("img.raw");
+        let mut expected = random_image(&img, 4 * MIB, 61);
+        let sock = dir.join("nbd.sock");
+        let server_creds = format!(
+            "tls-creds-x509,id=tls0,dir={},endpoint=server,verify-peer=on",
+            pki.display()
+        );
+        let mut server = qemu_nbd(
+            &sock,
+            &[
+                "-f",
+                "raw",
+                "--object",
+                &server_creds,
+                "--tls-creds",
+                "tls0",
+            ],
+            &img,
+        );
+        let mp = dir.join("e.mnt");
+        fs::write(&mp, b"").unwrap();
+        let qmp = dir.join("qmp.sock");
+        let mut cmd = Command::new(&program);
+        if who == "fusex" {
+            cmd.arg("serve");
+        }
+        cmd.arg("--object")
+            .arg(format!(
+                "tls-creds-x509,id=t0,dir={},endpoint=client",
+                pki.display()
+            ))
+            .arg("--blockdev")
+            .arg(format!(
+                "driver=nbd,node-name=n0,server.type=unix,server.path={},tls-creds=t0,\
+                 tls-hostname=localhost",
+                sock.display()
+            ))
+            .args(["--blockdev", "driver=raw,node-name=r0,file=n0"])
+            .arg("--export")
+            .arg(format!(
+                "type=fuse,id=e0,node-name=r0,mountpoint={},writable=on",
+                mp.display()
+            ))
+            .arg("--chardev")
+            .arg(format!(
+                "socket,id=m,path={},server=on,wait=off",
+                qmp.display()
+            ))
+            .args(["--monitor", "chardev=m"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut daemon = ChildGuard(cmd.spawn().unwrap());
+        let _unmount = UnmountOnDrop(mp.clone());
+        assert!(
+            wait_until(Instant::now() + TIMEOUT * 3, || is_fuse_mounted(&mp)
+                && qmp.exists()),
+            "{who}: the export over TLS never served"
+        );
+        assert_bytes_eq(&read_all(&mp), &expected, 0, &format!("{who}: over TLS"));
+        let f = fs::OpenOptions::new().write(true).open(&mp).unwrap();
+        f.write_all_at(&[0x5e; 8192], MIB).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        expected[MIB as usize..MIB as usize + 8192].fill(0x5e);
+        let mut q = Qmp::connect(&qmp);
+        let pki_s = pki.to_str().unwrap();
+        let addr = json!({"type": "unix", "path": sock.to_str().unwrap()});
+        let mut got = Vec::new();
+        for (cmd, args) in [
+            (
+                "object-add",
+                json!({"qom-type": "tls-creds-x509", "id": "t9", "dir": "/nonexistent"}),
+            ),
+            (
+                "object-add",
+                json!({"qom-type": "tls-creds-x509", "id": "t9", "dir": pki_s,
+                       "endpoint": "sideways"}),
+            ),
+            (
+                "object-add",
+                json!({"qom-type": "tls-creds-x509", "id": "t9"}),
+            ),
+            (
+                "object-add",
+                json!({"qom-type": "tls-creds-x509", "id": "ts", "dir": pki_s,
+                       "endpoint": "server"}),
+            ),
+            ("object-add", json!({"qom-type": "iothread", "id": "io0"})),
+            (
+                "blockdev-add",
+                json!({"driver": "nbd", "node-name": "n9", "server": addr,
+                       "tls-creds": "nope"}),
+            ),
+            (
+                "blockdev-add",
+                json!({"driver": "nbd", "node-name": "n9", "server": addr,
+                       "tls-creds": "io0"}),
+            ),
+            (
+                "blockdev-add",
+                json!({"driver": "nbd", "node-name": "n9", "server": addr,
+                       "tls-creds": "ts"}),
+            ),
+        ] {
+            got.push(json!({"cmd": cmd, "answer": match q.execute(cmd, args) {
+                Ok(v) => json!({"return": v}),
+                Err((class, desc)) => json!({"class": class, "desc": desc}),
+            }}));
+        }
+        q.ok("quit", json!({}));
+        assert!(
+            wait_until(Instant::now() + TIMEOUT * 3, || daemon
+                .0
+                .try_wait()
+                .unwrap()
+                .is_some()),
+            "{who}: quit did not end it"
+        );
+        assert!(!is_fuse_mounted(&mp), "{who} left the export mounted");
+        server.kill_and_wait();
+        assert_bytes_eq(
+            &read_all(&img),
+            &expected,
+            0,
+            &format!("{who}: the image behind qemu-nbd"),
+        );
+        answers.push(got);
+    }
+    assert_eq!(
+        answers[0], answers[1],
+        "qemu-storage-daemon (left) and fusex (right) answer differently"
+    );
+}

@@ -40,8 +40,8 @@ pub enum Command {
     /// Serve any number of exports in one daemon, added and removed over QMP
     ///
     /// Takes qemu-storage-daemon's command line for what fusex supports (--blockdev, --export
-    /// type=fuse, --object iothread, --chardev socket with --monitor, --pidfile, --daemonize),
-    /// and its QMP commands on the control socket (blockdev-add, block-export-add,
+    /// type=fuse, --object iothread or tls-creds-x509, --chardev socket with --monitor, --pidfile,
+    /// --daemonize), and its QMP commands on the control socket (blockdev-add, block-export-add,
     /// block-export-del, object-add, ...). SIGINT, SIGTERM and SIGHUP stop every export as they
     /// stop fusex mount; QMP's quit removes them.
     Serve(Box<ServeArgs>),
@@ -745,11 +745,14 @@ pub struct ServeArgs {
     /// node-name=disk, file.driver=file, file.filename=disk.qcow2 (joined by commas).
     #[arg(long, value_name = "OPTIONS")]
     pub blockdev: Vec<String>,
-    /// An object, as qemu-storage-daemon takes it: iothread,id=ID (repeatable)
+    /// An object, as qemu-storage-daemon takes it: iothread,id=ID or
+    /// tls-creds-x509,id=ID,dir=DIR (repeatable)
     ///
-    /// The name an export's iothread=ID member refers to. fusex's exports always run on queue
-    /// threads, never on the thread that takes commands, so an IOThread changes nothing else;
-    /// its properties (poll-max-ns, ...) are checked and kept. Other object types are refused.
+    /// An IOThread is the name an export's iothread=ID member refers to: fusex's exports always
+    /// run on queue threads, never on the thread that takes commands, so it changes nothing
+    /// else. TLS credentials are the certificates (DIR/ca-cert.pem, client-cert.pem,
+    /// client-key.pem) an nbd node's tls-creds=ID reaches its server with. Other object types
+    /// are refused.
     #[arg(long, value_name = "OPTIONS")]
     pub object: Vec<String>,
     /// An export, as qemu-storage-daemon takes it (repeatable)

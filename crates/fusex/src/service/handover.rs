@@ -125,7 +125,7 @@ impl Service {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
             nodes: nodes.iter().filter_map(|n| n.args.clone()).collect(),
-            objects: t.iothreads.iter().map(|o| o.args.clone()).collect(),
+            objects: t.objects.iter().map(|o| o.args.clone()).collect(),
         };
         let io = |e: std::io::Error| format!("sending the state: {e}");
         send(stream, &Message::Serve(state), &[]).map_err(io)?;
@@ -226,7 +226,7 @@ impl Service {
             // objects leaves none to name.
             entry.iothreads = iothreads
                 .into_iter()
-                .filter(|i| t.iothreads.iter().any(|o| &o.id == i))
+                .filter(|i| t.objects.iter().any(|o| &o.id == i))
                 .collect();
             t.exports.insert(id.to_string(), entry);
         }

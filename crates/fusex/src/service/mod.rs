@@ -123,8 +123,8 @@ struct Table {
     handing_over: bool,
     /// Numbers the nodes in the order they were added (a successor adds them again in it).
     next_order: u64,
-    /// The IOThread objects, in the order they were added.
-    iothreads: Vec<objects::IoThread>,
+    /// The objects (IOThreads, TLS credentials), in the order they were added.
+    objects: Vec<objects::Object>,
 }
 
 impl Table {
@@ -157,10 +157,12 @@ impl Table {
 
     /// Refuses an export's `iothread` that names an IOThread object there is not.
     fn check_iothreads(&self, ids: &[String]) -> Result<(), QmpError> {
-        match ids
-            .iter()
-            .find(|id| !self.iothreads.iter().any(|t| &t.id == *id))
-        {
+        match ids.iter().find(|id| {
+            !self
+                .objects
+                .iter()
+                .any(|o| &o.id == *id && o.kind == objects::Kind::IoThread)
+        }) {
             Some(id) => Err(objects::iothread_not_found(id)),
             None => Ok(()),
         }
@@ -362,6 +364,7 @@ impl Service {
         let mut nodes = {
             let t = self.table();
             let lookup = |n: &str| t.node(n);
+            let tls = |id: &str| objects::tls_creds(&t.objects, id).cloned();
             node::parse(
                 args,
                 "",
@@ -372,6 +375,7 @@ impl Service {
                     )
                 },
                 &lookup,
+                &tls,
             )?
         };
         if let Some(top) = nodes.last_mut() {
@@ -863,18 +867,19 @@ impl Service {
         Ok(tx)
     }
 
-    /// `object-add`: an IOThread object (see [`objects`]).
+    /// `object-add`: an IOThread or TLS credentials (see [`objects`]).
     pub fn object_add(&self, args: Value) -> Result<Value, QmpError> {
-        let t = objects::parse(args)?;
+        let o = objects::parse(args)?;
         let mut table = self.table();
-        if table.iothreads.iter().any(|o| o.id == t.id) {
-            return Err(objects::duplicate(&t.id));
+        if table.objects.iter().any(|x| x.id == o.id) {
+            return Err(objects::duplicate(&o.id));
         }
-        table.iothreads.push(t);
+        table.objects.push(o);
         Ok(json!({}))
     }
 
-    /// `object-del`: refused while an export names the IOThread.
+    /// `object-del`: refused while an export names the IOThread or a node uses the TLS
+    /// credentials.
     fn object_del(&self, args: Value) -> Result<Value, QmpError> {
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
@@ -883,13 +888,20 @@ impl Service {
         }
         let a: A = parse_args(args)?;
         let mut t = self.table();
-        let Some(i) = t.iothreads.iter().position(|o| o.id == a.id) else {
+        let Some(i) = t.objects.iter().position(|o| o.id == a.id) else {
             return Err(objects::not_found(&a.id));
         };
         if let Some((export, _)) = t.exports.iter().find(|(_, e)| e.iothreads.contains(&a.id)) {
-            return Err(objects::in_use(&a.id, export));
+            return Err(objects::in_use(&a.id, &format!("export '{export}'")));
         }
-        t.iothreads.remove(i);
+        if let Some(n) = t
+            .nodes
+            .values()
+            .find(|n| n.tls_creds.as_deref() == Some(a.id.as_str()))
+        {
+            return Err(objects::in_use(&a.id, &format!("node '{}'", n.name)));
+        }
+        t.objects.remove(i);
         Ok(json!({}))
     }
 

@@ -91,6 +91,8 @@ pub struct Node {
     pub args: Option<Value>,
     /// When it was added, among the daemon's nodes.
     pub order: u64,
+    /// An NBD node's `tls-creds`: the TLS credentials object it reads its certificates from.
+    pub tls_creds: Option<String>,
 }
 
 /// The members every driver takes (QAPI's `BlockdevOptionsBase`, as QEMU 7.2 has them).
@@ -137,13 +139,7 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
     ),
     (
         "nbd",
-        &[
-            "tls-creds",
-            "tls-hostname",
-            "x-dirty-bitmap",
-            "reconnect-delay",
-            "open-timeout",
-        ],
+        &["x-dirty-bitmap", "reconnect-delay", "open-timeout"],
     ),
     ("null-co", &["latency-ns"]),
 ];
@@ -155,7 +151,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
         "raw" => &["file"],
         "qcow2" => &["file", "backing"],
         "vpc" | "vdi" | "vmdk" | "vhdx" => &["file"],
-        "nbd" => &["server", "export"],
+        "nbd" => &["server", "export", "tls-creds", "tls-hostname"],
         "null-co" => &["size", "read-zeroes"],
         PARTITION_DRIVER => &["file", "partition"],
         _ => &[],
@@ -295,7 +291,12 @@ enum SocketAddress {
 struct NbdMembers {
     server: SocketAddress,
     export: Option<String>,
+    tls_creds: Option<String>,
+    tls_hostname: Option<String>,
 }
+
+/// Finds the TLS credentials an NBD node's `tls-creds` names (see `super::objects`).
+pub type TlsOf<'a> = dyn Fn(&str) -> Result<super::objects::TlsCreds, QmpError> + 'a;
 
 /// Reads one `blockdev-add` argument object into nodes: the node itself last, after the nodes it
 /// defines inline as children (each named by `auto_name`). `exists` says whether a node name is
@@ -305,8 +306,9 @@ pub fn parse(
     path: &str,
     auto_name: &mut dyn FnMut() -> String,
     node_of: &dyn Fn(&str) -> Option<Node>,
+    tls_of: &TlsOf<'_>,
 ) -> Result<Vec<Node>, QmpError> {
-    parse_below(args, path, false, auto_name, node_of)
+    parse_below(args, path, false, auto_name, node_of, tls_of)
 }
 
 /// [`parse`] of a node whose parent has `cache.direct` on (`parent_direct`), which QEMU's
@@ -317,6 +319,7 @@ fn parse_below(
     parent_direct: bool,
     auto_name: &mut dyn FnMut() -> String,
     node_of: &dyn Fn(&str) -> Option<Node>,
+    tls_of: &TlsOf<'_>,
 ) -> Result<Vec<Node>, QmpError> {
     let Value::Object(map) = args else {
         return Err(QmpError::generic(format!(
@@ -388,6 +391,7 @@ fn parse_below(
         size: 0,
         args: None,
         order: 0,
+        tls_creds: None,
     };
     node.driver = match driver {
         "file" | "host_device" => {
@@ -413,8 +417,10 @@ fn parse_below(
         }
         "nbd" => {
             let m: NbdMembers = parse_args(Value::Object(members)).map_err(|e| prefix(e, path))?;
+            let tls = m.tls_creds.as_deref().map(tls_of).transpose()?;
+            node.tls_creds = m.tls_creds.clone();
             Driver::Nbd {
-                uri: nbd_uri(&m, &named("server"))?,
+                uri: nbd_uri(&m, &named("server"), tls.as_ref())?,
             }
         }
         "raw" | "qcow2" | "vpc" | "vdi" | "vmdk" | "vhdx" | PARTITION_DRIVER => {
@@ -440,6 +446,7 @@ fn parse_below(
                         cache.direct || parent_direct,
                         auto_name,
                         node_of,
+                        tls_of,
                     )?;
                     let child = children.last().map(|c| c.name.clone()).unwrap_or_default();
                     out.extend(children);
@@ -505,6 +512,7 @@ fn parse_below(
                             cache.direct || parent_direct,
                             auto_name,
                             node_of,
+                            tls_of,
                         )?;
                         node.backing = children.last().map(|c| c.name.clone());
                         out.extend(children);
@@ -554,22 +562,85 @@ fn prefix(e: QmpError, path: &str) -> QmpError {
     QmpError::generic(desc)
 }
 
-/// The URI fusex's NBD client opens for a `server` and `export`.
-fn nbd_uri(m: &NbdMembers, what: &str) -> Result<String, QmpError> {
+/// The URI fusex's NBD client opens for a `server` and `export`, over TLS with `tls` (the
+/// `tls-creds` object's directory, `verify-peer` and the node's `tls-hostname` as libnbd's
+/// query parameters).
+fn nbd_uri(
+    m: &NbdMembers,
+    what: &str,
+    tls: Option<&super::objects::TlsCreds>,
+) -> Result<String, QmpError> {
     let export = m.export.as_deref().unwrap_or("");
-    match &m.server {
-        SocketAddress::Unix { path } => Ok(format!("nbd+unix:///{export}?socket={path}")),
+    let s = if tls.is_some() { "s" } else { "" };
+    let mut query = Vec::new();
+    if let Some(t) = tls {
+        query.push(format!(
+            "tls-certificates={}",
+            percent_encode(&t.dir.to_string_lossy())
+        ));
+        if !t.verify_peer {
+            query.push("tls-verify-peer=false".into());
+        }
+        if let Some(h) = &m.tls_hostname {
+            query.push(format!("tls-hostname={}", percent_encode(h)));
+        }
+    }
+    let uri = match &m.server {
+        SocketAddress::Unix { path } => {
+            query.insert(0, format!("socket={}", percent_encode(path)));
+            format!("nbd{s}+unix:///{export}")
+        }
         SocketAddress::Inet { host, port } => {
             if host.contains(':') {
-                Ok(format!("nbd://[{host}]:{port}/{export}"))
+                format!("nbd{s}://[{host}]:{port}/{export}")
             } else {
-                Ok(format!("nbd://{host}:{port}/{export}"))
+                format!("nbd{s}://{host}:{port}/{export}")
             }
         }
-        SocketAddress::Other => Err(QmpError::generic(format!(
-            "fusex does not support this '{what}' type: give type unix or inet"
-        ))),
+        SocketAddress::Other => {
+            return Err(QmpError::generic(format!(
+                "fusex does not support this '{what}' type: give type unix or inet"
+            )))
+        }
+    };
+    Ok(if query.is_empty() {
+        uri
+    } else {
+        format!("{uri}?{}", query.join("&"))
+    })
+}
+
+/// An NBD node's URI as `query-named-block-nodes` shows it: the server and export, without the
+/// TLS settings (as QEMU shows a node with `tls-creds`).
+fn without_tls(uri: &str) -> String {
+    let plain = uri
+        .strip_prefix("nbds")
+        .map_or_else(|| uri.to_string(), |r| format!("nbd{r}"));
+    let Some((base, query)) = plain.split_once('?') else {
+        return plain;
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|p| !p.starts_with("tls-"))
+        .collect();
+    if kept.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", kept.join("&"))
     }
+}
+
+/// A URI query value as written: `%`, `&`, `#`, `+` and spaces escaped, so a path or name
+/// holding one reads back the same.
+fn percent_encode(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        match b {
+            b'%' | b'&' | b'#' | b'+' | b' ' | b'?' | b'=' => out.push_str(&format!("%{b:02X}")),
+            _ => out.push(b as char),
+        }
+    }
+    out
 }
 
 impl Node {
@@ -605,6 +676,7 @@ impl Node {
             size: 0,
             args: None,
             order: 0,
+            tls_creds: None,
         }
     }
 
@@ -706,7 +778,7 @@ impl Node {
     pub fn shown_file(&self, node_of: &dyn Fn(&str) -> Option<Node>) -> String {
         match &self.driver {
             Driver::File { filename, .. } => filename.clone(),
-            Driver::Nbd { uri } => uri.clone(),
+            Driver::Nbd { uri } => without_tls(uri),
             Driver::Null { .. } => "null-co://".into(),
             Driver::Raw
             | Driver::Qcow2
@@ -728,6 +800,7 @@ impl Node {
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::path::Path;
 
     fn nodes(args: Value) -> Result<Vec<Node>, String> {
         let mut n = 0;
@@ -749,8 +822,24 @@ mod tests {
             size: 0,
             args: None,
             order: 0,
+            tls_creds: None,
         };
         let lookup = move |name: &str| (name == "file0").then(|| file0.clone());
+        let tls = |id: &str| match id {
+            "t0" => Ok(crate::service::objects::TlsCreds {
+                dir: "/etc/pki/a b".into(),
+                client: true,
+                verify_peer: true,
+            }),
+            "tv" => Ok(crate::service::objects::TlsCreds {
+                dir: "/pki".into(),
+                client: true,
+                verify_peer: false,
+            }),
+            _ => Err(QmpError::generic(format!(
+                "No TLS credentials with id '{id}'"
+            ))),
+        };
         parse(
             args,
             "",
@@ -759,8 +848,50 @@ mod tests {
                 format!("#block{n}")
             },
             &lookup,
+            &tls,
         )
         .map_err(|e| e.desc)
+    }
+
+    #[test]
+    fn nbd_nodes_with_tls_credentials_become_nbds_uris() {
+        let uri = |args: Value| match nodes(args).unwrap().pop().unwrap() {
+            Node {
+                driver: Driver::Nbd { uri },
+                tls_creds,
+                ..
+            } => (uri, tls_creds),
+            n => panic!("{n:?}"),
+        };
+        let (u, creds) = uri(json!({"driver": "nbd", "node-name": "n",
+            "server": {"type": "unix", "path": "/run/nbd.sock"}, "export": "disk",
+            "tls-creds": "t0", "tls-hostname": "srv.example"}));
+        assert_eq!(
+            u,
+            "nbds+unix:///disk?socket=/run/nbd.sock&tls-certificates=/etc/pki/a%20b&tls-hostname=srv.example"
+        );
+        assert_eq!(creds.as_deref(), Some("t0"));
+        let parsed = nbd::uri::NbdUri::parse(&u).unwrap();
+        let tls = parsed.tls.unwrap();
+        assert_eq!(tls.certificates.as_deref(), Some(Path::new("/etc/pki/a b")));
+        assert_eq!(tls.hostname.as_deref(), Some("srv.example"));
+        let (u, _) = uri(json!({"driver": "nbd", "node-name": "n",
+            "server": {"type": "inet", "host": "h", "port": "10809"}, "tls-creds": "tv"}));
+        assert_eq!(
+            u,
+            "nbds://h:10809/?tls-certificates=/pki&tls-verify-peer=false"
+        );
+        assert_eq!(without_tls(&u), "nbd://h:10809/");
+        assert_eq!(
+            without_tls("nbds+unix:///d?socket=/s&tls-certificates=/p"),
+            "nbd+unix:///d?socket=/s"
+        );
+        assert_eq!(
+            nodes(json!({"driver": "nbd", "node-name": "n",
+                "server": {"type": "unix", "path": "/s"}, "tls-creds": "nope"}))
+            .unwrap_err(),
+            "No TLS credentials with id 'nope'"
+        );
     }
 
     #[test]

@@ -1,20 +1,29 @@
-//! QEMU's user-creatable objects (`--object`, `object-add`, `object-del`), for the one kind a
-//! FUSE export names: the IOThread. qemu-storage-daemon users give an export its own IOThread
-//! (`--object iothread,id=io0 --export ...,iothread=io0`) so that its I/O leaves the main
-//! loop. Every fusex export already runs on queue threads of its own, never on the thread that
-//! takes commands, so an IOThread here is a name an export may refer to and nothing more: the
-//! command lines and QMP scripts written for qemu-storage-daemon run unchanged, with its
-//! answers, and its tuning properties (`poll-max-ns`, ...) are checked and kept, not applied.
+//! QEMU's user-creatable objects (`--object`, `object-add`, `object-del`), for the kinds an
+//! export's command line names:
 //!
-//! The other object types are refused in one line naming the type.
+//! - **IOThreads.** qemu-storage-daemon users give an export its own IOThread (`--object
+//!   iothread,id=io0 --export ...,iothread=io0`) so that its I/O leaves the main loop. Every
+//!   fusex export already runs on queue threads of its own, never on the thread that takes
+//!   commands, so an IOThread here is a name an export may refer to and nothing more; its tuning
+//!   properties (`poll-max-ns`, ...) are checked and kept, not applied.
+//! - **X.509 TLS credentials** (`tls-creds-x509`): the directory of PEM files an NBD node's
+//!   `tls-creds` names, which fusex's NBD client (rustls) reads under the same file names as
+//!   QEMU's (`ca-cert.pem`, `client-cert.pem`, `client-key.pem`).
+//!
+//! The command lines and QMP scripts written for qemu-storage-daemon run unchanged, with its
+//! answers and error texts; the other object types are refused in one line naming the type.
+
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use qmp::{parse_args, QmpError};
 
-/// The one object type fusex has.
+/// An IOThread's `qom-type`.
 pub const IOTHREAD: &str = "iothread";
+/// X.509 TLS credentials' `qom-type`.
+pub const TLS_CREDS_X509: &str = "tls-creds-x509";
 
 /// QEMU's other user-creatable object types: named in a refusal, where a type QEMU does not
 /// have either is refused with QEMU's own words.
@@ -58,17 +67,35 @@ const OTHER_TYPES: &[&str] = &[
     "tls-cipher-suites",
     "tls-creds-anon",
     "tls-creds-psk",
-    "tls-creds-x509",
     "x-remote-object",
     "x-vfio-user-server",
 ];
 
-/// An IOThread object: its id and the arguments it was added with (kept in order for a
+/// One object: its id, what it is, and the arguments it was added with (kept in order for a
 /// `fusex restart` successor, which adds them again).
 #[derive(Clone, Debug, PartialEq)]
-pub struct IoThread {
+pub struct Object {
     pub id: String,
+    pub kind: Kind,
     pub args: Value,
+}
+
+/// What an object is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Kind {
+    IoThread,
+    TlsCreds(TlsCreds),
+}
+
+/// A `tls-creds-x509` object.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TlsCreds {
+    /// Where its PEM files are.
+    pub dir: PathBuf,
+    /// `endpoint=client` (the default): credentials a client (an NBD node) can use.
+    pub client: bool,
+    /// `verify-peer` (default on): check the peer's certificate.
+    pub verify_peer: bool,
 }
 
 /// The members of an `iothread` object, QEMU's `IothreadProperties` (7.2): checked for their
@@ -87,9 +114,34 @@ struct IoThreadProps {
     thread_pool_max: Option<i64>,
 }
 
-/// Reads `object-add`'s arguments (also `--object`'s, converted): an IOThread, or the refusal
+#[derive(Deserialize, PartialEq)]
+#[serde(rename_all = "kebab-case")]
+enum Endpoint {
+    Client,
+    Server,
+}
+
+/// The members of a `tls-creds-x509` object, QEMU's `TlsCredsX509Properties` (7.2).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct X509Props {
+    #[allow(dead_code)] // checked before
+    qom_type: String,
+    id: String,
+    dir: Option<String>,
+    endpoint: Option<Endpoint>,
+    verify_peer: Option<bool>,
+    #[allow(dead_code)] // the only value rustls has: checks certificates as QEMU's default does
+    sanity_check: Option<bool>,
+    #[allow(dead_code)] // deprecated in QEMU, and meaningless: the files are read when used
+    loaded: Option<bool>,
+    priority: Option<String>,
+    passwordid: Option<String>,
+}
+
+/// Reads `object-add`'s arguments (also `--object`'s, converted): an object, or the refusal
 /// qemu-storage-daemon gives (or, for a type it has and fusex has not, one naming the type).
-pub fn parse(args: Value) -> Result<IoThread, QmpError> {
+pub fn parse(args: Value) -> Result<Object, QmpError> {
     let Value::Object(map) = &args else {
         return Err(QmpError::generic("arguments must be an object"));
     };
@@ -102,19 +154,89 @@ pub fn parse(args: Value) -> Result<IoThread, QmpError> {
             ))
         }
     };
-    if qom_type != IOTHREAD {
-        if OTHER_TYPES.contains(&qom_type) {
-            return Err(QmpError::generic(format!(
-                "fusex does not support objects of type '{qom_type}': it has only {IOTHREAD} \
-                 objects (for an export's iothread member); leave it out"
-            )));
+    match qom_type {
+        IOTHREAD => {
+            let props: IoThreadProps = parse_args(args.clone())?;
+            Ok(Object {
+                id: props.id,
+                kind: Kind::IoThread,
+                args,
+            })
         }
-        return Err(QmpError::generic(format!(
-            "Parameter 'qom-type' does not accept value '{qom_type}'"
-        )));
+        TLS_CREDS_X509 => {
+            let props: X509Props = parse_args(args.clone())?;
+            for (member, given) in [
+                ("priority", props.priority.is_some()),
+                ("passwordid", props.passwordid.is_some()),
+            ] {
+                if given {
+                    return Err(QmpError::generic(format!(
+                        "fusex does not support '{member}' on {TLS_CREDS_X509} objects: its TLS \
+                         library (rustls) takes no GnuTLS priority string and no encrypted key; \
+                         leave it out"
+                    )));
+                }
+            }
+            let Some(dir) = props.dir else {
+                // QEMU's words.
+                return Err(QmpError::generic("Missing 'dir' property value"));
+            };
+            let client = props.endpoint.unwrap_or(Endpoint::Client) == Endpoint::Client;
+            let dir = PathBuf::from(dir);
+            let needed: &[&str] = if client {
+                &["ca-cert.pem"]
+            } else {
+                &["ca-cert.pem", "server-cert.pem", "server-key.pem"]
+            };
+            for f in needed {
+                readable(&dir.join(f))?;
+            }
+            Ok(Object {
+                id: props.id,
+                kind: Kind::TlsCreds(TlsCreds {
+                    dir,
+                    client,
+                    verify_peer: props.verify_peer.unwrap_or(true),
+                }),
+                args,
+            })
+        }
+        other if OTHER_TYPES.contains(&other) => Err(QmpError::generic(format!(
+            "fusex does not support objects of type '{other}': it has {IOTHREAD} and \
+             {TLS_CREDS_X509} objects; leave it out"
+        ))),
+        other => Err(QmpError::generic(format!(
+            "Parameter 'qom-type' does not accept value '{other}'"
+        ))),
     }
-    let props: IoThreadProps = parse_args(args.clone())?;
-    Ok(IoThread { id: props.id, args })
+}
+
+/// QEMU's check of a credentials file, with its words.
+fn readable(path: &Path) -> Result<(), QmpError> {
+    match std::fs::File::open(path) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(QmpError::generic(format!(
+            "Unable to access credentials {}: {}",
+            path.display(),
+            super::strerror(&e)
+        ))),
+    }
+}
+
+/// The TLS credentials an NBD node's `tls-creds` names, with QEMU's refusals.
+pub fn tls_creds<'a>(objects: &'a [Object], id: &str) -> Result<&'a TlsCreds, QmpError> {
+    match objects.iter().find(|o| o.id == id).map(|o| &o.kind) {
+        None => Err(QmpError::generic(format!(
+            "No TLS credentials with id '{id}'"
+        ))),
+        Some(Kind::IoThread) => Err(QmpError::generic(format!(
+            "Object with id '{id}' is not TLS credentials"
+        ))),
+        Some(Kind::TlsCreds(c)) if !c.client => Err(QmpError::generic(
+            "Expected TLS credentials for a client endpoint",
+        )),
+        Some(Kind::TlsCreds(c)) => Ok(c),
+    }
 }
 
 /// `--object OPTIONS` (QEMU's `key=value` form with `qom-type` implied first, or JSON): the
@@ -191,12 +313,13 @@ pub fn iothread_not_found(id: &str) -> QmpError {
     QmpError::generic(format!("iothread \"{id}\" not found"))
 }
 
-/// The refusal of `object-del` of an IOThread an export names (qemu-storage-daemon 7.2
-/// deletes it, then aborts on the export's next request).
-pub fn in_use(id: &str, export: &str) -> QmpError {
+/// The refusal of `object-del` of an object in use: an IOThread an export names
+/// (qemu-storage-daemon 7.2 deletes it, then aborts on the export's next request), TLS
+/// credentials a node uses (which a `fusex restart` successor needs to add the node again).
+/// `user` says which: "export 'e'", "node 'n'".
+pub fn in_use(id: &str, user: &str) -> QmpError {
     QmpError::generic(format!(
-        "object '{id}' is in use, can not be deleted: export '{export}' names it (remove the \
-         export first)"
+        "object '{id}' is in use, can not be deleted: {user} names it (remove that first)"
     ))
 }
 
@@ -205,7 +328,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn desc(r: Result<IoThread, QmpError>) -> String {
+    fn desc(r: Result<Object, QmpError>) -> String {
         r.expect_err("refused").desc
     }
 
@@ -215,6 +338,7 @@ mod tests {
                           "poll-grow": 2, "aio-max-batch": 8});
         let t = parse(args.clone()).unwrap();
         assert_eq!(t.id, "io0");
+        assert_eq!(t.kind, Kind::IoThread);
         assert_eq!(t.args, args);
     }
 
@@ -279,6 +403,57 @@ mod tests {
             json!({"qom-type": "secret", "id": "s0", "data": "x"}),
         ));
         assert!(d.contains("'secret'") && d.contains("iothread"), "{d}");
+    }
+
+    #[test]
+    fn tls_credentials_name_a_directory_with_a_ca() {
+        let dir = std::env::temp_dir().join(format!("fusex-objects-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = dir.to_str().unwrap();
+        let x509 = |extra: Value| {
+            let mut v = json!({"qom-type": "tls-creds-x509", "id": "t0", "dir": d});
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            parse(v)
+        };
+        assert_eq!(
+            desc(x509(json!({}))),
+            format!("Unable to access credentials {d}/ca-cert.pem: No such file or directory")
+        );
+        std::fs::write(dir.join("ca-cert.pem"), b"").unwrap();
+        let o = x509(json!({"verify-peer": false})).unwrap();
+        let Kind::TlsCreds(c) = &o.kind else {
+            panic!("{o:?}")
+        };
+        assert!(c.client && !c.verify_peer);
+        assert_eq!(c.dir, dir);
+        // A server's needs its own certificate and key too.
+        assert!(desc(x509(json!({"endpoint": "server"}))).contains("server-cert.pem"));
+        assert_eq!(
+            desc(x509(json!({"endpoint": "bogus"}))),
+            "Parameter 'endpoint' does not accept value 'bogus'"
+        );
+        assert!(desc(x509(json!({"priority": "NORMAL"}))).contains("'priority'"));
+        assert_eq!(
+            desc(parse(json!({"qom-type": "tls-creds-x509", "id": "t1"}))),
+            "Missing 'dir' property value"
+        );
+        // What an NBD node's tls-creds may name.
+        let objects = vec![
+            o.clone(),
+            parse(json!({"qom-type": "iothread", "id": "io0"})).unwrap(),
+        ];
+        assert_eq!(tls_creds(&objects, "t0").unwrap(), c);
+        assert_eq!(
+            tls_creds(&objects, "io0").unwrap_err().desc,
+            "Object with id 'io0' is not TLS credentials"
+        );
+        assert_eq!(
+            tls_creds(&objects, "t9").unwrap_err().desc,
+            "No TLS credentials with id 't9'"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
