@@ -1317,21 +1317,49 @@ fn an_unreachable_nbd_server_is_reported_and_so_is_its_return() {
     assert_eq!(ids, ["n", "other"]);
 }
 
+/// One thread of the daemon, from `/proc/PID/task/TID`.
+struct DaemonThread {
+    /// Its name; the main thread (whose id is the process's) is named `main`.
+    name: String,
+    /// Its nice value (`stat`, field 19).
+    nice: i32,
+}
+
+/// The daemon's threads now. A thread that ended since the listing is left out.
+fn daemon_tasks(pid: i32) -> Vec<DaemonThread> {
+    let mut v = Vec::new();
+    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads") {
+        let t = t.expect("a thread entry");
+        let (Ok(comm), Ok(stat)) = (
+            fs::read_to_string(t.path().join("comm")),
+            fs::read_to_string(t.path().join("stat")),
+        ) else {
+            continue;
+        };
+        // After the name's closing parenthesis come the fields from the third (state) on.
+        let rest = &stat[stat.rfind(')').expect("stat has the name") + 2..];
+        let nice = rest.split(' ').nth(19 - 3).expect("field 19");
+        let name = if t.file_name().to_str() == Some(pid.to_string().as_str()) {
+            "main".to_string()
+        } else {
+            comm.trim_end().to_string()
+        };
+        v.push(DaemonThread {
+            name,
+            nice: nice.parse().expect("a nice value"),
+        });
+    }
+    v
+}
+
 /// The daemon's threads by name, without the kernel's io_uring workers (`iou-*`, which come
 /// and go with blocking I/O).
 fn daemon_threads(pid: i32) -> Vec<String> {
-    let mut names = Vec::new();
-    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads") {
-        let t = t.expect("a thread entry");
-        // A thread that ended since the listing has no comm any more.
-        let Ok(comm) = fs::read_to_string(t.path().join("comm")) else {
-            continue;
-        };
-        let comm = comm.trim_end().to_string();
-        if !comm.starts_with("iou-") {
-            names.push(comm);
-        }
-    }
+    let mut names: Vec<String> = daemon_tasks(pid)
+        .into_iter()
+        .map(|t| t.name)
+        .filter(|n| !n.starts_with("iou-"))
+        .collect();
     names.sort();
     names
 }
@@ -1397,29 +1425,12 @@ fn the_thread_count_does_not_grow_with_exports() {
     }
 }
 
-/// Nice values of the daemon's threads by name (`/proc/PID/task/TID/stat`, field 19); the main
-/// thread (whose id is the process's) is named `main`.
+/// Nice values of the daemon's threads by name (see [`daemon_tasks`]).
 fn thread_nice(pid: i32) -> Vec<(String, i32)> {
-    let mut v = Vec::new();
-    for t in fs::read_dir(format!("/proc/{pid}/task")).expect("the daemon's threads") {
-        let t = t.expect("a thread entry");
-        let (Ok(comm), Ok(stat)) = (
-            fs::read_to_string(t.path().join("comm")),
-            fs::read_to_string(t.path().join("stat")),
-        ) else {
-            continue;
-        };
-        // After the name's closing parenthesis come the fields from the third (state) on.
-        let rest = &stat[stat.rfind(')').expect("stat has the name") + 2..];
-        let nice = rest.split(' ').nth(19 - 3).expect("field 19");
-        let name = if t.file_name().to_str() == Some(pid.to_string().as_str()) {
-            "main".to_string()
-        } else {
-            comm.trim_end().to_string()
-        };
-        v.push((name, nice.parse().expect("a nice value")));
-    }
-    v
+    daemon_tasks(pid)
+        .into_iter()
+        .map(|t| (t.name, t.nice))
+        .collect()
 }
 
 /// The control threads (the QMP server and its clients, the exports' supervisor, the reaper) run
