@@ -2047,7 +2047,8 @@ fn a_backing_chain_of_inline_nodes_serves_and_survives_a_restart() {
 /// qemu-storage-daemon's way to an NBD server over TLS runs unchanged: the same command line
 /// (`--object tls-creds-x509` and an `nbd` node's `tls-creds`) serves the same bytes from a
 /// qemu-nbd that asks for a client certificate, in qemu-storage-daemon and in fusex, and the
-/// same mistakes over QMP get the same answers from both.
+/// same mistakes over QMP get the same answers from both. fusex's daemon then hands its export
+/// to a `fusex restart` successor, which adds the node again with the credentials it names.
 #[test]
 fn tls_credentials_objects_reach_an_nbd_server_as_in_qemu_storage_daemon() {
     if !require_fuse_and_tools(&["qemu-storage-daemon", "qemu-nbd", "openssl"]) {
@@ -2086,6 +2087,7 @@ fn tls_credentials_objects_reach_an_nbd_server_as_in_qemu_storage_daemon() {
         let mp = dir.join("e.mnt");
         fs::write(&mp, b"").unwrap();
         let qmp = dir.join("qmp.sock");
+        let pid_file = dir.join("daemon.pid");
         let mut cmd = Command::new(&program);
         if who == "fusex" {
             cmd.arg("serve");
@@ -2113,10 +2115,14 @@ fn tls_credentials_objects_reach_an_nbd_server_as_in_qemu_storage_daemon() {
                 qmp.display()
             ))
             .args(["--monitor", "chardev=m"])
+            .arg("--pidfile")
+            .arg(&pid_file)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let mut daemon = ChildGuard(cmd.spawn().unwrap());
         let _unmount = UnmountOnDrop(mp.clone());
+        // Stops a `fusex restart` successor, which is no child of this test.
+        let _successor = PidGuard(pid_file.clone(), dir.clone());
         assert!(
             wait_until(Instant::now() + TIMEOUT * 3, || is_fuse_mounted(&mp)
                 && qmp.exists()),
@@ -2173,13 +2179,40 @@ fn tls_credentials_objects_reach_an_nbd_server_as_in_qemu_storage_daemon() {
                 Err((class, desc)) => json!({"class": class, "desc": desc}),
             }}));
         }
+        let mut last = daemon.pid();
+        if who == "fusex" {
+            // A `fusex restart` successor adds the node again with the credentials it names
+            // (an io_uring export cannot be handed over: the export goes over to legacy first).
+            q.ok("block-export-del", json!({"id": "e0"}));
+            q.event("BLOCK_EXPORT_DELETED", "e0", TIMEOUT);
+            q.ok(
+                "block-export-add",
+                json!({"type": "fuse", "id": "e1", "node-name": "r0", "writable": true,
+                       "mountpoint": mp.to_str().unwrap(),
+                       "__org.fusex_transport": "legacy"}),
+            );
+            drop(q);
+            let r = run_fusex(&w, &["restart".as_ref(), mp.as_os_str()], None);
+            assert_eq!(r.code, Some(0), "fusex restart: {}", r.stderr);
+            assert!(
+                wait_until(Instant::now() + TIMEOUT * 3, || daemon
+                    .0
+                    .try_wait()
+                    .unwrap()
+                    .is_some()),
+                "the old daemon lets go and exits"
+            );
+            last = read_pid(&pid_file);
+            assert!(last > 0 && pid_alive(last), "the successor serves");
+            q = Qmp::connect(&qmp);
+            assert_bytes_eq(&read_all(&mp), &expected, 0, "over TLS after the restart");
+            let e = q.err("object-del", json!({"id": "t0"}));
+            assert!(e.contains("in use") && e.contains("node 'n0'"), "{e}");
+        }
         q.ok("quit", json!({}));
         assert!(
-            wait_until(Instant::now() + TIMEOUT * 3, || daemon
-                .0
-                .try_wait()
-                .unwrap()
-                .is_some()),
+            wait_until(Instant::now() + TIMEOUT * 3, || !pid_alive(last)
+                && daemon.0.try_wait().unwrap().is_some()),
             "{who}: quit did not end it"
         );
         assert!(!is_fuse_mounted(&mp), "{who} left the export mounted");

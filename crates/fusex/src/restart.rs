@@ -134,13 +134,20 @@ pub const MAX_FDS: usize = 250;
 /// the same fields) and refuses a newer one in one line instead of misreading it. A daemon writes
 /// the lowest version that says what its state needs ([`State::version_for`]), so a successor of
 /// an earlier release still takes over every export it can.
-pub const STATE_VERSION: u32 = 2;
+pub const STATE_VERSION: u32 = 3;
 
 /// The version of a state that carries an NBD export ([`State::nbd`]) or a directory export
 /// ([`State::directory`]): a successor before it would connect to the server before this
 /// daemon let go, which a server without multi-conn need not accept, or open the directory as
 /// an image, so it must refuse; it does, the version being newer than its own.
 pub const NBD_STATE_VERSION: u32 = 2;
+
+/// The version of a [`ServeState`] that carries TLS credentials objects
+/// ([`ServeState::objects`]): a successor before it would drop them and then refuse the NBD
+/// nodes naming them, so it must refuse the state first; it does, the version being newer than
+/// its own. (IOThread objects alone do not need it: a successor that drops them serves every
+/// export the same.)
+pub const OBJECTS_STATE_VERSION: u32 = 3;
 
 /// The version of a state without an NBD export: what release 1 wrote and reads.
 const PLAIN_STATE_VERSION: u32 = 1;
@@ -221,9 +228,9 @@ pub struct ServeState {
     /// here. Empty (and absent on the wire) without NBD nodes.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub nbd_sizes: std::collections::BTreeMap<String, u64>,
-    /// The IOThread objects (`--object`, `object-add`), in order: their arguments. Empty (and
-    /// absent on the wire) without any; a successor that does not know the member serves the
-    /// same, as an IOThread changes nothing of how an export serves.
+    /// The objects (`--object`, `object-add`: IOThreads, TLS credentials), in order: their
+    /// arguments, which the successor adds before the nodes. Empty (and absent on the wire)
+    /// without any. With TLS credentials the state is [`OBJECTS_STATE_VERSION`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub objects: Vec<serde_json::Value>,
 }

@@ -112,8 +112,16 @@ impl Service {
         let mut nodes: Vec<&Node> = t.nodes.values().filter(|n| n.args.is_some()).collect();
         nodes.sort_by_key(|n| n.order);
         let nbd_sizes = t.nbd_sizes();
+        let credentials = t
+            .objects
+            .iter()
+            .any(|o| matches!(o.kind, super::objects::Kind::TlsCreds(_)));
         let state = ServeState {
-            version: crate::restart::State::version_for(!nbd_sizes.is_empty()),
+            version: if credentials {
+                crate::restart::OBJECTS_STATE_VERSION
+            } else {
+                crate::restart::State::version_for(!nbd_sizes.is_empty())
+            },
             nbd_sizes,
             argv: std::env::args().collect(),
             cwd: std::env::current_dir()

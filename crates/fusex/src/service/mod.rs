@@ -395,6 +395,11 @@ impl Service {
         if let Some(dup) = checked.iter().find(|n| t.nodes.contains_key(&n.name)) {
             return Err(duplicate_node(&dup.name));
         }
+        // Checked again under this lock: another client may have deleted the credentials
+        // while the node's server was probed.
+        for creds in checked.iter().filter_map(|n| n.tls_creds.as_deref()) {
+            objects::tls_creds(&t.objects, creds)?;
+        }
         for mut n in checked {
             tracing::debug!(node = %n.name, driver = n.driver.name(), "node added");
             n.order = t.next_order;
