@@ -73,7 +73,7 @@ stress: deps release build
 
 ## make fuzz: every fuzz target (request decoder; protocol server on /dev/fuse and io_uring framing,
 ## for image and directory exports; the NBD client's reply parsers; the qcow2 integrity pass; the
-## image formats and partition tables) for FUZZ_SECONDS each (default 600), one after another;
+## image formats and partition tables; QMP input and key=value options) for FUZZ_SECONDS each (default 600), one after another;
 ## installs nightly and cargo-fuzz if missing. Not part of `make test`. See docs/design.md.
 fuzz:
 	bash scripts/fuzz.sh

@@ -22,7 +22,7 @@ for a in "$@"; do
   esac
 done
 if [ ${#targets[@]} -eq 0 ]; then
-  read -r -a targets <<<"${FUZZ_TARGETS:-decode serve_legacy serve_uring serve_dir nbd_reply qcow2_check image}"
+  read -r -a targets <<<"${FUZZ_TARGETS:-decode serve_legacy serve_uring serve_dir nbd_reply qcow2_check image qmp_input}"
 fi
 
 command -v rustup >/dev/null || { echo "fuzz: rustup missing (run: make deps)" >&2; exit 1; }

@@ -300,6 +300,7 @@ pub fn all() -> Vec<(&'static str, Seeds)> {
         ("qcow2_check", qcow2_check()),
         ("image", image()),
         ("serve_dir", serve_dir()),
+        ("qmp_input", qmp_input()),
     ]
 }
 
@@ -722,6 +723,85 @@ pub fn image() -> Seeds {
         seeds.push((format!("{label}-partition-{number}"), input));
     }
     seeds
+}
+
+/// Seeds of the `qmp_input` target (see `crate::qmp::run` for the setup byte): a negotiated
+/// session running every command with and without an id, a request before negotiation,
+/// malformed requests of every kind, a session cut into one-byte and 7-byte pieces, a request
+/// over the limit (in 61-byte pieces, as a socket delivers a long one), and the `key=value`
+/// options of each implied key (`--blockdev`, `--export`, `--object`, `--chardev`) and of JSON.
+pub fn qmp_input() -> Seeds {
+    let session = concat!(
+        r#"{"execute": "qmp_capabilities"}"#,
+        r#"{"execute": "echo", "arguments": {"a": 1, "b": [true, null]}, "id": 7}"#,
+        r#"{"execute": "typed", "arguments": {"id": "x", "mode": "safe", "size": 4096,"#,
+        r#" "file": {"driver": "file", "filename": "/a"}, "list": ["a", "b"]}}"#,
+        r#"{"execute": "query-commands"}{"execute": "query-version", "id": "v"}"#,
+        r#"{"execute": "fail"}"#,
+    );
+    let malformed = concat!(
+        r#"{"execute": "echo", "execute": "fail"}"#,
+        r#"[1, 2]"#,
+        r#"{"execute": 3}"#,
+        r#"{"arguments": {}}"#,
+        r#"{"execute": "echo", "arguments": [1]}"#,
+        r#"{"execute": "typed", "arguments": {"id": 1}}"#,
+        r#"{"execute": "typed", "arguments": {"id": "x", "mode": "bogus"}}"#,
+        r#"{"execute": "typed", "arguments": {"id": "x", "file": {"driver": "f", "x": 1}}}"#,
+        r#"{"execute": "nope"}"#,
+        r#"{"execute": "echo", "bogus": 1}"#,
+        r#""text" 12 }"#,
+    );
+    let too_long = format!(
+        r#"{{"execute": "echo", "arguments": {{"s": "{}"}}}}"#,
+        "a".repeat(crate::qmp::MAX_REQUEST + 10)
+    );
+    let with = |setup: u8, text: &str| {
+        let mut v = vec![setup];
+        v.extend_from_slice(text.as_bytes());
+        v
+    };
+    vec![
+        ("session".into(), with(0, session)),
+        (
+            "before-negotiation".into(),
+            with(0, r#"{"execute": "echo", "arguments": {}}"#),
+        ),
+        ("malformed".into(), with(8, malformed)),
+        ("session-bytewise".into(), with(2, session)),
+        ("session-in-7s".into(), with(4, session)),
+        ("too-long".into(), with(14, &too_long)),
+        (
+            "blockdev".into(),
+            with(
+                1,
+                "driver=qcow2,node-name=disk,file.driver=file,file.filename=a,,b.qcow2,\
+                 size=1G,writable=on,n=-0x10,u=7,l.0=1,l.1=0x10,x.b=off",
+            ),
+        ),
+        (
+            "export".into(),
+            with(
+                3,
+                "fuse,id=e,node-name=n,mountpoint=/m,writable=on,iothread.0=io0,iothread.1=io1",
+            ),
+        ),
+        (
+            "object".into(),
+            with(5, "iothread,id=io0,poll-max-ns=32768"),
+        ),
+        (
+            "chardev".into(),
+            with(7, "socket,id=m,path=/run/q.sock,server=on,wait=off"),
+        ),
+        (
+            "json".into(),
+            with(
+                1,
+                r#"{"driver": "file", "filename": "x", "cache": {"direct": true}, "size": 1.5}"#,
+            ),
+        ),
+    ]
 }
 
 /// Seeds of the `qcow2_check` target: the damaged-image corpus (`backend::qcow2::damage`), each

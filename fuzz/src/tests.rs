@@ -156,6 +156,43 @@ fn nbd_reply_seeds_pass() {
 }
 
 #[test]
+fn qmp_input_seeds_pass() {
+    use crate::qmp::run;
+    let seeds = seeds::qmp_input();
+    let seed = |n: &str| {
+        let (_, input) = seeds.iter().find(|(name, _)| name == n).expect("seed");
+        input.clone()
+    };
+    // A negotiated session: qmp_capabilities, echo, typed, query-commands and query-version
+    // return, fail errs; whole, byte by byte or in 7-byte pieces alike.
+    for name in ["session", "session-bytewise", "session-in-7s"] {
+        let s = run(&seed(name));
+        assert!(s.command_mode, "{name}: {s:?}");
+        assert_eq!((s.returns, s.errors), (5, 1), "{name}: {s:?}");
+    }
+    let s = run(&seed("before-negotiation"));
+    assert!(!s.command_mode && s.returns == 0 && s.errors == 1, "{s:?}");
+    // Each malformed request gets its error (the string and the number each one).
+    let s = run(&seed("malformed"));
+    assert_eq!((s.returns, s.errors), (0, 12), "{s:?}");
+    assert!(run(&seed("too-long")).closed);
+    for name in ["blockdev", "export", "object", "chardev", "json"] {
+        assert!(run(&seed(name)).keyval_ok, "{name}");
+    }
+    // Every seed with one byte flipped (and cut short) at a time: never a panic.
+    for (_, input) in &seeds {
+        for i in 0..input.len().min(400) {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut v = input.clone();
+                v[i] ^= flip;
+                run(&v);
+            }
+            run(&input[..i]);
+        }
+    }
+}
+
+#[test]
 fn qcow2_check_seeds_pass() {
     use crate::qcow2::{run, Verdict};
     let seeds = seeds::qcow2_check();
