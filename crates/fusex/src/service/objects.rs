@@ -3,7 +3,7 @@
 //!
 //! - **IOThreads.** qemu-storage-daemon users give an export its own IOThread (`--object
 //!   iothread,id=io0 --export ...,iothread=io0`) so that its I/O leaves the main loop. Every
-//!   fusex export already runs on queue threads of its own, never on the thread that takes
+//!   fusex export already runs on queue threads (shared per CPU), never on the thread that takes
 //!   commands, so an IOThread here is a name an export may refer to and nothing more; its tuning
 //!   properties (`poll-max-ns`, ...) are checked and kept, not applied.
 //! - **X.509 TLS credentials** (`tls-creds-x509`): the directory of PEM files an NBD node's
