@@ -371,7 +371,7 @@ fn start(args: &ServeArgs, verbose: u8) -> Result<Running> {
     let objects = args
         .object
         .iter()
-        .map(|o| super::objects::from_command_line(o).map(|v| (o, v)))
+        .map(|o| cmdline::object(o).map(|v| (o, v)))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| anyhow!(e))?;
     let blockdevs = args

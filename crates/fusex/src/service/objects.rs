@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use qmp::{parse_args, QmpError};
 
@@ -239,27 +239,6 @@ pub fn tls_creds<'a>(objects: &'a [Object], id: &str) -> Result<&'a TlsCreds, Qm
     }
 }
 
-/// `--object OPTIONS` (QEMU's `key=value` form with `qom-type` implied first, or JSON): the
-/// `object-add` arguments. Numbers are integers, as QEMU's visitor reads them from text.
-pub fn from_command_line(arg: &str) -> Result<Value, String> {
-    let mut m: Map<String, Value> =
-        qmp::keyval::parse(arg, Some("qom-type")).map_err(|e| format!("--object {arg}: {e}"))?;
-    if arg.starts_with('{') {
-        // JSON carries its own types.
-        return Ok(Value::Object(m));
-    }
-    for (k, v) in m.iter_mut() {
-        if k == "qom-type" || k == "id" {
-            continue;
-        }
-        // A value that is not a number stays a string, for `parse` to refuse by its type.
-        if let Some(n) = v.as_str().and_then(|s| s.parse::<i64>().ok()) {
-            *v = Value::from(n);
-        }
-    }
-    Ok(Value::Object(m))
-}
-
 /// An export's `iothread`: one IOThread's id, or a list of them (QEMU 10.1's
 /// `BlockExportIothreads`, for an export whose I/O runs on several IOThreads); `fixed` is its
 /// `fixed-iothread`. Every id is checked against the objects when the export is added.
@@ -454,28 +433,5 @@ mod tests {
             "No TLS credentials with id 't9'"
         );
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn the_command_line_form_converts_numbers() {
-        let v = from_command_line("iothread,id=io0,poll-max-ns=32768").unwrap();
-        assert_eq!(
-            v,
-            json!({"qom-type": "iothread", "id": "io0", "poll-max-ns": 32768})
-        );
-        let t = parse(v).unwrap();
-        assert_eq!(t.id, "io0");
-        // The id stays text even when it looks like a number.
-        let v = from_command_line("iothread,id=7").unwrap();
-        assert_eq!(parse(v).unwrap().id, "7");
-        // A value that is no number is refused by its type.
-        let v = from_command_line("iothread,id=io0,poll-grow=x").unwrap();
-        assert_eq!(
-            desc(parse(v)),
-            "Invalid parameter type for 'poll-grow', expected: integer"
-        );
-        // JSON, as QEMU takes it too.
-        let v = from_command_line(r#"{"qom-type": "iothread", "id": "io1"}"#).unwrap();
-        assert_eq!(parse(v).unwrap().id, "io1");
     }
 }
