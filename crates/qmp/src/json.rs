@@ -105,10 +105,98 @@ pub enum Frame {
 ///
 /// After a syntax error the input is skipped to the next `{` or newline, so the requests that
 /// follow still get answers (QEMU resyncs at a similar point, token by token).
+///
+/// Bytes are parsed only once a [`Scan`] of them says a value may have ended (or an error is
+/// certain), so a value that arrives a byte at a time costs time linear in its length, not
+/// one parse of everything held per byte.
 #[derive(Debug)]
 pub struct Framer {
     buf: Vec<u8>,
     limit: usize,
+    scan: Scan,
+    /// Parses run, for the tests that count them.
+    #[cfg(test)]
+    parses: usize,
+}
+
+/// What a byte-by-byte look at the held input knows: how deep in brackets it is, whether in a
+/// string (and after a backslash), where a bare top-level token (a number or keyword) began,
+/// and whether anything seen since the last parse may have completed a value or must be an
+/// error. Not a validator: the parse decides; this only says when a parse is worth it.
+#[derive(Debug, Default)]
+struct Scan {
+    /// Bytes of the buffer looked at.
+    seen: usize,
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    /// Where a bare token at depth 0 began, while in one.
+    token: Option<usize>,
+    /// A parse may produce something.
+    due: bool,
+}
+
+/// Bytes that may stand outside strings inside a JSON value besides brackets and quotes:
+/// whitespace, separators, number characters and the letters of `true`, `false` and `null`.
+/// Any other byte there makes the value an error.
+fn may_continue(b: u8) -> bool {
+    matches!(
+        b,
+        b' ' | b'\t' | b'\n' | b'\r' | b',' | b':' | b'0'..=b'9' | b'-' | b'+' | b'.'
+    ) || b"truefalsnE".contains(&b)
+}
+
+/// Bytes that may be part of a bare token (a number or keyword).
+fn in_token(b: u8) -> bool {
+    b.is_ascii_digit() || matches!(b, b'-' | b'+' | b'.') || b"truefalsnE".contains(&b)
+}
+
+impl Scan {
+    /// Looks at `buf[self.seen..]`.
+    fn advance(&mut self, buf: &[u8]) {
+        for (i, &b) in buf.iter().enumerate().skip(self.seen) {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if b == b'\\' {
+                    self.escaped = true;
+                } else if b == b'"' {
+                    self.in_string = false;
+                    self.due |= self.depth == 0;
+                }
+                continue;
+            }
+            match b {
+                b'"' => {
+                    self.in_string = true;
+                    self.token = None;
+                }
+                b'{' | b'[' => {
+                    self.depth += 1;
+                    self.token = None;
+                }
+                b'}' | b']' => {
+                    // One too many closes at depth 0 is an error the parse reports.
+                    self.depth = self.depth.saturating_sub(1);
+                    self.due |= self.depth == 0;
+                    self.token = None;
+                }
+                _ if self.depth > 0 => self.due |= !may_continue(b),
+                _ if in_token(b) => {
+                    let start = *self.token.get_or_insert(i);
+                    // A keyword needs no delimiter to be complete; a number may continue.
+                    self.due |= matches!(&buf[start..=i], b"true" | b"false" | b"null");
+                }
+                _ => {
+                    // Whitespace or anything else at depth 0 ends a token, lets the blank
+                    // input before it go, or is an error.
+                    self.token = None;
+                    self.due = true;
+                }
+            }
+        }
+        self.seen = buf.len();
+    }
 }
 
 /// The byte index in `region` of serde_json's 1-based (line, column) error position.
@@ -135,13 +223,27 @@ impl Framer {
         Framer {
             buf: Vec::new(),
             limit,
+            scan: Scan::default(),
+            #[cfg(test)]
+            parses: 0,
         }
     }
 
     /// Adds bytes read from the client and returns what they completed.
     pub fn push(&mut self, bytes: &[u8]) -> Vec<Frame> {
         self.buf.extend_from_slice(bytes);
+        self.scan.advance(&self.buf);
         let mut out = Vec::new();
+        if !self.scan.due {
+            if self.buf.len() > self.limit {
+                out.push(Frame::TooLong);
+            }
+            return out;
+        }
+        #[cfg(test)]
+        {
+            self.parses += 1;
+        }
         let mut start = 0;
         while start < self.buf.len() {
             let region = &self.buf[start..];
@@ -173,6 +275,9 @@ impl Framer {
             }
         }
         self.buf.drain(..start);
+        // What is left is the start of one value: look at it afresh.
+        self.scan = Scan::default();
+        self.scan.advance(&self.buf);
         if self.buf.len() > self.limit {
             out.push(Frame::TooLong);
         }
@@ -278,6 +383,60 @@ mod tests {
         assert!(matches!(out[..], [Frame::ParseError(_)]));
         assert_eq!(f.pending(), 0, "garbage without a delimiter is dropped");
         assert_eq!(offset_of(b"ab\ncd", 2, 2), 4);
+    }
+
+    /// Every way of cutting valid input gives the same values, and feeding a large request a
+    /// byte at a time parses it once (counted by how often the scan asked for a parse).
+    #[test]
+    fn any_cut_gives_the_same_values() {
+        let input: &[u8] = b"{\"a\": [1, 2.5e3, {\"b\": \"x\\\"}y\"}], \"c\": null}\n\
+            {\"execute\":\"q\"}{\"d\":true}  [false] \"s{\" -7 \n";
+        let mut whole = Framer::new(1024);
+        let expect = values(whole.push(input));
+        assert_eq!(expect.len(), 6, "{expect:?}");
+        assert_eq!(
+            expect[0],
+            json!({"a": [1, 2500.0, {"b": "x\"}y"}], "c": null})
+        );
+        for size in 1..input.len() {
+            let mut f = Framer::new(1024);
+            let got: Vec<Value> = input.chunks(size).flat_map(|c| values(f.push(c))).collect();
+            assert_eq!(got, expect, "chunks of {size}");
+            assert_eq!(f.pending(), 0);
+        }
+    }
+
+    #[test]
+    fn a_value_sent_a_byte_at_a_time_is_parsed_once() {
+        let big = format!(
+            "{{\"execute\": \"x\", \"arguments\": {{\"s\": \"{}\"}}}}",
+            "a".repeat(50_000)
+        );
+        let mut f = Framer::new(1 << 20);
+        let mut got = Vec::new();
+        for b in big.as_bytes() {
+            got.extend(values(f.push(std::slice::from_ref(b))));
+        }
+        assert_eq!(got.len(), 1);
+        assert_eq!(f.parses, 1, "only the last byte completes the value");
+        assert_eq!(f.pending(), 0);
+    }
+
+    #[test]
+    fn garbage_inside_a_value_is_reported_when_it_arrives() {
+        let mut f = Framer::new(1024);
+        let out = f.push(b"{\"a\": xyz");
+        assert!(matches!(out[..], [Frame::ParseError(_)]), "{out:?}");
+        assert_eq!(values(f.push(b"\n{\"b\":1}")), vec![json!({"b": 1})]);
+    }
+
+    #[test]
+    fn blank_input_is_not_held() {
+        let mut f = Framer::new(16);
+        for _ in 0..100 {
+            assert!(f.push(b"  \n ").is_empty());
+        }
+        assert_eq!(f.pending(), 0);
     }
 
     #[test]
