@@ -305,8 +305,16 @@ fn removal_with_io_in_flight_safe_waits_hard_aborts() {
             let r = f.read_exact_at(&mut buf, 0).map(|()| buf);
             (r, t.elapsed())
         });
-        // The read reaches the daemon (and waits there) before the removal.
-        std::thread::sleep(Duration::from_millis(300));
+        // The read reaches the daemon (and waits there) before the removal: a queue took it
+        // (a request still queued in the kernel is not one the removal waits for).
+        let taken = wait_until(Instant::now() + TIMEOUT, || {
+            let s = q.ok("__org.fusex_query-stats", json!({"id": mode}));
+            s["exports"][0]["in_flight"].as_u64().unwrap_or(0) >= 1
+        });
+        assert!(
+            taken,
+            "{mode} {transport}: the read never reached the daemon"
+        );
         let t = Instant::now();
         q.ok("block-export-del", json!({"id": mode, "mode": mode}));
         q.event("BLOCK_EXPORT_DELETED", mode, TIMEOUT);
