@@ -270,6 +270,80 @@ fn a_partition_that_is_not_there_is_refused_with_the_list() {
     assert!(f.stderr.contains("drop --growable"), "{}", f.stderr);
 }
 
+/// `--offset` and `--size` (QEMU raw's `offset` and `size`) bound an export to any byte range:
+/// a partition given by its bytes holds a filesystem as `--partition` does, nothing outside it
+/// changes, `--offset` alone runs to the image's end, and ranges the image does not hold are
+/// refused in one line.
+#[test]
+fn a_byte_range_given_by_offset_and_size() {
+    if !require_fuse_and_tools(&["sfdisk", "mkfs.ext4", "fsck.ext4", "dd"]) {
+        return;
+    }
+    let w = WorkDir::new("part-range");
+    let (img, parts) = mbr_disk(&w);
+    let (_, start, len) = part(&parts, 2);
+    let before = read_all(&img);
+    let mp = w.join("range.export");
+    let m = Mount::start(
+        &w,
+        &img,
+        &mp,
+        &[
+            "--writable",
+            &format!("--offset={start}"),
+            &format!("--size={len}"),
+        ],
+    );
+    mkfs_fsck_and_the_end(&mp, len, "range");
+    m.stop().assert_clean("range");
+    outside_unchanged(&before, &read_all(&img), start, len, "range");
+    let out = dd_out(&w, &img, start, len, "range.dd");
+    run_ok(Command::new("fsck.ext4").arg("-fn").arg(&out));
+
+    // From an offset to the end, read-only: the image's own bytes.
+    let all = read_all(&img);
+    let tail = w.join("tail.export");
+    let m = Mount::start(&w, &img, &tail, &["--offset=60M"]);
+    assert_bytes_eq(
+        &read_all(&tail),
+        &all[60 << 20..],
+        60 << 20,
+        "--offset alone",
+    );
+    m.stop().assert_clean("tail");
+
+    for (words, want) in [
+        (
+            vec!["--offset=65M".to_string()],
+            "has 67108864 bytes: it has no bytes from byte 68157440",
+        ),
+        (
+            vec!["--offset=60M".to_string(), "--size=8M".to_string()],
+            "it has no 8388608 bytes from byte 62914560",
+        ),
+        (
+            vec!["--offset=1M".to_string(), "--partition=1".to_string()],
+            "cannot be used with",
+        ),
+        (
+            vec![
+                "--size=1M".to_string(),
+                "--writable".to_string(),
+                "--growable".to_string(),
+            ],
+            "drop --growable",
+        ),
+    ] {
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        let f = Mount::try_start(&w, &img, &w.join("x"), &words)
+            .err()
+            .expect("refused");
+        assert_eq!(f.code, Some(1), "{words:?}: {}", f.stderr);
+        assert!(f.stderr.contains(want), "{words:?}: {}", f.stderr);
+        assert_eq!(f.stderr.trim().lines().count(), 1, "{}", f.stderr);
+    }
+}
+
 /// `fusex serve` exports two partitions of one qcow2 image at once from one opened image,
 /// each with its own filesystem; a third partition node names a partition that is not there.
 /// `fusex restart` hands both to a new daemon, which opens the image once for them again (two

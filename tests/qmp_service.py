@@ -33,9 +33,10 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def pattern(n):
-    """Deterministic contents of a.raw: a byte ramp that shifts every 4 KiB."""
-    return bytes((i * 7 + (i >> 12)) & 0xFF for i in range(n))
+def pattern(n, step=7):
+    """Deterministic contents of a.raw (and, with another step, w.raw): a byte ramp that shifts
+    every 4 KiB."""
+    return bytes((i * step + (i >> 12)) & 0xFF for i in range(n))
 
 
 class Scenario:
@@ -118,6 +119,8 @@ class Scenario:
     def make_images(self):
         with open(self.p("a.raw"), "wb") as f:
             f.write(pattern(4 * MiB))
+        with open(self.p("w.raw"), "wb") as f:
+            f.write(pattern(2 * MiB, step=13))
         for argv in (["qemu-img", "create", "-q", "-f", "qcow2", self.p("b.qcow2"), "8M"],
                      ["qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 64k", self.p("b.qcow2")],
                      # A backing chain of nodes: ov.qcow2 over base.raw, its header then
@@ -135,7 +138,7 @@ class Scenario:
                       "-F", "raw", self.p("hdr.qcow2")],
                      ["qemu-io", "-f", "qcow2", "-c", "write -P 0x33 0 64k", self.p("hdr.qcow2")]):
             subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt", "ov.mnt", "hdr.mnt"):  # mountpoints are regular files
+        for m in ("a.mnt", "b.mnt", "c.mnt", "d.mnt", "e.mnt", "ov.mnt", "hdr.mnt", "w.mnt"):  # mountpoints are regular files
             open(self.p(m), "wb").close()
 
     async def start(self):
@@ -148,7 +151,8 @@ class Scenario:
             # An IOThread for the export, as qemu-storage-daemon's users often give one.
             "--object", "iothread,id=io0",
             "--blockdev", f"driver=file,node-name=file0,filename={self.p('a.raw')},aio=io_uring",
-            "--blockdev", "driver=raw,node-name=fmt0,file=file0",
+            # The driver first without its key, as qemu-storage-daemon takes it too.
+            "--blockdev", "raw,node-name=fmt0,file=file0",
             "--export", f"type=fuse,id=exp0,node-name=fmt0,mountpoint={self.p('a.mnt')},"
                         "writable=on,iothread=io0",
         ]
@@ -441,6 +445,62 @@ class Scenario:
         await self.step("object-del: unknown id", "object-del", {"id": "io1"})
         await self.step("object-add io1 again", "object-add", {"qom-type": "iothread", "id": "io1"})
         await self.step("object-del io1 again", "object-del", {"id": "io1"})
+
+        # 5e. A raw node's offset and size: a byte range of its file served as the export, and
+        # the ranges the file does not hold.
+        def window(offset, size=None):
+            args = {"driver": "raw", "node-name": "win0", "offset": offset,
+                    "file": {"driver": "file", "filename": self.p("w.raw")}}
+            if size is not None:
+                args["size"] = size
+            return args
+
+        for name, args in [
+            ("blockdev-add: offset past the end", window(3 * MiB)),
+            ("blockdev-add: offset and size past the end", window(MiB, 2 * MiB)),
+            ("blockdev-add: size not a multiple of 512", window(0, 1000)),
+        ]:
+            await self.step(name, "blockdev-add", args)
+        await self.step("blockdev-add win0 offset size", "blockdev-add",
+                        window(512 * 1024, MiB))
+        await self.step("query-named-block-nodes win0", "query-named-block-nodes",
+                        # QEMU shows such a node's file as a `json:{...}` pseudo-filename of
+                        # its options, fusex as the file's name: both name w.raw.
+                        post=lambda r: [{"drv": n["drv"], "names-w.raw": "w.raw" in n["file"],
+                                         "virtual-size": n["image"]["virtual-size"]}
+                                        for n in r if n["node-name"] == "win0"])
+        await self.step("block-export-add exp6 on win0", "block-export-add",
+                        {"type": "fuse", "id": "exp6", "node-name": "win0",
+                         "mountpoint": self.p("w.mnt"), "writable": True})
+        st = await self.io(os.stat, self.p("w.mnt"))
+        self.record("stat w.mnt", size=st.st_size if isinstance(st, os.stat_result) else st)
+        w_expect = bytearray(pattern(2 * MiB, step=13))
+        got = await self.io(read_mnt, self.p("w.mnt"), 2 * MiB)
+        self.record("read w.mnt", **same(got, bytes(w_expect[512 * 1024:512 * 1024 + MiB])))
+        w_data = bytes([0x6B]) * 8192
+
+        def write_window():
+            fd = os.open(self.p("w.mnt"), os.O_RDWR)
+            try:
+                n = os.pwrite(fd, w_data, MiB - 8192)
+                os.fsync(fd)
+                return n
+            finally:
+                os.close(fd)
+
+        n = await self.io(write_window)
+        w_expect[512 * 1024 + MiB - 8192:512 * 1024 + MiB] = w_data
+        with open(self.p("w.raw"), "rb") as f:
+            w_raw = f.read()
+        self.record("write w.mnt at the range's end", written=n, **same(w_raw, bytes(w_expect)))
+        await self.step("block-export-del exp6", "block-export-del", {"id": "exp6"})
+        self.record("event after exp6", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del win0", "blockdev-del", {"node-name": "win0"})
+        await self.step("blockdev-add win0 offset only", "blockdev-add", window(1536 * 1024))
+        await self.step("query-named-block-nodes win0 offset only", "query-named-block-nodes",
+                        post=lambda r: [n["image"]["virtual-size"]
+                                        for n in r if n["node-name"] == "win0"])
+        await self.step("blockdev-del win0 again", "blockdev-del", {"node-name": "win0"})
 
         # 6. Removal of exports and nodes.
         await self.step("block-export-del exp2", "block-export-del", {"id": "exp2"})

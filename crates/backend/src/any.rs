@@ -138,6 +138,19 @@ pub struct OpenOptions {
     pub backing: Option<Vec<crate::qcow2::BackingLevel>>,
     /// Serve only this partition of the image (numbered as Linux numbers them).
     pub partition: Option<u32>,
+    /// Serve only this range of the image (QEMU raw's `offset` and `size`); never with a
+    /// partition.
+    pub range: Option<ByteRange>,
+}
+
+/// A byte range of an image served as the whole file: `size` bytes from `offset`, or all from
+/// `offset` to the image's end (fixed when the image is opened).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByteRange {
+    /// The first byte served.
+    pub offset: u64,
+    /// How many bytes (None: the rest of the image).
+    pub size: Option<u64>,
 }
 
 /// Any backend fusex can serve.
@@ -193,6 +206,26 @@ pub fn open_partition(
     )?))
 }
 
+/// Serves a byte range of an opened image, as [`open_partition`] serves a partition.
+pub fn open_range(
+    whole: Arc<AnyBackend>,
+    range: ByteRange,
+    shown: &str,
+) -> std::result::Result<AnyBackend, OpenError> {
+    if matches!(*whole, AnyBackend::Partition(_)) {
+        return Err(OpenError::FormatMismatch(format!(
+            "{shown} is a partition or a byte range already: give the range in the whole image"
+        )));
+    }
+    let whole = Arc::new(Whole(whole));
+    Ok(AnyBackend::Partition(crate::partition::window(
+        whole,
+        range.offset,
+        range.size,
+        shown,
+    )?))
+}
+
 /// Whether IMAGE names a file or device (a path) rather than `null:SIZE` or an NBD URI: only a
 /// path means something relative to a working directory, or may be canonicalized.
 pub fn names_a_path(spec: &str) -> bool {
@@ -202,6 +235,20 @@ pub fn names_a_path(spec: &str) -> bool {
 /// Opens IMAGE: `null:SIZE`, an NBD URI, or a path, in the format `opts.format` names or probes;
 /// with `opts.partition`, one partition of it.
 pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
+    if let Some(range) = opts.range {
+        if opts.partition.is_some() {
+            return Err(OpenError::FormatMismatch(format!(
+                "a partition and a byte range of {spec} were both asked for: give one"
+            )));
+        }
+        if opts.growable {
+            return Err(OpenError::FormatMismatch(format!(
+                "a byte range of {spec} cannot grow (its size is fixed): drop --growable"
+            )));
+        }
+        let whole = open_whole(spec, opts)?;
+        return open_range(Arc::new(whole), range, spec);
+    }
     let Some(number) = opts.partition else {
         return open_whole(spec, opts);
     };
@@ -461,9 +508,12 @@ impl AnyBackend {
     pub fn details(&self) -> Option<String> {
         if let AnyBackend::Partition(p) = self {
             let whole = p.inner().image().details();
+            let what = match p.number() {
+                Some(n) => format!("partition {n}"),
+                None => "byte range".to_string(),
+            };
             return Some(format!(
-                "partition {} ({} bytes at byte {}){}",
-                p.number(),
+                "{what} ({} bytes at byte {}){}",
                 p.size(),
                 p.start(),
                 whole.map(|w| format!(" of {w}")).unwrap_or_default()

@@ -347,6 +347,17 @@ pub struct MountArgs {
     /// entries from 1. Reads and writes cannot leave the partition, and its size is fixed.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), help_heading = heading::IMAGE)]
     pub partition: Option<u32>,
+    /// Export only the image's bytes from OFFSET on (to its end, or --size bytes)
+    ///
+    /// QEMU raw's `offset`: bytes, or with a K/M/G/T suffix. Reads and writes cannot leave the
+    /// range, and its size is fixed. Not with --partition.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size_or_zero, conflicts_with = "partition", help_heading = heading::IMAGE)]
+    pub offset: Option<u64>,
+    /// Export only SIZE bytes of the image (from --offset, or from its start)
+    ///
+    /// QEMU raw's `size`. The range must lie inside the image.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, conflicts_with = "partition", help_heading = heading::IMAGE)]
+    pub size: Option<u64>,
     /// `fusex serve`: where the whole image of `--partition` comes from when other exports
     /// serve other partitions of it (one opened image for all of them); never on a command line.
     #[arg(skip)]
@@ -607,6 +618,16 @@ pub struct MountArgs {
     pub metrics_listen: Option<String>,
 }
 
+impl MountArgs {
+    /// The byte range `--offset` and `--size` ask for (None: the whole image).
+    pub fn byte_range(&self) -> Option<backend::ByteRange> {
+        (self.offset.is_some() || self.size.is_some()).then(|| backend::ByteRange {
+            offset: self.offset.unwrap_or(0),
+            size: self.size,
+        })
+    }
+}
+
 /// A command-line error as the one line every other refusal is (`fusex: error: what: what to
 /// do`, exit 1), instead of clap's error, tip and usage over several lines with exit 2.
 /// `command` names the command whose `--help` to point at when the error has no usage line
@@ -806,7 +827,7 @@ pub struct ServeArgs {
     pub control_nice: i32,
 }
 
-/// `--max-size`: the same size syntax as `null:SIZE` images.
+/// `--max-size`, `--offset`, `--size`: the same size syntax as `null:SIZE` images.
 fn parse_size_or_zero(s: &str) -> Result<u64, String> {
     if s == "0" {
         return Ok(0);

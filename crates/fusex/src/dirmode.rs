@@ -44,6 +44,12 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     if args.partition.is_some() {
         refuse("--partition")?;
     }
+    if args.offset.is_some() {
+        refuse("--offset")?;
+    }
+    if args.size.is_some() {
+        refuse("--size")?;
+    }
     if args.no_backing {
         refuse("--no-backing")?;
     }
@@ -447,6 +453,8 @@ mod tests {
             "--growable",
             "--format=qcow2",
             "--partition=1",
+            "--offset=4096",
+            "--size=1M",
             "--no-backing",
             "--trust-backing",
             "--no-locking",

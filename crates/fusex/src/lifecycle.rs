@@ -671,10 +671,17 @@ pub fn open_export_adopting(
             adopt: nbd,
         },
         partition: args.partition,
+        range: args.byte_range(),
     };
     if args.partition.is_some() && args.growable {
         bail!(
             "a partition of {} cannot grow (the partition table fixes its size): drop --growable",
+            args.image
+        );
+    }
+    if options.range.is_some() && args.growable {
+        bail!(
+            "a byte range of {} cannot grow (--offset and --size fix its size): drop --growable",
             args.image
         );
     }

@@ -32,7 +32,8 @@ pub enum NotUsed {
     BlockDevice(String),
     /// An image format (qcow2): the file's bytes are not the guest's, fusex must translate.
     Formatted(String),
-    /// One partition of the image (`--partition`): passthrough serves whole files only.
+    /// One partition or byte range of the image (`--partition`, `--offset`, `--size`):
+    /// passthrough serves whole files only.
     Partition(String),
     /// `--kernel-cache` wants the FUSE page cache, which passthrough bypasses.
     KernelCache,
@@ -72,7 +73,8 @@ impl fmt::Display for NotUsed {
             ),
             NotUsed::Partition(img) => write!(
                 f,
-                "a partition of {img} is served: the kernel would pass the whole image through"
+                "a partition or byte range of {img} is served: the kernel would pass the whole \
+                 image through"
             ),
             NotUsed::KernelCache => write!(
                 f,

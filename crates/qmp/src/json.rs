@@ -106,7 +106,7 @@ pub enum Frame {
 /// After a syntax error the input is skipped to the next `{` or newline, so the requests that
 /// follow still get answers (QEMU resyncs at a similar point, token by token).
 ///
-/// Bytes are parsed only once a [`Scan`] of them says a value may have ended (or an error is
+/// Bytes are parsed only once a scan of them says a value may have ended (or an error is
 /// certain), so a value that arrives a byte at a time costs time linear in its length, not
 /// one parse of everything held per byte.
 #[derive(Debug)]

@@ -1,4 +1,5 @@
-//! A backend bounded to one byte range of another: a partition served as a file of its own.
+//! A backend bounded to one byte range of another: a partition, or a range given by offset and
+//! size (QEMU raw's `offset` and `size`), served as a file of its own.
 //! Every offset is shifted by the range's start and every request is cut at its end, so no
 //! read, write, discard or zeroing can reach outside it, whatever the caller asks; the size
 //! is fixed (a partition cannot grow) and nothing hands the whole image's descriptor out
@@ -16,7 +17,7 @@ pub struct Bounded<B> {
     inner: Arc<B>,
     start: u64,
     len: u64,
-    number: u32,
+    number: Option<u32>,
 }
 
 fn enospc() -> BackendError {
@@ -24,8 +25,9 @@ fn enospc() -> BackendError {
 }
 
 impl<B: BlockBackend> Bounded<B> {
-    /// Bounds `inner` to `[start, start + len)`, which the caller checked lies inside it.
-    pub fn new(inner: Arc<B>, start: u64, len: u64, number: u32) -> Bounded<B> {
+    /// Bounds `inner` to `[start, start + len)`, which the caller checked lies inside it:
+    /// partition `number`, or (None) a range given by its offset and size.
+    pub fn new(inner: Arc<B>, start: u64, len: u64, number: Option<u32>) -> Bounded<B> {
         debug_assert!(start.checked_add(len).is_some_and(|e| e <= inner.size()));
         Bounded {
             inner,
@@ -40,8 +42,8 @@ impl<B: BlockBackend> Bounded<B> {
         &self.inner
     }
 
-    /// The partition's number.
-    pub fn number(&self) -> u32 {
+    /// The partition's number; None for a range given by offset and size.
+    pub fn number(&self) -> Option<u32> {
         self.number
     }
 
@@ -199,7 +201,7 @@ mod tests {
         let data: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
         f.write_all(&data).unwrap();
         let raw = crate::RawBackend::open(f.path(), true, false, None).unwrap();
-        let b = Bounded::new(Arc::new(raw), 4096, 8192, 1);
+        let b = Bounded::new(Arc::new(raw), 4096, 8192, Some(1));
         let eng = Engine::new(&EngineConfig {
             buffers: 1,
             buffer_size: 16384,
@@ -260,7 +262,12 @@ mod tests {
     #[test]
     fn block_status_is_clipped() {
         let eng = Engine::new(&EngineConfig::default()).unwrap();
-        let b = Bounded::new(Arc::new(NullBackend::new(1 << 20, false)), 4096, 8192, 1);
+        let b = Bounded::new(
+            Arc::new(NullBackend::new(1 << 20, false)),
+            4096,
+            8192,
+            Some(1),
+        );
         let on = |off, whence| eng.block_on(b.seek(&eng, off, whence)).unwrap().unwrap();
         assert_eq!(on(0, Seek::Data), Some(0));
         assert_eq!(on(100, Seek::Hole), Some(8192));

@@ -80,9 +80,21 @@ pub fn read_table<B: BlockBackend>(backend: &B) -> Result<Table, TableError> {
     r
 }
 
-/// Why partition `number` of an image cannot be served.
+/// Why partition `number` of an image, or a range of it, cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum PartitionError {
+    /// `--offset` and `--size` name bytes the image does not have.
+    #[error("{image} has {whole} bytes: it has no {} from byte {offset}; give a range inside it", match .size { Some(s) => format!("{s} bytes"), None => "bytes".to_string() })]
+    Outside {
+        /// The image.
+        image: String,
+        /// Where the range starts.
+        offset: u64,
+        /// Its length (None: to the image's end).
+        size: Option<u64>,
+        /// The image's size.
+        whole: u64,
+    },
     /// The table could not be read.
     #[error("cannot export partition {number} of {image}: {error}")]
     Table {
@@ -117,6 +129,31 @@ pub enum PartitionError {
     },
 }
 
+/// Bounds `backend` to `size` bytes from `offset` (to its end without a size), which must lie
+/// inside it; `image` names it in errors.
+pub fn window<B: BlockBackend>(
+    backend: Arc<B>,
+    offset: u64,
+    size: Option<u64>,
+    image: &str,
+) -> Result<Bounded<B>, PartitionError> {
+    let whole = backend.size();
+    let len = match size {
+        None if offset <= whole => whole - offset,
+        Some(len) if offset.checked_add(len).is_some_and(|end| end <= whole) => len,
+        _ => {
+            return Err(PartitionError::Outside {
+                image: image.to_string(),
+                offset,
+                size,
+                whole,
+            })
+        }
+    };
+    tracing::debug!(image, offset, len, "range");
+    Ok(Bounded::new(backend, offset, len, None))
+}
+
 /// Finds partition `number` of `backend` and bounds it there; `image` names it in errors.
 pub fn bound<B: BlockBackend>(
     backend: Arc<B>,
@@ -144,7 +181,7 @@ pub fn bound<B: BlockBackend>(
         });
     }
     tracing::debug!(image, number, start = p.start, len = p.len, scheme = %table.scheme, "partition");
-    Ok(Bounded::new(backend, p.start, p.len, number))
+    Ok(Bounded::new(backend, p.start, p.len, Some(number)))
 }
 
 #[cfg(test)]
@@ -168,5 +205,37 @@ mod tests {
         );
         let e = bound(raw, 3, "disk").err().unwrap().to_string();
         assert!(e.contains("extended partition"), "{e}");
+    }
+
+    #[test]
+    fn a_range_must_lie_inside_the_image() {
+        let null = Arc::new(crate::NullBackend::new(1 << 20, false));
+        let b = window(null.clone(), 4096, Some(8192), "img").unwrap();
+        assert_eq!((b.start(), b.size(), b.number()), (4096, 8192, None));
+        let b = window(null.clone(), 4096, None, "img").unwrap();
+        assert_eq!(b.size(), (1 << 20) - 4096, "to the end");
+        assert_eq!(
+            window(null.clone(), 1 << 20, None, "img").unwrap().size(),
+            0
+        );
+        assert_eq!(
+            window(null.clone(), (1 << 20) + 1, None, "img")
+                .err()
+                .unwrap()
+                .to_string(),
+            "img has 1048576 bytes: it has no bytes from byte 1048577; give a range inside it"
+        );
+        assert_eq!(
+            window(null.clone(), 4096, Some(1 << 20), "img")
+                .err()
+                .unwrap()
+                .to_string(),
+            "img has 1048576 bytes: it has no 1048576 bytes from byte 4096; give a range \
+             inside it"
+        );
+        assert!(
+            window(null, u64::MAX, Some(2), "img").is_err(),
+            "no overflow"
+        );
     }
 }

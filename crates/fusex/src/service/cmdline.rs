@@ -20,6 +20,7 @@ const BLOCKDEV_TYPES: &[(&str, Kind)] = &[
     ("cache.no-flush", Kind::Bool),
     ("read-zeroes", Kind::Bool),
     ("size", Kind::Size),
+    ("offset", Kind::Size),
     ("file.read-only", Kind::Bool),
     ("file.auto-read-only", Kind::Bool),
     ("file.force-share", Kind::Bool),
@@ -52,9 +53,10 @@ const OBJECT_TYPES: &[(&str, Kind)] = &[
     ("loaded", Kind::Bool),
 ];
 
-/// `--blockdev OPTIONS`: the `blockdev-add` arguments.
+/// `--blockdev OPTIONS` (`driver` implied first, as in qemu-storage-daemon: `file,filename=X`,
+/// or JSON): the `blockdev-add` arguments.
 pub fn blockdev(arg: &str) -> Result<Value, String> {
-    let mut m = keyval::parse(arg, None).map_err(|e| format!("--blockdev {arg}: {e}"))?;
+    let mut m = keyval::parse(arg, Some("driver")).map_err(|e| format!("--blockdev {arg}: {e}"))?;
     keyval::convert(&mut m, BLOCKDEV_TYPES).map_err(|e| format!("--blockdev {arg}: {e}"))?;
     Ok(Value::Object(m))
 }
@@ -234,6 +236,17 @@ mod tests {
                 .unwrap(),
             json!({"driver": "qcow2", "node-name": "q", "read-only": true,
                    "file": {"driver": "file", "filename": "/q"}})
+        );
+        // The driver may come first without its key, as qemu-storage-daemon takes it; a raw
+        // node's offset and size take QEMU's size suffixes.
+        assert_eq!(
+            blockdev("raw,node-name=r,file=file0,offset=1M,size=4k").unwrap(),
+            json!({"driver": "raw", "node-name": "r", "file": "file0",
+                   "offset": 1048576, "size": 4096})
+        );
+        assert_eq!(
+            blockdev("node-name=x,file").unwrap_err(),
+            "--blockdev node-name=x,file: Expected '=' after parameter 'file'"
         );
         assert_eq!(
             obj(export("type=fuse,id=e,node-name=n,mountpoint=/m,writable=on,__org.fusex_transport=legacy,__org.fusex_auto-unmount=on").unwrap()),

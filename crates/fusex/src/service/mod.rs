@@ -139,7 +139,7 @@ impl Table {
             .values()
             .filter_map(|n| {
                 let (image, _) = n.image(&lookup)?;
-                nbd::uri::is_nbd_uri(&image).then(|| (nbd_key(&image, n.partition()), n.size))
+                nbd::uri::is_nbd_uri(&image).then(|| (nbd_key(&image, n), n.size))
             })
             .collect()
     }
@@ -430,7 +430,7 @@ impl Service {
                 n.name
             )));
         };
-        if let Some(&size) = nbd_sizes.and_then(|m| m.get(&nbd_key(&image, n.partition()))) {
+        if let Some(&size) = nbd_sizes.and_then(|m| m.get(&nbd_key(&image, n))) {
             backend::NbdBackend::validate(&image).map_err(|e| QmpError::generic(e.to_string()))?;
             return Ok(size);
         }
@@ -442,6 +442,10 @@ impl Service {
                     strerror(&e)
                 )));
             }
+        }
+        if n.range.is_some() {
+            let whole = n.file.as_deref().and_then(lookup).map_or(0, |c| c.size);
+            n.check_range(whole)?;
         }
         let mut words = vec!["--no-locking".to_string()];
         // --no-backing: a qcow2 image's backing file is opened by the export (unless `backing:
@@ -455,7 +459,7 @@ impl Service {
             words.push("--backing=none".to_string());
         }
         words.extend(format.map(|f| format!("--format={f}")));
-        words.extend(n.partition().map(|p| format!("--partition={p}")));
+        words.extend(n.part_words());
         let (args, _) = options::mount_args(&image, std::path::Path::new("/"), &words)
             .map_err(QmpError::generic)?;
         let (export, _) = lifecycle::open_export(&args, false)
@@ -581,7 +585,7 @@ impl Service {
             .map(|f| format!("--format={f}"))
             .into_iter()
             .collect();
-        all.extend(n.partition().map(|p| format!("--partition={p}")));
+        all.extend(n.part_words());
         if let Some(q) = chain.iter().find(|c| c.driver == node::Driver::Qcow2) {
             all.extend(
                 q.backing_levels(&lookup)?
@@ -1287,11 +1291,16 @@ fn id_in_use(id: &str) -> QmpError {
 }
 
 /// How [`ServeState::nbd_sizes`](crate::restart::ServeState) names an NBD node: its URI, and
-/// the partition of a partition node over it.
-fn nbd_key(image: &str, partition: Option<u32>) -> String {
-    match partition {
-        Some(p) => format!("{image} partition {p}"),
-        None => image.to_string(),
+/// the partition of a partition node over it or the range of a raw node with `offset` or
+/// `size`.
+fn nbd_key(image: &str, n: &Node) -> String {
+    match (n.partition(), n.range) {
+        (Some(p), _) => format!("{image} partition {p}"),
+        (None, Some(r)) => match r.size {
+            Some(size) => format!("{image} offset {} size {size}", r.offset),
+            None => format!("{image} offset {}", r.offset),
+        },
+        (None, None) => image.to_string(),
     }
 }
 

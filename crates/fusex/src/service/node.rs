@@ -93,6 +93,8 @@ pub struct Node {
     pub order: u64,
     /// An NBD node's `tls-creds`: the TLS credentials object it reads its certificates from.
     pub tls_creds: Option<String>,
+    /// A raw node's `offset` and `size`: the byte range of its child it serves.
+    pub range: Option<backend::ByteRange>,
 }
 
 /// The members every driver takes (QAPI's `BlockdevOptionsBase`, as QEMU 7.2 has them).
@@ -119,7 +121,6 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
             "x-check-cache-dropped",
         ],
     ),
-    ("raw", &["offset", "size"]),
     (
         "qcow2",
         &[
@@ -148,7 +149,7 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
 fn own_members(driver: &str) -> &'static [&'static str] {
     match driver {
         "file" | "host_device" => &["filename", "locking", "aio"],
-        "raw" => &["file"],
+        "raw" => &["file", "offset", "size"],
         "qcow2" => &["file", "backing"],
         "vpc" | "vdi" | "vmdk" | "vhdx" => &["file"],
         "nbd" => &["server", "export", "tls-creds", "tls-hostname"],
@@ -262,6 +263,13 @@ struct FileMembers {
     filename: String,
     locking: Option<OnOffAuto>,
     aio: Option<Aio>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "kebab-case")]
+struct RangeMembers {
+    offset: Option<u64>,
+    size: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -392,6 +400,7 @@ fn parse_below(
         args: None,
         order: 0,
         tls_creds: None,
+        range: None,
     };
     node.driver = match driver {
         "file" | "host_device" => {
@@ -464,9 +473,19 @@ fn parse_below(
                     .file
                     .as_deref()
                     .and_then(|c| node_of(c).or_else(|| out.iter().find(|n| n.name == c).cloned()));
-                if child.is_some_and(|c| matches!(c.driver, Driver::Partition { .. })) {
+                if child
+                    .as_ref()
+                    .is_some_and(|c| matches!(c.driver, Driver::Partition { .. }))
+                {
                     return Err(QmpError::generic(format!(
                         "'{}' is a partition node: a partition has no partitions of its own",
+                        named("file")
+                    )));
+                }
+                if child.is_some_and(|c| c.range.is_some()) {
+                    return Err(QmpError::generic(format!(
+                        "fusex does not support partitions of a raw node with offset or size \
+                         ('{}'): give the partition node the whole image",
                         named("file")
                     )));
                 }
@@ -523,6 +542,17 @@ fn parse_below(
                             named("backing")
                         )))
                     }
+                }
+                if driver == "raw" {
+                    let mut range = members.clone();
+                    range.remove("file");
+                    let m: RangeMembers =
+                        parse_args(Value::Object(range)).map_err(|e| prefix(e, path))?;
+                    node.range =
+                        (m.offset.is_some() || m.size.is_some()).then(|| backend::ByteRange {
+                            offset: m.offset.unwrap_or(0),
+                            size: m.size,
+                        });
                 }
                 match driver {
                     "raw" => Driver::Raw,
@@ -677,6 +707,7 @@ impl Node {
             args: None,
             order: 0,
             tls_creds: None,
+            range: None,
         }
     }
 
@@ -747,7 +778,7 @@ impl Node {
             };
             match &b.driver {
                 Driver::File { filename, .. } => levels.push(BackingLevel::Raw(filename.into())),
-                Driver::Raw => {
+                Driver::Raw if b.range.is_none() => {
                     levels.push(BackingLevel::Raw(on_file.ok_or_else(unsupported)?.into()))
                 }
                 Driver::Qcow2 => {
@@ -764,6 +795,50 @@ impl Node {
         }
         backend::qcow2::check_chain(&levels).map_err(|e| QmpError::generic(e.to_string()))?;
         Ok(levels)
+    }
+
+    /// The `fusex mount` words that bound an export of this node to a part of its image: its
+    /// partition, or a raw node's `offset` and `size`.
+    pub fn part_words(&self) -> Vec<String> {
+        let mut words: Vec<String> = self
+            .partition()
+            .map(|p| format!("--partition={p}"))
+            .into_iter()
+            .collect();
+        if let Some(r) = self.range {
+            words.push(format!("--offset={}", r.offset));
+            words.extend(r.size.map(|s| format!("--size={s}")));
+        }
+        words
+    }
+
+    /// Refuses a raw node's range that its child's `whole` bytes do not hold, or whose size is
+    /// not a whole number of sectors, in qemu-storage-daemon's words.
+    pub fn check_range(&self, whole: u64) -> Result<(), QmpError> {
+        let Some(r) = self.range else {
+            return Ok(());
+        };
+        if r.offset > whole {
+            return Err(QmpError::generic(format!(
+                "Offset ({}) cannot be greater than size of the containing file ({whole})",
+                r.offset
+            )));
+        }
+        let Some(size) = r.size else {
+            return Ok(());
+        };
+        if whole - r.offset < size {
+            // QEMU's text has the two spaces.
+            return Err(QmpError::generic(format!(
+                "The sum of offset ({}) and size ({size}) has to be smaller or equal to the  \
+                 actual size of the containing file ({whole})",
+                r.offset
+            )));
+        }
+        if size % 512 != 0 {
+            return Err(QmpError::generic("Specified size is not multiple of 512"));
+        }
+        Ok(())
     }
 
     /// The partition this node serves of its child's image (None: the whole image).
@@ -823,6 +898,7 @@ mod tests {
             args: None,
             order: 0,
             tls_creds: None,
+            range: None,
         };
         let lookup = move |name: &str| (name == "file0").then(|| file0.clone());
         let tls = |id: &str| match id {
@@ -1050,6 +1126,67 @@ mod tests {
                 .unwrap_err(),
             "Invalid parameter type for 'backing', expected: BlockdevRefOrNull"
         );
+    }
+
+    #[test]
+    fn raw_nodes_serve_a_byte_range_of_their_file() {
+        use backend::ByteRange;
+        let v = nodes(json!({"driver": "raw", "node-name": "r", "file": "file0",
+                             "offset": 4096, "size": 8192}))
+        .unwrap();
+        let r = v.last().unwrap();
+        assert_eq!(
+            r.range,
+            Some(ByteRange {
+                offset: 4096,
+                size: Some(8192)
+            })
+        );
+        assert_eq!(r.part_words(), ["--offset=4096", "--size=8192"]);
+        r.check_range(12288).unwrap();
+        assert_eq!(
+            r.check_range(12287).unwrap_err().desc,
+            "The sum of offset (4096) and size (8192) has to be smaller or equal to the  actual \
+             size of the containing file (12287)"
+        );
+        assert_eq!(
+            r.check_range(4095).unwrap_err().desc,
+            "Offset (4096) cannot be greater than size of the containing file (4095)"
+        );
+        let v = nodes(json!({"driver": "raw", "node-name": "r", "file": "file0", "size": 1000}))
+            .unwrap();
+        assert_eq!(v[0].part_words(), ["--offset=0", "--size=1000"]);
+        assert_eq!(
+            v[0].check_range(1 << 20).unwrap_err().desc,
+            "Specified size is not multiple of 512"
+        );
+        let v = nodes(json!({"driver": "raw", "node-name": "r", "file": "file0"})).unwrap();
+        assert_eq!(v[0].range, None);
+        assert!(v[0].part_words().is_empty());
+        v[0].check_range(0).unwrap();
+        let e = nodes(json!({"driver": "raw", "node-name": "r", "file": "file0",
+                             "offset": -1}))
+        .unwrap_err();
+        assert!(e.contains("'offset'"), "{e}");
+        // Neither a partition of a range nor a range as a backing node: each would lose it.
+        let e = nodes(
+            json!({"driver": PARTITION_DRIVER, "node-name": "p", "partition": 1,
+                             "file": {"driver": "raw", "offset": 512, "file": "file0"}}),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("partitions of a raw node with offset or size"),
+            "{e}"
+        );
+        let v = nodes(
+            json!({"driver": "qcow2", "node-name": "top", "file": "file0",
+                             "backing": {"driver": "raw", "size": 512, "file": "file0"}}),
+        )
+        .unwrap();
+        let all = v.clone();
+        let lookup = move |name: &str| all.iter().find(|n| n.name == name).cloned();
+        let e = v.last().unwrap().backing_levels(&lookup).unwrap_err().desc;
+        assert!(e.contains("as a backing node"), "{e}");
     }
 
     #[test]
