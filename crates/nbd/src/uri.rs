@@ -4,7 +4,11 @@
 //! (`NBD_OPT_STARTTLS`), with libnbd's query parameters for it: `tls-certificates=DIR`,
 //! `tls-verify-peer=false`, `tls-hostname=NAME`. `tls-psk-file=` is refused: fusex's TLS library
 //! (rustls) has no pre-shared-key authentication.
+//!
+//! [`NbdUri`]'s `Display` writes the URI back, escaped so that it parses to the same value:
+//! what a caller that builds a URI from parts (`fusex serve`'s `nbd` nodes) writes.
 
+use std::fmt;
 use std::path::PathBuf;
 
 /// Where the server listens.
@@ -158,6 +162,110 @@ impl NbdUri {
             export,
             tls: tls.then_some(settings),
         })
+    }
+}
+
+impl NbdUri {
+    /// The same server and export without TLS: what QEMU shows for a node with `tls-creds`.
+    pub fn without_tls(&self) -> NbdUri {
+        NbdUri {
+            tls: None,
+            ..self.clone()
+        }
+    }
+
+    /// Whether [`NbdUri::parse`] can read this URI back from its `Display` form: a host that
+    /// is a name or address (none of `/?#@[]`, whitespace or control characters, and a `:`
+    /// only in an IPv6 address), a socket path and export name without NUL, an export name of
+    /// at most 4096 bytes, non-empty TLS names.
+    pub fn check(&self) -> Result<(), &'static str> {
+        match &self.transport {
+            Transport::Tcp { host, .. } => {
+                if host.is_empty()
+                    || host
+                        .chars()
+                        .any(|c| "/?#@[]".contains(c) || c.is_whitespace() || c.is_control())
+                {
+                    return Err("the host is not a host name or address");
+                }
+            }
+            Transport::Unix(p) => {
+                let p = p.to_string_lossy();
+                if p.is_empty() || p.contains('\0') {
+                    return Err("the socket path is empty or holds NUL");
+                }
+            }
+        }
+        if self.export.len() > 4096 || self.export.contains('\0') {
+            return Err("export name longer than 4096 bytes or containing NUL");
+        }
+        if let Some(t) = &self.tls {
+            if t.certificates
+                .as_ref()
+                .is_some_and(|d| d.as_os_str().is_empty())
+                || t.hostname.as_ref().is_some_and(|h| h.is_empty())
+            {
+                return Err("an empty TLS directory or host name");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes `v` with `%XX` for `%` and each byte of `special`, and for spaces and control
+/// characters; everything else (other ASCII, UTF-8) as it is.
+fn escaped(f: &mut fmt::Formatter<'_>, v: &str, special: &[u8]) -> fmt::Result {
+    for c in v.chars() {
+        let b = c as u32;
+        if b < 0x80 && (special.contains(&(b as u8)) || c == '%' || c == ' ' || c.is_control()) {
+            write!(f, "%{b:02X}")?;
+        } else {
+            write!(f, "{c}")?;
+        }
+    }
+    Ok(())
+}
+
+/// Bytes escaped in the export name (the path): those that end it.
+const IN_PATH: &[u8] = b"?#";
+/// Bytes escaped in a query value: those that end it, and `+` and `=` for readers that give
+/// them a meaning.
+const IN_QUERY: &[u8] = b"&#+?=";
+
+impl fmt::Display for NbdUri {
+    /// `nbd[s]://HOST:PORT/EXPORT` or `nbd[s]+unix:///EXPORT?socket=PATH`, then the TLS
+    /// parameters, each value escaped so [`NbdUri::parse`] reads back the same (for a URI that
+    /// passes [`NbdUri::check`]).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = if self.tls.is_some() { "s" } else { "" };
+        let mut query: Vec<(&str, String)> = Vec::new();
+        match &self.transport {
+            Transport::Unix(path) => {
+                write!(f, "nbd{s}+unix:///")?;
+                query.push(("socket", path.to_string_lossy().into_owned()));
+            }
+            Transport::Tcp { host, port } if host.contains(':') => {
+                write!(f, "nbd{s}://[{host}]:{port}/")?
+            }
+            Transport::Tcp { host, port } => write!(f, "nbd{s}://{host}:{port}/")?,
+        }
+        escaped(f, &self.export, IN_PATH)?;
+        if let Some(t) = &self.tls {
+            if let Some(dir) = &t.certificates {
+                query.push(("tls-certificates", dir.to_string_lossy().into_owned()));
+            }
+            if !t.verify_peer {
+                query.push(("tls-verify-peer", "false".into()));
+            }
+            if let Some(h) = &t.hostname {
+                query.push(("tls-hostname", h.clone()));
+            }
+        }
+        for (i, (k, v)) in query.iter().enumerate() {
+            write!(f, "{}{k}=", if i == 0 { '?' } else { '&' })?;
+            escaped(f, v, IN_QUERY)?;
+        }
+        Ok(())
     }
 }
 
@@ -337,7 +445,75 @@ mod tests {
         assert!(!is_nbd_uri("/tmp/disk.img"));
     }
 
+    #[test]
+    fn uris_are_written_back_escaped() {
+        let u = NbdUri {
+            transport: Transport::Unix("/run/a b/nbd&1.sock".into()),
+            export: "disk?1#%".into(),
+            tls: Some(Tls {
+                certificates: Some("/etc/pki/a b".into()),
+                verify_peer: false,
+                hostname: Some("srv.example".into()),
+            }),
+        };
+        let s = u.to_string();
+        assert_eq!(
+            s,
+            "nbds+unix:///disk%3F1%23%25?socket=/run/a%20b/nbd%261.sock\
+             &tls-certificates=/etc/pki/a%20b&tls-verify-peer=false&tls-hostname=srv.example"
+        );
+        assert_eq!(NbdUri::parse(&s).unwrap(), u);
+        assert_eq!(
+            u.without_tls().to_string(),
+            "nbd+unix:///disk%3F1%23%25?socket=/run/a%20b/nbd%261.sock"
+        );
+        let v6 = NbdUri::parse("nbd://[::1]:10809/").unwrap();
+        assert_eq!(v6.to_string(), "nbd://[::1]:10809/");
+        let bad = NbdUri {
+            transport: Transport::Tcp {
+                host: "h/x".into(),
+                port: 1,
+            },
+            export: String::new(),
+            tls: None,
+        };
+        assert!(bad.check().is_err());
+    }
+
     proptest::proptest! {
+        /// Every URI that passes `check` reads back as itself from its `Display` form.
+        #[test]
+        fn written_uris_parse_back(
+            unix in proptest::bool::ANY,
+            host in "([a-z0-9.-]{1,20}|[0-9a-f:]{2,20})",
+            port in proptest::num::u16::ANY,
+            path in "/[^\u{0}]{0,40}",
+            export in "[^\u{0}]{0,40}",
+            tls in proptest::option::of((
+                proptest::option::of("/[^\u{0}]{1,30}"),
+                proptest::bool::ANY,
+                proptest::option::of("[^\u{0}]{1,20}"),
+            )),
+        ) {
+            let u = NbdUri {
+                transport: if unix {
+                    Transport::Unix(path.into())
+                } else {
+                    Transport::Tcp { host, port }
+                },
+                export,
+                tls: tls.map(|(dir, verify_peer, hostname)| Tls {
+                    certificates: dir.map(PathBuf::from),
+                    verify_peer,
+                    hostname,
+                }),
+            };
+            if u.check().is_ok() {
+                let s = u.to_string();
+                proptest::prop_assert_eq!(NbdUri::parse(&s), Ok(u), "{}", s);
+            }
+        }
+
         #[test]
         fn never_panics(s in ".{0,64}") {
             let _ = NbdUri::parse(&s);

@@ -593,84 +593,47 @@ fn prefix(e: QmpError, path: &str) -> QmpError {
 }
 
 /// The URI fusex's NBD client opens for a `server` and `export`, over TLS with `tls` (the
-/// `tls-creds` object's directory, `verify-peer` and the node's `tls-hostname` as libnbd's
-/// query parameters).
+/// `tls-creds` object's directory, `verify-peer` and the node's `tls-hostname`).
 fn nbd_uri(
     m: &NbdMembers,
     what: &str,
     tls: Option<&super::objects::TlsCreds>,
 ) -> Result<String, QmpError> {
-    let export = m.export.as_deref().unwrap_or("");
-    let s = if tls.is_some() { "s" } else { "" };
-    let mut query = Vec::new();
-    if let Some(t) = tls {
-        query.push(format!(
-            "tls-certificates={}",
-            percent_encode(&t.dir.to_string_lossy())
-        ));
-        if !t.verify_peer {
-            query.push("tls-verify-peer=false".into());
-        }
-        if let Some(h) = &m.tls_hostname {
-            query.push(format!("tls-hostname={}", percent_encode(h)));
-        }
-    }
-    let uri = match &m.server {
-        SocketAddress::Unix { path } => {
-            query.insert(0, format!("socket={}", percent_encode(path)));
-            format!("nbd{s}+unix:///{export}")
-        }
-        SocketAddress::Inet { host, port } => {
-            if host.contains(':') {
-                format!("nbd{s}://[{host}]:{port}/{export}")
-            } else {
-                format!("nbd{s}://{host}:{port}/{export}")
-            }
-        }
+    use nbd::uri::{NbdUri, Tls, Transport};
+    let transport = match &m.server {
+        SocketAddress::Unix { path } => Transport::Unix(path.into()),
+        SocketAddress::Inet { host, port } => Transport::Tcp {
+            host: host.clone(),
+            port: port.parse().map_err(|_| {
+                QmpError::generic(format!(
+                    "fusex does not support port '{port}' in '{what}': give a port number"
+                ))
+            })?,
+        },
         SocketAddress::Other => {
             return Err(QmpError::generic(format!(
                 "fusex does not support this '{what}' type: give type unix or inet"
             )))
         }
     };
-    Ok(if query.is_empty() {
-        uri
-    } else {
-        format!("{uri}?{}", query.join("&"))
-    })
+    let uri = NbdUri {
+        transport,
+        export: m.export.clone().unwrap_or_default(),
+        tls: tls.map(|t| Tls {
+            certificates: Some(t.dir.clone()),
+            verify_peer: t.verify_peer,
+            hostname: m.tls_hostname.clone(),
+        }),
+    };
+    uri.check()
+        .map_err(|e| QmpError::generic(format!("fusex cannot reach '{what}': {e}")))?;
+    Ok(uri.to_string())
 }
 
 /// An NBD node's URI as `query-named-block-nodes` shows it: the server and export, without the
 /// TLS settings (as QEMU shows a node with `tls-creds`).
 fn without_tls(uri: &str) -> String {
-    let plain = uri
-        .strip_prefix("nbds")
-        .map_or_else(|| uri.to_string(), |r| format!("nbd{r}"));
-    let Some((base, query)) = plain.split_once('?') else {
-        return plain;
-    };
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|p| !p.starts_with("tls-"))
-        .collect();
-    if kept.is_empty() {
-        base.to_string()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
-/// A URI query value as written: `%`, `&`, `#`, `+` and spaces escaped, so a path or name
-/// holding one reads back the same.
-fn percent_encode(v: &str) -> String {
-    let mut out = String::with_capacity(v.len());
-    for b in v.bytes() {
-        match b {
-            b'%' | b'&' | b'#' | b'+' | b' ' | b'?' | b'=' => out.push_str(&format!("%{b:02X}")),
-            _ => out.push(b as char),
-        }
-    }
-    out
+    nbd::uri::NbdUri::parse(uri).map_or_else(|_| uri.to_string(), |u| u.without_tls().to_string())
 }
 
 impl Node {
@@ -1265,6 +1228,35 @@ mod tests {
                 uri: "nbd://[::1]:10809/".into()
             }
         );
+        // Any export name and socket path reach the server as given.
+        let v = nodes(
+            json!({"driver": "nbd", "node-name": "n", "export": "a?b#c %d",
+                             "server": {"type": "unix", "path": "/run/x&y.sock"}}),
+        )
+        .unwrap();
+        let Driver::Nbd { uri } = &v[0].driver else {
+            panic!("{:?}", v[0].driver)
+        };
+        let parsed = nbd::uri::NbdUri::parse(uri).unwrap();
+        assert_eq!(parsed.export, "a?b#c %d");
+        assert_eq!(
+            parsed.transport,
+            nbd::uri::Transport::Unix("/run/x&y.sock".into())
+        );
+        for (server, want) in [
+            (
+                json!({"type": "inet", "host": "h", "port": "nbd"}),
+                "fusex does not support port 'nbd' in 'server': give a port number",
+            ),
+            (
+                json!({"type": "inet", "host": "a/b", "port": "1"}),
+                "fusex cannot reach 'server': the host is not a host name or address",
+            ),
+        ] {
+            let e =
+                nodes(json!({"driver": "nbd", "node-name": "n", "server": server})).unwrap_err();
+            assert_eq!(e, want);
+        }
     }
 
     #[test]
