@@ -116,13 +116,23 @@ pub fn stat_in(dir: BorrowedFd<'_>, name: Name<'_>) -> Result<libc::stat, Errno>
     Ok(unsafe { st.assume_init() })
 }
 
-/// Lowers the calling thread's scheduling priority (nice 10): it runs behind the threads
-/// serving requests and the programs waiting for them when the CPUs are busy.
+/// Lowers the calling thread's scheduling priority 10 nice levels below the one it has (at
+/// most to 19): it runs behind the threads serving requests and the programs waiting for them
+/// when the CPUs are busy. Relative, so a daemon started niced keeps its helpers below itself
+/// (an absolute 10 would raise those of a daemon at nice 15 above its own queue threads).
 pub fn lower_priority() {
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() };
-    // SAFETY: setpriority on this thread's own id; a failure leaves the priority as it was.
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 10) };
+    // getpriority may return -1 as a value: errno, cleared first, tells.
+    // SAFETY: __errno_location points at the calling thread's errno, valid for its lifetime.
+    unsafe { *libc::__errno_location() = 0 };
+    // SAFETY: getpriority takes no pointers; who = 0 is the calling thread (nice values are per
+    // thread on Linux).
+    let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    if now == -1 && errno() != 0 {
+        return;
+    }
+    // SAFETY: setpriority takes no pointers and changes only the calling thread; a failure
+    // leaves the priority as it was.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, (now + 10).min(19)) };
 }
 
 /// Opens the root directory itself, `O_PATH`, refusing a symlink at its last component.
@@ -522,6 +532,26 @@ pub mod xattr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's nice value, from `/proc/thread-self/stat` (field 19).
+    fn nice_now() -> i32 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+        let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+        after_name.split(' ').nth(16).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn lower_priority_is_relative_and_stops_at_19() {
+        std::thread::spawn(|| {
+            let start = nice_now();
+            lower_priority();
+            assert_eq!(nice_now(), (start + 10).min(19));
+            lower_priority();
+            assert_eq!(nice_now(), 19, "twice lowered, at most 19");
+        })
+        .join()
+        .unwrap();
+    }
 
     /// The descriptor table holds the descriptors reserved at once (`FDSize` in
     /// `/proc/self/status` is its size), as far as the limit allows.
