@@ -206,26 +206,6 @@ pub fn open_partition(
     )?))
 }
 
-/// Serves a byte range of an opened image, as [`open_partition`] serves a partition.
-pub fn open_range(
-    whole: Arc<AnyBackend>,
-    range: ByteRange,
-    shown: &str,
-) -> std::result::Result<AnyBackend, OpenError> {
-    if matches!(*whole, AnyBackend::Partition(_)) {
-        return Err(OpenError::FormatMismatch(format!(
-            "{shown} is a partition or a byte range already: give the range in the whole image"
-        )));
-    }
-    let whole = Arc::new(Whole(whole));
-    Ok(AnyBackend::Partition(crate::partition::window(
-        whole,
-        range.offset,
-        range.size,
-        shown,
-    )?))
-}
-
 /// Whether IMAGE names a file or device (a path) rather than `null:SIZE` or an NBD URI: only a
 /// path means something relative to a working directory, or may be canonicalized.
 pub fn names_a_path(spec: &str) -> bool {
@@ -246,8 +226,13 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
                 "a byte range of {spec} cannot grow (its size is fixed): drop --growable"
             )));
         }
-        let whole = open_whole(spec, opts)?;
-        return open_range(Arc::new(whole), range, spec);
+        let whole = Arc::new(Whole(Arc::new(open_whole(spec, opts)?)));
+        return Ok(AnyBackend::Partition(crate::partition::window(
+            whole,
+            range.offset,
+            range.size,
+            spec,
+        )?));
     }
     let Some(number) = opts.partition else {
         return open_whole(spec, opts);

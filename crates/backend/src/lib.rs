@@ -30,8 +30,8 @@ pub mod vhdx;
 pub mod vmdk;
 
 pub use any::{
-    has_metadata, names_a_path, open, open_partition, open_range, AnyBackend, ByteRange, Format,
-    OpenError, OpenOptions, Whole,
+    has_metadata, names_a_path, open, open_partition, AnyBackend, ByteRange, Format, OpenError,
+    OpenOptions, Whole,
 };
 pub use fault::{FaultAction, FaultOp, FaultParseError, FaultRule, Faulty};
 pub use lock::{LockError, Locking};
