@@ -223,8 +223,11 @@ class Scenario:
         await self.step("query-commands", "query-commands",
                         post=lambda r: sorted(c["name"] for c in r if c["name"] in shared))
 
-        # 1. The export given on the command line.
+        # 1. The export given on the command line (a block backend of its own, which
+        # query-block does not list).
         await self.step("query-block-exports", "query-block-exports", post=sort_exports)
+        await self.step("query-block", "query-block")
+        await self.step("query-block: an argument", "query-block", {"x": 1})
 
         def same(got, want):
             """{"bytes-equal": bool}, or the failed I/O's {"result": errno or "timeout"}."""
