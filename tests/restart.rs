@@ -857,6 +857,35 @@ fn restarts_of_a_partition_of_an_nbd_export_keep_its_data() {
     assert_bytes_eq(&read_all(&img), &want, 0, "the image after the restarts");
 }
 
+/// A byte range of an NBD export (`--offset`, `--size`, QEMU raw's `offset` and `size`) goes
+/// to each new daemon as it is, adopted with the server's connection: writes land inside it.
+#[test]
+fn restarts_of_a_byte_range_of_an_nbd_export_keep_its_data() {
+    if !require_fuse_and_tools(&["qemu-nbd"]) {
+        return;
+    }
+    let (w, img, mp, pid_file, before) = setup("restart-nbd-range", 16 * MIB);
+    let range = 3 * MIB as usize..11 * MIB as usize;
+    let sock = w.join("s.sock");
+    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
+    let (mut m, _) = Mount::start_daemonized(
+        &w,
+        nbd_uri(&sock, ""),
+        &mp,
+        &pid_file,
+        &["--writable", "--offset", "3M", "--size", "8M"],
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let model =
+        nbd_restarts_under_writers(&w, &mut m, &pid_file, before[range.clone()].to_vec(), 3);
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
+    server.kill_and_wait();
+    let mut want = before;
+    want[range].copy_from_slice(&model);
+    assert_bytes_eq(&read_all(&img), &want, 0, "the image after the restarts");
+}
+
 /// The same over TLS on TCP (`nbds://`): a TLS session cannot move to another process, so the
 /// new daemon makes its own once the old one said goodbye.
 #[test]
