@@ -154,18 +154,28 @@ fn in_token(b: u8) -> bool {
 impl Scan {
     /// Looks at `buf[self.seen..]`.
     fn advance(&mut self, buf: &[u8]) {
-        for (i, &b) in buf.iter().enumerate().skip(self.seen) {
+        let mut i = self.seen;
+        while i < buf.len() {
             if self.in_string {
                 if self.escaped {
                     self.escaped = false;
-                } else if b == b'\\' {
+                    i += 1;
+                    continue;
+                }
+                // Most of a request is inside strings: skip to the next quote or backslash.
+                let Some(n) = memchr::memchr2(b'"', b'\\', &buf[i..]) else {
+                    break;
+                };
+                if buf[i + n] == b'\\' {
                     self.escaped = true;
-                } else if b == b'"' {
+                } else {
                     self.in_string = false;
                     self.due |= self.depth == 0;
                 }
+                i += n + 1;
                 continue;
             }
+            let b = buf[i];
             match b {
                 b'"' => {
                     self.in_string = true;
@@ -194,6 +204,7 @@ impl Scan {
                     self.due = true;
                 }
             }
+            i += 1;
         }
         self.seen = buf.len();
     }
