@@ -351,7 +351,7 @@ pub struct MountArgs {
     ///
     /// QEMU raw's `offset`: bytes, or with a K/M/G/T suffix. Reads and writes cannot leave the
     /// range, and its size is fixed. Not with --partition.
-    #[arg(long, value_name = "BYTES", value_parser = parse_size_or_zero, conflicts_with = "partition", help_heading = heading::IMAGE)]
+    #[arg(long, value_name = "OFFSET", value_parser = parse_size_or_zero, conflicts_with = "partition", help_heading = heading::IMAGE)]
     pub offset: Option<u64>,
     /// Export only SIZE bytes of the image (from --offset, or from its start)
     ///
