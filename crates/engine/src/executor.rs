@@ -1042,6 +1042,16 @@ impl Engine {
         drop(tasks);
     }
 
+    /// Hands every entry queued so far to the kernel now, instead of at the next loop turn;
+    /// returns whether the submission queue is empty. For a task whose next step depends on the
+    /// kernel having seen what other tasks queued: a queue that reports quiet once its last reply
+    /// is queued (an io_uring FUSE reply is a COMMIT entry, which the kernel handles as it is
+    /// submitted), before its owner aborts the connection. Must not be called from inside a loop
+    /// turn's reaping (it is not: tasks run between turns).
+    pub fn submit_queued(&self) -> bool {
+        self.flush_submissions()
+    }
+
     /// The raw fd of the ring (for diagnostics).
     pub fn ring_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;

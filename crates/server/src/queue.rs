@@ -333,6 +333,13 @@ fn start<F: Filesystem>(
                 }
             })
             .await;
+            // An io_uring queue counts a request answered once its reply is built and its
+            // COMMIT entry queued; the owner may abort the connection as soon as it hears
+            // quiet, so the kernel must have that entry first, or the reply is lost and the
+            // application gets ECONNABORTED from a `safe` removal.
+            if !st2.engine().submit_queued() {
+                tracing::warn!("queue quiet with entries the kernel has not taken yet");
+            }
             report(QueueEvent::Quiesced);
         })
     };
