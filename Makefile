@@ -8,7 +8,7 @@ DEMO_DIR := demo
 DEMO_IMG := $(DEMO_DIR)/disk.img
 DEMO_MNT := $(DEMO_DIR)/disk.raw
 
-.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps stress fuzz fmt clean install
+.PHONY: all build release deps run test check unit e2e bench bench-quick bench-deps bench-smoke stress fuzz fmt clean install
 
 # make install: PREFIX (default /usr/local), DESTDIR for staging; INSTALL_BIN installs an already
 # built binary instead of building the release one.
@@ -39,7 +39,10 @@ run: deps release
 	./target/release/fusex mount --writable $(DEMO_IMG) $(DEMO_MNT)
 
 ## make test: everything CI runs (formatting, lints, unit tests, real-mount end-to-end tests, bench smoke).
-test: deps check unit e2e bench-smoke
+## The smoke run uses the debug binary the end-to-end tests built: it checks the benchmark runner
+## end to end, not speed, and a release build (fat LTO, one codegen unit) takes 5 minutes here.
+test: deps check unit e2e
+	FUSEX=$(CURDIR)/target/debug/fusex bash bench/smoke.sh
 
 # fuzz/ is its own workspace (libFuzzer stays out of the main one): checked and tested on stable
 # without its libFuzzer entry points, sharing target/ with the workspace.
@@ -59,12 +62,11 @@ unit:
 	$(FUZZ_CARGO) test $(LOCKED) $(FUZZ_MANIFEST)
 	python3 -m unittest discover -s bench/tests -t bench
 
-# The end-to-end suite runs once per transport (FUSE-over-io_uring needs enable_uring=Y, which
-# `make deps` sets where it may).
+# The end-to-end suite runs once per transport (scripts/e2e.sh). FUSE-over-io_uring needs
+# enable_uring=Y, which `make deps` sets where it may.
 e2e:
 	$(CARGO) build $(LOCKED) -p fusex
-	FUSEX_E2E_TRANSPORT=legacy $(CARGO) test $(LOCKED) -p fusex-e2e -- --test-threads=4
-	FUSEX_E2E_TRANSPORT=uring $(CARGO) test $(LOCKED) -p fusex-e2e -- --test-threads=4
+	bash scripts/e2e.sh
 
 ## make stress: long verified fio storms on every transport, read mode and queue count, then the
 ## end-to-end suite a few times (STRESS_SECONDS=60 per storm, STRESS_E2E_ROUNDS=3: ~25 minutes).

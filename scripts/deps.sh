@@ -93,9 +93,12 @@ done
 
 # pjdfstest, the POSIX file system conformance suite (crates.io): tests/dirfs.rs runs it on the
 # source directory and through a directory export and compares.
+# As root it goes to /usr/local (on PATH, kept across clones: building it takes a minute); as a
+# normal user, to target/tools of this clone.
 if ! have pjdfstest && [ ! -x "$root/target/tools/bin/pjdfstest" ]; then
-  echo "installing pjdfstest into target/tools"
-  cargo install --quiet --locked pjdfstest --version 0.2.2 --root "$root/target/tools"
+  if [ "$(id -u)" -eq 0 ]; then tools=/usr/local; else tools="$root/target/tools"; fi
+  echo "installing pjdfstest into $tools"
+  cargo install --quiet --locked pjdfstest --version 0.2.2 --root "$tools"
 fi
 
 # Unprivileged FUSE needs /dev/fuse open to everyone (fusermount3 opens it as the user); udev
