@@ -837,24 +837,13 @@ fn restarts_of_a_partition_of_an_nbd_export_keep_its_data() {
     }
     assert!(child.wait().unwrap().success());
     let before = read_all(&img);
-    let part = MIB as usize..9 * MIB as usize;
-    let sock = w.join("s.sock");
-    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
-    let (mut m, _) = Mount::start_daemonized(
+    restarts_of_a_window_of_an_nbd_export(
         &w,
-        nbd_uri(&sock, ""),
-        &mp,
-        &pid_file,
-        &["--writable", "--partition", "1"],
-    )
-    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
-    let model = nbd_restarts_under_writers(&w, &mut m, &pid_file, before[part.clone()].to_vec(), 3);
-    let st = m.stop();
-    assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
-    server.kill_and_wait();
-    let mut want = before;
-    want[part].copy_from_slice(&model);
-    assert_bytes_eq(&read_all(&img), &want, 0, "the image after the restarts");
+        (&img, &mp, &pid_file),
+        before,
+        MIB as usize..9 * MIB as usize,
+        &["--partition", "1"],
+    );
 }
 
 /// A byte range of an NBD export (`--offset`, `--size`, QEMU raw's `offset` and `size`) goes
@@ -865,25 +854,38 @@ fn restarts_of_a_byte_range_of_an_nbd_export_keep_its_data() {
         return;
     }
     let (w, img, mp, pid_file, before) = setup("restart-nbd-range", 16 * MIB);
-    let range = 3 * MIB as usize..11 * MIB as usize;
-    let sock = w.join("s.sock");
-    let mut server = qemu_nbd(&sock, &["-f", "raw"], &img);
-    let (mut m, _) = Mount::start_daemonized(
+    restarts_of_a_window_of_an_nbd_export(
         &w,
-        nbd_uri(&sock, ""),
-        &mp,
-        &pid_file,
-        &["--writable", "--offset", "3M", "--size", "8M"],
-    )
-    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
-    let model =
-        nbd_restarts_under_writers(&w, &mut m, &pid_file, before[range.clone()].to_vec(), 3);
+        (&img, &mp, &pid_file),
+        before,
+        3 * MIB as usize..11 * MIB as usize,
+        &["--offset", "3M", "--size", "8M"],
+    );
+}
+
+/// Exports `window` of `img` (which holds `before`) from qemu-nbd with `args` (a partition or a
+/// byte range), restarts it three times under verified writers, and checks that the image
+/// changed inside the window only, as the writers left it.
+#[track_caller]
+fn restarts_of_a_window_of_an_nbd_export(
+    w: &WorkDir,
+    (img, mp, pid_file): (&Path, &Path, &Path),
+    before: Vec<u8>,
+    window: std::ops::Range<usize>,
+    args: &[&str],
+) {
+    let sock = w.join("s.sock");
+    let mut server = qemu_nbd(&sock, &["-f", "raw"], img);
+    let args = [&["--writable"], args].concat();
+    let (mut m, _) = Mount::start_daemonized(w, nbd_uri(&sock, ""), mp, pid_file, &args)
+        .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let model = nbd_restarts_under_writers(w, &mut m, pid_file, before[window.clone()].to_vec(), 3);
     let st = m.stop();
     assert!(st.exited && !st.left_mounted, "the last daemon unmounts");
     server.kill_and_wait();
     let mut want = before;
-    want[range].copy_from_slice(&model);
-    assert_bytes_eq(&read_all(&img), &want, 0, "the image after the restarts");
+    want[window].copy_from_slice(&model);
+    assert_bytes_eq(&read_all(img), &want, 0, "the image after the restarts");
 }
 
 /// The same over TLS on TCP (`nbds://`): a TLS session cannot move to another process, so the

@@ -773,8 +773,13 @@ fn config_file_reload_and_ctl() {
         let mut buf = vec![0u8; 4096];
         f.read_exact_at(&mut buf, 0)
     });
-    // The read reaches the daemon (and waits there) before the removal.
-    std::thread::sleep(Duration::from_millis(300));
+    // The read reaches the daemon (and waits there) before the removal: a queue took it.
+    let mut q = serve.qmp();
+    let taken = wait_until(Instant::now() + TIMEOUT, || {
+        let s = q.ok("__org.fusex_query-stats", json!({"id": "f"}));
+        s["exports"][0]["in_flight"].as_u64().unwrap_or(0) >= 1
+    });
+    assert!(taken, "the read never reached the daemon");
     let r = ctl(&["remove", "--force", "f"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let e = reader
