@@ -15,6 +15,13 @@
 //! them in, and the thread's load ([`engine::Gauge`]). An entry in transit is a [`Migrant`]: its
 //! buffer as a [`engine::SendBuf`] (the memory stays allocated while any thread holds it), its
 //! kernel queue and the request already in it.
+//!
+//! A stop must not lose a migrant. Each queue thread stops on its own and tells the export's
+//! owner once every request it took is answered; the owner then aborts the connection. A
+//! migrant is in no thread's count while it travels, and a thread that already reported may
+//! still be handed one by a sibling that has not stopped yet. So the crew counts migrants from
+//! [`Crew::send`] until the receiver has answered them and handed the kernel the reply
+//! ([`Crew::release`]), and a thread reports only when that count is 0 ([`Crew::drained`]).
 
 use std::sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -59,6 +66,10 @@ pub struct Harbor {
     dock: OnceLock<(Remote, TaskId)>,
     /// A wakeup of the dock is on its way (saves sending another).
     woken: AtomicBool,
+    /// The task that reports the thread's queue quiet, and how to wake it.
+    watcher: OnceLock<(Remote, TaskId)>,
+    /// That task waits for the crew's migrants to be answered ([`Crew::drained`]).
+    waiting: AtomicBool,
 }
 
 /// The queue threads of one export that may hand entries to each other.
@@ -73,6 +84,8 @@ pub struct Crew {
     /// register entries as their load asks ([`Crew::entry_added`]).
     alive: AtomicUsize,
     closed: AtomicBool,
+    /// Migrants sent and not yet released by their receivers.
+    transit: AtomicUsize,
 }
 
 impl Crew {
@@ -87,6 +100,8 @@ impl Crew {
                     gauge: OnceLock::new(),
                     dock: OnceLock::new(),
                     woken: AtomicBool::new(false),
+                    watcher: OnceLock::new(),
+                    waiting: AtomicBool::new(false),
                 })
                 .collect(),
             mode,
@@ -94,6 +109,7 @@ impl Crew {
             entries,
             alive: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            transit: AtomicUsize::new(0),
         })
     }
 
@@ -128,6 +144,14 @@ impl Crew {
         if let Some(h) = self.harbors.get(me) {
             let _ = h.gauge.set(gauge);
             let _ = h.dock.set((remote, dock));
+        }
+    }
+
+    /// The task of thread `me` that reports its queue quiet: woken by the release that leaves
+    /// no migrant in transit, and when the crew closes.
+    pub fn watch(&self, me: usize, remote: Remote, watcher: TaskId) {
+        if let Some(h) = self.harbors.get(me) {
+            let _ = h.watcher.set((remote, watcher));
         }
     }
 
@@ -199,9 +223,14 @@ impl Crew {
         let Some((remote, dock)) = h.dock.get() else {
             return Err(m);
         };
+        // Counted before it can be seen: a sibling checking `drained` never misses it.
+        self.transit.fetch_add(1, Ordering::SeqCst);
         // Full only if more entries were handed around than the connection has: then the
         // caller keeps it.
-        h.inbox.push(m)?;
+        if let Err(m) = h.inbox.push(m) {
+            self.release(1);
+            return Err(m);
+        }
         // Pairs with the fence in `collect`: either the dock's drain sees this entry, or this
         // swap sees the dock's `false` and wakes it again.
         fence(Ordering::SeqCst);
@@ -224,6 +253,31 @@ impl Crew {
         }
     }
 
+    /// `n` migrants this thread received are answered and their replies are with the kernel.
+    /// The release that leaves none in transit wakes the watchers waiting in [`Crew::drained`].
+    pub fn release(&self, n: usize) {
+        if n == 0 || self.transit.fetch_sub(n, Ordering::SeqCst) != n {
+            return;
+        }
+        for h in &self.harbors {
+            if h.waiting.load(Ordering::SeqCst) {
+                if let Some((remote, task)) = h.watcher.get() {
+                    remote.wake(*task);
+                }
+            }
+        }
+    }
+
+    /// Whether no migrant is in transit, for thread `me`'s watcher (which a release that
+    /// leaves none wakes from here on).
+    pub fn drained(&self, me: usize) -> bool {
+        if let Some(h) = self.harbors.get(me) {
+            // Pairs with `release`: either its decrement is seen here, or it sees `waiting`.
+            h.waiting.store(true, Ordering::SeqCst);
+        }
+        self.transit.load(Ordering::SeqCst) == 0
+    }
+
     /// A thread registers one more entry.
     pub fn entry_added(&self) {
         self.alive.fetch_add(1, Ordering::AcqRel);
@@ -236,7 +290,8 @@ impl Crew {
         }
     }
 
-    /// No entry is left to hand around: every dock and its idle carriers end.
+    /// No entry is left to hand around: every dock and its idle carriers end, and so do the
+    /// watchers of stopped queues.
     pub fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
@@ -244,6 +299,10 @@ impl Crew {
         for h in &self.harbors {
             if let Some((remote, dock)) = h.dock.get() {
                 remote.wake(*dock);
+            }
+            // A stopped queue's watcher ends once no entry could be handed to its thread.
+            if let Some((remote, watcher)) = h.watcher.get() {
+                remote.wake(*watcher);
             }
         }
     }
@@ -309,6 +368,8 @@ fn auto_target(
 mod tests {
     use super::*;
     use engine::{Engine, EngineConfig};
+    use std::cell::Cell;
+    use std::rc::Rc;
     use std::time::Duration;
 
     fn delivered() -> Delivered {
@@ -378,6 +439,80 @@ mod tests {
         // A closed crew takes nothing more.
         crew.close();
         assert!(crew.send(1, migrant(&engines[0])).is_err());
+    }
+
+    #[test]
+    fn migrants_count_until_released_and_the_last_release_wakes_waiting_watchers() {
+        let crew = Crew::new(2, 2, 4, Handoff::Always);
+        let engines: Vec<Engine> = (0..2)
+            .map(|_| {
+                Engine::new(&EngineConfig {
+                    buffers: 2,
+                    buffer_size: 4096,
+                    ..EngineConfig::default()
+                })
+                .unwrap()
+            })
+            .collect();
+        // Thread 0's dock (which sends wake) and watcher, which waits for the crew's migrants as
+        // a stopped queue's does.
+        let dock = engines[0].spawn(std::future::pending());
+        let woken = Rc::new(Cell::new(0));
+        let watcher = {
+            let (crew, woken) = (crew.clone(), woken.clone());
+            engines[0].spawn(async move {
+                std::future::poll_fn(|_| {
+                    woken.set(woken.get() + 1);
+                    if crew.drained(0) {
+                        std::task::Poll::Ready(())
+                    } else {
+                        std::task::Poll::Pending
+                    }
+                })
+                .await;
+            })
+        };
+        crew.board(0, engines[0].gauge(), engines[0].remote(), dock);
+        crew.board(1, engines[1].gauge(), engines[1].remote(), 0);
+        crew.watch(0, engines[0].remote(), watcher);
+        assert!(crew.drained(1));
+        let migrant = || Migrant {
+            buf: engines[1].take_buffer().unwrap().into_send(),
+            qid: 0,
+            delivered: delivered(),
+        };
+        crew.send(0, migrant()).unwrap();
+        crew.send(0, migrant()).unwrap();
+        // Taken in by the receiver, they still count: not answered yet.
+        let mut got = Vec::new();
+        crew.collect(0, &mut got);
+        assert_eq!(got.len(), 2);
+        assert!(!crew.drained(1));
+        // A few loop turns of thread 0: its ready tasks run and wakeups sent to it arrive.
+        let turns = |e: &Engine| {
+            for _ in 0..3 {
+                e.block_on(e.sleep(Duration::from_millis(2))).unwrap();
+            }
+        };
+        // The watcher polls once and waits.
+        turns(&engines[0]);
+        assert_eq!(woken.get(), 1);
+        crew.release(1);
+        assert!(!crew.drained(1));
+        // The release that leaves none wakes it, and it finds the crew drained.
+        crew.release(1);
+        assert!(crew.drained(1));
+        turns(&engines[0]);
+        assert_eq!(woken.get(), 2);
+        // A send that finds the inbox full counts nothing.
+        drop(got);
+        let crew1 = Crew::new(2, 1, 1, Handoff::Always);
+        crew1.board(1, engines[1].gauge(), engines[1].remote(), 0);
+        crew1.send(1, migrant()).unwrap();
+        assert!(crew1.send(1, migrant()).is_err());
+        assert!(!crew1.drained(0));
+        crew1.release(1);
+        assert!(crew1.drained(0));
     }
 
     #[test]

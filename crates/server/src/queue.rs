@@ -325,22 +325,53 @@ fn start<F: Filesystem>(
             })
             .await;
             st2.begin_stop();
-            poll_fn(|_| {
-                if st2.is_quiet() {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending
+            let mut reported = false;
+            loop {
+                // Quiet, and (once reported) with requests handed here since to release, or
+                // with no entry left that could bring one.
+                poll_fn(|_| {
+                    let ready = if reported {
+                        st2.crew_closed() || (st2.is_quiet() && st2.answered_abroad() > 0)
+                    } else {
+                        st2.is_quiet()
+                    };
+                    if ready {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                })
+                .await;
+                if reported && st2.crew_closed() {
+                    break;
                 }
-            })
-            .await;
-            // An io_uring queue counts a request answered once its reply is built and its
-            // COMMIT entry queued; the owner may abort the connection as soon as it hears
-            // quiet, so the kernel must have that entry first, or the reply is lost and the
-            // application gets ECONNABORTED from a `safe` removal.
-            if !st2.engine().submit_queued() {
-                tracing::warn!("queue quiet with entries the kernel has not taken yet");
+                // An io_uring queue counts a request answered once its reply is built and its
+                // COMMIT entry queued; the owner may abort the connection as soon as it hears
+                // quiet, so the kernel must have that entry first, or the reply is lost and the
+                // application gets ECONNABORTED from a `safe` removal.
+                if !st2.engine().submit_queued() {
+                    tracing::warn!("queue quiet with entries the kernel has not taken yet");
+                }
+                st2.release_answered();
+                if reported {
+                    continue;
+                }
+                // A request handed between the crew's threads is in no queue's count while it
+                // travels, and a sibling that has not stopped yet may hand one here: quiet
+                // only once none is in transit (the last release wakes this task).
+                poll_fn(|_| {
+                    if st2.crew_drained() || !st2.is_quiet() {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                })
+                .await;
+                if st2.is_quiet() && st2.crew_drained() {
+                    report(QueueEvent::Quiesced);
+                    reported = true;
+                }
             }
-            report(QueueEvent::Quiesced);
         })
     };
     st.set_watcher(w);
@@ -365,6 +396,7 @@ fn start<F: Filesystem>(
             .collect();
         // The entries' buffers: registered as the load asks for them.
         st.join_crew(crew.clone(), spec.id, queues, spec.depth, bufs.collect());
+        crew.watch(spec.id, eng.remote(), w);
         for &qid in &qids {
             st.start_entries(qid);
         }

@@ -87,6 +87,10 @@ pub struct QueueState<F> {
     reading: Cell<usize>,
     /// Woken when the queue should stop or has become quiet.
     watcher: Cell<Option<TaskId>>,
+    /// Requests handed here from another thread, answered after this queue began to stop: the
+    /// crew counts them in transit until the watcher has handed the kernel their replies
+    /// ([`QueueState::release_answered`]).
+    answered_abroad: Cell<usize>,
     /// Large legacy READs may be spliced (off for good once making a pipe failed).
     splicing: Cell<bool>,
     /// The crew of io_uring queue threads this one hands entries to and takes them from.
@@ -110,6 +114,7 @@ impl<F: Filesystem> QueueState<F> {
             busy: Cell::new(0),
             reading: Cell::new(0),
             watcher: Cell::new(None),
+            answered_abroad: Cell::new(0),
             splicing: Cell::new(true),
             seat: OnceCell::new(),
             tasks: Cell::new(0),
@@ -360,6 +365,35 @@ impl<F: Filesystem> QueueState<F> {
         self.stopping.get() && self.busy.get() == 0 && self.reading.get() == 0
     }
 
+    /// Requests handed here and answered while stopping, not yet released to the crew.
+    pub fn answered_abroad(&self) -> usize {
+        self.answered_abroad.get()
+    }
+
+    /// Releases to the crew the requests handed here and answered while stopping. Call it once
+    /// the engine has submitted their replies: a sibling may report quiet as soon as none is in
+    /// transit, and the owner then aborts the connection.
+    pub fn release_answered(&self) {
+        let n = self.answered_abroad.replace(0);
+        if let Some(seat) = self.seat.get() {
+            seat.crew.release(n);
+        }
+    }
+
+    /// Whether no request handed between the crew's threads waits for an answer (always, for a
+    /// queue outside a crew). A watcher that finds one is woken when the last is released.
+    pub fn crew_drained(&self) -> bool {
+        self.seat
+            .get()
+            .is_none_or(|seat| seat.crew.closed() || seat.crew.drained(seat.me))
+    }
+
+    /// Whether no entry is left that another thread could hand here (always, for a queue
+    /// outside a crew): the crew closed, which wakes the watcher.
+    pub fn crew_closed(&self) -> bool {
+        self.seat.get().is_none_or(|seat| seat.crew.closed())
+    }
+
     /// The error that ended the queue, if one did.
     pub fn take_failure(&self) -> Option<String> {
         self.failure.take()
@@ -515,6 +549,9 @@ impl<F: Filesystem> QueueState<F> {
                         .and_then(|s| s.queues.get(usize::from(m.qid)).cloned());
                     let Some(q) = q else {
                         // Only a crew built for more kernel queues than this thread knows.
+                        if let Some(seat) = self.seat.get() {
+                            seat.crew.release(1);
+                        }
                         self.entry_ended();
                         return self.end(Some(format!("entry of unknown queue {}", m.qid)));
                     };
@@ -561,21 +598,33 @@ impl<F: Filesystem> QueueState<F> {
                     }
                 }
             }
-            if !std::mem::take(&mut handed) {
+            let abroad = std::mem::take(&mut handed);
+            if !abroad {
                 buf = match self.hand_off(q.qid(), &d, buf) {
                     Some(b) => b,
                     None => return true,
                 };
             }
             self.enter();
-            if self.stopping.get() {
+            if self.stopping.get() && !abroad {
                 // Stopping: take nothing new. The application sees the connection go away.
                 self.server
                     .refuse_uring(&layout, &mut buf, &d, libc::ENOTCONN);
             } else {
+                // A request handed here was taken before its first thread stopped: answered.
                 buf = self.server.serve_uring(&self.eng, &layout, buf, &d).await;
             }
             self.served();
+            if abroad {
+                if self.stopping.get() {
+                    // This queue may have reported quiet already: the watcher releases it
+                    // once the reply is submitted.
+                    self.answered_abroad.set(self.answered_abroad.get() + 1);
+                } else if let Some(seat) = self.seat.get() {
+                    // Not stopping: this queue reports quiet only after a later submission.
+                    seat.crew.release(1);
+                }
+            }
             self.leave();
             (fetched, buf) = q.commit_and_fetch(&self.eng, buf, d.commit_id).await;
         }
