@@ -358,9 +358,10 @@ fn start<F: Filesystem>(
                 }
                 // A request handed between the crew's threads is in no queue's count while it
                 // travels, and a sibling that has not stopped yet may hand one here: quiet
-                // only once none is in transit (the last release wakes this task).
+                // only once none is in transit (the last release wakes this task). One handed
+                // here and answered meanwhile is this task's to release (the loop's next turn).
                 poll_fn(|_| {
-                    if st2.crew_drained() || !st2.is_quiet() {
+                    if st2.crew_drained() || !st2.is_quiet() || st2.answered_abroad() > 0 {
                         Poll::Ready(())
                     } else {
                         Poll::Pending
