@@ -65,7 +65,6 @@ unit:
 # The end-to-end suite runs once per transport (scripts/e2e.sh). FUSE-over-io_uring needs
 # enable_uring=Y, which `make deps` sets where it may.
 e2e:
-	$(CARGO) build $(LOCKED) -p fusex
 	bash scripts/e2e.sh
 
 ## make stress: long verified fio storms on every transport, read mode and queue count, then the
