@@ -372,6 +372,20 @@ mod tests {
     use std::rc::Rc;
     use std::time::Duration;
 
+    /// Two engines with two 4 KiB buffers each, one per thread of a crew of two.
+    fn two_engines() -> Vec<Engine> {
+        (0..2)
+            .map(|_| {
+                Engine::new(&EngineConfig {
+                    buffers: 2,
+                    buffer_size: 4096,
+                    ..EngineConfig::default()
+                })
+                .unwrap()
+            })
+            .collect()
+    }
+
     fn delivered() -> Delivered {
         Delivered {
             header: fuse_abi::InHeader::default(),
@@ -404,16 +418,7 @@ mod tests {
     #[test]
     fn inbox_counts_as_load_and_buffers_come_through_whole() {
         let crew = Crew::new(2, 2, 4, Handoff::Auto);
-        let engines: Vec<Engine> = (0..2)
-            .map(|_| {
-                Engine::new(&EngineConfig {
-                    buffers: 2,
-                    buffer_size: 4096,
-                    ..EngineConfig::default()
-                })
-                .unwrap()
-            })
-            .collect();
+        let engines = two_engines();
         let migrant = |e: &Engine| Migrant {
             buf: e.take_buffer().unwrap().into_send(),
             qid: 0,
@@ -444,16 +449,7 @@ mod tests {
     #[test]
     fn migrants_count_until_released_and_the_last_release_wakes_waiting_watchers() {
         let crew = Crew::new(2, 2, 4, Handoff::Always);
-        let engines: Vec<Engine> = (0..2)
-            .map(|_| {
-                Engine::new(&EngineConfig {
-                    buffers: 2,
-                    buffer_size: 4096,
-                    ..EngineConfig::default()
-                })
-                .unwrap()
-            })
-            .collect();
+        let engines = two_engines();
         // Thread 0's dock (which sends wake) and watcher, which waits for the crew's migrants as
         // a stopped queue's does.
         let dock = engines[0].spawn(std::future::pending());
