@@ -764,11 +764,6 @@ fn child_sector(s: u64) -> bool {
     s.is_multiple_of(7) || (500..900).contains(&s) || s == 2047
 }
 
-/// A parent (8 MiB, every block present with random bytes) as `p.vhdx` and a child as
-/// `c.vhdx` over it: block 0 fully present, block 1 partially present (sectors
-/// [`child_sector`] from the child), block 2 ZERO, block 3 UNMAPPED, the rest NOT_PRESENT.
-/// `damage` changes the child's bytes before they are written. Returns the model of the
-/// child's guest bytes and the child's path.
 /// The parent's 8 MiB and the child's 2 MiB of data in [`diff_pair`]: the same bytes every time,
 /// made once (made a byte at a time for each pair, they took most of a proptest case's time).
 fn pair_data() -> &'static (Vec<u8>, Vec<u8>) {
@@ -791,6 +786,11 @@ fn pair_data() -> &'static (Vec<u8>, Vec<u8>) {
     })
 }
 
+/// A parent (8 MiB, every block present with random bytes) as `p.vhdx` and a child as
+/// `c.vhdx` over it: block 0 fully present, block 1 partially present (sectors
+/// [`child_sector`] from the child), block 2 ZERO, block 3 UNMAPPED, the rest NOT_PRESENT.
+/// `damage` changes the child's bytes before they are written. Returns the model of the
+/// child's guest bytes and the child's path.
 fn diff_pair(
     dir: &tempfile::TempDir,
     kvs: &[(&str, &str)],
