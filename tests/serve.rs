@@ -305,14 +305,9 @@ fn removal_with_io_in_flight_safe_waits_hard_aborts() {
             let r = f.read_exact_at(&mut buf, 0).map(|()| buf);
             (r, t.elapsed())
         });
-        // The read reaches the daemon (and waits there) before the removal: a queue took it
-        // (a request still queued in the kernel is not one the removal waits for).
-        let taken = wait_until(Instant::now() + TIMEOUT, || {
-            let s = q.ok("__org.fusex_query-stats", json!({"id": mode}));
-            s["exports"][0]["in_flight"].as_u64().unwrap_or(0) >= 1
-        });
+        // The read reaches the daemon (and waits there) before the removal: a queue took it.
         assert!(
-            taken,
+            q.wait_in_flight(mode),
             "{mode} {transport}: the read never reached the daemon"
         );
         let t = Instant::now();
@@ -774,12 +769,10 @@ fn config_file_reload_and_ctl() {
         f.read_exact_at(&mut buf, 0)
     });
     // The read reaches the daemon (and waits there) before the removal: a queue took it.
-    let mut q = serve.qmp();
-    let taken = wait_until(Instant::now() + TIMEOUT, || {
-        let s = q.ok("__org.fusex_query-stats", json!({"id": "f"}));
-        s["exports"][0]["in_flight"].as_u64().unwrap_or(0) >= 1
-    });
-    assert!(taken, "the read never reached the daemon");
+    assert!(
+        serve.qmp().wait_in_flight("f"),
+        "the read never reached the daemon"
+    );
     let r = ctl(&["remove", "--force", "f"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let e = reader

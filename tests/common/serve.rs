@@ -234,6 +234,16 @@ impl Qmp {
         }
     }
 
+    /// Waits until a queue of export `id` has taken a request and not answered it yet
+    /// (`__org.fusex_query-stats` counts it in flight); whether one did within [`TIMEOUT`].
+    /// A request still queued in the kernel is not one a removal waits for or fails.
+    pub fn wait_in_flight(&mut self, id: &str) -> bool {
+        wait_until(Instant::now() + TIMEOUT, || {
+            let s = self.ok("__org.fusex_query-stats", json!({ "id": id }));
+            s["exports"][0]["in_flight"].as_u64().unwrap_or(0) >= 1
+        })
+    }
+
     /// Waits for event `name` whose data's `id` is `id`; the event.
     pub fn event(&mut self, name: &str, id: &str, timeout: Duration) -> Value {
         let deadline = Instant::now() + timeout;
