@@ -297,7 +297,7 @@ fn backdate(path: &Path, secs: u64) {
 
 /// A killed daemon leaves its socket and state file in `/run/fusex`; the next daemon to start
 /// removes them once they are old enough, and leaves alone those of a daemon that still serves,
-/// however old.
+/// however old. A daemon sweeps once it serves: a refused command line prints its error alone.
 #[test]
 fn a_new_daemon_removes_the_files_a_killed_one_left() {
     if !require_fuse_and_tools(&["touch"]) {
@@ -325,6 +325,23 @@ fn a_new_daemon_removes_the_files_a_killed_one_left() {
         // Older than a sweep's threshold (a minute).
         backdate(f, 600);
     }
+    // A command line that is refused sweeps nothing: its error is the one line it prints.
+    let refused = run_fusex(
+        &w,
+        &[
+            "serve".to_string(),
+            "--blockdev".to_string(),
+            format!("driver=file,node-name=a,filename={}", img.display()),
+            "--export".to_string(),
+            format!(
+                "type=fuse,id=a,node-name=nope,mountpoint={}",
+                mp_new.display()
+            ),
+        ],
+        Some(&mp_new),
+    );
+    refused.assert_one_error_line("a refused serve command line");
+    assert!(refused.stderr.contains("nope"), "{}", refused.stderr);
     // Any daemon that starts now sweeps the directory; this one at least.
     let new = Mount::start(&w, &img, &mp_new, &[]);
     root_daemon_socket(new.pid());

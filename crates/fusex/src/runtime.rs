@@ -16,7 +16,7 @@
 //! device number and the never-reused mount id), so a new export never meets an old one's files.
 //! A daemon removes its files when it ends, and leaves them to its successor after `fusex restart`
 //! (which binds the socket anew and writes its own state). A killed daemon cannot remove its
-//! files: each daemon that starts sweeps the directory once, in the background ([`sweep`]), so
+//! files: each daemon, once it serves, sweeps the directory once in the background ([`sweep`]), so
 //! they do not pile up where `/run` outlives the daemons (a disk rather than tmpfs, a long-lived
 //! host where test daemons are killed).
 
@@ -70,11 +70,12 @@ pub fn checked(uid: u32, create: bool) -> Result<PathBuf> {
 }
 
 /// The runtime directory of `uid` as the daemon uses it: [`checked`] (made when missing), and
-/// swept once per process, in the background, of what killed daemons left there ([`sweep`]).
+/// swept once per process, in the background, of what killed daemons left there ([`sweep`]),
+/// once the daemon says it serves ([`begin_sweep`]).
 pub fn for_daemon(uid: u32) -> Result<PathBuf> {
-    static SWEPT: std::sync::Once = std::sync::Once::new();
+    static STARTED: std::sync::Once = std::sync::Once::new();
     let dir = checked(uid, true)?;
-    SWEPT.call_once(|| {
+    STARTED.call_once(|| {
         let swept = dir.clone();
         let (dropped, wait_dropped) = std::sync::mpsc::channel::<()>();
         let started = std::thread::Builder::new()
@@ -93,6 +94,7 @@ pub fn for_daemon(uid: u32) -> Result<PathBuf> {
                     );
                     return;
                 }
+                wait_for_begin();
                 let removed = sweep(&swept, STALE_AFTER);
                 if removed > 0 {
                     tracing::info!(
@@ -108,6 +110,32 @@ pub fn for_daemon(uid: u32) -> Result<PathBuf> {
         }
     });
     Ok(dir)
+}
+
+/// Set by [`begin_sweep`]; the sweep thread waits for it.
+static SWEEP_BEGUN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The sweep thread, once it waits for [`begin_sweep`].
+static SWEEPER: std::sync::OnceLock<std::thread::Thread> = std::sync::OnceLock::new();
+
+/// Lets the sweep [`for_daemon`] started run: called when the daemon says it serves, so a
+/// command line that is refused touches nothing and prints its one error line alone. Does
+/// nothing when no sweep was started.
+pub fn begin_sweep() {
+    use std::sync::atomic::Ordering;
+    SWEEP_BEGUN.store(true, Ordering::Release);
+    // A sweeper not registered yet checks the flag after registering.
+    if let Some(t) = SWEEPER.get() {
+        t.unpark();
+    }
+}
+
+/// The sweep thread's wait for [`begin_sweep`].
+fn wait_for_begin() {
+    use std::sync::atomic::Ordering;
+    _ = SWEEPER.set(std::thread::current());
+    while !SWEEP_BEGUN.load(Ordering::Acquire) {
+        std::thread::park();
+    }
 }
 
 /// How old a file of the runtime directory must be before a sweep may take it for a dead

@@ -123,6 +123,7 @@ impl Owner for MountOwner<'_> {
     fn serving(&mut self) {
         self.ready.report(Ok(()));
         self.notifier.ready(&self.status);
+        crate::runtime::begin_sweep();
     }
 
     fn failed(&mut self, why: &str) {

@@ -209,6 +209,7 @@ impl Running {
         } = self;
         let count = service.export_count();
         ready.report(Ok(()));
+        crate::runtime::begin_sweep();
         notifier.ready(&format!(
             "serving {count} export{}",
             if count == 1 { "" } else { "s" }
