@@ -1183,7 +1183,7 @@ fn backing_file_on_a_read_only_filesystem() {
 /// while mounted, of the image after fsync (still mounted: fsync makes data and metadata durable),
 /// and after unmount with a clean `qemu-img check`; finally a read-only remount's SEEK_DATA /
 /// SEEK_HOLE against `qemu-img map`.
-fn write_workload(tag: &str, cluster: u64, size: u64, seed: u64) {
+fn write_workload(tag: &str, cluster: u64, size: u64, seed: u64, args: &[&str]) {
     if !require_fuse_and_tools(QEMU) {
         return;
     }
@@ -1245,7 +1245,12 @@ fn write_workload(tag: &str, cluster: u64, size: u64, seed: u64) {
         });
     }
 
-    let m = Mount::start(&w, &img, &w.join("export"), &["--writable"]);
+    let m = Mount::start(
+        &w,
+        &img,
+        &w.join("export"),
+        &[&["--writable"], args].concat(),
+    );
     let f = m.open_rw();
     let fd = open_rw_direct(m.path());
     assert_eq!(fstat(&f).0, size, "{tag}: st_size");
@@ -1344,12 +1349,54 @@ fn write_workload(tag: &str, cluster: u64, size: u64, seed: u64) {
 
 #[test]
 fn writes_discards_zeroes_match_oracle_64k_clusters() {
-    write_workload("q-wr-64k", 64 * KIB, 32 * MIB, 401);
+    write_workload("q-wr-64k", 64 * KIB, 32 * MIB, 401, &[]);
 }
 
 #[test]
 fn writes_discards_zeroes_match_oracle_4k_clusters() {
-    write_workload("q-wr-4k", 4 * KIB, 16 * MIB, 402);
+    write_workload("q-wr-4k", 4 * KIB, 16 * MIB, 402, &[]);
+}
+
+/// The smallest metadata caches a user can ask for (QEMU's `l2-cache-size` and
+/// `refcount-cache-size`, here 0: two tables each) serve the same workload: the image's 8 L2
+/// tables and its refcount blocks are evicted and read again throughout. The log says what the
+/// caches hold.
+#[test]
+fn writes_through_two_table_caches_match_oracle() {
+    let args = ["--l2-cache-size", "0", "--refcount-cache-size", "0"];
+    write_workload("q-wr-small-cache", 4 * KIB, 16 * MIB, 403, &args);
+    if !require_fuse_and_tools(QEMU) {
+        return;
+    }
+    let w = WorkDir::new("q-small-cache-log");
+    let img = w.join("disk.qcow2");
+    create_qcow2(&img, "cluster_size=4096", 16 * MIB);
+    let m = Mount::start(&w, &img, &w.join("export"), &args);
+    assert!(
+        m.stderr()
+            .contains("qcow2 metadata caches: 2 L2 tables and 2 refcount blocks of 4 KiB"),
+        "{}",
+        m.stderr()
+    );
+    m.stop().assert_clean("two-table caches");
+    let raw = w.join("disk.raw");
+    write_file(&raw, &[0u8; 4096]);
+    for (what, image, extra) in [
+        ("cache sizes on a raw image", &raw, &[][..]),
+        (
+            "cache sizes on a qcow2 image served raw",
+            &img,
+            &["--format=raw"][..],
+        ),
+    ] {
+        expect_refused(
+            &w,
+            what,
+            &[&args[..], extra].concat(),
+            image,
+            &["--l2-cache-size and --refcount-cache-size are for qcow2 images"],
+        );
+    }
 }
 
 /// Nothing but the end of the daemon flushes: writes (allocating clusters) without any fsync,

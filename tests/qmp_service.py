@@ -505,6 +505,57 @@ class Scenario:
                                         for n in r if n["node-name"] == "win0"])
         await self.step("blockdev-del win0 again", "blockdev-del", {"node-name": "win0"})
 
+        # 5f. A qcow2 node's metadata cache sizes and overlap checks: QEMU's rules for the
+        #     three sizes, the two forms of overlap-check, and an export that reads the same.
+        qc = lambda **kv: dict({"driver": "qcow2", "node-name": "cq",
+                                "file": {"driver": "file", "filename": self.p("hdr.qcow2")}},
+                               **kv)
+        for name, args in [
+            ("blockdev-add: three cache sizes",
+             qc(**{"cache-size": MiB, "l2-cache-size": 512 * 1024,
+                   "refcount-cache-size": 256 * 1024})),
+            ("blockdev-add: l2-cache-size over cache-size",
+             qc(**{"cache-size": MiB, "l2-cache-size": 2 * MiB})),
+            ("blockdev-add: refcount-cache-size over cache-size",
+             qc(**{"cache-size": MiB, "refcount-cache-size": 2 * MiB})),
+            ("blockdev-add: cache-size wrong type", qc(**{"cache-size": "1M"})),
+            ("blockdev-add: overlap-check bad mode", qc(**{"overlap-check": "bogus"})),
+            ("blockdev-add: overlap-check bad template",
+             qc(**{"overlap-check": {"template": "bogus"}})),
+            ("blockdev-add: overlap-check unknown check",
+             qc(**{"overlap-check": {"bogus": True}})),
+            ("blockdev-add: overlap-check check wrong type",
+             qc(**{"overlap-check": {"main-header": "yes"}})),
+        ]:
+            await self.step(name, "blockdev-add", args)
+        for name, args in [
+            ("cache-size", {"cache-size": 2 * MiB}),
+            ("cache-size and l2-cache-size",
+             {"cache-size": 2 * MiB, "l2-cache-size": 1536 * 1024}),
+            ("cache-size and refcount-cache-size",
+             {"cache-size": 2 * MiB, "refcount-cache-size": 256 * 1024}),
+            ("overlap-check none", {"overlap-check": "none"}),
+            ("overlap-check checks", {"overlap-check": {"template": "cached",
+                                                        "inactive-l2": True,
+                                                        "bitmap-directory": False}}),
+        ]:
+            await self.step(f"blockdev-add cq {name}", "blockdev-add", qc(**args))
+            await self.step(f"blockdev-del cq {name}", "blockdev-del", {"node-name": "cq"})
+        await self.step("blockdev-add cq l2-cache-size refcount-cache-size overlap-check all",
+                        "blockdev-add",
+                        qc(**{"l2-cache-size": 128 * 1024, "refcount-cache-size": 128 * 1024,
+                              "overlap-check": "all"}))
+        open(self.p("cq.mnt"), "wb").close()
+        await self.step("block-export-add exp4 over cq", "block-export-add",
+                        {"type": "fuse", "id": "exp4", "node-name": "cq",
+                         "mountpoint": self.p("cq.mnt")})
+        want = b"\x33" * (64 * 1024) + b"\x11" * (960 * 1024) + b"\x00" * MiB
+        got = await self.io(read_mnt, self.p("cq.mnt"), 2 * MiB)
+        self.record("read cq.mnt", **same(got, want))
+        await self.step("block-export-del exp4", "block-export-del", {"id": "exp4"})
+        self.record("event after exp4", event=await self.event(TIMEOUT))
+        await self.step("blockdev-del cq", "blockdev-del", {"node-name": "cq"})
+
         # 6. Removal of exports and nodes.
         await self.step("block-export-del exp2", "block-export-del", {"id": "exp2"})
         self.record("event after exp2", event=await self.event(TIMEOUT))

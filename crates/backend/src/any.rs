@@ -136,6 +136,9 @@ pub struct OpenOptions {
     /// A qcow2 image's backing chain, in place of the one its header names (see
     /// [`crate::qcow2::BackingLevel`]); refused for other formats.
     pub backing: Option<Vec<crate::qcow2::BackingLevel>>,
+    /// A qcow2 image's metadata cache sizes (see [`crate::qcow2::CacheSizes`]); refused for
+    /// other formats.
+    pub qcow2_cache: crate::qcow2::CacheSizes,
     /// Serve only this partition of the image (numbered as Linux numbers them).
     pub partition: Option<u32>,
     /// Serve only this range of the image (QEMU raw's `offset` and `size`); never with a
@@ -247,11 +250,19 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
     open_partition(Arc::new(whole), number, spec)
 }
 
+/// The options of [`crate::qcow2::CacheSizes`], as refusals name them.
+const CACHE_OPTIONS: &str = "--l2-cache-size and --refcount-cache-size";
+
 /// [`open`] of the whole image.
 fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
     if opts.backing.is_some() && !names_a_path(spec) {
         return Err(OpenError::FormatMismatch(format!(
             "{spec} has no backing image: --backing is for qcow2 images, drop it"
+        )));
+    }
+    if opts.qcow2_cache != crate::qcow2::CacheSizes::default() && !names_a_path(spec) {
+        return Err(OpenError::FormatMismatch(format!(
+            "{spec} is not a qcow2 image: {CACHE_OPTIONS} are for qcow2 images, drop them"
         )));
     }
     if nbd::uri::is_nbd_uri(spec) {
@@ -409,6 +420,13 @@ fn open_as(
             path.display()
         )));
     }
+    if opts.qcow2_cache != crate::qcow2::CacheSizes::default() && format != Format::Qcow2 {
+        return Err(OpenError::FormatMismatch(format!(
+            "{} is served as {}: {CACHE_OPTIONS} are for qcow2 images, drop them",
+            path.display(),
+            format!("{format:?}").to_lowercase()
+        )));
+    }
     match format {
         Format::Qcow2 => Ok(AnyBackend::Qcow2(Qcow2Backend::open(
             path,
@@ -419,6 +437,7 @@ fn open_as(
                 locking: opts.locking,
                 trust_backing: opts.trust_backing,
                 backing: opts.backing.clone(),
+                cache: opts.qcow2_cache,
             },
         )?)),
         Format::Vhd => {
@@ -488,8 +507,8 @@ impl AnyBackend {
     }
 
     /// What was found at open that an operator may want to see (an NBD server's export: size,
-    /// multi-conn, block sizes, block status, structured replies); None when there is nothing
-    /// beyond the format.
+    /// multi-conn, block sizes, block status, structured replies; a qcow2 image's metadata
+    /// caches); None when there is nothing beyond the format.
     pub fn details(&self) -> Option<String> {
         if let AnyBackend::Partition(p) = self {
             let whole = p.inner().image().details();
@@ -503,6 +522,9 @@ impl AnyBackend {
                 p.start(),
                 whole.map(|w| format!(" of {w}")).unwrap_or_default()
             ));
+        }
+        if let AnyBackend::Qcow2(q) = self {
+            return Some(q.metadata_cache_description());
         }
         let AnyBackend::Nbd(n) = self else {
             return None;

@@ -4,6 +4,7 @@
 use std::process::Command;
 use std::rc::Rc;
 
+use backend::qcow2::CacheSizes;
 use backend::{BlockBackend, Qcow2Backend, Qcow2Options};
 use engine::{Engine, EngineConfig};
 
@@ -19,6 +20,20 @@ fn qemu_img() -> Option<std::path::PathBuf> {
 
 #[test]
 fn concurrent_allocating_writes_read_back() {
+    allocating_writes_read_back(CacheSizes::default());
+}
+
+/// The smallest caches (two tables each) serve the same writes: every table is evicted and
+/// read again many times over, with tasks holding tables in use while others need room.
+#[test]
+fn concurrent_allocating_writes_read_back_through_two_table_caches() {
+    allocating_writes_read_back(CacheSizes {
+        l2: Some(0),
+        refcount: Some(0),
+    });
+}
+
+fn allocating_writes_read_back(cache: CacheSizes) {
     let Some(qemu_img) = qemu_img() else {
         assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
         return;
@@ -37,11 +52,15 @@ fn concurrent_allocating_writes_read_back() {
             &path,
             Qcow2Options {
                 writable: true,
+                cache,
                 ..Qcow2Options::default()
             },
         )
         .unwrap(),
     );
+    if cache != CacheSizes::default() {
+        assert_eq!(b.metadata_cache_entries(), (2, 2));
+    }
     let eng = Rc::new(
         Engine::new(&EngineConfig {
             buffers: 32,
@@ -85,4 +104,47 @@ fn concurrent_allocating_writes_read_back() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+/// The cache sizes a user gives (QEMU's `l2-cache-size` and `refcount-cache-size`) set how many
+/// tables each cache keeps, in clusters of the image, from two up to imago's ceiling; without
+/// them the top image shares fusex's default budget.
+#[test]
+fn cache_sizes_set_how_many_tables_each_cache_keeps() {
+    let Some(qemu_img) = qemu_img() else {
+        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.qcow2");
+    let st = Command::new(&qemu_img)
+        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"])
+        .arg(&path)
+        .arg("1G")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let entries = |l2: Option<u64>, refcount: Option<u64>, writable: bool| {
+        Qcow2Backend::open(
+            &path,
+            Qcow2Options {
+                writable,
+                cache: CacheSizes { l2, refcount },
+                ..Qcow2Options::default()
+            },
+        )
+        .unwrap()
+        .metadata_cache_entries()
+    };
+    // 16 MiB shared 3:1, at most imago's default 128 and 32 tables.
+    assert_eq!(entries(None, None, true), (128, 32));
+    assert_eq!(entries(Some(1 << 20), Some(256 << 10), true), (16, 4));
+    assert_eq!(entries(Some(1 << 20), Some(256 << 10), false), (16, 4));
+    // One given, the other keeps its share.
+    assert_eq!(entries(Some(32 << 20), None, true), (512, 32));
+    assert_eq!(entries(None, Some(1 << 20), true), (128, 16));
+    // Part of a cluster rounds down, and never below two tables.
+    assert_eq!(entries(Some(100_000), Some(1), true), (2, 2));
+    let max = imago::qcow2::MAX_SPLIT_ENTRIES;
+    assert_eq!(entries(Some(u64::MAX), Some(1 << 30), true), (max, max));
 }

@@ -384,6 +384,20 @@ pub struct MountArgs {
     /// These files are the operator's choice: they are opened as fusex runs, read-only.
     #[arg(long, value_name = "FORMAT:PATH", help_heading = heading::IMAGE)]
     pub backing: Vec<backend::qcow2::BackingLevel>,
+    /// Keep up to SIZE bytes of a qcow2 image's L2 tables in memory (QEMU's l2-cache-size)
+    ///
+    /// Each cached table maps one cluster's worth of entries: SIZE = 1 MiB covers 8 GiB of
+    /// guest with 64 KiB clusters. At least two tables, at most 1024 (finding the table to
+    /// evict scans them all). Default: 12 MiB, at most 128 tables; the top image only.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, help_heading = heading::IMAGE)]
+    pub l2_cache_size: Option<u64>,
+    /// Keep up to SIZE bytes of a qcow2 image's refcount blocks in memory (QEMU's
+    /// refcount-cache-size)
+    ///
+    /// Refcount blocks are read when clusters are allocated or freed. At least two blocks, at
+    /// most 1024. Default: 4 MiB, at most 32 blocks; the top image only.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, help_heading = heading::IMAGE)]
+    pub refcount_cache_size: Option<u64>,
     /// Export even while another process writes the image (read-only exports only)
     ///
     /// As qemu-img -U does. Without it fusex takes QEMU's image locks: it refuses an image

@@ -59,6 +59,12 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     if !args.backing.is_empty() {
         refuse("--backing")?;
     }
+    if args.l2_cache_size.is_some() {
+        refuse("--l2-cache-size")?;
+    }
+    if args.refcount_cache_size.is_some() {
+        refuse("--refcount-cache-size")?;
+    }
     if args.no_locking {
         refuse("--no-locking")?;
     }

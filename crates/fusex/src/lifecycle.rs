@@ -648,6 +648,10 @@ pub fn open_export_adopting(
     let options = OpenOptions {
         format: args.format.into(),
         backing: (!args.backing.is_empty()).then(|| args.backing.clone()),
+        qcow2_cache: backend::qcow2::CacheSizes {
+            l2: args.l2_cache_size,
+            refcount: args.refcount_cache_size,
+        },
         no_backing: args.no_backing,
         trust_backing: args.trust_backing,
         writable: args.writable,

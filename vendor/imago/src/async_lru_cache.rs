@@ -113,6 +113,11 @@ impl<
         }))
     }
 
+    /// The maximum number of entries kept (beyond entries in use).
+    pub fn limit(&self) -> usize {
+        self.0.limit
+    }
+
     /// Retrieve an entry from the cache.
     ///
     /// If there is no entry yet, load it via the backend.

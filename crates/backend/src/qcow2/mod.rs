@@ -211,6 +211,21 @@ pub struct Qcow2Options {
     /// The backing chain to use instead of the one the header names (checked by
     /// [`check_chain`]); None: the header's.
     pub backing: Option<Vec<BackingLevel>>,
+    /// The top image's metadata cache sizes, where the user gave them (QEMU's `l2-cache-size`
+    /// and `refcount-cache-size`).
+    pub cache: CacheSizes,
+}
+
+/// The byte sizes of a qcow2 image's two metadata caches, each its own where given (QEMU's
+/// `l2-cache-size` and `refcount-cache-size`); one left out keeps its share of
+/// [`TOP_CACHE_BYTES`]. Each keeps at least two tables and at most
+/// [`imago::qcow2::MAX_SPLIT_ENTRIES`] (an eviction scans the cache).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheSizes {
+    /// The L2 table cache.
+    pub l2: Option<u64>,
+    /// The refcount block cache.
+    pub refcount: Option<u64>,
 }
 
 /// A qcow2 image (with its backing chain).
@@ -235,6 +250,8 @@ pub struct Qcow2Backend {
     path: PathBuf,
     /// An overlap check has failed and been logged.
     corrupt_logged: AtomicBool,
+    /// How many L2 tables and refcount blocks the top image's caches keep.
+    cache_entries: (usize, usize),
     /// The image file's length at open and its cluster size (log2; None if the header could not
     /// be read again), for the clusters allocated since.
     opened_len: u64,
@@ -452,6 +469,31 @@ impl Qcow2Backend {
         Ok(self.meta.metadata()?.uid())
     }
 
+    /// How many L2 tables and refcount blocks the top image's metadata caches keep, as the
+    /// cluster size and [`Qcow2Options::cache`] made them.
+    pub fn metadata_cache_entries(&self) -> (usize, usize) {
+        self.cache_entries
+    }
+
+    /// The top image's metadata caches in a line for the log: how many tables, how much
+    /// memory, and how much of the guest the L2 tables map at once.
+    pub fn metadata_cache_description(&self) -> String {
+        let (l2, rb) = self.cache_entries;
+        let tables = format!("qcow2 metadata caches: {l2} L2 tables and {rb} refcount blocks");
+        let Some(bits) = self.host_cluster_bits else {
+            return tables;
+        };
+        let cluster = 1u64 << bits;
+        // An L2 table is a cluster of 8-byte entries, each mapping a cluster.
+        let mapped = l2 as u64 * (cluster / 8) * cluster;
+        format!(
+            "{tables} of {} KiB, {} KiB in all; the L2 tables map {} MiB of guest at once",
+            cluster >> 10,
+            ((l2 + rb) as u64 * cluster) >> 10,
+            mapped >> 20
+        )
+    }
+
     /// Opens the image at `path` and its backing chain, on a short-lived engine of this thread.
     pub fn open(path: &Path, opts: Qcow2Options) -> std::result::Result<Qcow2Backend, OpenError> {
         let shown = path.display().to_string();
@@ -507,6 +549,7 @@ impl Qcow2Backend {
                 .metadata_cache_bytes(TOP_CACHE_BYTES, BACKING_CACHE_BYTES)
                 .protect_metadata(protect)
                 .write(opts.writable);
+            builder = builder.metadata_cache_split(opts.cache.l2, opts.cache.refcount);
             if let Some(levels) = explicit {
                 builder = builder.backing(backing::open_chain(levels, &gate).await?);
             }
@@ -515,12 +558,13 @@ impl Qcow2Backend {
                 Some(levels) => !matches!(levels.first(), None | Some(BackingLevel::None)),
                 None => q.implicit_backing_file().is_some(),
             };
-            Ok::<_, io::Error>((FormatAccess::new(q), backed))
+            let entries = q.metadata_cache_entries();
+            Ok::<_, io::Error>((FormatAccess::new(q), backed, entries))
         });
         if let Some(e) = lock_error.borrow_mut().take() {
             return Err(e.into());
         }
-        let (access, backed) = match opened {
+        let (access, backed, cache_entries) = match opened {
             Ok(r) => r.map_err(|e| format_error(&shown, e))?,
             Err(e) => {
                 return Err(OpenError::Io {
@@ -554,6 +598,7 @@ impl Qcow2Backend {
             cow,
             path: path.to_path_buf(),
             corrupt_logged: AtomicBool::new(false),
+            cache_entries,
             opened_len,
             host_cluster_bits,
             copy_ahead: AtomicU64::new(0),

@@ -28,6 +28,18 @@ const BLOCKDEV_TYPES: &[(&str, Kind)] = &[
     ("file.cache.no-flush", Kind::Bool),
     ("file.read-zeroes", Kind::Bool),
     ("file.size", Kind::Size),
+    ("cache-size", Kind::Uint),
+    ("l2-cache-size", Kind::Uint),
+    ("refcount-cache-size", Kind::Uint),
+    ("overlap-check.main-header", Kind::Bool),
+    ("overlap-check.active-l1", Kind::Bool),
+    ("overlap-check.active-l2", Kind::Bool),
+    ("overlap-check.refcount-table", Kind::Bool),
+    ("overlap-check.refcount-block", Kind::Bool),
+    ("overlap-check.snapshot-table", Kind::Bool),
+    ("overlap-check.inactive-l1", Kind::Bool),
+    ("overlap-check.inactive-l2", Kind::Bool),
+    ("overlap-check.bitmap-directory", Kind::Bool),
 ];
 
 /// The types `--export` values convert to.
@@ -243,6 +255,20 @@ mod tests {
             blockdev("raw,node-name=r,file=file0,offset=1M,size=4k").unwrap(),
             json!({"driver": "raw", "node-name": "r", "file": "file0",
                    "offset": 1048576, "size": 4096})
+        );
+        // A qcow2 node's cache sizes are integers (no suffix, as QEMU has them), its overlap
+        // checks a mode or on/off switches.
+        assert_eq!(
+            blockdev("qcow2,node-name=q,file=f,l2-cache-size=0x100000,refcount-cache-size=65536,overlap-check.template=none,overlap-check.main-header=on")
+                .unwrap(),
+            json!({"driver": "qcow2", "node-name": "q", "file": "f",
+                   "l2-cache-size": 1048576, "refcount-cache-size": 65536,
+                   "overlap-check": {"template": "none", "main-header": true}})
+        );
+        assert_eq!(
+            blockdev("qcow2,node-name=q,file=f,cache-size=1M").unwrap_err(),
+            "--blockdev qcow2,node-name=q,file=f,cache-size=1M: Parameter 'cache-size' expects \
+             integer"
         );
         assert_eq!(
             blockdev("node-name=x,file").unwrap_err(),

@@ -593,6 +593,12 @@ impl Service {
                     .iter()
                     .map(|l| format!("--backing={l}")),
             );
+            all.extend(q.qcow2_cache.l2.map(|b| format!("--l2-cache-size={b}")));
+            all.extend(
+                q.qcow2_cache
+                    .refcount
+                    .map(|b| format!("--refcount-cache-size={b}")),
+            );
         }
         let protocol = chain.last().cloned().unwrap_or(n.clone());
         // force-share is the exported node's own (for a partition node, also the node it

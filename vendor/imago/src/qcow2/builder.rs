@@ -31,6 +31,10 @@ pub struct Qcow2OpenBuilder<S: Storage + 'static, F: WrappedFormat<S> + 'static 
     /// (128 L2 tables and 32 refcount blocks, whatever the cluster size).
     cache_bytes: Option<(u64, u64)>,
 
+    /// This image's L2 and refcount block cache sizes in bytes, each its own; `None` for that
+    /// cache's share of `cache_bytes`.
+    cache_split: (Option<u64>, Option<u64>),
+
     /// Extra byte ranges of the image file the overlap checks protect, `(offset, length)`.
     protect: Vec<(u64, u64)>,
 }
@@ -66,6 +70,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2OpenBuilder<S, F>
             base,
             backing: None,
             cache_bytes: None,
+            cache_split: (None, None),
             protect: Vec::new(),
             data_file: None,
         }
@@ -78,6 +83,16 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2OpenBuilder<S, F>
     /// while more tables than that are in use at once.
     pub fn metadata_cache_bytes(mut self, own: u64, backing: u64) -> Self {
         self.cache_bytes = Some((own, backing));
+        self
+    }
+
+    /// Size this image's L2 table cache and refcount block cache from byte counts of their own
+    /// (each at least two entries, at most [`MAX_SPLIT_ENTRIES`]), instead of their shares of
+    /// the budget of [`Qcow2OpenBuilder::metadata_cache_bytes()`] (or the default); `None`
+    /// keeps that cache's share.  The backing chain is not affected.  These are the sizes users
+    /// give QEMU as `l2-cache-size` and `refcount-cache-size`.
+    pub fn metadata_cache_split(mut self, l2: Option<u64>, refcount: Option<u64>) -> Self {
+        self.cache_split = (l2, refcount);
         self
     }
 
@@ -172,7 +187,10 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> FormatDriverBuilder<S>
                 metadata,
                 writable,
                 storage_opts.clone(),
-                self.cache_bytes,
+                CacheBudget {
+                    bytes: self.cache_bytes,
+                    split: self.cache_split,
+                },
                 &self.protect,
             )
             .await?;

@@ -163,6 +163,11 @@ impl<S: Storage> MetadataCaches<S> {
         }
     }
 
+    /// How many entries the L2 and refblock caches keep (beyond entries in use).
+    pub fn entry_limits(&self) -> (usize, usize) {
+        (self.l2.limit(), self.rb.limit())
+    }
+
     /// Make sure the refblock cache is flushed before the L2 cache.
     ///
     /// Use before allocating new clusters.

@@ -94,6 +94,20 @@ pub struct Qcow2<S: Storage + 'static, F: WrappedFormat<S> + 'static = FormatAcc
     clusters_to_free: Arc<ClustersToFreeList>,
 }
 
+/// Most entries a cache sized by [`Qcow2OpenBuilder::metadata_cache_split()`] keeps: evicting
+/// scans the whole cache, so its size stays where that scan costs far less than the read it
+/// makes room for.
+pub const MAX_SPLIT_ENTRIES: usize = 1024;
+
+/// How the metadata caches are sized: the builder's `metadata_cache_bytes` (`bytes`: this
+/// image, each backing image) and `metadata_cache_split` (`split`: this image's L2 and refcount
+/// block bytes, each where given).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct CacheBudget {
+    pub(super) bytes: Option<(u64, u64)>,
+    pub(super) split: (Option<u64>, Option<u64>),
+}
+
 #[maybe_async]
 impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     /// Create a new [`FormatDriverBuilder`] instance for the given image.
@@ -118,7 +132,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
         metadata: S,
         writable: bool,
         storage_open_options: StorageOpenOptions,
-        cache_bytes: Option<(u64, u64)>,
+        cache: CacheBudget,
         protect: &[(u64, u64)],
     ) -> io::Result<Self> {
         let header = Arc::new(Header::load(&metadata, writable).await?);
@@ -133,14 +147,16 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
             L1Table::load(&metadata, &header, l1_cluster, header.l1_table_entries()).await?;
 
         let metadata = Arc::new(metadata);
-        let (l2_entries, rb_entries) = match cache_bytes {
+        let cs = header.cluster_size() as u64;
+        let share = |bytes: u64, max: usize| (bytes / cs).clamp(2, max as u64) as usize;
+        let (l2_default, rb_default) = match cache.bytes {
             None => (128, 32),
-            Some((own, _)) => {
-                let cs = header.cluster_size() as u64;
-                let share = |bytes: u64, max: usize| (bytes / cs).clamp(2, max as u64) as usize;
-                (share(own / 4 * 3, 128), share(own / 4, 32))
-            }
+            Some((own, _)) => (share(own / 4 * 3, 128), share(own / 4, 32)),
         };
+        let (l2_entries, rb_entries) = (
+            cache.split.0.map_or(l2_default, |b| share(b, MAX_SPLIT_ENTRIES)),
+            cache.split.1.map_or(rb_default, |b| share(b, MAX_SPLIT_ENTRIES)),
+        );
         let caches = Arc::new(MetadataCaches::new(
             &metadata, &header, l2_entries, rb_entries,
         ));
@@ -179,7 +195,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
             caches,
             allocator,
             overlap,
-            backing_cache_bytes: cache_bytes.map(|(_, backing)| backing),
+            backing_cache_bytes: cache.bytes.map(|(_, backing)| backing),
             clusters_to_free,
         })
     }
@@ -197,7 +213,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     /// If you want to use the implicit references given in the image header, use
     /// [`Qcow2::open_implicit_dependencies()`].
     pub async fn open_image(metadata: S, writable: bool) -> io::Result<Self> {
-        Self::do_open(metadata, writable, StorageOpenOptions::new(), None, &[]).await
+        Self::do_open(metadata, writable, StorageOpenOptions::new(), CacheBudget::default(), &[]).await
     }
 
     /// Open a qcow2 file at the given path.
@@ -215,7 +231,7 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
     pub async fn open_path<P: AsRef<Path>>(path: P, writable: bool) -> io::Result<Self> {
         let storage_opts = StorageOpenOptions::new().write(writable).filename(path);
         let metadata = S::open(storage_opts).await?;
-        Self::do_open(metadata, writable, StorageOpenOptions::new(), None, &[]).await
+        Self::do_open(metadata, writable, StorageOpenOptions::new(), CacheBudget::default(), &[]).await
     }
 
     /// Does this qcow2 image require an external data file?
@@ -437,6 +453,11 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
             .then_some(())
             .ok_or_else(|| io::Error::other("Image is read-only"))?;
         self.overlap.need_intact()
+    }
+
+    /// How many L2 tables and refcount blocks the metadata caches keep (beyond entries in use).
+    pub fn metadata_cache_entries(&self) -> (usize, usize) {
+        self.caches.entry_limits()
     }
 
     /// Whether an overlap check found the image's metadata damaged (it is then marked corrupt,
