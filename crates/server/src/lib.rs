@@ -16,6 +16,7 @@ pub mod reply;
 mod serve;
 pub mod slots;
 pub mod stats;
+pub mod watch;
 pub mod worker;
 
 pub use crew::{Crew, Handoff};

@@ -17,6 +17,7 @@ use export::{Filesystem, Snapshot};
 use thiserror::Error;
 use transport::{Layout, LegacyQueue, TransportError, UringLayout, UringQueue};
 
+use crate::watch::{self, Phase, Seen};
 use crate::worker::Job;
 use crate::{Crew, Handoff, QueueServer, QueueState};
 
@@ -325,54 +326,41 @@ fn start<F: Filesystem>(
             })
             .await;
             st2.begin_stop();
-            let mut reported = false;
-            loop {
-                // Quiet, and (once reported) with requests handed here since to release, or
-                // with no entry left that could bring one.
-                poll_fn(|_| {
-                    let ready = if reported {
-                        st2.crew_closed() || (st2.is_quiet() && st2.answered_abroad() > 0)
-                    } else {
-                        st2.is_quiet()
-                    };
-                    if ready {
-                        Poll::Ready(())
-                    } else {
-                        Poll::Pending
-                    }
-                })
-                .await;
-                if reported && st2.crew_closed() {
-                    break;
-                }
+            // The stop protocol (see `crate::watch`): this task observes and acts; each wake
+            // (a request answered, a migrant released anywhere in the crew, the crew closing)
+            // takes a turn.
+            let mut phase = Phase::Quieting;
+            poll_fn(|_| loop {
+                let seen = Seen {
+                    quiet: st2.is_quiet(),
+                    drained: st2.crew_drained(),
+                    answered_abroad: st2.answered_abroad(),
+                    closed: st2.crew_closed(),
+                };
+                let t = watch::turn(phase, seen);
                 // An io_uring queue counts a request answered once its reply is built and its
                 // COMMIT entry queued; the owner may abort the connection as soon as it hears
                 // quiet, so the kernel must have that entry first, or the reply is lost and the
                 // application gets ECONNABORTED from a `safe` removal.
-                if !st2.engine().submit_queued() {
+                if t.submit && !st2.engine().submit_queued() {
                     tracing::warn!("queue quiet with entries the kernel has not taken yet");
                 }
-                st2.release_answered();
-                if reported {
-                    continue;
+                if t.release {
+                    st2.release_answered();
                 }
-                // A request handed between the crew's threads is in no queue's count while it
-                // travels, and a sibling that has not stopped yet may hand one here: quiet
-                // only once none is in transit (the last release wakes this task). One handed
-                // here and answered meanwhile is this task's to release (the loop's next turn).
-                poll_fn(|_| {
-                    if st2.crew_drained() || !st2.is_quiet() || st2.answered_abroad() > 0 {
-                        Poll::Ready(())
-                    } else {
-                        Poll::Pending
-                    }
-                })
-                .await;
-                if st2.is_quiet() && st2.crew_drained() {
+                if t.report {
                     report(QueueEvent::Quiesced);
-                    reported = true;
                 }
-            }
+                let moved = t.next != phase;
+                phase = t.next;
+                if phase == Phase::Done {
+                    return Poll::Ready(());
+                }
+                if !(t.release || moved) {
+                    return Poll::Pending;
+                }
+            })
+            .await;
         })
     };
     st.set_watcher(w);
