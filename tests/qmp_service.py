@@ -467,9 +467,9 @@ class Scenario:
         await self.step("blockdev-add win0 offset size", "blockdev-add",
                         window(512 * 1024, MiB))
         await self.step("query-named-block-nodes win0", "query-named-block-nodes",
-                        # QEMU shows such a node's file as a `json:{...}` pseudo-filename of
-                        # its options, fusex as the file's name: both name w.raw.
-                        post=lambda r: [{"drv": n["drv"], "names-w.raw": "w.raw" in n["file"],
+                        # Such a node's file is a `json:{...}` pseudo-filename of its options.
+                        post=lambda r: [{"drv": n["drv"], "file": n["file"],
+                                         "image-filename": n["image"]["filename"],
                                          "virtual-size": n["image"]["virtual-size"]}
                                         for n in r if n["node-name"] == "win0"])
         await self.step("block-export-add exp6 on win0", "block-export-add",
@@ -501,7 +501,8 @@ class Scenario:
         await self.step("blockdev-del win0", "blockdev-del", {"node-name": "win0"})
         await self.step("blockdev-add win0 offset only", "blockdev-add", window(1536 * 1024))
         await self.step("query-named-block-nodes win0 offset only", "query-named-block-nodes",
-                        post=lambda r: [n["image"]["virtual-size"]
+                        post=lambda r: [{"file": n["file"],
+                                         "virtual-size": n["image"]["virtual-size"]}
                                         for n in r if n["node-name"] == "win0"])
         await self.step("blockdev-del win0 again", "blockdev-del", {"node-name": "win0"})
 

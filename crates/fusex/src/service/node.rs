@@ -943,6 +943,11 @@ impl Node {
 
     /// The `file` member QEMU's `query-named-block-nodes` shows: the protocol node's file name.
     pub fn shown_file(&self, node_of: &dyn Fn(&str) -> Option<Node>) -> String {
+        if let (Driver::Raw, Some(range)) = (&self.driver, self.range) {
+            if let Some(shown) = self.shown_range(range, node_of) {
+                return shown;
+            }
+        }
         match &self.driver {
             Driver::File { filename, .. } => filename.clone(),
             Driver::Nbd { uri } => without_tls(uri),
@@ -960,6 +965,33 @@ impl Node {
                 .map(|c| c.shown_file(node_of))
                 .unwrap_or_default(),
         }
+    }
+}
+
+impl Node {
+    /// A raw node serving a byte range of a file node, as QEMU names it: its options as JSON,
+    /// members in the order QEMU's dictionary gives them (`offset`, `driver`, `size`, `file`).
+    /// None for a range of another kind of node (shown by its child's name instead).
+    fn shown_range(
+        &self,
+        range: backend::ByteRange,
+        node_of: &dyn Fn(&str) -> Option<Node>,
+    ) -> Option<String> {
+        let child = self.file.as_deref().and_then(node_of)?;
+        let Driver::File { filename, .. } = &child.driver else {
+            return None;
+        };
+        let size = range
+            .size
+            .map(|s| format!(", \"size\": {s}"))
+            .unwrap_or_default();
+        Some(format!(
+            "json:{{\"offset\": {}, \"driver\": \"raw\"{size}, \"file\": {{\"driver\": {}, \
+             \"filename\": {}}}}}",
+            range.offset,
+            Value::from(child.driver.name()),
+            Value::from(filename.as_str()),
+        ))
     }
 }
 
@@ -1061,6 +1093,32 @@ mod tests {
             .unwrap_err(),
             "No TLS credentials with id 'nope'"
         );
+    }
+
+    /// A raw node serving a byte range is named as QEMU names it: its options as JSON, in
+    /// QEMU's member order; without a range, by its file's name.
+    #[test]
+    fn a_raw_range_is_shown_as_qemu_shows_it() {
+        let file0 = nodes(json!({"driver": "file", "node-name": "file0", "filename": "/a \"b\""}))
+            .unwrap()
+            .remove(0);
+        let lookup = |name: &str| (name == "file0").then(|| file0.clone());
+        let shown = |extra: Value| {
+            let mut args = json!({"driver": "raw", "node-name": "r", "file": "file0"});
+            args.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            nodes(args).unwrap().pop().unwrap().shown_file(&lookup)
+        };
+        assert_eq!(
+            shown(json!({"offset": 512, "size": 1024})),
+            r#"json:{"offset": 512, "driver": "raw", "size": 1024, "file": {"driver": "file", "filename": "/a \"b\""}}"#
+        );
+        assert_eq!(
+            shown(json!({"offset": 512})),
+            r#"json:{"offset": 512, "driver": "raw", "file": {"driver": "file", "filename": "/a \"b\""}}"#
+        );
+        assert_eq!(shown(json!({})), "/a \"b\"");
     }
 
     #[test]
