@@ -49,6 +49,56 @@ struct AsyncLruCacheInner<
 
     /// Upper limit of how many entries to cache.
     limit: usize,
+
+    /// Keys being loaded outside the map's lock: how many loads of each are in flight, and how
+    /// often that key was removed from the map since the first of them began.  A load that sees
+    /// the count change read a copy that may be older than the one removed (which was flushed
+    /// after the read), so it is thrown away.  Locked only while holding `map`'s write lock.
+    loading: std::sync::Mutex<HashMap<Key, Loading>>,
+}
+
+/// One load in flight of `key`, counted in `loading` until it ends or is dropped.
+struct LoadGuard<'a, K: Eq + Hash + Copy> {
+    loading: &'a std::sync::Mutex<HashMap<K, Loading>>,
+    key: K,
+}
+
+impl<K: Eq + Hash + Copy> LoadGuard<'_, K> {
+    /// Counts the load out; whether no removal of the key happened since `since` (call with
+    /// the map's write lock held).
+    fn end(self, since: u64) -> bool {
+        let mut loading = self.loading.lock().unwrap();
+        let fresh = loading.get(&self.key).is_some_and(|l| l.removals == since);
+        Self::count_out(&mut loading, self.key);
+        mem::forget(self);
+        fresh
+    }
+
+    fn count_out(loading: &mut HashMap<K, Loading>, key: K) {
+        if let Some(l) = loading.get_mut(&key) {
+            l.loads -= 1;
+            if l.loads == 0 {
+                loading.remove(&key);
+            }
+        }
+    }
+}
+
+impl<K: Eq + Hash + Copy> Drop for LoadGuard<'_, K> {
+    fn drop(&mut self) {
+        if let Ok(mut loading) = self.loading.lock() {
+            Self::count_out(&mut loading, self.key);
+        }
+    }
+}
+
+/// Loads of one key in flight (see `AsyncLruCacheInner::loading`).
+#[derive(Default)]
+struct Loading {
+    /// How many.
+    loads: usize,
+    /// How often the key was removed from the map meanwhile.
+    removals: u64,
 }
 
 /// Least-recently-used cache with async access.
@@ -110,6 +160,7 @@ impl<
             map: Default::default(),
             lru_timer: AtomicUsize::new(0),
             limit: size,
+            loading: Default::default(),
         }))
     }
 
@@ -242,6 +293,7 @@ impl<
             let oldest_entry = map.get(&oldest_key).unwrap();
             self.backend.flush(oldest_key, oldest_entry.value()).await?;
             map.remove(&oldest_key);
+            self.removed(oldest_key);
         }
 
         Ok(true)
@@ -270,28 +322,68 @@ impl<
             }
         }
 
-        let mut map = self.map.write().await;
-        if let Some(entry) = map.get(&key) {
-            entry.last_used.store(
-                self.lru_timer.fetch_add(1, Ordering::Relaxed),
-                Ordering::Relaxed,
-            );
-            return Ok(Some(Arc::clone(entry.value())));
+        // The load runs without the map's lock, so that other entries are found (and other
+        // keys loaded) meanwhile; holding it serialized every access behind each miss's read.
+        loop {
+            let since = {
+                let map = self.map.write().await;
+                if let Some(entry) = map.get(&key) {
+                    entry.last_used.store(
+                        self.lru_timer.fetch_add(1, Ordering::Relaxed),
+                        Ordering::Relaxed,
+                    );
+                    return Ok(Some(Arc::clone(entry.value())));
+                }
+                if map.len() >= self.limit && !may_flush {
+                    return Ok(None);
+                }
+                let mut loading = self.loading.lock().unwrap();
+                let l = loading.entry(key).or_default();
+                l.loads += 1;
+                l.removals
+            };
+            // Counts this load out even if the future is dropped while it reads.
+            let load = LoadGuard {
+                loading: &self.loading,
+                key,
+            };
+
+            let loaded = self.backend.load(key).await;
+
+            let mut map = self.map.write().await;
+            let fresh = load.end(since);
+            let object = Arc::new(loaded?);
+            if let Some(entry) = map.get(&key) {
+                // Loaded meanwhile by another request (or inserted): that copy is the one.
+                entry.last_used.store(
+                    self.lru_timer.fetch_add(1, Ordering::Relaxed),
+                    Ordering::Relaxed,
+                );
+                return Ok(Some(Arc::clone(entry.value())));
+            }
+            if !fresh {
+                // Cached and removed (flushed) while this copy was read: read it again.
+                continue;
+            }
+            if !self.ensure_free_entry(&mut map, may_flush).await? {
+                return Ok(None);
+            }
+            // Evicting flushes other entries with the lock held, never this key (absent), so
+            // this copy is still the latest.
+            let new_entry = AsyncLruCacheEntry {
+                value: Some(Arc::clone(&object)),
+                last_used: AtomicUsize::new(self.lru_timer.fetch_add(1, Ordering::Relaxed)),
+            };
+            map.insert(key, new_entry);
+            return Ok(Some(object));
         }
+    }
 
-        if !self.ensure_free_entry(&mut map, may_flush).await? {
-            return Ok(None);
+    /// `key` left the map: loads of it in flight read a copy that may be stale.
+    fn removed(&self, key: K) {
+        if let Some(l) = self.loading.lock().unwrap().get_mut(&key) {
+            l.removals += 1;
         }
-
-        let object = Arc::new(self.backend.load(key).await?);
-
-        let new_entry = AsyncLruCacheEntry {
-            value: Some(Arc::clone(&object)),
-            last_used: AtomicUsize::new(self.lru_timer.fetch_add(1, Ordering::Relaxed)),
-        };
-        map.insert(key, new_entry);
-
-        Ok(Some(object))
     }
 
     /// Force-insert the given object into the cache.
@@ -401,6 +493,7 @@ impl<
                 Ok(object) => {
                     // Caller guarantees this is safe
                     unsafe { self.backend.evict(key, object) };
+                    self.removed(key);
                 }
 
                 Err(arc) => {
@@ -740,8 +833,10 @@ mod tests {
         cache.get_or_insert(1, false).await.unwrap().unwrap();
         assert_eq!(backend.loads.load(Ordering::Relaxed), 2);
 
-        // Evicting the oldest entry (key 0) stays pending on its flush; drop it then
+        // Evicting the oldest entry (key 0) stays pending on its flush; drop it then (key 2
+        // was loaded first, without the map's lock, and is thrown away with the future)
         assert!(cache.get_or_insert(2, true).now_or_never().is_none());
+        assert_eq!(backend.loads.load(Ordering::Relaxed), 3);
 
         // Check that both keys still exist, i.e. must not need to be loaded again
         let entry = cache.get_or_insert(0, false).await.unwrap().unwrap();
@@ -750,6 +845,101 @@ mod tests {
         assert_eq!(*entry, 1);
 
         // And that the number of loads did not change
+        assert_eq!(backend.loads.load(Ordering::Relaxed), 3);
+    }
+
+    /// A backend with an on-disk copy of each value: `load` reads it, then waits for `gate`
+    /// when the key is `slow` (once); `flush` writes the cached copy back.
+    #[cfg(feature = "async")]
+    struct DiskBackend {
+        disk: std::sync::Mutex<HashMap<usize, usize>>,
+        slow: AtomicUsize,
+        gate: tokio::sync::Notify,
+        loads: AtomicUsize,
+    }
+
+    #[cfg(feature = "async")]
+    #[maybe_async(AFIT)]
+    impl AsyncLruCacheBackend for DiskBackend {
+        type Key = usize;
+        type Value = usize;
+
+        async fn load(&self, key: usize) -> io::Result<usize> {
+            self.loads.fetch_add(1, Ordering::Relaxed);
+            let value = *self.disk.lock().unwrap().get(&key).unwrap_or(&0);
+            if self.slow.load(Ordering::Relaxed) == key {
+                self.slow.store(usize::MAX, Ordering::Relaxed);
+                self.gate.notified().await;
+            }
+            Ok(value)
+        }
+
+        async fn flush(&self, key: usize, value: &usize) -> io::Result<()> {
+            self.disk.lock().unwrap().insert(key, *value);
+            Ok(())
+        }
+
+        unsafe fn evict(&self, _key: usize, _value: usize) {}
+    }
+
+    #[cfg(feature = "async")]
+    impl Default for DiskBackend {
+        fn default() -> Self {
+            DiskBackend {
+                disk: Default::default(),
+                slow: AtomicUsize::new(usize::MAX),
+                gate: Default::default(),
+                loads: Default::default(),
+            }
+        }
+    }
+
+    /// A load runs without the map's lock: while one key's load waits, other keys are found.
+    #[cfg(feature = "async")]
+    #[tokio::test]
+    async fn test_a_slow_load_blocks_no_other_key() {
+        use futures::FutureExt;
+
+        let backend = Arc::new(DiskBackend::default());
+        backend.disk.lock().unwrap().extend([(0, 10), (1, 11)]);
+        let cache = AsyncLruCache::new(Arc::clone(&backend), 4);
+        assert_eq!(*cache.get_or_insert(0, true).await.unwrap().unwrap(), 10);
+
+        backend.slow.store(1, Ordering::Relaxed);
+        let mut slow = Box::pin(cache.get_or_insert(1, true));
+        assert!((&mut slow).now_or_never().is_none());
+        let hit = cache.get_or_insert(0, true).now_or_never();
+        assert_eq!(*hit.expect("not blocked").unwrap().unwrap(), 10);
+
+        backend.gate.notify_one();
+        assert_eq!(*slow.await.unwrap().unwrap(), 11);
         assert_eq!(backend.loads.load(Ordering::Relaxed), 2);
+    }
+
+    /// A load that read a key's on-disk copy while a newer copy of it was cached, then flushed
+    /// and evicted, must not bring the older copy back: it reads the key again.
+    #[cfg(feature = "async")]
+    #[tokio::test]
+    async fn test_a_load_that_raced_an_eviction_reads_again() {
+        use futures::FutureExt;
+
+        let backend = Arc::new(DiskBackend::default());
+        backend.disk.lock().unwrap().insert(5, 1);
+        let cache = AsyncLruCache::new(Arc::clone(&backend), 1);
+
+        // Reads version 1 of key 5, then waits.
+        backend.slow.store(5, Ordering::Relaxed);
+        let mut slow = Box::pin(cache.get_or_insert(5, true));
+        assert!((&mut slow).now_or_never().is_none());
+
+        // Meanwhile version 2 is cached, then evicted (flushed to disk) by another key.
+        assert!(cache.insert(5, Arc::new(2), true).await.unwrap());
+        assert_eq!(*cache.get_or_insert(6, true).await.unwrap().unwrap(), 0);
+        assert_eq!(backend.disk.lock().unwrap()[&5], 2);
+
+        backend.gate.notify_one();
+        assert_eq!(*slow.await.unwrap().unwrap(), 2, "not the stale version 1");
+        // 5 (stale), 6, 5 again.
+        assert_eq!(backend.loads.load(Ordering::Relaxed), 3);
     }
 }
