@@ -136,9 +136,9 @@ pub struct OpenOptions {
     /// A qcow2 image's backing chain, in place of the one its header names (see
     /// [`crate::qcow2::BackingLevel`]); refused for other formats.
     pub backing: Option<Vec<crate::qcow2::BackingLevel>>,
-    /// A qcow2 image's metadata cache sizes (see [`crate::qcow2::CacheSizes`]); refused for
+    /// A qcow2 image's metadata cache sizes (see [`crate::qcow2::CacheOptions`]); refused for
     /// other formats.
-    pub qcow2_cache: crate::qcow2::CacheSizes,
+    pub qcow2_cache: crate::qcow2::CacheOptions,
     /// Serve only this partition of the image (numbered as Linux numbers them).
     pub partition: Option<u32>,
     /// Serve only this range of the image (QEMU raw's `offset` and `size`); never with a
@@ -250,8 +250,8 @@ pub fn open(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, Op
     open_partition(Arc::new(whole), number, spec)
 }
 
-/// The options of [`crate::qcow2::CacheSizes`], as refusals name them.
-const CACHE_OPTIONS: &str = "--l2-cache-size and --refcount-cache-size";
+/// The options of [`crate::qcow2::CacheOptions`], as refusals name them.
+const CACHE_OPTIONS: &str = "--l2-cache-size, --refcount-cache-size and --cache-clean-interval";
 
 /// [`open`] of the whole image.
 fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, OpenError> {
@@ -260,7 +260,7 @@ fn open_whole(spec: &str, opts: OpenOptions) -> std::result::Result<AnyBackend, 
             "{spec} has no backing image: --backing is for qcow2 images, drop it"
         )));
     }
-    if opts.qcow2_cache != crate::qcow2::CacheSizes::default() && !names_a_path(spec) {
+    if opts.qcow2_cache != crate::qcow2::CacheOptions::default() && !names_a_path(spec) {
         return Err(OpenError::FormatMismatch(format!(
             "{spec} is not a qcow2 image: {CACHE_OPTIONS} are for qcow2 images, drop them"
         )));
@@ -420,7 +420,7 @@ fn open_as(
             path.display()
         )));
     }
-    if opts.qcow2_cache != crate::qcow2::CacheSizes::default() && format != Format::Qcow2 {
+    if opts.qcow2_cache != crate::qcow2::CacheOptions::default() && format != Format::Qcow2 {
         return Err(OpenError::FormatMismatch(format!(
             "{} is served as {}: {CACHE_OPTIONS} are for qcow2 images, drop them",
             path.display(),
@@ -699,6 +699,9 @@ impl BlockBackend for Whole {
     fn trouble(&self) -> Option<String> {
         each_whole!(self, b => b.trouble(), None)
     }
+    fn drop_unused(&self) {
+        each_whole!(self, b => b.drop_unused(), ())
+    }
     fn stats(&self) -> crate::BackendStats {
         each_whole!(self, b => b.stats(), crate::BackendStats::default())
     }
@@ -777,6 +780,9 @@ impl BlockBackend for AnyBackend {
     }
     fn trouble(&self) -> Option<String> {
         each!(self, b => b.trouble())
+    }
+    fn drop_unused(&self) {
+        each!(self, b => b.drop_unused())
     }
     fn stats(&self) -> crate::BackendStats {
         each!(self, b => b.stats())

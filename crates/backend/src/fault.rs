@@ -244,6 +244,9 @@ impl<B: BlockBackend> BlockBackend for Faulty<B> {
     fn trouble(&self) -> Option<String> {
         self.inner.trouble()
     }
+    fn drop_unused(&self) {
+        self.inner.drop_unused()
+    }
     fn stats(&self) -> crate::BackendStats {
         self.inner.stats()
     }

@@ -251,6 +251,12 @@ pub trait BlockBackend: Send + Sync + 'static {
         None
     }
 
+    /// Drops what the backend keeps in memory that went unused for its interval (qcow2: the
+    /// metadata tables, after QEMU's `cache-clean-interval`), so that an idle export gives that
+    /// memory back. Called about once a second off the queue threads; never waits for a lock
+    /// (what is busy now is left for a later call). Default: nothing kept.
+    fn drop_unused(&self) {}
+
     /// The backend's own statistics (see [`BackendStats`]): read off the queue threads when an
     /// operator asks, so it may take a lock or a system call. Default: none.
     fn stats(&self) -> BackendStats {

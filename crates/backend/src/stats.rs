@@ -23,9 +23,12 @@ pub struct NbdStats {
     pub connected: bool,
 }
 
-/// A qcow2 backend's allocation work.
+/// A qcow2 backend's allocation work and metadata caches.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Qcow2Stats {
+    /// L2 tables and refcount blocks the top image's metadata caches hold now (None when a
+    /// cache was busy at that moment).
+    pub metadata_tables: Option<u64>,
     /// Host clusters the image file grew by since the export opened: the clusters allocated for
     /// data and for the metadata (L2 and refcount tables) that maps it.
     pub clusters_allocated: u64,
@@ -54,6 +57,7 @@ impl BackendStats {
             m.insert(
                 "qcow2".into(),
                 serde_json::json!({
+                    "metadata_tables": q.metadata_tables,
                     "clusters_allocated": q.clusters_allocated,
                     "copy_ahead": q.copy_ahead,
                     "copy_ahead_bytes": q.copy_ahead_bytes,

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::rc::Rc;
 
-use backend::qcow2::CacheSizes;
+use backend::qcow2::CacheOptions;
 use backend::{BlockBackend, Qcow2Backend, Qcow2Options};
 use engine::{Engine, EngineConfig};
 
@@ -20,20 +20,21 @@ fn qemu_img() -> Option<std::path::PathBuf> {
 
 #[test]
 fn concurrent_allocating_writes_read_back() {
-    allocating_writes_read_back(CacheSizes::default());
+    allocating_writes_read_back(CacheOptions::default());
 }
 
 /// The smallest caches (two tables each) serve the same writes: every table is evicted and
 /// read again many times over, with tasks holding tables in use while others need room.
 #[test]
 fn concurrent_allocating_writes_read_back_through_two_table_caches() {
-    allocating_writes_read_back(CacheSizes {
+    allocating_writes_read_back(CacheOptions {
         l2: Some(0),
         refcount: Some(0),
+        clean_interval: None,
     });
 }
 
-fn allocating_writes_read_back(cache: CacheSizes) {
+fn allocating_writes_read_back(cache: CacheOptions) {
     let Some(qemu_img) = qemu_img() else {
         assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
         return;
@@ -58,7 +59,7 @@ fn allocating_writes_read_back(cache: CacheSizes) {
         )
         .unwrap(),
     );
-    if cache != CacheSizes::default() {
+    if cache != CacheOptions::default() {
         assert_eq!(b.metadata_cache_entries(), (2, 2));
     }
     let eng = Rc::new(
@@ -129,7 +130,11 @@ fn cache_sizes_set_how_many_tables_each_cache_keeps() {
             &path,
             Qcow2Options {
                 writable,
-                cache: CacheSizes { l2, refcount },
+                cache: CacheOptions {
+                    l2,
+                    refcount,
+                    clean_interval: None,
+                },
                 ..Qcow2Options::default()
             },
         )
@@ -147,4 +152,127 @@ fn cache_sizes_set_how_many_tables_each_cache_keeps() {
     assert_eq!(entries(Some(100_000), Some(1), true), (2, 2));
     let max = imago::qcow2::MAX_SPLIT_ENTRIES;
     assert_eq!(entries(Some(u64::MAX), Some(1 << 30), true), (max, max));
+}
+
+/// `cache-clean-interval`: a table nobody used for an interval is dropped at the next pass, one
+/// in use since stays, and dropping never costs data (a table with changes not yet written
+/// stays until they are); 0 keeps every table.
+#[test]
+fn unused_metadata_tables_are_dropped_after_the_clean_interval() {
+    let Some(qemu_img) = qemu_img() else {
+        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("clean.qcow2");
+    // 4 KiB clusters: an L2 table maps 2 MiB, so 8 MiB of guest take four tables.
+    let st = Command::new(&qemu_img)
+        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"])
+        .arg(&path)
+        .arg("8M")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let open = |secs: u32| {
+        Qcow2Backend::open(
+            &path,
+            Qcow2Options {
+                writable: true,
+                cache: CacheOptions {
+                    clean_interval: Some(secs),
+                    ..CacheOptions::default()
+                },
+                ..Qcow2Options::default()
+            },
+        )
+        .unwrap()
+    };
+    let eng = Engine::new(&EngineConfig {
+        buffers: 4,
+        buffer_size: 65536,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    const MIB2: u64 = 2 << 20;
+    let write = |b: &Qcow2Backend, off: u64, fill: u8| {
+        eng.block_on(async {
+            let mut buf = eng.take_buffer().unwrap();
+            buf.as_mut_slice()[..4096].fill(fill);
+            let (r, _) = b.write_at(&eng, buf.slice(0..4096), off).await;
+            assert_eq!(r.unwrap(), 4096);
+        })
+        .unwrap();
+    };
+    let read = |b: &Qcow2Backend, off: u64| -> u8 {
+        eng.block_on(async {
+            let buf = eng.take_buffer().unwrap();
+            let (r, win) = b.read_at(&eng, buf.slice(0..4096), off).await;
+            assert_eq!(r.unwrap(), 4096);
+            let first = win.as_slice()[0];
+            assert!(
+                win.as_slice().iter().all(|&x| x == first),
+                "torn read at {off}"
+            );
+            first
+        })
+        .unwrap()
+    };
+    let l2_cached = |b: &Qcow2Backend| b.metadata_cached().0.expect("the L2 cache is idle");
+    // A pass is due an interval after the previous one.
+    let pass = |b: &Qcow2Backend| {
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        b.drop_unused();
+    };
+
+    let b = open(1);
+    for t in 0..4u8 {
+        write(&b, u64::from(t) * MIB2, t + 1);
+    }
+    eng.block_on(b.flush(&eng)).unwrap().unwrap();
+    assert_eq!(l2_cached(&b), 4);
+    // The first pass only marks: everything was used since the daemon started.
+    pass(&b);
+    assert_eq!(l2_cached(&b), 4);
+    assert_eq!(read(&b, 0), 1);
+    pass(&b);
+    assert_eq!(l2_cached(&b), 1, "tables 1-3 went unused for an interval");
+    // Table 2 gets a change that is not written back yet, then both go unused for intervals.
+    write(&b, 2 * MIB2 + 8192, 9);
+    pass(&b);
+    pass(&b);
+    assert_eq!(
+        l2_cached(&b),
+        1,
+        "table 0 went, table 2 stays until it is written"
+    );
+    eng.block_on(b.flush(&eng)).unwrap().unwrap();
+    pass(&b);
+    assert_eq!(l2_cached(&b), 0);
+    assert_eq!(b.stats().qcow2.unwrap().metadata_tables, Some(0));
+    // Every table dropped is read again as needed, with what was written.
+    for t in 0..4u8 {
+        assert_eq!(read(&b, u64::from(t) * MIB2), t + 1);
+    }
+    assert_eq!(read(&b, 2 * MIB2 + 8192), 9);
+    drop(b);
+
+    // 0: never.
+    let b = open(0);
+    for t in 0..4u8 {
+        assert_eq!(read(&b, u64::from(t) * MIB2), t + 1);
+    }
+    pass(&b);
+    pass(&b);
+    assert_eq!(l2_cached(&b), 4);
+    drop(b);
+    let out = Command::new(&qemu_img)
+        .arg("check")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }

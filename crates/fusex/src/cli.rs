@@ -398,6 +398,13 @@ pub struct MountArgs {
     /// most 1024. Default: 4 MiB, at most 32 blocks; the top image only.
     #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, help_heading = heading::IMAGE)]
     pub refcount_cache_size: Option<u64>,
+    /// Drop a qcow2 image's cached metadata tables nobody used for SECONDS (QEMU's
+    /// cache-clean-interval), so that an idle export gives their memory back; 0 keeps them
+    ///
+    /// A table goes between SECONDS and twice that after its last use; tables with changes not
+    /// yet written stay. The backing chain's caches too. Default: 600 (QEMU's default).
+    #[arg(long, value_name = "SECONDS", help_heading = heading::IMAGE)]
+    pub cache_clean_interval: Option<u32>,
     /// Export even while another process writes the image (read-only exports only)
     ///
     /// As qemu-img -U does. Without it fusex takes QEMU's image locks: it refuses an image

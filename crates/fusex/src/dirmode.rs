@@ -65,6 +65,9 @@ pub fn check_args(args: &MountArgs) -> Result<()> {
     if args.refcount_cache_size.is_some() {
         refuse("--refcount-cache-size")?;
     }
+    if args.cache_clean_interval.is_some() {
+        refuse("--cache-clean-interval")?;
+    }
     if args.no_locking {
         refuse("--no-locking")?;
     }

@@ -648,9 +648,10 @@ pub fn open_export_adopting(
     let options = OpenOptions {
         format: args.format.into(),
         backing: (!args.backing.is_empty()).then(|| args.backing.clone()),
-        qcow2_cache: backend::qcow2::CacheSizes {
+        qcow2_cache: backend::qcow2::CacheOptions {
             l2: args.l2_cache_size,
             refcount: args.refcount_cache_size,
+            clean_interval: args.cache_clean_interval,
         },
         no_backing: args.no_backing,
         trust_backing: args.trust_backing,
@@ -1180,6 +1181,7 @@ impl Supervisor {
             return;
         };
         follow_image_size(export, self.notify_fd.as_ref(), &mut self.known_size);
+        export.backend().drop_unused();
         // Said when it starts and when it ends, not at each new reason between.
         let now = export.backend().trouble();
         if now.is_some() != self.trouble.is_some() {

@@ -50,6 +50,10 @@ struct AsyncLruCacheInner<
     /// Upper limit of how many entries to cache.
     limit: usize,
 
+    /// `lru_timer` as of the last [`AsyncLruCache::drop_unused`]: entries last used before it
+    /// went unused since then.
+    clean_mark: AtomicUsize,
+
     /// Keys being loaded outside the map's lock: how many loads of each are in flight, and how
     /// often that key was removed from the map since the first of them began.  A load that sees
     /// the count change read a copy that may be older than the one removed (which was flushed
@@ -160,8 +164,49 @@ impl<
             map: Default::default(),
             lru_timer: AtomicUsize::new(0),
             limit: size,
+            clean_mark: AtomicUsize::new(0),
             loading: Default::default(),
         }))
+    }
+
+    /// Drops the entries nobody used since the previous call, that nobody holds and that
+    /// `droppable` accepts (the caller's test that an entry has nothing left to write back), so
+    /// that an idle cache gives its memory back.  Never waits: with the map locked right now it
+    /// does nothing and returns `None` (try again later); else how many entries it dropped.
+    pub fn drop_unused(&self, droppable: impl Fn(&V) -> bool) -> Option<usize> {
+        let inner = &self.0;
+        #[cfg(feature = "async")]
+        let mut map = inner.map.try_write().ok()?;
+        #[cfg(not(feature = "async"))]
+        let mut map = inner.map.try_write()?;
+        let mark = inner
+            .clean_mark
+            .swap(inner.lru_timer.load(Ordering::Relaxed), Ordering::Relaxed);
+        let unused: Vec<K> = map
+            .iter()
+            .filter(|(_key, entry)| {
+                // With the write lock held, a strong count of 1 (the map's) means nobody holds
+                // the entry and nobody can take it meanwhile.
+                entry.last_used.load(Ordering::Relaxed) < mark
+                    && Arc::strong_count(entry.value()) == 1
+                    && droppable(entry.value())
+            })
+            .map(|(key, _entry)| *key)
+            .collect();
+        for key in &unused {
+            map.remove(key);
+            inner.removed(*key);
+        }
+        Some(unused.len())
+    }
+
+    /// How many entries the cache holds now.
+    pub fn len(&self) -> Option<usize> {
+        #[cfg(feature = "async")]
+        let map = self.0.map.try_read().ok()?;
+        #[cfg(not(feature = "async"))]
+        let map = self.0.map.try_read()?;
+        Some(map.len())
     }
 
     /// The maximum number of entries kept (beyond entries in use).
@@ -590,6 +635,51 @@ mod tests {
         unsafe fn evict(&self, key: Self::Key, value: Self::Value) {
             unsafe { (**self).evict(key, value) }
         }
+    }
+
+    /// `drop_unused()` drops entries unused since its previous call, never one in use, one the
+    /// caller's test refuses (unwritten changes) or one used since; it waits for no lock.
+    #[maybe_async::test(feature = "sync", async(feature = "async", tokio::test))]
+    async fn test_drop_unused() {
+        let cache = AsyncLruCache::new(DummyBackend, 16);
+        for i in 0..8 {
+            cache.get_or_insert(i, false).await.unwrap().unwrap();
+        }
+        // The first call only sets the mark: everything was used since "the previous call".
+        assert_eq!(cache.drop_unused(|_| true), Some(0));
+        assert_eq!(cache.len(), Some(8));
+
+        // Used since the mark: 0 and 1.  Held: 2.  Refused by the test ("dirty"): 3.
+        cache.get_or_insert(0, false).await.unwrap().unwrap();
+        cache.get_or_insert(1, false).await.unwrap().unwrap();
+        let held = cache.get_or_insert(2, false).await.unwrap().unwrap();
+        assert_eq!(cache.drop_unused(|v| *v != 3), Some(4));
+        assert_eq!(cache.len(), Some(4));
+        let kept: Vec<usize> = {
+            let map = cache.0.map.read().await;
+            let mut k: Vec<usize> = map.keys().copied().collect();
+            k.sort();
+            k
+        };
+        assert_eq!(kept, vec![0, 1, 2, 3]);
+        drop(held);
+
+        // Nothing used since: 0, 1 and 2 (no longer held) go now; 3 stays while the test
+        // refuses it.
+        assert_eq!(cache.drop_unused(|v| *v != 3), Some(3));
+        assert_eq!(cache.len(), Some(1));
+        assert_eq!(cache.drop_unused(|_| true), Some(1));
+        assert_eq!(cache.len(), Some(0));
+
+        // A dropped entry is loaded again when asked for.
+        assert_eq!(*cache.get_or_insert(5, false).await.unwrap().unwrap(), 5);
+
+        // With the map locked, nothing happens and the caller is told to come back.
+        let locked = cache.0.map.write().await;
+        assert_eq!(cache.drop_unused(|_| true), None);
+        assert_eq!(cache.len(), None);
+        drop(locked);
+        assert_eq!(cache.len(), Some(1));
     }
 
     /// `flush()` must continue past individual entry errors and report the first one, not stop at

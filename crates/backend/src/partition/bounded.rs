@@ -183,6 +183,10 @@ impl<B: BlockBackend> BlockBackend for Bounded<B> {
         self.inner.trouble()
     }
 
+    fn drop_unused(&self) {
+        self.inner.drop_unused()
+    }
+
     fn stats(&self) -> BackendStats {
         self.inner.stats()
     }

@@ -25,6 +25,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::cow::{ClusterBuffers, RegionLocks};
 use crate::gate::IoGate;
@@ -213,19 +215,35 @@ pub struct Qcow2Options {
     pub backing: Option<Vec<BackingLevel>>,
     /// The top image's metadata cache sizes, where the user gave them (QEMU's `l2-cache-size`
     /// and `refcount-cache-size`).
-    pub cache: CacheSizes,
+    pub cache: CacheOptions,
 }
 
-/// The byte sizes of a qcow2 image's two metadata caches, each its own where given (QEMU's
-/// `l2-cache-size` and `refcount-cache-size`); one left out keeps its share of
-/// [`TOP_CACHE_BYTES`]. Each keeps at least two tables and at most
+/// A qcow2 image's metadata caches as the user set them (QEMU's `l2-cache-size`,
+/// `refcount-cache-size` and `cache-clean-interval`); what is left out keeps its default.
+/// The sizes are bytes, each cache its own where given, else its share of
+/// [`TOP_CACHE_BYTES`]; each keeps at least two tables and at most
 /// [`imago::qcow2::MAX_SPLIT_ENTRIES`] (an eviction scans the cache).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CacheSizes {
+pub struct CacheOptions {
     /// The L2 table cache.
     pub l2: Option<u64>,
     /// The refcount block cache.
     pub refcount: Option<u64>,
+    /// Seconds after which tables nobody used are dropped from the caches of the image and
+    /// its backing chain, 0 for never; [`DEFAULT_CLEAN_INTERVAL`] where not given.
+    pub clean_interval: Option<u32>,
+}
+
+/// How long a cached metadata table may go unused before it is dropped, where the user did not
+/// say: QEMU's default `cache-clean-interval` (10 minutes), so that an image left idle gives its
+/// cache memory back as it would in QEMU.
+pub const DEFAULT_CLEAN_INTERVAL: u32 = 600;
+
+/// When the metadata caches are next looked over for unused tables (see
+/// [`Qcow2Backend::drop_unused`]).
+struct Cleaning {
+    every: Duration,
+    next: Mutex<Instant>,
 }
 
 /// A qcow2 image (with its backing chain).
@@ -252,6 +270,8 @@ pub struct Qcow2Backend {
     corrupt_logged: AtomicBool,
     /// How many L2 tables and refcount blocks the top image's caches keep.
     cache_entries: (usize, usize),
+    /// Dropping unused metadata tables: None when `cache-clean-interval` is 0.
+    cleaning: Option<Cleaning>,
     /// The image file's length at open and its cluster size (log2; None if the header could not
     /// be read again), for the clusters allocated since.
     opened_len: u64,
@@ -457,6 +477,17 @@ fn format_error(path: &str, e: io::Error) -> OpenError {
 }
 
 /// imago's messages can span lines (context chains) and quote names from the image; the CLI
+/// Hands the pages of freed heap memory back to the kernel: tables dropped from the caches are
+/// freed in the middle of the heap, where the allocator keeps them resident otherwise.
+fn give_back_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; it reads
+    // and writes nothing of ours.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// promises one line, with nothing raw from the image in it.
 fn one_line(s: &str) -> String {
     named::escaped(&s.split_whitespace().collect::<Vec<_>>().join(" "))
@@ -473,6 +504,14 @@ impl Qcow2Backend {
     /// cluster size and [`Qcow2Options::cache`] made them.
     pub fn metadata_cache_entries(&self) -> (usize, usize) {
         self.cache_entries
+    }
+
+    /// How many L2 tables and refcount blocks the top image's caches hold right now (`None` for
+    /// a cache locked at this moment).
+    pub fn metadata_cached(&self) -> (Option<usize>, Option<usize>) {
+        (self.image.inner() as &dyn std::any::Any)
+            .downcast_ref::<Qcow2<RingFile>>()
+            .map_or((None, None), |q| q.metadata_cached())
     }
 
     /// The top image's metadata caches in a line for the log: how many tables, how much
@@ -599,6 +638,16 @@ impl Qcow2Backend {
             path: path.to_path_buf(),
             corrupt_logged: AtomicBool::new(false),
             cache_entries,
+            cleaning: match opts.cache.clean_interval.unwrap_or(DEFAULT_CLEAN_INTERVAL) {
+                0 => None,
+                secs => {
+                    let every = Duration::from_secs(secs.into());
+                    Some(Cleaning {
+                        every,
+                        next: Mutex::new(Instant::now() + every),
+                    })
+                }
+            },
             opened_len,
             host_cluster_bits,
             copy_ahead: AtomicU64::new(0),
@@ -749,13 +798,41 @@ impl BlockBackend for Qcow2Backend {
         self.size.load(Ordering::Acquire)
     }
 
+    fn drop_unused(&self) {
+        let Some(c) = &self.cleaning else {
+            return;
+        };
+        let now = Instant::now();
+        {
+            let mut next = c.next.lock().unwrap_or_else(|p| p.into_inner());
+            if now < *next {
+                return;
+            }
+            *next = now + c.every;
+        }
+        // Tables used since the previous pass stay; a cache busy right now is looked over at
+        // the next pass.
+        let dropped = self.image.drop_unused_metadata();
+        if dropped > 0 {
+            tracing::debug!(
+                path = %self.path.display(),
+                dropped,
+                "dropped qcow2 metadata tables unused for {} s",
+                c.every.as_secs()
+            );
+            give_back_freed_memory();
+        }
+    }
+
     fn stats(&self) -> crate::BackendStats {
         let grown = self
             .meta
             .metadata()
             .map_or(0, |m| m.len().saturating_sub(self.opened_len));
+        let (l2, rb) = self.metadata_cached();
         crate::BackendStats {
             qcow2: Some(crate::Qcow2Stats {
+                metadata_tables: l2.zip(rb).map(|(l2, rb)| (l2 + rb) as u64),
                 clusters_allocated: self.host_cluster_bits.map_or(0, |b| grown >> b),
                 copy_ahead: self.copy_ahead.load(Ordering::Relaxed),
                 copy_ahead_bytes: self.copy_ahead_bytes.load(Ordering::Relaxed),

@@ -322,6 +322,17 @@ pub fn render(exports: &[ExportMetrics]) -> String {
                 out.sample(name, &[("export", id)], value(q));
             }
         }
+        let name = "fusex_qcow2_metadata_tables";
+        out.family(
+            name,
+            Kind::Gauge,
+            "L2 tables and refcount blocks the qcow2 image's metadata caches hold.",
+        );
+        for (id, q) in &qcow2 {
+            if let Some(n) = q.metadata_tables {
+                out.sample(name, &[("export", id)], n);
+            }
+        }
     }
     out.0
 }
@@ -386,6 +397,7 @@ mod tests {
                 backend: BackendStats {
                     nbd: None,
                     qcow2: Some(Qcow2Stats {
+                        metadata_tables: Some(3),
                         clusters_allocated: 7,
                         copy_ahead: 1,
                         copy_ahead_bytes: 65536,
@@ -418,6 +430,8 @@ mod tests {
             "fusex_nbd_disconnected_seconds_total{export=\"vm1\"} 1.5",
             "fusex_nbd_connected{export=\"vm1\"} 1",
             "fusex_qcow2_clusters_allocated_total{export=\"odd \\\"id\\\" \\\\ with\\nline\"} 7",
+            "# TYPE fusex_qcow2_metadata_tables gauge",
+            "fusex_qcow2_metadata_tables{export=\"odd \\\"id\\\" \\\\ with\\nline\"} 3",
         ] {
             assert!(text.lines().any(|l| l == line), "no line {line} in:\n{text}");
         }

@@ -31,6 +31,7 @@ const BLOCKDEV_TYPES: &[(&str, Kind)] = &[
     ("cache-size", Kind::Uint),
     ("l2-cache-size", Kind::Uint),
     ("refcount-cache-size", Kind::Uint),
+    ("cache-clean-interval", Kind::Int),
     ("overlap-check.main-header", Kind::Bool),
     ("overlap-check.active-l1", Kind::Bool),
     ("overlap-check.active-l2", Kind::Bool),

@@ -599,6 +599,11 @@ impl Service {
                     .refcount
                     .map(|b| format!("--refcount-cache-size={b}")),
             );
+            all.extend(
+                q.qcow2_cache
+                    .clean_interval
+                    .map(|s| format!("--cache-clean-interval={s}")),
+            );
         }
         let protocol = chain.last().cloned().unwrap_or(n.clone());
         // force-share is the exported node's own (for a partition node, also the node it

@@ -96,8 +96,8 @@ pub struct Node {
     /// A raw node's `offset` and `size`: the byte range of its child it serves.
     pub range: Option<backend::ByteRange>,
     /// A qcow2 node's `cache-size`, `l2-cache-size` and `refcount-cache-size`, resolved to
-    /// the two caches' sizes.
-    pub qcow2_cache: backend::qcow2::CacheSizes,
+    /// the two caches' sizes, and its `cache-clean-interval`.
+    pub qcow2_cache: backend::qcow2::CacheOptions,
 }
 
 /// The members every driver takes (QAPI's `BlockdevOptionsBase`, as QEMU 7.2 has them).
@@ -132,7 +132,6 @@ const UNSUPPORTED: &[(&str, &[&str])] = &[
             "pass-discard-snapshot",
             "pass-discard-other",
             "l2-cache-entry-size",
-            "cache-clean-interval",
             "encrypt",
             "data-file",
         ],
@@ -155,6 +154,7 @@ fn own_members(driver: &str) -> &'static [&'static str] {
             "cache-size",
             "l2-cache-size",
             "refcount-cache-size",
+            "cache-clean-interval",
             "overlap-check",
         ],
         "vpc" | "vdi" | "vmdk" | "vhdx" => &["file"],
@@ -407,7 +407,7 @@ fn parse_below(
         order: 0,
         tls_creds: None,
         range: None,
-        qcow2_cache: backend::qcow2::CacheSizes::default(),
+        qcow2_cache: backend::qcow2::CacheOptions::default(),
     };
     node.driver = match driver {
         "file" | "host_device" => {
@@ -599,6 +599,7 @@ struct Qcow2Members {
     cache_size: Option<u64>,
     l2_cache_size: Option<u64>,
     refcount_cache_size: Option<u64>,
+    cache_clean_interval: Option<i64>,
 }
 
 /// QAPI's `Qcow2OverlapCheckMode`: which checks `overlap-check` asks for, as a mode.
@@ -631,13 +632,14 @@ struct OverlapChecks {
 }
 
 /// A qcow2 node's own members (besides `file` and `backing`): the cache sizes resolved as QEMU
-/// resolves them (any two of the three, `cache-size` the sum), and `overlap-check` checked.
+/// resolves them (any two of the three, `cache-size` the sum), `cache-clean-interval`, and
+/// `overlap-check` checked.
 /// `cache-size` alone is shared as fusex shares its default budget (¾ L2 tables).
 fn qcow2_members(
     mut members: Map<String, Value>,
     path: &str,
-) -> Result<backend::qcow2::CacheSizes, QmpError> {
-    use backend::qcow2::CacheSizes;
+) -> Result<backend::qcow2::CacheOptions, QmpError> {
+    use backend::qcow2::CacheOptions;
     if let Some(v) = members.remove("overlap-check") {
         // QAPI's `Qcow2OverlapChecks` is a mode or the checks one by one: each form is checked
         // for QEMU's words.
@@ -677,35 +679,41 @@ fn qcow2_members(
     let m: Qcow2Members = parse_args(Value::Object(members)).map_err(|e| prefix(e, path))?;
     // qemu-storage-daemon's words.
     let exceeds = |what: &str| QmpError::generic(format!("{what} may not exceed cache-size"));
-    Ok(
+    let (l2, refcount) =
         match (m.cache_size, m.l2_cache_size, m.refcount_cache_size) {
-            (Some(_), Some(_), Some(_)) => {
-                return Err(QmpError::generic(
-                    "cache-size, l2-cache-size and refcount-cache-size may not be set at the same \
-                 time",
-                ))
-            }
-            (Some(all), Some(l2), None) => CacheSizes {
-                l2: Some(l2),
-                refcount: Some(
+            (Some(_), Some(_), Some(_)) => return Err(QmpError::generic(
+                "cache-size, l2-cache-size and refcount-cache-size may not be set at the same time",
+            )),
+            (Some(all), Some(l2), None) => (
+                Some(l2),
+                Some(
                     all.checked_sub(l2)
                         .ok_or_else(|| exceeds("l2-cache-size"))?,
                 ),
-            },
-            (Some(all), None, Some(rc)) => CacheSizes {
-                l2: Some(
+            ),
+            (Some(all), None, Some(rc)) => (
+                Some(
                     all.checked_sub(rc)
                         .ok_or_else(|| exceeds("refcount-cache-size"))?,
                 ),
-                refcount: Some(rc),
-            },
-            (Some(all), None, None) => CacheSizes {
-                l2: Some(all / 4 * 3),
-                refcount: Some(all / 4),
-            },
-            (None, l2, refcount) => CacheSizes { l2, refcount },
-        },
-    )
+                Some(rc),
+            ),
+            (Some(all), None, None) => (Some(all / 4 * 3), Some(all / 4)),
+            (None, l2, refcount) => (l2, refcount),
+        };
+    // QEMU reads the interval as an unsigned number of seconds that fits 32 bits: a negative
+    // one is a huge one.
+    let clean_interval = m
+        .cache_clean_interval
+        .map(|secs| {
+            u32::try_from(secs).map_err(|_| QmpError::generic("Cache clean interval too big"))
+        })
+        .transpose()?;
+    Ok(CacheOptions {
+        l2,
+        refcount,
+        clean_interval,
+    })
 }
 
 /// An error about a nested object's member, named by its full path.
@@ -799,7 +807,7 @@ impl Node {
             order: 0,
             tls_creds: None,
             range: None,
-            qcow2_cache: backend::qcow2::CacheSizes::default(),
+            qcow2_cache: backend::qcow2::CacheOptions::default(),
         }
     }
 
@@ -1023,7 +1031,7 @@ mod tests {
             order: 0,
             tls_creds: None,
             range: None,
-            qcow2_cache: backend::qcow2::CacheSizes::default(),
+            qcow2_cache: backend::qcow2::CacheOptions::default(),
         };
         let lookup = move |name: &str| (name == "file0").then(|| file0.clone());
         let tls = |id: &str| match id {
@@ -1134,10 +1142,11 @@ mod tests {
     }
 
     /// Any two of QEMU's three cache sizes give both caches (`cache-size` is their sum); one
-    /// alone gives its cache; `cache-size` alone is split as fusex splits its default budget.
+    /// alone gives its cache; `cache-size` alone is split as fusex splits its default budget;
+    /// `cache-clean-interval` is checked as QEMU checks it.
     #[test]
     fn qcow2_cache_sizes_resolve_as_qemu_resolves_them() {
-        use backend::qcow2::CacheSizes;
+        use backend::qcow2::CacheOptions;
         let sizes = |extra: Value| {
             let mut args = json!({"driver": "qcow2", "node-name": "q", "file": "file0"});
             args.as_object_mut()
@@ -1146,12 +1155,13 @@ mod tests {
             nodes(args).map(|v| v.last().unwrap().qcow2_cache)
         };
         let both = |l2, refcount| {
-            Ok(CacheSizes {
+            Ok(CacheOptions {
                 l2: Some(l2),
                 refcount: Some(refcount),
+                clean_interval: None,
             })
         };
-        assert_eq!(sizes(json!({})), Ok(CacheSizes::default()));
+        assert_eq!(sizes(json!({})), Ok(CacheOptions::default()));
         assert_eq!(
             sizes(json!({"cache-size": 4 << 20, "l2-cache-size": 3 << 20})),
             both(3 << 20, 1 << 20)
@@ -1166,11 +1176,29 @@ mod tests {
         );
         assert_eq!(
             sizes(json!({"l2-cache-size": 1 << 20})),
-            Ok(CacheSizes {
+            Ok(CacheOptions {
                 l2: Some(1 << 20),
-                refcount: None
+                refcount: None,
+                clean_interval: None,
             })
         );
+        // `cache-clean-interval`: seconds that fit 32 bits, 0 for never; anything else is too
+        // big in QEMU's words (a negative number read unsigned is).
+        for secs in [0u32, 1, 600, u32::MAX] {
+            assert_eq!(
+                sizes(json!({"cache-clean-interval": secs})),
+                Ok(CacheOptions {
+                    clean_interval: Some(secs),
+                    ..CacheOptions::default()
+                })
+            );
+        }
+        for bad in [json!(-1), json!(1u64 << 32)] {
+            assert_eq!(
+                sizes(json!({"cache-clean-interval": bad})).unwrap_err(),
+                "Cache clean interval too big"
+            );
+        }
         assert_eq!(
             sizes(json!({"cache-size": 1, "l2-cache-size": 2})).unwrap_err(),
             "l2-cache-size may not exceed cache-size"

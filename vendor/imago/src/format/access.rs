@@ -138,6 +138,12 @@ impl<S: Storage + 'static> FormatAccess<S> {
         self.inner.size()
     }
 
+    /// Drop cached metadata that went unused since the previous call (see
+    /// [`FormatDriverInstance::drop_unused_metadata()`]); returns how many tables were dropped.
+    pub fn drop_unused_metadata(&self) -> usize {
+        self.inner.drop_unused_metadata()
+    }
+
     /// Set the number of simultaneous async requests per read.
     ///
     /// When issuing read requests, issue this many async requests in parallel (still in a single

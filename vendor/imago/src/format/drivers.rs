@@ -68,6 +68,16 @@ pub trait FormatDriverInstance: Any + Debug + Display + Send + Sync {
         None
     }
 
+    /// Drop cached metadata that went unused since the previous call and has nothing left to
+    /// write back, in this image and in the images it reads from, so that an idle image gives
+    /// its memory back.
+    ///
+    /// Never waits for a lock: what is busy now is left for a later call.  Returns how many
+    /// cached tables were dropped.
+    fn drop_unused_metadata(&self) -> usize {
+        0
+    }
+
     /// Recursively collect all storage objects associated with this image.
     ///
     /// “Recursive” means to recurse to other images like e.g. a backing file.

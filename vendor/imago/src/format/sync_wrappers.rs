@@ -33,6 +33,11 @@ impl<S: Storage + 'static> SyncFormatAccess<S> {
         self.inner.size()
     }
 
+    /// Like [`FormatAccess::drop_unused_metadata()`].
+    pub fn drop_unused_metadata(&self) -> usize {
+        self.inner.drop_unused_metadata()
+    }
+
     /// Set the number of simultaneous async requests per read.
     ///
     /// When issuing read requests, issue this many async requests in parallel (still in a single

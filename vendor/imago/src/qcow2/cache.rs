@@ -168,6 +168,21 @@ impl<S: Storage> MetadataCaches<S> {
         (self.l2.limit(), self.rb.limit())
     }
 
+    /// Drops the L2 tables and refcount blocks that went unused since the previous call and have
+    /// nothing left to write back (see [`AsyncLruCache::drop_unused()`]); `None` for a cache that
+    /// was locked (left for the next call).
+    pub fn drop_unused(&self) -> (Option<usize>, Option<usize>) {
+        (
+            self.l2.drop_unused(|table| !table.is_modified()),
+            self.rb.drop_unused(|block| !block.is_modified()),
+        )
+    }
+
+    /// How many L2 tables and refcount blocks the caches hold now (`None`: locked right now).
+    pub fn cached(&self) -> (Option<usize>, Option<usize>) {
+        (self.l2.len(), self.rb.len())
+    }
+
     /// Make sure the refblock cache is flushed before the L2 cache.
     ///
     /// Use before allocating new clusters.

@@ -460,6 +460,12 @@ impl<S: Storage + 'static, F: WrappedFormat<S> + 'static> Qcow2<S, F> {
         self.caches.entry_limits()
     }
 
+    /// How many L2 tables and refcount blocks the metadata caches hold now (`None` for a cache
+    /// locked right now).
+    pub fn metadata_cached(&self) -> (Option<usize>, Option<usize>) {
+        self.caches.cached()
+    }
+
     /// Whether an overlap check found the image's metadata damaged (it is then marked corrupt,
     /// and every write fails).
     pub fn is_corrupt(&self) -> bool {
@@ -526,6 +532,15 @@ impl<S: Storage, F: WrappedFormat<S>> FormatDriverInstance for Qcow2<S, F> {
 
     fn size(&self) -> u64 {
         self.header.size()
+    }
+
+    fn drop_unused_metadata(&self) -> usize {
+        let (l2, rb) = self.caches.drop_unused();
+        let below = self
+            .backing
+            .as_ref()
+            .map_or(0, |b| b.inner().drop_unused_metadata());
+        l2.unwrap_or(0) + rb.unwrap_or(0) + below
     }
 
     fn zero_granularity(&self) -> Option<u64> {
