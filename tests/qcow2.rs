@@ -1394,7 +1394,10 @@ fn writes_through_two_table_caches_match_oracle() {
             what,
             &[&args[..], extra].concat(),
             image,
-            &["--l2-cache-size and --refcount-cache-size are for qcow2 images"],
+            &[
+                "--l2-cache-size, --refcount-cache-size and --cache-clean-interval are for qcow2 \
+               images",
+            ],
         );
     }
 }

@@ -506,8 +506,9 @@ class Scenario:
                                         for n in r if n["node-name"] == "win0"])
         await self.step("blockdev-del win0 again", "blockdev-del", {"node-name": "win0"})
 
-        # 5f. A qcow2 node's metadata cache sizes and overlap checks: QEMU's rules for the
-        #     three sizes, the two forms of overlap-check, and an export that reads the same.
+        # 5f. A qcow2 node's metadata cache sizes, clean interval and overlap checks: QEMU's
+        #     rules for the three sizes and the interval, the two forms of overlap-check, and an
+        #     export that reads the same.
         qc = lambda **kv: dict({"driver": "qcow2", "node-name": "cq",
                                 "file": {"driver": "file", "filename": self.p("hdr.qcow2")}},
                                **kv)
@@ -527,6 +528,11 @@ class Scenario:
              qc(**{"overlap-check": {"bogus": True}})),
             ("blockdev-add: overlap-check check wrong type",
              qc(**{"overlap-check": {"main-header": "yes"}})),
+            ("blockdev-add: cache-clean-interval negative", qc(**{"cache-clean-interval": -1})),
+            ("blockdev-add: cache-clean-interval over 32 bits",
+             qc(**{"cache-clean-interval": 1 << 32})),
+            ("blockdev-add: cache-clean-interval wrong type",
+             qc(**{"cache-clean-interval": "600"})),
         ]:
             await self.step(name, "blockdev-add", args)
         for name, args in [
@@ -536,16 +542,18 @@ class Scenario:
             ("cache-size and refcount-cache-size",
              {"cache-size": 2 * MiB, "refcount-cache-size": 256 * 1024}),
             ("overlap-check none", {"overlap-check": "none"}),
+            ("cache-clean-interval 0", {"cache-clean-interval": 0}),
+            ("cache-clean-interval 4294967295", {"cache-clean-interval": (1 << 32) - 1}),
             ("overlap-check checks", {"overlap-check": {"template": "cached",
                                                         "inactive-l2": True,
                                                         "bitmap-directory": False}}),
         ]:
             await self.step(f"blockdev-add cq {name}", "blockdev-add", qc(**args))
             await self.step(f"blockdev-del cq {name}", "blockdev-del", {"node-name": "cq"})
-        await self.step("blockdev-add cq l2-cache-size refcount-cache-size overlap-check all",
-                        "blockdev-add",
+        await self.step("blockdev-add cq l2-cache-size refcount-cache-size overlap-check all "
+                        "cache-clean-interval 1", "blockdev-add",
                         qc(**{"l2-cache-size": 128 * 1024, "refcount-cache-size": 128 * 1024,
-                              "overlap-check": "all"}))
+                              "overlap-check": "all", "cache-clean-interval": 1}))
         open(self.p("cq.mnt"), "wb").close()
         await self.step("block-export-add exp4 over cq", "block-export-add",
                         {"type": "fuse", "id": "exp4", "node-name": "cq",

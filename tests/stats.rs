@@ -383,3 +383,69 @@ fn qcow2_allocations_and_copy_ahead_are_counted() {
     drop(f);
     m.stop().assert_clean("qcow2 overlay");
 }
+
+/// `--cache-clean-interval`: the metadata tables a read brought into the caches are dropped once
+/// nobody used them for an interval (the statistics count them going), and reads after that load
+/// them again and return the same bytes.
+#[test]
+fn qcow2_tables_unused_for_the_clean_interval_are_dropped() {
+    let _serial = serial();
+    if !require_fuse_and_tools(&["qemu-img", "qemu-io"]) {
+        return;
+    }
+    let w = WorkDir::new("stats-qcow2-clean");
+    let img = w.join("disk.qcow2");
+    // 4 KiB clusters: each L2 table maps 2 MiB, so the four patterns below sit in four tables.
+    run_ok(
+        Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"])
+            .arg(&img)
+            .arg("8M"),
+    );
+    for t in 0..4u64 {
+        run_ok(
+            Command::new("qemu-io")
+                .args(["-f", "qcow2", "-c"])
+                .arg(format!("write -P {} {} 64k", 0x11 * (t + 1), t * 2 * MIB))
+                .arg(&img),
+        );
+    }
+    let (m, sock) = mount_with_control(&w, &img, &["--writable", "--cache-clean-interval", "1"]);
+    let check = |what: &str| {
+        let f = open_rw_direct(m.path());
+        use std::os::unix::fs::FileExt;
+        let mut buf = AlignedBuf::new(64 * 1024, 4096);
+        for t in 0..4u64 {
+            f.read_exact_at(buf.as_mut_slice(), t * 2 * MIB).unwrap();
+            let want = (0x11 * (t + 1)) as u8;
+            assert!(
+                buf.as_slice().iter().all(|&b| b == want),
+                "{what}: table {t} read other bytes"
+            );
+        }
+    };
+    check("first read");
+    let tables = |s: &Value| s["qcow2"]["metadata_tables"].as_u64();
+    let s = query_stats(&sock);
+    assert!(
+        tables(&s).is_some_and(|n| n >= 4),
+        "four L2 tables cached: {s}"
+    );
+    // A pass every second; a table goes at the second pass after its last use.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let s = query_stats(&sock);
+        if tables(&s) == Some(0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tables still cached 15 s after their last use: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    check("read after the tables were dropped");
+    let s = query_stats(&sock);
+    assert!(tables(&s).is_some_and(|n| n >= 4), "loaded again: {s}");
+    m.stop().assert_clean("clean interval");
+}

@@ -477,17 +477,6 @@ fn format_error(path: &str, e: io::Error) -> OpenError {
 }
 
 /// imago's messages can span lines (context chains) and quote names from the image; the CLI
-/// Hands the pages of freed heap memory back to the kernel: tables dropped from the caches are
-/// freed in the middle of the heap, where the allocator keeps them resident otherwise.
-fn give_back_freed_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; it reads
-    // and writes nothing of ours.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// promises one line, with nothing raw from the image in it.
 fn one_line(s: &str) -> String {
     named::escaped(&s.split_whitespace().collect::<Vec<_>>().join(" "))
@@ -820,7 +809,6 @@ impl BlockBackend for Qcow2Backend {
                 "dropped qcow2 metadata tables unused for {} s",
                 c.every.as_secs()
             );
-            give_back_freed_memory();
         }
     }
 

@@ -271,6 +271,16 @@ mod tests {
             "--blockdev qcow2,node-name=q,file=f,cache-size=1M: Parameter 'cache-size' expects \
              integer"
         );
+        // Its clean interval is a signed integer there (QEMU then finds a negative one too big).
+        assert_eq!(
+            blockdev("qcow2,node-name=q,file=f,cache-clean-interval=-1").unwrap(),
+            json!({"driver": "qcow2", "node-name": "q", "file": "f", "cache-clean-interval": -1})
+        );
+        assert_eq!(
+            blockdev("qcow2,node-name=q,file=f,cache-clean-interval=1.5").unwrap_err(),
+            "--blockdev qcow2,node-name=q,file=f,cache-clean-interval=1.5: Parameter \
+             'cache-clean-interval' expects integer"
+        );
         assert_eq!(
             blockdev("node-name=x,file").unwrap_err(),
             "--blockdev node-name=x,file: Expected '=' after parameter 'file'"
