@@ -109,7 +109,7 @@ fn allocating_writes_read_back(cache: CacheOptions) {
 
 /// The cache sizes a user gives (QEMU's `l2-cache-size` and `refcount-cache-size`) set how many
 /// tables each cache keeps, in clusters of the image, from two up to imago's ceiling; without
-/// them the top image shares fusex's default budget.
+/// them the top image keeps QEMU's default L2 ceiling and its share of fusex's refcount budget.
 #[test]
 fn cache_sizes_set_how_many_tables_each_cache_keeps() {
     let Some(qemu_img) = qemu_img() else {
@@ -141,13 +141,15 @@ fn cache_sizes_set_how_many_tables_each_cache_keeps() {
         .unwrap()
         .metadata_cache_entries()
     };
-    // 16 MiB shared 3:1, at most imago's default 128 and 32 tables.
-    assert_eq!(entries(None, None, true), (128, 32));
+    // By default 32 MiB of L2 tables (QEMU's ceiling) and 4 MiB of refcount blocks, at most
+    // imago's default 32.
+    assert_eq!(entries(None, None, true), (512, 32));
+    assert_eq!(entries(None, None, false), (512, 32));
     assert_eq!(entries(Some(1 << 20), Some(256 << 10), true), (16, 4));
     assert_eq!(entries(Some(1 << 20), Some(256 << 10), false), (16, 4));
     // One given, the other keeps its share.
     assert_eq!(entries(Some(32 << 20), None, true), (512, 32));
-    assert_eq!(entries(None, Some(1 << 20), true), (128, 16));
+    assert_eq!(entries(None, Some(1 << 20), true), (512, 16));
     // Part of a cluster rounds down, and never below two tables.
     assert_eq!(entries(Some(100_000), Some(1), true), (2, 2));
     let max = imago::qcow2::MAX_SPLIT_ENTRIES;

@@ -388,7 +388,8 @@ pub struct MountArgs {
     ///
     /// Each cached table maps one cluster's worth of entries: SIZE = 1 MiB covers 8 GiB of
     /// guest with 64 KiB clusters. At least two tables, at most 1024 (finding the table to
-    /// evict scans them all). Default: 12 MiB, at most 128 tables; the top image only.
+    /// evict scans them all). Default: 32 MiB (QEMU's default ceiling), loaded as reads need
+    /// them; the top image only.
     #[arg(long, value_name = "SIZE", value_parser = parse_size_or_zero, help_heading = heading::IMAGE)]
     pub l2_cache_size: Option<u64>,
     /// Keep up to SIZE bytes of a qcow2 image's refcount blocks in memory (QEMU's

@@ -44,8 +44,17 @@ use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, 
 pub const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
 
 /// Metadata cache budget of the top image: three quarters L2 tables, one quarter refcount blocks
-/// (at least two of each, at most imago's default 128 and 32). See "Memory" in docs/design.md.
+/// (at least two of each, at most imago's default 128 and 32). The L2 share is only the backing
+/// chain's rule now: the top image's L2 cache defaults to [`TOP_L2_CACHE_BYTES`]. See "Memory"
+/// in docs/design.md.
 pub const TOP_CACHE_BYTES: u64 = 16 << 20;
+/// The top image's L2 cache where the user gives no size: QEMU's default ceiling (32 MiB, which
+/// maps 256 GiB of guest with 64 KiB clusters), as at most
+/// [`imago::qcow2::MAX_SPLIT_ENTRIES`] tables. Tables are loaded as requests need them, so a
+/// smaller image never holds more than the tables it has; with a ceiling of 128 tables (8 GiB
+/// mapped with 4 KiB clusters, 64 GiB with 64 KiB) random reads over a larger image read a
+/// table for most requests.
+pub const TOP_L2_CACHE_BYTES: u64 = 32 << 20;
 /// Metadata cache budget of each qcow2 image of the backing chain (read-only: only its L2 share is
 /// ever filled).
 pub const BACKING_CACHE_BYTES: u64 = 4 << 20;
@@ -220,8 +229,8 @@ pub struct Qcow2Options {
 
 /// A qcow2 image's metadata caches as the user set them (QEMU's `l2-cache-size`,
 /// `refcount-cache-size` and `cache-clean-interval`); what is left out keeps its default.
-/// The sizes are bytes, each cache its own where given, else its share of
-/// [`TOP_CACHE_BYTES`]; each keeps at least two tables and at most
+/// The sizes are bytes, each cache its own where given, else [`TOP_L2_CACHE_BYTES`] (L2) and
+/// its share of [`TOP_CACHE_BYTES`] (refcount); each keeps at least two tables and at most
 /// [`imago::qcow2::MAX_SPLIT_ENTRIES`] (an eviction scans the cache).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheOptions {
@@ -577,7 +586,10 @@ impl Qcow2Backend {
                 .metadata_cache_bytes(TOP_CACHE_BYTES, BACKING_CACHE_BYTES)
                 .protect_metadata(protect)
                 .write(opts.writable);
-            builder = builder.metadata_cache_split(opts.cache.l2, opts.cache.refcount);
+            builder = builder.metadata_cache_split(
+                Some(opts.cache.l2.unwrap_or(TOP_L2_CACHE_BYTES)),
+                opts.cache.refcount,
+            );
             if let Some(levels) = explicit {
                 builder = builder.backing(backing::open_chain(levels, &gate).await?);
             }
