@@ -504,6 +504,13 @@ impl Qcow2Backend {
         self.cache_entries
     }
 
+    /// One pass of [`BlockBackend::drop_unused`] now, whatever the interval: for tests that race
+    /// passes against requests. How many tables it dropped.
+    #[doc(hidden)]
+    pub fn drop_unused_now(&self) -> usize {
+        self.image.drop_unused_metadata()
+    }
+
     /// How many L2 tables and refcount blocks the top image's caches hold right now (`None` for
     /// a cache locked at this moment).
     pub fn metadata_cached(&self) -> (Option<usize>, Option<usize>) {
