@@ -413,8 +413,8 @@ fn an_l2_entry_aliasing_the_l1_table_while_serving_never_lets_guest_data_land_th
             .arg(&img)
             .arg((8 * L2_SPAN).to_string()),
     );
-    // Data under eight L2 tables: more than the top image's cache keeps (six with 2 MiB
-    // clusters), so the first table is read from the file again once the others were used.
+    // Data under eight L2 tables: more than a 12 MiB L2 cache keeps (six with 2 MiB clusters),
+    // so the first table is read from the file again once the others were used.
     let mut io = Command::new("qemu-io");
     io.args(["-f", "qcow2"]);
     for k in 0..8u64 {
@@ -423,7 +423,7 @@ fn an_l2_entry_aliasing_the_l1_table_while_serving_never_lets_guest_data_land_th
     }
     run_ok(io.arg(&img));
     let mp = w.join("big.raw");
-    let m = Mount::start(&w, &img, &mp, &["--writable"]);
+    let m = Mount::start(&w, &img, &mp, &["--writable", "--l2-cache-size", "12M"]);
     let f = m.open_rw();
     let mut b = vec![0u8; 4096];
     for k in 1..8u64 {
