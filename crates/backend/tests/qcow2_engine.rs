@@ -18,6 +18,50 @@ fn qemu_img() -> Option<std::path::PathBuf> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().into())
 }
 
+/// `qemu-img create` of a qcow2 image of `size` (bytes, or with a suffix) with clusters of
+/// `cluster` bytes.
+fn create(qemu_img: &std::path::Path, path: &std::path::Path, cluster: u64, size: &str) {
+    let st = Command::new(qemu_img)
+        .args(["create", "-q", "-f", "qcow2", "-o"])
+        .arg(format!("cluster_size={cluster}"))
+        .arg(path)
+        .arg(size)
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+/// qemu-img's path, a directory of the test's own and a fresh image `name` in it (see
+/// [`create`]); None where qemu-img is missing (never in CI, where that fails the test).
+fn fresh_image(
+    name: &str,
+    cluster: u64,
+    size: &str,
+) -> Option<(std::path::PathBuf, tempfile::TempDir, std::path::PathBuf)> {
+    let Some(qemu_img) = qemu_img() else {
+        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+        return None;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    create(&qemu_img, &path, cluster, size);
+    Some((qemu_img, dir, path))
+}
+
+/// `qemu-img check` finds nothing wrong with the image.
+fn assert_check_clean(qemu_img: &std::path::Path, path: &std::path::Path) {
+    let out = Command::new(qemu_img)
+        .arg("check")
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 #[test]
 fn concurrent_allocating_writes_read_back() {
     allocating_writes_read_back(CacheOptions::default());
@@ -35,19 +79,9 @@ fn concurrent_allocating_writes_read_back_through_two_table_caches() {
 }
 
 fn allocating_writes_read_back(cache: CacheOptions) {
-    let Some(qemu_img) = qemu_img() else {
-        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+    let Some((qemu_img, _dir, path)) = fresh_image("t.qcow2", 4096, "8M") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("t.qcow2");
-    let st = Command::new(&qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"])
-        .arg(&path)
-        .arg("8M")
-        .status()
-        .unwrap();
-    assert!(st.success());
     let b = Rc::new(
         Qcow2Backend::open(
             &path,
@@ -95,16 +129,7 @@ fn allocating_writes_read_back(cache: CacheOptions) {
     eng.run().unwrap();
     eng.block_on(b.flush(&eng)).unwrap().unwrap();
     drop(b);
-    let out = Command::new(&qemu_img)
-        .arg("check")
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    assert_check_clean(&qemu_img, &path);
 }
 
 /// The cache sizes a user gives (QEMU's `l2-cache-size` and `refcount-cache-size`) set how many
@@ -112,19 +137,9 @@ fn allocating_writes_read_back(cache: CacheOptions) {
 /// them the top image keeps QEMU's default L2 ceiling and its share of fusex's refcount budget.
 #[test]
 fn cache_sizes_set_how_many_tables_each_cache_keeps() {
-    let Some(qemu_img) = qemu_img() else {
-        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+    let Some((_, _dir, path)) = fresh_image("c.qcow2", 65536, "1G") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("c.qcow2");
-    let st = Command::new(&qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=65536"])
-        .arg(&path)
-        .arg("1G")
-        .status()
-        .unwrap();
-    assert!(st.success());
     let entries = |l2: Option<u64>, refcount: Option<u64>, writable: bool| {
         Qcow2Backend::open(
             &path,
@@ -161,20 +176,10 @@ fn cache_sizes_set_how_many_tables_each_cache_keeps() {
 /// stays until they are); 0 keeps every table.
 #[test]
 fn unused_metadata_tables_are_dropped_after_the_clean_interval() {
-    let Some(qemu_img) = qemu_img() else {
-        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+    // 4 KiB clusters: an L2 table maps 2 MiB, so 8 MiB of guest take four tables.
+    let Some((qemu_img, _dir, path)) = fresh_image("clean.qcow2", 4096, "8M") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("clean.qcow2");
-    // 4 KiB clusters: an L2 table maps 2 MiB, so 8 MiB of guest take four tables.
-    let st = Command::new(&qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"])
-        .arg(&path)
-        .arg("8M")
-        .status()
-        .unwrap();
-    assert!(st.success());
     let open = |secs: u32| {
         Qcow2Backend::open(
             &path,
@@ -267,16 +272,7 @@ fn unused_metadata_tables_are_dropped_after_the_clean_interval() {
     pass(&b);
     assert_eq!(l2_cached(&b), 4);
     drop(b);
-    let out = Command::new(&qemu_img)
-        .arg("check")
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    assert_check_clean(&qemu_img, &path);
 }
 
 /// Passes that drop unused tables, run over and over from another thread (as an export's
@@ -286,20 +282,11 @@ fn unused_metadata_tables_are_dropped_after_the_clean_interval() {
 /// reads back as written, and `qemu-img check` finds the image clean.
 #[test]
 fn allocating_writes_read_back_while_passes_drop_unused_tables() {
-    let Some(qemu_img) = qemu_img() else {
-        assert!(std::env::var_os("CI").is_none(), "qemu-img missing in CI");
+    const MIB2: u64 = 2 << 20;
+    let Some((qemu_img, _dir, path)) = fresh_image("race.qcow2", 4096, &(16 * MIB2).to_string())
+    else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("race.qcow2");
-    const MIB2: u64 = 2 << 20;
-    let st = Command::new(&qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"])
-        .arg(&path)
-        .arg((16 * MIB2).to_string())
-        .status()
-        .unwrap();
-    assert!(st.success());
     let b = std::sync::Arc::new(
         Qcow2Backend::open(
             &path,
@@ -388,14 +375,5 @@ fn allocating_writes_read_back_while_passes_drop_unused_tables() {
     assert!(dropped > 0, "{passes} passes dropped nothing");
     eng.block_on(b.flush(&eng)).unwrap().unwrap();
     drop(b);
-    let out = Command::new(&qemu_img)
-        .arg("check")
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    assert_check_clean(&qemu_img, &path);
 }
