@@ -402,14 +402,13 @@ fn qcow2_tables_unused_for_the_clean_interval_are_dropped() {
             .arg(&img)
             .arg("8M"),
     );
+    let mut io = Command::new("qemu-io");
+    io.args(["-f", "qcow2"]);
     for t in 0..4u64 {
-        run_ok(
-            Command::new("qemu-io")
-                .args(["-f", "qcow2", "-c"])
-                .arg(format!("write -P {} {} 64k", 0x11 * (t + 1), t * 2 * MIB))
-                .arg(&img),
-        );
+        io.arg("-c")
+            .arg(format!("write -P {} {} 64k", 0x11 * (t + 1), t * 2 * MIB));
     }
+    run_ok(io.arg(&img));
     let (m, sock) = mount_with_control(&w, &img, &["--writable", "--cache-clean-interval", "1"]);
     let check = |what: &str| {
         let f = open_rw_direct(m.path());
@@ -432,18 +431,18 @@ fn qcow2_tables_unused_for_the_clean_interval_are_dropped() {
         "four L2 tables cached: {s}"
     );
     // A pass every second; a table goes at the second pass after its last use.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    loop {
-        let s = query_stats(&sock);
-        if tables(&s) == Some(0) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "tables still cached 15 s after their last use: {s}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    let mut last = Value::Null;
+    let dropped = wait_until(
+        std::time::Instant::now() + std::time::Duration::from_secs(15),
+        || {
+            last = query_stats(&sock);
+            tables(&last) == Some(0)
+        },
+    );
+    assert!(
+        dropped,
+        "tables still cached 15 s after their last use: {last}"
+    );
     check("read after the tables were dropped");
     let s = query_stats(&sock);
     assert!(tables(&s).is_some_and(|n| n >= 4), "loaded again: {s}");

@@ -48,6 +48,30 @@ fn fresh_image(
     Some((qemu_img, dir, path))
 }
 
+/// An engine with `buffers` request buffers of 64 KiB.
+fn engine(buffers: usize) -> Engine {
+    Engine::new(&EngineConfig {
+        buffers,
+        buffer_size: 65536,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
+/// Writes `len` bytes of `fill` at `off`, reads them back into a zeroed buffer and says whether
+/// every byte read is `fill` (each I/O must be whole).
+async fn write_and_read_back(b: &Qcow2Backend, e: &Engine, off: u64, len: usize, fill: u8) -> bool {
+    let mut buf = e.take_buffer().unwrap();
+    buf.as_mut_slice()[..len].fill(fill);
+    let (r, win) = b.write_at(e, buf.slice(0..len), off).await;
+    assert_eq!(r.unwrap(), len);
+    let mut buf = win.into_inner();
+    buf.as_mut_slice().fill(0);
+    let (r, win) = b.read_at(e, buf.slice(0..len), off).await;
+    assert_eq!(r.unwrap(), len);
+    win.as_slice().iter().all(|&x| x == fill)
+}
+
 /// `qemu-img check` finds nothing wrong with the image.
 fn assert_check_clean(qemu_img: &std::path::Path, path: &std::path::Path) {
     let out = Command::new(qemu_img)
@@ -96,31 +120,16 @@ fn allocating_writes_read_back(cache: CacheOptions) {
     if cache != CacheOptions::default() {
         assert_eq!(b.metadata_cache_entries(), (2, 2));
     }
-    let eng = Rc::new(
-        Engine::new(&EngineConfig {
-            buffers: 32,
-            buffer_size: 65536,
-            ..EngineConfig::default()
-        })
-        .unwrap(),
-    );
+    let eng = Rc::new(engine(32));
     let tasks = 16u64;
     for t in 0..tasks {
         let (b, e) = (b.clone(), eng.clone());
         eng.spawn(async move {
             for i in 0..8u64 {
                 let off = (i * tasks + t) * 12288 + 100;
-                let mut buf = e.take_buffer().unwrap();
                 let fill = (t * 8 + i) as u8 | 1;
-                buf.as_mut_slice()[..10000].fill(fill);
-                let (r, win) = b.write_at(&e, buf.slice(0..10000), off).await;
-                assert_eq!(r.unwrap(), 10000);
-                let mut buf = win.into_inner();
-                buf.as_mut_slice().fill(0);
-                let (r, win) = b.read_at(&e, buf.slice(0..10000), off).await;
-                assert_eq!(r.unwrap(), 10000);
                 assert!(
-                    win.as_slice().iter().all(|&x| x == fill),
+                    write_and_read_back(&b, &e, off, 10000, fill).await,
                     "task {t} round {i}"
                 );
             }
@@ -194,12 +203,7 @@ fn unused_metadata_tables_are_dropped_after_the_clean_interval() {
         )
         .unwrap()
     };
-    let eng = Engine::new(&EngineConfig {
-        buffers: 4,
-        buffer_size: 65536,
-        ..EngineConfig::default()
-    })
-    .unwrap();
+    let eng = engine(4);
     const MIB2: u64 = 2 << 20;
     let write = |b: &Qcow2Backend, off: u64, fill: u8| {
         eng.block_on(async {
@@ -317,14 +321,7 @@ fn allocating_writes_read_back_while_passes_drop_unused_tables() {
             (passes, dropped)
         })
     };
-    let eng = Rc::new(
-        Engine::new(&EngineConfig {
-            buffers: 32,
-            buffer_size: 65536,
-            ..EngineConfig::default()
-        })
-        .unwrap(),
-    );
+    let eng = Rc::new(engine(32));
     let tasks = 16u64;
     // Task t writes 8 KiB blocks in table (t + i) % 16, so the tasks keep moving between tables.
     let off = |t: u64, i: u64| ((t + i) % 16) * MIB2 + (t * 32 + i) * 8192 + 512;
@@ -334,16 +331,8 @@ fn allocating_writes_read_back_while_passes_drop_unused_tables() {
             eng.spawn(async move {
                 for i in 0..8u64 {
                     let fill = ((round * 64 + t * 4 + i) % 251) as u8 | 1;
-                    let mut buf = e.take_buffer().unwrap();
-                    buf.as_mut_slice()[..8192].fill(fill);
-                    let (r, win) = b.write_at(&e, buf.slice(0..8192), off(t, i)).await;
-                    assert_eq!(r.unwrap(), 8192);
-                    let mut buf = win.into_inner();
-                    buf.as_mut_slice().fill(0);
-                    let (r, win) = b.read_at(&e, buf.slice(0..8192), off(t, i)).await;
-                    assert_eq!(r.unwrap(), 8192);
                     assert!(
-                        win.as_slice().iter().all(|&x| x == fill),
+                        write_and_read_back(&b, &e, off(t, i), 8192, fill).await,
                         "round {round} task {t} block {i}"
                     );
                 }

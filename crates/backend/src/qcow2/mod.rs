@@ -44,9 +44,9 @@ use crate::{Attrs, BackendError, BlockBackend, Capabilities, OpenError, Result, 
 pub const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
 
 /// Metadata cache budget of the top image: three quarters L2 tables, one quarter refcount blocks
-/// (at least two of each, at most imago's default 128 and 32). The L2 share is only the backing
-/// chain's rule now: the top image's L2 cache defaults to [`TOP_L2_CACHE_BYTES`]. See "Memory"
-/// in docs/design.md.
+/// (at least two of each, at most imago's default 128 and 32). Only its refcount share (4 MiB)
+/// still sizes a cache: the top image's L2 cache defaults to [`TOP_L2_CACHE_BYTES`]. See
+/// "Memory" in docs/design.md.
 pub const TOP_CACHE_BYTES: u64 = 16 << 20;
 /// The top image's L2 cache where the user gives no size: QEMU's default ceiling (32 MiB, which
 /// maps 256 GiB of guest with 64 KiB clusters), as at most
