@@ -106,6 +106,9 @@ fn fio(mp: &Path, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new("fio");
     c.args([
         "--name=busy",
+        // Jobs as threads: killing fio stops its I/O (a forked job outlives its killed parent
+        // and keeps the export busy, so the daemon's stop waits for it).
+        "--thread",
         // No verify state file left in the working directory if fio is killed.
         "--verify_state_save=0",
         "--ioengine=libaio",

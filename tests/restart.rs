@@ -626,6 +626,8 @@ fn fio_verify_through_restarts(
         std::process::Command::new("fio")
             .args([
                 "--name=v",
+                // Jobs as threads: killing fio stops its I/O.
+                "--thread",
                 // No verify state file left in the working directory if fio is killed.
                 "--verify_state_save=0",
                 "--rw=randwrite",

@@ -95,6 +95,8 @@ fn exports_come_and_go_while_a_busy_export_serves_verified_io() {
         Command::new("fio")
             .args([
                 "--name=busy",
+                // Jobs as threads: killing fio stops its I/O.
+                "--thread",
                 // No verify state file left in the working directory if fio is killed.
                 "--verify_state_save=0",
                 "--ioengine=libaio",
