@@ -14,9 +14,10 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 transports=${E2E_TRANSPORTS:-legacy uring}
 threads=${E2E_TEST_THREADS:-4}
-# Binaries whose tests name their transports themselves (or mount nothing): the first pass runs
-# them, a second would repeat it.
-once=" uring install "
+# Binaries whose tests name their transports themselves (or mount nothing, or only through
+# `fusex serve`, whose exports choose their own): the first pass runs them, a second would
+# repeat it.
+once=" uring install serve top "
 
 # Build (errors shown as cargo shows them), then learn the test binaries from cargo's report.
 cargo build --locked --workspace --bins --tests
