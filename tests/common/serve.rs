@@ -137,6 +137,12 @@ impl Drop for Serve {
         if let Some(mut c) = self.child.take() {
             send_signal(c.id() as i32, libc::SIGTERM);
             if wait_timeout(&mut c, TIMEOUT).is_none() {
+                eprintln!(
+                    "harness: fusex serve (pid {}) in {} did not exit within {TIMEOUT:?} of \
+                     SIGTERM: killed",
+                    c.id(),
+                    self.dir.display()
+                );
                 let _ = c.kill();
                 let _ = c.wait();
             }
