@@ -2065,6 +2065,76 @@ fn cache_modes_decide_what_the_kernel_remembers() {
     );
 }
 
+/// `--cache always`: the kernel keeps a directory's listing and lists it again without a READDIR
+/// to fusex, and a name made or removed through the mount shows in the next listing; under
+/// `--cache auto` every listing asks fusex again.
+#[test]
+fn cache_always_keeps_listings_until_the_mount_changes_them() {
+    if !require_fuse() {
+        return;
+    }
+    let names = |p: &Path| -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(p)
+            .unwrap_or_else(|e| panic!("listing {}: {e}", p.display()))
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    // A fresh tree of 300 names (more than one reply holds), listed `times` times through a
+    // fresh mount; `then` runs on it before the stop. The READDIR and READDIRPLUS fusex served.
+    let listings = |mode: &str, times: usize, then: &dyn Fn(&Path, &Path)| -> u64 {
+        let t = Tree::new("dirfs-listings");
+        fs::create_dir(t.src.join("d")).unwrap();
+        for i in 0..300 {
+            fs::write(t.src.join(format!("d/file-{i:04}")), b"").unwrap();
+        }
+        let m = t.mount(&["--writable", "--cache", mode]);
+        let (d, src) = (t.mnt.join("d"), t.src.join("d"));
+        for round in 0..times {
+            assert_eq!(names(&d), names(&src), "{mode}: listing {round}");
+        }
+        then(&d, &src);
+        let st = m.stop();
+        st.assert_clean("directory export listed again and again");
+        st.stat(&["ops", "READDIR"]) + st.stat(&["ops", "READDIRPLUS"])
+    };
+    let nothing = |_: &Path, _: &Path| {};
+    let once = listings("always", 1, &nothing);
+    assert!(once > 0, "the first listing reached fusex");
+    assert_eq!(
+        listings("always", 5, &nothing),
+        once,
+        "--cache always: four more listings of the same directory asked fusex nothing more"
+    );
+    let auto = listings("auto", 5, &nothing);
+    assert!(
+        auto >= 5 * once,
+        "--cache auto: each listing asks ({auto} requests for 5, {once} for 1)"
+    );
+    listings("always", 2, &|d, src| {
+        fs::write(d.join("made-through-the-mount"), b"x").unwrap();
+        let after = names(d);
+        assert!(
+            after.contains(&"made-through-the-mount".to_string()),
+            "a new name is listed"
+        );
+        assert_eq!(after, names(src));
+        fs::remove_file(d.join("file-0000")).unwrap();
+        fs::rename(d.join("file-0001"), d.join("renamed")).unwrap();
+        let after = names(d);
+        assert!(
+            !after.contains(&"file-0000".to_string()),
+            "a removed name is not listed"
+        );
+        assert!(
+            after.contains(&"renamed".to_string()),
+            "a renamed one is, by its new name"
+        );
+        assert_eq!(after, names(src));
+    });
+}
+
 /// The names of a process's threads.
 fn thread_names(pid: i32) -> Vec<String> {
     fs::read_dir(format!("/proc/{pid}/task"))

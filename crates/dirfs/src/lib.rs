@@ -44,9 +44,9 @@ use fuse_abi::{
     AttrOut, Dirent, EntryOut, FallocateIn, FsyncIn, GetxattrIn, GetxattrOut, InHeader, Kstatfs,
     LseekIn, LseekOut, Opcode, OpenOut, ReadIn, SetattrIn, SetxattrIn, StatfsOut, WriteIn,
     WriteOut, FATTR_ATIME, FATTR_ATIME_NOW, FATTR_FH, FATTR_GID, FATTR_KILL_SUIDGID, FATTR_MODE,
-    FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE,
-    FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC, FUSE_WRITEBACK_CACHE,
-    FUSE_WRITE_KILL_SUIDGID, ROOT_ID,
+    FATTR_MTIME, FATTR_MTIME_NOW, FATTR_SIZE, FATTR_UID, FOPEN_CACHE_DIR, FOPEN_DIRECT_IO,
+    FOPEN_KEEP_CACHE, FOPEN_PARALLEL_DIRECT_WRITES, FOPEN_PASSTHROUGH, FUSE_FSYNC_FDATASYNC,
+    FUSE_WRITEBACK_CACHE, FUSE_WRITE_KILL_SUIDGID, ROOT_ID,
 };
 use transport::passthrough;
 use zerocopy::{Immutable, IntoBytes};
@@ -67,6 +67,11 @@ pub struct DirConfig {
     /// Keep a file's cached pages across opens (`FOPEN_KEEP_CACHE`): for sources nothing else
     /// changes.
     pub keep_cache: bool,
+    /// Directories are opened with `FOPEN_CACHE_DIR` and `FOPEN_KEEP_CACHE`: the kernel keeps a
+    /// listing across opens and serves it again without READDIR, until a change made through
+    /// the mount (which the kernel sees) resets it. A change made in the source directly is not
+    /// seen, so only for sources nothing else changes.
+    pub cache_listings: bool,
     /// Files are opened for direct I/O (`FOPEN_DIRECT_IO`): no kernel page cache (mmap still
     /// works where INIT granted `FUSE_DIRECT_IO_ALLOW_MMAP`).
     pub direct_io: bool,
@@ -101,6 +106,7 @@ impl Default for DirConfig {
             entry_valid: Duration::from_secs(1),
             attr_valid: Duration::from_secs(1),
             keep_cache: false,
+            cache_listings: false,
             direct_io: false,
             max_open: 1 << 16,
             max_nodes: 1 << 20,
@@ -945,7 +951,11 @@ impl DirFs {
         let open_flags = if backing > 0 {
             FOPEN_PASSTHROUGH
         } else if key.is_none() {
-            0
+            if self.cfg.cache_listings {
+                FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE
+            } else {
+                0
+            }
         } else if self.cfg.direct_io || direct {
             FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES
         } else if self.cfg.keep_cache {

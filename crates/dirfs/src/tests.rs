@@ -126,8 +126,13 @@ impl H {
 
     /// OPENDIR of `node`: the handle.
     fn opendir(&self, node: u64) -> Result<u64, i32> {
+        self.opendir_out(node).map(|o| o.fh)
+    }
+
+    /// OPENDIR of `node`: the whole reply.
+    fn opendir_out(&self, node: u64) -> Result<OpenOut, i32> {
         let b = self.call(node, |_| Request::Opendir(OpenIn::default()), &[], &[])?;
-        Ok(OpenOut::read_from_bytes(&b).unwrap().fh)
+        Ok(OpenOut::read_from_bytes(&b).unwrap())
     }
 
     /// RELEASE (RELEASEDIR with `dir`) of `fh`.
@@ -443,6 +448,36 @@ fn read_only_refuses_changes() {
         libc::EROFS
     );
     assert!(h.path("file").exists());
+}
+
+/// With `cache_listings` (`--cache always`) a directory's OPENDIR lets the kernel keep its
+/// listing across opens (`FOPEN_CACHE_DIR` with `FOPEN_KEEP_CACHE`, without which the kernel
+/// drops it at each open); without it nothing is kept. A file's OPEN never asks for it.
+#[test]
+fn listings_are_kept_by_the_kernel_only_when_configured() {
+    let both = FOPEN_CACHE_DIR | FOPEN_KEEP_CACHE;
+    for cache_listings in [false, true] {
+        let h = H::with_config(
+            DirConfig {
+                cache_listings,
+                ..DirConfig::default()
+            },
+            None,
+        );
+        let sub = h.lookup(ROOT_ID, b"sub").unwrap().nodeid;
+        let dir = h.opendir_out(sub).unwrap();
+        let want = if cache_listings { both } else { 0 };
+        assert_eq!(
+            dir.open_flags & both,
+            want,
+            "cache_listings {cache_listings}"
+        );
+        h.release(dir.fh, true);
+        let file = h.lookup(ROOT_ID, b"file").unwrap().nodeid;
+        let f = h.open_out(file, libc::O_RDONLY).unwrap();
+        assert_eq!(f.open_flags & FOPEN_CACHE_DIR, 0, "a file is no listing");
+        h.release(f.fh, false);
+    }
 }
 
 #[test]

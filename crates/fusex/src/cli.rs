@@ -167,15 +167,15 @@ pub enum LegacyReadArg {
     Poll,
 }
 
-/// How long the kernel caches a directory export's names, attributes and file pages.
+/// How long the kernel caches a directory export's names, attributes, file pages and listings.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum CacheArg {
     /// Nothing: every lookup and stat asks fusex, file I/O is direct (mmap still works).
     Never,
     /// Names and attributes for 1 s; file pages are dropped at each open.
     Auto,
-    /// Names and attributes for a day, file pages kept across opens: for sources that only
-    /// change through the mount.
+    /// Names and attributes for a day, file pages and directory listings kept across opens: for
+    /// sources that only change through the mount.
     Always,
 }
 
@@ -464,7 +464,8 @@ pub struct MountArgs {
     ///
     /// never: every lookup and stat asks fusex and file I/O is direct; auto: names and
     /// attributes for 1 s, file pages dropped at each open; always: names and attributes for a
-    /// day and file pages kept across opens, for sources that change only through the mount.
+    /// day, file pages and directory listings kept across opens, for sources that change only
+    /// through the mount.
     /// Only for a directory as IMAGE.
     #[arg(long, value_enum, value_name = "MODE", help_heading = heading::CACHING)]
     pub cache: Option<CacheArg>,

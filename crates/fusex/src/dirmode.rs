@@ -319,6 +319,7 @@ fn config(args: &MountArgs) -> DirConfig {
         entry_valid: valid,
         attr_valid: valid,
         keep_cache: args.kernel_cache || cache == CacheArg::Always,
+        cache_listings: cache == CacheArg::Always,
         direct_io: cache == CacheArg::Never,
         // A quarter of the descriptors for open files, 256 for the daemon, the rest for nodes;
         // nodes beyond them are held by file handle where the source allows.
