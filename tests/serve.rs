@@ -841,6 +841,8 @@ fn restart_hands_every_export_to_a_new_daemon() {
     // Held open across the restart, with a write before and after it.
     let held = open_rw(&w.join("b.raw"));
     held.write_all_at(b"before", 0).unwrap();
+    // And a passed-through open of the raw export, beside which new opens must still work.
+    let held_a = open_ro(&w.join("a.raw"));
     // An io_uring export cannot be handed over: the restart is refused, nothing changes.
     q.add_null_export(
         "u",
@@ -878,6 +880,10 @@ fn restart_hands_every_export_to_a_new_daemon() {
         0,
         "export a after the restart",
     );
+    let mut seen = vec![0u8; a.len()];
+    held_a.read_exact_at(&mut seen, 0).unwrap();
+    assert_bytes_eq(&seen, &a, 0, "export a through the open kept across");
+    drop(held_a);
     let list = run(Command::new(fusex_bin()).args(["list", "--json"]));
     let list: Value = serde_json::from_slice(&list.stdout).unwrap();
     for m in ["a.raw", "b.raw", "n.raw"] {

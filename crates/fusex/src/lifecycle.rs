@@ -230,8 +230,9 @@ pub struct Settled {
     pub plan: MemoryPlan,
     /// Queue threads (the count the plan was made for; on io_uring at most one per possible CPU).
     pub queues: usize,
-    /// The passthrough backing id; dropping it (at the end of `mount`) closes the id.
-    _passthrough: Option<transport::passthrough::Backing>,
+    /// The passthrough backing id; dropping it (at the end of `mount`) closes the id, which
+    /// [`Settled::disown`] leaves registered for a restart successor.
+    passthrough: Option<transport::passthrough::Backing>,
     /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
     /// (closing it early would make the watcher unmount a live export).
     pub watcher: Option<crate::watcher::Watcher>,
@@ -241,6 +242,14 @@ impl Settled {
     /// Whether the queues serve FUSE-over-io_uring (INIT negotiated it).
     pub fn uring(&self) -> bool {
         self.negotiated.has(FUSE_OVER_IO_URING)
+    }
+
+    /// Lets go after a hand-over: the passthrough backing id stays registered for the
+    /// successor, which answers opens with it; the rest is dropped.
+    pub fn disown(mut self) {
+        if let Some(b) = self.passthrough.take() {
+            b.leave();
+        }
     }
 
     /// What a `fusex restart` successor settles from the state its predecessor sent (the legacy
@@ -259,7 +268,7 @@ impl Settled {
             argv,
             plan,
             queues,
-            _passthrough: passthrough,
+            passthrough,
             watcher,
         }
     }
@@ -327,6 +336,13 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
         image: args.image.clone(),
         nbd,
         directory,
+        backing: neg
+            .passthrough
+            .as_ref()
+            .map(|b| crate::restart::HandedBacking {
+                id: b.id(),
+                file: b.file(),
+            }),
     };
     Ok(Some(Handing {
         state,
@@ -462,7 +478,13 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
             request_timeout: args.request_timeout,
         },
     )?;
-    let backing = pt.finish(&neg, mnt.fd().context("mount fd")?, &export, args.direct)?;
+    let backing = pt.finish(
+        &neg,
+        mnt.fd().context("mount fd")?,
+        &export,
+        args.direct,
+        None,
+    )?;
     let uring = neg.has(FUSE_OVER_IO_URING);
     if uring && neg.kernel_has_uring_zero_copy() {
         tracing::info!(
@@ -530,7 +552,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         } else {
             threads
         },
-        _passthrough: backing,
+        passthrough: backing,
         watcher,
     };
     Ok(Prepared {

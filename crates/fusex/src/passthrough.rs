@@ -20,6 +20,7 @@ use transport::{
 };
 
 use crate::cli::{MountArgs, PassthroughArg};
+use crate::restart::HandedBacking;
 
 /// Why passthrough is not used.
 #[derive(Debug)]
@@ -176,24 +177,44 @@ impl Plan {
     /// After INIT: registers the image and turns passthrough on in `export`, or says why not (one
     /// info line either way). The returned backing id must outlive the queues; dropping it closes
     /// the id. Fails only for `--passthrough on`.
+    ///
+    /// A restart successor passes the id its predecessor `handed` over instead: that id is used
+    /// and nothing is registered (None is returned; the successor owns the id once the
+    /// predecessor let go). Fails if the image opened here is not the file registered under it.
     pub fn finish<B: BlockBackend>(
         self,
         neg: &Negotiated,
         conn: BorrowedFd<'_>,
         export: &Export<B>,
         direct: bool,
+        handed: Option<HandedBacking>,
     ) -> Result<Option<Backing>> {
         let bounded = self.bounded;
-        let decided = decide(self.want, neg.has(FUSE_PASSTHROUGH), |w| {
-            Backing::open(conn.as_raw_fd(), w.image_fd).map_err(|e| match e {
-                TransportError::Io(e) => e,
-                other => io::Error::other(other.to_string()),
-            })
+        if let (Some(h), Ok(w)) = (handed, &self.want) {
+            let file = transport::passthrough::file_of(w.image_fd)?;
+            if file != h.file {
+                bail!(
+                    "the image is another file now than the one the daemon passes through to \
+                     (device {}, inode {}; it was replaced since): stop the export and mount it \
+                     again",
+                    h.file.0,
+                    h.file.1
+                );
+            }
+        }
+        let decided = decide(self.want, neg.has(FUSE_PASSTHROUGH), |w| match handed {
+            Some(h) => Ok((h.id, None)),
+            None => Backing::open(conn.as_raw_fd(), w.image_fd)
+                .map(|b| (b.id(), Some(b)))
+                .map_err(|e| match e {
+                    TransportError::Io(e) => e,
+                    other => io::Error::other(other.to_string()),
+                }),
         });
         match decided {
-            Ok((want, backing)) => {
+            Ok((want, (id, backing))) => {
                 export.set_passthrough(Passthrough {
-                    backing_id: backing.id(),
+                    backing_id: id,
                     write_opens: want.write_opens,
                 });
                 let what = if want.write_opens {
@@ -213,11 +234,13 @@ impl Plan {
                 } else {
                     ""
                 };
-                tracing::info!(
-                    "passthrough: on, backing id {} ({what}{cache})",
-                    backing.id()
-                );
-                Ok(Some(backing))
+                let whose = if handed.is_some() {
+                    ", the previous process's"
+                } else {
+                    ""
+                };
+                tracing::info!("passthrough: on, backing id {id}{whose} ({what}{cache})");
+                Ok(backing)
             }
             Err(why) if self.mode == PassthroughArg::On => {
                 bail!("--passthrough on is not possible: {why}; use --passthrough auto or off")

@@ -297,6 +297,23 @@ pub struct State {
     /// successor takes them over instead of opening an image.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub directory: bool,
+    /// The passthrough backing id the export's opens are answered with. It belongs to the
+    /// connection, which the successor shares: the successor answers with the same id (the
+    /// kernel fails an open with EIO when the file is open under another registration of the
+    /// image), and this daemon leaves it registered. Absent when passthrough is off, and from
+    /// daemons before it was handed over (their successors register the image again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<HandedBacking>,
+}
+
+/// A passthrough backing id as the restart state carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandedBacking {
+    /// The id, for `fuse_open_out.backing_id`.
+    pub id: i32,
+    /// The file registered under it (device, inode): the successor checks that the image it
+    /// opened is that file.
+    pub file: (u64, u64),
 }
 
 /// An NBD export's negotiated parameters (`nbd::Export`) as the restart state carries them.
@@ -518,6 +535,7 @@ mod tests {
             image: "a.img".into(),
             nbd: None,
             directory: false,
+            backing: None,
         }
     }
 
@@ -555,6 +573,32 @@ mod tests {
         };
         assert_eq!(got, with);
         assert_eq!(nbd::Export::from(got.nbd.unwrap()), e);
+    }
+
+    /// The passthrough backing id goes across; a state from a daemon that did not send it
+    /// reads as none (its successor registers the image itself).
+    #[test]
+    fn the_backing_id_goes_across_and_is_optional() {
+        let with = State {
+            backing: Some(HandedBacking {
+                id: 3,
+                file: (2049, 131_077),
+            }),
+            ..state()
+        };
+        let (a, b) = UnixStream::pair().unwrap();
+        send(&a, &Message::State(with.clone()), &[]).unwrap();
+        let (Message::State(got), _) = recv(&b).unwrap() else {
+            panic!("not a state");
+        };
+        assert_eq!(got, with);
+        let mut older = serde_json::to_value(Message::State(state())).unwrap();
+        assert!(older.get("backing").is_none(), "{older}");
+        older["version"] = PLAIN_STATE_VERSION.into();
+        let Message::State(read) = serde_json::from_value(older).unwrap() else {
+            panic!("not a state");
+        };
+        assert_eq!(read.backing, None);
     }
 
     #[test]

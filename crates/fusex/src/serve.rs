@@ -236,7 +236,7 @@ fn serve_export(
             // watcher (the successor holds the pipe too) and the pid file (it holds the
             // successor's pid).
             p.mnt.disown();
-            drop(p.settled);
+            p.settled.disown();
             if let Some(f) = pid_file {
                 f.keep();
             }
@@ -621,7 +621,13 @@ impl Adoption {
         let mut backing = None;
         let opened = match opened {
             Some((export, pt)) => {
-                backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+                backing = pt.finish(
+                    &negotiated,
+                    conn.as_fd(),
+                    &export,
+                    args.direct,
+                    state.backing,
+                )?;
                 Some(export)
             }
             None => None,
@@ -705,10 +711,24 @@ impl Adoption {
                 // it).
                 let nbd = state.nbd.map(nbd::Export::from);
                 let (export, pt) = lifecycle::open_export_adopting(&args, true, nbd)?;
-                backing = pt.finish(&negotiated, conn.as_fd(), &export, args.direct)?;
+                backing = pt.finish(
+                    &negotiated,
+                    conn.as_fd(),
+                    &export,
+                    args.direct,
+                    state.backing,
+                )?;
                 export
             }
         };
+        if let Some(h) = state.backing {
+            // The old daemon let go of the id its opens use: it is this process's to close.
+            backing = Some(transport::passthrough::Backing::adopt(
+                std::os::fd::AsRawFd::as_raw_fd(&conn),
+                h.id,
+                h.file,
+            )?);
+        }
         export.set_open_files(open_files);
         let mnt = Mount::adopt(state.handover(), conn);
         tracing::info!(

@@ -81,7 +81,21 @@ pub fn unregister(conn: BorrowedFd<'_>, id: i32) -> io::Result<()> {
     Ok(())
 }
 
-/// A registered backing file: its id, and a `/dev/fuse` fd of the connection to close it on.
+/// The file an open descriptor refers to: its device and inode numbers.
+pub fn file_of(file: RawFd) -> io::Result<(u64, u64)> {
+    // SAFETY: fstat writes into a zeroed struct of the right type; a bad fd only makes it fail.
+    let st = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(file, &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        st
+    };
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// A registered backing file: its id, the file behind it, and a `/dev/fuse` fd of the connection
+/// to close it on.
 ///
 /// Dropping it closes the id (`FUSE_DEV_IOC_BACKING_CLOSE`); files already opened with it keep their
 /// own reference to the backing file, so this is safe at any time. The connection frees leftover
@@ -91,20 +105,55 @@ pub struct Backing {
     /// A clone of the connection's fd, held only for the ioctls (it never reads requests).
     conn: OwnedFd,
     id: i32,
+    /// The registered file's device and inode.
+    file: (u64, u64),
 }
 
 impl Backing {
     /// Registers `file` as a backing file of the connection `conn_fd` belongs to (errors as for
     /// [`register`]).
     pub fn open(conn_fd: RawFd, file: RawFd) -> Result<Backing, TransportError> {
+        let identity = file_of(file).map_err(TransportError::Io)?;
         let conn = clone_fd(conn_fd)?;
         let id = register(conn.as_fd(), file).map_err(TransportError::Io)?;
-        Ok(Backing { conn, id })
+        Ok(Backing {
+            conn,
+            id,
+            file: identity,
+        })
+    }
+
+    /// Takes over the id `id`, which another process registered for the file `file` (device,
+    /// inode) on the connection `conn_fd` belongs to: a restart successor shares its
+    /// predecessor's connection, and must answer opens with the id files still open use. The
+    /// kernel gives an inode one backing file at a time: an open with a second registration of
+    /// the same image fails with EIO while files opened with the first are open.
+    pub fn adopt(conn_fd: RawFd, id: i32, file: (u64, u64)) -> Result<Backing, TransportError> {
+        if id <= 0 {
+            return Err(TransportError::Io(io::Error::from_raw_os_error(
+                libc::EINVAL,
+            )));
+        }
+        Ok(Backing {
+            conn: clone_fd(conn_fd)?,
+            id,
+            file,
+        })
     }
 
     /// The backing id to put into `fuse_open_out.backing_id`.
     pub fn id(&self) -> i32 {
         self.id
+    }
+
+    /// The registered file's device and inode.
+    pub fn file(&self) -> (u64, u64) {
+        self.file
+    }
+
+    /// Lets go of the id without closing it: a restart successor answers opens with it now.
+    pub fn leave(mut self) -> i32 {
+        std::mem::replace(&mut self.id, 0)
     }
 
     /// Closes the id now, reporting what the kernel said (Drop does it silently).

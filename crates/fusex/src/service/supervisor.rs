@@ -419,7 +419,7 @@ fn conclude(
         // A successor serves the mount: leave it, its mountpoint file, the watcher (the
         // successor holds the pipe too) and the runtime files (it took them).
         prepared.mnt.disown();
-        drop(prepared.settled);
+        prepared.settled.disown();
         if let Some(p) = owner.published.take() {
             p.leave();
         }
