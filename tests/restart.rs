@@ -280,6 +280,48 @@ fn files_kept_open_through_restarts_leave_the_export_open_to_others() {
     assert_bytes_eq(&read_all(&img), &model, 0, "image after the restarts");
 }
 
+/// A daemon logging to its stderr, a file, hands that file to its successor, which logs there
+/// too: the log of a chain of restarts is one file. (The restart command's own stderr is a
+/// pipe here, and there is no syslog to fall back on in CI: the successors' lines were lost.)
+#[test]
+fn successors_log_where_the_first_daemon_logged() {
+    if !require_fuse() {
+        return;
+    }
+    let (w, img, mp, pid_file, model) = setup("restart-log", MIB);
+    let (mut m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &pid_file,
+        &["--log", "stderr", "--transport", "legacy"],
+    )
+    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
+    let mut pids = vec![m.pid()];
+    for _ in 0..2 {
+        pids.push(restart_ok(&w, &mut m, &pid_file));
+    }
+    assert_bytes_eq(&read_all(&mp), &model, 0, "export after the restarts");
+    let st = m.stop();
+    assert!(st.exited && !st.left_mounted);
+    let log = st.stderr;
+    for pid in &pids[1..] {
+        assert!(
+            log.contains(&format!("handed the export over to process {pid}")),
+            "{log}"
+        );
+    }
+    assert_eq!(
+        log.matches("restart: took over").count(),
+        2,
+        "each successor's lines: {log}"
+    );
+    assert!(
+        log.contains("SIGTERM: unmounted"),
+        "the last one's end: {log}"
+    );
+}
+
 /// A restart does not serve a passed-through export from a file put in its image's place
 /// since it was mounted: the kernel would pass I/O through to the old file and fusex serve the
 /// rest from the new one. The restart is refused in one line and the old daemon serves on.

@@ -884,6 +884,11 @@ fn restart_hands_every_export_to_a_new_daemon() {
     held_a.read_exact_at(&mut seen, 0).unwrap();
     assert_bytes_eq(&seen, &a, 0, "export a through the open kept across");
     drop(held_a);
+    // The old daemon logged to its stderr, a file: the successor logs there too (the restart
+    // command's own stderr, a pipe here, is gone once it returns).
+    let log = serve.log_text();
+    assert!(log.contains("handed every export over"), "{log}");
+    assert!(log.contains("restart: took over 3 exports"), "{log}");
     let list = run(Command::new(fusex_bin()).args(["list", "--json"]));
     let list: Value = serde_json::from_slice(&list.stdout).unwrap();
     for m in ["a.raw", "b.raw", "n.raw"] {

@@ -343,6 +343,9 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
                 id: b.id(),
                 file: b.file(),
             }),
+        // Set by `fusex mount`'s side of the restart (`serve::hand_over`): a `fusex serve`
+        // daemon hands its stderr over once, with its own state.
+        log_stderr: false,
     };
     Ok(Some(Handing {
         state,

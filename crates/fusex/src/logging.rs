@@ -11,11 +11,11 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use anyhow::{bail, Context, Result};
@@ -146,11 +146,52 @@ pub fn open_file(path: &PathBuf) -> Result<File> {
     Ok(f)
 }
 
+/// Whether the log goes to stderr and stderr is a file: a restart successor is handed that
+/// descriptor and keeps logging there ([`stderr_to_hand_over`]).
+static STDERR_KEPT: AtomicBool = AtomicBool::new(false);
+
+/// The descriptor a `fusex restart` successor should log to, when this process logs to its
+/// stderr and that is a file (`--daemonize 2>>FILE`, `--log stderr`, a service manager's file):
+/// the successor starts with the restart command's stderr, usually a terminal, and would
+/// otherwise log elsewhere or nowhere once detached. None for a `--log-file` (the successor
+/// opens it again from the command line) and for syslog.
+pub fn stderr_to_hand_over() -> Option<RawFd> {
+    STDERR_KEPT.load(Ordering::Relaxed).then_some(2)
+}
+
+/// In a restart successor: logs to `fd`, the predecessor's stderr, from now on (it takes
+/// stderr's place, so panics land there too). Returns the destination to report.
+pub fn adopt_stderr(fd: OwnedFd) -> Dest {
+    // SAFETY: dup2 onto the standard error descriptor; `fd` is open for the call.
+    unsafe { libc::dup2(fd.as_raw_fd(), 2) };
+    STDERR_KEPT.store(true, Ordering::Relaxed);
+    Dest::Stderr
+}
+
+/// In a restart successor, before it detaches: its log goes to the predecessor's stderr if
+/// that was handed over ([`adopt_stderr`]), else where `choose` (the predecessor's command line)
+/// says. Returns whether stderr carries the log, or None (with a warning) if it is lost.
+pub fn settle_successor(choose: impl FnOnce() -> Result<Dest>) -> Option<bool> {
+    if STDERR_KEPT.load(Ordering::Relaxed) {
+        return Some(true);
+    }
+    match choose() {
+        Ok(dest) => {
+            switch(&dest);
+            Some(!matches!(dest, Dest::Syslog(_)))
+        }
+        Err(e) => {
+            tracing::warn!("restart: the log is lost once detached: {e:#}");
+            None
+        }
+    }
+}
+
 /// Sends log lines to `dest` from now on: a file takes stderr's place (so that panics land there
 /// too), syslog takes every later line.
 pub fn switch(dest: &Dest) {
     match dest {
-        Dest::Stderr => {}
+        Dest::Stderr => STDERR_KEPT.store(stderr_is_a_file(), Ordering::Relaxed),
         Dest::File(f) => {
             // SAFETY: dup2 onto the standard error descriptor.
             unsafe { libc::dup2(f.as_raw_fd(), 2) };

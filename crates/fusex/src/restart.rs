@@ -233,6 +233,9 @@ pub struct ServeState {
     /// without any. With TLS credentials the state is [`OBJECTS_STATE_VERSION`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub objects: Vec<serde_json::Value>,
+    /// As [`State::log_stderr`]: the daemon's stderr comes with this message.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub log_stderr: bool,
 }
 
 /// One export of a `fusex serve` daemon.
@@ -304,6 +307,10 @@ pub struct State {
     /// daemons before it was handed over (their successors register the image again).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing: Option<HandedBacking>,
+    /// This daemon logs to its stderr, a file, whose descriptor comes last with the state: the
+    /// successor logs there too ([`crate::logging::stderr_to_hand_over`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub log_stderr: bool,
 }
 
 /// A passthrough backing id as the restart state carries it.
@@ -536,6 +543,7 @@ mod tests {
             nbd: None,
             directory: false,
             backing: None,
+            log_stderr: false,
         }
     }
 
@@ -594,6 +602,7 @@ mod tests {
         assert_eq!(got, with);
         let mut older = serde_json::to_value(Message::State(state())).unwrap();
         assert!(older.get("backing").is_none(), "{older}");
+        assert!(older.get("log_stderr").is_none(), "{older}");
         older["version"] = PLAIN_STATE_VERSION.into();
         let Message::State(read) = serde_json::from_value(older).unwrap() else {
             panic!("not a state");

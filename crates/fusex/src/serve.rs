@@ -371,12 +371,13 @@ fn hand_over(
         return Err(refuse(stream, why));
     }
     tracing::info!("restart: process {pid} asks for the export; it keeps being served meanwhile");
-    send(
-        stream,
-        &Message::State(handing.state.clone()),
-        &handing.fds(),
-    )
-    .context("sending the state")?;
+    let mut state = handing.state.clone();
+    let mut fds = handing.fds();
+    if let Some(fd) = crate::logging::stderr_to_hand_over() {
+        state.log_stderr = true;
+        fds.push(fd);
+    }
+    send(stream, &Message::State(state), &fds).context("sending the state")?;
     match recv(stream).context("process went away before taking over")? {
         (Message::Release, _) => Ok(pid),
         (other, _) => Err(unexpected(&other, "release")),
@@ -411,12 +412,9 @@ pub fn restart(path: PathBuf, mut ready: Readiness) -> Result<()> {
                 daemonize: true,
                 ..args.clone()
             };
-            match crate::logging::choose(&daemon) {
-                Ok(dest) => {
-                    crate::logging::switch(&dest);
-                    ready.keep_stderr(!matches!(dest, crate::logging::Dest::Syslog(_)));
-                }
-                Err(e) => tracing::warn!("restart: the log is lost once detached: {e:#}"),
+            if let Some(keep) = crate::logging::settle_successor(|| crate::logging::choose(&daemon))
+            {
+                ready.keep_stderr(keep);
             }
             // The old daemon let go of the pid file as it released the export.
             let claimed = check_files(&args).and_then(|()| {
@@ -461,6 +459,16 @@ enum TakenOver {
     Serve(std::os::unix::net::UnixStream, crate::restart::ServeState),
 }
 
+/// In a restart successor: logs to the predecessor's stderr when it was handed over (it comes
+/// last among `fds`).
+fn adopt_log(handed: bool, fds: &mut Vec<std::os::fd::OwnedFd>) {
+    if handed {
+        if let Some(fd) = fds.pop() {
+            crate::logging::adopt_stderr(fd);
+        }
+    }
+}
+
 fn take_over(path: &Path) -> Result<TakenOver> {
     use crate::restart::{connect, identify, recv, send, unexpected, Message};
     let shown = path.display();
@@ -487,11 +495,17 @@ fn take_over(path: &Path) -> Result<TakenOver> {
         );
     }
     send(&sock, &Message::Hello, &[])?;
-    let (state, fds) = match recv(&sock).context("reading the export's state from its daemon")? {
-        (Message::State(state), fds) => (state, fds),
-        (Message::Serve(serve), _) => return Ok(TakenOver::Serve(sock, serve)),
-        (other, _) => return Err(unexpected(&other, "state")),
-    };
+    let (state, mut fds) =
+        match recv(&sock).context("reading the export's state from its daemon")? {
+            (Message::State(state), fds) => (state, fds),
+            (Message::Serve(serve), mut fds) => {
+                adopt_log(serve.log_stderr, &mut fds);
+                return Ok(TakenOver::Serve(sock, serve));
+            }
+            (other, _) => return Err(unexpected(&other, "state")),
+        };
+    // From here on this process's lines go to the old daemon's log, if that is its stderr.
+    adopt_log(state.log_stderr, &mut fds);
     let notifier = match &state.notify_socket {
         Some(v) => crate::notify::Notifier::connect(v)?,
         None => crate::notify::Notifier::from_env()?,

@@ -134,9 +134,11 @@ impl Service {
                 .clone(),
             nodes: nodes.iter().filter_map(|n| n.args.clone()).collect(),
             objects: t.objects.iter().map(|o| o.args.clone()).collect(),
+            log_stderr: crate::logging::stderr_to_hand_over().is_some(),
         };
         let io = |e: std::io::Error| format!("sending the state: {e}");
-        send(stream, &Message::Serve(state), &[]).map_err(io)?;
+        let log: Vec<_> = crate::logging::stderr_to_hand_over().into_iter().collect();
+        send(stream, &Message::Serve(state), &log).map_err(io)?;
         for (id, e) in &t.exports {
             let Some(h) = &e.handing else { continue };
             let own = t

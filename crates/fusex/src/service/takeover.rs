@@ -55,12 +55,10 @@ fn take(
     };
     // The log goes where the old daemon's command line says, in its format, as for a daemon.
     crate::logging::set_format(args.log_format);
-    match crate::logging::choose_for(args.log, args.log_file.as_ref(), true) {
-        Ok(dest) => {
-            crate::logging::switch(&dest);
-            ready.keep_stderr(!matches!(dest, crate::logging::Dest::Syslog(_)));
-        }
-        Err(e) => tracing::warn!("restart: the log is lost once detached: {e:#}"),
+    if let Some(keep) = crate::logging::settle_successor(|| {
+        crate::logging::choose_for(args.log, args.log_file.as_ref(), true)
+    }) {
+        ready.keep_stderr(keep);
     }
     crate::priority::configure(args.control_nice);
     let base = daemon::base(args.config.is_some(), 0)?;
