@@ -182,29 +182,25 @@ fn sigterm_under_fio_load() {
     let m = Mount::start(&w, &img, &mp, &["--writable"]);
     let mut writes = WriteWatch::new(&img);
     let fio_log = w.join("fio.log");
-    let mut filename = std::ffi::OsString::from("--filename=");
-    filename.push(&mp);
     let mut fio = ChildGuard(
-        Command::new("fio")
-            .args([
-                "--thread",
+        fio_command(
+            &w,
+            &mp,
+            &[
                 "--name=t",
                 "--rw=randrw",
                 "--bs=4k",
                 &format!("--iodepth={IODEPTH}"),
                 "--ioengine=libaio",
-                "--direct=1",
                 "--time_based",
                 "--runtime=30",
                 "--size=16M",
-                "--fallocate=none",
-            ])
-            .arg(&filename)
-            .stdin(Stdio::null())
-            .stdout(File::create(&fio_log).unwrap())
-            .stderr(File::create(w.join("fio.stderr")).unwrap())
-            .spawn()
-            .expect("spawn fio"),
+            ],
+        )
+        .stdout(File::create(&fio_log).unwrap())
+        .stderr(File::create(w.join("fio.stderr")).unwrap())
+        .spawn()
+        .expect("spawn fio"),
     );
     // The signal must land while fio hammers the export: wait until more of its writes reached
     // the image than it keeps in flight, so it is refilling its queue (fio may take a while to

@@ -101,33 +101,26 @@ fn serve_with_export(w: &WorkDir) -> (Serve, u16, std::path::PathBuf) {
     (serve, port, mp)
 }
 
-/// fio on `mp` with O_DIRECT, its JSON report written to `out`.
-fn fio(mp: &Path, out: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new("fio");
-    c.args([
+/// fio on `mp` (`fio_command`: threads, O_DIRECT), its JSON report written to `out`.
+fn fio(w: &WorkDir, mp: &Path, out: &Path, extra: &[&str]) -> Command {
+    let output = format!("--output={}", out.display());
+    let mut args = vec![
         "--name=busy",
-        // Jobs as threads: killing fio stops its I/O (a forked job outlives its killed parent
-        // and keeps the export busy, so the daemon's stop waits for it).
-        "--thread",
-        // No verify state file left in the working directory if fio is killed.
-        "--verify_state_save=0",
         "--ioengine=libaio",
-        "--direct=1",
         "--bs=4k",
         "--iodepth=8",
         "--output-format=json",
-    ])
-    .args(extra)
-    .arg(format!("--filename={}", mp.display()))
-    .arg(format!("--output={}", out.display()))
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped());
+        &output,
+    ];
+    args.extend_from_slice(extra);
+    let mut c = fio_command(w, mp, &args);
+    c.stdout(Stdio::null()).stderr(Stdio::piped());
     c
 }
 
 /// Runs fio to its end; its JSON report's first job.
-fn fio_run(mp: &Path, out: &Path, extra: &[&str]) -> Value {
-    let o = fio(mp, out, extra).output().expect("fio");
+fn fio_run(w: &WorkDir, mp: &Path, out: &Path, extra: &[&str]) -> Value {
+    let o = fio(w, mp, out, extra).output().expect("fio");
     assert!(
         o.status.success(),
         "fio failed: {}",
@@ -149,6 +142,7 @@ fn the_text_passes_promtool_and_counts_what_fio_did() {
     let (serve, port, mp) = serve_with_export(&w);
     // Written and verified first; then reads alone, counted against fusex's counts.
     fio_run(
+        &w,
         &mp,
         &w.join("write.json"),
         &[
@@ -161,7 +155,12 @@ fn the_text_passes_promtool_and_counts_what_fio_did() {
     );
     let (status, before) = http_get(port, "/metrics");
     assert_eq!(status, 200, "{before}");
-    let job = fio_run(&mp, &w.join("read.json"), &["--rw=randread", "--size=16M"]);
+    let job = fio_run(
+        &w,
+        &mp,
+        &w.join("read.json"),
+        &["--rw=randread", "--size=16M"],
+    );
     let (status, after) = http_get(port, "/metrics");
     assert_eq!(status, 200, "{after}");
     promtool_check(&after);
@@ -248,6 +247,7 @@ fn prometheus_scrapes_and_answers_a_rate_query() {
     );
     let mut load = ChildGuard(
         fio(
+            &w,
             &mp,
             &w.join("load.json"),
             &["--rw=randrw", "--size=16M", "--time_based", "--runtime=60"],
@@ -362,6 +362,7 @@ fn hostile_http_clients_leave_the_exports_serving() {
     assert_eq!(status, 200, "{text}");
     assert!(text.contains("export=\"busy\""), "{text}");
     fio_run(
+        &w,
         &mp,
         &w.join("verify.json"),
         &[

@@ -754,37 +754,30 @@ fn fio_verify_through_restarts(
     let mp = m.path().to_path_buf();
     let mut writes = WriteWatch::new(img);
     let fio_log = w.join("fio.json");
-    let mut filename = std::ffi::OsString::from("--filename=");
-    filename.push(&mp);
     // Writes with a crc32c in every block, each verified by reading it back soon after
     // (verify_backlog), pass after pass until stopped.
     let mut fio = ChildGuard(
-        std::process::Command::new("fio")
-            .args([
+        fio_command(
+            w,
+            &mp,
+            &[
                 "--name=v",
-                // Jobs as threads: killing fio stops its I/O.
-                "--thread",
-                // No verify state file left in the working directory if fio is killed.
-                "--verify_state_save=0",
                 "--rw=randwrite",
                 "--bs=4k",
                 &format!("--iodepth={IODEPTH}"),
                 "--ioengine=libaio",
-                "--direct=1",
                 "--size=8M",
                 "--loops=1000000",
                 "--verify=crc32c",
                 "--verify_backlog=64",
                 "--verify_fatal=1",
-                "--fallocate=none",
                 "--output-format=json",
-            ])
-            .arg(&filename)
-            .stdin(std::process::Stdio::null())
-            .stdout(fs::File::create(&fio_log).unwrap())
-            .stderr(fs::File::create(w.join("fio.stderr")).unwrap())
-            .spawn()
-            .expect("spawn fio"),
+            ],
+        )
+        .stdout(fs::File::create(&fio_log).unwrap())
+        .stderr(fs::File::create(w.join("fio.stderr")).unwrap())
+        .spawn()
+        .expect("spawn fio"),
     );
     let fio_output = || {
         format!(

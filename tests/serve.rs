@@ -91,16 +91,14 @@ fn exports_come_and_go_while_a_busy_export_serves_verified_io() {
     let serve = Serve::start(w.path(), &[]);
     let mut q = serve.qmp();
     q.add_raw_export("busy", &img, &mp, json!({}));
+    let output = format!("--output={}", w.join("fio.out").display());
     let mut fio = ChildGuard(
-        Command::new("fio")
-            .args([
+        fio_command(
+            &w,
+            &mp,
+            &[
                 "--name=busy",
-                // Jobs as threads: killing fio stops its I/O.
-                "--thread",
-                // No verify state file left in the working directory if fio is killed.
-                "--verify_state_save=0",
                 "--ioengine=libaio",
-                "--direct=1",
                 "--rw=randwrite",
                 "--bs=4k",
                 "--iodepth=16",
@@ -108,13 +106,13 @@ fn exports_come_and_go_while_a_busy_export_serves_verified_io() {
                 "--verify=crc32c",
                 "--do_verify=1",
                 "--verify_fatal=1",
-            ])
-            .arg(format!("--filename={}", mp.display()))
-            .arg(format!("--output={}", w.join("fio.out").display()))
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(w.join("fio.err")).unwrap())
-            .spawn()
-            .expect("fio"),
+                &output,
+            ],
+        )
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(w.join("fio.err")).unwrap())
+        .spawn()
+        .expect("fio"),
     );
     let mut rounds = 0;
     while fio.try_wait().is_none() || rounds < 4 {

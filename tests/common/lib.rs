@@ -1983,7 +1983,10 @@ pub fn pids_with_open(path: &Path) -> Vec<i32> {
 // fio
 // ---------------------------------------------------------------------------------------
 
-fn fio_command(work: &WorkDir, target: &Path, args: &[&str]) -> Command {
+/// fio against `target` with what every test's fio needs beside `args`: jobs as threads
+/// (killing fio then stops its I/O), O_DIRECT, no preallocation, a new random sequence each
+/// run, no verify state file left behind; run in `work` with stdin closed.
+pub fn fio_command(work: &WorkDir, target: &Path, args: &[&str]) -> Command {
     let mut filename = OsString::from("--filename=");
     filename.push(target);
     let mut cmd = Command::new("fio");
