@@ -343,11 +343,7 @@ fn a_restart_refuses_an_image_replaced_under_a_passed_through_export() {
     let other = w.join("other.img");
     random_image(&other, 4 * MIB, 8);
     fs::rename(&other, &img).unwrap();
-    let r = run_fusex(
-        &w,
-        &[Path::new("restart").as_os_str(), mp.as_os_str()],
-        None,
-    );
+    let r = restart(&w, &mp);
     r.assert_one_error_line("fusex restart with the image replaced");
     assert!(r.stderr.contains("another file"), "{}", r.stderr);
     assert!(pid_alive(old), "the old daemon still runs");
@@ -429,11 +425,7 @@ fn a_failed_restart_leaves_the_old_daemon_serving() {
     // The new daemon cannot reopen the image: it is not at its path any more.
     let moved = w.join("moved.img");
     fs::rename(&img, &moved).unwrap();
-    let r = run_fusex(
-        &w,
-        &[Path::new("restart").as_os_str(), mp.as_os_str()],
-        None,
-    );
+    let r = restart(&w, &mp);
     r.assert_one_error_line("fusex restart with the image gone");
     if uring() {
         assert!(r.stderr.contains("io_uring"), "{}", r.stderr);

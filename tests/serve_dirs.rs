@@ -412,7 +412,12 @@ fn restart_hands_a_directory_export_over_and_list_shows_it_live() {
     let mut want = data.clone();
     want[..12].copy_from_slice(b"beforeafter!");
     // A new open beside the one kept across (passthrough: the same backing file).
-    assert_bytes_eq(&read_all(&m.join("f")), &want, 0, "a new open, the old one kept");
+    assert_bytes_eq(
+        &read_all(&m.join("f")),
+        &want,
+        0,
+        "a new open, the old one kept",
+    );
     drop(held);
     assert_bytes_eq(&read_all(&m.join("f")), &want, 0, "through the export");
     assert_bytes_eq(&fs::read(src.join("f")).unwrap(), &want, 0, "in the source");
