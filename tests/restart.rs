@@ -322,40 +322,80 @@ fn successors_log_where_the_first_daemon_logged() {
     );
 }
 
-/// A restart does not serve a passed-through export from a file put in its image's place
-/// since it was mounted: the kernel would pass I/O through to the old file and fusex serve the
-/// rest from the new one. The restart is refused in one line and the old daemon serves on.
+/// A restart does not serve an image from a file moved into its path since the mount: the old
+/// daemon's writes went to the first file, so the new one would serve other bytes than the
+/// applications wrote (and a passed-through export would mix both files, the kernel passing
+/// I/O through to the old one). The restart is refused in one line, the old daemon serves on,
+/// and after the stop the first file holds what was written. A raw image with and without
+/// passthrough, and a writable qcow2 image (opened by the new daemon only once the old one let
+/// go, so checked before).
 #[test]
-fn a_restart_refuses_an_image_replaced_under_a_passed_through_export() {
-    if !require_fuse() {
+fn a_restart_refuses_an_image_replaced_since_the_mount() {
+    if !require_fuse_and_tools(&["qemu-img"]) {
         return;
     }
-    let (w, img, mp, pid_file, model) = setup("restart-replaced", 4 * MIB);
-    let (m, _) = Mount::start_daemonized(
-        &w,
-        &img,
-        &mp,
-        &pid_file,
-        &["--writable", "--transport", "legacy", "--passthrough", "on"],
-    )
-    .unwrap_or_else(|f| panic!("mount failed: {}", f.stderr));
-    let old = m.pid();
-    let other = w.join("other.img");
-    random_image(&other, 4 * MIB, 8);
-    fs::rename(&other, &img).unwrap();
-    let r = restart(&w, &mp);
-    r.assert_one_error_line("fusex restart with the image replaced");
-    assert!(r.stderr.contains("another file"), "{}", r.stderr);
-    assert!(pid_alive(old), "the old daemon still runs");
-    assert_eq!(read_pid(&pid_file), old, "and keeps its pid file");
-    assert_bytes_eq(
-        &read_all(&mp),
-        &model,
-        0,
-        "export after the refused restart",
-    );
-    let st = m.stop();
-    assert!(st.exited && !st.left_mounted);
+    for (case, format, passthrough) in [
+        ("raw-pt", "raw", "on"),
+        ("raw-nopt", "raw", "off"),
+        ("qcow2", "qcow2", "auto"),
+    ] {
+        let w = WorkDir::new(&format!("restart-replaced-{case}"));
+        let raw = w.join("data.raw");
+        let mut model = random_image(&raw, 4 * MIB, 8);
+        let img = w.join(format!("disk.{format}"));
+        run_ok(
+            std::process::Command::new("qemu-img")
+                .args(["convert", "-q", "-O", format])
+                .arg(&raw)
+                .arg(&img),
+        );
+        let (mp, pid_file) = (w.join("disk.mnt"), w.join("fusex.pid"));
+        let (m, _) = Mount::start_daemonized(
+            &w,
+            &img,
+            &mp,
+            &pid_file,
+            &[
+                "--writable",
+                "--transport",
+                "legacy",
+                "--passthrough",
+                passthrough,
+            ],
+        )
+        .unwrap_or_else(|f| panic!("{case}: mount failed: {}", f.stderr));
+        let old = m.pid();
+        // Moved aside (the daemon keeps it open), and a copy put in its place.
+        let moved = w.join(format!("moved.{format}"));
+        fs::rename(&img, &moved).unwrap();
+        fs::copy(&moved, &img).unwrap();
+        let f = open_rw(&mp);
+        f.write_all_at(b"after the swap", 8192).unwrap();
+        f.sync_all().unwrap();
+        drop(f);
+        model[8192..8206].copy_from_slice(b"after the swap");
+        let r = restart(&w, &mp);
+        r.assert_one_error_line(&format!("{case}: fusex restart with the image replaced"));
+        assert!(r.stderr.contains("another file"), "{case}: {}", r.stderr);
+        assert!(pid_alive(old), "{case}: the old daemon still runs");
+        assert_eq!(read_pid(&pid_file), old, "{case}: and keeps its pid file");
+        assert_bytes_eq(&read_all(&mp), &model, 0, &format!("{case}: the export"));
+        let st = m.stop();
+        assert!(st.exited && !st.left_mounted, "{case}");
+        let out = w.join("out.raw");
+        run_ok(
+            std::process::Command::new("qemu-img")
+                .args(["convert", "-q", "-O", "raw"])
+                .arg(&moved)
+                .arg(&out),
+        );
+        assert_bytes_eq(
+            &fs::read(&out).unwrap(),
+            &model,
+            0,
+            &format!("{case}: the file served"),
+        );
+    }
 }
 
 /// An upgrade: `fusex restart` run by another fusex binary makes that binary the daemon, with

@@ -146,7 +146,7 @@ pub fn setup(
 ) -> Result<crate::lifecycle::Prepared> {
     let (fs, mnt, plan, uring, queues, _max_write, negotiated, watcher) = prepare(args, verbose)?;
     let mut settled =
-        crate::lifecycle::Settled::adopted(negotiated, argv, plan, queues, None, watcher);
+        crate::lifecycle::Settled::adopted(negotiated, argv, plan, queues, None, None, watcher);
     settled.announce = Some(format!(
         "mounted directory {} at {} ({}, {} queue{}, {}{})",
         args.image,

@@ -233,6 +233,8 @@ pub struct Settled {
     /// The passthrough backing id; dropping it (at the end of `mount`) closes the id, which
     /// [`Settled::disown`] leaves registered for a restart successor.
     passthrough: Option<transport::passthrough::Backing>,
+    /// The file the image path named when the export was opened (`restart::image_file`).
+    pub image_file: Option<(u64, u64)>,
     /// The `--auto-unmount` watcher's pipe; it must outlive the unmount at the end of `mount`
     /// (closing it early would make the watcher unmount a live export).
     pub watcher: Option<crate::watcher::Watcher>,
@@ -260,6 +262,7 @@ impl Settled {
         plan: MemoryPlan,
         queues: usize,
         passthrough: Option<transport::passthrough::Backing>,
+        image_file: Option<(u64, u64)>,
         watcher: Option<crate::watcher::Watcher>,
     ) -> Settled {
         Settled {
@@ -269,6 +272,7 @@ impl Settled {
             plan,
             queues,
             passthrough,
+            image_file,
             watcher,
         }
     }
@@ -346,6 +350,7 @@ pub fn handing(p: &Prepared, notify_socket: Option<String>) -> Result<Option<Han
         // Set by `fusex mount`'s side of the restart (`serve::hand_over`): a `fusex serve`
         // daemon hands its stderr over once, with its own state.
         log_stderr: false,
+        image_file: neg.image_file,
     };
     Ok(Some(Handing {
         state,
@@ -438,6 +443,8 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
         bail!("--transport uring is unavailable: {why}; or use --transport auto");
     }
     let (export, pt) = open_export(args, false)?;
+    // Right after the open, for a successor to check that the path still names this file.
+    let image_file = crate::restart::image_file(&args.image);
     let may_uring = args.transport != TransportArg::Legacy && uring_blocked.is_none();
     let mut threads = args
         .queues
@@ -556,6 +563,7 @@ pub fn setup(args: &MountArgs, argv: Vec<String>, verbose: u8) -> Result<Prepare
             threads
         },
         passthrough: backing,
+        image_file,
         watcher,
     };
     Ok(Prepared {

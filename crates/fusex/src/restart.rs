@@ -311,6 +311,23 @@ pub struct State {
     /// successor logs there too ([`crate::logging::stderr_to_hand_over`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub log_stderr: bool,
+    /// The file the image path named when the export was opened (device, inode): a successor
+    /// refuses a path that names another file now (one moved into its place), which would
+    /// serve other bytes than the ones applications wrote. Absent for what is not a file (an
+    /// NBD export, `null:`) and from daemons before it was sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_file: Option<(u64, u64)>,
+}
+
+/// The file `image` names (device, inode), following symlinks as opening it does; None for
+/// what names no file (an NBD URI, `null:SIZE`, a missing path) and for a directory (whose
+/// export hands its own tables over).
+pub fn image_file(image: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(image)
+        .ok()
+        .filter(|m| !m.is_dir())
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// A passthrough backing id as the restart state carries it.
@@ -544,6 +561,7 @@ mod tests {
             directory: false,
             backing: None,
             log_stderr: false,
+            image_file: None,
         }
     }
 
@@ -603,11 +621,36 @@ mod tests {
         let mut older = serde_json::to_value(Message::State(state())).unwrap();
         assert!(older.get("backing").is_none(), "{older}");
         assert!(older.get("log_stderr").is_none(), "{older}");
+        assert!(older.get("image_file").is_none(), "{older}");
         older["version"] = PLAIN_STATE_VERSION.into();
         let Message::State(read) = serde_json::from_value(older).unwrap() else {
             panic!("not a state");
         };
         assert_eq!(read.backing, None);
+    }
+
+    /// A file names its device and inode (a new file in its place, others); a directory, a
+    /// missing path, an NBD URI and `null:` name none.
+    #[test]
+    fn image_file_names_the_file_a_path_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.img");
+        std::fs::write(&a, b"a").unwrap();
+        let path = a.to_str().unwrap();
+        let first = image_file(path).expect("a file");
+        assert_eq!(image_file(path), Some(first));
+        let b = dir.path().join("b.img");
+        std::fs::write(&b, b"b").unwrap();
+        std::fs::rename(&b, &a).unwrap();
+        assert_ne!(image_file(path), Some(first), "another file in its place");
+        for none in [
+            dir.path().to_str().unwrap(),
+            dir.path().join("missing").to_str().unwrap(),
+            "nbd://localhost/export",
+            "null:1G",
+        ] {
+            assert_eq!(image_file(none), None, "{none}");
+        }
     }
 
     #[test]

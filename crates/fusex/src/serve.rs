@@ -593,6 +593,19 @@ impl Adoption {
                 if state.directory { "one" } else { "an image" }
             );
         }
+        if let (Some(was), Some(now)) = (state.image_file, crate::restart::image_file(&args.image))
+        {
+            if now != was {
+                bail!(
+                    "{} is another file now than the one the daemon serving {shown} opened \
+                     (device {}, inode {}; it was replaced or moved since): stop the export and \
+                     mount it again",
+                    args.image,
+                    was.0,
+                    was.1
+                );
+            }
+        }
         // A writable formatted image's tables (qcow2, VHD, ...) change while the old daemon
         // serves it: opened now, this process would cache stale ones. So it is only tried now
         // (read-only, no locks: can it be opened at all?) and opened for real once the old
@@ -704,7 +717,8 @@ impl Adoption {
                 fs.nodes(),
                 fs.open_files()
             );
-            let settled = Settled::adopted(negotiated, state.argv, plan, queues, None, watcher);
+            let settled =
+                Settled::adopted(negotiated, state.argv, plan, queues, None, None, watcher);
             return Ok(Prepared {
                 args,
                 export: lifecycle::Fs::Dir(fs),
@@ -752,7 +766,15 @@ impl Adoption {
             negotiated.minor,
             negotiated.max_write >> 10
         );
-        let settled = Settled::adopted(negotiated, state.argv, plan, queues, backing, watcher);
+        let settled = Settled::adopted(
+            negotiated,
+            state.argv,
+            plan,
+            queues,
+            backing,
+            state.image_file,
+            watcher,
+        );
         Ok(Prepared {
             args,
             export: lifecycle::Fs::Image(export),
