@@ -71,9 +71,10 @@ pub enum Command {
     ///
     /// A new daemon (this fusex binary, so also the way to upgrade) takes the live FUSE
     /// connection over while applications keep the file open. Returns once the new daemon
-    /// serves; on failure the old one keeps serving. Legacy /dev/fuse transport only (io_uring
-    /// and directory exports refuse). An NBD export's old daemon disconnects before the new one
-    /// connects, so the server must outlive its client (qemu-nbd --persistent).
+    /// serves; on failure (an image that cannot be reopened, or whose path names another file
+    /// now) the old one keeps serving. Legacy /dev/fuse transport only (io_uring exports
+    /// refuse). An NBD export's old daemon disconnects before the new one connects, so the
+    /// server must outlive its client (qemu-nbd --persistent).
     Restart {
         /// The mounted file.
         mountpoint: PathBuf,
