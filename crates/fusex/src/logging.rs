@@ -160,12 +160,11 @@ pub fn stderr_to_hand_over() -> Option<RawFd> {
 }
 
 /// In a restart successor: logs to `fd`, the predecessor's stderr, from now on (it takes
-/// stderr's place, so panics land there too). Returns the destination to report.
-pub fn adopt_stderr(fd: OwnedFd) -> Dest {
+/// stderr's place, so panics land there too).
+pub fn adopt_stderr(fd: OwnedFd) {
     // SAFETY: dup2 onto the standard error descriptor; `fd` is open for the call.
     unsafe { libc::dup2(fd.as_raw_fd(), 2) };
     STDERR_KEPT.store(true, Ordering::Relaxed);
-    Dest::Stderr
 }
 
 /// In a restart successor, before it detaches: its log goes to the predecessor's stderr if

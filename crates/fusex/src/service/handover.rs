@@ -112,6 +112,7 @@ impl Service {
         let mut nodes: Vec<&Node> = t.nodes.values().filter(|n| n.args.is_some()).collect();
         nodes.sort_by_key(|n| n.order);
         let nbd_sizes = t.nbd_sizes();
+        let log = crate::logging::stderr_to_hand_over();
         let credentials = t
             .objects
             .iter()
@@ -134,11 +135,11 @@ impl Service {
                 .clone(),
             nodes: nodes.iter().filter_map(|n| n.args.clone()).collect(),
             objects: t.objects.iter().map(|o| o.args.clone()).collect(),
-            log_stderr: crate::logging::stderr_to_hand_over().is_some(),
+            log_stderr: log.is_some(),
         };
         let io = |e: std::io::Error| format!("sending the state: {e}");
-        let log: Vec<_> = crate::logging::stderr_to_hand_over().into_iter().collect();
-        send(stream, &Message::Serve(state), &log).map_err(io)?;
+        let fds: Vec<_> = log.into_iter().collect();
+        send(stream, &Message::Serve(state), &fds).map_err(io)?;
         for (id, e) in &t.exports {
             let Some(h) = &e.handing else { continue };
             let own = t
