@@ -2,6 +2,7 @@
 //! become the `fusex mount` options they name and are checked by the same parser, so every
 //! option `fusex mount` takes works per export, with the same names, defaults and errors.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
@@ -79,29 +80,63 @@ pub fn mount_args(
     argv.push("--".into());
     argv.push(image.to_string());
     argv.push(mountpoint.to_string_lossy().into_owned());
-    let parsed = {
-        let mut parser = mount_parser().lock().unwrap_or_else(|p| p.into_inner());
-        parser
-            .try_get_matches_from_mut(&argv[1..])
-            .and_then(|m| <MountArgs as clap::FromArgMatches>::from_arg_matches(&m))
-    };
+    let mut parser = mount_parser().lock().unwrap_or_else(|p| p.into_inner());
+    // An empty image or mountpoint is the parser's to refuse, so only other paths use a parse
+    // of the same words.
+    let reusable = !image.is_empty() && !mountpoint.as_os_str().is_empty();
+    if let Some(seen) = parser.seen.get(words).filter(|_| reusable) {
+        let mut args = seen.clone();
+        args.image = image.to_string();
+        args.mountpoint = mountpoint.to_path_buf();
+        return Ok((args, argv));
+    }
+    let parsed = parser
+        .command
+        .try_get_matches_from_mut(&argv[1..])
+        .and_then(|m| <MountArgs as clap::FromArgMatches>::from_arg_matches(&m));
     match parsed {
-        Ok(args) => Ok((args, argv)),
+        Ok(args) => {
+            if reusable {
+                if parser.seen.len() >= SEEN_SETS {
+                    parser.seen.clear();
+                }
+                parser.seen.insert(words.to_vec(), args.clone());
+            }
+            Ok((args, argv))
+        }
         Err(e) => Err(crate::cli::one_line(&e, "fusex mount")),
     }
+}
+
+/// How many option sets [`MountParser::seen`] keeps (it starts again when full): a daemon's
+/// exports and nodes use a few sets over and over; a client that sends a new set each time
+/// costs a parse each time, as before, and no more memory than this.
+const SEEN_SETS: usize = 64;
+
+/// The `fusex mount` parser, and what option sets parsed to.
+struct MountParser {
+    command: clap::Command,
+    /// Words already parsed, and their options (image and mountpoint aside, which are plain
+    /// paths the parser only copies). A parse was a tenth of the CPU a daemon spends adding
+    /// and removing an export (`blockdev-add`'s probe and `block-export-add` each parse);
+    /// copying an earlier result costs next to nothing.
+    seen: HashMap<Vec<String>, MountArgs>,
 }
 
 /// The `fusex mount` parser alone, built once and reused for every export (parsing does not
 /// consume it): building the whole command line's parser (every subcommand) for each export a
 /// daemon adds was a tenth of the daemon's work per export, and cloning the built one half of
 /// what was left of the parse.
-fn mount_parser() -> &'static Mutex<clap::Command> {
-    static PARSER: OnceLock<Mutex<clap::Command>> = OnceLock::new();
+fn mount_parser() -> &'static Mutex<MountParser> {
+    static PARSER: OnceLock<Mutex<MountParser>> = OnceLock::new();
     PARSER.get_or_init(|| {
         let mount = clap::Command::new("mount").bin_name("fusex mount");
-        let mut mount = <MountArgs as clap::Args>::augment_args(mount);
-        mount.build();
-        Mutex::new(mount)
+        let mut command = <MountArgs as clap::Args>::augment_args(mount);
+        command.build();
+        Mutex::new(MountParser {
+            command,
+            seen: HashMap::new(),
+        })
     })
 }
 
@@ -155,5 +190,51 @@ mod tests {
         assert!(!again.writable);
         assert_eq!(args.transport, crate::cli::TransportArg::Legacy);
         assert_eq!(again.transport, crate::cli::TransportArg::Auto);
+    }
+
+    /// What a parse of `argv` gives with a parser of its own, nothing reused.
+    fn fresh(image: &str, mountpoint: &str, words: &[&str]) -> MountArgs {
+        let command = clap::Command::new("mount").bin_name("fusex mount");
+        let mut command = <MountArgs as clap::Args>::augment_args(command);
+        let argv = ["mount"]
+            .into_iter()
+            .chain(words.iter().copied())
+            .chain(["--", image, mountpoint]);
+        let m = command.try_get_matches_from_mut(argv).unwrap();
+        <MountArgs as clap::FromArgMatches>::from_arg_matches(&m).unwrap()
+    }
+
+    #[test]
+    fn words_parsed_before_give_what_a_fresh_parse_gives() {
+        let sets: [&[&str]; 4] = [
+            &[],
+            &["--writable", "--transport=legacy"],
+            &["--format=qcow2", "--no-backing", "--queues=2"],
+            &[
+                "--fault=read:1:eio",
+                "--fault=write:2:eio",
+                "--passthrough=off",
+            ],
+        ];
+        for words in sets {
+            let owned: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+            for (image, mountpoint) in [("/a.raw", "/m1"), ("-b.qcow2", "/x/m2"), ("null:1G", "m3")]
+            {
+                let (args, argv) = mount_args(image, Path::new(mountpoint), &owned).unwrap();
+                assert_eq!(
+                    format!("{args:?}"),
+                    format!("{:?}", fresh(image, mountpoint, words)),
+                    "{words:?} {image} {mountpoint}"
+                );
+                assert_eq!(&argv[argv.len() - 3..], ["--", image, mountpoint]);
+            }
+        }
+        // An empty mountpoint is still the parser's to refuse, whatever was seen before.
+        let e = mount_args("/a.raw", Path::new(""), &[]).unwrap_err();
+        assert!(!e.contains('\n'), "{e}");
+        // And errors are never remembered.
+        for _ in 0..2 {
+            assert!(mount_args("/i", Path::new("/m"), &["--queues=x".into()]).is_err());
+        }
     }
 }
