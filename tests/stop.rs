@@ -173,6 +173,47 @@ fn stop_serves_an_open_file_until_it_is_closed() {
     assert_eq!(&read_all(&img)[..16], b"after-the-signal");
 }
 
+/// A program that opens the export's path after a stop detached it (while another file keeps
+/// the daemon serving) reaches the mountpoint file fusex created, and may write to it. Those
+/// bytes are kept: the daemon removes the file it created only while it is still empty, and
+/// says why it kept it.
+#[test]
+fn stop_keeps_a_created_mountpoint_written_after_the_detach() {
+    if !require_fuse() {
+        return;
+    }
+    let (_w, img, m) = mounted_export("stop-written-under", &["--writable"]);
+    let mp = m.path().to_path_buf();
+    let holder = Holder::open(&mp, "held");
+    m.signal(libc::SIGTERM);
+    assert!(
+        m.wait_for_log(STILL_OPEN, Instant::now() + TIMEOUT),
+        "SIGTERM with a file open: the daemon did not say it serves it on; stderr:\n{}",
+        m.stderr()
+    );
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(&mp)),
+        "the export is still attached at its path after the stop signal"
+    );
+    fs::write(&mp, b"a program's bytes").expect("write to the path after the detach");
+    holder.close();
+    let st = m.wait_exit();
+    st.assert_clean("SIGTERM, a write at the detached path, then the last open file closed");
+    assert_eq!(
+        fs::read(&mp).expect("the mountpoint file someone wrote to must be kept"),
+        b"a program's bytes"
+    );
+    assert!(
+        st.stderr.contains("kept ") && st.stderr.contains("17 bytes were written"),
+        "the daemon says why it kept the file: {}",
+        st.stderr
+    );
+    assert!(
+        read_all(&img).iter().all(|b| *b == 0),
+        "the bytes at the path went to the file, not to the image"
+    );
+}
+
 /// A second stop signal aborts the files still open: the daemon answers what it took, exits 0 and
 /// says what the applications see; their next write fails.
 #[test]

@@ -332,7 +332,8 @@ pub struct MountArgs {
     // The text is `--help`'s, where `[:PORT]` is the usual optional part, not a link.
     #[allow(rustdoc::broken_intra_doc_links)]
     pub image: String,
-    /// Regular file to mount over (created if missing, removed again at exit if fusex created it);
+    /// Regular file to mount over (created if missing, removed again at exit if fusex created it
+    /// and it is still empty);
     /// a directory for a directory
     pub mountpoint: PathBuf,
 

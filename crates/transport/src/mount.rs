@@ -623,8 +623,13 @@ impl Mount {
         }
     }
 
-    /// Removes the mountpoint file if this mount created it and the path still shows that very
-    /// file (not a mount on top of it, not a file someone made anew).
+    /// Removes the mountpoint file if this mount created it, the path still shows that very
+    /// file (not a mount on top of it, not a file someone made anew) and it is still empty.
+    ///
+    /// fusex created it empty, and nothing could write to it while the export covered it; but a
+    /// stop with files still open detaches the export from the path first, and a program that
+    /// opens the path meanwhile writes to this file. Those bytes are the program's: the file is
+    /// kept, with a warning naming it.
     fn remove_created(&self) {
         let Some(made) = self.created else {
             return;
@@ -635,6 +640,19 @@ impl Mount {
                 tracing::debug!(
                     "{} is covered or replaced; not removing it",
                     self.mountpoint.display()
+                );
+                return;
+            }
+            Err(_) => return,
+        }
+        match std::fs::symlink_metadata(&self.mountpoint) {
+            Ok(m) if m.len() == 0 => {}
+            Ok(m) => {
+                tracing::warn!(
+                    "kept {}, the mountpoint file fusex created: {} bytes were written to it \
+                     after the export left the path (they are not in the image)",
+                    self.mountpoint.display(),
+                    m.len()
                 );
                 return;
             }
