@@ -713,6 +713,61 @@ fn daemonized_log_goes_to_the_log_file() {
     assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
 }
 
+/// Log rotation: logrotate renames the `--log-file` and sends SIGUSR2; the daemon opens a new
+/// file at the path and logs there, the renamed file keeping everything before (its last line
+/// says the log moves on). The export serves on throughout.
+#[test]
+fn sigusr2_reopens_the_log_file_after_rotation() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("lc-logrotate");
+    let img = w.join("disk.img");
+    let data = random_image(&img, MIB, 41);
+    let mp = w.join("export");
+    let log = w.join("fusex.log");
+    let rotated = w.join("fusex.log.1");
+    let (m, _) = Mount::start_daemonized(
+        &w,
+        &img,
+        &mp,
+        &w.join("fusex.pid"),
+        &["--log-file", log.to_str().unwrap()],
+    )
+    .unwrap_or_else(|f| panic!("daemonized mount failed: {}", f.stderr));
+    fs::rename(&log, &rotated).unwrap();
+    m.signal(libc::SIGUSR2);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || fs::read_to_string(&log)
+            .is_ok_and(|t| t.contains("reopened"))),
+        "no new log file after SIGUSR2; the old one says: {}",
+        fs::read_to_string(&rotated).unwrap_or_default()
+    );
+    assert_bytes_eq(&read_all(&mp), &data, 0, "after the log was reopened");
+    let st = m.stop();
+    st.assert_clean("daemonized, log rotated");
+    let old = fs::read_to_string(&rotated).unwrap();
+    let new = fs::read_to_string(&log).unwrap();
+    assert!(
+        old.contains("INFO mounted "),
+        "the start stays in the rotated file: {old}"
+    );
+    assert!(
+        old.trim_end().ends_with("SIGUSR2: reopening the log file"),
+        "the rotated file's last line says the log moved on: {old}"
+    );
+    assert!(
+        !new.contains("INFO mounted "),
+        "the new file starts at the reopen: {new}"
+    );
+    assert!(
+        new.contains("SIGTERM: unmounted") && new.contains("served "),
+        "the stop is logged in the new file: {new}"
+    );
+    let mode = fs::metadata(&log).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode & !0o640, 0, "created at most 0640: {mode:o}");
+}
+
 /// `fusex mount --log-format json`: every line is one JSON object, and every one names the
 /// export by its mountpoint (as `fusex list` shows it).
 #[test]

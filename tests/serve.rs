@@ -1613,6 +1613,45 @@ fn text_log_lines_name_the_export_they_are_about() {
     assert!(!quit.contains("export alpha"), "{quit}");
 }
 
+/// Log rotation of a `fusex serve` daemon: after the `--log-file` was renamed, SIGUSR2 makes the
+/// daemon log to a new file at the path; its exports serve on, and what happens to them next is
+/// in the new file.
+#[test]
+fn sigusr2_reopens_the_daemons_log_file() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("serve-logrotate");
+    let log = w.join("fusex.log");
+    let rotated = w.join("fusex.log.1");
+    let mut serve = Serve::start(w.path(), &["--log-file", log.to_str().unwrap()]);
+    let mut q = serve.qmp();
+    let a = w.join("alpha.mnt");
+    q.add_null_export("alpha", &a, json!({}));
+    fs::rename(&log, &rotated).unwrap();
+    // SAFETY: kill(2) on the daemon this test started.
+    assert_eq!(unsafe { libc::kill(serve.pid(), libc::SIGUSR2) }, 0);
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || fs::read_to_string(&log)
+            .is_ok_and(|t| t.contains("reopened"))),
+        "no new log file after SIGUSR2; the old one says: {}",
+        fs::read_to_string(&rotated).unwrap_or_default()
+    );
+    assert_eq!(fs::metadata(&a).unwrap().len(), 64 << 20, "alpha serves on");
+    q.remove_null_export("alpha", "safe");
+    q.ok("quit", json!({}));
+    assert_eq!(serve.wait(), Some(0));
+    let old = fs::read_to_string(&rotated).unwrap();
+    let new = fs::read_to_string(&log).unwrap();
+    assert!(old.contains("export alpha: mounted "), "{old}");
+    assert!(
+        old.trim_end().ends_with("SIGUSR2: reopening the log file"),
+        "the rotated file's last line says the log moved on: {old}"
+    );
+    assert!(new.contains("export alpha removed"), "{new}");
+    assert!(!new.contains("export alpha: mounted "), "{new}");
+}
+
 /// `--log-format json`: every line of the log is one JSON object, and the lines about one
 /// export (its mount, its removal, its end at quit) carry its id as `export`, never another's.
 #[test]

@@ -181,9 +181,30 @@ pub fn signal_name(s: i32) -> String {
 /// dead mount) does not happen.
 pub fn log_ignored(s: i32) {
     tracing::info!(
-        "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 writes statistics)",
+        "{}: ignored (SIGTERM, SIGINT or SIGHUP stop fusex; SIGUSR1 writes statistics; SIGUSR2 \
+         reopens a --log-file)",
         signal_name(s)
     );
+}
+
+/// SIGUSR2: the `--log-file` is opened again at its path, for log rotation (see
+/// [`crate::logging::reopen`]); without one the signal is only logged. One line goes to the
+/// old file before the switch, one to the new file after it, so either file says where the
+/// log went.
+pub fn reopen_log() {
+    use signal_hook::consts::SIGUSR2;
+    if crate::logging::log_file().is_none() {
+        log_ignored(SIGUSR2);
+        return;
+    }
+    tracing::info!("SIGUSR2: reopening the log file");
+    match crate::logging::reopen() {
+        Some(Ok(path)) => tracing::info!("SIGUSR2: log file {} reopened", path.display()),
+        Some(Err(e)) => {
+            tracing::warn!("SIGUSR2: cannot reopen the log file ({e:#}); logging on here")
+        }
+        None => log_ignored(SIGUSR2),
+    }
 }
 
 /// Whoever drives an export hears from its supervisor through this: readiness, the state `fusex

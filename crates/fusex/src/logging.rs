@@ -16,7 +16,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -45,8 +45,8 @@ static SYSLOG: OnceLock<Syslog> = OnceLock::new();
 pub enum Dest {
     /// stderr, as it is.
     Stderr,
-    /// `--log-file`: stderr is pointed at it.
-    File(File),
+    /// `--log-file` (opened, and its path made absolute for [`reopen`]): stderr is pointed at it.
+    File(File, PathBuf),
     /// Syslog over a datagram socket.
     Syslog(Syslog),
 }
@@ -77,7 +77,10 @@ pub fn choose_for(
         if args.log == Some(LogArg::Syslog) {
             bail!("--log-file and --log syslog exclude each other: give one of them");
         }
-        return open_file(p).map(Dest::File);
+        let f = open_file(p)?;
+        // Made absolute now: a reopen resolves it again whatever the working directory is.
+        let path = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        return Ok(Dest::File(f, path));
     }
     match args.log {
         Some(LogArg::Stderr) if args.daemonize && !stderr_is_a_file() => bail!(
@@ -146,6 +149,28 @@ pub fn open_file(path: &PathBuf) -> Result<File> {
     Ok(f)
 }
 
+/// The `--log-file` the log goes to, for [`reopen`]; None when it goes elsewhere.
+static LOG_FILE: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// The `--log-file` the log goes to (absolute), if it goes to one.
+pub fn log_file() -> Option<PathBuf> {
+    LOG_FILE.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Opens the `--log-file` again at its path and logs there from now on (SIGUSR2): log rotation
+/// (logrotate) renames the file and asks the daemon to start a new one; the daemon keeps
+/// writing to the renamed file until then. None when the log goes elsewhere (nothing to
+/// reopen); on an error the log stays where it was.
+pub fn reopen() -> Option<Result<PathBuf>> {
+    let path = log_file()?;
+    Some(open_file(&path).map(|f| {
+        // SAFETY: dup2 onto the standard error descriptor; `f` is open for the call and closed
+        // after it, fd 2 keeping the new file.
+        unsafe { libc::dup2(f.as_raw_fd(), 2) };
+        path
+    }))
+}
+
 /// Whether the log goes to stderr and stderr is a file: a restart successor is handed that
 /// descriptor and keeps logging there ([`stderr_to_hand_over`]).
 static STDERR_KEPT: AtomicBool = AtomicBool::new(false);
@@ -191,9 +216,10 @@ pub fn settle_successor(choose: impl FnOnce() -> Result<Dest>) -> Option<bool> {
 pub fn switch(dest: &Dest) {
     match dest {
         Dest::Stderr => STDERR_KEPT.store(stderr_is_a_file(), Ordering::Relaxed),
-        Dest::File(f) => {
+        Dest::File(f, path) => {
             // SAFETY: dup2 onto the standard error descriptor.
             unsafe { libc::dup2(f.as_raw_fd(), 2) };
+            *LOG_FILE.lock().unwrap_or_else(|p| p.into_inner()) = Some(path.clone());
         }
         Dest::Syslog(s) => {
             if let Ok(s) = s.try_clone() {

@@ -93,10 +93,11 @@ fn check_files(args: &MountArgs) -> Result<()> {
     Ok(())
 }
 
-/// SIGINT, SIGTERM, SIGHUP (stop), SIGUSR1 (statistics), and SIGUSR2 and SIGALRM (ignored, with a
-/// log line), caught from here on. SIGHUP is a stop because it is what closing the terminal of a
-/// foreground `fusex mount` sends; fusex has no configuration to reload. The default action of
-/// SIGUSR2 and SIGALRM would kill the daemon and leave a dead mount behind.
+/// SIGINT, SIGTERM, SIGHUP (stop), SIGUSR1 (statistics), SIGUSR2 (reopens a `--log-file`, else
+/// ignored) and SIGALRM (ignored, with a log line), caught from here on. SIGHUP is a stop
+/// because it is what closing the terminal of a foreground `fusex mount` sends; fusex has no
+/// configuration to reload. The default action of SIGUSR2 and SIGALRM would kill the daemon
+/// and leave a dead mount behind.
 fn install_signals() -> Result<signal_hook::iterator::Signals> {
     use signal_hook::consts::{SIGALRM, SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGALRM])
@@ -273,7 +274,11 @@ fn spawn_signal_thread(
             for s in signals.forever() {
                 let ev = match s {
                     SIGUSR1 => Event::Dump,
-                    SIGUSR2 | SIGALRM => {
+                    SIGUSR2 => {
+                        crate::lifecycle::reopen_log();
+                        continue;
+                    }
+                    SIGALRM => {
                         crate::lifecycle::log_ignored(s);
                         continue;
                     }

@@ -62,7 +62,11 @@ pub fn base(reloads: bool, verbose: u8) -> Result<Base> {
             for s in signals.forever() {
                 let c = match s {
                     SIGUSR1 => Control::Dump,
-                    SIGUSR2 | SIGALRM => {
+                    SIGUSR2 => {
+                        crate::lifecycle::reopen_log();
+                        continue;
+                    }
+                    SIGALRM => {
                         crate::lifecycle::log_ignored(s);
                         continue;
                     }
