@@ -88,6 +88,21 @@ fn mounted_export(tag: &str, args: &[&str]) -> (WorkDir, std::path::PathBuf, Mou
     (w, img, m)
 }
 
+/// SIGTERM while a file is open on the export: waits until the daemon says it serves the open
+/// files on and the export has left its path.
+fn stop_and_wait_for_the_detach(m: &Mount, mp: &Path) {
+    m.signal(libc::SIGTERM);
+    assert!(
+        m.wait_for_log(STILL_OPEN, Instant::now() + TIMEOUT),
+        "SIGTERM with a file open: the daemon did not say it serves it on; stderr:\n{}",
+        m.stderr()
+    );
+    assert!(
+        wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(mp)),
+        "the export is still attached at its path after the stop signal"
+    );
+}
+
 /// Closing the terminal of a foreground `fusex mount` sends SIGHUP: the daemon stops as on
 /// SIGTERM (unmounts, removes the mountpoint it created, exits 0) instead of dying with the mount
 /// left behind.
@@ -144,20 +159,11 @@ fn stop_serves_an_open_file_until_it_is_closed() {
     let (_w, img, m) = mounted_export("stop-held", &["--writable"]);
     let mp = m.path().to_path_buf();
     let mut holder = Holder::open(&mp, "after-the-signal");
-    m.signal(libc::SIGTERM);
-    assert!(
-        m.wait_for_log(STILL_OPEN, Instant::now() + TIMEOUT),
-        "SIGTERM with a file open: the daemon did not say it serves it on; stderr:\n{}",
-        m.stderr()
-    );
+    stop_and_wait_for_the_detach(&m, &mp);
     assert!(
         m.stderr().contains("1 file is still open"),
         "the log names how many files are open: {}",
         m.stderr()
-    );
-    assert!(
-        wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(&mp)),
-        "the export is still attached at its path after the stop signal"
     );
     assert!(holder.write(), "a write after the stop signal failed");
     assert!(
@@ -185,16 +191,7 @@ fn stop_keeps_a_created_mountpoint_written_after_the_detach() {
     let (_w, img, m) = mounted_export("stop-written-under", &["--writable"]);
     let mp = m.path().to_path_buf();
     let holder = Holder::open(&mp, "held");
-    m.signal(libc::SIGTERM);
-    assert!(
-        m.wait_for_log(STILL_OPEN, Instant::now() + TIMEOUT),
-        "SIGTERM with a file open: the daemon did not say it serves it on; stderr:\n{}",
-        m.stderr()
-    );
-    assert!(
-        wait_until(Instant::now() + TIMEOUT, || !is_fuse_mounted(&mp)),
-        "the export is still attached at its path after the stop signal"
-    );
+    stop_and_wait_for_the_detach(&m, &mp);
     fs::write(&mp, b"a program's bytes").expect("write to the path after the detach");
     holder.close();
     let st = m.wait_exit();
