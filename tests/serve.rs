@@ -1652,6 +1652,36 @@ fn sigusr2_reopens_the_daemons_log_file() {
     assert!(!new.contains("export alpha: mounted "), "{new}");
 }
 
+/// Log rotation signals every process named fusex (`pkill -USR2 -x fusex`): one that has no log
+/// file to reopen, here a `fusex ctl` waiting for its daemon's greeting, ignores it and goes on.
+#[test]
+fn the_log_rotation_signal_spares_a_fusex_ctl() {
+    let w = WorkDir::new("serve-usr2-ctl");
+    let sock = w.join("quiet.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let ctl = Command::new(fusex_bin())
+        .args(["ctl", "--control", sock.to_str().unwrap(), "list"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ctl = ChildGuard(ctl);
+    // Connected, and waiting for a greeting that does not come yet.
+    let (conn, _) = listener.accept().unwrap();
+    let pid = ctl.0.id() as i32;
+    // SAFETY: kill(2) on the child this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGUSR2) }, 0);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(pid_alive(pid), "SIGUSR2 ended fusex ctl");
+    drop(conn);
+    let out = ctl.0.wait().unwrap();
+    assert_eq!(
+        out.code(),
+        Some(1),
+        "fusex ctl ends with its own error once the daemon hangs up, not by the signal: {out:?}"
+    );
+}
+
 /// `--log-format json`: every line of the log is one JSON object, and the lines about one
 /// export (its mount, its removal, its end at quit) carry its id as `export`, never another's.
 #[test]

@@ -152,6 +152,15 @@ pub fn open_file(path: &PathBuf) -> Result<File> {
 /// The `--log-file` the log goes to, for [`reopen`]; None when it goes elsewhere.
 static LOG_FILE: Mutex<Option<PathBuf>> = Mutex::new(None);
 
+/// Ignores SIGUSR2, first thing in every fusex process: log rotation sends it to every process
+/// named fusex (`contrib/fusex.logrotate`), and its default action would end those with no log
+/// file to reopen (`fusex top`, `fusex ctl`, a `fusex restart` that does not serve yet). A
+/// daemon replaces this with its handler ([`reopen`]).
+pub fn ignore_rotation_signal() {
+    // SAFETY: sets one signal's disposition to "ignore"; no handler code is involved.
+    unsafe { libc::signal(libc::SIGUSR2, libc::SIG_IGN) };
+}
+
 /// The `--log-file` the log goes to (absolute), if it goes to one.
 pub fn log_file() -> Option<PathBuf> {
     LOG_FILE.lock().unwrap_or_else(|p| p.into_inner()).clone()

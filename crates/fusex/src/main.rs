@@ -61,6 +61,7 @@ fn detach(
 }
 
 fn main() {
+    logging::ignore_rotation_signal();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
