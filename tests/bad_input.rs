@@ -162,6 +162,36 @@ fn writable_on_read_only_bind_mount() {
         .assert_clean("read-only export from a read-only filesystem");
 }
 
+/// A directory export mounted below its own source would contain itself: its queue threads
+/// would wait on their own requests (a `find` hung the export for good). Refused in one line;
+/// mounting over the source itself still works.
+#[test]
+fn directory_export_inside_its_own_source() {
+    if !require_fuse() {
+        return;
+    }
+    let w = WorkDir::new("bad-dir-inside");
+    let src = w.join("src");
+    fs::create_dir_all(src.join("inner")).unwrap();
+    fs::write(src.join("file"), b"source bytes").unwrap();
+    let r = expect_rejected(
+        &w,
+        "mountpoint inside the source",
+        &[],
+        src.as_os_str(),
+        &src.join("inner"),
+    );
+    assert!(r.stderr.contains("lies inside SRC_DIR"), "{}", r.stderr);
+    let m = Mount::start(&w, &src, &src, &[]);
+    assert_eq!(fs::read(src.join("file")).unwrap(), b"source bytes");
+    assert!(
+        fs::read_dir(src.join("inner")).unwrap().next().is_none(),
+        "the export over its own source lists the source's empty directory"
+    );
+    m.stop()
+        .assert_clean("a directory export over its own source");
+}
+
 #[test]
 fn mountpoint_is_a_directory() {
     if !require_fuse() {

@@ -3,6 +3,7 @@
 //! an image's ([`crate::lifecycle::Fs::Dir`]): the same supervisor, queues, stop and `fusex
 //! restart` (whose successor takes the node and handle tables over, [`take_over`]).
 
+use std::path::Path;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -183,9 +184,40 @@ fn access(writable: bool) -> &'static str {
     }
 }
 
+/// Refuses a mountpoint below the source directory. The export would contain itself: a lookup
+/// of the mountpoint's name reaches the export's own root, and a queue thread listing it waits
+/// for a reply only it can give (seen: `find` on such an export hung its queue for good, and
+/// the stop with it). A mountpoint that is the source itself is fine (the daemon holds the
+/// directory under the mount), as is a source below the mountpoint.
+fn check_mountpoint_outside(source: &Path, mountpoint: &Path) -> Result<()> {
+    let Ok(src) = source.canonicalize() else {
+        return Ok(()); // The source's own open says what is wrong with it.
+    };
+    // The mountpoint's parent resolved, its name as given: nothing is asked of whatever is
+    // mounted there now (a wedged export would not answer).
+    let parent = match mountpoint.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let (Ok(parent), Some(name)) = (parent.canonicalize(), mountpoint.file_name()) else {
+        return Ok(()); // The mount says what is wrong with it.
+    };
+    let mp = parent.join(name);
+    if mp != src && mp.starts_with(&src) {
+        bail!(
+            "MOUNTPOINT {} lies inside SRC_DIR {}: the export would contain itself and wait on \
+             its own requests; mount it outside the source tree (or over SRC_DIR itself)",
+            mp.display(),
+            src.display()
+        );
+    }
+    Ok(())
+}
+
 /// Opens the source, mounts and negotiates INIT.
 fn prepare(args: &MountArgs, verbose: u8) -> Result<Prepared> {
     check_args(args)?;
+    check_mountpoint_outside(Path::new(&args.image), &args.mountpoint)?;
     let cfg = config(args);
     let cache = args.cache.unwrap_or(CacheArg::Auto);
     let fs = Arc::new(
@@ -492,5 +524,28 @@ mod tests {
             "--format=auto",
         ]))
         .unwrap();
+    }
+
+    #[test]
+    fn a_mountpoint_inside_the_source_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        std::fs::create_dir_all(src.join("sub/deeper")).unwrap();
+        std::fs::create_dir(d.path().join("src2")).unwrap();
+        for inside in ["src/sub", "src/sub/deeper", "src/not-yet"] {
+            let e = check_mountpoint_outside(&src, &d.path().join(inside))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("lies inside SRC_DIR"), "{inside}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+        // Through a relative path with `..` in it, too.
+        let twisted = src.join("sub/../sub/deeper");
+        assert!(check_mountpoint_outside(&src, &twisted).is_err());
+        // The source itself, a sibling sharing its name's start, and a parent are fine.
+        for fine in ["src", "src2", "."] {
+            check_mountpoint_outside(&src, &d.path().join(fine)).unwrap();
+        }
+        check_mountpoint_outside(&src.join("sub"), &src).unwrap();
     }
 }
