@@ -242,6 +242,72 @@ fn directory_exports_beside_an_image_export() {
 
 /// Image-only options on a directory export are refused in one line (over QMP, in the config
 /// file, and by `fusex mount`), and nothing is mounted.
+/// Every export of a daemon runs on the same worker threads, so a directory export that reaches
+/// another export's mount through its source would wait on its own threads (`ls -l` hung them
+/// for good). Refused either way round, in one error naming the other export; the daemon and
+/// the export already there serve on, and an export mounted beside the source is fine.
+#[test]
+fn exports_nested_in_a_directory_exports_source_are_refused() {
+    if !require_fuse() {
+        return;
+    }
+    let t = transport();
+    let w = WorkDir::new("serve-dir-nested");
+    let src = w.join("src");
+    fs::create_dir(&src).unwrap();
+    fs::write(src.join("old"), b"old bytes").unwrap();
+    let view = w.join("view");
+    fs::create_dir(&view).unwrap();
+    let serve = Serve::start(w.path(), &[]);
+    let mut q = serve.qmp();
+    let dir_export = |id: &str| {
+        json!({"type": "__org.fusex_dir", "id": id, "source": src, "mountpoint": view,
+               "__org.fusex_transport": t})
+    };
+    // An image export inside the source first, then the directory export.
+    q.add_null_export(
+        "img",
+        &src.join("img.mnt"),
+        json!({"__org.fusex_transport": t}),
+    );
+    let e = q.err("block-export-add", dir_export("d"));
+    assert!(
+        e.contains("holds the mountpoint") && e.contains("export 'img'"),
+        "{e}"
+    );
+    assert!(
+        !is_fuse_mounted(&view),
+        "nothing mounted for the refused export"
+    );
+    q.remove_null_export("img", "safe");
+    // The directory export first, then an image export inside its source.
+    q.ok("block-export-add", dir_export("d"));
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "null-co", "node-name": "n-late", "size": 1 << 20}),
+    );
+    fs::write(src.join("late.mnt"), b"").unwrap();
+    let e = q.err(
+        "block-export-add",
+        json!({"type": "fuse", "id": "late", "node-name": "n-late",
+               "mountpoint": src.join("late.mnt"), "__org.fusex_transport": t}),
+    );
+    assert!(
+        e.contains("lies inside") && e.contains("directory export 'd'"),
+        "{e}"
+    );
+    // Beside the source is fine, and the directory export serves on.
+    fs::write(w.join("beside.mnt"), b"").unwrap();
+    q.ok(
+        "block-export-add",
+        json!({"type": "fuse", "id": "late", "node-name": "n-late",
+               "mountpoint": w.join("beside.mnt"), "__org.fusex_transport": t}),
+    );
+    assert_eq!(fs::read(view.join("old")).unwrap(), b"old bytes");
+    assert!(fs::read_dir(&view).unwrap().count() >= 2);
+    q.ok("quit", json!({}));
+}
+
 #[test]
 fn image_options_on_directories_are_refused() {
     if !require_fuse() {

@@ -193,17 +193,10 @@ fn check_mountpoint_outside(source: &Path, mountpoint: &Path) -> Result<()> {
     let Ok(src) = source.canonicalize() else {
         return Ok(()); // The source's own open says what is wrong with it.
     };
-    // The mountpoint's parent resolved, its name as given: nothing is asked of whatever is
-    // mounted there now (a wedged export would not answer).
-    let parent = match mountpoint.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let (Ok(parent), Some(name)) = (parent.canonicalize(), mountpoint.file_name()) else {
+    let Some(mp) = canonical_mountpoint(mountpoint) else {
         return Ok(()); // The mount says what is wrong with it.
     };
-    let mp = parent.join(name);
-    if mp != src && mp.starts_with(&src) {
+    if below(&mp, &src) {
         bail!(
             "MOUNTPOINT {} lies inside SRC_DIR {}: the export would contain itself and wait on \
              its own requests; mount it outside the source tree (or over SRC_DIR itself)",
@@ -212,6 +205,22 @@ fn check_mountpoint_outside(source: &Path, mountpoint: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The mountpoint's parent resolved and its name as given: nothing is asked of whatever is
+/// mounted there now (a wedged export would not answer). None when that cannot be made (the
+/// mount then says what is wrong).
+pub(crate) fn canonical_mountpoint(mountpoint: &Path) -> Option<std::path::PathBuf> {
+    let parent = match mountpoint.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    Some(parent.canonicalize().ok()?.join(mountpoint.file_name()?))
+}
+
+/// Whether `path` lies strictly below the directory `dir` (both canonical).
+pub(crate) fn below(path: &Path, dir: &Path) -> bool {
+    path != dir && path.starts_with(dir)
 }
 
 /// Opens the source, mounts and negotiates INIT.

@@ -76,6 +76,9 @@ struct Entry {
     node: String,
     /// A directory export's source directory.
     source: Option<String>,
+    /// Its mountpoint and a directory export's source, canonical, for
+    /// [`Table::check_nesting`] (None for an export a `fusex restart` successor took over).
+    paths: Option<(PathBuf, Option<PathBuf>)>,
     /// The supervisor's events (None while the export starts).
     tx: Option<ExportTx>,
     shutting_down: bool,
@@ -99,6 +102,7 @@ impl Entry {
             serial,
             node,
             source,
+            paths: None,
             tx: None,
             shutting_down: false,
             state: crate::runtime::ExportState {
@@ -166,6 +170,42 @@ impl Table {
             Some(id) => Err(objects::iothread_not_found(id)),
             None => Ok(()),
         }
+    }
+
+    /// Refuses an export mounted below a directory export's source, and a directory export
+    /// whose source holds another export's mountpoint (`paths`: the new export's mountpoint
+    /// and source, canonical). Every export of the daemon runs on the same worker threads: a
+    /// directory export that reaches another's mount through its source asks that export from
+    /// a queue thread, and waits forever when the request lands on that very thread's ring
+    /// (seen: `ls -l` of the directory export hung its thread, and every export on it).
+    fn check_nesting(&self, paths: &Option<(PathBuf, Option<PathBuf>)>) -> Result<(), QmpError> {
+        let Some((mp, src)) = paths else {
+            return Ok(());
+        };
+        for (id, e) in &self.exports {
+            let Some((their_mp, their_src)) = &e.paths else {
+                continue;
+            };
+            if let Some(their_src) = their_src.as_ref().filter(|s| crate::dirmode::below(mp, s)) {
+                return Err(QmpError::generic(format!(
+                    "mountpoint {} lies inside {}, the source of directory export '{id}', which \
+                     would reach this export through the threads that serve it: mount it outside \
+                     that tree",
+                    mp.display(),
+                    their_src.display()
+                )));
+            }
+            if let Some(src) = src.as_ref().filter(|s| crate::dirmode::below(their_mp, s)) {
+                return Err(QmpError::generic(format!(
+                    "source {} holds the mountpoint {} of export '{id}', which this directory \
+                     export would reach through the threads that serve it: export a tree \
+                     without it",
+                    src.display(),
+                    their_mp.display()
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -792,6 +832,15 @@ impl Service {
         iothreads: Vec<String>,
     ) -> Result<(), QmpError> {
         let _in = crate::logging::export_span(&id).entered();
+        // Only a directory export has no node.
+        let source = node.is_empty().then(|| margs.image.clone());
+        // Resolved before the table is locked: resolving may wait on a slow filesystem.
+        let paths = crate::dirmode::canonical_mountpoint(&margs.mountpoint).map(|mp| {
+            let src = source
+                .as_ref()
+                .and_then(|s| std::path::Path::new(s).canonicalize().ok());
+            (mp, src)
+        });
         let mut t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
@@ -802,11 +851,11 @@ impl Service {
             return Err(id_in_use(&id));
         }
         t.check_iothreads(&iothreads)?;
+        t.check_nesting(&paths)?;
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
-        // Only a directory export has no node.
-        let source = node.is_empty().then(|| margs.image.clone());
         let mut entry = Entry::starting(serial, node, source, config);
         entry.iothreads = iothreads;
+        entry.paths = paths;
         t.exports.insert(id.clone(), entry);
         drop(t);
         // Mounting takes a while (an NBD server may be slow to answer): other commands run
