@@ -626,7 +626,22 @@ fn a_serve_daemon_hands_its_directory_export_over() {
     }
     // Every handle the old daemon opened is released in the new one.
     drop((held, held_dir, g));
-    let ids = Qmp::connect(&serve.socket).ok("query-block-exports", json!({}));
+    // The new daemon knows the directory export's source: an export inside it is refused.
+    let mut q = Qmp::connect(&serve.socket);
+    q.ok(
+        "blockdev-add",
+        json!({"driver": "null-co", "node-name": "n-inside", "size": 1 << 20}),
+    );
+    fs::write(src.join("inside.mnt"), b"").unwrap();
+    let e = q.err(
+        "block-export-add",
+        json!({"type": "fuse", "id": "inside", "node-name": "n-inside",
+               "mountpoint": src.join("inside.mnt")}),
+    );
+    assert!(e.contains("directory export 'd'"), "{e}");
+    q.ok("blockdev-del", json!({"node-name": "n-inside"}));
+    fs::remove_file(src.join("inside.mnt")).unwrap();
+    let ids = q.ok("query-block-exports", json!({}));
     assert_eq!(ids.as_array().unwrap().len(), 2, "{ids}");
     let list = run(Command::new(fusex_bin()).args(["list", "--json"]));
     let list: Value = serde_json::from_slice(&list.stdout).unwrap();

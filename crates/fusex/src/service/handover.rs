@@ -227,12 +227,22 @@ impl Service {
         prepared: lifecycle::Prepared,
     ) -> Result<(), String> {
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        // What exports added later are checked against (`Table::check_nesting`).
+        let source = matches!(prepared.export, lifecycle::Fs::Dir(_))
+            .then(|| {
+                std::path::Path::new(&prepared.args.image)
+                    .canonicalize()
+                    .ok()
+            })
+            .flatten();
+        let paths = Some((prepared.mnt.mountpoint().to_path_buf(), source));
         {
             let mut t = self.table();
             if let Some(n) = node {
                 t.nodes.insert(n.name.clone(), n);
             }
             let mut entry = Entry::starting(serial, node_name.to_string(), None, config);
+            entry.paths = paths;
             // Kept only if the IOThread came across: a predecessor that did not send its
             // objects leaves none to name.
             entry.iothreads = iothreads

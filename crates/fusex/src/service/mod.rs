@@ -77,7 +77,7 @@ struct Entry {
     /// A directory export's source directory.
     source: Option<String>,
     /// Its mountpoint and a directory export's source, canonical, for
-    /// [`Table::check_nesting`] (None for an export a `fusex restart` successor took over).
+    /// [`Table::check_nesting`] (None when the mountpoint could not be resolved).
     paths: Option<(PathBuf, Option<PathBuf>)>,
     /// The supervisor's events (None while the export starts).
     tx: Option<ExportTx>,
