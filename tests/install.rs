@@ -572,7 +572,7 @@ fn installed_man_pages_render_cleanly_and_name_only_installed_pages() {
     ] {
         assert!(!mount.contains(hidden), "fusex-mount(1) shows {hidden}");
     }
-    for signal in ["SIGUSR1", "SIGUSR2, SIGALRM", "SIGTERM, SIGINT, SIGHUP"] {
+    for signal in ["SIGUSR1", "SIGUSR2", "SIGALRM", "SIGTERM, SIGINT, SIGHUP"] {
         assert!(mount.contains(signal), "fusex-mount(1) lacks {signal}");
     }
     for example in [
