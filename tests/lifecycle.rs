@@ -760,8 +760,9 @@ fn sigusr2_reopens_the_log_file_after_rotation() {
         !new.contains("INFO mounted "),
         "the new file starts at the reopen: {new}"
     );
+    // (Either stop line: the RELEASE of the read above may still be on its way at SIGTERM.)
     assert!(
-        new.contains("SIGTERM: unmounted") && new.contains("served "),
+        new.contains("SIGTERM: ") && new.contains("served "),
         "the stop is logged in the new file: {new}"
     );
     let mode = fs::metadata(&log).unwrap().permissions().mode() & 0o777;
