@@ -193,7 +193,7 @@ fn check_mountpoint_outside(source: &Path, mountpoint: &Path) -> Result<()> {
     let Ok(src) = source.canonicalize() else {
         return Ok(()); // The source's own open says what is wrong with it.
     };
-    let Some(mp) = canonical_mountpoint(mountpoint) else {
+    let Ok(mp) = transport::canonical_mountpoint(mountpoint) else {
         return Ok(()); // The mount says what is wrong with it.
     };
     if below(&mp, &src) {
@@ -205,17 +205,6 @@ fn check_mountpoint_outside(source: &Path, mountpoint: &Path) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The mountpoint's parent resolved and its name as given: nothing is asked of whatever is
-/// mounted there now (a wedged export would not answer). None when that cannot be made (the
-/// mount then says what is wrong).
-pub(crate) fn canonical_mountpoint(mountpoint: &Path) -> Option<std::path::PathBuf> {
-    let parent = match mountpoint.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    Some(parent.canonicalize().ok()?.join(mountpoint.file_name()?))
 }
 
 /// Whether `path` lies strictly below the directory `dir` (both canonical).

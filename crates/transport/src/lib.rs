@@ -19,7 +19,10 @@ mod uring;
 pub use identity::unmount_if_same;
 pub use init::{negotiate_init, negotiate_init_passthrough, InitParams, Negotiated};
 pub use legacy::{Layout, LegacyQueue, ReadOutcome};
-pub use mount::{clone_fd, open_dev_fuse, unmount, BeforeVisible, Handover, Mount, MountConfig};
+pub use mount::{
+    canonical_mountpoint, clone_fd, open_dev_fuse, unmount, BeforeVisible, Handover, Mount,
+    MountConfig,
+};
 pub use mountinfo::{fuse_mount_at, fusex_mounts, MountEntry, MountIdentity, FUSEX_FSTYPE};
 pub use notify::notify_inval_inode;
 pub use splice::{SplicePipe, Spliced};

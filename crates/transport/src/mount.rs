@@ -123,8 +123,10 @@ pub fn clone_fd(fd: RawFd) -> Result<OwnedFd, TransportError> {
     Ok(new)
 }
 
-/// Canonical form of a path whose last component may not exist yet.
-fn canonical(path: &Path) -> Result<PathBuf, TransportError> {
+/// Canonical form of a mountpoint whose last component may not exist yet: its parent resolved
+/// and its name as given, so nothing is asked of whatever is mounted there now (a wedged export
+/// would not answer).
+pub fn canonical_mountpoint(path: &Path) -> Result<PathBuf, TransportError> {
     let shown = path.display().to_string();
     let name = path
         .file_name()
@@ -201,7 +203,7 @@ impl Mount {
     /// Checks the mountpoint: canonical, and not already a FUSE mount.
     fn unmounted(cfg: &MountConfig) -> Result<Mount, TransportError> {
         let shown = cfg.mountpoint.display().to_string();
-        let mountpoint = canonical(&cfg.mountpoint)?;
+        let mountpoint = canonical_mountpoint(&cfg.mountpoint)?;
         // Only a mount root can be a FUSE mount; a fresh mountpoint is not one, and needs no
         // read of mountinfo (a line per mount of the namespace).
         if crate::mountinfo::is_mount_root(&mountpoint) && fuse_mount_at(&mountpoint).is_some() {
@@ -698,7 +700,7 @@ fn unmount_path(path: &Path, flags: i32) -> Result<(), TransportError> {
 /// mount is detached lazily, so the daemon sees the device go away once the last file closes.
 pub fn unmount(path: &Path, force: bool) -> Result<(), TransportError> {
     let shown = path.display().to_string();
-    let canon = canonical(path)?;
+    let canon = canonical_mountpoint(path)?;
     let Some(entry) = fuse_mount_at(&canon) else {
         return Err(TransportError::NotMounted(shown));
     };

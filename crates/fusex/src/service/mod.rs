@@ -835,12 +835,14 @@ impl Service {
         // Only a directory export has no node.
         let source = node.is_empty().then(|| margs.image.clone());
         // Resolved before the table is locked: resolving may wait on a slow filesystem.
-        let paths = crate::dirmode::canonical_mountpoint(&margs.mountpoint).map(|mp| {
-            let src = source
-                .as_ref()
-                .and_then(|s| std::path::Path::new(s).canonicalize().ok());
-            (mp, src)
-        });
+        let paths = transport::canonical_mountpoint(&margs.mountpoint)
+            .ok()
+            .map(|mp| {
+                let src = source
+                    .as_ref()
+                    .and_then(|s| std::path::Path::new(s).canonicalize().ok());
+                (mp, src)
+            });
         let mut t = self.table();
         if t.quitting {
             return Err(QmpError::generic("fusex is shutting down"));
