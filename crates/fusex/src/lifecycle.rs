@@ -192,18 +192,14 @@ pub fn log_ignored(s: i32) {
 /// old file before the switch, one to the new file after it, so either file says where the
 /// log went.
 pub fn reopen_log() {
-    use signal_hook::consts::SIGUSR2;
-    if crate::logging::log_file().is_none() {
-        log_ignored(SIGUSR2);
+    let Some(path) = crate::logging::log_file() else {
+        log_ignored(signal_hook::consts::SIGUSR2);
         return;
-    }
+    };
     tracing::info!("SIGUSR2: reopening the log file");
-    match crate::logging::reopen() {
-        Some(Ok(path)) => tracing::info!("SIGUSR2: log file {} reopened", path.display()),
-        Some(Err(e)) => {
-            tracing::warn!("SIGUSR2: cannot reopen the log file ({e:#}); logging on here")
-        }
-        None => log_ignored(SIGUSR2),
+    match crate::logging::reopen(&path) {
+        Ok(()) => tracing::info!("SIGUSR2: log file {} reopened", path.display()),
+        Err(e) => tracing::warn!("SIGUSR2: cannot reopen the log file ({e:#}); logging on here"),
     }
 }
 

@@ -166,18 +166,15 @@ pub fn log_file() -> Option<PathBuf> {
     LOG_FILE.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
-/// Opens the `--log-file` again at its path and logs there from now on (SIGUSR2): log rotation
-/// (logrotate) renames the file and asks the daemon to start a new one; the daemon keeps
-/// writing to the renamed file until then. None when the log goes elsewhere (nothing to
-/// reopen); on an error the log stays where it was.
-pub fn reopen() -> Option<Result<PathBuf>> {
-    let path = log_file()?;
-    Some(open_file(&path).map(|f| {
-        // SAFETY: dup2 onto the standard error descriptor; `f` is open for the call and closed
-        // after it, fd 2 keeping the new file.
-        unsafe { libc::dup2(f.as_raw_fd(), 2) };
-        path
-    }))
+/// Opens the `--log-file` `path` ([`log_file`]) again and logs there from now on (SIGUSR2):
+/// log rotation (logrotate) renames the file and asks the daemon to start a new one; the daemon
+/// keeps writing to the renamed file until then. On an error the log stays where it was.
+pub fn reopen(path: &PathBuf) -> Result<()> {
+    let f = open_file(path)?;
+    // SAFETY: dup2 onto the standard error descriptor; `f` is open for the call and closed
+    // after it, fd 2 keeping the new file.
+    unsafe { libc::dup2(f.as_raw_fd(), 2) };
+    Ok(())
 }
 
 /// Whether the log goes to stderr and stderr is a file: a restart successor is handed that
